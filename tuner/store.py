@@ -1,0 +1,487 @@
+"""Results store: SQLite (default) or any SQLAlchemy URL, schema owned by Alembic.
+
+Tables (a public interface — users write SQL against them):
+
+* ``drops`` — one row per config drop version (its YAML text and identity).
+* ``profile_runs`` — one row per profile pass (one dummy forward over
+  ``max_num_batched_tokens`` tokens), with full provenance; ``pass_sha256`` is the memo key.
+* ``candidates`` — one row per grid point ``gpu_memory_utilization`` × ``max_model_len``.
+* ``proposals`` — the recommended settings for a drop.
+
+Conventions: byte columns are integers (BigInteger) and end in ``_bytes``; times are UTC
+ISO-8601 text, ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (fixed width, so text order is time order);
+``elapsed_s`` is seconds as a float.
+
+SQLite connections run with ``journal_mode=WAL``, ``synchronous=FULL``, ``foreign_keys=ON`` and a
+``busy_timeout``; write transactions start with ``BEGIN IMMEDIATE`` so two writers queue on the
+busy timeout instead of failing half-way. Readers use a deferred ``BEGIN`` and never block a writer.
+
+No torch here: the daemon's main process imports this module.
+"""
+
+from __future__ import annotations
+
+import numbers
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from tuner.errors import StoreError
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+__all__ = [
+    "DEFAULT_PATH",
+    "Store",
+    "alembic_config",
+    "make_engine",
+    "metadata",
+    "open_store",
+    "utc_text",
+]
+
+DEFAULT_PATH = "var/ctx-tuner.sqlite"
+#: Alembic script directory, in package-resource form (``package:path``). The directory
+#: ``migrations/`` is installed as the package ``tuner.migrations``, so it is addressed as that
+#: package's own root; ``"tuner:migrations"`` would miss it under an editable install.
+SCRIPT_LOCATION = "tuner.migrations:."
+
+# ---------------------------------------------------------------------------------------------
+# Schema (mirrors migrations/versions/0001_initial.py; tests check the two agree).
+# ---------------------------------------------------------------------------------------------
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+_TS = sa.String(32)  # utc_text() output: 27 characters
+
+
+def _bytes(name: str, nullable: bool = True) -> sa.Column:
+    return sa.Column(name, sa.BigInteger, nullable=nullable)
+
+
+drops_table = sa.Table(
+    "drops",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("path", sa.Text, nullable=True),
+    sa.Column("content_sha256", sa.String(64), nullable=False, index=True),
+    sa.Column("content", sa.Text, nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("device_name", sa.Text, nullable=False),
+    sa.Column("engine_version", sa.Text, nullable=False),
+    sa.Column("method", sa.Text, nullable=False),
+    sa.Column("created_at", _TS, nullable=False),
+    sa.Column("retired_at", _TS, nullable=True),
+)
+
+profile_runs_table = sa.Table(
+    "profile_runs",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=False, index=True),
+    sa.Column("pass_sha256", sa.String(64), nullable=False, index=True),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("method", sa.Text, nullable=False),
+    sa.Column("engine_version", sa.Text, nullable=False),
+    sa.Column("era", sa.Text, nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("model_config_sha256", sa.String(64), nullable=True),
+    sa.Column("architecture", sa.Text, nullable=True),
+    sa.Column("plugin", sa.Text, nullable=True),
+    sa.Column("device_name", sa.Text, nullable=False),
+    _bytes("device_total_memory_bytes"),
+    sa.Column("dtype", sa.Text, nullable=False),
+    sa.Column("kv_cache_dtype", sa.Text, nullable=False),
+    sa.Column("tensor_parallel_size", sa.Integer, nullable=False),
+    sa.Column("pipeline_parallel_size", sa.Integer, nullable=False),
+    sa.Column("max_num_batched_tokens", sa.Integer, nullable=False),
+    sa.Column("max_num_seqs", sa.Integer, nullable=False),
+    sa.Column("num_sampled_rows", sa.Integer, nullable=True),
+    _bytes("weights_bytes"),
+    _bytes("activation_peak_bytes"),
+    _bytes("forward_peak_bytes"),
+    _bytes("sampler_peak_bytes"),
+    sa.Column("tool_version", sa.Text, nullable=False),
+    sa.Column("torch_version", sa.Text, nullable=True),
+    sa.Column("transformers_version", sa.Text, nullable=True),
+    sa.Column("started_at", _TS, nullable=False),
+    sa.Column("elapsed_s", sa.Float, nullable=True),
+    sa.CheckConstraint("status IN ('ok', 'failed')", name="status"),
+    sa.CheckConstraint("method IN ('simulate', 'cuda', 'vllm', 'import')", name="method"),
+)
+
+candidates_table = sa.Table(
+    "candidates",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=False, index=True),
+    sa.Column(
+        "profile_run_id", sa.Integer, sa.ForeignKey("profile_runs.id"), nullable=True, index=True
+    ),
+    sa.Column("gpu_memory_utilization", sa.Float, nullable=False),
+    sa.Column("max_model_len", sa.Integer, nullable=False),
+    sa.Column("max_num_batched_tokens", sa.Integer, nullable=False),
+    sa.Column("fits", sa.Boolean, nullable=False),
+    sa.Column("reason", sa.Text, nullable=True),
+    _bytes("requested_memory_bytes"),
+    _bytes("weights_bytes"),
+    _bytes("activation_peak_bytes"),
+    _bytes("non_torch_bytes"),
+    _bytes("cuda_graph_bytes"),
+    _bytes("available_kv_cache_bytes"),
+    sa.Column("num_gpu_blocks", sa.Integer, nullable=True),
+    sa.Column("kv_cache_tokens", sa.BigInteger, nullable=True),
+    sa.Column("max_concurrency", sa.Float, nullable=True),
+)
+
+proposals_table = sa.Table(
+    "proposals",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=False, index=True),
+    sa.Column("gpu_memory_utilization", sa.Float, nullable=False),
+    sa.Column("max_model_len", sa.Integer, nullable=True),
+    sa.Column("num_gpu_blocks", sa.Integer, nullable=True),
+    sa.Column("kv_cache_tokens", sa.BigInteger, nullable=True),
+    sa.Column("max_concurrency", sa.Float, nullable=True),
+    sa.Column("vllm_args", sa.Text, nullable=True),
+    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("created_at", _TS, nullable=False),
+)
+
+# ---------------------------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------------------------
+
+
+def utc_text(value: datetime | str | None = None) -> str:
+    """Return ``value`` (default: now) as UTC ISO-8601 text ``YYYY-MM-DDTHH:MM:SS.ffffffZ``.
+
+    Accepts an aware ``datetime`` or an ISO-8601 string with an offset (``Z`` included).
+    Raises ``StoreError`` for a naive time (its zone is unknown) or an unparsable string.
+    """
+    if value is None:
+        value = datetime.now(timezone.utc)
+    elif isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError as e:
+            raise StoreError(f"not an ISO-8601 time: {value!r}") from e
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise StoreError(f"time must be timezone-aware (UTC), got {value!r}")
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _resolve_url(url: str | None, default_path: str) -> URL:
+    return make_url(url) if url else URL.create("sqlite", database=str(default_path))
+
+
+def _is_file_sqlite(u: URL) -> bool:
+    return u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:")
+
+
+def make_engine(
+    url: str | URL,
+    *,
+    readonly: bool = False,
+    foreign_keys: bool = True,
+    busy_timeout_s: float = 30.0,
+) -> Engine:
+    """Create an engine; for SQLite install the WAL/busy/BEGIN IMMEDIATE connection set-up.
+
+    ``readonly`` opens a SQLite file through a ``file:...?mode=ro`` URI (the file must exist;
+    ``journal_mode`` is then left as the file has it). ``foreign_keys=False`` is for migrations
+    (SQLite batch mode copies tables). ``busy_timeout_s`` is seconds. Writes on a read-only engine
+    fail in SQLite itself ("attempt to write a readonly database").
+    """
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite":
+        if readonly:
+            raise StoreError("read-only open is supported for SQLite only", where=_show(u))
+        return sa.create_engine(u)
+    if readonly:
+        if not _is_file_sqlite(u):
+            raise StoreError("read-only open needs a SQLite file", where=_show(u))
+        path = Path(u.database).resolve()
+        # pysqlite passes unknown query keys through to the SQLite URI when uri=true.
+        u = u.set(database=path.as_uri(), query={**u.query, "mode": "ro", "uri": "true"})
+    engine = sa.create_engine(u)
+    begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"
+    busy_ms = int(busy_timeout_s * 1000)
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            if not readonly:
+                cur.execute("PRAGMA journal_mode = WAL").fetchall()
+            cur.execute("PRAGMA synchronous = FULL")
+            cur.execute(f"PRAGMA foreign_keys = {'ON' if foreign_keys else 'OFF'}")
+        finally:
+            cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql(conn.get_execution_options().get("tuner_begin", begin))
+
+    return engine
+
+
+def _show(u: URL | str) -> str:
+    return make_url(u).render_as_string(hide_password=True)
+
+
+def alembic_config(url: str | URL, *, connection: Connection | None = None) -> Config:
+    """Alembic ``Config`` for the packaged migrations, pointed at ``url``.
+
+    With ``connection``, ``migrations/env.py`` runs on it (inside its transaction) instead of
+    opening its own engine. Use with ``alembic.command``: ``command.downgrade(cfg, "base")``.
+    """
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", SCRIPT_LOCATION)
+    # ConfigParser interpolation: a literal % in a URL (encoded password) must be doubled.
+    cfg.set_main_option("sqlalchemy.url", _url_text(url).replace("%", "%%"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def _url_text(url: str | URL) -> str:
+    return make_url(url).render_as_string(hide_password=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Store
+# ---------------------------------------------------------------------------------------------
+
+
+def open_store(
+    url: str | None = None,
+    *,
+    default_path: str = DEFAULT_PATH,
+    readonly: bool = False,
+    busy_timeout_s: float = 30.0,
+) -> "Store":
+    """Open the results store at SQLAlchemy ``url`` and bring its schema to the latest revision.
+
+    ``url=None`` means the SQLite file ``default_path`` (parent directories are created).
+    Unless ``readonly``, runs Alembic ``upgrade head`` in one transaction (SQLite: batch mode,
+    foreign keys off while migrating). ``readonly=True`` opens an existing SQLite file with
+    ``mode=ro`` and does not migrate; it fails if the file is missing or was never migrated.
+    ``busy_timeout_s`` is how long (seconds) SQLite waits for another writer's lock.
+
+    Raises ``StoreError(msg, where=url)`` if the database cannot be opened or migrated.
+    """
+    u = _resolve_url(url, default_path)
+    where = _show(u)
+    try:
+        if _is_file_sqlite(u) and not readonly:
+            Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(u, readonly=readonly, busy_timeout_s=busy_timeout_s)
+    except StoreError:
+        raise
+    except (OSError, sa.exc.SQLAlchemyError, ValueError) as e:
+        raise StoreError(f"cannot open store: {e}", where=where) from e
+
+    try:
+        if readonly:
+            with engine.connect() as conn:
+                version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+            if version is None:
+                raise StoreError("store has no schema (never migrated)", where=where)
+        else:
+            _upgrade(u, busy_timeout_s)
+    except StoreError:
+        engine.dispose()
+        raise
+    except Exception as e:  # alembic CommandError, SQLAlchemy errors, sqlite3 errors
+        engine.dispose()
+        action = "open" if readonly else "migrate"
+        raise StoreError(f"cannot {action} store: {e}", where=where) from e
+    return Store(engine, where=where, readonly=readonly)
+
+
+def _upgrade(u: URL, busy_timeout_s: float) -> None:
+    from alembic import command
+
+    mig = make_engine(u, foreign_keys=False, busy_timeout_s=busy_timeout_s)
+    try:
+        with mig.begin() as conn:  # one transaction: every step plus alembic_version
+            command.upgrade(alembic_config(u, connection=conn), "head")
+    finally:
+        mig.dispose()
+
+
+_EXTRA = {"profile_runs": "key", "candidates": "run_key"}
+_SET_BY_STORE = {"id", "drop_id", "profile_run_id", "created_at"}
+
+
+class Store:
+    """Handle on an open results store. Create with :func:`open_store`; call :meth:`close`.
+
+    Every method raises ``StoreError`` (``where`` = the URL, password hidden) on database errors.
+    ``engine`` is the underlying SQLAlchemy engine, for ad-hoc SQL against the public tables.
+    """
+
+    def __init__(self, engine: Engine, *, where: str, readonly: bool = False) -> None:
+        self.engine = engine
+        self.where = where
+        self.readonly = readonly
+        self._reader = engine.execution_options(tuner_begin="BEGIN")  # deferred: takes no lock
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def save_result(
+        self,
+        drop: dict,
+        runs: list[dict],
+        candidates: list[dict],
+        proposals: list[dict],
+    ) -> int:
+        """Insert a drop with its runs, candidates and proposals in one transaction.
+
+        Dicts are keyed by column name; ``id``, ``drop_id``, ``profile_run_id`` and ``created_at``
+        are set here. Each run carries an extra ``"key"`` (any hashable, not stored); each
+        candidate an extra ``"run_key"`` naming its run's key, or None. Byte columns take ints;
+        time columns take aware datetimes or ISO-8601 text (stored as UTC text).
+
+        Returns the new ``drops.id``. Raises ``StoreError`` for an unknown key (naming table and
+        key), a ``run_key`` with no run, a duplicate run key, a non-integer byte value, or any
+        database error; on any failure the transaction is rolled back and nothing is written.
+        """
+        now = utc_text()
+        try:
+            with self.engine.begin() as conn:
+                drop_id = self._insert(conn, drops_table, drop, created_at=now)
+                run_ids: dict[Any, int] = {}
+                for run in runs:
+                    key = run.get("key")
+                    if key is not None and key in run_ids:
+                        raise StoreError(
+                            f"profile_runs: duplicate run key {key!r}", where=self.where
+                        )
+                    run_id = self._insert(conn, profile_runs_table, run, drop_id=drop_id)
+                    if key is not None:
+                        run_ids[key] = run_id
+                for cand in candidates:
+                    rk = cand.get("run_key")
+                    if rk is not None and rk not in run_ids:
+                        raise StoreError(
+                            f"candidates: run_key {rk!r} names no run", where=self.where
+                        )
+                    self._insert(
+                        conn,
+                        candidates_table,
+                        cand,
+                        drop_id=drop_id,
+                        profile_run_id=run_ids.get(rk) if rk is not None else None,
+                    )
+                for prop in proposals:
+                    self._insert(conn, proposals_table, prop, drop_id=drop_id, created_at=now)
+                return drop_id
+        except StoreError:
+            raise
+        except sa.exc.SQLAlchemyError as e:
+            msg = f"save_result failed, nothing written: {e.orig or e}"
+            raise StoreError(msg, where=self.where) from e
+
+    def _insert(self, conn: Connection, table: sa.Table, row: dict, **fixed: Any) -> int:
+        values: dict[str, Any] = {}
+        extra = _EXTRA.get(table.name)
+        for k, v in row.items():
+            if k == extra:
+                continue
+            if k not in table.c or k in _SET_BY_STORE:
+                msg = f"{table.name}: unknown or store-owned column {k!r}"
+                raise StoreError(msg, where=self.where)
+            values[k] = self._coerce(table, k, v)
+        values.update(fixed)
+        return conn.execute(table.insert().values(**values)).inserted_primary_key[0]
+
+    def _coerce(self, table: sa.Table, col: str, v: Any) -> Any:
+        if v is None:
+            return None
+        if col.endswith("_bytes"):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                msg = f"{table.name}.{col} must be an int of bytes, got {v!r}"
+                raise StoreError(msg, where=self.where)
+            return int(v)
+        if col.endswith("_at"):
+            return utc_text(v)
+        return v
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def _rows(self, stmt: sa.Executable) -> list[dict]:
+        try:
+            with self._reader.connect() as conn:
+                return [dict(r) for r in conn.execute(stmt).mappings()]
+        except sa.exc.SQLAlchemyError as e:
+            raise StoreError(f"query failed: {e.orig or e}", where=self.where) from e
+
+    def latest_proposals(self, drop_id: int | None = None) -> list[dict]:
+        """Proposals as dicts (proposal columns plus ``drop_name``), ordered by drop name, id.
+
+        With ``drop_id``: that drop's proposals. Without: for each drop name, the proposals of its
+        newest (highest id) drop row that is not retired.
+        """
+        p, d = proposals_table, drops_table
+        stmt = sa.select(p, d.c.name.label("drop_name")).join(d, p.c.drop_id == d.c.id)
+        if drop_id is not None:
+            stmt = stmt.where(p.c.drop_id == drop_id)
+        else:
+            newest = (
+                sa.select(sa.func.max(d.c.id)).where(d.c.retired_at.is_(None)).group_by(d.c.name)
+            )
+            stmt = stmt.where(p.c.drop_id.in_(newest))
+        return self._rows(stmt.order_by(d.c.name, p.c.id))
+
+    def runs_for_drop(self, drop_id: int) -> list[dict]:
+        """The drop's ``profile_runs`` rows as dicts, in insertion order."""
+        t = profile_runs_table
+        return self._rows(sa.select(t).where(t.c.drop_id == drop_id).order_by(t.c.id))
+
+    def candidates_for_drop(self, drop_id: int) -> list[dict]:
+        """The drop's ``candidates`` rows as dicts (``fits`` as bool), in insertion order."""
+        t = candidates_table
+        return self._rows(sa.select(t).where(t.c.drop_id == drop_id).order_by(t.c.id))
+
+    def find_run(self, pass_sha256: str) -> dict | None:
+        """The latest ``status='ok'`` profile run with memo key ``pass_sha256``, or None."""
+        t = profile_runs_table
+        stmt = (
+            sa.select(t)
+            .where(t.c.pass_sha256 == pass_sha256, t.c.status == "ok")
+            .order_by(t.c.id.desc())
+            .limit(1)
+        )
+        rows = self._rows(stmt)
+        return rows[0] if rows else None
+
+    def close(self) -> None:
+        """Release all connections. The store is unusable afterwards."""
+        self.engine.dispose()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
