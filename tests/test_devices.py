@@ -1,0 +1,251 @@
+"""Device catalog and resolution (catalog names, mappings, NVML auto with a fake module)."""
+
+from __future__ import annotations
+
+import types
+
+import pynvml
+import pytest
+
+from tuner import devices
+from tuner.devices import Device, catalog, lookup, resolve_device
+from tuner.errors import DeviceError
+
+GIB = 2**30
+
+
+def test_catalog_entries_are_consistent():
+    devs = catalog()
+    names = [d.name for d in devs]
+    assert len(names) == len(set(names))
+    assert {"H100-80GB", "RTX-3090", "A100-80GB", "A100-40GB", "H200", "L4", "T4"} <= set(names)
+    for d in devs:
+        assert type(d.total_memory_bytes) is int and d.total_memory_bytes > 8 * GIB
+        assert d.source in ("observed in vLLM log", "typical")
+        assert d.compute_capability is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "gib"),
+    [("H100-80GB", "79.19"), ("RTX-3090", "23.58"), ("A100-80GB", "79.15"), ("A100-40GB", "39.39"),
+     ("L40S", "44.39"), ("A10G", "22.07"), ("L4", "22.05"), ("H200", "139.80"), ("RTX-4090", "23.53"),
+     ("B200", "178.40"), ("T4", "14.58"), ("V100-32GB", "31.74")],
+)
+def test_catalog_totals_round_to_the_quoted_gib(name, gib):
+    dev = lookup(name)
+    assert dev is not None
+    assert f"{dev.total_memory_bytes / GIB:.2f}" == gib
+
+
+def test_h100_exact_bytes_and_source():
+    dev = resolve_device("H100-80GB")
+    assert dev == Device("H100-80GB", 85_030_076_416, "observed in vLLM log", "9.0")
+    assert dev.uuid is None and dev.free_memory_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("alias", "canonical"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+        ("nvidia h100 80gb", "H100-80GB"),
+        ("h100", "H100-80GB"),
+        ("H100_80GB", "H100-80GB"),
+        ("NVIDIA GeForce RTX 3090", "RTX-3090"),
+        ("rtx 3090", "RTX-3090"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100 80GB", "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA L4", "L4"),
+        ("  NVIDIA H200 ", "H200"),
+    ],
+)
+def test_lookup_by_alias(alias, canonical):
+    assert lookup(alias).name == canonical
+    assert resolve_device(alias).name == canonical
+
+
+def test_rtx3090_observed_total():
+    dev = resolve_device("nvidia geforce rtx 3090")
+    assert dev.total_memory_bytes == 25_318_916_096
+    assert dev.source == "observed in vLLM log"
+    assert dev.compute_capability == "8.6"
+
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("GTX 1080")
+    msg = str(exc.value)
+    assert "'GTX 1080'" in msg
+    for known in ("H100-80GB", "RTX-3090", "A100-40GB", "T4"):
+        assert known in msg
+    assert lookup("GTX 1080") is None
+    assert lookup("A100") is None  # ambiguous between 40 GB and 80 GB: not an alias
+
+
+def test_mapping_gib_converted_to_integer_bytes():
+    dev = resolve_device({"name": "my-card", "total_memory_gib": 23.58})
+    assert dev.total_memory_bytes == round(23.58 * GIB) == 25_318_832_210
+    assert type(dev.total_memory_bytes) is int
+    assert dev.name == "my-card" and dev.source == "given in drop" and dev.compute_capability is None
+
+
+def test_mapping_bytes_and_catalog_compute_capability():
+    dev = resolve_device({"name": "H100-80GB", "total_memory_bytes": 85_000_000_000})
+    assert dev.total_memory_bytes == 85_000_000_000
+    assert dev.compute_capability == "9.0"  # filled in from the catalog entry of that name
+    dev = resolve_device({"name": "x", "total_memory_gib": 16, "compute_capability": "7.5"})
+    assert dev.total_memory_bytes == 16 * GIB and dev.compute_capability == "7.5"
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ({"name": "x"}, "device"),
+        ({"name": "x", "total_memory_gib": 10, "total_memory_bytes": 10}, "device"),
+        ({"total_memory_gib": 10}, "device.name"),
+        ({"name": "x", "total_memory_gib": "80"}, "device.total_memory_gib"),
+        ({"name": "x", "total_memory_gib": True}, "device.total_memory_gib"),
+        ({"name": "x", "total_memory_bytes": 8.5e10}, "device.total_memory_bytes"),
+        ({"name": "x", "total_memory_gib": 0.1}, "device.total_memory_gib"),
+        ({"name": "x", "total_memory_gib": 1e9}, "device.total_memory_gib"),
+        ({"name": "x", "total_memory_gib": float("nan")}, "device.total_memory_gib"),
+        ({"name": "x", "total_memory_gib": 10, "color": "red"}, "device"),
+        ({"name": "x", "total_memory_gib": 10, "compute_capability": 9.0}, "device.compute_capability"),
+    ],
+)
+def test_bad_mapping(value, where):
+    with pytest.raises(DeviceError) as exc:
+        resolve_device(value)
+    assert exc.value.where == where
+
+
+def test_wrong_type():
+    with pytest.raises(DeviceError):
+        resolve_device(80)
+
+
+def test_device_instance_passes_through():
+    dev = Device("x", 10 * GIB, "given in drop")
+    assert resolve_device(dev) is dev
+
+
+# --- auto through a fake NVML module ------------------------------------------------------------
+
+
+def _fake_nvml(name="NVIDIA H100 80GB HBM3", total=85_520_809_984, free=84_900_000_000, count=1,
+               fail_on=None, cc=(9, 0)):
+    """A stand-in for pynvml with the real function names and the real NVMLError class."""
+    calls = []
+
+    def call(fname, result=None):
+        def fn(*args):
+            calls.append(fname)
+            if fail_on == fname:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+                                       if fname == "nvmlInit" else pynvml.NVML_ERROR_UNKNOWN)
+            return result(*args) if callable(result) else result
+        return fn
+
+    mem = types.SimpleNamespace(total=total, free=free, used=total - free)
+    mod = types.SimpleNamespace(
+        NVMLError=pynvml.NVMLError,
+        nvmlInit=call("nvmlInit"),
+        nvmlShutdown=call("nvmlShutdown"),
+        nvmlDeviceGetCount=call("nvmlDeviceGetCount", count),
+        nvmlDeviceGetHandleByIndex=call("nvmlDeviceGetHandleByIndex", lambda i: f"handle{i}"),
+        nvmlDeviceGetHandleByUUID=call("nvmlDeviceGetHandleByUUID", lambda u: f"handle-{u}"),
+        nvmlDeviceGetName=call("nvmlDeviceGetName", name),
+        nvmlDeviceGetMemoryInfo=call("nvmlDeviceGetMemoryInfo", mem),
+        nvmlDeviceGetUUID=call("nvmlDeviceGetUUID", "GPU-1234abcd"),
+        nvmlDeviceGetCudaComputeCapability=call("nvmlDeviceGetCudaComputeCapability", cc),
+    )
+    mod.calls = calls
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_visible(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_auto_known_card_uses_catalog_total_below_nvml_physical():
+    nvml = _fake_nvml()
+    dev = resolve_device("auto", nvml=nvml)
+    assert dev.name == "H100-80GB"
+    # NVML's 81559 MiB physical is more than CUDA sees; the observed engine total wins.
+    assert dev.total_memory_bytes == 85_030_076_416
+    assert dev.source == "nvml; total from catalog (observed in vLLM log)"
+    assert dev.free_memory_bytes == 84_900_000_000
+    assert dev.uuid == "GPU-1234abcd"
+    assert dev.compute_capability == "9.0"
+    assert nvml.calls[0] == "nvmlInit" and nvml.calls[-1] == "nvmlShutdown"
+    assert "nvmlDeviceGetHandleByIndex" in nvml.calls
+
+
+def test_auto_unknown_card_uses_nvml_values():
+    nvml = _fake_nvml(name=b"NVIDIA RTX PRO 6000", total=102_000_000_000, free=101_000_000_000, cc=(12, 0))
+    dev = resolve_device("AUTO", nvml=nvml)
+    assert dev == Device("NVIDIA RTX PRO 6000", 102_000_000_000, "nvml", "12.0", "GPU-1234abcd", 101_000_000_000)
+
+
+def test_auto_known_card_with_smaller_nvml_total_keeps_nvml():
+    dev = resolve_device("auto", nvml=_fake_nvml(name="Tesla T4", total=15_000_000_000, cc=(7, 5)))
+    assert dev.name == "T4" and dev.total_memory_bytes == 15_000_000_000 and dev.source == "nvml"
+
+
+def test_auto_honours_cuda_visible_devices(monkeypatch):
+    nvml = _fake_nvml(count=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
+    resolve_device("auto", nvml=nvml)
+    assert "nvmlDeviceGetHandleByUUID" in nvml.calls
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(DeviceError, match="no NVIDIA GPU"):
+        resolve_device("auto", nvml=_fake_nvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(DeviceError, match="NVML sees 2"):
+        resolve_device("auto", nvml=_fake_nvml(count=2))
+
+
+def test_auto_nvml_init_error_is_device_error():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("auto", nvml=_fake_nvml(fail_on="nvmlInit"))
+    assert "no NVIDIA GPU / NVML not available" in str(exc.value)
+    assert isinstance(exc.value.__cause__, pynvml.NVMLError)
+
+
+def test_auto_nvml_query_error_is_device_error_and_shuts_down():
+    nvml = _fake_nvml(fail_on="nvmlDeviceGetMemoryInfo")
+    with pytest.raises(DeviceError, match="NVML query failed"):
+        resolve_device("auto", nvml=nvml)
+    assert nvml.calls[-1] == "nvmlShutdown"
+
+
+def test_auto_zero_devices():
+    with pytest.raises(DeviceError, match="0 devices"):
+        resolve_device("auto", nvml=_fake_nvml(count=0))
+
+
+def test_auto_without_pynvml(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "pynvml":
+            raise ImportError("No module named 'pynvml'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(DeviceError, match="no NVIDIA GPU / NVML not available"):
+        resolve_device("auto")
+
+
+def test_import_pulls_in_neither_torch_nor_pynvml():
+    import subprocess
+    import sys
+
+    code = ("import sys, tuner.devices, tuner.drop; "
+            "bad = [m for m in ('torch', 'transformers', 'pynvml') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,311 @@
+"""GPU devices: a small catalog of common cards, and the device a drop names.
+
+A :class:`Device` carries the **total memory the engine sees**, in bytes (an ``int``): the total of
+CUDA's ``cudaMemGetInfo`` (``torch.cuda.mem_get_info()[1]``), which vLLM multiplies by
+``gpu_memory_utilization``. That is slightly less than the physical size nvidia-smi / NVML print
+(the driver keeps a reservation): an H100-80GB shows 81559 MiB in nvidia-smi but 79.19 GiB in vLLM.
+
+A device is named in a drop as
+
+- a catalog name or alias, case-insensitive (``"H100-80GB"``, ``"NVIDIA H100 80GB HBM3"``, ``"rtx 3090"``);
+- a mapping ``{name: str, total_memory_gib: number}`` or ``{name: str, total_memory_bytes: int}``
+  (GiB = 2**30 bytes), optionally with ``compute_capability: "9.0"``;
+- ``"auto"``: GPU 0 of this machine, read through NVML (``pynvml``, imported lazily, so this module
+  is importable without a GPU and never imports torch).
+
+The catalog lives in ``tuner/data/gpus.yaml`` (package data); each entry says whether its total
+was observed in a real vLLM log or is the card's typical value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Mapping
+
+import yaml
+
+from tuner.errors import DeviceError
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+#: Sanity bounds for a device's total memory given in a drop (bytes): 256 MiB … 4 TiB.
+MIN_TOTAL_BYTES = 256 * MIB
+MAX_TOTAL_BYTES = 4096 * GIB
+
+_SOURCE_DROP = "given in drop"
+_SOURCE_NVML = "nvml"
+
+__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "GIB"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU as the memory model sees it.
+
+    Attributes:
+        name: canonical catalog name (``"H100-80GB"``) or, for a card not in the catalog, the name
+            as given / as NVML printed it.
+        total_memory_bytes: total memory the engine sees (cudaMemGetInfo total), bytes.
+        source: where the total comes from: ``"observed in vLLM log"``, ``"typical"``,
+            ``"given in drop"`` or ``"nvml…"``.
+        compute_capability: ``"major.minor"`` (``"9.0"``) or None when unknown.
+        uuid: the GPU's UUID (``"GPU-…"``) when read from NVML, else None.
+        free_memory_bytes: free memory at the time NVML was read, bytes; None for catalog devices.
+    """
+
+    name: str
+    total_memory_bytes: int
+    source: str
+    compute_capability: str | None = None
+    uuid: str | None = None
+    free_memory_bytes: int | None = None
+
+    @property
+    def total_memory_gib(self) -> float:
+        """Total memory in GiB (2**30 bytes), for display only."""
+        return self.total_memory_bytes / GIB
+
+
+def _key(text: str) -> str:
+    """Lookup key: lower case, runs of blanks/'-'/'_' folded to one space."""
+    return re.sub(r"[\s_\-]+", " ", text.strip().lower()).strip()
+
+
+def _keys(text: str) -> set[str]:
+    k = _key(text)
+    out = {k}
+    if k.startswith("nvidia "):
+        out.add(k[len("nvidia "):])
+    else:
+        out.add("nvidia " + k)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
+    """Read and check ``tuner/data/gpus.yaml``; return (devices, index by lookup key).
+
+    Raises:
+        DeviceError: the catalog file is malformed or two entries share a name/alias.
+    """
+    where = "tuner/data/gpus.yaml"
+    text = resources.files("tuner").joinpath("data/gpus.yaml").read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise DeviceError("catalog must be a mapping with a 'gpus' list", where=where)
+    devices: list[Device] = []
+    index: dict[str, Device] = {}
+    for i, entry in enumerate(data["gpus"]):
+        if not isinstance(entry, dict):
+            raise DeviceError(f"entry {i} is not a mapping", where=where)
+        unknown = set(entry) - {"name", "total_memory_bytes", "compute_capability", "source", "aliases"}
+        if unknown:
+            raise DeviceError(f"entry {i}: unknown keys {sorted(unknown)}", where=where)
+        name, total = entry.get("name"), entry.get("total_memory_bytes")
+        if not isinstance(name, str) or not name:
+            raise DeviceError(f"entry {i}: 'name' must be a non-empty string", where=where)
+        if type(total) is not int or total <= 0:
+            raise DeviceError(f"{name}: 'total_memory_bytes' must be a positive integer", where=where)
+        cc = entry.get("compute_capability")
+        if cc is not None and not (isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc)):
+            raise DeviceError(f"{name}: 'compute_capability' must be a string like \"9.0\"", where=where)
+        aliases = entry.get("aliases") or []
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise DeviceError(f"{name}: 'aliases' must be a list of strings", where=where)
+        dev = Device(name=name, total_memory_bytes=total, source=str(entry.get("source") or "typical"),
+                     compute_capability=cc)
+        devices.append(dev)
+        for alias in [name, *aliases]:
+            for k in _keys(alias):
+                other = index.get(k)
+                if other is not None and other.name != name:
+                    raise DeviceError(f"alias {alias!r} names both {other.name} and {name}", where=where)
+                index[k] = dev
+    return tuple(devices), index
+
+
+def catalog() -> list[Device]:
+    """Every catalog device, in catalog order."""
+    return list(_load_catalog()[0])
+
+
+def known_names() -> list[str]:
+    """Canonical names of the catalog devices (for error messages and docs)."""
+    return [d.name for d in _load_catalog()[0]]
+
+
+def lookup(name: str) -> Device | None:
+    """The catalog device whose name or alias matches ``name`` (case-insensitive; blanks, '-' and
+    '_' are interchangeable; a leading "NVIDIA " is optional), or None."""
+    if not isinstance(name, str):
+        return None
+    return _load_catalog()[1].get(_key(name))
+
+
+def _unknown(value: object) -> DeviceError:
+    return DeviceError(
+        f"unknown device {value!r}; known devices: {', '.join(known_names())} "
+        "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})",
+        where="device",
+    )
+
+
+def resolve_device(value: Any, *, nvml: Any = None) -> Device:
+    """Turn what a drop says about its device into a :class:`Device`.
+
+    Args:
+        value: a :class:`Device` (returned as is); a catalog name or alias; ``"auto"`` (GPU 0 of
+            this machine via NVML); or a mapping ``{name, total_memory_gib | total_memory_bytes,
+            compute_capability?}``. GiB are 2**30 bytes; the result holds integer bytes
+            (``round(gib * 2**30)``).
+        nvml: the NVML module to use for ``"auto"`` (default: ``import pynvml``); tests inject a fake.
+
+    Returns:
+        The device. For ``"auto"`` see :func:`_resolve_auto` for how the total is chosen.
+
+    Raises:
+        DeviceError: unknown name (the message lists the known names); malformed mapping; for
+            ``"auto"``: NVML not installed / not loadable, no NVIDIA GPU, or an NVML call failing.
+    """
+    if isinstance(value, Device):
+        return value
+    if isinstance(value, str):
+        if _key(value) == "auto":
+            return _resolve_auto(nvml)
+        dev = lookup(value)
+        if dev is None:
+            raise _unknown(value)
+        return dev
+    if isinstance(value, Mapping):
+        return _resolve_mapping(value)
+    raise DeviceError(
+        f"a device is a name, 'auto' or a mapping {{name, total_memory_gib}}, not {type(value).__name__}",
+        where="device",
+    )
+
+
+def _resolve_mapping(value: Mapping) -> Device:
+    allowed = {"name", "total_memory_gib", "total_memory_bytes", "compute_capability"}
+    unknown = [k for k in value if k not in allowed]
+    if unknown:
+        raise DeviceError(f"unknown key {unknown[0]!r} in device mapping; allowed: {sorted(allowed)}",
+                          where="device")
+    name = value.get("name")
+    if not isinstance(name, str) or not name.strip() or len(name) > 128:
+        raise DeviceError("device mapping needs 'name': a non-empty string (≤128 characters)", where="device.name")
+    has_gib, has_bytes = "total_memory_gib" in value, "total_memory_bytes" in value
+    if has_gib == has_bytes:
+        raise DeviceError("device mapping needs exactly one of 'total_memory_gib' or 'total_memory_bytes'",
+                          where="device")
+    if has_gib:
+        gib = value["total_memory_gib"]
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib):
+            raise DeviceError(f"total_memory_gib must be a number, not {gib!r}", where="device.total_memory_gib")
+        total = int(round(gib * GIB))
+        fld = "device.total_memory_gib"
+    else:
+        total = value["total_memory_bytes"]
+        if type(total) is not int:
+            raise DeviceError(f"total_memory_bytes must be an integer, not {total!r}",
+                              where="device.total_memory_bytes")
+        fld = "device.total_memory_bytes"
+    if not MIN_TOTAL_BYTES <= total <= MAX_TOTAL_BYTES:
+        raise DeviceError(
+            f"total memory {total} bytes ({total / GIB:.2f} GiB) is outside {MIN_TOTAL_BYTES // MIB} MiB – "
+            f"{MAX_TOTAL_BYTES // GIB} GiB", where=fld)
+    cc = value.get("compute_capability")
+    if cc is not None and not (isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc)):
+        raise DeviceError(f"compute_capability must be a string like \"9.0\", not {cc!r}",
+                          where="device.compute_capability")
+    known = lookup(name)
+    if cc is None and known is not None:
+        cc = known.compute_capability
+    return Device(name=name.strip(), total_memory_bytes=total, source=_SOURCE_DROP, compute_capability=cc)
+
+
+def _text(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _resolve_auto(nvml: Any) -> Device:
+    """GPU 0 as CUDA numbers it, read through NVML.
+
+    "GPU 0" honours ``CUDA_VISIBLE_DEVICES`` (first entry: an index or a ``GPU-…``/``MIG-…`` UUID);
+    without it, NVML index 0.
+
+    Total memory: NVML reports the physical size, which is larger than what CUDA (and so vLLM)
+    sees. When the card is in the catalog, the smaller of NVML's total and the catalog total is
+    used (``source`` says so), so a prediction never assumes more memory than the engine gets;
+    otherwise NVML's total is used as is (``source == "nvml"``), which overstates the engine's total
+    by the driver reservation (~0.5 GiB on 80 GB cards). ``free_memory_bytes`` is NVML's free.
+
+    Raises:
+        DeviceError: "no NVIDIA GPU / NVML not available" (pynvml missing, library not found,
+            nvmlInit failing, zero devices, CUDA_VISIBLE_DEVICES empty) or an NVML query failing.
+    """
+    where = "device auto"
+    if nvml is None:
+        try:
+            import pynvml as nvml  # noqa: PLC0415 - lazy on purpose
+        except ImportError as exc:
+            raise DeviceError(f"no NVIDIA GPU / NVML not available: cannot import pynvml ({exc})",
+                              where=where) from exc
+    nvml_error: type[BaseException] = getattr(nvml, "NVMLError", Exception)
+    try:
+        nvml.nvmlInit()
+    except (nvml_error, OSError) as exc:
+        raise DeviceError(f"no NVIDIA GPU / NVML not available: {exc}", where=where) from exc
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        first = visible.split(",")[0].strip() if visible is not None else None
+        if first == "" or (first is not None and first.lstrip("-").isdigit() and int(first) < 0):
+            raise DeviceError("no NVIDIA GPU / NVML not available: CUDA_VISIBLE_DEVICES hides every GPU",
+                              where=where)
+        count = nvml.nvmlDeviceGetCount()
+        if count < 1:
+            raise DeviceError("no NVIDIA GPU / NVML not available: NVML reports 0 devices", where=where)
+        if first is None:
+            handle = nvml.nvmlDeviceGetHandleByIndex(0)
+        elif first.isdigit():
+            if int(first) >= count:
+                raise DeviceError(f"CUDA_VISIBLE_DEVICES={visible!r} names GPU {first} but NVML sees {count}",
+                                  where=where)
+            handle = nvml.nvmlDeviceGetHandleByIndex(int(first))
+        else:
+            handle = nvml.nvmlDeviceGetHandleByUUID(first)
+        raw_name = _text(nvml.nvmlDeviceGetName(handle))
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        cc = None
+        get_cc = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
+        if get_cc is not None:
+            try:
+                major, minor = get_cc(handle)
+                cc = f"{int(major)}.{int(minor)}"
+            except nvml_error:
+                cc = None
+    except nvml_error as exc:
+        raise DeviceError(f"NVML query failed: {exc}", where=where) from exc
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutdown failure must not mask the result
+            pass
+
+    total, free = int(mem.total), int(mem.free)
+    known = lookup(raw_name)
+    if known is None:
+        return Device(name=raw_name.strip(), total_memory_bytes=total, source=_SOURCE_NVML,
+                      compute_capability=cc, uuid=uuid, free_memory_bytes=free)
+    if known.total_memory_bytes < total:
+        total, source = known.total_memory_bytes, f"{_SOURCE_NVML}; total from catalog ({known.source})"
+    else:
+        source = _SOURCE_NVML
+    return Device(name=known.name, total_memory_bytes=total, source=source,
+                  compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free)

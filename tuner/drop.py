@@ -1,0 +1,689 @@
+"""Config drops: the YAML files that name a model, a GPU and candidate vLLM settings.
+
+A drop is parsed with a safe YAML loader hardened against YAML bombs, then validated against
+:data:`DROP_FIELDS`, the one table of every key (dotted name, type, default, help) that also
+drives the README's reference table. Parsing is pure (no network, no torch); the only I/O is
+reading the drop file itself (:func:`load_drop`) and, for a named catalog device, reading the
+packaged GPU catalog.
+
+Paths: a ``model`` that is a local path is relative to the **directory of the drop file**
+(``model: ../models/meta-llama--Llama-3.1-8B-Instruct`` next to ``configs/examples/x.yaml`` means
+``configs/models/meta-llama--Llama-3.1-8B-Instruct``); :meth:`Drop.model_path` resolves it.
+
+Every error is a :class:`~tuner.errors.DropError` with ``path`` (the drop file) and ``field``
+(the dotted key at fault, e.g. ``candidates.gpu_memory_utilization[2]``; None for errors about
+the document as a whole: bad YAML, YAML bomb, empty file, top level not a mapping).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from tuner import devices
+from tuner.errors import DeviceError, DropError, EraError
+from tuner.eras import parse_version
+
+# --------------------------------------------------------------------------------------------
+# Limits
+# --------------------------------------------------------------------------------------------
+
+#: Largest drop file accepted, bytes.
+MAX_DROP_BYTES = 256 * 1024
+#: Most alias references (``*name``) one drop may use.
+MAX_ALIASES = 64
+#: Most YAML nodes after alias expansion (a billion-laughs document is far above this).
+MAX_NODES = 20_000
+#: Deepest nesting of collections accepted (the schema needs 3).
+MAX_DEPTH = 16
+
+MAX_MODEL_LEN_LIMIT = 16_777_216
+MAX_LEN_VALUES = 4096
+MAX_GMU_VALUES = 64
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_HF_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_HF_ID_RE = re.compile(rf"^(?:{_HF_PART}/)?{_HF_PART}$")
+_QUANT_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+DTYPE_ALIASES = {
+    "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+METHODS = ("simulate", "cuda", "vllm", "auto")
+ENTRY_POINTS = ("serve", "offline")
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+
+class _Invalid(Exception):
+    """Raised by a field validator; ``sub`` extends the field path (e.g. ``[2]`` or ``.min``)."""
+
+    def __init__(self, message: str, sub: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.sub = sub
+
+
+# --------------------------------------------------------------------------------------------
+# Validators: (value) -> normalised value, raising _Invalid
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int_range(lo: int, hi: int, *, nullable: bool = False) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if v is None and nullable:
+            return None
+        if not _is_int(v):
+            raise _Invalid(f"must be an integer{' or null' if nullable else ''}, not {_type_name(v)} {v!r}")
+        if not lo <= v <= hi:
+            raise _Invalid(f"must be between {lo} and {hi}, not {v}")
+        return v
+    return check
+
+
+def _choice(options: tuple, *, nullable: bool = False, aliases: Mapping[str, str] | None = None) -> Callable:
+    def check(v: Any) -> Any:
+        if v is None and nullable:
+            return None
+        if aliases is not None:
+            if isinstance(v, str) and v.strip().lower() in aliases:
+                return aliases[v.strip().lower()]
+            raise _Invalid(f"must be one of {', '.join(sorted(aliases))}, not {v!r}")
+        if isinstance(v, str) and not isinstance(options[0], int):
+            if v.strip().lower() in options:
+                return v.strip().lower()
+        elif _is_int(v) and v in options:
+            return v
+        raise _Invalid(f"must be one of {', '.join(map(str, options))}{' or null' if nullable else ''}, not {v!r}")
+    return check
+
+
+def _bool(*, nullable: bool = False) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if v is None and nullable:
+            return None
+        if not isinstance(v, bool):
+            raise _Invalid(f"must be true or false{' or null' if nullable else ''}, not {_type_name(v)} {v!r}")
+        return v
+    return check
+
+
+def _name(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _Invalid(f"must be a string, not {_type_name(v)} {v!r}")
+    if not _NAME_RE.match(v) or set(v) == {"."}:
+        raise _Invalid(f"must be 1–128 characters of A–Z a–z 0–9 _ . - (and not only dots), not {v!r}")
+    return v
+
+
+def _looks_like_path(s: str) -> bool:
+    """A model value is a local path when it is absolute, starts with ./ ../ or ~, names a .json
+    file, or has more than one '/'; otherwise it is an HF id (which may still exist locally)."""
+    return (
+        s.startswith(("/", "./", "../", "~", ".\\"))
+        or s in (".", "..")
+        or s.endswith(".json")
+        or s.count("/") >= 2
+        or "\\" in s
+    )
+
+
+def _model(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _Invalid(f"must be a string (a local path or an HF id 'org/name'), not {_type_name(v)} {v!r}")
+    if not v.strip():
+        raise _Invalid("must not be empty")
+    if "\x00" in v or any(ord(c) < 0x20 for c in v):
+        raise _Invalid("must not contain NUL or control characters")
+    if len(v) > 4096:
+        raise _Invalid("is longer than 4096 characters")
+    if v != v.strip():
+        raise _Invalid(f"has leading or trailing blanks: {v!r}")
+    if _looks_like_path(v):
+        return v
+    if not _HF_ID_RE.match(v) or ".." in v or "--" in v:
+        raise _Invalid(
+            f"{v!r} is neither an HF id 'org/name' (letters, digits, '.', '_', '-', no '..' or '--') "
+            "nor a path (start a relative path with './' or '../')"
+        )
+    return v
+
+
+def _device(v: Any) -> Any:
+    """Keep the raw value ('auto' normalised to lower case); check it resolves unless 'auto'."""
+    if isinstance(v, str):
+        if v.strip().lower() == "auto":
+            return "auto"
+        if devices.lookup(v) is None:
+            raise _Invalid(
+                f"unknown device {v!r}; known devices: {', '.join(devices.known_names())} "
+                "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})"
+            )
+        return v.strip()
+    if isinstance(v, Mapping):
+        for k in v:
+            if k not in ("name", "total_memory_gib", "total_memory_bytes", "compute_capability"):
+                raise _Invalid(
+                    f"unknown key {k!r} in device mapping; allowed: name, total_memory_gib | "
+                    "total_memory_bytes, compute_capability", sub=f".{k}")
+        if "name" not in v:
+            raise _Invalid("device mapping needs 'name'", sub=".name")
+        if "total_memory_gib" not in v and "total_memory_bytes" not in v:
+            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes'")
+        try:
+            devices.resolve_device(v)
+        except DeviceError as exc:
+            sub = exc.where[len("device"):] if exc.where and exc.where.startswith("device.") else ""
+            raise _Invalid(exc.message, sub=sub) from None
+        return dict(v)
+    raise _Invalid(
+        f"must be a device name, 'auto' or a mapping {{name, total_memory_gib}}, not {_type_name(v)} {v!r}")
+
+
+def _engine_version(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _Invalid(f"must be a quoted string such as \"0.19.0\", not {_type_name(v)} {v!r}")
+    try:
+        parse_version(v)
+    except EraError as exc:
+        raise _Invalid(exc.message) from None
+    return v.strip()
+
+
+def _quantization(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not _QUANT_RE.match(v.strip().lower()):
+        raise _Invalid(f"must be null or a vLLM quantization name such as 'fp8' or 'awq', not {v!r}")
+    return v.strip().lower()
+
+
+def _gmu_list(v: Any) -> tuple[float, ...]:
+    if not isinstance(v, list):
+        raise _Invalid(f"must be a list of numbers in (0, 1], not {_type_name(v)} {v!r}")
+    if not 1 <= len(v) <= MAX_GMU_VALUES:
+        raise _Invalid(f"must have 1–{MAX_GMU_VALUES} values, not {len(v)}")
+    out = set()
+    for i, x in enumerate(v):
+        if not _is_number(x):
+            raise _Invalid(f"must be a number in (0, 1], not {_type_name(x)} {x!r}", sub=f"[{i}]")
+        if not 0 < x <= 1:
+            raise _Invalid(f"must be in (0, 1], not {x}", sub=f"[{i}]")
+        out.add(float(x))
+    return tuple(sorted(out))
+
+
+def _len_list(v: Any) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, Mapping):
+        for k in v:
+            if k not in ("min", "max", "step"):
+                raise _Invalid(f"unknown key {k!r}; a range is {{min, max, step}}", sub=f".{k}")
+        vals = {}
+        for k in ("min", "max", "step"):
+            if k not in v:
+                raise _Invalid(f"a range needs '{k}'", sub=f".{k}")
+            x = v[k]
+            if not _is_int(x):
+                raise _Invalid(f"must be an integer, not {_type_name(x)} {x!r}", sub=f".{k}")
+            hi = MAX_MODEL_LEN_LIMIT
+            if not 1 <= x <= hi:
+                raise _Invalid(f"must be between 1 and {hi}, not {x}", sub=f".{k}")
+            vals[k] = x
+        if vals["min"] > vals["max"]:
+            raise _Invalid(f"min ({vals['min']}) is greater than max ({vals['max']})", sub=".min")
+        count = (vals["max"] - vals["min"]) // vals["step"] + 1
+        if count > MAX_LEN_VALUES:
+            raise _Invalid(f"expands to {count} values; at most {MAX_LEN_VALUES}", sub=".step")
+        return tuple(range(vals["min"], vals["max"] + 1, vals["step"]))
+    if not isinstance(v, list):
+        raise _Invalid(f"must be a list of integers, a range {{min, max, step}} or null, not {_type_name(v)} {v!r}")
+    if not 1 <= len(v) <= MAX_LEN_VALUES:
+        raise _Invalid(f"must have 1–{MAX_LEN_VALUES} values, not {len(v)}")
+    out = set()
+    for i, x in enumerate(v):
+        if not _is_int(x):
+            raise _Invalid(f"must be an integer, not {_type_name(x)} {x!r}", sub=f"[{i}]")
+        if not 1 <= x <= MAX_MODEL_LEN_LIMIT:
+            raise _Invalid(f"must be between 1 and {MAX_MODEL_LEN_LIMIT}, not {x}", sub=f"[{i}]")
+        out.add(x)
+    return tuple(sorted(out))
+
+
+def _min_concurrency(v: Any) -> float:
+    if not _is_number(v):
+        raise _Invalid(f"must be a number ≥ 1, not {_type_name(v)} {v!r}")
+    if not 1 <= v <= 1_000_000:
+        raise _Invalid(f"must be between 1 and 1000000, not {v}")
+    return float(v)
+
+
+# --------------------------------------------------------------------------------------------
+# The one table of drop keys
+# --------------------------------------------------------------------------------------------
+
+REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+
+
+@dataclass(frozen=True)
+class DropField:
+    """One drop key. ``name`` is dotted for keys inside a section (``candidates.max_model_len``)."""
+
+    name: str
+    type: str  # human-readable type, for docs
+    default: Any  # REQUIRED when the key must be given
+    help: str
+    check: Callable[[Any], Any] = field(repr=False, compare=False)
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+#: Every key a drop may hold, with its type, default and help. Sections (``candidates``,
+#: ``constraints``) are implied by the dotted names. This table drives validation and the docs.
+DROP_FIELDS: tuple[DropField, ...] = (
+    DropField("name", "string `[A-Za-z0-9_.-]{1,128}`", REQUIRED,
+              "Drop name; identifies the drop's results in the store and names its proposal file.", _name),
+    DropField("model", "string", REQUIRED,
+              "Local path to a model directory holding config.json (or to a config.json file), relative "
+              "to the drop file's directory unless absolute; or an HF id `org/name`.", _model),
+    DropField("device", "string | {name, total_memory_gib | total_memory_bytes}", REQUIRED,
+              "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
+              "machine running the job, via NVML), or a mapping with the total memory the engine sees "
+              "(GiB = 2^30 bytes).", _device),
+    DropField("engine_version", "string", "0.19.0",
+              "vLLM version whose memory rules and defaults apply (0.4 – 0.33); quote it.", _engine_version),
+    DropField("method", "simulate | cuda | vllm | auto", "simulate",
+              "Profile method: `simulate` (no GPU), `cuda` (real allocations), `vllm` (start the installed "
+              "engine with dummy weights), `auto` (best available).", _choice(METHODS)),
+    DropField("dtype", "auto | bfloat16 | float16 | float32", "auto",
+              "Model dtype as vLLM's --dtype (bf16, fp16, half, fp32, float accepted); `auto` = config's "
+              "torch_dtype.", _choice((), aliases=DTYPE_ALIASES)),
+    DropField("kv_cache_dtype", "auto | fp8 | fp8_e4m3 | fp8_e5m2", "auto",
+              "KV cache dtype as vLLM's --kv-cache-dtype; fp8 stores 1 byte per element.", _choice(KV_CACHE_DTYPES)),
+    DropField("quantization", "string | null", None,
+              "Quantization method override (vLLM's --quantization); null = from the model config.", _quantization),
+    DropField("tensor_parallel_size", "integer 1–64", 1,
+              "Tensor-parallel size; memory is predicted per GPU.", _int_range(1, 64)),
+    DropField("pipeline_parallel_size", "integer 1–64", 1,
+              "Pipeline-parallel size; memory is predicted per GPU.", _int_range(1, 64)),
+    DropField("max_num_seqs", "integer 1–65536 | null", None,
+              "Most sequences per step (R); sizes the sampler's dummy run. null = the era's default.",
+              _int_range(1, 65536, nullable=True)),
+    DropField("max_num_batched_tokens", "integer 1–2097152 | null", None,
+              "Most tokens per step (N); sizes the profile run's dummy batch. null = the era's default.",
+              _int_range(1, 2_097_152, nullable=True)),
+    DropField("block_size", "1 | 8 | 16 | 32 | 64 | 128 | 256 | null", None,
+              "KV cache block size in tokens; null = the era's/backend's default (16; 64 for FlashMLA).",
+              _choice(BLOCK_SIZES, nullable=True)),
+    DropField("enable_chunked_prefill", "boolean | null", None,
+              "Chunked prefill on/off; null = the era's default for the entry point.", _bool(nullable=True)),
+    DropField("enforce_eager", "boolean", False,
+              "Disable CUDA graphs (no graph memory is reserved).", _bool()),
+    DropField("entry_point", "serve | offline", "serve",
+              "How vLLM would be started: `serve` (OpenAI server) or `offline` (the LLM class); some "
+              "defaults differ between the two.", _choice(ENTRY_POINTS)),
+    DropField("candidates.gpu_memory_utilization", "list of numbers in (0, 1]", REQUIRED,
+              "Fractions of total device memory to try (1–64 values; sorted, duplicates dropped).", _gmu_list),
+    DropField("candidates.max_model_len", "list of integers | {min, max, step} | null", None,
+              "max_model_len values to try (1–4096 values, each 1–16777216; a range expands to "
+              "min, min+step, … ≤ max). null = search up to the model's max_position_embeddings.", _len_list),
+    DropField("constraints.min_concurrency", "number ≥ 1", 1.0,
+              "Only propose a max_model_len at which at least this many full-length requests fit.",
+              _min_concurrency),
+    DropField("constraints.max_model_len_cap", "integer 1–16777216 | null", None,
+              "Never propose a max_model_len above this.", _int_range(1, MAX_MODEL_LEN_LIMIT, nullable=True)),
+)
+
+_FIELDS_BY_NAME = {f.name: f for f in DROP_FIELDS}
+#: Section name → its field names (without the prefix).
+_SECTIONS: dict[str, list[DropField]] = {}
+for _f in DROP_FIELDS:
+    if "." in _f.name:
+        _SECTIONS.setdefault(_f.name.split(".", 1)[0], []).append(_f)
+_TOP_KEYS = [f.name for f in DROP_FIELDS if "." not in f.name] + list(_SECTIONS)
+
+_FORBIDDEN = {
+    "trust_remote_code": "trust_remote_code is set by the daemon's settings, never by a drop",
+}
+
+
+def fields_markdown() -> str:
+    """The drop reference as a Markdown table (for the README)."""
+    rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for f in DROP_FIELDS:
+        default = "**required**" if f.required else ("`null`" if f.default is None else f"`{f.default!r}`"
+                                                      if not isinstance(f.default, str) else f"`{f.default}`")
+        if isinstance(f.default, bool):
+            default = f"`{str(f.default).lower()}`"
+        rows.append(f"| `{f.name}` | {f.type.replace('|', '&#124;')} | {default} | {f.help} |")
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The parsed drop
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Settings to sweep. ``gpu_memory_utilization`` sorted ascending, unique; ``max_model_len``
+    sorted ascending, unique, or None (= search up to the model's max_position_embeddings)."""
+
+    gpu_memory_utilization: tuple[float, ...]
+    max_model_len: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Limits on the proposal."""
+
+    min_concurrency: float = 1.0
+    max_model_len_cap: int | None = None
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A validated config drop. Every value is normalised (dtype aliases resolved, lists sorted)."""
+
+    name: str
+    model: str
+    #: raw device value: a catalog name/alias as written, ``"auto"``, or a mapping
+    #: ``{name, total_memory_gib | total_memory_bytes[, compute_capability]}``. See :meth:`resolve_device`.
+    device: str | dict = field(hash=False)
+    candidates: Candidates
+    constraints: Constraints = Constraints()
+    engine_version: str = "0.19.0"
+    method: str = "simulate"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    enable_chunked_prefill: bool | None = None
+    enforce_eager: bool = False
+    entry_point: str = "serve"
+    #: the drop file as given to :func:`load_drop` / :func:`parse_drop`.
+    path: str = ""
+    #: SHA-256 (hex) of the drop file's raw bytes; decides whether a drop changed.
+    content_sha256: str = ""
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory relative model paths are resolved against: the drop file's directory."""
+        return Path(self.path).resolve().parent if self.path else Path.cwd()
+
+    def model_path(self) -> Path | None:
+        """Local path of the model (directory or config.json), or None for an HF id not found locally.
+
+        A relative path is resolved against :attr:`base_dir`; ``~`` is expanded; ``..`` is folded
+        lexically (symbolic links are not resolved). A value that looks
+        like a path is returned even when it does not exist (the model resolver reports that); a
+        value shaped like an HF id (``org/name``) is returned only if such a path exists locally.
+        """
+        p = Path(os.path.expanduser(self.model))
+        if not p.is_absolute():
+            p = self.base_dir / p
+        p = Path(os.path.normpath(p))
+        if _looks_like_path(self.model):
+            return p
+        return p if p.exists() else None
+
+    def resolve_device(self, nvml: Any = None) -> devices.Device:
+        """Resolve :attr:`device` now (``auto`` reads GPU 0 through NVML).
+
+        Raises:
+            DeviceError: see :func:`tuner.devices.resolve_device`.
+        """
+        return devices.resolve_device(self.device, nvml=nvml)
+
+    @property
+    def max_model_len_values(self) -> tuple[int, ...] | None:
+        """Shorthand for ``candidates.max_model_len``."""
+        return self.candidates.max_model_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """Normalised values as plain JSON-serialisable data (sections nested, tuples as lists).
+
+        ``path`` and ``content_sha256`` are included as provenance.
+        """
+        out: dict[str, Any] = {}
+        for f in DROP_FIELDS:
+            if "." in f.name:
+                section, key = f.name.split(".", 1)
+                value = getattr(getattr(self, section), key)
+                out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+            else:
+                value = getattr(self, f.name)
+                out[f.name] = dict(value) if isinstance(value, dict) else value
+        out["path"] = self.path
+        out["content_sha256"] = self.content_sha256
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hardened YAML loading
+# --------------------------------------------------------------------------------------------
+
+
+class _DropLoader(yaml.SafeLoader):
+    """SafeLoader that counts alias references while composing."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.alias_count = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: D401 - PyYAML hook
+        if self.check_event(yaml.AliasEvent):
+            self.alias_count += 1
+            if self.alias_count > MAX_ALIASES:
+                raise _Bomb(f"more than {MAX_ALIASES} alias references (*name)")
+        return super().compose_node(parent, index)
+
+
+class _Bomb(Exception):
+    pass
+
+
+def _check_graph(root: yaml.Node) -> None:
+    """Reject recursive anchors, deep nesting and alias expansion beyond :data:`MAX_NODES`."""
+    sizes: dict[int, int] = {}
+    on_stack: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        nid = id(node)
+        if nid in on_stack:
+            raise _Bomb("a recursive anchor (a node that contains itself)")
+        if nid in sizes:
+            return sizes[nid]
+        if depth > MAX_DEPTH:
+            raise _Bomb(f"nesting deeper than {MAX_DEPTH} levels")
+        total = 1
+        on_stack.add(nid)
+        if isinstance(node, yaml.SequenceNode):
+            for child in node.value:
+                total += size(child, depth + 1)
+                if total > MAX_NODES:
+                    break
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                total += size(k, depth + 1) + size(v, depth + 1)
+                if total > MAX_NODES:
+                    break
+        on_stack.discard(nid)
+        if total > MAX_NODES:
+            raise _Bomb(f"more than {MAX_NODES} values after alias expansion (a valid drop needs far fewer)")
+        sizes[nid] = total
+        return total
+
+    size(root, 0)
+
+
+def _check_duplicate_keys(node: yaml.Node, path: str, drop_path: str, seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        keys: set[str] = set()
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if k.value in keys:
+                    raise DropError(f"duplicate key {k.value!r} (line {k.start_mark.line + 1})",
+                                    path=drop_path, field=_join(path, k.value))
+                keys.add(k.value)
+                _check_duplicate_keys(v, _join(path, k.value), drop_path, seen)
+            else:
+                _check_duplicate_keys(v, path, drop_path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, child in enumerate(node.value):
+            _check_duplicate_keys(child, f"{path}[{i}]", drop_path, seen)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _safe_yaml(text: str, path: str) -> Any:
+    loader = _DropLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_graph(node)
+            _check_duplicate_keys(node, "", path)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except _Bomb as exc:
+        raise DropError(f"rejected as a possible YAML bomb: {exc}", path=path) from None
+    except RecursionError:
+        raise DropError("rejected as a possible YAML bomb: nesting too deep", path=path) from None
+    except yaml.YAMLError as exc:
+        raise DropError(f"not valid YAML: {exc}", path=path) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+
+def load_drop(path: str | os.PathLike) -> Drop:
+    """Read and validate the drop file at ``path``.
+
+    Raises:
+        DropError: the file cannot be read, is larger than :data:`MAX_DROP_BYTES` (256 KiB), is not
+            UTF-8, or fails :func:`parse_drop`.
+    """
+    p = str(path)
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_DROP_BYTES + 1)
+    except OSError as exc:
+        raise DropError(f"cannot read drop: {exc.strerror or exc}", path=p) from None
+    return parse_drop(raw, p)
+
+
+def parse_drop(text: str | bytes, path: str) -> Drop:
+    """Validate a drop's text. ``path`` is the drop file (for errors and relative model paths).
+
+    ``text`` may be the raw bytes (then :attr:`Drop.content_sha256` hashes exactly those bytes) or
+    a str (hashed as UTF-8).
+
+    Raises:
+        DropError: with ``path`` and ``field`` (the dotted key, None for whole-document errors).
+    """
+    path = str(path)
+    raw = text if isinstance(text, bytes) else text.encode("utf-8")
+    if len(raw) > MAX_DROP_BYTES:
+        raise DropError(f"drop is larger than {MAX_DROP_BYTES // 1024} KiB", path=path)
+    try:
+        decoded = raw.decode("utf-8") if isinstance(text, bytes) else text
+    except UnicodeDecodeError as exc:
+        raise DropError(f"drop is not UTF-8 text: {exc}", path=path) from None
+    if "\x00" in decoded:
+        raise DropError("drop contains a NUL byte", path=path)
+    data = _safe_yaml(decoded, path)
+    if data is None:
+        raise DropError("drop is empty; it needs at least name, model, device and candidates", path=path)
+    if not isinstance(data, dict):
+        raise DropError(f"top level must be a mapping of keys, not a {_type_name(data)}", path=path)
+
+    values = _validate_mapping(data, "", _TOP_KEYS, path)
+    sections: dict[str, Any] = {}
+    for section, fields in _SECTIONS.items():
+        raw_section = data.get(section)
+        if raw_section is None:
+            raw_section = {}
+        elif not isinstance(raw_section, dict):
+            raise DropError(f"must be a mapping, not {_type_name(raw_section)} {raw_section!r}",
+                            path=path, field=section)
+        sub = _validate_mapping(raw_section, section, [f.name.split(".", 1)[1] for f in fields], path)
+        sections[section] = sub
+    top = {k: v for k, v in values.items() if k not in _SECTIONS}
+    return Drop(
+        **top,
+        candidates=Candidates(**sections["candidates"]),
+        constraints=Constraints(**sections["constraints"]),
+        path=path,
+        content_sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) -> dict[str, Any]:
+    """Check keys of one mapping level and run each field's validator; sections are skipped."""
+    for key in data:
+        if not isinstance(key, str):
+            raise DropError(f"keys must be strings, not {_type_name(key)} {key!r}", path=path,
+                            field=_join(prefix, str(key)))
+        if key in _FORBIDDEN:
+            raise DropError(_FORBIDDEN[key], path=path, field=_join(prefix, key))
+        if key not in allowed:
+            raise DropError(f"unknown key {key!r}; allowed here: {', '.join(allowed)}", path=path,
+                            field=_join(prefix, key))
+    out: dict[str, Any] = {}
+    for key in allowed:
+        dotted = _join(prefix, key)
+        spec = _FIELDS_BY_NAME.get(dotted)
+        if spec is None:  # a section, validated by the caller
+            continue
+        if key not in data:
+            if spec.required:
+                raise DropError(f"required key {dotted!r} is missing ({spec.help})", path=path, field=dotted)
+            out[key] = spec.default
+            continue
+        value = data[key]
+        if value is None and spec.required:
+            raise DropError(f"required key {dotted!r} is null", path=path, field=dotted)
+        try:
+            out[key] = spec.check(value)
+        except _Invalid as exc:
+            raise DropError(exc.message, path=path, field=dotted + exc.sub) from None
+    return out
