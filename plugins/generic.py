@@ -1,0 +1,114 @@
+"""Generic decoder plugin: dense pre-norm decoders with GQA attention and a gated MLP.
+
+Serves Llama / CodeLlama / Llama-3.x, Mistral, Qwen2 / Qwen2.5 / Qwen3, Granite, InternLM-style
+configs, and is the fallback (with a warning) for any standard decoder config. What it models per
+rank (vLLM ``LlamaForCausalLM``, vllm/model_executor/models/llama.py): vocab-parallel embedding and
+LM head (vocab padded to 64), fused QKV (KV heads ``max(1, kv // tp)``, replicated below tp),
+rotary ``cos_sin_cache [max_position_embeddings, rotary_dim]`` in the model dtype, fused
+gate_up/down MLP, RMSNorms; Qwen2 adds QKV bias, Qwen3 per-head q/k norms. KV cache: one
+``FullAttentionSpec`` per layer (``SlidingWindowSpec`` when the config slides every layer).
+"""
+
+from __future__ import annotations
+
+from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank, layers_per_pp_rank
+from tuner.plugin import ModelPlugin, RankSettings
+
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def _stage_layers(spec, settings: RankSettings) -> range:
+    counts = layers_per_pp_rank(spec.num_hidden_layers, settings.pipeline_parallel_size)
+    start = sum(counts[: settings.pp_rank])
+    return range(start, start + counts[settings.pp_rank])
+
+
+def _uses_sliding_window(spec) -> int | None:
+    raw = spec.raw
+    w = spec.sliding_window
+    if not w or raw.get("use_sliding_window") is False:
+        return None
+    if raw.get("layer_types"):
+        return None  # interleaved patterns belong to specific plugins
+    return int(w)
+
+
+class GenericDecoderPlugin(ModelPlugin):
+    """Dense decoder (Llama family and look-alikes)."""
+
+    name = "generic"
+    architectures = (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GraniteForCausalLM",
+        "InternLM2ForCausalLM",
+        "YiForCausalLM",
+    )
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
+        bs = settings.block_size or 16
+        heads = kv_heads_per_rank(spec.num_key_value_heads, settings.tensor_parallel_size)
+        dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
+        window = _uses_sliding_window(spec)
+        out = {}
+        for i in _stage_layers(spec, settings):
+            name = f"model.layers.{i}.self_attn.attn"
+            if window:
+                out[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
+                                              dtype_bytes=dt, sliding_window=window)
+            else:
+                out[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim, dtype_bytes=dt)
+        return out
+
+    # -- module ------------------------------------------------------------------------------
+    def qkv_bias(self, spec) -> bool:
+        return bool(spec.raw.get("attention_bias") or spec.raw.get("qkv_bias") or spec.model_type == "qwen2")
+
+    def build_model(self, spec, settings: RankSettings):
+        import torch
+
+        from tuner.simulate import layers as L
+
+        dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
+        tp = settings.tensor_parallel_size
+        pp, rank = settings.pipeline_parallel_size, settings.pp_rank
+        h = spec.hidden_size
+        heads = spec.num_attention_heads // tp
+        kv = kv_heads_per_rank(spec.num_key_value_heads, tp)
+        inter = spec.intermediate_size // tp
+        rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
+        layers = []
+        for _ in _stage_layers(spec, settings):
+            attn = L.Attention(h, heads, kv, spec.head_dim, dtype, rope, qkv_bias=self.qkv_bias(spec),
+                               compiled=settings.compiled, runs_attention=settings.runs_attention)
+            if spec.model_type == "qwen3":
+                attn.q_norm = L.RMSNorm(spec.head_dim, dtype)
+                attn.k_norm = L.RMSNorm(spec.head_dim, dtype)
+            mlp = L.GatedMLP(h, inter, dtype, compiled=settings.compiled, bias=bool(spec.raw.get("mlp_bias")))
+            layers.append(L.DecoderLayer(attn, mlp, h, dtype))
+        first, last = rank == 0, rank == pp - 1
+        embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and spec.tie_word_embeddings)) else None
+        lm_head = None
+        if last:
+            tied = embed if spec.tie_word_embeddings else None
+            lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=tied)
+        norm = L.RMSNorm(h, dtype) if last else None
+        model = L.CausalLM(embed, layers, norm, lm_head, extra={"rotary_emb": rope})
+        return model
+
+    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
+        """Bytes of every parameter and buffer of the rank's module, each storage once
+        (vLLM measures the allocated-memory increase over ``load_model``, reference §2.4)."""
+        seen, total = set(), 0
+        for t in list(module.parameters()) + list(module.buffers()):
+            key = id(t.untyped_storage())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
+
+plugin = GenericDecoderPlugin()

@@ -1,0 +1,135 @@
+"""The engine's KV-cache budget: requested memory minus what the profile run found in use.
+
+Pure functions (no torch, no I/O). The formula families follow vLLM's worker code by era
+(reference §3.2 for V0 ``vllm/worker/worker.py``, §4.3 for V1 ``vllm/v1/worker/gpu_worker.py``
+and ``vllm/utils/mem_utils.py``). Terms no formula gives exactly — non-torch memory and the
+CUDA-graph estimate — are empirical models over the era and the parallel layout, calibrated on
+the public start-up logs in ``shared/cases/vllm-observed.jsonl`` (documented per constant).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from tuner.eras import GiB, MiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V1_WHOLE_GPU, Era
+
+
+def requested_memory_bytes(era: Era, total_memory_bytes: int, gpu_memory_utilization: float) -> int:
+    """``T·u`` in bytes: ``math.ceil`` from V1 0.14 (vllm/v1/worker/utils.py ``request_memory``),
+    truncated to int before (the budget is later cast with ``int()``)."""
+    raw = total_memory_bytes * gpu_memory_utilization
+    return math.ceil(raw) if era.requested_rounds_up else int(raw)
+
+
+def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> int:
+    """Non-torch memory the era charges to the instance (bytes, per rank).
+
+    What it contains depends on the era (reference §8):
+    - V0 0.6.4 and V1 0.7–0.9.0 count everything used on the GPU outside torch's allocations,
+      the CUDA context included: 0.35 GiB on one RTX 3090 (case vllm-10517, 0.6.4).
+    - V0 0.6.5–0.6.6 charge NCCL and workspaces since init: 1.79 GiB TP1, 3.58 GiB TP2
+      (PR #10511 sanity log, reference §7A).
+    - V1 0.9.1+ charge the non-torch increase during the profile: 0.25 GiB at TP1 on H100 with
+      0.19 (0.24–0.26 over 14 cases; 0.13 with 0.11.0); 2.07 GiB at TP2, 2.13 at TP4 (custom
+      all-reduce and NCCL buffers); 0.07 GiB on pipeline stages without TP.
+    Calibrated constants, not a per-model lookup.
+    """
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    v = era.version
+    f = era.budget_formula
+    if f in (V0_WHOLE_GPU, V1_WHOLE_GPU, V0_FREE_DELTA):
+        base = 0.35 * GiB
+        return int(base + (1.8 * GiB if tp > 1 else 0))
+    if f == V0_PROFILING:
+        if v < (0, 7, 0):
+            return int(1.79 * GiB * (2 if tp > 1 else 1))
+        return int(0.25 * GiB + (1.8 * GiB if tp > 1 else 0))
+    # V1 0.9.1+
+    if tp > 1:
+        # 2.07 GiB at TP2, 2.13 at TP4: +0.03 GiB per doubling.
+        return int((2.07 + 0.03 * math.log2(tp / 2)) * GiB)
+    if pp > 1:
+        return int(0.07 * GiB)
+    if v < (0, 12, 0) and v >= (0, 11, 0):
+        return int(0.13 * GiB)
+    return int(0.25 * GiB)
+
+
+def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """CUDA-graph capture sizes (tokens) by era (vllm/config/compilation.py).
+
+    ≤0.11: ``[1, 2, 4] + range(8, max_graph + 1, 8)``, ``max_graph = min(2·max_num_seqs, 512)``;
+    later: ``[1, 2, 4] + range(8, 256, 8) + range(256, max_graph + 1, 16)``; both capped at N.
+    """
+    max_graph = min(2 * max_num_seqs, 512)
+    if era.version < (0, 12, 0):
+        sizes = [1, 2, 4] + list(range(8, max_graph + 1, 8))
+    else:
+        sizes = [1, 2, 4] + list(range(8, min(256, max_graph + 1), 8)) + list(range(256, max_graph + 1, 16))
+    return [s for s in sizes if s <= max_num_batched_tokens]
+
+
+def cudagraph_estimate_bytes(
+    era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> int:
+    """The CUDA-graph memory estimate the era subtracts (0 where it subtracts none).
+
+    vLLM 0.20+ (vllm/v1/worker/gpu_model_runner.py ``profile_cudagraph_memory``) captures the two
+    largest sizes per mode and extrapolates: ``first + per_graph·(n − 1)`` per mode, with
+    ``per_graph ≥ 1 MiB``. Modelled as a first capture of 32 MiB + 0.5 MiB per layer and
+    ``max(1 MiB, 16 KiB per layer)`` per further graph, for PIECEWISE and FULL (decode sizes
+    only) graphs. Heuristic (UNVERIFIED against logs: no visible case prints it).
+    """
+    if not era.subtracts_cudagraph_estimate:
+        return 0
+    sizes = cudagraph_capture_sizes(era, max_num_seqs, max_num_batched_tokens)
+    n = len(sizes)
+    first = 32 * MiB + num_layers * (MiB // 2)
+    per_graph = max(MiB, num_layers * 16 * 1024)
+    return int(first + per_graph * max(0, n - 1) + per_graph * max(0, n - 1))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One KV budget, all in bytes (per rank).
+
+    ``available_kv_cache_bytes`` may be negative: the engine would refuse to start with
+    "No available memory for the cache blocks".
+    """
+
+    requested_memory_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    cuda_graph_bytes: int
+    available_kv_cache_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_budget(
+    era: Era,
+    *,
+    total_memory_bytes: int,
+    gpu_memory_utilization: float,
+    weights_bytes: int,
+    activation_peak_bytes: int,
+    non_torch_bytes: int,
+    cuda_graph_bytes: int = 0,
+) -> Budget:
+    """Available KV-cache bytes for one rank.
+
+    All families reduce to ``requested − (W + activation peak + non-torch) [− graphs]``
+    once each term carries the era's meaning (see :func:`non_torch_bytes`):
+    V0 ≤0.6.3 ``T·u − (init_free − free_after)``; V0 0.6.4 / V1 0.7–0.9.0
+    ``T·u − (torch_alloc_peak + non_torch_whole_gpu)`` where the torch peak includes W;
+    V0 0.6.5–0.10.2 and V1 0.9.1–0.26 ``requested − (W + peak_increase + non_torch_increase)``
+    (V1 0.20+ minus the CUDA-graph estimate); V1 0.27+ ``requested − (total_consumed +
+    transient_headroom) − graphs`` with ``total_consumed`` = W + non-torch since the snapshot.
+    """
+    requested = requested_memory_bytes(era, total_memory_bytes, gpu_memory_utilization)
+    graphs = cuda_graph_bytes if era.subtracts_cudagraph_estimate else 0
+    avail = requested - weights_bytes - activation_peak_bytes - non_torch_bytes - graphs
+    return Budget(requested, weights_bytes, activation_peak_bytes, non_torch_bytes, graphs, int(avail))

@@ -1,0 +1,316 @@
+"""vLLM eras: version parsing and the per-version rules that size the profile run and the budget.
+
+Pure functions, no I/O, no torch. Every rule cites the vLLM release range and file it follows
+(see ``shared/reference/vllm-memory-model.md`` for the paraphrased source).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import total_ordering
+
+from tuner.errors import EraError
+
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.+-]?(?:post|rc|dev|a|b)?\d*.*)?\s*$")
+
+#: Oldest and newest releases whose rules are modelled.
+OLDEST = (0, 4, 0)
+NEWEST = (0, 33, 0)
+
+
+@total_ordering
+@dataclass(frozen=True)
+class VllmVersion:
+    """A vLLM release as a comparable (major, minor, patch) triple.
+
+    ``VllmVersion.parse("0.10.1.1")`` → (0, 10, 1); suffixes such as ``.post1`` or ``rc1`` are
+    ignored because the memory rules never changed inside a patch series.
+    Compare with tuples or strings: ``v >= "0.9.1"``.
+    """
+
+    major: int
+    minor: int
+    patch: int = 0
+    raw: str = ""
+
+    @classmethod
+    def parse(cls, text: str | "VllmVersion") -> "VllmVersion":
+        """Parse ``"0.19.0"``, ``"v0.6.4.post1"``, ``"0.10.1.1"``.
+
+        Raises:
+            EraError: the text is not a version, or lies outside 0.4 – 0.33.
+        """
+        if isinstance(text, VllmVersion):
+            return text
+        m = _VERSION_RE.match(str(text))
+        if not m:
+            raise EraError(f"cannot parse vLLM version {text!r} (expected e.g. '0.19.0')")
+        v = cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), str(text).strip())
+        if v.key < OLDEST or v.key > NEWEST:
+            raise EraError(
+                f"vLLM version {text!r} is outside the modelled eras "
+                f"{'.'.join(map(str, OLDEST))} – {'.'.join(map(str, NEWEST))}"
+            )
+        return v
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.major, self.minor, self.patch)
+
+    @staticmethod
+    def _other(other: object) -> tuple[int, int, int]:
+        if isinstance(other, VllmVersion):
+            return other.key
+        if isinstance(other, tuple):
+            return tuple(other) + (0,) * (3 - len(other))  # type: ignore[return-value]
+        if isinstance(other, str):
+            parts = [int(p) for p in other.split(".")[:3]]
+            return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+        return NotImplemented  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        o = self._other(other)
+        return o is not NotImplemented and self.key == o
+
+    def __lt__(self, other: object) -> bool:
+        return self.key < self._other(other)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __str__(self) -> str:
+        return ".".join(map(str, self.key))
+
+
+def parse_version(text: str | VllmVersion) -> VllmVersion:
+    """Shorthand for :meth:`VllmVersion.parse`."""
+    return VllmVersion.parse(text)
+
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+#: Budget formula families (see reference §1 and §3.2 / §4.3).
+V0_FREE_DELTA = "v0_free_delta"  # V0 ≤0.6.3: T·u − (init_free − free_after_profile)
+V0_WHOLE_GPU = "v0_whole_gpu"  # V0 0.6.4: T·u − (torch peak + everything else on the GPU)
+V0_PROFILING = "v0_profiling"  # V0 0.6.5–0.10.2: T·u − (W + torch_peak_increase + non_torch_increase)
+V1_WHOLE_GPU = "v1_whole_gpu"  # V1 0.7.0–0.9.0: as V0 0.6.4 (context and other processes count)
+V1_PROFILING = "v1_profiling"  # V1 0.9.1–0.26: requested − (W + peak increase + non-torch) [− graphs]
+V1_CONSUMED = "v1_consumed"  # V1 0.27–0.33: requested − (total_consumed + transient headroom) − graphs
+
+
+@dataclass(frozen=True)
+class Era:
+    """The rules of one vLLM release, as far as memory is concerned.
+
+    Attributes:
+        version: the release.
+        engine: ``"V0"`` or ``"V1"``.
+        budget_formula: one of the ``V0_*``/``V1_*`` constants above.
+        requested_rounds_up: ``requested = ceil(T·u)`` (vllm/v1/worker/utils.py, 0.14+), else ``T·u``.
+        subtracts_cudagraph_estimate: the CUDA-graph estimate is taken off the KV budget by
+            default (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` default "1" from 0.20).
+        default_gpu_memory_utilization: 0.90, or 0.92 from 0.20 (vllm/config/cache.py).
+        null_block: the block pool reserves block 0 (V1 0.8.3+, vllm/v1/core/block_pool.py).
+        compiled: the V1 profile runs the torch.compile'd model (buffers freed at last use);
+            V0 runs eager code, whose locals keep intermediates alive until a function returns.
+    """
+
+    version: VllmVersion
+    engine: str
+    budget_formula: str
+    requested_rounds_up: bool
+    subtracts_cudagraph_estimate: bool
+    default_gpu_memory_utilization: float
+    null_block: bool
+    compiled: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {self.version} ({self.budget_formula})"
+
+
+def default_engine(version: VllmVersion) -> str:
+    """V1 is the default engine from 0.8.0 (V0 removed in 0.11.0); V0 before."""
+    return "V1" if version >= (0, 8, 0) else "V0"
+
+
+def era_for(version: str | VllmVersion, engine: str | None = None, *, enforce_eager: bool = False) -> Era:
+    """Return the :class:`Era` for a vLLM release and engine.
+
+    Args:
+        version: e.g. ``"0.19.0"``.
+        engine: ``"V0"``/``"V1"``/``None`` (= the release's default engine).
+        enforce_eager: the user passed ``--enforce-eager`` (no torch.compile, no CUDA graphs).
+
+    Raises:
+        EraError: unparsable version, or an engine the release does not have (V1 before 0.7,
+            V0 from 0.11).
+    """
+    v = VllmVersion.parse(version)
+    eng = (engine or default_engine(v)).upper()
+    if eng not in ("V0", "V1"):
+        raise EraError(f"unknown engine {engine!r} (expected V0 or V1)")
+    if eng == "V1" and v < (0, 7, 0):
+        raise EraError(f"vLLM {v} has no V1 engine (V1 starts at 0.7.0)")
+    if eng == "V0" and v >= (0, 11, 0):
+        raise EraError(f"vLLM {v} has no V0 engine (removed in 0.11.0)")
+    if eng == "V0":
+        if v <= (0, 6, 3):
+            formula = V0_FREE_DELTA
+        elif v < (0, 6, 5):
+            formula = V0_WHOLE_GPU
+        else:
+            formula = V0_PROFILING
+    else:
+        if v < (0, 9, 1):
+            formula = V1_WHOLE_GPU
+        elif v < (0, 27, 0):
+            formula = V1_PROFILING
+        else:
+            formula = V1_CONSUMED
+    return Era(
+        version=v,
+        engine=eng,
+        budget_formula=formula,
+        requested_rounds_up=eng == "V1" and v >= (0, 14, 0),
+        subtracts_cudagraph_estimate=eng == "V1" and v >= (0, 20, 0) and not enforce_eager,
+        default_gpu_memory_utilization=0.92 if v >= (0, 20, 0) else 0.90,
+        null_block=eng == "V1" and v >= (0, 8, 3),
+        compiled=eng == "V1" and not enforce_eager,
+    )
+
+
+@dataclass(frozen=True)
+class ProfileBatch:
+    """The dummy batch of one profile run.
+
+    Attributes:
+        max_num_batched_tokens: N, tokens in the forward.
+        max_num_seqs: S after the era's clamps.
+        num_reqs: R, requests in the batch = rows of logits sampled.
+        chunked_prefill: whether chunked prefill is on (decides whether N depends on M).
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_reqs: int
+    chunked_prefill: bool
+
+
+def profile_batch(
+    era: Era,
+    *,
+    max_model_len: int,
+    entry_point: str = "serve",
+    device_name: str = "",
+    total_memory_bytes: int = 0,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    enable_chunked_prefill: bool | None = None,
+    has_sliding_window: bool = False,
+    is_multimodal: bool = False,
+) -> ProfileBatch:
+    """Size the profile run's dummy batch the way the era's engine does.
+
+    V0 (vllm/config.py ``SchedulerConfig``/``EngineArgs``, 0.4–0.10): ``max_num_seqs`` 256;
+    chunked prefill auto-enabled when ``max_model_len > 32768`` (0.5.4+, no sliding window,
+    not multimodal); N = ``max(M, 2048)`` without chunked prefill, else 512 (≤0.6.4) or 2048
+    (0.6.5+). V1 (vllm/engine/arg_utils.py, reference §4.10): defaults by GPU tier and entry
+    point; chunked prefill always on unless disabled; ``S = min(S, N)``.
+
+    Returns:
+        A :class:`ProfileBatch` (tokens, sequences, requests).
+
+    Raises:
+        EraError: a user ``max_num_batched_tokens`` the engine would reject
+            (< ``max_model_len`` without chunked prefill, in V0).
+    """
+    v = era.version
+    if era.engine == "V0":
+        chunked = enable_chunked_prefill
+        if chunked is None:
+            chunked = (
+                v >= (0, 5, 4) and max_model_len > 32768 and not has_sliding_window and not is_multimodal
+            )
+        s = max_num_seqs or 256
+        if max_num_batched_tokens is not None:
+            n = max_num_batched_tokens
+            if not chunked and n < max_model_len:
+                raise EraError(
+                    f"max_num_batched_tokens ({n}) is smaller than max_model_len ({max_model_len}): "
+                    "vLLM rejects this without chunked prefill"
+                )
+        elif chunked:
+            n = 512 if v < (0, 6, 5) else 2048
+        else:
+            n = max(max_model_len, 2048)
+        return ProfileBatch(n, s, min(s, n), bool(chunked))
+
+    # V1
+    big = total_memory_bytes >= 70 * GiB and "a100" not in device_name.lower()
+    name = device_name.lower()
+    if v < (0, 9, 0):
+        hopper = "h100" in name or "h200" in name
+        serve_n, offline_n = (8192, 16384) if hopper else (2048, 8192)
+        s_default = 1024 if (hopper or v < (0, 8, 5)) else 256
+    elif v < (0, 28, 0):
+        serve_n, offline_n = (8192, 16384) if big else (2048, 8192)
+        s_default = 1024 if big else 256
+    else:
+        if total_memory_bytes >= 160 * GiB:
+            serve_n, offline_n, s_default = 16384, 16384, 1024
+        elif big:
+            serve_n, offline_n, s_default = 8192, 16384, 1024
+        else:
+            serve_n, offline_n, s_default = 2048, 8192, 256
+    n = max_num_batched_tokens or (offline_n if entry_point == "offline" else serve_n)
+    s = max_num_seqs or s_default
+    chunked = True if enable_chunked_prefill is None else bool(enable_chunked_prefill)
+    if not chunked and max_num_batched_tokens is None:
+        if v >= (0, 12, 0):
+            n = max(max_model_len, n)
+        elif v >= (0, 11, 0):
+            n = max_model_len
+        else:
+            n = max(max_model_len, n)
+    if v >= (0, 12, 0):
+        n = min(s * max_model_len, n)
+    s = min(s, n)
+    return ProfileBatch(n, s, min(n, s), chunked)
+
+
+#: Dummy-sampler families by era (what ``profile_run`` samples, vllm/v1/worker/gpu_model_runner.py
+#: ``_dummy_sampler_run`` and vllm/v1/sample/ops/topk_topp_sampler.py; V0
+#: vllm/model_executor/layers/sampler.py).
+SAMPLER_V0_SORT = "v0_sort"  # V0: fp32 upcast, sort-based top-k/top-p, probs + logprobs
+SAMPLER_V1_ALL_LOGITS = "v1_all_logits"  # V1 0.7.0–0.7.2: logits for all N tokens, no sampler
+SAMPLER_V1_LOGITS_ONLY = "v1_logits_only"  # V1 0.7.3: logits for R rows, no sampler
+SAMPLER_V1_FLASHINFER = "v1_flashinfer"  # V1 0.8–0.11: FlashInfer sampler is the CUDA default
+SAMPLER_V1_SORT = "v1_sort"  # V1 0.12–0.16: PyTorch sort path (FlashInfer opt-in)
+SAMPLER_V1_TRITON = "v1_triton"  # V1 0.17+: Triton top-k/top-p in place for batches ≥ 8
+
+
+def sampler_family(era: Era) -> str:
+    """The dummy-sampler implementation the era's profile run executes (see constants)."""
+    v = era.version
+    if era.engine == "V0":
+        return SAMPLER_V0_SORT
+    if v < (0, 7, 3):
+        return SAMPLER_V1_ALL_LOGITS
+    if v < (0, 8, 0):
+        return SAMPLER_V1_LOGITS_ONLY
+    if v < (0, 12, 0):
+        return SAMPLER_V1_FLASHINFER
+    if v < (0, 17, 0):
+        return SAMPLER_V1_SORT
+    return SAMPLER_V1_TRITON
+
+
+def resolve_dtype(requested: str, config_dtype: str) -> str:
+    """The model dtype vLLM runs (``ModelConfig.dtype``): ``auto`` → bfloat16 for bf16
+    checkpoints, float16 for fp16 and fp32 checkpoints; an explicit dtype wins."""
+    if requested and requested != "auto":
+        return requested
+    return "bfloat16" if config_dtype == "bfloat16" else "float16"

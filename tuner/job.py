@@ -1,0 +1,144 @@
+"""One profile job, worker side: model spec → plugin → profile passes → candidates → proposals.
+
+Runs inside the worker subprocess (imports torch through the plugin and the simulator). Input
+and output are plain JSON-able dicts so the parent never needs torch. Passes are memoized per
+(max_num_batched_tokens, num_reqs, stage): under V1 one pass serves every candidate.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+from tuner import __version__
+from tuner.eras import GiB, era_for, profile_batch, resolve_dtype
+from tuner.modelspec import load_model_spec
+from tuner.plugin import RankSettings, load_registry
+from tuner.search import Layout, evaluate, propose
+
+#: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
+#: (vllm/engine/arg_utils.py, 0.5.4+): the fit surface can jump at this boundary.
+V0_CHUNKED_PREFILL_THRESHOLD = 32768
+
+
+def _extra_args(d: dict) -> str:
+    parts = []
+    for key, flag in (("tensor_parallel_size", "--tensor-parallel-size"), ("pipeline_parallel_size", "--pipeline-parallel-size")):
+        if d.get(key, 1) != 1:
+            parts.append(f"{flag} {d[key]}")
+    if d.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(f"--kv-cache-dtype {d['kv_cache_dtype']}")
+    if d.get("dtype", "auto") != "auto":
+        parts.append(f"--dtype {d['dtype']}")
+    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if d.get(key) is not None:
+            parts.append(f"--{key.replace('_', '-')} {d[key]}")
+    if d.get("enable_chunked_prefill") is not None:
+        parts.append("--enable-chunked-prefill" if d["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
+    if d.get("enforce_eager"):
+        parts.append("--enforce-eager")
+    return " ".join(parts)
+
+
+def run_job(request: dict[str, Any]) -> dict[str, Any]:
+    """Execute one job.
+
+    Request keys: ``drop`` (``Drop.to_dict()``), ``config_path`` (the model's config.json),
+    ``device`` (``{name, total_memory_bytes}``), ``fake`` (default True).
+
+    Returns a dict with ``model``, ``plugin``, ``warnings``, ``era``, ``runs`` (one per pass),
+    ``candidates`` and ``proposals`` (see :mod:`tuner.search`), and ``versions``.
+
+    Raises:
+        TunerError subclasses for bad configs, plugins or settings.
+    """
+    import torch
+    import transformers
+
+    t_start = time.perf_counter()
+    d = request["drop"]
+    device = request["device"]
+    total = int(device["total_memory_bytes"])
+    warnings: list[str] = []
+    spec, _hf = load_model_spec(request["config_path"])
+    registry = load_registry()
+    for err in registry.errors:
+        warnings.append(str(err))
+    plugin, warn = registry.for_architectures(spec.architectures)
+    if warn:
+        warnings.append(warn)
+    era = era_for(d["engine_version"], d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
+    dtype = resolve_dtype(d.get("dtype", "auto"), spec.torch_dtype)
+    tp, pp = int(d.get("tensor_parallel_size", 1)), int(d.get("pipeline_parallel_size", 1))
+    stage_settings = [
+        RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=d.get("kv_cache_dtype", "auto"),
+                     block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
+                     compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"))
+        for r in range(pp)
+    ]
+    kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
+    first_spec = next(iter(kv_specs[0].values()), None)
+    block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
+    layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs)
+    is_mm = "text_config" in spec.top
+
+    def batch_for(m: int):
+        return profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"), device_name=device["name"],
+                             total_memory_bytes=total, max_num_batched_tokens=d.get("max_num_batched_tokens"),
+                             max_num_seqs=d.get("max_num_seqs"), enable_chunked_prefill=d.get("enable_chunked_prefill"),
+                             has_sliding_window=spec.sliding_window is not None, is_multimodal=is_mm)
+
+    from tuner.simulate.profile import run_pass
+
+    memo: dict[tuple, list] = {}
+    runs: list[dict] = []
+
+    def passes_for(batch):
+        key = (batch.max_num_batched_tokens, batch.num_reqs)
+        if key not in memo:
+            results = []
+            for s in stage_settings:
+                r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True))
+                results.append(r)
+                runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **r.to_dict(),
+                             "max_num_seqs": batch.max_num_seqs})
+            memo[key] = results
+        return memo[key]
+
+    regions = [(1, spec.max_position_embeddings)]
+    if (era.engine == "V0" and d.get("enable_chunked_prefill") is None and d.get("max_num_batched_tokens") is None
+            and era.version >= (0, 5, 4)):
+        regions = [(1, V0_CHUNKED_PREFILL_THRESHOLD), (V0_CHUNKED_PREFILL_THRESHOLD + 1, spec.max_position_embeddings)]
+    cons = d.get("constraints") or {}
+    min_conc = float(cons.get("min_concurrency") or 1.0)
+    cap = cons.get("max_model_len_cap")
+    grid_m = (d.get("candidates") or {}).get("max_model_len")
+    candidates, proposals = [], []
+    for u in (d.get("candidates") or {}).get("gpu_memory_utilization") or [era.default_gpu_memory_utilization]:
+        prop, searched = propose(era, layout, gpu_memory_utilization=u, batch_for=batch_for, passes_for=passes_for,
+                                 min_concurrency=min_conc, max_model_len_cap=cap, regions=regions,
+                                 extra_args=_extra_args(d))
+        proposals.append(prop.to_dict())
+        for m in (grid_m or sorted({c.max_model_len for c in searched})):
+            batch = batch_for(m)
+            c = evaluate(era, layout, batch, passes_for(batch), gpu_memory_utilization=u, max_model_len=m,
+                         min_concurrency=min_conc).to_dict()
+            c["run_key"] = f"{batch.max_num_batched_tokens}x{batch.num_reqs}@0"
+            candidates.append(c)
+    return {
+        "model": spec.to_dict(),
+        "plugin": plugin.name,
+        "warnings": warnings,
+        "era": era.name,
+        "engine": era.engine,
+        "dtype": dtype,
+        "block_size": block_size,
+        "runs": runs,
+        "candidates": candidates,
+        "proposals": proposals,
+        "versions": {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "elapsed_s": round(time.perf_counter() - t_start, 3),
+        "total_memory_gib": round(total / GiB, 2),
+    }

@@ -1,0 +1,180 @@
+"""ModelSpec: the facts of a model's HF ``config.json`` that memory depends on.
+
+``resolve_model_path`` is pure Python (no torch) and runs anywhere. ``load_model_spec`` reads the
+config through ``transformers.AutoConfig`` (which imports torch), so it runs only in the worker.
+Never touches the network: ``HF_HUB_OFFLINE=1`` is forced and ids resolve only through the local
+HF cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import ModelConfigError
+
+
+def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None) -> Path:
+    """Find the ``config.json`` for a drop's ``model`` value without network access.
+
+    Order: a path (absolute, or relative to ``base_dir``) to a directory holding ``config.json``
+    or to a ``.json`` file; then an HF id (``org/name``) in the local HF cache
+    (``huggingface_hub.try_to_load_from_cache``, honouring ``HF_HOME``/``HF_HUB_CACHE``).
+
+    Returns:
+        The path of the config file.
+
+    Raises:
+        ModelConfigError: nothing found (the message names the places searched).
+    """
+    searched = []
+    candidates = [Path(model)]
+    if base_dir is not None and not Path(model).is_absolute():
+        candidates.insert(0, Path(base_dir) / model)
+    for c in candidates:
+        searched.append(str(c))
+        if c.is_dir() and (c / "config.json").is_file():
+            return (c / "config.json").resolve()
+        if c.is_file() and c.suffix == ".json":
+            return c.resolve()
+    if model.count("/") == 1 and ".." not in model and not model.startswith(("/", ".")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(repo_id=model, filename="config.json")
+            if isinstance(hit, str) and os.path.isfile(hit):
+                return Path(hit)
+            searched.append(f"HF cache for {model}")
+        except Exception as exc:  # pragma: no cover - depends on the local hub install
+            searched.append(f"HF cache for {model} ({exc})")
+    raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)})", where=model)
+
+
+def _first(obj: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(obj, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Memory-relevant facts of a model config (the text model for multimodal wrappers).
+
+    Attributes are HF names; sizes in elements, lengths in tokens. ``raw`` holds the whole text
+    config as a dict for plugins that need more; ``top`` the top-level config dict.
+    """
+
+    path: str
+    config_sha256: str
+    architectures: tuple[str, ...]
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    torch_dtype: str
+    tie_word_embeddings: bool
+    rotary_dim: int
+    sliding_window: int | None
+    quantization_config: dict | None
+    raw: dict = field(default_factory=dict, repr=False)
+    top: dict = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("raw")
+        d.pop("top")
+        return d
+
+
+def _dtype_name(value: Any) -> str:
+    s = str(value or "float16").replace("torch.", "")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(s, s)
+
+
+def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
+    """Read ``config_path`` with ``transformers.AutoConfig`` (offline, no remote code).
+
+    Returns:
+        ``(spec, hf_config)``: the :class:`ModelSpec` and the transformers config object.
+
+    Raises:
+        ModelConfigError: unreadable JSON, an unknown ``model_type``, or a missing field; the
+            message names the file and the field.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(config_path)
+    try:
+        text = path.read_bytes()
+        top = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    from transformers import AutoConfig  # worker side only: imports torch
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        hf = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
+                                        trust_remote_code=False, local_files_only=True)
+    except Exception as exc:
+        raise ModelConfigError(f"transformers cannot parse this config: {exc}", where=str(path)) from exc
+    text_cfg = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    try:
+        hidden = int(_first(text_cfg, "hidden_size", "n_embd", "d_model"))
+        layers = int(_first(text_cfg, "num_hidden_layers", "n_layer", "num_layers"))
+        heads = int(_first(text_cfg, "num_attention_heads", "n_head"))
+    except TypeError as exc:
+        raise ModelConfigError("missing hidden_size / num_hidden_layers / num_attention_heads", where=str(path)) from exc
+    kv = _first(text_cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=heads)
+    head_dim = _first(text_cfg, "head_dim", default=None) or hidden // heads
+    inter = _first(text_cfg, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * hidden)
+    vocab = _first(text_cfg, "vocab_size", default=None) or _first(hf, "vocab_size")
+    if vocab is None:
+        raise ModelConfigError("missing vocab_size", where=f"{path}:vocab_size")
+    maxpos = _first(text_cfg, "max_position_embeddings", "n_positions", "seq_length", default=2048)
+    raw = text_cfg.to_dict()
+    rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    partial = float(raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
+    dtype = _dtype_name(top.get("torch_dtype") or top.get("dtype") or text_json.get("torch_dtype")
+                        or text_json.get("dtype") or _first(hf, "dtype", default=None))
+    # The checkpoint's own key wins over a transformers class default.
+    text_json = top.get("text_config") or {}
+    if "tie_word_embeddings" in top:
+        tie = bool(top["tie_word_embeddings"])
+    elif "tie_word_embeddings" in text_json:
+        tie = bool(text_json["tie_word_embeddings"])
+    else:
+        tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
+    spec = ModelSpec(
+        path=str(path),
+        config_sha256=hashlib.sha256(text).hexdigest(),
+        architectures=tuple(top.get("architectures") or ()),
+        model_type=str(getattr(hf, "model_type", "")),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv),
+        head_dim=int(head_dim),
+        intermediate_size=int(inter),
+        vocab_size=int(vocab),
+        max_position_embeddings=int(maxpos),
+        torch_dtype=dtype,
+        tie_word_embeddings=tie,
+        rotary_dim=int(int(head_dim) * partial),
+        sliding_window=_first(text_cfg, "sliding_window", default=None),
+        quantization_config=top.get("quantization_config") or raw.get("quantization_config"),
+        raw=raw,
+        top=top,
+    )
+    return spec, hf

@@ -1,0 +1,154 @@
+"""The model-plugin contract and its registry (entry-point group ``tuner.plugins``).
+
+A plugin is an object (usually a module-level instance of a :class:`ModelPlugin` subclass) that
+declares the HF ``architectures`` it serves and provides:
+
+- ``kv_cache_spec(spec, settings) -> dict[str, KVCacheSpec]``: per-layer KV specs of one rank
+  (:mod:`tuner.kvcache` classes), TP-aware and dtype-aware;
+- ``build_model(spec, settings) -> torch.nn.Module``: a memory-equivalent module of one rank,
+  built under whatever tensor mode the caller set (fake or real);
+- ``weights_bytes(spec, settings, module) -> int``: bytes "Model loading took" on one rank.
+
+Built-in plugins register through the same entry-point group third parties use. Loading never
+fails as a whole: a broken plugin is reported (:class:`tuner.errors.PluginError`) and skipped.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Iterable
+
+from tuner.errors import PluginError
+
+ENTRY_POINT_GROUP = "tuner.plugins"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """Engine settings as one rank sees them (what a plugin builds for).
+
+    Attributes:
+        engine_version: vLLM release, e.g. ``"0.19.0"``.
+        dtype: resolved model dtype name (``bfloat16``/``float16``/``float32``).
+        kv_cache_dtype: ``auto`` or an fp8 variant.
+        block_size: tokens per KV block, or ``None`` for the plugin's/era's default.
+        tensor_parallel_size, pipeline_parallel_size, pp_rank: the parallel layout and this rank's stage.
+        compiled: intermediates die at last use (V1 torch.compile) rather than at function return.
+        runs_attention: the profile run executes attention (V0) rather than skipping it (V1).
+        quantization: the drop's quantization override, or ``None`` for the checkpoint's.
+    """
+
+    engine_version: str
+    dtype: str
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_rank: int = 0
+    compiled: bool = True
+    runs_attention: bool = False
+    quantization: str | None = None
+
+
+class ModelPlugin:
+    """Base class for model plugins. Subclasses set ``name``/``architectures`` and override
+    what differs; the three contract methods must be implemented."""
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+
+    def kv_cache_spec(self, spec: Any, settings: RankSettings) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def build_model(self, spec: Any, settings: RankSettings):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def weights_bytes(self, spec: Any, settings: RankSettings, module: Any) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+
+_REQUIRED = ("kv_cache_spec", "build_model", "weights_bytes")
+
+
+def validate_plugin(obj: Any, origin: str) -> Any:
+    """Check an object against the contract.
+
+    Raises:
+        PluginError: naming ``origin`` (the entry point) and what is wrong.
+    """
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        raise PluginError("plugin has no 'name' string", where=origin)
+    archs = getattr(obj, "architectures", None)
+    if not isinstance(archs, (tuple, list)) or not archs or not all(isinstance(a, str) for a in archs):
+        raise PluginError("'architectures' must be a non-empty tuple of HF architecture names", where=origin)
+    for attr in _REQUIRED:
+        if not callable(getattr(obj, attr, None)):
+            raise PluginError(f"missing callable '{attr}'", where=origin)
+    return obj
+
+
+@dataclass
+class Registry:
+    """Loaded plugins plus the errors of those that failed to load."""
+
+    plugins: list
+    errors: list[PluginError]
+
+    def for_architectures(self, architectures: Iterable[str]) -> tuple[Any, str | None]:
+        """Pick the plugin for a config's ``architectures``.
+
+        Returns:
+            ``(plugin, warning)``: a specific plugin and ``None``, or the generic plugin and a
+            warning that the architecture is served by the fallback.
+
+        Raises:
+            PluginError: no plugin serves the architecture and no generic plugin is installed.
+        """
+        archs = list(architectures)
+        for a in archs:
+            for p in self.plugins:
+                if a in p.architectures and p.name != "generic":
+                    return p, None
+        for a in archs:
+            for p in self.plugins:
+                if a in p.architectures:
+                    return p, None
+        generic = next((p for p in self.plugins if p.name == "generic"), None)
+        if generic is None:
+            raise PluginError(f"no plugin serves {archs} and the generic plugin is not installed",
+                              where=",".join(archs) or "?")
+        return generic, f"no plugin declares {archs}; using the generic decoder plugin"
+
+    def by_name(self, name: str) -> Any:
+        for p in self.plugins:
+            if p.name == name:
+                return p
+        raise PluginError("no such plugin", where=name)
+
+
+def load_registry(group: str = ENTRY_POINT_GROUP, *, loader: Callable[[str], Iterable] | None = None) -> Registry:
+    """Load every plugin of the entry-point ``group``; collect, never raise, per-plugin failures.
+
+    Args:
+        loader: injectable replacement for ``importlib.metadata.entry_points(group=...)``.
+    """
+    eps = (loader or (lambda g: entry_points(group=g)))(group)
+    plugins, errors = [], []
+    for ep in eps:
+        origin = f"{group}:{getattr(ep, 'name', ep)}"
+        try:
+            obj = ep.load()
+            plugins.append(validate_plugin(obj, origin))
+        except PluginError as exc:
+            errors.append(exc)
+            log.warning("%s", exc)
+        except Exception as exc:  # a broken plugin never hides the others
+            err = PluginError(f"failed to load: {type(exc).__name__}: {exc}", where=origin)
+            errors.append(err)
+            log.warning("%s", err)
+    return Registry(plugins, errors)

@@ -1,0 +1,207 @@
+"""Candidate evaluation and the max_model_len search (pure: no torch, no I/O).
+
+``evaluate`` turns one profile pass per pipeline stage into vLLM's verdict for one
+(``gpu_memory_utilization``, ``max_model_len``) point: budget → blocks → tokens → concurrency →
+does it start. ``propose`` finds, per ``gpu_memory_utilization``, the largest block-multiple
+``max_model_len`` that starts with ``min_concurrency`` full-length requests. The fit is monotone in
+``max_model_len`` only inside a region where the profile batch does not change shape; where the
+era makes the batch depend on ``max_model_len`` (V0 without chunked prefill, the 32768-token
+chunked-prefill switch) each region is searched on its own, so a non-monotone surface (20k fits,
+29k fails, 35k fits) is found rather than assumed away (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+from tuner import kvcache
+from tuner.budget import cudagraph_estimate_bytes, kv_budget, non_torch_bytes
+from tuner.eras import Era, ProfileBatch
+from tuner.errors import KVCacheError, TunerError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the search needs besides passes (per-rank facts, bytes as ints)."""
+
+    total_memory_bytes: int
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    num_layers: int
+    max_position_embeddings: int
+    kv_specs: tuple  # one dict[str, spec] per pipeline stage
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """vLLM's verdict for one grid point (bytes per rank; the stage with the fewest blocks)."""
+
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    fits: bool
+    reason: str | None
+    requested_memory_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    cuda_graph_bytes: int
+    available_kv_cache_bytes: int
+    num_gpu_blocks: int
+    kv_cache_tokens: int
+    max_concurrency: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PassLookup = Callable[[ProfileBatch], Sequence]  # → one pass (dict or PassResult) per PP stage
+
+
+def _get(p, key):
+    return p[key] if isinstance(p, dict) else getattr(p, key)
+
+
+def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
+             gpu_memory_utilization: float, max_model_len: int, min_concurrency: float = 1.0) -> Candidate:
+    """vLLM's outcome for one point: blocks, tokens, concurrency, and whether start-up succeeds.
+
+    ``fits`` is False when vLLM would refuse to start (no memory for the cache blocks, or the
+    max-seq-len check: V0 ``raise_if_cache_size_invalid``, V1 ``check_enough_kv_cache_memory``)
+    or when fewer than ``min_concurrency`` full-length requests fit; ``reason`` says which.
+    """
+    u, m = gpu_memory_utilization, max_model_len
+    n = batch.max_num_batched_tokens
+    budgets = []
+    for stage, p in enumerate(passes):
+        budgets.append(kv_budget(
+            era,
+            total_memory_bytes=layout.total_memory_bytes,
+            gpu_memory_utilization=u,
+            weights_bytes=int(_get(p, "weights_bytes")),
+            activation_peak_bytes=int(_get(p, "activation_peak_bytes")),
+            non_torch_bytes=non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
+                                            pipeline_parallel_size=layout.pipeline_parallel_size),
+            cuda_graph_bytes=cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]),
+                                                      max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n),
+        ))
+    reason = None
+    blocks, tokens, conc = 0, 0, 0.0
+    worst = min(range(len(budgets)), key=lambda i: budgets[i].available_kv_cache_bytes)
+    if any(b.available_kv_cache_bytes <= 0 for b in budgets):
+        reason = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                  "when initializing the engine.")
+    elif era.engine == "V0":
+        per_stage = []
+        for b, specs in zip(budgets, layout.kv_specs):
+            cache_block = sum(s.page_size_bytes for s in specs.values())
+            per_stage.append(kvcache.v0_num_gpu_blocks(b.available_kv_cache_bytes, cache_block))
+        blocks = min(per_stage)
+        worst = per_stage.index(blocks)
+        tokens = blocks * layout.block_size
+        conc = kvcache.v0_max_concurrency(blocks, layout.block_size, m)
+        if blocks <= 0:
+            reason = "No available memory for the cache blocks."
+        elif m > tokens:
+            reason = (f"The model's max seq len ({m}) is larger than the maximum number of tokens that can be "
+                      f"stored in KV cache ({tokens}).")
+    else:
+        workers = [(specs, b.available_kv_cache_bytes) for b, specs in zip(budgets, layout.kv_specs)]
+        kw = dict(max_num_batched_tokens=n, tensor_parallel_size=layout.tensor_parallel_size)
+        try:  # the engine's own check for the release runs inside get_kv_cache_configs
+            configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
+        except KVCacheError as exc:
+            reason = exc.message
+            configs = None
+        try:
+            if configs is None:  # still report the blocks the engine would have found
+                configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=layout.block_size, **kw)
+            cfg = configs[worst]
+            blocks = int(cfg.num_blocks)
+            tokens = int(kvcache.kv_cache_tokens(era.version, cfg, m, max_num_batched_tokens=n))
+            conc = float(kvcache.max_concurrency(era.version, cfg, m, max_num_batched_tokens=n))
+        except TunerError as exc:
+            reason = reason or exc.message
+    if reason is None and conc < min_concurrency:
+        reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
+    b = budgets[worst]
+    return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
+                     b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
+                     blocks, tokens, round(conc, 4))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The largest ``max_model_len`` that starts at one ``gpu_memory_utilization`` (None if none)."""
+
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    num_gpu_blocks: int | None
+    kv_cache_tokens: int | None
+    max_concurrency: float | None
+    reason: str | None
+    vllm_args: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """Largest k in [lo, hi] with fits(k), given fits is monotone non-increasing; None if none."""
+    if lo > hi or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_for: Callable[[int], ProfileBatch],
+            passes_for: PassLookup, min_concurrency: float = 1.0, max_model_len_cap: int | None = None,
+            regions: Sequence[tuple[int, int]] = (), extra_args: str = "") -> tuple[Proposal, list[Candidate]]:
+    """Search the largest block-multiple ``max_model_len`` that fits at one utilization.
+
+    Args:
+        batch_for: ``max_model_len`` → the era's profile batch for it.
+        passes_for: profile batch → passes per stage (memoized by the caller).
+        regions: token ranges inside which the batch keeps its shape (fit monotone); defaults to
+            one region ``[block_size, cap]``.
+    Returns:
+        The proposal and every candidate evaluated during the search.
+    """
+    bs = layout.block_size
+    cap = layout.max_position_embeddings
+    if max_model_len_cap:
+        cap = min(cap, max_model_len_cap)
+    seen: dict[int, Candidate] = {}
+
+    def cand(m: int) -> Candidate:
+        if m not in seen:
+            batch = batch_for(m)
+            seen[m] = evaluate(era, layout, batch, passes_for(batch), gpu_memory_utilization=gpu_memory_utilization,
+                               max_model_len=m, min_concurrency=min_concurrency)
+        return seen[m]
+
+    best: int | None = None
+    for lo, hi in (regions or [(1, cap)]):
+        hi = min(hi, cap)
+        k = _largest_fitting(-(-max(lo, 1) // bs), hi // bs, lambda k: cand(k * bs).fits)
+        if k is not None and (best is None or k * bs > best):
+            best = k * bs
+    if best is None:
+        smallest = cand(bs)
+        return Proposal(gpu_memory_utilization, None, None, None, None,
+                        smallest.reason or "nothing fits", None), list(seen.values())
+    c = cand(best)
+    args = f"--max-model-len {best} --gpu-memory-utilization {gpu_memory_utilization:g}"
+    if extra_args:
+        args += " " + extra_args
+    why = "model's max_position_embeddings" if best == layout.max_position_embeddings // bs * bs and best + bs > cap else None
+    return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
+                    f"capped by the {why}" if why else None, args), list(seen.values())

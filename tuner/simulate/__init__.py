@@ -1,0 +1,1 @@
+"""Worker-side simulation (imports torch). Never imported by the daemon's main process."""

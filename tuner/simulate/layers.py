@@ -1,0 +1,256 @@
+"""Memory-equivalent building blocks of a vLLM decoder (torch).
+
+Each module allocates what vLLM's own layer allocates during the profile run, in the same order
+and with the same lifetimes; the values themselves are never meaningful. Fused custom ops that
+vLLM runs as one kernel (``silu_and_mul``, ``fused_add_rms_norm``, rotary embedding) are modelled
+as a single output allocation or as in-place ops, because that is what they cost in memory.
+
+Two lifetime regimes (``compiled``):
+- eager (V0, ``--enforce-eager``): Python locals keep intermediates alive until the function
+  returns, e.g. vLLM's ``LlamaMLP.forward`` still holds ``gate_up`` while ``down_proj`` allocates
+  its output (vllm/model_executor/models/llama.py);
+- compiled (V1 default, torch.compile/inductor): buffers die at their last use.
+
+Shapes are per tensor-parallel rank: N tokens, H hidden size, I intermediate size / tp,
+heads / tp, ``max(1, kv_heads // tp)`` KV heads, vocab padded to a multiple of 64 then / tp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """``pad_vocab_size`` (vllm/model_executor/layers/vocab_parallel_embedding.py)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """A (column- or row-parallel) linear layer with a per-rank weight ``[out, in]``."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """vLLM ``RMSNorm``: out-of-place without residual, fused add+norm in place with one."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return torch.empty_like(x)
+        residual.add_(x)  # fused_add_rms_norm: both updated in place
+        return x, residual
+
+
+class RotaryEmbedding(nn.Module):
+    """vLLM ``RotaryEmbedding``: a persistent ``cos_sin_cache [max_position, rotary_dim]`` in the
+    model dtype (counted in "Model loading took"), applied to q and k in place."""
+
+    def __init__(self, max_position: int, rotary_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.empty(max_position, rotary_dim, dtype=dtype), persistent=False)
+
+    def forward(self, positions, q, k):
+        return q, k
+
+
+class Attention(nn.Module):
+    """QKV projection, rotary, attention and output projection of one layer (per rank).
+
+    The V1 profile run skips the attention kernel (no KV cache yet) but still allocates its output
+    ``[N, heads·head_dim]``; V0 runs prefill attention (FlashAttention: output plus an fp32
+    log-sum-exp ``[heads, N]``), never an N² tensor.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        rope: RotaryEmbedding | None,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        v_head_dim: int | None = None,
+        compiled: bool = True,
+        runs_attention: bool = False,
+    ) -> None:
+        super().__init__()
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.v_size = num_kv_heads * (v_head_dim or head_dim)
+        self.num_heads = num_heads
+        self.out_size = num_heads * (v_head_dim or head_dim)
+        self.qkv_proj = Linear(hidden, self.q_size + self.kv_size + self.v_size, dtype, bias=qkv_bias)
+        self.o_proj = Linear(self.out_size, hidden, dtype, bias=o_bias)
+        self.rotary_emb = rope
+        self.compiled = compiled
+        self.runs_attention = runs_attention
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.v_size], dim=-1)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        attn_out = qkv.new_empty(qkv.shape[0], self.out_size)
+        if self.runs_attention:
+            lse = qkv.new_empty(self.num_heads, qkv.shape[0], dtype=torch.float32)
+            del lse
+        if self.compiled:
+            del qkv, q, k, v
+        out = self.o_proj(attn_out)
+        return out
+
+
+class GatedMLP(nn.Module):
+    """``gate_up_proj`` → ``silu_and_mul`` → ``down_proj`` (vLLM ``LlamaMLP``)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, dtype, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, dtype, bias=bias)
+        self.compiled = compiled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = gate_up.new_empty(gate_up.shape[0], self.intermediate)  # silu_and_mul output
+        if not self.compiled:
+            # Calibrated, not derived: V0 start-ups (RTX 3090, Llama-3.1-8B, N = 20000 and 29000)
+            # grow by ~110 KB/token = 3·[N, H] + gate_up + act, i.e. gate_up is gone before
+            # down_proj allocates; V1's compiled graphs hold it (CodeLlama-7B, 0.19: ~101 KB/token).
+            del gate_up
+        out = self.down_proj(act)
+        return out
+
+
+class PlainMLP(nn.Module):
+    """``fc1`` → activation → ``fc2`` (Phi-2 / GPT-style, no gate)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = True) -> None:
+        super().__init__()
+        self.fc1 = Linear(hidden, intermediate, dtype, bias=bias)
+        self.fc2 = Linear(intermediate, hidden, dtype, bias=bias)
+        self.compiled = compiled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        a = torch.empty_like(h)
+        if self.compiled:
+            del h
+        return self.fc2(a)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer with vLLM's residual handling (first layer norms out of place)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, dtype)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden, dtype)
+        self.mlp = mlp
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
+
+
+class VocabEmbedding(nn.Module):
+    """``VocabParallelEmbedding``: weight ``[pad(V)/tp, H]``; with tp > 1 the lookup masks the
+    input ids and all-reduces the partial embeddings (one extra ``[N, H]`` temporary)."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tp: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _param(pad_vocab(vocab_size) // tp, hidden, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            masked = input_ids.clamp(0, self.weight.shape[0] - 1)
+            out = torch.nn.functional.embedding(masked, self.weight)
+            del masked
+            return out
+        return torch.nn.functional.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """``ParallelLMHead`` + ``LogitsProcessor``: logits ``[R, pad(V)/tp]`` gathered to
+    ``[R, pad(V)]`` on every rank when tp > 1, then cut to the real vocab (a view)."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tp: int, tied_to: VocabEmbedding | None = None,
+                 soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp = tp
+        self.soft_cap = soft_cap
+        if tied_to is not None:
+            self.tied = [tied_to]  # not registered: the weight is shared, counted once
+            self.weight = None
+        else:
+            self.tied = None
+            self.weight = _param(pad_vocab(vocab_size) // tp, hidden, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.weight if self.weight is not None else self.tied[0].weight
+        logits = torch.nn.functional.linear(hidden, w)
+        if self.tp > 1:
+            gathered = logits.new_empty(logits.shape[0], logits.shape[1] * self.tp)
+            del logits
+            logits = gathered
+        if self.soft_cap is not None:
+            logits = logits.div_(self.soft_cap).tanh_().mul_(self.soft_cap)
+        return logits[:, : self.vocab_size]
+
+
+class CausalLM(nn.Module):
+    """Embedding → decoder layers → final norm; ``forward`` returns the last hidden states
+    ``[N, H]`` like vLLM models, ``compute_logits`` applies the LM head to sampled rows."""
+
+    def __init__(self, embed: VocabEmbedding | None, layers: list[nn.Module], norm: RMSNorm | None,
+                 lm_head: LMHead | None, extra: dict[str, nn.Module] | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.extra = nn.ModuleDict(extra or {})
+
+    def forward(self, input_ids, positions, intermediate: tuple | None = None):
+        if intermediate is None:
+            hidden_states = self.embed_tokens(input_ids)
+            residual = None
+        else:
+            hidden_states, residual = intermediate
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.norm is None:
+            return hidden_states, residual
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,109 @@
+"""Memory-equivalent dummy sampler runs, one per era family (torch).
+
+Each function allocates, in order and with the same lifetimes, the ``[R, V]`` tensors that the
+era's sampler creates on the profile run's sampled rows (see :func:`tuner.eras.sampler_family`).
+Values are never meaningful. Bytes per ``[R, V]`` element at the peak, besides the model-dtype
+logits: V0 sort path ≈ 30 (0.6.4 ``_apply_top_k_top_p``: fp32 logits, sorted values, int64
+indices, masks, softmax, cumsum, scattered copy); V1 sort path 22 (0.13–0.16); V1 Triton path 12
+plus a per-SM ``[min(SMs, R), V]`` fp32 scratch buffer (0.17+); FlashInfer (0.8–0.11) runs
+opaque kernels whose scratch is calibrated (see ``FLASHINFER_WORKSPACE_FP32_BUFFERS``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tuner.eras import (
+    SAMPLER_V0_SORT,
+    SAMPLER_V1_ALL_LOGITS,
+    SAMPLER_V1_FLASHINFER,
+    SAMPLER_V1_LOGITS_ONLY,
+    SAMPLER_V1_SORT,
+    SAMPLER_V1_TRITON,
+)
+
+#: FlashInfer ``top_k_top_p_sampling_from_logits`` scratch, in fp32 ``[R, V]`` buffers.
+#: Calibrated: 0.10.x logs (A100, Qwen2-7B) imply ≈1; 0.11.0 logs (H100, Llama-3.1-8B,
+#: Qwen3-0.6B, gpt-oss-20b: activation peak ≈ 38 B per sampled logit) imply ≈8.
+FLASHINFER_WORKSPACE_FP32_BUFFERS = {(0, 8): 1, (0, 9): 1, (0, 10): 1, (0, 11): 8}
+
+
+def _sort_top_k_top_p(logits: torch.Tensor, v0: bool) -> torch.Tensor:
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    top_k_mask = torch.empty_like(logits_sort, dtype=torch.bool)
+    probs_sort = torch.empty_like(logits_sort)  # softmax
+    if v0:
+        probs_sum = torch.empty_like(probs_sort)  # cumsum (new tensor in V0)
+    else:
+        probs_sum = probs_sort  # cumsum(out=probs_sort)
+    top_p_mask = torch.empty_like(probs_sum, dtype=torch.bool)
+    if v0:
+        out = torch.empty_like(logits_sort)  # empty_like(...).scatter_
+    else:
+        out = logits  # scatter_ in place
+    del logits_sort, logits_idx, top_k_mask, probs_sort, probs_sum, top_p_mask
+    return out
+
+
+def run_dummy_sampler(
+    family: str,
+    model: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    *,
+    num_reqs: int,
+    num_sms: int = 132,
+    version: tuple[int, int, int] = (0, 19, 0),
+) -> None:
+    """Run the era's dummy sampler over the last-token rows of ``hidden_states``.
+
+    Args:
+        family: one of the ``SAMPLER_*`` constants of :mod:`tuner.eras`.
+        model: a :class:`tuner.simulate.layers.CausalLM`-like module with ``compute_logits``.
+        hidden_states: ``[N, H]`` output of the forward (kept alive by the caller, as in vLLM).
+        num_reqs: R, rows to sample.
+        num_sms: streaming multiprocessors of the GPU (Triton scratch buffer rows).
+        version: the vLLM release (selects calibrated constants).
+    """
+    n = hidden_states.shape[0]
+    if family == SAMPLER_V1_ALL_LOGITS:
+        logits = model.compute_logits(hidden_states)
+        del logits
+        return
+    idx = torch.arange(n - num_reqs, n, device=hidden_states.device)
+    last = hidden_states[idx]  # [R, H]
+    del idx
+    if family in (SAMPLER_V1_FLASHINFER, SAMPLER_V1_SORT, SAMPLER_V1_TRITON):
+        last = torch.empty_like(last)  # torch.rand_like(hidden_states)
+    logits = model.compute_logits(last)  # [R, V] model dtype (a view of the padded logits)
+    if family == SAMPLER_V1_LOGITS_ONLY:
+        del logits, last
+        return
+    logits32 = logits.to(torch.float32)  # no-op for fp32 models
+    if family == SAMPLER_V0_SORT:
+        logits32 = _sort_top_k_top_p(logits32, v0=True)
+        probs = torch.empty_like(logits32)  # softmax
+        logprobs = torch.empty_like(logits32)  # log_softmax
+        q = torch.empty_like(probs)  # exponential for multinomial
+        del probs, logprobs, q
+    elif family == SAMPLER_V1_SORT:
+        greedy = logits32.argmax(dim=-1)
+        logits32 = _sort_top_k_top_p(logits32, v0=False)
+        probs = torch.empty_like(logits32)
+        q = torch.empty_like(probs)
+        del probs, q, greedy
+    elif family == SAMPLER_V1_TRITON:
+        greedy = logits32.argmax(dim=-1)
+        rows = min(num_sms, num_reqs)
+        rows = min(1 << (rows - 1).bit_length(), num_sms) if num_reqs >= 8 else 0
+        scratch = logits32.new_empty(rows, logits32.shape[1]) if rows else None
+        probs = torch.empty_like(logits32)
+        q = torch.empty_like(probs)
+        del probs, q, greedy, scratch
+    elif family == SAMPLER_V1_FLASHINFER:
+        greedy = logits32.argmax(dim=-1)
+        k = FLASHINFER_WORKSPACE_FP32_BUFFERS.get(tuple(version[:2]), 1)
+        work = [torch.empty_like(logits32) for _ in range(k)]
+        del work, greedy
+    else:  # pragma: no cover - guarded by eras.sampler_family
+        raise ValueError(f"unknown sampler family {family!r}")
+    del logits32, logits, last
