@@ -86,3 +86,18 @@ def test_tensor_parallel_shards_weights_not_sampler(shared_dir):
     two = _pass(cfg, "0.19.0", 8192, 1024, tp=2)
     assert abs(two.weights_bytes / GiB - 7.51) < 0.05  # logged 7.51 GiB at TP2
     assert two.sampler_peak_bytes >= one.sampler_peak_bytes  # logits gathered to the full vocab
+
+
+def test_config_without_torch_dtype_loads(tmp_path):
+    """Regression: a config with no ``torch_dtype`` key (gpt-oss) crashed ModelSpec loading."""
+    import json
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100, "tie_word_embeddings": True}))
+    spec, _ = load_model_spec(d / "config.json")
+    assert spec.torch_dtype in ("float16", "float32", "bfloat16")
+    assert spec.tie_word_embeddings is True
+    assert spec.num_key_value_heads == 4 and spec.head_dim == 16

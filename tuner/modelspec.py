@@ -144,12 +144,12 @@ def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
         raise ModelConfigError("missing vocab_size", where=f"{path}:vocab_size")
     maxpos = _first(text_cfg, "max_position_embeddings", "n_positions", "seq_length", default=2048)
     raw = text_cfg.to_dict()
+    text_json = top.get("text_config") or {}
     rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     partial = float(raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
     dtype = _dtype_name(top.get("torch_dtype") or top.get("dtype") or text_json.get("torch_dtype")
                         or text_json.get("dtype") or _first(hf, "dtype", default=None))
     # The checkpoint's own key wins over a transformers class default.
-    text_json = top.get("text_config") or {}
     if "tie_word_embeddings" in top:
         tie = bool(top["tie_word_embeddings"])
     elif "tie_word_embeddings" in text_json:
