@@ -371,3 +371,16 @@ def test_naive_time_rejected(store):
     run = {**_run("r"), "started_at": datetime(2025, 3, 1, 12, 0)}
     with pytest.raises(StoreError, match="timezone-aware"):
         store.save_result(_drop(), [run], [], [])
+
+
+def test_db_option_errors_are_store_errors_not_tracebacks(tmp_path):
+    """Regression: --db with a bad URL, a missing driver or ':memory:' raised raw SQLAlchemy errors."""
+    from tuner.errors import StoreError
+    from tuner.store import open_store
+
+    for url in ("notaurl://", "postgresql+nosuchdriver://u@127.0.0.1:1/x", "sqlite:///", "sqlite:///:memory:"):
+        with pytest.raises(StoreError):
+            open_store(url)
+    s = open_store(str(tmp_path / "plain.sqlite"))  # a plain path means a SQLite file
+    s.close()
+    assert (tmp_path / "plain.sqlite").exists()

@@ -45,8 +45,9 @@ def render_table(outcome) -> str:
             f"{'yes' if c['fits'] else 'NO':>4} {_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
             f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}")
-    fits = [c["fits"] for c in sorted(r["candidates"], key=lambda c: (c["gpu_memory_utilization"], c["max_model_len"]))]
-    if any(not a and b for a, b in zip(fits, fits[1:])):
+    rows = sorted(r["candidates"], key=lambda c: (c["gpu_memory_utilization"], c["max_model_len"]))
+    if any(a["gpu_memory_utilization"] == b["gpu_memory_utilization"] and not a["fits"] and b["fits"]
+           and a["max_num_batched_tokens"] != b["max_num_batched_tokens"] for a, b in zip(rows, rows[1:])):
         lines.append("note: the fit is not monotone in max_model_len (the era changes the profile batch with it)")
     lines += ["", "proposals (largest max_model_len that starts):"]
     for p in r["proposals"]:
@@ -75,6 +76,13 @@ def to_json(outcome) -> dict:
     }
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ctx-tuner", description="Predict the largest vLLM max_model_len that fits.")
     p.add_argument("--version", action="version", version=f"ctx-tuner {__version__}")
@@ -84,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("drop", help="path to a drop YAML file")
     prof.add_argument("--db", default=None, help="SQLAlchemy URL (default: sqlite:///var/ctx-tuner.sqlite)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    prof.add_argument("--timeout", type=float, default=600.0, help="worker time limit in seconds (default 600)")
+    prof.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit in seconds (default 600)")
     return p
 
 

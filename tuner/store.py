@@ -187,7 +187,22 @@ def utc_text(value: datetime | str | None = None) -> str:
 
 
 def _resolve_url(url: str | None, default_path: str) -> URL:
-    return make_url(url) if url else URL.create("sqlite", database=str(default_path))
+    """A SQLAlchemy URL; a plain path (no ``://``) means a SQLite file there.
+
+    Raises:
+        StoreError: unparsable URL, or an in-memory SQLite URL (results would vanish at exit).
+    """
+    if not url:
+        return URL.create("sqlite", database=str(default_path))
+    if "://" not in url:
+        return URL.create("sqlite", database=url)
+    try:
+        u = make_url(url)
+    except Exception as e:  # sqlalchemy.exc.ArgumentError
+        raise StoreError(f"not a SQLAlchemy URL (expected e.g. sqlite:///var/ctx-tuner.sqlite): {e}", where=url) from e
+    if u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:"):
+        raise StoreError("an in-memory SQLite database would lose the results; give a file path", where=url)
+    return u
 
 
 def _is_file_sqlite(u: URL) -> bool:
@@ -298,7 +313,7 @@ def open_store(
         engine = make_engine(u, readonly=readonly, busy_timeout_s=busy_timeout_s)
     except StoreError:
         raise
-    except (OSError, sa.exc.SQLAlchemyError, ValueError) as e:
+    except (OSError, sa.exc.SQLAlchemyError, ValueError, ImportError) as e:  # ImportError: DB driver missing
         raise StoreError(f"cannot open store: {e}", where=where) from e
 
     try:
