@@ -1,86 +1,31 @@
-"""Command line: ``ctx-tuner profile DROP.yaml [--db URL] [--json]``.
+"""Command line entry point: ``ctx-tuner <command> ...``.
 
-Exit codes: 0 success; 1 the job failed (bad model config, worker crash or timeout, database);
-2 usage or invalid drop. Never imports torch (profile passes run in a worker subprocess).
+Each sub-command lives in its own module under :mod:`tuner.commands` (``NAME``, ``add_parser``,
+``run``); this module only lists them and dispatches. Exit codes shared by every command:
+``0`` success; ``1`` the job or command failed (bad model config, worker crash or timeout,
+database); ``2`` usage error or invalid input (the message names the file and the field).
+Never imports torch (profile passes run in worker subprocesses).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import sys
 
 from tuner import __version__
-from tuner.errors import DeviceError, DropError, EraError, TunerError
-
-GiB = 1 << 30
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / GiB:.2f}"
-
-
-def render_table(outcome) -> str:
-    """Human-readable report: the memory terms, every candidate, the proposals."""
-    r, d = outcome.result, outcome.drop
-    m = r["model"]
-    lines = [
-        f"drop {d.name}: {d.model} ({','.join(m['architectures'])}, plugin {r['plugin']})",
-        f"device {outcome.device['name']} ({_gib(outcome.device['total_memory_bytes'])} GiB), vLLM {r['era']}, "
-        f"dtype {r['dtype']}, kv_cache_dtype {d.kv_cache_dtype}, TP {d.tensor_parallel_size}, PP {d.pipeline_parallel_size}, "
-        f"block_size {r['block_size']}",
-    ]
-    for w in outcome.warnings:
-        lines.append(f"warning: {w}")
-    lines.append("")
-    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'fits':>4} {'weights':>8} {'act.peak':>8} {'non-torch':>9} " \
-           f"{'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
-    lines += [head, "-" * len(head)]
-    for c in r["candidates"]:
-        lines.append(
-            f"{c['gpu_memory_utilization']:>5.2f} {c['max_model_len']:>13} {c['max_num_batched_tokens']:>6} "
-            f"{'yes' if c['fits'] else 'NO':>4} {_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
-            f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
-            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}")
-    rows = sorted(r["candidates"], key=lambda c: (c["gpu_memory_utilization"], c["max_model_len"]))
-    if any(a["gpu_memory_utilization"] == b["gpu_memory_utilization"] and not a["fits"] and b["fits"]
-           and a["max_num_batched_tokens"] != b["max_num_batched_tokens"] for a, b in zip(rows, rows[1:])):
-        lines.append("note: the fit is not monotone in max_model_len (the era changes the profile batch with it)")
-    lines += ["", "proposals (largest max_model_len that starts):"]
-    for p in r["proposals"]:
-        if p["max_model_len"] is None:
-            lines.append(f"  gmu {p['gpu_memory_utilization']:.2f}: nothing fits: {p['reason']}")
-        else:
-            extra = f" ({p['reason']})" if p["reason"] else ""
-            lines.append(f"  gmu {p['gpu_memory_utilization']:.2f}: max_model_len {p['max_model_len']}, "
-                         f"{p['num_gpu_blocks']} blocks, {p['kv_cache_tokens']} KV tokens, "
-                         f"{p['max_concurrency']:.2f}x concurrency{extra}")
-            lines.append(f"      vllm serve {d.model} {p['vllm_args']}")
-    if outcome.drop_id is not None:
-        lines.append(f"\nstored as drop id {outcome.drop_id}")
-    return "\n".join(lines)
+#: Sub-command modules, in ``--help`` order.
+COMMANDS: tuple[str, ...] = (
+    "tuner.commands.profile",
+)
 
 
-def to_json(outcome) -> dict:
-    """The ``--json`` document: candidates (one per grid point) and proposals (one per gmu)."""
-    r = outcome.result
-    return {
-        "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "plugin": r["plugin"],
-        "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
-        "candidates": [{k: v for k, v in c.items() if k != "run_key"} for c in r["candidates"]],
-        "proposals": r["proposals"],
-        "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
-    }
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
-    return value
+def _modules():
+    return [importlib.import_module(name) for name in COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,34 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ctx-tuner {__version__}")
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
-    prof = sub.add_parser("profile", help="profile one drop file, store the results, print the proposal")
-    prof.add_argument("drop", help="path to a drop YAML file")
-    prof.add_argument("--db", default=None, help="SQLAlchemy URL (default: sqlite:///var/ctx-tuner.sqlite)")
-    prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    prof.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit in seconds (default 600)")
+    for mod in _modules():
+        mod.add_parser(sub).set_defaults(_run=mod.run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "profile":
-        from tuner.app import profile
-
-        try:
-            outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout)
-        except (DropError, DeviceError, EraError) as exc:
-            print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        except TunerError as exc:
-            print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        if args.json:
-            print(json.dumps(to_json(outcome), indent=2))
-        else:
-            print(render_table(outcome))
-        return EXIT_OK
-    return EXIT_USAGE  # pragma: no cover - argparse enforces the sub-command
+    return int(args._run(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

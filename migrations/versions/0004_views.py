@@ -1,0 +1,26 @@
+"""SQL views for readers (issue 5).
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-11-29
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import sqlalchemy as sa  # noqa: F401
+from alembic import op  # noqa: F401
+
+revision: str = "0004"
+down_revision: Union[str, Sequence[str], None] = "0003"
+branch_labels: Union[str, Sequence[str], None] = None
+depends_on: Union[str, Sequence[str], None] = None
+
+
+def upgrade() -> None:
+    pass  # placeholder revision, filled in by its issue
+
+
+def downgrade() -> None:
+    pass
