@@ -29,6 +29,9 @@ EXPECTED = {
         "pipeline_parallel_size", "max_num_batched_tokens", "max_num_seqs", "num_sampled_rows",
         "weights_bytes", "activation_peak_bytes", "forward_peak_bytes", "sampler_peak_bytes",
         "tool_version", "torch_version", "transformers_version", "started_at", "elapsed_s",
+        "gpu_memory_utilization", "max_model_len", "block_size", "non_torch_bytes",
+        "cuda_graph_bytes", "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens",
+        "max_concurrency", "error_message", "source",
     ],
     "candidates": [
         "id", "drop_id", "profile_run_id", "gpu_memory_utilization", "max_model_len",

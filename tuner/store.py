@@ -120,6 +120,18 @@ profile_runs_table = sa.Table(
     sa.Column("transformers_version", sa.Text, nullable=True),
     sa.Column("started_at", _TS, nullable=False),
     sa.Column("elapsed_s", sa.Float, nullable=True),
+    # revision 0003: what a measured (cuda / vllm) or imported run observed; null for simulate.
+    sa.Column("gpu_memory_utilization", sa.Float, nullable=True),
+    sa.Column("max_model_len", sa.Integer, nullable=True),
+    sa.Column("block_size", sa.Integer, nullable=True),
+    _bytes("non_torch_bytes"),
+    _bytes("cuda_graph_bytes"),
+    _bytes("available_kv_cache_bytes"),
+    sa.Column("num_gpu_blocks", sa.Integer, nullable=True),
+    sa.Column("kv_cache_tokens", sa.BigInteger, nullable=True),
+    sa.Column("max_concurrency", sa.Float, nullable=True),
+    sa.Column("error_message", sa.Text, nullable=True),
+    sa.Column("source", sa.Text, nullable=True),
     sa.CheckConstraint("status IN ('ok', 'failed')", name="status"),
     sa.CheckConstraint("method IN ('simulate', 'cuda', 'vllm', 'import')", name="method"),
 )
