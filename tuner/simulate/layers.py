@@ -31,15 +31,28 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """A (column- or row-parallel) linear layer with a per-rank weight ``[out, in]``."""
+    """A (column- or row-parallel) linear layer with a per-rank weight ``[out, in]``.
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False) -> None:
+    ``quant`` is the checkpoint's quantization scheme (:func:`tuner.simulate.quant.scheme_for`) or
+    ``None``; ``prefix`` is the layer's vLLM module name (``model.layers.0.mlp.down_proj``) so the
+    scheme can keep ignored layers in 16-bit. A scheme that quantizes the layer registers its own
+    parameters (packed weights, scales, zero points) in place of ``weight``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False, *,
+                 quant=None, prefix: str = "") -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
+        if quant is None or not quant.make_linear_weights(self, in_features, out_features, dtype, prefix):
+            self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.out_dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        w = getattr(self, "weight", None)
+        if w is None or w.dtype != x.dtype or w.shape != (self.out_features, self.in_features):
+            return x.new_empty(x.shape[0], self.out_features)  # quantized GEMM: one output allocation
+        return torch.nn.functional.linear(x, w, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +103,8 @@ class Attention(nn.Module):
         v_head_dim: int | None = None,
         compiled: bool = True,
         runs_attention: bool = False,
+        quant=None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.q_size = num_heads * head_dim
@@ -97,8 +112,9 @@ class Attention(nn.Module):
         self.v_size = num_kv_heads * (v_head_dim or head_dim)
         self.num_heads = num_heads
         self.out_size = num_heads * (v_head_dim or head_dim)
-        self.qkv_proj = Linear(hidden, self.q_size + self.kv_size + self.v_size, dtype, bias=qkv_bias)
-        self.o_proj = Linear(self.out_size, hidden, dtype, bias=o_bias)
+        self.qkv_proj = Linear(hidden, self.q_size + self.kv_size + self.v_size, dtype, bias=qkv_bias,
+                               quant=quant, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.out_size, hidden, dtype, bias=o_bias, quant=quant, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rope
         self.compiled = compiled
         self.runs_attention = runs_attention
@@ -121,11 +137,12 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """``gate_up_proj`` → ``silu_and_mul`` → ``down_proj`` (vLLM ``LlamaMLP``)."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = False,
+                 quant=None, prefix: str = "") -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, dtype, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, dtype, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, dtype, bias=bias, quant=quant, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(intermediate, hidden, dtype, bias=bias, quant=quant, prefix=f"{prefix}.down_proj")
         self.compiled = compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,10 +160,11 @@ class GatedMLP(nn.Module):
 class PlainMLP(nn.Module):
     """``fc1`` → activation → ``fc2`` (Phi-2 / GPT-style, no gate)."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = True) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = True,
+                 quant=None, prefix: str = "") -> None:
         super().__init__()
-        self.fc1 = Linear(hidden, intermediate, dtype, bias=bias)
-        self.fc2 = Linear(intermediate, hidden, dtype, bias=bias)
+        self.fc1 = Linear(hidden, intermediate, dtype, bias=bias, quant=quant, prefix=f"{prefix}.fc1")
+        self.fc2 = Linear(intermediate, hidden, dtype, bias=bias, quant=quant, prefix=f"{prefix}.fc2")
         self.compiled = compiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
