@@ -13,7 +13,7 @@ from typing import Any
 
 from tuner import __version__
 from tuner.eras import GiB, era_for, profile_batch, resolve_dtype
-from tuner.modelspec import load_model_spec
+from tuner.modelspec import load_model_spec, read_architectures, read_top
 from tuner.plugin import RankSettings, load_registry
 from tuner.search import Layout, evaluate, propose
 
@@ -41,6 +41,23 @@ def _extra_args(d: dict) -> str:
     return " ".join(parts)
 
 
+def kv_block_bytes(era, kv_specs: tuple, block_size: int) -> list[int | None]:
+    """Bytes one KV block costs across each pipeline stage's layers: what the available KV bytes
+    are divided by to give ``num_gpu_blocks`` (V0 ``cache_block_size``, V1 ``bytes_per_block``).
+    None where the release cannot lay the layers out."""
+    from tuner import kvcache
+    from tuner.errors import TunerError
+
+    if era.engine == "V0":
+        return [sum(s.page_size_bytes for s in specs.values()) for specs in kv_specs]
+    try:
+        cfgs = kvcache.get_kv_cache_configs(era.version, [(specs, 1 << 50) for specs in kv_specs],
+                                            max_model_len=block_size)
+        return [int(c.bytes_per_block) for c in cfgs]
+    except TunerError:
+        return [None for _ in kv_specs]
+
+
 def run_job(request: dict[str, Any]) -> dict[str, Any]:
     """Execute one job.
 
@@ -61,13 +78,13 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     device = request["device"]
     total = int(device["total_memory_bytes"])
     warnings: list[str] = []
-    spec, _hf = load_model_spec(request["config_path"])
     registry = load_registry()
     for err in registry.errors:
         warnings.append(str(err))
-    plugin, warn = registry.for_architectures(spec.architectures)
+    plugin, warn = registry.for_architectures(read_architectures(request["config_path"]))
     if warn:
         warnings.append(warn)
+    spec, _hf = load_model_spec(request["config_path"], defaults=plugin.config_defaults(read_top(request["config_path"])))
     era = era_for(d["engine_version"], d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
     dtype = resolve_dtype(d.get("dtype", "auto"), spec.torch_dtype)
     tp, pp = int(d.get("tensor_parallel_size", 1)), int(d.get("pipeline_parallel_size", 1))
@@ -134,6 +151,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         "engine": era.engine,
         "dtype": dtype,
         "block_size": block_size,
+        "kv_block_bytes": kv_block_bytes(era, kv_specs, block_size),
         "runs": runs,
         "candidates": candidates,
         "proposals": proposals,

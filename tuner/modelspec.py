@@ -56,10 +56,30 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None) ->
 
 def _first(obj: Any, *names: str, default: Any = None) -> Any:
     for n in names:
-        v = getattr(obj, n, None)
+        try:
+            v = getattr(obj, n, None)
+        except Exception:  # e.g. transformers' per-layer attributes (Gemma-4) refuse global access
+            v = None
         if v is not None:
             return v
     return default
+
+
+class _JsonConfig:
+    """Attribute view of a raw ``config.json`` dict, for configs transformers cannot parse
+    without remote code (``auto_map`` models such as Kimi-K2) or does not know yet."""
+
+    def __init__(self, data: dict, top: dict) -> None:
+        self._data, self._top = data, top
+        self.model_type = top.get("model_type") or data.get("model_type") or ""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._data.get(name)
+
+    def to_dict(self) -> dict:
+        return dict(self._data)
 
 
 @dataclass(frozen=True)
@@ -102,8 +122,12 @@ def _dtype_name(value: Any) -> str:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(s, s)
 
 
-def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
+def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None) -> tuple[ModelSpec, Any]:
     """Read ``config_path`` with ``transformers.AutoConfig`` (offline, no remote code).
+
+    Args:
+        defaults: values for text-config keys the file lacks (a plugin's family defaults for
+            partial configs, :meth:`tuner.plugin.ModelPlugin.config_defaults`); the file wins.
 
     Returns:
         ``(spec, hf_config)``: the :class:`ModelSpec` and the transformers config object.
@@ -124,12 +148,31 @@ def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if not isinstance(top, dict):
+        raise ModelConfigError("config.json is not a JSON object", where=str(path))
     try:
         hf = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
                                         trust_remote_code=False, local_files_only=True)
-    except Exception as exc:
-        raise ModelConfigError(f"transformers cannot parse this config: {exc}", where=str(path)) from exc
-    text_cfg = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        text_cfg = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        text_cfg.to_dict()
+    except Exception:
+        # Never runs remote code: read the JSON itself (text_config when present), which is all a
+        # memory model needs; plugins read ``spec.raw`` / ``spec.top`` for anything else.
+        text_json = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+        hf = text_cfg = _JsonConfig(text_json, top)
+    defaults = dict(defaults or {})
+    if defaults:
+        base = text_cfg
+
+        class _WithDefaults:
+            def __getattr__(self, name: str) -> Any:
+                v = _first(base, name)
+                return defaults.get(name) if v is None else v
+
+            def to_dict(self) -> dict:
+                return {**defaults, **base.to_dict()}
+
+        text_cfg = _WithDefaults()
     try:
         hidden = int(_first(text_cfg, "hidden_size", "n_embd", "d_model"))
         layers = int(_first(text_cfg, "num_hidden_layers", "n_layer", "num_layers"))
@@ -139,7 +182,7 @@ def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
     kv = _first(text_cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=heads)
     head_dim = _first(text_cfg, "head_dim", default=None) or hidden // heads
     inter = _first(text_cfg, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * hidden)
-    vocab = _first(text_cfg, "vocab_size", default=None) or _first(hf, "vocab_size")
+    vocab = _first(text_cfg, "vocab_size", default=None) or _first(hf, "vocab_size") or defaults.get("vocab_size")
     if vocab is None:
         raise ModelConfigError("missing vocab_size", where=f"{path}:vocab_size")
     maxpos = _first(text_cfg, "max_position_embeddings", "n_positions", "seq_length", default=2048)
@@ -160,7 +203,7 @@ def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
         path=str(path),
         config_sha256=hashlib.sha256(text).hexdigest(),
         architectures=tuple(top.get("architectures") or ()),
-        model_type=str(getattr(hf, "model_type", "")),
+        model_type=str(_first(hf, "model_type", default="")),
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -178,3 +221,25 @@ def load_model_spec(config_path: str | os.PathLike) -> tuple[ModelSpec, Any]:
         top=top,
     )
     return spec, hf
+
+
+def read_top(config_path: str | os.PathLike) -> dict:
+    """The top-level dict of a ``config.json`` (no transformers, no torch).
+
+    Raises:
+        ModelConfigError: unreadable file, invalid JSON, or not a JSON object (names the file).
+    """
+    path = Path(config_path)
+    try:
+        top = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    if not isinstance(top, dict):
+        raise ModelConfigError("config.json is not a JSON object", where=str(path))
+    return top
+
+
+def read_architectures(config_path: str | os.PathLike) -> tuple[str, ...]:
+    """The ``architectures`` list of a ``config.json`` (empty when absent)."""
+    archs = read_top(config_path).get("architectures") or ()
+    return tuple(a for a in archs if isinstance(a, str))

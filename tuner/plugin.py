@@ -61,6 +61,13 @@ class ModelPlugin:
     name: str = ""
     architectures: tuple[str, ...] = ()
 
+    def config_defaults(self, top: dict) -> dict:
+        """Family defaults for text-config keys a partial ``config.json`` lacks (the file wins).
+
+        ``top`` is the top-level config dict. The base class adds nothing.
+        """
+        return {}
+
     def kv_cache_spec(self, spec: Any, settings: RankSettings) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
