@@ -32,6 +32,13 @@ class Layout:
     num_layers: int
     max_position_embeddings: int
     kv_specs: tuple  # one dict[str, spec] per pipeline stage
+    #: Byte corrections learned from measured runs (:mod:`tuner.calibrate`), added to the
+    #: predicted terms: ``activation_peak_delta_bytes``, ``non_torch_delta_bytes``,
+    #: ``cuda_graph_delta_bytes``. Empty = uncalibrated.
+    corrections: tuple = ()
+    #: Torch peak a real profile run adds beyond the simulated passes (cuBLAS workspace + the
+    #: calibrated residual, :func:`tuner.budget.profile_overhead_bytes`), bytes.
+    activation_overhead_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,16 +84,20 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     n = batch.max_num_batched_tokens
     budgets = []
     for stage, p in enumerate(passes):
+        corr = dict(layout.corrections)
+        graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]),
+                                          max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n)
         budgets.append(kv_budget(
             era,
             total_memory_bytes=layout.total_memory_bytes,
             gpu_memory_utilization=u,
             weights_bytes=int(_get(p, "weights_bytes")),
-            activation_peak_bytes=int(_get(p, "activation_peak_bytes")),
-            non_torch_bytes=non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                                            pipeline_parallel_size=layout.pipeline_parallel_size),
-            cuda_graph_bytes=cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]),
-                                                      max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n),
+            activation_peak_bytes=max(0, int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes
+                                      + int(corr.get("activation_peak_delta_bytes", 0))),
+            non_torch_bytes=max(0, non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
+                                                   pipeline_parallel_size=layout.pipeline_parallel_size)
+                                + int(corr.get("non_torch_delta_bytes", 0))),
+            cuda_graph_bytes=max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0,
         ))
     reason = None
     blocks, tokens, conc = 0, 0, 0.0

@@ -58,10 +58,14 @@ def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch
         first = settings.pp_rank == 0
         last = settings.pp_rank == settings.pipeline_parallel_size - 1
         intermediate = None
-        if not first:  # non-first stages receive N-token hidden states and residuals
-            p = next(model.parameters())
-            intermediate = (torch.empty(n, spec.hidden_size, dtype=p.dtype), torch.empty(n, spec.hidden_size, dtype=p.dtype))
         with MemoryTracker() as tracker:
+            if not first:
+                # Non-first stages receive N-token hidden states and residuals; the runner makes
+                # this buffer on its first dummy run, i.e. inside the profile
+                # (vllm/v1/worker/gpu_model_runner.py _dummy_run, make_empty_intermediate_tensors).
+                p = next(model.parameters())
+                intermediate = (torch.empty(n, spec.hidden_size, dtype=p.dtype),
+                                torch.empty(n, spec.hidden_size, dtype=p.dtype))
             out = model(input_ids, positions, intermediate)
             forward_peak = tracker.peak_bytes
             before_sampler = tracker.live_bytes

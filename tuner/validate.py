@@ -1,0 +1,330 @@
+"""Predict real vLLM start-ups and compare (``ctx-tuner validate``).
+
+A case file is JSON Lines in the format of ``shared/cases/README.md``: one start-up per line with
+the model id, vLLM version and engine, GPU, parallel layout, settings and what the engine printed
+(``observed``). For each case this module builds the job the case describes (a drop with exactly
+its settings and one candidate), runs it, and reports predicted against observed:
+``num_gpu_blocks`` (or the KV-cache GiB where the log printed no blocks, or the KV tokens), weights,
+activation peak, the error in %, and whether the prediction is **unsafe**: more KV tokens than
+the engine really had, beyond one block.
+
+Parent side (no torch): :func:`load_cases`, :func:`case_request`, :func:`summarize`. Worker side:
+:func:`predict_cases` runs every case in one worker process (imports torch through the job).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+from tuner.errors import DropError, TunerError
+
+GiB = 1 << 30
+
+#: The fields a case must have (``shared/cases/README.md``).
+REQUIRED_FIELDS = ("id", "model", "gpu", "settings", "observed")
+
+#: Log-line formats that identify the release when a case does not state it: the earliest
+#: release that prints the format (vllm/worker/worker.py 0.6.4 "Memory profiling results: …
+#: initial_memory_usage=…"; 0.6.5–0.6.6 "the current vLLM instance can use …"; V1
+#: "Available KV cache memory" from 0.7). Used only when ``vllm_version`` is null.
+_VERSION_BY_LOG_FORMAT = (
+    ("initial_memory_usage=", "V0", "0.6.4"),
+    ("the current vLLM instance can use", "V0", "0.6.5"),
+    ("Available KV cache memory", "V1", "0.10.0"),
+)
+_DEFAULT_VERSION = {"V0": "0.6.4", "V1": "0.10.0"}
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+           "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def load_cases(path: str | Path) -> list[dict]:
+    """Read a JSON Lines case file.
+
+    Raises:
+        DropError: unreadable file, a line that is not a JSON object, or a case missing a
+            required field (names the file, the line and the field).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise DropError(f"cannot read case file: {exc.strerror or exc}", path=str(p)) from exc
+    cases = []
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            case = json.loads(line)
+        except ValueError as exc:
+            raise DropError(f"line {no}: not JSON: {exc}", path=str(p)) from exc
+        if not isinstance(case, dict):
+            raise DropError(f"line {no}: a case is a JSON object", path=str(p))
+        for key in REQUIRED_FIELDS:
+            if case.get(key) is None:
+                raise DropError(f"line {no}: case {case.get('id', '?')!r} has no {key!r}", path=str(p), field=key)
+        cases.append(case)
+    return cases
+
+
+def infer_version(case: dict) -> tuple[str, str]:
+    """``(version, engine)`` of a case: as stated, else from its log-line formats, else the
+    engine's default release (:data:`_DEFAULT_VERSION`)."""
+    engine = (case.get("engine") or "").upper()
+    engine = engine if engine in ("V0", "V1") else None
+    if case.get("vllm_version"):
+        return str(case["vllm_version"]), engine
+    text = "\n".join(case.get("raw_lines") or [])
+    for marker, eng, version in _VERSION_BY_LOG_FORMAT:
+        if marker in text and (engine in (None, eng)):
+            return version, eng
+    eng = engine or "V1"
+    return _DEFAULT_VERSION[eng], eng
+
+
+def _model_dir_name(model: str) -> str:
+    return model.replace("/", "--")
+
+
+def config_path_for(case: dict, models_dir: str | Path) -> Path:
+    """``<models_dir>/<org>--<name>/config.json`` for the case's model id.
+
+    Raises:
+        TunerError: no such file (names the path).
+    """
+    path = Path(models_dir) / _model_dir_name(str(case["model"])) / "config.json"
+    if not path.is_file():
+        raise TunerError(f"no config.json for model {case['model']!r}", where=str(path))
+    return path
+
+
+def _device(case: dict) -> dict:
+    from tuner.devices import resolve_device
+
+    gib = case.get("gpu_total_gib")
+    if gib:
+        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB))}
+    dev = resolve_device(str(case["gpu"]))
+    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+
+
+def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None = None) -> dict:
+    """The job request (:func:`tuner.job.run_job`) that reproduces one case: its release, engine,
+    device total, dtype, KV dtype, quantization, TP/PP and settings, one candidate
+    (the case's ``gpu_memory_utilization`` × ``max_model_len``), no search.
+
+    Raises:
+        TunerError / DeviceError: missing model config, unknown GPU without a stated total.
+    """
+    s = case.get("settings") or {}
+    version, engine = infer_version(case)
+    dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
+    kv = case.get("kv_cache_dtype") or "auto"
+    u = s.get("gpu_memory_utilization")
+    drop = {
+        "engine_version": version,
+        "engine": engine,
+        "dtype": dtype,
+        "kv_cache_dtype": kv,
+        "quantization": case.get("quantization"),
+        "tensor_parallel_size": int(case.get("tensor_parallel_size") or 1),
+        "pipeline_parallel_size": int(case.get("pipeline_parallel_size") or 1),
+        "max_num_seqs": s.get("max_num_seqs"),
+        "max_num_batched_tokens": s.get("max_num_batched_tokens"),
+        "block_size": s.get("block_size"),
+        "enable_chunked_prefill": s.get("enable_chunked_prefill"),
+        "enforce_eager": bool(s.get("enforce_eager")),
+        "entry_point": "serve",
+        "candidates": {"gpu_memory_utilization": [u] if u else None,
+                       "max_model_len": [s["max_model_len"]] if s.get("max_model_len") else None},
+        "constraints": {},
+    }
+    req = {"drop": drop, "config_path": str(config_path_for(case, models_dir)), "device": _device(case),
+           "fake": True, "search": False}
+    if calibration:
+        req["calibration"] = dict(calibration)
+    return req
+
+
+def _pct(pred: float | None, obs: float | None) -> float | None:
+    if pred is None or obs is None or obs == 0:
+        return None
+    return round((pred - obs) / abs(obs) * 100.0, 3)
+
+
+def compare(case: dict, result: dict) -> dict:
+    """One report row: the case's observation beside the job's single candidate.
+
+    ``error_pct`` is measured on ``num_gpu_blocks`` when the log printed them, else on the KV
+    cache GiB, else on the KV tokens. ``unsafe``: the prediction promises more KV than the engine
+    had by more than one block (tokens when the log printed them, else bytes, allowing the
+    ±0.005 GiB rounding of the printed GiB).
+    """
+    o = case.get("observed") or {}
+    c = result["candidates"][0]
+    pred_blocks, pred_tokens = c["num_gpu_blocks"], c["kv_cache_tokens"]
+    pred_kv = c["available_kv_cache_bytes"]
+    block = int(result.get("block_size") or 16)
+    obs_blocks, obs_tokens, obs_gib = o.get("num_gpu_blocks"), o.get("kv_cache_tokens"), o.get("kv_cache_gib")
+    if obs_blocks:
+        err, basis = _pct(pred_blocks, obs_blocks), "num_gpu_blocks"
+    elif obs_gib:
+        err, basis = _pct(pred_kv / GiB, obs_gib), "kv_cache_gib"
+    elif obs_tokens:
+        err, basis = _pct(pred_tokens, obs_tokens), "kv_cache_tokens"
+    else:
+        err, basis = None, None
+    if obs_tokens:
+        unsafe = pred_tokens - obs_tokens > block
+    elif obs_gib is not None and pred_tokens:
+        per_token = pred_kv / pred_tokens
+        unsafe = pred_kv - obs_gib * GiB > max(block * per_token, 0.005 * GiB)
+    else:
+        unsafe = False
+    observed_failed = bool(o.get("error_message")) or (obs_gib is not None and obs_gib < 0)
+    return {
+        "id": case["id"],
+        "status": "ok",
+        "model": case["model"],
+        "plugin": result.get("plugin"),
+        "era": result.get("era"),
+        "predicted_num_gpu_blocks": pred_blocks,
+        "observed_num_gpu_blocks": obs_blocks,
+        "predicted_kv_cache_gib": round(pred_kv / GiB, 4),
+        "observed_kv_cache_gib": obs_gib,
+        "predicted_kv_cache_tokens": pred_tokens,
+        "observed_kv_cache_tokens": obs_tokens,
+        "predicted_weights_gib": round(c["weights_bytes"] / GiB, 4),
+        "observed_weights_gib": o.get("weights_gib"),
+        "predicted_activation_peak_gib": round(c["activation_peak_bytes"] / GiB, 4),
+        "observed_activation_peak_gib": o.get("activation_peak_gib"),
+        "predicted_non_torch_gib": round(c["non_torch_bytes"] / GiB, 4),
+        "predicted_cuda_graph_gib": round(c["cuda_graph_bytes"] / GiB, 4),
+        "predicted_fits": bool(c["fits"]),
+        "observed_fits": not observed_failed,
+        "predicted_reason": c["reason"],
+        "error_basis": basis,
+        "error_pct": err,
+        "unsafe": bool(unsafe),
+        "warnings": result.get("warnings") or [],
+    }
+
+
+def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: dict | None = None,
+                  run: Callable[[dict], dict] | None = None) -> list[dict]:
+    """Predict every case (worker side: ``run`` defaults to :func:`tuner.job.run_job`).
+
+    Args:
+        calibrations: optional ``{case id: calibration dict}`` (see :mod:`tuner.calibrate`).
+    Returns:
+        One row per case, in order; a case that cannot run gets ``status: "error"`` and the
+        reason instead of numbers (it never stops the others).
+    """
+    if run is None:
+        from tuner.job import run_job as run
+    rows = []
+    for case in cases:
+        try:
+            req = case_request(case, models_dir, calibration=(calibrations or {}).get(case["id"]))
+            rows.append(compare(case, run(req)))
+        except TunerError as exc:
+            rows.append(_error_row(case, f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # one broken case never hides the others
+            rows.append(_error_row(case, f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
+def _error_row(case: dict, reason: str) -> dict:
+    o = case.get("observed") or {}
+    return {"id": case.get("id"), "status": "error", "model": case.get("model"), "reason": reason,
+            "predicted_num_gpu_blocks": None, "observed_num_gpu_blocks": o.get("num_gpu_blocks"),
+            "predicted_kv_cache_gib": None, "observed_kv_cache_gib": o.get("kv_cache_gib"),
+            "predicted_kv_cache_tokens": None, "observed_kv_cache_tokens": o.get("kv_cache_tokens"),
+            "error_pct": None, "unsafe": False}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0–100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[k - 1]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Number of cases, median and p90 absolute % error (nearest rank), unsafe count, fit/fail
+    agreement, and the cases that could not run with their reason."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    errs = [abs(r["error_pct"]) for r in ok if r["error_pct"] is not None]
+    return {
+        "cases": len(rows),
+        "predicted": len(ok),
+        "with_error_pct": len(errs),
+        "median_abs_error_pct": round(statistics.median(errs), 3) if errs else None,
+        "p90_abs_error_pct": round(_percentile(errs, 90), 3) if errs else None,
+        "max_abs_error_pct": round(max(errs), 3) if errs else None,
+        "unsafe": sum(1 for r in ok if r["unsafe"]),
+        "unsafe_cases": [r["id"] for r in ok if r["unsafe"]],
+        "fit_verdict_agrees": sum(1 for r in ok if r["predicted_fits"] == r["observed_fits"]),
+        "could_not_run": [{"id": r["id"], "reason": r["reason"]} for r in rows if r["status"] != "ok"],
+    }
+
+
+def render(report: dict) -> str:
+    """The human-readable table of a report (``{"cases": rows, "summary": {...}}``)."""
+    def f(v, spec=""):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"{'case':<52} {'pred blocks':>11} {'obs blocks':>10} {'pred KV':>8} {'obs KV':>7} "
+             f"{'W pred/obs':>13} {'act':>5} {'err %':>7} {'fits':>9}  note"]
+    lines.append("-" * len(lines[0]))
+    for r in report["cases"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['id'][:52]:<52} {'':>11} {'':>10} {'':>8} {'':>7} {'':>13} {'':>5} {'':>7} {'':>9}  "
+                         f"could not run: {r['reason']}")
+            continue
+        w = f"{f(r['predicted_weights_gib'], '.2f')}/{f(r['observed_weights_gib'], '.2f')}"
+        fits = f"{'yes' if r['predicted_fits'] else 'NO'}/{'yes' if r['observed_fits'] else 'NO'}"
+        note = "UNSAFE" if r["unsafe"] else ""
+        lines.append(f"{r['id'][:52]:<52} {f(r['predicted_num_gpu_blocks']):>11} {f(r['observed_num_gpu_blocks']):>10} "
+                     f"{f(r['predicted_kv_cache_gib'], '.2f'):>8} {f(r['observed_kv_cache_gib'], '.2f'):>7} {w:>13} "
+                     f"{f(r['predicted_activation_peak_gib'], '.2f'):>5} {f(r['error_pct'], '+.2f'):>7} {fits:>9}  {note}")
+    s = report["summary"]
+    lines += ["", f"cases {s['cases']}, predicted {s['predicted']}, median |error| {f(s['median_abs_error_pct'], '.2f')} %, "
+              f"p90 {f(s['p90_abs_error_pct'], '.2f')} %, max {f(s['max_abs_error_pct'], '.2f')} %, unsafe {s['unsafe']}, "
+              f"fit verdict agrees on {s['fit_verdict_agrees']}/{s['predicted']}"]
+    for c in s["could_not_run"]:
+        lines.append(f"could not run: {c['id']}: {c['reason']}")
+    return "\n".join(lines)
+
+
+def run_validate_request(request: dict) -> dict:
+    """Worker entry: ``{"kind": "validate", "cases": [...], "models_dir": str, "calibrations"?}``
+    → ``{"cases": rows, "summary": {...}}``."""
+    rows = predict_cases(request["cases"], request["models_dir"], calibrations=request.get("calibrations"))
+    return {"cases": rows, "summary": summarize(rows)}
+
+
+def select(cases: list[dict], pattern: str | None) -> list[dict]:
+    """Cases whose id or model matches the regular expression ``pattern`` (all when None)."""
+    if not pattern:
+        return cases
+    rx = re.compile(pattern)
+    return [c for c in cases if rx.search(str(c.get("id"))) or rx.search(str(c.get("model")))]
+
+
+def _main() -> None:  # pragma: no cover - developer convenience: python -m tuner.validate CASES DIR
+    import sys
+
+    cases = select(load_cases(sys.argv[1]), sys.argv[3] if len(sys.argv) > 3 else None)
+    print(render(run_validate_request({"cases": cases, "models_dir": sys.argv[2]})))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
