@@ -98,23 +98,32 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
 
 
 def cudagraph_estimate_bytes(
-    era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int
+    era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
+    always: bool = False,
 ) -> int:
-    """The CUDA-graph memory estimate the era subtracts (0 where it subtracts none).
+    """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
-    vLLM 0.20+ (vllm/v1/worker/gpu_model_runner.py ``profile_cudagraph_memory``) captures the two
-    largest sizes per mode and extrapolates: ``first + per_graph·(n − 1)`` per mode, with
-    ``per_graph ≥ 1 MiB``. Modelled as a first capture of 32 MiB + 0.5 MiB per layer and
-    ``max(1 MiB, 16 KiB per layer)`` per further graph, for PIECEWISE and FULL (decode sizes
-    only) graphs. Heuristic (UNVERIFIED against logs: no visible case prints it).
+    vLLM 0.19+ (vllm/v1/worker/gpu_model_runner.py ``profile_cudagraph_memory``) captures the two
+    largest sizes per mode, measures free memory around each, and extrapolates
+    ``first + per_graph·(n − 1)``; 0.20+ subtracts it from the KV budget
+    (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). The measured value is a function of the
+    stage's residual stream (layers × hidden), calibrated, not derived, on the 34 vLLM 0.19.0 H100
+    logs that print "CUDA graph pool memory: … (estimated)" (default 1024 seqs / 8192 tokens):
+    0.84 GiB at 131072 layer·hidden (Llama-3.1-8B, CodeLlama-7B, Qwen3-8B, Gemma-2-9B and
+    Mistral-Small-24B all print 0.84), proportional below with a 0.5 GiB floor (Gemma-2-2B 0.52,
+    8-16-layer pipeline stages 0.49-0.54), +1.5 GiB per 10⁶ above (Qwen2.5-72B: 1.63). Fit: median
+    |error| 0.03 GiB on dense models; MoE/MLA models print 0.3-0.9 GiB more (not modelled).
+    ``always`` returns the estimate even where the era does not subtract it (for reports).
     """
-    if not era.subtracts_cudagraph_estimate:
+    if not (era.subtracts_cudagraph_estimate or always) or era.engine != "V1":
         return 0
-    sizes = cudagraph_capture_sizes(era, max_num_seqs, max_num_batched_tokens)
-    n = len(sizes)
-    first = 32 * MiB + num_layers * (MiB // 2)
-    per_graph = max(MiB, num_layers * 16 * 1024)
-    return int(first + per_graph * max(0, n - 1) + per_graph * max(0, n - 1))
+    x = num_layers * hidden_size
+    anchor, at_anchor = 131072, 0.84 * GiB
+    if x <= anchor:
+        est = max(0.5 * GiB, at_anchor * x / anchor)
+    else:
+        est = at_anchor + 1.507e-6 * GiB * (x - anchor)
+    return int(est)
 
 
 @dataclass(frozen=True)

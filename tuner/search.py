@@ -39,6 +39,8 @@ class Layout:
     #: Torch peak a real profile run adds beyond the simulated passes (cuBLAS workspace + the
     #: calibrated residual, :func:`tuner.budget.profile_overhead_bytes`), bytes.
     activation_overhead_bytes: int = 0
+    #: The model's hidden size (elements), for the CUDA-graph estimate.
+    hidden_size: int = 4096
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,9 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets = []
     for stage, p in enumerate(passes):
         corr = dict(layout.corrections)
-        graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]),
-                                          max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n)
+        graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
+                                          max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
+                                          hidden_size=layout.hidden_size)
         budgets.append(kv_budget(
             era,
             total_memory_bytes=layout.total_memory_bytes,

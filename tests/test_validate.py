@@ -1,0 +1,159 @@
+"""``ctx-tuner validate``: case → job mapping, comparison, summary, CLI, and the accuracy gate on
+the visible real start-ups (issue 7)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tuner.budget import cublas_workspace_bytes, cudagraph_estimate_bytes
+from tuner.eras import GiB, era_for
+from tuner.errors import DropError
+from tuner.validate import case_request, compare, infer_version, load_cases, summarize
+
+MiB = 1 << 20
+
+
+def _case(**over):
+    c = {"id": "c1", "model": "meta-llama/Llama-3.1-8B-Instruct", "vllm_version": "0.19.0", "engine": "V1",
+         "gpu": "NVIDIA H100 80GB", "gpu_total_gib": 79.19, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+         "dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": None,
+         "settings": {"gpu_memory_utilization": 0.95, "max_model_len": 8192, "max_num_seqs": 1024,
+                      "max_num_batched_tokens": 8192, "enable_chunked_prefill": None, "enforce_eager": None,
+                      "block_size": None},
+         "observed": {"num_gpu_blocks": 1000, "kv_cache_gib": 2.0, "kv_cache_tokens": 16000}, "raw_lines": []}
+    c.update(over)
+    return c
+
+
+def _result(blocks, tokens, kv_bytes, fits=True):
+    return {"plugin": "generic", "era": "V1 0.19.0", "block_size": 16, "warnings": [],
+            "candidates": [{"num_gpu_blocks": blocks, "kv_cache_tokens": tokens, "available_kv_cache_bytes": kv_bytes,
+                            "weights_bytes": 15 * GiB, "activation_peak_bytes": 2 * GiB, "non_torch_bytes": GiB // 4,
+                            "cuda_graph_bytes": 0, "fits": fits, "reason": None if fits else "too long"}]}
+
+
+def test_case_request_carries_every_setting(shared_dir):
+    req = case_request(_case(), shared_dir / "models")
+    d = req["drop"]
+    assert req["device"] == {"name": "NVIDIA H100 80GB", "total_memory_bytes": round(79.19 * GiB)}
+    assert (d["engine_version"], d["engine"], d["tensor_parallel_size"], d["kv_cache_dtype"]) == ("0.19.0", "V1", 2, "fp8")
+    assert d["candidates"] == {"gpu_memory_utilization": [0.95], "max_model_len": [8192]}
+    assert (d["max_num_seqs"], d["max_num_batched_tokens"]) == (1024, 8192)
+    assert req["search"] is False and req["config_path"].endswith("meta-llama--Llama-3.1-8B-Instruct/config.json")
+
+
+def test_unknown_gpu_total_comes_from_the_catalog(shared_dir):
+    req = case_request(_case(gpu="NVIDIA A100 80GB", gpu_total_gib=None), shared_dir / "models")
+    assert req["device"]["name"] == "A100-80GB"
+    assert 79 * GiB < req["device"]["total_memory_bytes"] < 80 * GiB
+
+
+def test_version_inferred_from_log_format_when_not_stated():
+    assert infer_version(_case()) == ("0.19.0", "V1")
+    v0 = _case(vllm_version=None, engine="V0", raw_lines=[
+        "Memory profiling results: total_gpu_memory=23.58GiB initial_memory_usage=15.34GiB peak_torch_memory=17.98GiB"])
+    assert infer_version(v0) == ("0.6.4", "V0")
+    assert infer_version(_case(vllm_version=None, engine="V1", raw_lines=["Available KV cache memory: 5.01 GiB"])) == ("0.10.0", "V1")
+
+
+def test_compare_uses_blocks_then_gib_then_tokens_and_flags_unsafe():
+    row = compare(_case(), _result(1010, 16160, int(2.02 * GiB)))
+    assert row["error_basis"] == "num_gpu_blocks" and row["error_pct"] == pytest.approx(1.0)
+    assert row["unsafe"] is True  # 160 tokens more than the engine had, more than one block
+    row = compare(_case(), _result(1001, 16016, int(2.0 * GiB)))
+    assert row["unsafe"] is False  # exactly one block more: within the tolerance
+    row = compare(_case(observed={"kv_cache_gib": 4.0}), _result(0, 32000, 3 * GiB))
+    assert row["error_basis"] == "kv_cache_gib" and row["error_pct"] == pytest.approx(-25.0) and not row["unsafe"]
+    failed = _case(observed={"kv_cache_tokens": 16000, "error_message": "The model's max seq len (8192) is larger"})
+    assert compare(failed, _result(900, 14400, GiB, fits=False))["observed_fits"] is False
+
+
+def test_summary_median_p90_unsafe_and_could_not_run():
+    rows = [{"id": str(i), "status": "ok", "error_pct": e, "unsafe": e > 4, "predicted_fits": True, "observed_fits": True}
+            for i, e in enumerate([0.5, -1.0, 2.0, -3.0, 5.0, 0.1, 0.2, 0.3, 0.4, 10.0])]
+    rows.append({"id": "x", "status": "error", "reason": "ModelConfigError: nope", "error_pct": None, "unsafe": False})
+    s = summarize(rows)
+    assert s["cases"] == 11 and s["predicted"] == 10
+    assert s["median_abs_error_pct"] == pytest.approx(0.75)
+    assert s["p90_abs_error_pct"] == pytest.approx(5.0)
+    assert s["unsafe"] == 2 and s["unsafe_cases"] == ["4", "9"]
+    assert s["could_not_run"] == [{"id": "x", "reason": "ModelConfigError: nope"}]
+
+
+def test_bad_case_file_names_line_and_field(tmp_path):
+    p = tmp_path / "cases.jsonl"
+    p.write_text('{"id": "a", "model": "m", "gpu": "H100", "settings": {}}\n')
+    with pytest.raises(DropError) as e:
+        load_cases(p)
+    assert "line 1" in str(e.value) and e.value.field == "observed"
+    p.write_text("{not json\n")
+    with pytest.raises(DropError, match="line 1: not JSON"):
+        load_cases(p)
+
+
+def test_cublas_workspace_and_graph_estimate():
+    assert cublas_workspace_bytes("9.0") == 32 * MiB
+    assert cublas_workspace_bytes("8.6") == 8 * MiB + 128 * 1024
+    v19, v20 = era_for("0.19.0"), era_for("0.20.0")
+    assert cudagraph_estimate_bytes(v19, num_layers=32, max_num_seqs=1024, max_num_batched_tokens=8192) == 0
+    est = cudagraph_estimate_bytes(v20, num_layers=32, max_num_seqs=1024, max_num_batched_tokens=8192, hidden_size=4096)
+    assert est == int(0.84 * GiB)
+    small = cudagraph_estimate_bytes(v20, num_layers=26, max_num_seqs=1024, max_num_batched_tokens=8192, hidden_size=2304)
+    assert small == int(0.5 * GiB)
+
+
+def test_graph_estimate_fits_the_printed_estimates(observed_cases):
+    """The 0.19 logs print the estimate 0.20+ subtracts; dense TP1/PP1 models within 0.25 GiB."""
+    dims = {"meta-llama/Llama-3.1-8B-Instruct": (32, 4096), "codellama/CodeLlama-7b-hf": (32, 4096),
+            "Qwen/Qwen3-8B": (36, 4096), "Qwen/Qwen2.5-7B-Instruct": (28, 3584), "google/gemma-2-2b-it": (26, 2304),
+            "google/gemma-2-9b-it": (42, 3584)}
+    checked = 0
+    for c in observed_cases.values():
+        est = c["observed"].get("cuda_graph_estimated_gib")
+        if est is None or c["model"] not in dims or c["tensor_parallel_size"] != 1 or c["pipeline_parallel_size"] != 1:
+            continue
+        layers, hidden = dims[c["model"]]
+        got = cudagraph_estimate_bytes(era_for("0.19.0"), num_layers=layers, max_num_seqs=1024,
+                                       max_num_batched_tokens=8192, hidden_size=hidden, always=True) / GiB
+        assert abs(got - est) <= 0.25, (c["id"], got, est)
+        checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.slow
+def test_validate_cli_json_on_the_visible_cases(shared_dir, tmp_path):
+    """The whole visible set through the CLI: every case runs, JSON has the documented keys."""
+    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "validate", str(shared_dir / "cases" / "vllm-observed.jsonl"),
+                           "--models-dir", str(shared_dir / "models"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    keys = {"id", "status", "predicted_num_gpu_blocks", "observed_num_gpu_blocks", "predicted_kv_cache_gib",
+            "observed_kv_cache_gib", "predicted_kv_cache_tokens", "observed_kv_cache_tokens", "error_pct", "unsafe"}
+    assert all(keys <= set(r) for r in report["cases"])
+    s = report["summary"]
+    assert s["cases"] == 41 and s["could_not_run"] == []
+    by_id = {r["id"]: r for r in report["cases"]}
+    llama = by_id["llmd-v019-meta-llama-llama-3-1-8b--tp1pp1dp1--8192"]
+    assert llama["observed_num_gpu_blocks"] == 29751 and abs(llama["error_pct"]) < 0.5 and not llama["unsafe"]
+    v0 = by_id["vllm-10517-rtx3090-llama31-8b-29k"]
+    assert v0["predicted_fits"] is False and v0["observed_fits"] is False
+    # Issue 7's gate on the visible set.
+    assert s["median_abs_error_pct"] <= 2.0, s
+    assert s["p90_abs_error_pct"] <= 5.0, s
+    assert s["unsafe"] <= 1, s
+
+
+def test_validate_usage_errors_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "validate", str(tmp_path / "missing.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "missing.jsonl" in proc.stderr
+    cases = tmp_path / "c.jsonl"
+    cases.write_text(json.dumps(_case()) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "validate", str(cases), "--models-dir", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "models directory not found" in proc.stderr
