@@ -103,6 +103,23 @@ def config_path_for(case: dict, models_dir: str | Path) -> Path:
     return path
 
 
+def derived_max_model_len(config_path: str | Path) -> int:
+    """The ``max_model_len`` vLLM derives when none is given: the text config's
+    ``max_position_embeddings`` (vllm/config/model.py ``_get_and_verify_max_len``; a rope
+    ``factor`` with ``original_max_position_embeddings`` is already folded into it by HF configs),
+    or the smallest of the other length keys it checks; 2048 when none is present."""
+    from tuner.modelspec import read_top
+
+    top = read_top(config_path)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "model_max_length"):
+        for d in (text, top):
+            if isinstance(d.get(key), int) and d[key] > 0:
+                return int(d[key])
+    return 2048
+
+
 def _device(case: dict) -> dict:
     from tuner.devices import resolve_device
 
@@ -123,6 +140,8 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     """
     s = case.get("settings") or {}
     version, engine = infer_version(case)
+    config_path = config_path_for(case, models_dir)
+    max_model_len = s.get("max_model_len") or derived_max_model_len(config_path)
     dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
     kv = case.get("kv_cache_dtype") or "auto"
     u = s.get("gpu_memory_utilization")
@@ -140,11 +159,10 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
         "enable_chunked_prefill": s.get("enable_chunked_prefill"),
         "enforce_eager": bool(s.get("enforce_eager")),
         "entry_point": "serve",
-        "candidates": {"gpu_memory_utilization": [u] if u else None,
-                       "max_model_len": [s["max_model_len"]] if s.get("max_model_len") else None},
+        "candidates": {"gpu_memory_utilization": [u] if u else None, "max_model_len": [max_model_len]},
         "constraints": {},
     }
-    req = {"drop": drop, "config_path": str(config_path_for(case, models_dir)), "device": _device(case),
+    req = {"drop": drop, "config_path": str(config_path), "device": _device(case),
            "fake": True, "search": False}
     if calibration:
         req["calibration"] = dict(calibration)
