@@ -58,11 +58,14 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
 
 MiB = 1 << 20
 
-#: Unexplained activation left after the modelled terms, added to every profile pass (bytes).
-#: Calibrated, not derived: after the cuBLAS workspace the visible V1 start-ups on H100 still
-#: measure 0–14 MiB more torch peak than simulated (30 cases, vLLM 0.11 and 0.19; mean 9 MiB);
-#: 16 MiB keeps predictions on the safe side of the engine by less than 0.05 % of an 80 GB card.
-PROFILE_RESIDUAL_BYTES = 16 * MiB
+#: Unexplained start-up memory left after the modelled terms, charged with the profile pass (bytes).
+#: Calibrated, not derived, on the 30 visible dense V1 start-ups (vLLM 0.10–0.19, H100/A100, TP 1–4,
+#: PP 1–4): after the cuBLAS workspace the engines kept 0–14 MiB more torch peak than simulated,
+#: and Qwen2-family checkpoints load 20–84 MiB more than their parameters and rotary cache. 64 MiB
+#: is the smallest round value that keeps every one of those predictions at or below the engine's
+#: KV cache (median error −0.07 %, i.e. < 0.1 % of an 80 GB card): an operator's start must not
+#: fail because the prediction was optimistic.
+PROFILE_RESIDUAL_BYTES = 64 * MiB
 
 
 def cublas_workspace_bytes(compute_capability: str | None) -> int:
