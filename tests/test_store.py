@@ -43,6 +43,19 @@ EXPECTED = {
         "id", "drop_id", "gpu_memory_utilization", "max_model_len", "num_gpu_blocks",
         "kv_cache_tokens", "max_concurrency", "vllm_args", "reason", "created_at",
     ],
+    "jobs": [
+        "id", "path", "content_sha256", "content", "status", "attempts", "error_type", "error",
+        "drop_id", "worker_pid", "created_at", "started_at", "finished_at", "retired_at",
+    ],
+    "calibrations": [
+        "id", "profile_run_id", "model", "model_config_sha256", "device_name", "era",
+        "tensor_parallel_size", "pipeline_parallel_size", "dtype", "quantization",
+        "predicted_activation_peak_bytes", "predicted_non_torch_bytes", "predicted_cuda_graph_bytes",
+        "predicted_available_kv_cache_bytes", "activation_peak_delta_bytes", "non_torch_delta_bytes",
+        "cuda_graph_delta_bytes", "total_delta_bytes", "kv_error_bytes", "predicted_num_gpu_blocks",
+        "usable", "note",
+        "created_at",
+    ],
 }
 TABLES = list(EXPECTED)
 
@@ -271,7 +284,8 @@ def test_readonly_open_cannot_write(store, tmp_path):
                 c.exec_driver_sql("DELETE FROM proposals")
     finally:
         ro.close()
-    assert _counts(url) == {"drops": 1, "profile_runs": 0, "candidates": 0, "proposals": 1}
+    assert _counts(url) == {"drops": 1, "profile_runs": 0, "candidates": 0, "proposals": 1, "jobs": 0,
+                            "calibrations": 0}
     assert store.latest_proposals(drop_id)[0]["drop_id"] == drop_id
 
 

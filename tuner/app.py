@@ -27,6 +27,8 @@ class ProfileOutcome:
     result: dict[str, Any]
     drop_id: int | None = None
     warnings: list[str] = field(default_factory=list)
+    #: the drop text that was profiled; None = read it from ``drop.path`` when storing.
+    content: str | None = None
 
 
 def _pass_sha256(result: dict, run: dict, drop: Drop, device: dict) -> str:
@@ -45,7 +47,8 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     """Map a job result onto the ``drops``/``profile_runs``/``candidates``/``proposals`` rows."""
     d, r, dev = outcome.drop, outcome.result, outcome.device
     drop_row = {"name": d.name, "path": d.path, "content_sha256": d.content_sha256,
-                "content": open(d.path, encoding="utf-8").read() if d.path else "",
+                "content": outcome.content if outcome.content is not None
+                else (open(d.path, encoding="utf-8").read() if d.path else ""),
                 "model": d.model, "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method}
     runs = []
     for run in r["runs"]:
@@ -73,6 +76,31 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     return drop_row, runs, candidates, proposals
 
 
+def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False) -> tuple[dict, dict]:
+    """The worker request for a validated drop, and the resolved device ``{name, total_memory_bytes}``.
+
+    Checks the method is available, resolves the device (``auto`` through NVML) and finds the
+    model's config.json offline. No torch, no database.
+
+    Raises:
+        DropError: unavailable ``method`` or unknown ``model`` (field named).
+        DeviceError: the device cannot be resolved.
+    """
+    if drop.method not in ("simulate", "auto"):
+        raise DropError(f"method {drop.method!r} needs a GPU host and is not available in this build; "
+                        "use 'simulate'", path=drop.path, field="method")
+    device = drop.resolve_device(nvml=nvml)
+    try:
+        config_path = resolve_model_path(drop.model, drop.base_dir)
+    except ModelConfigError as exc:
+        raise DropError(exc.message, path=drop.path, field="model") from exc
+    dev = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
+    request = {"drop": drop.to_dict(), "config_path": str(config_path), "device": dev}
+    if trust_remote_code:
+        request["trust_remote_code"] = True
+    return request, dev
+
+
 def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             store_factory: Callable[..., Store] = open_store, worker: Callable[..., dict] = run_in_worker,
             nvml: Any = None) -> ProfileOutcome:
@@ -84,18 +112,9 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         DeviceError, WorkerError, StoreError, TunerError: as their names say; nothing is written.
     """
     drop = load_drop(drop_path)
-    if drop.method not in ("simulate", "auto"):
-        raise DropError(f"method {drop.method!r} needs a GPU host and is not available in this build; "
-                        "use 'simulate'", path=drop_path, field="method")
-    device = drop.resolve_device(nvml=nvml)
-    try:
-        config_path = resolve_model_path(drop.model, drop.base_dir)
-    except ModelConfigError as exc:
-        raise DropError(exc.message, path=drop_path, field="model") from exc
-    dev = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
+    request, dev = prepare_request(drop, nvml=nvml)
     started = utc_text()
-    result = worker({"drop": drop.to_dict(), "config_path": str(config_path), "device": dev},
-                    job=drop.name, timeout_s=timeout_s)
+    result = worker(request, job=drop.name, timeout_s=timeout_s)
     outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])))
     store = store_factory(db_url)
     try:

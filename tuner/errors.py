@@ -56,3 +56,21 @@ class KVCacheError(TunerError):
 
 class StoreError(TunerError):
     """The results database cannot be opened, migrated or written."""
+
+
+class SettingsError(TunerError):
+    """The daemon's settings file is unreadable or invalid. ``path`` is the file, ``field`` the key."""
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = None) -> None:
+        self.path = path
+        self.field = field
+        where = ":".join(p for p in (str(path) if path else None, field) if p) or None
+        super().__init__(message, where=where)
+
+
+class LogParseError(TunerError):
+    """A vLLM log cannot be read or holds no memory line (``where`` is the file)."""
+
+
+class MeasureError(TunerError):
+    """A measured profile pass (``cuda`` / ``vllm``) could not run or gave no result."""

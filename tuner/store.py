@@ -7,6 +7,9 @@ Tables (a public interface — users write SQL against them):
   ``max_num_batched_tokens`` tokens), with full provenance; ``pass_sha256`` is the memo key.
 * ``candidates`` — one row per grid point ``gpu_memory_utilization`` × ``max_model_len``.
 * ``proposals`` — the recommended settings for a drop.
+* ``calibrations`` — per measured run, the simulate prediction's residual per memory term.
+* ``jobs`` — the daemon's durable queue: one row per drop file version it has seen (status,
+  attempts, typed error, the resulting ``drops.id``).
 
 Conventions: byte columns are integers (BigInteger) and end in ``_bytes``; times are UTC
 ISO-8601 text, ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (fixed width, so text order is time order);
@@ -24,7 +27,7 @@ from __future__ import annotations
 import numbers
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine, make_url
@@ -172,6 +175,62 @@ proposals_table = sa.Table(
     sa.Column("max_concurrency", sa.Float, nullable=True),
     sa.Column("vllm_args", sa.Text, nullable=True),
     sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("created_at", _TS, nullable=False),
+)
+
+#: Revision 0002: the daemon's durable job queue (see :mod:`tuner.jobqueue`). One row per
+#: (drop file path, content); ``status`` pending → running → done | failed, or cancelled.
+JOB_STATES = ("pending", "running", "done", "failed", "cancelled")
+jobs_table = sa.Table(
+    "jobs",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("path", sa.Text, nullable=False, index=True),
+    sa.Column("content_sha256", sa.String(64), nullable=False),
+    sa.Column("content", sa.Text, nullable=True),
+    sa.Column("status", sa.Text, nullable=False, index=True),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("error_type", sa.Text, nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=True),
+    sa.Column("worker_pid", sa.Integer, nullable=True),
+    sa.Column("created_at", _TS, nullable=False),
+    sa.Column("started_at", _TS, nullable=True),
+    sa.Column("finished_at", _TS, nullable=True),
+    sa.Column("retired_at", _TS, nullable=True),
+    sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed', 'cancelled')", name="status"),
+    sa.Index("uq_jobs_pending_path", "path", unique=True,
+             sqlite_where=sa.text("status = 'pending'"), postgresql_where=sa.text("status = 'pending'")),
+)
+
+#: Revision 0003: one row per measured/imported run that has a simulate prediction of the same
+#: settings — the predicted terms and the residual (measured − predicted, bytes) per term that
+#: :mod:`tuner.calibrate` aggregates per model, device kind, era and parallel layout.
+calibrations_table = sa.Table(
+    "calibrations",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("profile_run_id", sa.Integer, sa.ForeignKey("profile_runs.id"), nullable=False, index=True),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("model_config_sha256", sa.String(64), nullable=True, index=True),
+    sa.Column("device_name", sa.Text, nullable=False),
+    sa.Column("era", sa.Text, nullable=False),
+    sa.Column("tensor_parallel_size", sa.Integer, nullable=False),
+    sa.Column("pipeline_parallel_size", sa.Integer, nullable=False),
+    sa.Column("dtype", sa.Text, nullable=False),
+    sa.Column("quantization", sa.Text, nullable=True),
+    _bytes("predicted_activation_peak_bytes"),
+    _bytes("predicted_non_torch_bytes"),
+    _bytes("predicted_cuda_graph_bytes"),
+    _bytes("predicted_available_kv_cache_bytes"),
+    _bytes("activation_peak_delta_bytes"),
+    _bytes("non_torch_delta_bytes"),
+    _bytes("cuda_graph_delta_bytes"),
+    _bytes("total_delta_bytes"),
+    _bytes("kv_error_bytes"),
+    sa.Column("predicted_num_gpu_blocks", sa.Integer, nullable=True),
+    sa.Column("usable", sa.Boolean, nullable=False),
+    sa.Column("note", sa.Text, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
 )
 
@@ -382,8 +441,14 @@ class Store:
         runs: list[dict],
         candidates: list[dict],
         proposals: list[dict],
+        *,
+        also: Callable[[Connection, int], None] | None = None,
     ) -> int:
         """Insert a drop with its runs, candidates and proposals in one transaction.
+
+        ``also(conn, drop_id)``, if given, runs inside the same transaction after the inserts (the
+        daemon marks its job done there, so a crash never leaves results without a finished job);
+        whatever it raises rolls everything back.
 
         Dicts are keyed by column name; ``id``, ``drop_id``, ``profile_run_id`` and ``created_at``
         are set here. Each run carries an extra ``"key"`` (any hashable, not stored); each
@@ -423,6 +488,8 @@ class Store:
                     )
                 for prop in proposals:
                     self._insert(conn, proposals_table, prop, drop_id=drop_id, created_at=now)
+                if also is not None:
+                    also(conn, drop_id)
                 return drop_id
         except StoreError:
             raise
@@ -502,6 +569,64 @@ class Store:
         )
         rows = self._rows(stmt)
         return rows[0] if rows else None
+
+    def save_calibration(self, row: dict) -> int:
+        """Insert one ``calibrations`` row (column names as keys; ``created_at`` set here).
+
+        Returns the new id. Raises ``StoreError`` for an unknown column, a non-integer byte value
+        or a database error (nothing written).
+        """
+        try:
+            with self.engine.begin() as conn:
+                values = {k: v for k, v in row.items() if k != "profile_run_id"}
+                return self._insert(conn, calibrations_table, values, created_at=utc_text(),
+                                    profile_run_id=row["profile_run_id"])
+        except StoreError:
+            raise
+        except sa.exc.SQLAlchemyError as e:
+            raise StoreError(f"save_calibration failed, nothing written: {e.orig or e}", where=self.where) from e
+
+    def calibration_rows(self, *, device_name: str, era: str, model_config_sha256: str | None = None,
+                         model: str | None = None, tensor_parallel_size: int | None = None,
+                         pipeline_parallel_size: int | None = None, dtype: str | None = None,
+                         quantization: str | None = None, usable_only: bool = True,
+                         exclude_profile_run_ids: tuple[int, ...] = ()) -> list[dict]:
+        """``calibrations`` rows for one model (by config SHA-256 when given, else by name), device
+        kind and era (and parallel layout / dtype when given; ``quantization`` always, None
+        matching only rows without one), oldest first; only ``usable`` rows unless
+        ``usable_only=False``."""
+        t = calibrations_table
+        stmt = sa.select(t).where(t.c.device_name == device_name, t.c.era == era)
+        stmt = stmt.where(t.c.quantization.is_(None) if quantization is None else t.c.quantization == quantization)
+        if dtype is not None:
+            stmt = stmt.where(t.c.dtype == dtype)
+        if usable_only:
+            stmt = stmt.where(t.c.usable.is_(True))
+        if model_config_sha256 is not None:
+            stmt = stmt.where(t.c.model_config_sha256 == model_config_sha256)
+        elif model is not None:
+            stmt = stmt.where(t.c.model == model)
+        if tensor_parallel_size is not None:
+            stmt = stmt.where(t.c.tensor_parallel_size == tensor_parallel_size)
+        if pipeline_parallel_size is not None:
+            stmt = stmt.where(t.c.pipeline_parallel_size == pipeline_parallel_size)
+        if exclude_profile_run_ids:
+            stmt = stmt.where(t.c.profile_run_id.not_in(exclude_profile_run_ids))
+        return self._rows(stmt.order_by(t.c.id))
+
+    def measured_runs(self, *, device_name: str | None = None, era: str | None = None,
+                      model_config_sha256: str | None = None) -> list[dict]:
+        """``profile_runs`` rows of measured methods (``cuda``, ``vllm``, ``import``), oldest first,
+        optionally for one device kind, era and model config."""
+        t = profile_runs_table
+        stmt = sa.select(t).where(t.c.method.in_(("cuda", "vllm", "import")))
+        if device_name is not None:
+            stmt = stmt.where(t.c.device_name == device_name)
+        if era is not None:
+            stmt = stmt.where(t.c.era == era)
+        if model_config_sha256 is not None:
+            stmt = stmt.where(t.c.model_config_sha256 == model_config_sha256)
+        return self._rows(stmt.order_by(t.c.id))
 
     def close(self) -> None:
         """Release all connections. The store is unusable afterwards."""

@@ -1,0 +1,109 @@
+"""Shared pieces of the daemon tests: settings in a temp dir, the fake worker, polling helpers."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from tests.conftest import REPO
+from tuner.settings import Settings
+
+FAKE_WORKER = REPO / "tests" / "_fake_worker.py"
+
+
+def fake_python(tmp_path: Path) -> Path:
+    """A 'python' for ``worker_python`` that runs tests/_fake_worker.py (no torch, ~20 ms)."""
+    p = tmp_path / "fake-python"
+    p.write_text(f"#!/bin/sh\nexec {sys.executable} -S {FAKE_WORKER} \"$@\"\n")
+    p.chmod(0o755)
+    return p
+
+
+def settings_for(tmp_path: Path, **over) -> Settings:
+    (tmp_path / "conf.d").mkdir(exist_ok=True)
+    base = dict(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"), debounce_s=0.05,
+                rescan_interval_s=30.0, job_timeout_s=20.0, worker_python=str(fake_python(tmp_path)),
+                log_level="INFO")
+    base.update(over)
+    return Settings(**base)
+
+
+def write_settings(tmp_path: Path, **over) -> Path:
+    s = settings_for(tmp_path, **over)
+    data = {k: getattr(s, k) for k in ("watch_dir", "state_dir", "debounce_s", "rescan_interval_s", "job_timeout_s",
+                                       "worker_python", "log_level")}
+    data.update(over)
+    p = tmp_path / "tuner.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def drop_text(name: str, model: str | os.PathLike, gmu=(0.5,), **extra) -> str:
+    body = {"name": name, "model": str(model), "device": "H100-80GB",
+            "candidates": {"gpu_memory_utilization": list(gmu), "max_model_len": [1024]}}
+    body.update(extra)
+    return yaml.safe_dump(body)
+
+
+def poll(predicate: Callable[[], object], timeout_s: float = 10.0, step: Callable[[], None] | None = None,
+         what: str = "condition") -> object:
+    """Call ``step`` (or sleep 20 ms) until ``predicate()`` is truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        if step is not None:
+            step()
+        else:
+            time.sleep(0.02)
+
+
+def db_rows(db: Path, sql: str, *args) -> list[tuple]:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def try_rows(db: Path, sql: str, *args) -> list[tuple]:
+    """:func:`db_rows`, or [] while the database or its tables do not exist yet."""
+    try:
+        return db_rows(db, sql, *args)
+    except sqlite3.Error:
+        return []
+
+
+def group_alive(pgid: int) -> bool:
+    """True while a non-zombie process is in process group ``pgid`` (zombies wait for a reaper)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def fast_tmp(tmp_path: Path) -> Path:
+    """A scratch directory on tmpfs when there is one (fsync is free there), else ``tmp_path``.
+    For tests about counting, not durability."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix="ctx-tuner-test-", dir=shm))
+    return tmp_path

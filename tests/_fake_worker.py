@@ -1,0 +1,66 @@
+"""A stand-in for ``python -m tuner.worker_main`` in daemon tests: fast, no torch.
+
+Invoked as ``python -S tests/_fake_worker.py -m tuner.worker_main`` (the daemon's
+``worker_python`` is a wrapper script), it reads the real JSON request on stdin and replies in the
+worker's format with numbers derived from the request. Behaviour by drop name prefix:
+``crash`` (dies by SIGKILL after writing to stderr), ``hang`` (sleeps forever, with a child in the
+same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then replies),
+``typed`` (replies with a typed error). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+req = json.loads(sys.stdin.read())
+d = req["drop"]
+name = d["name"]
+if os.environ.get("FAKE_WORKER_LOG"):
+    with open(os.environ["FAKE_WORKER_LOG"], "a") as fh:
+        fh.write(f"{os.getpid()} {name} {d['content_sha256']}\n")
+if name.startswith("crash"):
+    sys.stderr.write("CUDA out of memory. Tried to allocate 20.00 GiB\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+if name.startswith("hang"):
+    subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(3600)"])
+    time.sleep(3600)
+if name.startswith("slow"):
+    time.sleep(float(os.environ.get("FAKE_SLOW_S", "3")))
+if name.startswith("typed"):
+    json.dump({"ok": False, "error_type": "PluginError", "error": "plugin generic: no architecture"}, sys.stdout)
+    sys.exit(0)
+
+total = int(req["device"]["total_memory_bytes"])
+weights, act, non_torch = 1 << 30, 1 << 28, 1 << 28
+page = 32768  # bytes per block of 16 tokens
+N = d.get("max_num_batched_tokens") or 8192
+run = {"key": "r", "max_num_batched_tokens": N, "num_reqs": 64, "pp_rank": 0, "max_num_seqs": 64,
+       "weights_bytes": weights, "activation_peak_bytes": act, "forward_peak_bytes": act,
+       "sampler_peak_bytes": 1 << 20, "elapsed_s": 0.001}
+cands, props = [], []
+lens = d["candidates"].get("max_model_len") or [4096]
+for u in d["candidates"]["gpu_memory_utilization"]:
+    requested = int(total * u)
+    avail = requested - weights - act - non_torch
+    blocks = max(avail // page, 0)
+    tokens = blocks * 16
+    for m in lens:
+        cands.append({"gpu_memory_utilization": u, "max_model_len": m, "max_num_batched_tokens": N,
+                      "max_num_seqs": 64, "fits": tokens >= m, "reason": None if tokens >= m else "too long",
+                      "requested_memory_bytes": requested, "weights_bytes": weights, "activation_peak_bytes": act,
+                      "non_torch_bytes": non_torch, "cuda_graph_bytes": 0, "available_kv_cache_bytes": avail,
+                      "num_gpu_blocks": blocks, "kv_cache_tokens": tokens, "max_concurrency": tokens / m,
+                      "run_key": "r"})
+    best = min(tokens, 131072) // 16 * 16
+    props.append({"gpu_memory_utilization": u, "max_model_len": best, "num_gpu_blocks": blocks,
+                  "kv_cache_tokens": tokens, "max_concurrency": tokens / best if best else 0.0, "reason": None,
+                  "vllm_args": f"--max-model-len {best} --gpu-memory-utilization {u:g}"})
+result = {"model": {"config_sha256": "f" * 64, "architectures": ["LlamaForCausalLM"]}, "plugin": "fake",
+          "warnings": [], "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
+          "versions": {"tool": "0.1.0", "torch": None, "transformers": None},
+          "runs": [run], "candidates": cands, "proposals": props}
+json.dump({"ok": True, "result": result}, sys.stdout)

@@ -1,0 +1,55 @@
+"""configs/ctx-tuner.service: Type=notify, unprivileged, GPU devices by group, hardened, and
+clean under `systemd-analyze verify` where systemd-analyze exists (CI runs the same check)."""
+
+from __future__ import annotations
+
+import configparser
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+UNIT = REPO / "configs" / "ctx-tuner.service"
+
+
+def _directives() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def test_unit_is_a_hardened_notify_service_with_gpu_access():
+    d = _directives()
+    assert d["Type"] == ["notify"] and d["NotifyAccess"] == ["main"]
+    assert d["ExecStart"][0].split()[1:] == ["daemon", "--settings", "/etc/ctx-tuner/tuner.yaml"]
+    assert d["ExecReload"] == ["/bin/kill -HUP $MAINPID"] and "WatchdogSec" in d
+    assert d["User"] == ["ctx-tuner"] and d["StateDirectory"] == ["ctx-tuner"]
+    assert d["ConfigurationDirectory"] == ["ctx-tuner"]
+    assert d["DevicePolicy"] == ["closed"]
+    assert all(v.startswith("char-") for v in d["DeviceAllow"])  # path globs would grant nothing
+    assert any(v.startswith("char-nvidia") for v in d["DeviceAllow"])
+    assert "PrivateDevices" not in d  # it would hide the GPUs
+    for key in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "RestrictNamespaces",
+                "SystemCallFilter", "CapabilityBoundingSet", "PrivateNetwork"):
+        assert key in d, key
+    configparser.ConfigParser(strict=False, interpolation=None).read_string(
+        "\n".join(line for line in UNIT.read_text().splitlines() if not line.startswith("SystemCallFilter")))
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_prints_nothing_and_security_scores(tmp_path):
+    unit = tmp_path / "ctx-tuner.service"
+    unit.write_text(UNIT.read_text().replace("ExecStart=/usr/local/bin/ctx-tuner ",
+                                             f"ExecStart={shutil.which('sh')} "))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
+    sec = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True,
+                         text=True, timeout=60)
+    line = next(x for x in sec.stdout.splitlines() if "Overall exposure level" in x)
+    score = float(line.split(":")[1].split()[0])
+    assert score <= 2.0, line  # "SAFE" is below 2

@@ -1,0 +1,260 @@
+"""The daemon's durable job queue: the ``jobs`` table (revision 0002) on the results store.
+
+One row per drop file version (path, content SHA-256). States::
+
+    pending ──claim──▶ running ──▶ done     (results saved in the same transaction)
+       │                  │   └──▶ failed   (typed error kept: invalid drop, crash, timeout)
+       │                  └─stop/crash──▶ pending   (requeued; after max_attempts claims: failed)
+       └─superseded / file deleted──▶ cancelled
+
+Invalid drops are inserted directly as ``failed`` (attempts 0). Every write is one
+``BEGIN IMMEDIATE`` transaction on the store's engine, so a second writer (another tool, a
+reader's stray write) waits on ``busy_timeout`` instead of failing half-way. ``current`` is, per
+path, the newest job not retired: the content the daemon last saw there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from tuner.errors import StoreError, TunerError
+from tuner.store import Store, drops_table, jobs_table, utc_text
+
+J, D = jobs_table, drops_table
+
+
+class JobNotRunning(StoreError):
+    """A finished job's row is no longer ``running`` (cancelled or finished elsewhere); the
+    transaction that would store its results is rolled back."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``jobs`` row."""
+
+    id: int
+    path: str
+    content_sha256: str
+    content: str | None
+    status: str
+    attempts: int
+    error_type: str | None
+    error: str | None
+    drop_id: int | None
+    worker_pid: int | None
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    retired_at: str | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> "Job":
+        return cls(**{k: row[k] for k in cls.__dataclass_fields__})
+
+
+class JobQueue:
+    """Job operations on an open :class:`~tuner.store.Store`.
+
+    Every method raises :class:`~tuner.errors.StoreError` (``where`` = the store) on database
+    errors; nothing is half-written.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.engine = store.engine
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _write(self, fn, *args: Any) -> Any:
+        try:
+            with self.engine.begin() as conn:  # BEGIN IMMEDIATE
+                return fn(conn, *args)
+        except StoreError:
+            raise
+        except sa.exc.SQLAlchemyError as e:
+            raise StoreError(f"job queue write failed: {e.orig or e}", where=self.store.where) from e
+
+    def _read(self, stmt: sa.Executable) -> list[Job]:
+        return [Job.from_row(r) for r in self.store._rows(stmt)]
+
+    def get(self, job_id: int) -> Job | None:
+        """The job with id ``job_id``, or None."""
+        rows = self._read(sa.select(J).where(J.c.id == job_id))
+        return rows[0] if rows else None
+
+    def jobs(self, status: str | None = None) -> list[Job]:
+        """All jobs (or those in ``status``), oldest first."""
+        stmt = sa.select(J).order_by(J.c.id)
+        if status is not None:
+            stmt = stmt.where(J.c.status == status)
+        return self._read(stmt)
+
+    def counts(self) -> dict[str, int]:
+        """Number of jobs per status (every status present, zero included)."""
+        out = dict.fromkeys(("pending", "running", "done", "failed", "cancelled"), 0)
+        try:
+            with self.store._reader.connect() as conn:
+                for status, n in conn.execute(sa.select(J.c.status, sa.func.count()).group_by(J.c.status)):
+                    out[status] = n
+        except sa.exc.SQLAlchemyError as e:
+            raise StoreError(f"query failed: {e.orig or e}", where=self.store.where) from e
+        return out
+
+    def current(self) -> dict[str, Job]:
+        """Per path, the newest job whose file has not been retired: what the daemon last saw."""
+        newest = sa.select(sa.func.max(J.c.id)).where(J.c.retired_at.is_(None)).group_by(J.c.path)
+        return {j.path: j for j in self._read(sa.select(J).where(J.c.id.in_(newest)))}
+
+    # -- enqueue ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _cancel_pending(conn: Connection, path: str, why: str, now: str) -> int:
+        res = conn.execute(J.update().where(J.c.path == path, J.c.status == "pending")
+                           .values(status="cancelled", error=why, finished_at=now))
+        return res.rowcount
+
+    def enqueue(self, path: str, sha256: str, content: str) -> Job:
+        """Add a pending job for a new version of the drop at ``path``; a pending job for an older
+        version of the same path is cancelled in the same transaction."""
+        def fn(conn: Connection) -> int:
+            now = utc_text()
+            self._cancel_pending(conn, path, "superseded by newer content before it ran", now)
+            return conn.execute(J.insert().values(path=path, content_sha256=sha256, content=content, status="pending",
+                                                  attempts=0, created_at=now)).inserted_primary_key[0]
+        job_id = self._write(fn)
+        return self.get(job_id)  # type: ignore[return-value]
+
+    def record_invalid(self, path: str, sha256: str, content: str | None, error: TunerError) -> Job:
+        """Record a drop version that cannot run (invalid drop, path trick) as a ``failed`` job with
+        its typed error; a pending job for the same path is cancelled."""
+        def fn(conn: Connection) -> int:
+            now = utc_text()
+            self._cancel_pending(conn, path, "superseded by newer content before it ran", now)
+            return conn.execute(J.insert().values(
+                path=path, content_sha256=sha256, content=content, status="failed", attempts=0,
+                error_type=type(error).__name__, error=str(error), created_at=now, finished_at=now)
+            ).inserted_primary_key[0]
+        job_id = self._write(fn)
+        return self.get(job_id)  # type: ignore[return-value]
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def claim_next(self) -> Job | None:
+        """Move the oldest pending job to ``running`` (attempts + 1) and return it; None if idle."""
+        def fn(conn: Connection) -> int | None:
+            job_id = conn.execute(sa.select(J.c.id).where(J.c.status == "pending").order_by(J.c.id).limit(1)).scalar()
+            if job_id is None:
+                return None
+            conn.execute(J.update().where(J.c.id == job_id, J.c.status == "pending").values(
+                status="running", attempts=J.c.attempts + 1, started_at=utc_text(), worker_pid=None))
+            return job_id
+        job_id = self._write(fn)
+        return None if job_id is None else self.get(job_id)
+
+    def set_worker_pid(self, job_id: int, pid: int) -> None:
+        """Remember the worker process (group leader) of a running job, for orphan clean-up."""
+        self._write(lambda conn: conn.execute(
+            J.update().where(J.c.id == job_id, J.c.status == "running").values(worker_pid=pid)))
+
+    def complete_in(self, conn: Connection, job_id: int, drop_id: int) -> None:
+        """Inside :meth:`Store.save_result`'s transaction: mark ``job_id`` done with ``drop_id`` and
+        retire older drop rows of the same path (a deleted file retires the new row too).
+
+        Raises:
+            JobNotRunning: the job is not running any more (rolls the results back: no duplicates).
+        """
+        now = utc_text()
+        job = conn.execute(sa.select(J.c.path, J.c.retired_at).where(J.c.id == job_id, J.c.status == "running")).first()
+        if job is None:
+            raise JobNotRunning(f"job {job_id} is not running; its results are discarded", where=self.store.where)
+        conn.execute(J.update().where(J.c.id == job_id).values(
+            status="done", drop_id=drop_id, finished_at=now, error=None, error_type=None))
+        conn.execute(D.update().where(D.c.path == job.path, D.c.id < drop_id, D.c.retired_at.is_(None))
+                     .values(retired_at=now))
+        if job.retired_at is not None:
+            conn.execute(D.update().where(D.c.id == drop_id).values(retired_at=now))
+
+    def fail(self, job_id: int, error: BaseException) -> Job | None:
+        """Mark a running job ``failed`` with the error's class name and text."""
+        kind = type(error).__name__
+        self._write(lambda conn: conn.execute(J.update().where(J.c.id == job_id, J.c.status == "running").values(
+            status="failed", error_type=kind, error=str(error), finished_at=utc_text())))
+        return self.get(job_id)
+
+    def requeue(self, job_id: int) -> None:
+        """A running job interrupted by a graceful stop goes back to ``pending``; the interrupted
+        attempt is not counted."""
+        def fn(conn: Connection) -> None:
+            newer = conn.execute(sa.select(J.c.id).where(J.c.path == sa.select(J.c.path).where(J.c.id == job_id)
+                                                        .scalar_subquery(), J.c.status == "pending")).first()
+            if newer is not None:  # a newer version is already queued: this one is obsolete
+                conn.execute(J.update().where(J.c.id == job_id, J.c.status == "running").values(
+                    status="cancelled", error="superseded by newer content", finished_at=utc_text()))
+                return
+            conn.execute(J.update().where(J.c.id == job_id, J.c.status == "running").values(
+                status="pending", attempts=sa.case((J.c.attempts > 0, J.c.attempts - 1), else_=0),
+                worker_pid=None))
+        self._write(fn)
+
+    def recover(self, max_attempts: int) -> tuple[list[Job], list[Job]]:
+        """At start: jobs left ``running`` by a crash go back to ``pending``, or become ``failed``
+        once they have been started ``max_attempts`` times (a drop that kills the daemon cannot
+        loop forever). Returns (requeued, failed) as they were before the change (``worker_pid``
+        tells the caller which orphaned worker group to kill)."""
+        stale = self.jobs("running")
+        requeued, failed = [], []
+
+        def fn(conn: Connection) -> None:
+            now = utc_text()
+            for j in stale:
+                newer = conn.execute(sa.select(J.c.id).where(J.c.path == j.path, J.c.status == "pending")).first()
+                if j.attempts >= max_attempts:
+                    conn.execute(J.update().where(J.c.id == j.id).values(
+                        status="failed", error_type="WorkerError", finished_at=now,
+                        error=f"interrupted {j.attempts} times (daemon crashed or was killed during the job); gave up"))
+                    failed.append(j)
+                elif newer is not None:
+                    conn.execute(J.update().where(J.c.id == j.id).values(
+                        status="cancelled", error="superseded by newer content", finished_at=now))
+                else:
+                    conn.execute(J.update().where(J.c.id == j.id).values(status="pending", worker_pid=None))
+                    requeued.append(j)
+        if stale:
+            self._write(fn)
+        return requeued, failed
+
+    # -- retirement ------------------------------------------------------------------------------
+
+    def retire_path(self, path: str) -> list[str]:
+        """The drop file at ``path`` was deleted: cancel its pending job, retire its jobs and its
+        drop rows (results are kept). Returns the names of the drops retired."""
+        def fn(conn: Connection) -> list[str]:
+            now = utc_text()
+            self._cancel_pending(conn, path, "drop file deleted before it ran", now)
+            conn.execute(J.update().where(J.c.path == path, J.c.retired_at.is_(None)).values(retired_at=now))
+            names = [r[0] for r in conn.execute(sa.select(D.c.name).where(D.c.path == path, D.c.retired_at.is_(None)))]
+            conn.execute(D.update().where(D.c.path == path, D.c.retired_at.is_(None)).values(retired_at=now))
+            return names
+        return self._write(fn)
+
+    def drop_names_for_path(self, path: str) -> list[str]:
+        """Names of every drop row ever stored for the file at ``path``."""
+        rows = self.store._rows(sa.select(D.c.name).where(D.c.path == path).distinct())
+        return [r["name"] for r in rows]
+
+    def active_drop_ids(self, names: Iterable[str]) -> dict[str, int]:
+        """For each drop name, the newest drop row that is not retired (names without one are absent)."""
+        names = list(names)
+        if not names:
+            return {}
+        stmt = (sa.select(D.c.name, sa.func.max(D.c.id)).where(D.c.name.in_(names), D.c.retired_at.is_(None))
+                .group_by(D.c.name))
+        try:
+            with self.store._reader.connect() as conn:
+                return {n: i for n, i in conn.execute(stmt)}
+        except sa.exc.SQLAlchemyError as e:
+            raise StoreError(f"query failed: {e.orig or e}", where=self.store.where) from e

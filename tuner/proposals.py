@@ -1,0 +1,131 @@
+"""Proposal files: ``STATE_DIR/proposals/NAME.yaml``, one per active drop name.
+
+Each file holds the vLLM arguments proposed per ``gpu_memory_utilization`` and the numbers behind
+them (bytes as integers): requested memory, weights, activation peak, non-torch, CUDA graphs,
+available KV cache, blocks, KV tokens, concurrency, and where they came from (drop file, content
+hash, drop and job ids, era, plugin). Built from the database rows, so a file can always be
+regenerated. Written atomically (temporary file, fsync, rename); readers never see half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+import yaml
+
+from tuner.errors import StoreError
+from tuner.store import Store, candidates_table, drops_table, profile_runs_table, proposals_table
+
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+_NUMBERS = ("requested_memory_bytes", "weights_bytes", "activation_peak_bytes", "non_torch_bytes",
+            "cuda_graph_bytes", "available_kv_cache_bytes", "max_num_batched_tokens")
+
+
+def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) -> dict[str, Any]:
+    """The proposal file's content for drop row ``drop_id``.
+
+    Raises:
+        StoreError: no such drop, or a database error.
+    """
+    d, p, c, r = drops_table, proposals_table, candidates_table, profile_runs_table
+    drops = store._rows(sa.select(d).where(d.c.id == drop_id))
+    if not drops:
+        raise StoreError(f"no drop with id {drop_id}", where=store.where)
+    drop = drops[0]
+    props = store._rows(sa.select(p).where(p.c.drop_id == drop_id).order_by(p.c.gpu_memory_utilization, p.c.id))
+    cands = store._rows(sa.select(c).where(c.c.drop_id == drop_id))
+    runs = store._rows(sa.select(r.c.era, r.c.plugin, r.c.dtype, r.c.tool_version).where(r.c.drop_id == drop_id)
+                       .order_by(r.c.id).limit(1))
+    out_props = []
+    for prop in props:
+        entry: dict[str, Any] = {
+            "gpu_memory_utilization": prop["gpu_memory_utilization"],
+            "max_model_len": prop["max_model_len"],
+            "num_gpu_blocks": prop["num_gpu_blocks"],
+            "kv_cache_tokens": prop["kv_cache_tokens"],
+            "max_concurrency": prop["max_concurrency"],
+            "vllm_args": prop["vllm_args"],
+            "command": f"vllm serve {drop['model']} {prop['vllm_args']}" if prop["vllm_args"] else None,
+            "reason": prop["reason"],
+        }
+        cand = _numbers_for(cands, prop["gpu_memory_utilization"], prop["max_model_len"])
+        if cand is not None:
+            entry["numbers"] = {k: cand[k] for k in _NUMBERS}
+            entry["numbers"]["from_candidate_max_model_len"] = cand["max_model_len"]
+        out_props.append(entry)
+    doc: dict[str, Any] = {
+        "drop": drop["name"],
+        "source": drop["path"],
+        "content_sha256": drop["content_sha256"],
+        "drop_id": drop_id,
+        "model": drop["model"],
+        "device": drop["device_name"],
+        "engine_version": drop["engine_version"],
+        "method": drop["method"],
+        "created_at": drop["created_at"],
+    }
+    if job_id is not None:
+        doc["job_id"] = job_id
+    if runs:
+        doc.update(era=runs[0]["era"], plugin=runs[0]["plugin"], dtype=runs[0]["dtype"],
+                   tool_version=runs[0]["tool_version"])
+    doc["proposals"] = out_props
+    return doc
+
+
+def _numbers_for(cands: list[dict], gmu: float, mml: int | None) -> dict | None:
+    """The grid candidate whose memory terms stand behind a proposal: same utilization, the same
+    ``max_model_len`` if it was on the grid, else the largest one below it (the terms depend on the
+    utilization and the profile batch, not on the length itself, within a region)."""
+    same = [c for c in cands if c["gpu_memory_utilization"] == gmu]
+    if not same:
+        return None
+    if mml is not None:
+        below = [c for c in same if c["max_model_len"] <= mml]
+        if below:
+            return max(below, key=lambda c: c["max_model_len"])
+    return min(same, key=lambda c: c["max_model_len"])
+
+
+def proposal_path(directory: str | os.PathLike, name: str) -> Path:
+    """``directory/NAME.yaml`` (drop names are ``[A-Za-z0-9_.-]``, never only dots, so this
+    stays inside ``directory``)."""
+    return Path(directory) / f"{name}.yaml"
+
+
+def write_proposal_file(directory: str | os.PathLike, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as ``directory/NAME.yaml`` atomically (mode 0644). Returns the path.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dest = proposal_path(directory, doc["drop"])
+    text = "# ctx-tuner proposal (written by the daemon; edits are overwritten)\n" + yaml.dump(
+        doc, Dumper=_DUMPER, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def remove_proposal_file(directory: str | os.PathLike, name: str) -> bool:
+    """Remove ``directory/NAME.yaml`` if present. Returns True if a file was removed."""
+    try:
+        proposal_path(directory, name).unlink()
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,251 @@
+"""Daemon settings: one table of (name, default, help), a YAML file, typed errors.
+
+:data:`SETTINGS` declares every key once; it drives validation (:func:`load_settings`), the
+:class:`Settings` defaults and the README's reference table (:func:`settings_markdown`, kept
+complete by a test). A settings file is ``yaml.safe_load``-ed; unknown keys, wrong types and
+out-of-range values raise :class:`~tuner.errors.SettingsError` naming the file and the key.
+
+Relative paths in a settings file are relative to the file's directory. ``database_url`` and
+``snapshot_path`` default to files inside ``state_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from tuner.errors import SettingsError
+
+#: Where ``ctx-tuner daemon`` looks when ``--settings`` is not given.
+DEFAULT_SETTINGS_PATH = "/etc/ctx-tuner/tuner.yaml"
+#: Largest settings file accepted, bytes.
+MAX_SETTINGS_BYTES = 64 * 1024
+METHODS = ("simulate", "cuda", "vllm", "auto")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Bad(Exception):
+    pass
+
+
+def _path(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip() or "\x00" in v:
+        raise _Bad(f"must be a non-empty path string, not {v!r}")
+    return v
+
+
+def _opt_path(v: Any) -> str | None:
+    return None if v is None else _path(v)
+
+
+def _number(lo: float, hi: float) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _Bad(f"must be a number of seconds, not {type(v).__name__} {v!r}")
+        if not lo <= v <= hi:
+            raise _Bad(f"must be between {lo:g} and {hi:g}, not {v}")
+        return float(v)
+    return check
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Bad(f"must be an integer, not {type(v).__name__} {v!r}")
+        if not lo <= v <= hi:
+            raise _Bad(f"must be between {lo} and {hi}, not {v}")
+        return v
+    return check
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _Bad(f"must be true or false, not {type(v).__name__} {v!r}")
+    return v
+
+
+def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if isinstance(v, str):
+            norm = v.strip().upper() if upper else v.strip().lower()
+            if norm in options:
+                return norm
+        raise _Bad(f"must be one of {', '.join(options)}, not {v!r}")
+    return check
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One settings key: its ``name``, ``default`` (None = derived, see help), ``help`` and check."""
+
+    name: str
+    default: Any
+    help: str
+    check: Callable[[Any], Any]
+
+
+#: Every daemon settings key, declared once. Order = README order.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("watch_dir", "/etc/ctx-tuner/conf.d",
+            "Directory of drops: every `*.yaml` below it (subdirectories included; hidden files, editor "
+            "swap/backup files and symlinked directories are ignored).", _path),
+    Setting("state_dir", "/var/lib/ctx-tuner",
+            "Writable state: the database (by default), `proposals/NAME.yaml` and the read-only snapshot.",
+            _path),
+    Setting("database_url", None,
+            "SQLAlchemy URL or SQLite file path of the results store; null = `STATE_DIR/ctx-tuner.sqlite`.",
+            _opt_path),
+    Setting("snapshot_path", None,
+            "Read-only SQLite copy for readers that cannot write the state directory (rewritten atomically "
+            "after jobs finish); null = `STATE_DIR/ctx-tuner-snapshot.sqlite`. SQLite stores only.", _opt_path),
+    Setting("job_timeout_s", 600.0,
+            "Wall-clock limit of one profile job in seconds; the worker's whole process group is killed "
+            "when it expires.", _number(1, 86400)),
+    Setting("rescan_interval_s", 60.0,
+            "Seconds between full rescans of `watch_dir` (the safety net for missed filesystem events).",
+            _number(0.1, 86400)),
+    Setting("debounce_s", 0.5,
+            "Quiet time in seconds after a filesystem event before the directory is reconciled; files "
+            "modified more recently than this are left for the next pass.", _number(0, 60)),
+    Setting("max_attempts", 3,
+            "A job found running after a daemon crash is retried until it has been started this many times, "
+            "then marked failed.", _int(1, 100)),
+    Setting("log_level", "INFO", "Logging level of the daemon's stderr log.", _choice(LOG_LEVELS, upper=True)),
+    Setting("allow_trust_remote_code", False,
+            "Allow model code from the model directory (HF `trust_remote_code`). Drops can never set it.",
+            _bool),
+    Setting("default_method", "simulate",
+            "Profile method for drops that do not set `method` (simulate, cuda, vllm, auto).", _choice(METHODS)),
+    Setting("worker_python", None,
+            "Python interpreter that runs worker subprocesses (`-m tuner.worker_main`, needs torch); "
+            "null = the daemon's own interpreter.", _opt_path),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated daemon settings (see :data:`SETTINGS` for each key's meaning). Times in seconds."""
+
+    watch_dir: str = "/etc/ctx-tuner/conf.d"
+    state_dir: str = "/var/lib/ctx-tuner"
+    database_url: str | None = None
+    snapshot_path: str | None = None
+    job_timeout_s: float = 600.0
+    rescan_interval_s: float = 60.0
+    debounce_s: float = 0.5
+    max_attempts: int = 3
+    log_level: str = "INFO"
+    allow_trust_remote_code: bool = False
+    default_method: str = "simulate"
+    worker_python: str | None = None
+    #: the file these settings came from (None = defaults).
+    source: str | None = None
+
+    @property
+    def db_url(self) -> str:
+        """The store URL: ``database_url`` or the SQLite file ``STATE_DIR/ctx-tuner.sqlite``."""
+        return self.database_url or str(Path(self.state_dir) / "ctx-tuner.sqlite")
+
+    @property
+    def snapshot_file(self) -> Path:
+        """``snapshot_path`` or ``STATE_DIR/ctx-tuner-snapshot.sqlite``."""
+        return Path(self.snapshot_path) if self.snapshot_path else Path(self.state_dir) / "ctx-tuner-snapshot.sqlite"
+
+    @property
+    def proposals_dir(self) -> Path:
+        """Directory of the per-drop proposal files: ``STATE_DIR/proposals``."""
+        return Path(self.state_dir) / "proposals"
+
+    @property
+    def log_level_no(self) -> int:
+        """``log_level`` as a :mod:`logging` number."""
+        return int(getattr(logging, self.log_level))
+
+
+def settings_from_mapping(data: Any, *, source: str | None = None, base_dir: str | os.PathLike | None = None) -> Settings:
+    """Validate a mapping of settings (absent keys take their defaults).
+
+    Relative paths are resolved against ``base_dir`` (a settings file's directory).
+
+    Raises:
+        SettingsError: not a mapping, an unknown key, or a bad value (``path`` = ``source``,
+            ``field`` = the key).
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"top level must be a mapping of settings, not {type(data).__name__}", path=source)
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        spec = _BY_NAME.get(key) if isinstance(key, str) else None
+        if spec is None:
+            raise SettingsError(f"unknown setting {key!r}; known: {', '.join(_BY_NAME)}", path=source, field=str(key))
+        try:
+            values[key] = spec.check(value)
+        except _Bad as exc:
+            raise SettingsError(str(exc), path=source, field=key) from None
+    base = Path(base_dir) if base_dir is not None else None
+    for key in ("watch_dir", "state_dir", "snapshot_path", "worker_python"):
+        v = values.get(key)
+        if v is not None and base is not None and not os.path.isabs(os.path.expanduser(v)):
+            values[key] = str(base / v)
+    db = values.get("database_url")
+    if db and "://" not in db and base is not None and not os.path.isabs(db):
+        values["database_url"] = str(base / db)
+    return replace(Settings(), source=source, **values)
+
+
+def load_settings(path: str | os.PathLike | None) -> Settings:
+    """Read and validate a settings file; ``None`` gives the defaults.
+
+    Raises:
+        SettingsError: the file cannot be read, exceeds 64 KiB, is not YAML, or holds a bad key or
+            value (the error names the file and the key).
+    """
+    if path is None:
+        return Settings()
+    p = str(path)
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_SETTINGS_BYTES + 1)
+    except OSError as exc:
+        raise SettingsError(f"cannot read settings: {exc.strerror or exc}", path=p) from None
+    if len(raw) > MAX_SETTINGS_BYTES:
+        raise SettingsError(f"settings file is larger than {MAX_SETTINGS_BYTES // 1024} KiB", path=p)
+    try:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"not valid YAML: {exc}", path=p) from None
+    return settings_from_mapping(data, source=p, base_dir=Path(p).resolve().parent)
+
+
+def settings_markdown() -> str:
+    """The settings reference as a Markdown table (for the README)."""
+    rows = ["| setting | default | description |", "| --- | --- | --- |"]
+    for s in SETTINGS:
+        if s.default is None:
+            default = "`null`"
+        elif isinstance(s.default, bool):
+            default = f"`{str(s.default).lower()}`"
+        else:
+            default = f"`{s.default}`"
+        rows.append(f"| `{s.name}` | {default} | {s.help} |")
+    return "\n".join(rows)
+
+
+def _check_table_matches_dataclass() -> None:  # import-time guard: the table and the dataclass agree
+    names = [f.name for f in fields(Settings) if f.name != "source"]
+    assert names == [s.name for s in SETTINGS], "SETTINGS and Settings disagree"
+    for s in SETTINGS:
+        assert getattr(Settings(), s.name) == s.default, s.name
+
+
+_check_table_matches_dataclass()
