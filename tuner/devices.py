@@ -309,3 +309,105 @@ def _resolve_auto(nvml: Any) -> Device:
         source = _SOURCE_NVML
     return Device(name=known.name, total_memory_bytes=total, source=source,
                   compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU of this host as NVML reports it (bytes are ints; NVML's physical totals).
+
+    ``other_processes_bytes`` is the memory held by compute processes on the GPU
+    (``nvmlDeviceGetComputeRunningProcesses``), None when NVML cannot say (e.g. in a container
+    without the PID namespace); ``processes`` their count.
+    """
+
+    index: int
+    name: str
+    uuid: str
+    total_memory_bytes: int
+    free_memory_bytes: int
+    used_memory_bytes: int
+    other_processes_bytes: int | None
+    processes: int | None
+    compute_capability: str | None
+    catalog_name: str | None
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def list_gpus(nvml: Any = None) -> list[GpuInfo]:
+    """Every NVIDIA GPU NVML sees, in NVML order (``CUDA_VISIBLE_DEVICES`` is not applied).
+
+    Args:
+        nvml: the NVML module (default ``import pynvml``, lazily); tests inject a fake.
+
+    Raises:
+        DeviceError: "no NVIDIA GPU / NVML not available" (pynvml missing, library or driver not
+            found, 0 devices) or an NVML query failing (the message names the call's error).
+    """
+    where = "devices"
+    if nvml is None:
+        try:
+            import pynvml as nvml  # noqa: PLC0415 - lazy on purpose
+        except ImportError as exc:
+            raise DeviceError(f"no NVIDIA GPU / NVML not available: cannot import pynvml ({exc})", where=where) from exc
+    nvml_error: type[BaseException] = getattr(nvml, "NVMLError", Exception)
+    try:
+        nvml.nvmlInit()
+    except (nvml_error, OSError) as exc:
+        raise DeviceError(f"no NVIDIA GPU / NVML not available: {exc}", where=where) from exc
+    out: list[GpuInfo] = []
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+        if count < 1:
+            raise DeviceError("no NVIDIA GPU / NVML not available: NVML reports 0 devices", where=where)
+        for i in range(count):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = _text(nvml.nvmlDeviceGetName(h)).strip()
+            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            others: int | None = None
+            nproc: int | None = None
+            get_procs = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses", None)
+            if get_procs is not None:
+                try:
+                    procs = list(get_procs(h))
+                    nproc = len(procs)
+                    used = [getattr(p, "usedGpuMemory", None) for p in procs]
+                    others = None if any(u is None for u in used) else int(sum(int(u) for u in used))
+                except nvml_error:
+                    others = nproc = None
+            cc = None
+            get_cc = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
+            if get_cc is not None:
+                try:
+                    major, minor = get_cc(h)
+                    cc = f"{int(major)}.{int(minor)}"
+                except nvml_error:
+                    cc = None
+            known = lookup(name)
+            out.append(GpuInfo(index=i, name=name, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+                               total_memory_bytes=int(mem.total), free_memory_bytes=int(mem.free),
+                               used_memory_bytes=int(mem.used), other_processes_bytes=others, processes=nproc,
+                               compute_capability=cc, catalog_name=known.name if known else None))
+    except nvml_error as exc:
+        raise DeviceError(f"NVML query failed: {exc}", where=where) from exc
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutdown failure must not mask the result
+            pass
+    return out
+
+
+def require_gpu(method: str, nvml: Any = None) -> list[GpuInfo]:
+    """The GPUs of this host, for a ``method`` that needs one (``cuda``, ``vllm``).
+
+    Raises:
+        DeviceError: "method 'cuda' needs an NVIDIA GPU: …" when there is none or NVML fails.
+    """
+    try:
+        return list_gpus(nvml)
+    except DeviceError as exc:
+        raise DeviceError(f"method {method!r} needs an NVIDIA GPU: {exc.message}", where=f"method {method}") from exc

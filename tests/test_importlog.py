@@ -1,0 +1,129 @@
+"""Importing vLLM logs into a real SQLite store, and the import-log command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tuner.cli import main
+from tuner.errors import DropError
+from tuner.importlog import import_log
+from tuner.job import run_job
+from tuner.logparse import GIB
+from tuner.store import open_store
+
+LLAMA = "llmd-v019-meta-llama-llama-3-1-8b--tp1pp1dp1--8192"
+
+
+def _in_process(request, **_kw):
+    return run_job(request)
+
+
+def _write(tmp_path, case, name="engine.log", replace=()):
+    text = "\n".join(case["raw_lines"]) + "\n"
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new)
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(str(tmp_path / "db.sqlite"))
+    yield s
+    s.close()
+
+
+def test_import_stores_the_measured_run_and_its_residual(tmp_path, shared_dir, observed_cases, store):
+    case = observed_cases[LLAMA]
+    log = _write(tmp_path, case)
+    out = import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
+                     models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95},
+                     worker=_in_process)
+    assert not out.already and out.drop_id is not None
+    runs = store.runs_for_drop(out.drop_id)
+    assert len(runs) == 1
+    run = runs[0]
+    obs = case["observed"]
+    assert run["method"] == "import" and run["status"] == "ok" and run["source"] == str(log)
+    assert run["era"] == "V1 0.19.0 (v1_profiling)" and run["device_name"] == "H100-80GB"
+    assert run["weights_bytes"] == round(obs["weights_gib"] * GIB)
+    assert run["activation_peak_bytes"] == round(obs["activation_peak_gib"] * GIB)
+    assert run["non_torch_bytes"] == round(obs["non_torch_gib"] * GIB)
+    assert run["available_kv_cache_bytes"] == round(obs["kv_cache_gib"] * GIB)
+    assert run["kv_cache_tokens"] == obs["kv_cache_tokens"] and run["max_concurrency"] == obs["max_concurrency"]
+    assert run["max_model_len"] == 8192 and run["gpu_memory_utilization"] == 0.95
+    assert (run["max_num_batched_tokens"], run["max_num_seqs"]) == (8192, 1024)  # era defaults, H100 serve
+    assert run["dtype"] == "bfloat16" and len(run["model_config_sha256"]) == 64
+    # the residual against simulate of the same settings is stored
+    rows = store.calibration_rows(device_name="H100-80GB", era=run["era"], usable_only=False)
+    assert len(rows) == 1 and rows[0]["profile_run_id"] == run["id"] and rows[0]["usable"]
+    assert rows[0]["activation_peak_delta_bytes"] == run["activation_peak_bytes"] - out.predicted["activation_peak_bytes"]
+    assert rows[0]["kv_error_bytes"] == out.predicted["available_kv_cache_bytes"] - run["available_kv_cache_bytes"]
+    assert rows[0]["predicted_available_kv_cache_bytes"] == out.predicted["available_kv_cache_bytes"]
+    # the same log again is recognised, nothing new written
+    again = import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
+                       models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95},
+                       worker=_in_process)
+    assert again.already and again.drop_id == out.drop_id
+    assert len(store.measured_runs()) == 1
+
+
+def test_every_case_log_imports(tmp_path, shared_dir, observed_cases, store):
+    """Each visible case's raw_lines import (settings from the case); no prediction here."""
+    from tuner.validate import infer_version
+
+    for i, (cid, case) in enumerate(observed_cases.items()):
+        log = _write(tmp_path, case, name=f"{i}.log")
+        version, engine = infer_version(case)
+        s = case["settings"]
+        out = import_log(log, model=case["model"], device=case["gpu"], store=store, engine_version=version,
+                         engine=engine, models_dir=shared_dir / "models", predict=False,
+                         options={"gpu_memory_utilization": s["gpu_memory_utilization"],
+                                  "max_model_len": s["max_model_len"],
+                                  "tensor_parallel_size": case["tensor_parallel_size"] or 1,
+                                  "pipeline_parallel_size": case["pipeline_parallel_size"] or 1})
+        assert out.drop_id is not None, cid
+    runs = store.measured_runs()
+    assert len(runs) == len(observed_cases)
+    assert {r["method"] for r in runs} == {"import"}
+    assert sum(1 for r in runs if r["available_kv_cache_bytes"] is not None) == len(observed_cases)
+
+
+def test_log_without_version_needs_engine_version(tmp_path, shared_dir, observed_cases, store):
+    case = observed_cases[LLAMA]
+    log = _write(tmp_path, case)
+    with pytest.raises(DropError) as err:
+        import_log(log, model=case["model"], device="H100-80GB", store=store, models_dir=shared_dir / "models",
+                   predict=False)
+    assert err.value.field == "engine_version" and str(log) in str(err.value)
+    assert store.measured_runs() == []
+
+
+def test_import_log_command(tmp_path, shared_dir, observed_cases, capsys):
+    case = observed_cases["vllm-10517-rtx3090-llama31-8b-29k"]
+    log = _write(tmp_path, case)
+    db = tmp_path / "cmd.sqlite"
+    rc = main(["import-log", str(log), "--model", case["model"], "--models-dir", str(shared_dir / "models"),
+               "--device", "RTX-3090", "--engine-version", "0.6.4", "--engine", "V0", "--no-predict",
+               "--db", str(db), "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run"]["num_gpu_blocks"] == 1478 and doc["run"]["max_model_len"] == 29000
+    assert doc["run"]["error_message"].startswith("The model's max seq len (29000)")
+    assert doc["run"]["era"].startswith("V0 0.6.4")
+    with open_store(str(db)) as s:
+        assert [r["num_gpu_blocks"] for r in s.measured_runs()] == [1478]
+
+
+def test_import_log_command_errors(tmp_path, capsys):
+    empty = tmp_path / "empty.log"
+    empty.write_text("hello\n")
+    rc = main(["import-log", str(empty), "--model", "org/none", "--device", "H100-80GB",
+               "--db", str(tmp_path / "x.sqlite")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "no vLLM memory lines" in err

@@ -1,0 +1,188 @@
+"""tuner.logparse on every raw_lines sample of the shared cases, and on each era's log forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.errors import LogParseError
+from tuner.logparse import GIB, parse_file, parse_lines, parse_text
+
+#: case ``observed`` field → ParsedLog field, and the text whose presence in raw_lines means the
+#: lines carry that value (then the parser must find it, and it must equal the observation).
+CARRIED = {
+    "weights_gib": ("weights_bytes", ("Model loading took", "Loading model weights took", "model weights take")),
+    "activation_peak_gib": ("activation_peak_bytes", ("torch peak memory increase", "activation peak memory")),
+    "non_torch_gib": ("non_torch_bytes", ("non-torch forward increase", "non_torch_memory")),
+    "total_non_kv_gib": ("total_non_kv_bytes", ("Total non KV cache memory",)),
+    "cuda_graph_gib": ("cuda_graph_bytes", ("Graph capturing finished",)),
+    "kv_cache_gib": ("available_kv_cache_bytes", ("Available KV cache memory", "kv_cache_size=")),
+    "peak_torch_memory_gib": ("peak_torch_memory_bytes", ("peak_torch_memory=",)),
+    "initial_memory_usage_gib": ("initial_memory_usage_bytes", ("initial_memory_usage=",)),
+    "num_gpu_blocks": ("num_gpu_blocks", ("# GPU blocks", "# CUDA blocks")),
+    "num_cpu_blocks": ("num_cpu_blocks", ("# CPU blocks",)),
+    "kv_cache_tokens": ("kv_cache_tokens", ("GPU KV cache size", "stored in KV cache (")),
+    "max_concurrency": ("max_concurrency", ("Maximum concurrency",)),
+    "error_message": ("error_message", ("max seq len", "CUDA out of memory", "No available memory")),
+}
+
+
+def _expected(key: str, value):
+    return round(value * GIB) if key.endswith("_gib") else value
+
+
+def test_every_raw_lines_sample_parses_to_the_observed_values(observed_cases):
+    assert len(observed_cases) >= 40
+    found: dict[str, int] = {}
+    for cid, case in observed_cases.items():
+        lines = case["raw_lines"]
+        assert lines, cid
+        p = parse_lines(lines, source=cid)
+        assert p.has_memory_lines, cid
+        assert p.matched_lines == len(lines), cid  # every sample line is a recognised line
+        text = "\n".join(lines)
+        for key, (fld, markers) in CARRIED.items():
+            obs = case["observed"].get(key)
+            got = getattr(p, fld)
+            if obs is None or not any(m in text for m in markers):
+                continue
+            assert got is not None, (cid, key)
+            found[key] = found.get(key, 0) + 1
+            if key == "error_message":
+                assert got in obs, (cid, got)  # the case keeps the log prefix of the line
+            else:
+                assert got == _expected(key, obs), (cid, key, got, obs)
+        if case.get("gpu_total_gib") and p.total_memory_bytes is not None:
+            assert p.total_memory_bytes == round(case["gpu_total_gib"] * GIB), cid
+        mml = case["settings"].get("max_model_len")
+        if p.max_model_len is not None and mml is not None:
+            assert p.max_model_len == mml, cid
+    # every memory field the samples carry was found in every sample carrying it
+    assert found["kv_cache_gib"] == 41
+    assert found["weights_gib"] == 40
+    assert found["kv_cache_tokens"] == 37 and found["max_concurrency"] == 37
+    assert found["activation_peak_gib"] == 34 and found["non_torch_gib"] == 35
+    assert found["cuda_graph_gib"] == 36 and found["total_non_kv_gib"] == 34
+    assert found["num_gpu_blocks"] == 1 and found["error_message"] == 3
+
+
+def test_v0_064_seed_failure_log(observed_cases):
+    p = parse_lines(observed_cases["vllm-10517-rtx3090-llama31-8b-29k"]["raw_lines"])
+    assert p.engine == "V0"
+    assert p.total_memory_bytes == round(23.58 * GIB)
+    assert p.gpu_memory_utilization == 0.9
+    assert p.num_gpu_blocks == 1478 and p.num_cpu_blocks == 2048
+    assert p.kv_cache_tokens == 23648  # from the max-seq-len error
+    assert p.max_model_len == 29000
+    assert p.error_message.startswith("The model's max seq len (29000) is larger")
+
+
+def test_v1_tp_log_takes_the_loading_line_for_weights(observed_cases):
+    p = parse_lines(observed_cases["llmd-v019-meta-llama-llama-3-1-8b--tp1pp4dp1--8192"]["raw_lines"])
+    assert p.engine == "V1"
+    assert p.weights_bytes == round(4.26 * GIB)  # "Model loading took", not the DEBUG line's 3.28
+    assert p.activation_peak_bytes == round(1.05 * GIB)
+
+
+V065_LOG = """\
+INFO 12-01 10:00:00 api_server.py:585] vLLM API server version 0.6.5
+INFO 12-01 10:00:01 llm_engine.py:249] Initializing an LLM engine (v0.6.5) with config: model='meta-llama/Meta-Llama-3-8B', speculative_config=None, tokenizer='meta-llama/Meta-Llama-3-8B', dtype=torch.bfloat16, max_seq_len=8192, download_dir=None, load_format=LoadFormat.AUTO, tensor_parallel_size=1, pipeline_parallel_size=1, quantization=None, enforce_eager=False, kv_cache_dtype=auto, seed=0
+INFO 12-01 10:00:20 model_runner.py:1099] Loading model weights took 14.9595 GB
+INFO 12-01 10:00:25 worker.py:241] Memory profiling takes 2.30 seconds
+INFO 12-01 10:00:25 worker.py:241] the current vLLM instance can use total_gpu_memory (79.22GiB) x gpu_memory_utilization (0.90) = 71.29GiB
+INFO 12-01 10:00:25 worker.py:241] model weights take 14.96GiB; non_torch_memory takes 1.79GiB; PyTorch activation peak memory takes 1.26GiB; the rest of the memory reserved for KV Cache is 53.29GiB.
+INFO 12-01 10:00:25 distributed_gpu_executor.py:57] # GPU blocks: 27284, # CPU blocks: 2048
+INFO 12-01 10:00:25 distributed_gpu_executor.py:61] Maximum concurrency for 8192 tokens per request: 53.29x
+INFO 12-01 10:00:40 model_runner.py:1527] Graph capturing finished in 15 secs, took 0.38 GiB
+"""
+
+
+def test_v0_065_multiline_breakdown_and_config_line():
+    p = parse_text(V065_LOG)
+    assert (p.vllm_version, p.engine) == ("0.6.5", "V0")
+    assert p.weights_bytes == round(14.9595 * GIB)  # the loading line wins over "model weights take"
+    assert p.non_torch_bytes == round(1.79 * GIB)
+    assert p.activation_peak_bytes == round(1.26 * GIB)
+    assert p.available_kv_cache_bytes == round(53.29 * GIB)
+    assert p.total_memory_bytes == round(79.22 * GIB)
+    assert p.requested_memory_bytes == round(71.29 * GIB)
+    assert p.gpu_memory_utilization == 0.9
+    assert p.num_gpu_blocks == 27284 and p.max_concurrency == 53.29 and p.max_model_len == 8192
+    assert p.cuda_graph_bytes == round(0.38 * GIB)
+    assert p.settings == {"model": "meta-llama/Meta-Llama-3-8B", "dtype": "bfloat16", "max_model_len": 8192,
+                          "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "quantization": None,
+                          "enforce_eager": False, "kv_cache_dtype": "auto"}
+
+
+V1_NEW_LOG = """\
+(APIServer pid=1) INFO 05-01 10:00:00 [api_server.py:1] vLLM API server version 0.20.1
+(APIServer pid=1) INFO 05-01 10:00:00 [utils.py:1] non-default args: {'model': 'Qwen/Qwen3-8B', 'max_model_len': 40960, 'gpu_memory_utilization': 0.8, 'tensor_parallel_size': 2}
+(EngineCore pid=2) INFO 05-01 10:00:30 [gpu_model_runner.py:1] Model loading took 7.63 GiB memory and 9.1 seconds
+(EngineCore pid=2) DEBUG 05-01 10:00:40 [gpu_worker.py:1] Memory profiling takes 9.00 seconds. Total non KV cache memory: 12.00GiB; torch peak memory increase: 2.21GiB; total consumed (from mem_get_info): 9.79GiB; weights memory: 7.63GiB.
+(EngineCore pid=2) INFO 05-01 10:00:40 [gpu_worker.py:1] Available KV cache memory: 48.12 GiB
+\x1b[1;36m(EngineCore pid=2)\x1b[0m INFO 05-01 10:00:41 [kv_cache_utils.py:1] GPU KV cache size: 700,928 tokens, Maximum concurrency for 40,960 tokens per request: 17.11x
+(EngineCore pid=2) INFO 05-01 10:00:50 [gpu_worker.py:1] CUDA graph pool memory: 0.91 GiB (actual), 0.84 GiB (estimated), difference: 0.07 GiB (7.7%).
+some unrelated line with numbers 1.0 GiB
+"""
+
+
+def test_v1_recent_forms_single_line_tokens_and_graph_estimate():
+    p = parse_text(V1_NEW_LOG)
+    assert (p.vllm_version, p.engine) == ("0.20.1", "V1")
+    assert p.kv_cache_tokens == 700928 and p.max_concurrency == 17.11 and p.max_model_len == 40960
+    assert p.total_consumed_bytes == round(9.79 * GIB)
+    assert p.cuda_graph_bytes == round(0.91 * GIB) and p.cuda_graph_estimated_bytes == round(0.84 * GIB)
+    assert p.gpu_memory_utilization == 0.8
+    assert p.settings["tensor_parallel_size"] == 2 and p.settings["model"] == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize("line, fld, value", [
+    ("INFO Loading model weights took 14.9888 GB", "weights_bytes", round(14.9888 * GIB)),
+    ("INFO [gpu_model_runner.py:1] Model loading took 14.9889 GiB and 5.2 seconds", "weights_bytes",
+     round(14.9889 * GIB)),
+    ("INFO # CUDA blocks: 27284, # CPU blocks: 2048", "num_gpu_blocks", 27284),
+    ("INFO # GPU blocks: 7407", "num_gpu_blocks", 7407),
+    ("ValueError: To serve at least one request with the models's max seq len (131072), (16.00 GiB KV cache is "
+     "needed, which is larger than the available KV cache memory (10.00 GiB). Based on the available memory, the "
+     "estimated maximum model length is 81920. Try increasing `gpu_memory_utilization` or decreasing "
+     "`max_model_len` when initializing the engine.", "estimated_max_model_len", 81920),
+    ("ValueError: Free memory on device cuda:0 (70.0/79.19 GiB) on startup is less than desired GPU memory "
+     "utilization (0.95, 75.23 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+     "requested_memory_bytes", round(75.23 * GIB)),
+    ("ERROR No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
+     "the engine.", "error_message", "No available memory for the cache blocks. Try increasing "
+     "`gpu_memory_utilization` when initializing the engine."),
+])
+def test_single_line_forms(line, fld, value):
+    assert getattr(parse_lines([line]), fld) == value
+
+
+def test_free_memory_error_is_the_error_and_gives_free_and_total():
+    p = parse_lines(["ValueError: Free memory on device cuda:0 (70.0/79.19 GiB) on startup is less than desired GPU "
+                     "memory utilization (0.95, 75.23 GiB). Decrease GPU memory utilization or reduce GPU memory "
+                     "used by other processes."])
+    assert p.error_message.startswith("Free memory on device cuda:0 (70.0/79.19 GiB) on startup is less")
+    assert p.free_memory_bytes == round(70.0 * GIB) and p.total_memory_bytes == round(79.19 * GIB)
+    assert p.gpu_memory_utilization == 0.95
+
+
+def test_negative_kv_is_kept():
+    assert parse_lines(["INFO Available KV cache memory: -1.25 GiB"]).available_kv_cache_bytes == -round(1.25 * GIB)
+
+
+def test_log_without_memory_lines_is_a_clear_error_naming_the_file(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("INFO Started server process [1]\nINFO Uvicorn running on http://0.0.0.0:8000\n")
+    with pytest.raises(LogParseError) as err:
+        parse_file(log)
+    assert str(log) in str(err.value) and "no vLLM memory lines" in str(err.value)
+
+
+def test_unreadable_log_names_the_file(tmp_path):
+    with pytest.raises(LogParseError, match="missing.log"):
+        parse_file(tmp_path / "missing.log")
+
+
+def test_binary_garbage_and_huge_lines_are_ignored(tmp_path):
+    log = tmp_path / "mixed.log"
+    log.write_bytes(b"\xff\xfe garbage\n" + b"x" * 200_000 + b"\nINFO Available KV cache memory: 5.01 GiB\n")
+    assert parse_file(log).available_kv_cache_bytes == round(5.01 * GIB)

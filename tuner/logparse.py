@@ -1,0 +1,360 @@
+"""Parse a vLLM start-up log into the memory numbers the engine printed (no torch, no I/O but reading).
+
+Every vLLM era prints its memory breakdown differently; :func:`parse_lines` recognises each form
+line by line and ignores everything else, so a log can be any mix of prefixes (``(EngineCore_0
+pid=…) INFO 09-04 01:03:03 [gpu_worker.py:276]``, ``[rank0]:``, colour codes) and unrelated
+lines. Forms recognised (file:line as in the released wheels):
+
+- weights: "Loading model weights took X GB" (≤0.7.3, ``vllm/worker/model_runner.py``),
+  "Model loading took X GB|GiB [memory] and Y seconds" (0.8+, ``v1/worker/gpu_model_runner.py``),
+  V0 0.6.5+ "model weights take X GiB" (``vllm/worker/worker.py``), and the V1 DEBUG
+  ``MemoryProfilingResult`` "weights memory: X GiB" (``vllm/utils/mem_utils.py``).
+- activation peak: "torch peak memory increase: X GiB" (V1 0.9.1+ DEBUG), "PyTorch activation peak
+  memory takes X GiB" (V0 0.6.5–0.10), "X GiB for peak activation" (0.19+ kv-cache-memory hint).
+- non-torch: "non-torch forward increase memory: X GiB", "non_torch_memory takes X GiB",
+  "non_torch_memory=X GiB" (V0 0.6.4 "Memory profiling results"), "X GiB for non-torch memory".
+- CUDA graphs: "Graph capturing finished in N secs, took X GiB" and "CUDA graph pool memory:
+  X GiB (actual), Y GiB (estimated)" (0.18+, ``v1/worker/gpu_worker.py``).
+- available KV: "Available KV cache memory: X GiB" (V1), "kv_cache_size=X GiB" (V0 0.6.4), "the rest
+  of the memory reserved for KV Cache is X GiB" (V0 0.6.5+).
+- blocks, tokens, concurrency: "# GPU blocks: N[, # CPU blocks: M]" (V0; "# CUDA blocks" from 0.7),
+  "GPU KV cache size: N tokens" (V1 0.8+, comma-grouped), "Maximum concurrency for M tokens per
+  request: X.XXx" (V0 0.6.3+, V1 0.7.3+), the 0.28+ single line combining both.
+- totals: "total_gpu_memory=X GiB", "total_gpu_memory (X GiB) x gpu_memory_utilization (u) = R GiB",
+  "Free memory on device [cuda:N] (F/T GiB) on startup", "Requested memory: u (util), R GiB".
+- errors: the V0 max-seq-len ``ValueError`` ("The model's max seq len (M) is larger than the maximum
+  number of tokens that can be stored in KV cache (K)…"), V1 "To serve at least one request with
+  the model[s]'s max seq len (M), …estimated maximum model length is E…", "No available memory for
+  the cache blocks…", V1 0.9.1+ "Free memory on device … is less than desired GPU memory
+  utilization…", "Cannot auto-fit max_model_len…", and "CUDA out of memory".
+- settings: "non-default args: {…}" (0.10+ ``vllm serve``), the engine's "with config: key=value, …"
+  line, and the version from "vLLM API server version V" / "Initializing a[n] [V1] LLM engine (vV)".
+
+Values are printed in GiB (early logs say "GB" but divide by 2**30, reference §2.4); they become
+integer bytes with ``round(x * 2**30)``. When a value is printed more than once (one line per
+worker under TP/PP, or a form of lower precedence) the first line of the most direct form wins:
+weights from the model-loading line, the rest from the first worker that printed them.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Iterable
+
+from tuner.errors import LogParseError
+
+GIB = 1 << 30
+#: Longest line examined (characters); longer lines are cut (a "with config:" line can be long).
+MAX_LINE = 65536
+#: Largest log file read (bytes); start-up lines come first, so the head suffices.
+MAX_LOG_BYTES = 256 << 20
+
+__all__ = ["ParsedLog", "parse_lines", "parse_text", "parse_file", "gib_to_bytes", "MEMORY_FIELDS"]
+
+
+def gib_to_bytes(value: float | str) -> int:
+    """GiB (2**30 bytes, as vLLM prints them) to integer bytes: ``round(x * 2**30)``."""
+    return int(round(float(value) * GIB))
+
+
+@dataclass
+class ParsedLog:
+    """What one vLLM start-up log printed. Bytes are ints; every field is None when not printed.
+
+    Attributes:
+        source: the file (or label) the lines came from.
+        vllm_version: e.g. ``"0.19.0"``; engine: ``"V0"``/``"V1"`` when the log says which.
+        weights_bytes, activation_peak_bytes, non_torch_bytes: the profile's terms (per rank).
+        total_non_kv_bytes: V1 DEBUG "Total non KV cache memory"; total_consumed_bytes: 0.27+.
+        peak_torch_memory_bytes, initial_memory_usage_bytes, memory_usage_post_profile_bytes:
+            V0 0.6.4 "Memory profiling results" terms.
+        cuda_graph_bytes: graph memory actually captured; cuda_graph_estimated_bytes: the 0.18+
+            estimate ("(estimated)").
+        available_kv_cache_bytes: memory given to the KV cache (negative: none, refused).
+        num_gpu_blocks, num_cpu_blocks, kv_cache_tokens: as printed.
+        max_concurrency: "Maximum concurrency … X.XXx"; max_model_len: from that line, an error, or
+            the settings the log printed.
+        total_memory_bytes, free_memory_bytes: device total / free at start-up as printed.
+        requested_memory_bytes, gpu_memory_utilization: the budget the engine was asked for.
+        error_message: the engine's refusal (exact text of the message); estimated_max_model_len:
+            V1's suggestion in that message.
+        settings: engine arguments the log printed (non-default args / config line), by vLLM name.
+        matched_lines: how many lines carried something recognised.
+    """
+
+    source: str = ""
+    vllm_version: str | None = None
+    engine: str | None = None
+    weights_bytes: int | None = None
+    activation_peak_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    total_non_kv_bytes: int | None = None
+    total_consumed_bytes: int | None = None
+    peak_torch_memory_bytes: int | None = None
+    initial_memory_usage_bytes: int | None = None
+    memory_usage_post_profile_bytes: int | None = None
+    cuda_graph_bytes: int | None = None
+    cuda_graph_estimated_bytes: int | None = None
+    available_kv_cache_bytes: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    kv_cache_tokens: int | None = None
+    max_concurrency: float | None = None
+    max_model_len: int | None = None
+    total_memory_bytes: int | None = None
+    free_memory_bytes: int | None = None
+    requested_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    error_message: str | None = None
+    estimated_max_model_len: int | None = None
+    settings: dict = field(default_factory=dict)
+    matched_lines: int = 0
+
+    @property
+    def has_memory_lines(self) -> bool:
+        """True when the log printed at least one memory figure (see :data:`MEMORY_FIELDS`)."""
+        return any(getattr(self, f) is not None for f in MEMORY_FIELDS)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Fields whose presence makes a log a memory log (an import needs at least one).
+MEMORY_FIELDS = (
+    "weights_bytes", "activation_peak_bytes", "non_torch_bytes", "total_non_kv_bytes", "cuda_graph_bytes",
+    "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+    "peak_torch_memory_bytes",
+)
+
+_NUM = r"(-?\d+(?:\.\d+)?)"
+_INT = r"(\d[\d,]*)"
+_G = r"\s*G(?:i)?B"
+
+# (field, pattern, group, kind, precedence) — lower precedence number wins; kind: gib | int | float
+_RULES: list[tuple[str, re.Pattern, int, str, int]] = []
+
+
+def _rule(fld: str, pattern: str, group: int = 1, kind: str = "gib", prec: int = 0) -> None:
+    _RULES.append((fld, re.compile(pattern, re.IGNORECASE), group, kind, prec))
+
+
+# weights
+_rule("weights_bytes", r"Loading model weights took\s+" + _NUM + _G)
+_rule("weights_bytes", r"Model loading took:?\s+" + _NUM + _G)
+_rule("weights_bytes", r"model weights take\s+" + _NUM + _G, prec=1)
+_rule("weights_bytes", r"weights memory:\s*" + _NUM + _G, prec=2)
+_rule("weights_bytes", r"Actual usage is\s+" + _NUM + _G + r" for weight", prec=3)
+# activation peak
+_rule("activation_peak_bytes", r"torch peak memory increase:\s*" + _NUM + _G)
+_rule("activation_peak_bytes", r"PyTorch activation peak memory takes\s*" + _NUM + _G)
+_rule("activation_peak_bytes", _NUM + _G + r" for peak activation", prec=1)
+# non-torch
+_rule("non_torch_bytes", r"non-torch forward increase memory:\s*" + _NUM + _G)
+_rule("non_torch_bytes", r"non_torch_memory takes\s*" + _NUM + _G)
+_rule("non_torch_bytes", r"non_torch_memory=" + _NUM + _G)
+_rule("non_torch_bytes", _NUM + _G + r" for non-torch memory", prec=1)
+# totals of the V1 DEBUG result
+_rule("total_non_kv_bytes", r"Total non KV cache memory:\s*" + _NUM + _G)
+_rule("total_consumed_bytes", r"total consumed \(from mem_get_info\):\s*" + _NUM + _G)
+# V0 0.6.4 "Memory profiling results"
+_rule("peak_torch_memory_bytes", r"peak_torch_memory=" + _NUM + _G)
+_rule("initial_memory_usage_bytes", r"initial_memory_usage=" + _NUM + _G)
+_rule("memory_usage_post_profile_bytes", r"memory_usage_post_profile=" + _NUM + _G)
+# CUDA graphs
+_rule("cuda_graph_bytes", r"Graph capturing finished in\s+\d+\s*secs?,\s*took\s+" + _NUM + _G)
+_rule("cuda_graph_bytes", r"CUDA graph pool memory:\s*" + _NUM + _G + r"\s*\(actual\)", prec=1)
+_rule("cuda_graph_bytes", _NUM + _G + r" for CUDAGraph memory", prec=2)
+_rule("cuda_graph_estimated_bytes", r"CUDA graph pool memory:.*?" + _NUM + _G + r"\s*\(estimated\)")
+# available KV
+_rule("available_kv_cache_bytes", r"Available KV cache memory:\s*" + _NUM + _G)
+_rule("available_kv_cache_bytes", r"kv_cache_size=" + _NUM + _G)
+_rule("available_kv_cache_bytes", r"the rest of the memory reserved for KV Cache is\s*" + _NUM + _G)
+_rule("available_kv_cache_bytes", r"available KV cache memory \(" + _NUM + _G + r"\)", prec=1)
+_rule("available_kv_cache_bytes", r"Current kv cache memory in use is\s*" + _NUM + _G, prec=2)
+# blocks, tokens, concurrency
+_rule("num_gpu_blocks", r"#\s*(?!CPU\b)[A-Za-z]+ blocks:\s*" + _INT, kind="int")
+_rule("num_cpu_blocks", r"#\s*CPU blocks:\s*" + _INT, kind="int")
+_rule("kv_cache_tokens", r"\b[A-Za-z]+ KV cache size:\s*" + _INT + r"\s*tokens", kind="int")
+_rule("kv_cache_tokens", r"maximum number of tokens that can be stored in KV cache \(" + _INT + r"\)",
+      kind="int", prec=1)
+_rule("max_concurrency", r"Maximum concurrency for\s*[\d,]+\s*tokens per request:\s*" + _NUM + r"x", kind="float")
+_rule("max_model_len", r"Maximum concurrency for\s*" + _INT + r"\s*tokens per request", kind="int")
+_rule("max_model_len", r"max seq len \(" + _INT + r"\)", kind="int")
+_rule("estimated_max_model_len", r"estimated maximum model length is\s*" + _INT, kind="int")
+# device totals and the requested budget
+_rule("total_memory_bytes", r"total_gpu_memory=" + _NUM + _G)
+_rule("total_memory_bytes", r"total_gpu_memory \(" + _NUM + _G + r"\)")
+_rule("total_memory_bytes", r"Free memory on device.*?" + _NUM + r"/" + _NUM + _G, group=2)
+_rule("free_memory_bytes", r"Free memory on device.*?" + _NUM + r"/" + _NUM + _G)
+_rule("free_memory_bytes", r"Initial free memory:?\s*" + _NUM + _G, prec=1)
+_rule("requested_memory_bytes", r"x gpu_memory_utilization \(" + _NUM + r"\)\s*=\s*" + _NUM + _G, group=2)
+_rule("requested_memory_bytes", r"GPU memory utilization(?: is)? \(" + _NUM + r",\s*" + _NUM + _G + r"\)", group=2)
+_rule("requested_memory_bytes", r"Requested memory:\s*" + _NUM + r"\s*\(util\),\s*" + _NUM + _G, group=2)
+_rule("gpu_memory_utilization", r"gpu_memory_utilization[=\s(]+" + _NUM, kind="float")
+_rule("gpu_memory_utilization", r"GPU memory utilization(?: is)? \(" + _NUM + r",", kind="float")
+_rule("gpu_memory_utilization", r"Requested memory:\s*" + _NUM + r"\s*\(util\)", kind="float")
+
+_ERRORS = [re.compile(p, re.IGNORECASE) for p in (
+    r"(The model's max seq len \(\d+\) is larger than the maximum number of tokens that can be stored in KV cache.*)",
+    r"(To serve at least one request with the models?'s max seq len.*)",
+    r"(No available memory for the cache blocks\..*)",
+    r"(Free memory on device.*? on startup is less than desired GPU memory utilization.*)",
+    r"(Cannot auto-fit max_model_len.*)",
+    r"((?:torch\.)?(?:cuda\.)?OutOfMemoryError: CUDA out of memory\..*)",
+)]
+
+_VERSION = [re.compile(p) for p in (
+    r"vLLM API server version\s+v?(\d+\.\d+[\w.+-]*)",
+    r"Initializing an? (?:V1 )?LLM engine \(v(\d+\.\d+[^)\s]*)\)",
+    r"\bvLLM version\s+v?(\d+\.\d+[\w.+-]*)",
+)]
+_V1_MARKERS = re.compile(r"Initializing a V1 LLM engine|EngineCore|\[v1/|gpu_worker\.py|kv_cache_utils\.py|"
+                         r"Available KV cache memory|GPU KV cache size")
+_V0_MARKERS = re.compile(r"#\s*(?!CPU\b)[A-Za-z]+ blocks:\s*\d+,\s*#\s*CPU blocks|Memory profiling results:|"
+                         r"the rest of the memory reserved for KV Cache")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_NON_DEFAULT = re.compile(r"non-default args:\s*(\{.*\})")
+_CONFIG = re.compile(r"with config:\s*(.*)")
+_CONFIG_KEYS = {"max_seq_len": "max_model_len", "tensor_parallel_size": "tensor_parallel_size",
+                "pipeline_parallel_size": "pipeline_parallel_size", "dtype": "dtype",
+                "kv_cache_dtype": "kv_cache_dtype", "quantization": "quantization",
+                "enforce_eager": "enforce_eager", "block_size": "block_size", "model": "model"}
+_SETTING_KEYS = ("model", "max_model_len", "gpu_memory_utilization", "tensor_parallel_size",
+                 "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "kv_cache_dtype",
+                 "block_size", "enforce_eager", "enable_chunked_prefill", "quantization")
+
+
+def _convert(kind: str, text: str):
+    if kind == "gib":
+        return gib_to_bytes(text)
+    if kind == "int":
+        return int(text.replace(",", ""))
+    return float(text)
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _settings_from_config(text: str) -> dict:
+    out = {}
+    for m in re.finditer(r"(\w+)=('[^']*'|\"[^\"]*\"|[^,\s]+)", text):
+        key, raw = m.group(1), m.group(2)
+        if key not in _CONFIG_KEYS:
+            continue
+        value = raw.strip("'\"")
+        if value.startswith("torch."):
+            value = value[len("torch."):]
+        if value in ("True", "False"):
+            value = value == "True"
+        elif value == "None":
+            value = None
+        elif re.fullmatch(r"\d+", value):
+            value = int(value)
+        out.setdefault(_CONFIG_KEYS[key], value)
+    return out
+
+
+def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
+    """Parse log lines (any era, any prefixes); unknown lines are ignored. Never raises.
+
+    Returns a :class:`ParsedLog`; check :attr:`ParsedLog.has_memory_lines` before using it.
+    """
+    out = ParsedLog(source=source)
+    best: dict[str, int] = {}
+    v1 = v0 = False
+    for raw in lines:
+        line = _ANSI.sub("", raw[:MAX_LINE]).rstrip("\r\n")
+        hit = False
+        for fld, pat, group, kind, prec in _RULES:
+            if fld in best and best[fld] <= prec:
+                continue
+            m = pat.search(line)
+            if m is None:
+                continue
+            hit = True
+            try:
+                value = _convert(kind, m.group(group))
+            except ValueError:
+                continue
+            setattr(out, fld, value)
+            best[fld] = prec
+        if out.error_message is None:
+            for pat in _ERRORS:
+                m = pat.search(line)
+                if m:
+                    out.error_message = m.group(1).strip()
+                    hit = True
+                    break
+        if out.vllm_version is None:
+            for pat in _VERSION:
+                m = pat.search(line)
+                if m:
+                    out.vllm_version = m.group(1).rstrip(".,")
+                    hit = True
+                    break
+        m = _NON_DEFAULT.search(line)
+        if m:
+            args = _literal(m.group(1))
+            if isinstance(args, dict):
+                for k in _SETTING_KEYS:
+                    if k in args and k not in out.settings:
+                        out.settings[k] = args[k]
+                hit = True
+        m = _CONFIG.search(line)
+        if m:
+            for k, v in _settings_from_config(m.group(1)).items():
+                out.settings.setdefault(k, v)
+            hit = True
+        if "Initializing a V1 LLM engine" in line:
+            v1 = True
+        elif _V1_MARKERS.search(line):
+            v1 = True
+        if _V0_MARKERS.search(line):
+            v0 = True
+        out.matched_lines += hit
+    if v1 != v0:
+        out.engine = "V1" if v1 else "V0"
+    if out.max_model_len is None and isinstance(out.settings.get("max_model_len"), int):
+        out.max_model_len = out.settings["max_model_len"]
+    if out.gpu_memory_utilization is None and isinstance(out.settings.get("gpu_memory_utilization"), (int, float)):
+        out.gpu_memory_utilization = float(out.settings["gpu_memory_utilization"])
+    return out
+
+
+def parse_text(text: str, *, source: str = "") -> ParsedLog:
+    """:func:`parse_lines` over a whole log text."""
+    return parse_lines(text.splitlines(), source=source)
+
+
+def parse_file(path: str | Path) -> ParsedLog:
+    """Read and parse a vLLM log file (UTF-8, undecodable bytes replaced; first 256 MiB).
+
+    Raises:
+        LogParseError: the file cannot be read, or it holds no memory line at all (naming the file
+            and the lines looked for).
+    """
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            data = fh.read(MAX_LOG_BYTES)
+    except OSError as exc:
+        raise LogParseError(f"cannot read log: {exc.strerror or exc}", where=str(path)) from exc
+    parsed = parse_text(data.decode("utf-8", "replace"), source=str(path))
+    if not parsed.has_memory_lines:
+        raise LogParseError(
+            "no vLLM memory lines found (looked for 'Model loading took', 'Available KV cache memory', "
+            "'# GPU blocks', 'GPU KV cache size', 'Maximum concurrency', 'Memory profiling …'); "
+            "is this a vLLM start-up log?", where=str(path))
+    return parsed
+
+
+def field_names() -> list[str]:
+    """Names of the :class:`ParsedLog` fields (for docs and JSON output)."""
+    return [f.name for f in fields(ParsedLog)]
