@@ -7,11 +7,14 @@ and output are plain JSON-able dicts so the parent never needs torch. Passes are
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+import sys
 import time
 from typing import Any
 
 from tuner import __version__
+from tuner.budget import profile_overhead_bytes
 from tuner.eras import GiB, era_for, profile_batch, resolve_dtype
 from tuner.modelspec import load_model_spec, read_architectures, read_top
 from tuner.plugin import RankSettings, load_registry
@@ -58,11 +61,23 @@ def kv_block_bytes(era, kv_specs: tuple, block_size: int) -> list[int | None]:
         return [None for _ in kv_specs]
 
 
+def _compute_capability(device: dict) -> str | None:
+    """The device's compute capability: as given, else from the catalog by name, else None."""
+    if device.get("compute_capability"):
+        return str(device["compute_capability"])
+    from tuner.devices import lookup
+
+    dev = lookup(str(device.get("name", "")))
+    return dev.compute_capability if dev is not None else None
+
+
 def run_job(request: dict[str, Any]) -> dict[str, Any]:
     """Execute one job.
 
     Request keys: ``drop`` (``Drop.to_dict()``), ``config_path`` (the model's config.json),
-    ``device`` (``{name, total_memory_bytes}``), ``fake`` (default True).
+    ``device`` (``{name, total_memory_bytes}``), ``fake`` (default True), ``search`` (default
+    True; False evaluates only the drop's ``max_model_len`` grid, no proposal search),
+    ``calibration`` (optional byte corrections, see :class:`tuner.search.Layout`).
 
     Returns a dict with ``model``, ``plugin``, ``warnings``, ``era``, ``runs`` (one per pass),
     ``candidates`` and ``proposals`` (see :mod:`tuner.search`), and ``versions``.
@@ -91,13 +106,18 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     stage_settings = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=d.get("kv_cache_dtype", "auto"),
                      block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
-                     compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"))
+                     compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"),
+                     compute_capability=_compute_capability(device))
         for r in range(pp)
     ]
     kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
-    layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs)
+    calibration = request.get("calibration") or {}
+    layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs,
+                    corrections=tuple(sorted((k, int(v)) for k, v in calibration.items() if k.endswith("_delta_bytes"))),
+                    activation_overhead_bytes=profile_overhead_bytes(_compute_capability(device)),
+                    hidden_size=spec.hidden_size)
     is_mm = "text_config" in spec.top
 
     def batch_for(m: int):
@@ -115,7 +135,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         key = (batch.max_num_batched_tokens, batch.num_reqs)
         if key not in memo:
             results = []
+            grid = (d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]
             for s in stage_settings:
+                s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
+                                        max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
                 r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True))
                 results.append(r)
                 runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **r.to_dict(),
@@ -132,17 +155,27 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     cap = cons.get("max_model_len_cap")
     grid_m = (d.get("candidates") or {}).get("max_model_len")
     candidates, proposals = [], []
-    for u in (d.get("candidates") or {}).get("gpu_memory_utilization") or [era.default_gpu_memory_utilization]:
-        prop, searched = propose(era, layout, gpu_memory_utilization=u, batch_for=batch_for, passes_for=passes_for,
-                                 min_concurrency=min_conc, max_model_len_cap=cap, regions=regions,
-                                 extra_args=_extra_args(d))
-        proposals.append(prop.to_dict())
+    search = request.get("search", True)
+    us = (d.get("candidates") or {}).get("gpu_memory_utilization") or [era.default_gpu_memory_utilization]
+    for u in us:
+        searched = []
+        if search or not grid_m:
+            prop, searched = propose(era, layout, gpu_memory_utilization=u, batch_for=batch_for, passes_for=passes_for,
+                                     min_concurrency=min_conc, max_model_len_cap=cap, regions=regions,
+                                     extra_args=_extra_args(d))
+            proposals.append(prop.to_dict())
         for m in (grid_m or sorted({c.max_model_len for c in searched})):
             batch = batch_for(m)
             c = evaluate(era, layout, batch, passes_for(batch), gpu_memory_utilization=u, max_model_len=m,
                          min_concurrency=min_conc).to_dict()
             c["run_key"] = f"{batch.max_num_batched_tokens}x{batch.num_reqs}@0"
             candidates.append(c)
+        if request.get("progress"):  # one line per u on stderr; the parent relays it (tuner.worker)
+            from tuner.worker import PROGRESS_PREFIX
+
+            done = len(proposals) or len({x["gpu_memory_utilization"] for x in candidates})
+            print(f"{PROGRESS_PREFIX}gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
+                  f"{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
     return {
         "model": spec.to_dict(),
         "plugin": plugin.name,

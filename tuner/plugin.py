@@ -40,6 +40,10 @@ class RankSettings:
         compiled: intermediates die at last use (V1 torch.compile) rather than at function return.
         runs_attention: the profile run executes attention (V0) rather than skipping it (V1).
         quantization: the drop's quantization override, or ``None`` for the checkpoint's.
+        compute_capability: the GPU's ``"major.minor"`` (``"9.0"`` for H100), or ``None`` when
+            unknown; backends and kernels (MLA block size, Marlin repacking) depend on it.
+        max_num_batched_tokens, max_num_seqs, max_model_len: the engine's scheduler limits for
+            the candidate being profiled (tokens / sequences), or ``None`` when not known.
     """
 
     engine_version: str
@@ -52,6 +56,10 @@ class RankSettings:
     compiled: bool = True
     runs_attention: bool = False
     quantization: str | None = None
+    compute_capability: str | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
 
 
 class ModelPlugin:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from tuner import kvcache
-from tuner.budget import cudagraph_estimate_bytes, kv_budget, non_torch_bytes
+from tuner.budget import cudagraph_estimate_bytes, kv_budget, non_torch_bytes, unexplained_bytes
 from tuner.eras import Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
 
@@ -36,8 +36,9 @@ class Layout:
     #: predicted terms: ``activation_peak_delta_bytes``, ``non_torch_delta_bytes``,
     #: ``cuda_graph_delta_bytes``. Empty = uncalibrated.
     corrections: tuple = ()
-    #: Torch peak a real profile run adds beyond the simulated passes (cuBLAS workspace + the
-    #: calibrated residual, :func:`tuner.budget.profile_overhead_bytes`), bytes.
+    #: Torch peak a real profile run adds beyond the simulated passes (the cuBLAS workspace,
+    #: :func:`tuner.budget.profile_overhead_bytes`; :func:`tuner.budget.unexplained_bytes` is added
+    #: per stage from its weights), bytes.
     activation_overhead_bytes: int = 0
     #: The model's hidden size (elements), for the CUDA-graph estimate.
     hidden_size: int = 4096
@@ -96,6 +97,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             gpu_memory_utilization=u,
             weights_bytes=int(_get(p, "weights_bytes")),
             activation_peak_bytes=max(0, int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes
+                                      + unexplained_bytes(era, int(_get(p, "weights_bytes")))
                                       + int(corr.get("activation_peak_delta_bytes", 0))),
             non_torch_bytes=max(0, non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                                                    pipeline_parallel_size=layout.pipeline_parallel_size)
