@@ -164,13 +164,22 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     if defaults:
         base = text_cfg
 
+        file_keys = set(top.get("text_config") or {}) if isinstance(top.get("text_config"), dict) else set(top)
+
         class _WithDefaults:
+            """The file's own keys win; a plugin default beats a transformers class default for a
+            key the file lacks (partial configs, ``shared/models`` status "partial")."""
+
             def __getattr__(self, name: str) -> Any:
+                if name in defaults and name not in file_keys:
+                    return defaults[name]
                 v = _first(base, name)
                 return defaults.get(name) if v is None else v
 
             def to_dict(self) -> dict:
-                return {**defaults, **base.to_dict()}
+                d = base.to_dict()
+                d.update({k: v for k, v in defaults.items() if k not in file_keys or d.get(k) is None})
+                return d
 
         text_cfg = _WithDefaults()
     try:
@@ -197,6 +206,8 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         tie = bool(top["tie_word_embeddings"])
     elif "tie_word_embeddings" in text_json:
         tie = bool(text_json["tie_word_embeddings"])
+    elif "tie_word_embeddings" in defaults:
+        tie = bool(defaults["tie_word_embeddings"])
     else:
         tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
     spec = ModelSpec(
