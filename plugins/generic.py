@@ -33,6 +33,18 @@ def _uses_sliding_window(spec) -> int | None:
     return int(w)
 
 
+#: The Llama-3 tokenizer's vocabulary (every Llama-3.x checkpoint).
+LLAMA3_VOCAB_SIZE = 128256
+
+
+def llama_ffn_size(hidden: int, multiplier: float = 1.3, multiple_of: int = 1024) -> int:
+    """Meta's Llama MLP width for ``hidden`` (elements): ``multiplier · int(2·4·hidden/3)`` rounded
+    up to ``multiple_of`` (meta-llama/llama-models ``FeedForward``; Llama-3 8B/70B values)."""
+    width = int(2 * 4 * hidden / 3)
+    width = int(multiplier * width)
+    return -(-width // multiple_of) * multiple_of
+
+
 class GenericDecoderPlugin(ModelPlugin):
     """Dense decoder (Llama family and look-alikes)."""
 
@@ -46,6 +58,29 @@ class GenericDecoderPlugin(ModelPlugin):
         "InternLM2ForCausalLM",
         "YiForCausalLM",
     )
+
+    # -- partial configs ---------------------------------------------------------------------
+    def config_defaults(self, top: dict) -> dict:
+        """Family defaults for a partial Llama config (keys the file lacks; the file wins).
+
+        - ``intermediate_size``: Meta's Llama FFN rule (llama/model.py ``FeedForward``):
+          ``ffn_dim_multiplier · 2·4H/3`` rounded up to ``multiple_of``, with the Llama-3 values
+          1.3 and 1024 (8B: 14336, 70B: 28672) — transformers' class default (11008) belongs to
+          Llama-2-7B and would halve a 70B's MLP.
+        - With the Llama-3 tokenizer (``vocab_size`` 128256): ``max_position_embeddings`` 131072,
+          ``rope_theta`` 500000 and bfloat16 weights, as every Llama-3.1+ checkpoint ships.
+        """
+        text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+        if (text.get("model_type") or top.get("model_type")) != "llama":
+            return {}
+        out: dict = {}
+        hidden = text.get("hidden_size")
+        if "intermediate_size" not in text and isinstance(hidden, int) and hidden > 0:
+            out["intermediate_size"] = llama_ffn_size(hidden)
+        if text.get("vocab_size") == LLAMA3_VOCAB_SIZE:
+            out.update({k: v for k, v in (("max_position_embeddings", 131072), ("rope_theta", 500000.0),
+                                          ("torch_dtype", "bfloat16")) if k not in text})
+        return out
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
@@ -71,7 +106,9 @@ class GenericDecoderPlugin(ModelPlugin):
         import torch
 
         from tuner.simulate import layers as L
+        from tuner.simulate.quant import scheme_for
 
+        quant = scheme_for(spec, settings)
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
         tp = settings.tensor_parallel_size
         pp, rank = settings.pipeline_parallel_size, settings.pp_rank
@@ -81,20 +118,22 @@ class GenericDecoderPlugin(ModelPlugin):
         inter = spec.intermediate_size // tp
         rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
         layers = []
-        for _ in _stage_layers(spec, settings):
+        for i in _stage_layers(spec, settings):
             attn = L.Attention(h, heads, kv, spec.head_dim, dtype, rope, qkv_bias=self.qkv_bias(spec),
-                               compiled=settings.compiled, runs_attention=settings.runs_attention)
+                               compiled=settings.compiled, runs_attention=settings.runs_attention,
+                               quant=quant, prefix=f"model.layers.{i}.self_attn")
             if spec.model_type == "qwen3":
                 attn.q_norm = L.RMSNorm(spec.head_dim, dtype)
                 attn.k_norm = L.RMSNorm(spec.head_dim, dtype)
-            mlp = L.GatedMLP(h, inter, dtype, compiled=settings.compiled, bias=bool(spec.raw.get("mlp_bias")))
+            mlp = L.GatedMLP(h, inter, dtype, compiled=settings.compiled, bias=bool(spec.raw.get("mlp_bias")),
+                             quant=quant, prefix=f"model.layers.{i}.mlp")
             layers.append(L.DecoderLayer(attn, mlp, h, dtype))
         first, last = rank == 0, rank == pp - 1
         embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and spec.tie_word_embeddings)) else None
         lm_head = None
         if last:
             tied = embed if spec.tie_word_embeddings else None
-            lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=tied)
+            lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=tied, quant=quant, prefix="lm_head")
         norm = L.RMSNorm(h, dtype) if last else None
         model = L.CausalLM(embed, layers, norm, lm_head, extra={"rotary_emb": rope})
         return model

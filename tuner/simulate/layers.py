@@ -51,7 +51,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = getattr(self, "weight", None)
         if w is None or w.dtype != x.dtype or w.shape != (self.out_features, self.in_features):
-            return x.new_empty(x.shape[0], self.out_features)  # quantized GEMM: one output allocation
+            aq = getattr(self, "input_quant", None)  # W8A8: (dtype name, scale columns), see quant.py
+            xq = None if aq is None else (x.new_empty(x.shape[0], self.in_features, dtype=getattr(torch, aq[0])),
+                                          x.new_empty(x.shape[0], aq[1], dtype=torch.float32))
+            out = x.new_empty(x.shape[0], self.out_features)  # quantized GEMM: one output allocation
+            del xq
+            return out
         return torch.nn.functional.linear(x, w, self.bias)
 
 
@@ -220,21 +225,31 @@ class LMHead(nn.Module):
     ``[R, pad(V)]`` on every rank when tp > 1, then cut to the real vocab (a view)."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tp: int, tied_to: VocabEmbedding | None = None,
-                 soft_cap: float | None = None) -> None:
+                 soft_cap: float | None = None, *, quant=None, prefix: str = "lm_head") -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp = tp
         self.soft_cap = soft_cap
+        self.quantized = False
         if tied_to is not None:
             self.tied = [tied_to]  # not registered: the weight is shared, counted once
             self.weight = None
         else:
             self.tied = None
-            self.weight = _param(pad_vocab(vocab_size) // tp, hidden, dtype=dtype)
+            rows = pad_vocab(vocab_size) // tp
+            # only methods that quantize ParallelLMHead (GPTQ ``lm_head: true``) register here
+            self.quantized = quant is not None and quant.make_linear_weights(self, hidden, rows, dtype, prefix)
+            if not self.quantized:
+                self.weight = _param(rows, hidden, dtype=dtype)
+            elif "weight" not in self._parameters:
+                self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.weight is not None else self.tied[0].weight
-        logits = torch.nn.functional.linear(hidden, w)
+        if self.quantized:
+            logits = hidden.new_empty(hidden.shape[0], pad_vocab(self.vocab_size) // self.tp)
+        else:
+            w = self.weight if self.weight is not None else self.tied[0].weight
+            logits = torch.nn.functional.linear(hidden, w)
         if self.tp > 1:
             gathered = logits.new_empty(logits.shape[0], logits.shape[1] * self.tp)
             del logits
