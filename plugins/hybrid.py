@@ -1,0 +1,441 @@
+"""Hybrid attention + state-space plugins: Nemotron-H (Mamba-2) and Qwen3.5 / Qwen3.6 (Gated DeltaNet).
+
+Two plugin instances (entry points ``nemotron_h`` and ``qwen3_5``):
+
+* ``nemotron_h`` — ``NemotronHForCausalLM`` (vllm/model_executor/models/nemotron_h.py, 0.19): one
+  layer per character of ``hybrid_override_pattern``: ``M`` Mamba-2 mixer, ``-`` MLP
+  (``up_proj → relu² → down_proj``, no gate), ``*`` attention (GQA, **no rotary**), ``E`` MoE
+  (FusedMoE + shared expert); each layer has one pre-norm (fused residual add); untied LM head.
+* ``qwen3_5`` — ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``
+  (vllm/model_executor/models/qwen3_5.py, qwen3_next.py, 0.19): ``layer_types`` (else every
+  ``full_attention_interval``-th layer is full attention) of Gated DeltaNet linear attention and
+  gated full attention (``attn_output_gate``: Q carries a sigmoid gate; per-head q/k norms;
+  M-RoPE cache ``[max_pos, d · partial_rotary_factor]``); dense gated MLP (``qwen3_5_text``) or
+  sparse MoE block (``qwen3_5_moe_text``: router ``[E, H]``, shared expert + its 1-wide gate,
+  FusedMoE of ``moe_intermediate_size``); MTP weights are skipped at load (as vLLM).
+  Memory-equivalent layers live in :mod:`tuner.simulate.ssm`.
+
+KV cache (V1). State pages follow ``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator``
+(vllm/model_executor/layers/mamba/mamba_utils.py):
+
+* Mamba-2: conv ``(k − 1, (I + 2·G·S)/tp)`` in the model dtype + SSM ``(nh/tp, hd, S)`` in
+  ``mamba_ssm_cache_dtype`` — for Nemotron-H the config's key, else ``float16``
+  (``NemotronHForCausalLMConfig``; the checkpoints' config.json has no such key);
+  ``G = n_groups`` (+ ``tp − n_groups`` when tp does not divide it).
+* Gated DeltaNet: conv ``(k − 1, (2·nk·dk + nv·dv)/tp)`` in the model dtype + recurrent
+  ``(nv/tp, dv, dk)`` in ``mamba_ssm_dtype`` (Qwen3.5 configs: float32,
+  ``Qwen3_5ForConditionalGenerationConfig``), else the model dtype.
+
+``HybridAttentionMambaModelConfig`` (vllm/model_executor/models/config.py, 0.10+; prefix caching
+off, which is vLLM 0.19's default for hybrid models) raises the attention block size to
+``16 · cdiv(mamba_page, 16 · attn_bytes_per_token)`` (``attn_bytes_per_token`` =
+``2 · kv_heads/tp · d · kv_dtype``; a user block size below it is overridden) and pads the state
+page to the attention page (``page_size_padded``). The ``MambaSpec`` gets that attention block
+size (vLLM's is ``max_model_len``, which a plugin does not know; only the "GPU KV cache size"
+report of a run with ``max_model_len`` below the attention block size would differ).
+V0 eras: only the attention layers have KV specs (V0 counts attention layers only).
+
+Errors: :class:`tuner.errors.PluginError` for a config without a layer pattern;
+``ValueError`` from the layers when ``tp`` does not divide the head counts (as vLLM asserts).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tuner.errors import PluginError
+from tuner.kvcache import FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_heads_per_rank, layers_per_pp_rank
+from tuner.plugin import ModelPlugin, RankSettings
+
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+_STATE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
+
+#: FlashAttention's block-size alignment used by ``HybridAttentionMambaModelConfig`` (non-MLA).
+KERNEL_BLOCK_ALIGNMENT = 16
+
+
+def _state_bytes(name: str | None, model_dtype: str) -> int:
+    if not name or name == "auto":
+        return dtype_bytes_for("auto", model_dtype)
+    try:
+        return _STATE_DTYPE_BYTES[str(name).replace("torch.", "")]
+    except KeyError as exc:
+        raise PluginError(f"unknown mamba state dtype {name!r}", where="mamba_ssm_cache_dtype") from exc
+
+
+def hybrid_attention_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, user_block_size: int | None = None,
+                                alignment: int = KERNEL_BLOCK_ALIGNMENT) -> int:
+    """Attention block size of a hybrid model (``HybridAttentionMambaModelConfig``, 0.19, prefix
+    caching off): ``alignment · cdiv(mamba_page, alignment · attn_bytes_per_token)``, or the user's
+    block size when that is larger (bytes in, tokens out)."""
+    need = alignment * cdiv(mamba_page_bytes, alignment * attn_bytes_per_token)
+    return max(user_block_size or 16, need)
+
+
+def mamba2_state(spec, tp: int, model_dtype: str, ssm_dtype: str | None, num_spec: int = 0) -> tuple[tuple, tuple]:
+    """``(shapes, dtype_bytes)`` of one Mamba-2 layer's state (``mamba2_state_shape``, 0.19).
+
+    Raises:
+        PluginError: ``tp`` does not divide the conv dimension or the head count.
+    """
+    raw = spec.raw
+    nh, hd = int(raw["mamba_num_heads"]), int(raw["mamba_head_dim"])
+    groups = int(raw.get("n_groups") or raw.get("mamba_n_groups") or 1)
+    state = int(raw["ssm_state_size"])
+    kernel = int(raw.get("conv_kernel") or raw.get("mamba_d_conv") or 4)
+    groups += 0 if groups % tp == 0 else tp - groups
+    conv_dim = nh * hd + 2 * groups * state
+    if conv_dim % tp or nh % tp:
+        raise PluginError(f"tensor_parallel_size {tp} does not divide the Mamba conv dim {conv_dim} / heads {nh}",
+                          where=spec.path)
+    shapes = ((kernel - 1 + num_spec, conv_dim // tp), (nh // tp, hd, state))
+    return shapes, (dtype_bytes_for("auto", model_dtype), _state_bytes(ssm_dtype, model_dtype))
+
+
+def gdn_state(spec, tp: int, model_dtype: str, ssm_dtype: str | None, num_spec: int = 0) -> tuple[tuple, tuple]:
+    """``(shapes, dtype_bytes)`` of one Gated DeltaNet layer's state (``gated_delta_net_state_shape``).
+
+    Raises:
+        PluginError: ``tp`` does not divide the conv dimension or the value heads.
+    """
+    raw = spec.raw
+    nk, nv = int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"])
+    dk, dv = int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"])
+    kernel = int(raw.get("linear_conv_kernel_dim") or 4)
+    conv_dim = 2 * nk * dk + nv * dv
+    if conv_dim % tp or nv % tp:
+        raise PluginError(f"tensor_parallel_size {tp} does not divide the DeltaNet conv dim {conv_dim} / heads {nv}",
+                          where=spec.path)
+    shapes = ((kernel - 1 + num_spec, conv_dim // tp), (nv // tp, dv, dk))
+    return shapes, (dtype_bytes_for("auto", model_dtype), _state_bytes(ssm_dtype, model_dtype))
+
+
+def _stage(n_layers: int, settings: RankSettings) -> range:
+    counts = layers_per_pp_rank(n_layers, settings.pipeline_parallel_size)
+    start = sum(counts[: settings.pp_rank])
+    return range(start, start + counts[settings.pp_rank])
+
+
+class _HybridPlugin(ModelPlugin):
+    """Shared KV-spec logic: ``layer_kinds`` gives ``"attention"`` / ``"state"`` / other per layer."""
+
+    def layer_kinds(self, spec) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def state(self, spec, settings: RankSettings) -> tuple[tuple, tuple]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def attn_geometry(self, spec) -> tuple[int, int]:
+        return spec.num_key_value_heads, int(spec.raw.get("head_dim") or spec.head_dim)
+
+    def layer_name(self, i: int, kind: str) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
+        """Attention layers ``FullAttentionSpec`` and state layers ``MambaSpec``, both with the hybrid
+        attention block size; the state page padded to the attention page (0.19)."""
+        kinds = self.layer_kinds(spec)
+        kv_total, head = self.attn_geometry(spec)
+        kv = kv_heads_per_rank(kv_total, settings.tensor_parallel_size)
+        dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
+        per_token = 2 * kv * head * dt
+        stage = _stage(len(kinds), settings)
+        if settings.runs_attention:  # V0 engine: the profile runs attention; only attention layers hold KV
+            bs = settings.block_size or 16
+            return {self.layer_name(i, "attention"): FullAttentionSpec(bs, kv, head, dt)
+                    for i in stage if kinds[i] == "attention"}
+        shapes, dts = self.state(spec, settings)
+        mamba_page = sum(math.prod(s) * d for s, d in zip(shapes, dts))
+        bs = hybrid_attention_block_size(mamba_page, per_token, settings.block_size)
+        attn_page = bs * per_token
+        pad = attn_page if attn_page != mamba_page else None
+        out = {}
+        for i in stage:
+            if kinds[i] == "attention":
+                out[self.layer_name(i, "attention")] = FullAttentionSpec(bs, kv, head, dt)
+            elif kinds[i] == "state":
+                out[self.layer_name(i, "state")] = MambaSpec(bs, shapes, dts, page_size_padded=pad)
+        return out
+
+    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
+        """Bytes of every parameter and buffer of the rank's module, each storage once."""
+        seen, total = set(), 0
+        for t in list(module.parameters()) + list(module.buffers()):
+            key = id(t.untyped_storage())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _fused_moe(hidden, inter_per_rank, experts, top_k, dtype, *, quant, prefix, compiled):
+    """``tuner.simulate.moe.FusedMoE`` (MoE engineer); a 16-bit stand-in until it exists."""
+    try:
+        from tuner.simulate.moe import FusedMoE
+    except ImportError:  # pragma: no cover - depends on the MoE engineer's module
+        import torch
+        from torch import nn
+
+        class _Experts(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w13 = nn.Parameter(torch.empty(experts, 2 * inter_per_rank, hidden, dtype=dtype), requires_grad=False)
+                self.w2 = nn.Parameter(torch.empty(experts, hidden, inter_per_rank, dtype=dtype), requires_grad=False)
+
+            def forward(self, x, router_logits):
+                return torch.empty_like(x)
+
+        return _Experts()
+    return FusedMoE(hidden, inter_per_rank, experts, top_k, dtype, quant=quant, prefix=prefix, compiled=compiled)
+
+
+# --------------------------------------------------------------------------- Nemotron-H
+
+class NemotronHPlugin(_HybridPlugin):
+    """Nemotron-H: Mamba-2 / MLP / attention / MoE layers per ``hybrid_override_pattern``."""
+
+    name = "nemotron_h"
+    architectures = ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM")
+
+    def layer_kinds(self, spec) -> list[str]:
+        pat = spec.raw.get("hybrid_override_pattern") or spec.top.get("hybrid_override_pattern")
+        if not pat:
+            raise PluginError("Nemotron-H config has no hybrid_override_pattern", where=spec.path)
+        return [{"M": "state", "*": "attention", "-": "mlp", "E": "moe"}.get(c, c) for c in pat]
+
+    def ssm_dtype(self, spec) -> str:
+        """``mamba_ssm_cache_dtype`` of the checkpoint's config.json, else vLLM's ``float16``."""
+        text = spec.top.get("text_config") if isinstance(spec.top.get("text_config"), dict) else spec.top
+        return text.get("mamba_ssm_cache_dtype") or "float16"
+
+    def state(self, spec, settings):
+        return mamba2_state(spec, settings.tensor_parallel_size, settings.dtype, self.ssm_dtype(spec))
+
+    def attn_geometry(self, spec):
+        raw = spec.raw
+        head = raw.get("head_dim") or raw.get("attention_head_dim") or spec.hidden_size // spec.num_attention_heads
+        return spec.num_key_value_heads, int(head)
+
+    def layer_name(self, i, kind):
+        return f"model.layers.{i}.mixer" + (".attn" if kind == "attention" else "")
+
+    def build_model(self, spec, settings: RankSettings):
+        import torch
+        from torch import nn
+
+        from tuner.simulate import layers as L
+        from tuner.simulate.quant import scheme_for
+        from tuner.simulate.ssm import Mamba2Mixer
+
+        dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
+        tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank
+        raw, h = spec.raw, spec.hidden_size
+        quant = scheme_for(spec, settings)
+        kinds = self.layer_kinds(spec)
+        kv_total, head = self.attn_geometry(spec)
+        inter_cfg = raw.get("intermediate_size") or spec.intermediate_size
+
+        class Layer(nn.Module):
+            """One pre-norm (fused add) + mixer; returns (mixer output, residual)."""
+
+            def __init__(self, mixer, kind: str) -> None:
+                super().__init__()
+                self.norm = L.RMSNorm(h, dtype)
+                self.mixer = mixer
+                self.kind = kind
+
+            def forward(self, positions, hidden_states, residual):
+                if residual is None:
+                    residual = hidden_states
+                    hidden_states = self.norm(hidden_states)
+                else:
+                    hidden_states, residual = self.norm(hidden_states, residual)
+                if self.kind == "attention":
+                    return self.mixer(positions, hidden_states), residual
+                if self.kind == "moe":
+                    logits = self.mixer.gate(hidden_states).float()
+                    out = self.mixer.experts(hidden_states, logits)
+                    if self.mixer.shared is not None:
+                        s = self.mixer.shared(hidden_states)
+                        out = out + s
+                    return out, residual
+                return self.mixer(hidden_states), residual
+
+        layers, mlp_index = [], -1
+        stage = set(_stage(len(kinds), settings))
+        for i, kind in enumerate(kinds):
+            if kind == "mlp":
+                mlp_index += 1
+            if i not in stage:
+                continue
+            p = f"model.layers.{i}.mixer"
+            if kind == "state":
+                mixer = Mamba2Mixer(h, int(raw["mamba_num_heads"]), int(raw["mamba_head_dim"]),
+                                    int(raw.get("n_groups") or 1), int(raw["ssm_state_size"]),
+                                    int(raw.get("conv_kernel") or 4), tp, dtype,
+                                    use_conv_bias=bool(raw.get("use_conv_bias", True)),
+                                    use_bias=bool(raw.get("use_bias", False)), quant=quant, prefix=p,
+                                    compiled=settings.compiled)
+            elif kind == "attention":
+                mixer = L.Attention(h, spec.num_attention_heads // tp, kv_heads_per_rank(kv_total, tp), head, dtype,
+                                    None, compiled=settings.compiled, runs_attention=settings.runs_attention,
+                                    quant=quant, prefix=p)
+            elif kind == "mlp":
+                inter = inter_cfg[mlp_index if len(inter_cfg) > 1 else 0] if isinstance(inter_cfg, list) else inter_cfg
+                mixer = L.PlainMLP(h, int(inter) // tp, dtype, compiled=settings.compiled,
+                                   bias=bool(raw.get("mlp_bias")), quant=quant, prefix=p)
+            elif kind == "moe":
+                mixer = nn.Module()
+                e = int(raw["n_routed_experts"])
+                mixer.gate = L.Linear(h, e, dtype)
+                mixer.experts = _fused_moe(h, int(raw["moe_intermediate_size"]) // tp, e,
+                                           int(raw["num_experts_per_tok"]), dtype, quant=quant,
+                                           prefix=f"{p}.experts", compiled=settings.compiled)
+                shared = int(raw.get("moe_shared_expert_intermediate_size") or 0) * int(raw.get("n_shared_experts") or 0)
+                mixer.shared = (L.PlainMLP(h, shared // tp, dtype, compiled=settings.compiled, bias=False, quant=quant,
+                                           prefix=f"{p}.shared_experts") if shared else None)
+            else:
+                raise PluginError(f"unknown Nemotron-H layer type {kind!r}", where=spec.path)
+            layers.append(Layer(mixer, kind))
+        first, last = rank == 0, rank == pp - 1
+        tied = spec.tie_word_embeddings
+        embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and tied)) else None
+        lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if tied else None) if last else None
+        return L.CausalLM(embed, layers, L.RMSNorm(h, dtype) if last else None, lm_head)
+
+
+# --------------------------------------------------------------------------- Qwen3.5 / Qwen3.6
+
+class Qwen35Plugin(_HybridPlugin):
+    """Qwen3.5 / Qwen3.6 (dense and MoE): Gated DeltaNet + gated full attention."""
+
+    name = "qwen3_5"
+    architectures = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+
+    def layer_kinds(self, spec) -> list[str]:
+        n = spec.num_hidden_layers
+        lt = spec.raw.get("layer_types")
+        if not lt:
+            k = int(spec.raw.get("full_attention_interval") or 4)
+            lt = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
+        return ["attention" if t == "full_attention" else "state" for t in list(lt)[:n]]
+
+    def state(self, spec, settings):
+        return gdn_state(spec, settings.tensor_parallel_size, settings.dtype,
+                         spec.raw.get("mamba_ssm_dtype") or spec.top.get("mamba_ssm_dtype"))
+
+    def layer_name(self, i, kind):
+        return f"model.language_model.layers.{i}." + ("self_attn.attn" if kind == "attention" else "linear_attn")
+
+    def build_model(self, spec, settings: RankSettings):
+        import torch
+        from torch import nn
+
+        from tuner.simulate import layers as L
+        from tuner.simulate.quant import scheme_for
+        from tuner.simulate.ssm import GatedDeltaNet, GatedOutputAttention
+
+        dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
+        tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank
+        raw, h = spec.raw, spec.hidden_size
+        quant = scheme_for(spec, settings)
+        compiled = settings.compiled
+        kinds = self.layer_kinds(spec)
+        kv_total, head = self.attn_geometry(spec)
+        moe = (raw.get("model_type") or "").startswith("qwen3_5_moe") or bool(raw.get("num_experts"))
+        rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
+        base = "model.language_model.layers"
+
+        class SparseMoe(nn.Module):
+            """``Qwen3NextSparseMoeBlock``: router, FusedMoE, shared expert with a sigmoid gate."""
+
+            def __init__(self, p: str) -> None:
+                super().__init__()
+                e = int(raw["num_experts"])
+                self.gate = L.Linear(h, e, dtype)
+                self.shared_expert_gate = L.Linear(h, 1, dtype)
+                si = int(raw.get("shared_expert_intermediate_size") or 0)
+                self.shared_expert = (L.GatedMLP(h, si // tp, dtype, compiled=compiled, quant=quant,
+                                                 prefix=f"{p}.shared_expert") if si else None)
+                self.experts = _fused_moe(h, int(raw["moe_intermediate_size"]) // tp, e,
+                                          int(raw.get("num_experts_per_tok") or 8), dtype, quant=quant,
+                                          prefix=f"{p}.experts", compiled=compiled)
+
+            def forward(self, x):
+                logits = self.gate(x)
+                out = self.experts(x, logits)
+                del logits
+                if self.shared_expert is not None:
+                    s = self.shared_expert(x)
+                    g = self.shared_expert_gate(x)
+                    s2 = s * torch.sigmoid(g)
+                    del s, g
+                    out = out + s2
+                return out
+
+        class Layer(nn.Module):
+            """``Qwen3_5DecoderLayer``: fused-add norms, the mixer writes into ``empty_like(x)``."""
+
+            def __init__(self, i: int, kind: str) -> None:
+                super().__init__()
+                p = f"{base}.{i}"
+                self.kind = kind
+                self.input_layernorm = L.RMSNorm(h, dtype)
+                if kind == "state":
+                    self.linear_attn = GatedDeltaNet(h, int(raw["linear_num_key_heads"]),
+                                                     int(raw["linear_num_value_heads"]), int(raw["linear_key_head_dim"]),
+                                                     int(raw["linear_value_head_dim"]),
+                                                     int(raw.get("linear_conv_kernel_dim") or 4), tp, dtype,
+                                                     quant=quant, prefix=f"{p}.linear_attn", compiled=compiled)
+                else:
+                    self.self_attn = GatedOutputAttention(h, spec.num_attention_heads // tp,
+                                                          kv_heads_per_rank(kv_total, tp), head, dtype, rope,
+                                                          gated=bool(raw.get("attn_output_gate", True)),
+                                                          qkv_bias=bool(raw.get("attention_bias")), compiled=compiled,
+                                                          quant=quant, prefix=f"{p}.self_attn")
+                self.post_attention_layernorm = L.RMSNorm(h, dtype)
+                self.mlp = SparseMoe(f"{p}.mlp") if moe else L.GatedMLP(
+                    h, spec.intermediate_size // tp, dtype, compiled=compiled, quant=quant, prefix=f"{p}.mlp")
+
+            def forward(self, positions, hidden_states, residual):
+                if residual is None:
+                    residual = hidden_states
+                    hidden_states = self.input_layernorm(hidden_states)
+                else:
+                    hidden_states, residual = self.input_layernorm(hidden_states, residual)
+                out = torch.empty_like(hidden_states)
+                if self.kind == "state":
+                    self.linear_attn(hidden_states, out)
+                else:
+                    self.self_attn(positions, hidden_states, out)
+                del hidden_states
+                hidden_states, residual = self.post_attention_layernorm(out, residual)
+                return self.mlp(hidden_states), residual
+
+        layers = [Layer(i, kinds[i]) for i in _stage(len(kinds), settings)]
+        first, last = rank == 0, rank == pp - 1
+        tied = spec.tie_word_embeddings
+        embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and tied)) else None
+        lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if tied else None) if last else None
+        text = L.CausalLM(embed, layers, L.RMSNorm(h, dtype) if last else None, lm_head, extra={"rotary_emb": rope})
+        return _with_vision(text, spec, settings, dtype, quant)
+
+
+def _with_vision(text, spec, settings: RankSettings, dtype, quant):
+    """Wrap the text model with the Qwen3-VL vision transformer + merger of the checkpoint
+    (``tuner.simulate.vision``: ``VisionTower(kind="qwen3_5")`` in ``MultimodalCausalLM``; the
+    tower's weights count, its encoder pass is not simulated there)."""
+    if not isinstance(spec.top.get("vision_config"), dict):
+        return text
+    try:
+        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+    except ImportError:  # pragma: no cover - the multimodal engineer's module
+        return text
+    tower = VisionTower(spec.top, dtype, kind="qwen3_5", tp=settings.tensor_parallel_size, quant=quant,
+                        engine_version=settings.engine_version, v0=settings.runs_attention)
+    return MultimodalCausalLM(text, tower, spec.hidden_size, v0=settings.runs_attention)
+
+
+nemotron_h = NemotronHPlugin()
+qwen3_5 = Qwen35Plugin()
