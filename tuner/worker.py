@@ -20,10 +20,15 @@ from tuner.errors import TunerError, WorkerError, WorkerTimeout
 #: Default wall-clock limit of one job (seconds).
 DEFAULT_TIMEOUT_S = 600.0
 
+#: Prefix of the progress lines a job writes on stderr (request ``"progress": true``); the parent
+#: passes them to ``on_progress`` and keeps them out of error tails.
+PROGRESS_PREFIX = "ctx-tuner-progress: "
+
 
 def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                   python: str | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
-                  killpg: Callable[[int, int], None] = os.killpg) -> dict[str, Any]:
+                  killpg: Callable[[int, int], None] = os.killpg,
+                  on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run one job in a fresh worker process and return its result dict.
 
     Args:
@@ -31,6 +36,8 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
         job: a name for errors and logs (the drop name).
         timeout_s: wall-clock limit in seconds; on expiry the process group gets SIGKILL.
         python, popen, killpg: injectable for tests.
+        on_progress: called with each progress line the job writes (the request gets
+            ``"progress": true``); stderr is then read while the job runs.
 
     Raises:
         WorkerTimeout: the limit expired (the group was killed).
@@ -45,7 +52,11 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     proc = popen([python or sys.executable, "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
     try:
-        out, err = proc.communicate(json.dumps(request).encode(), timeout=timeout_s)
+        if on_progress is None:
+            out, err = proc.communicate(json.dumps(request).encode(), timeout=timeout_s)
+        else:
+            out, err = _communicate_relaying(proc, json.dumps({**request, "progress": True}).encode(), timeout_s,
+                                             on_progress)
     except subprocess.TimeoutExpired:
         try:
             killpg(proc.pid, signal.SIGKILL)
@@ -64,3 +75,47 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     if not reply.get("ok"):
         raise TunerError(f"{reply.get('error_type', 'Error')}: {reply.get('error', 'unknown error')}", where=job)
     return reply["result"]
+
+
+def _communicate_relaying(proc: subprocess.Popen, data: bytes, timeout_s: float,
+                          on_progress: Callable[[str], None]) -> tuple[bytes, bytes]:
+    """``communicate`` that hands progress lines from stderr to ``on_progress`` as they arrive.
+
+    Raises ``subprocess.TimeoutExpired`` like ``communicate`` (the caller kills the group)."""
+    import threading
+
+    out_chunks: list[bytes] = []
+    err_lines: list[bytes] = []
+
+    def read_out() -> None:
+        out_chunks.append(proc.stdout.read())
+
+    def read_err() -> None:
+        for line in iter(proc.stderr.readline, b""):
+            text = line.decode(errors="replace")
+            if text.startswith(PROGRESS_PREFIX):
+                try:
+                    on_progress(text[len(PROGRESS_PREFIX):].rstrip("\n"))
+                except Exception:  # a broken progress sink must not break the job
+                    pass
+            else:
+                err_lines.append(line)
+
+    readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.stdin.write(data)
+    except BrokenPipeError:
+        pass
+    finally:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # the readers own the pipes: let the caller's communicate() after the kill only wait
+        proc.stdin = proc.stdout = proc.stderr = None
+        raise
+    for t in readers:
+        t.join()
+    return b"".join(out_chunks), b"".join(err_lines)

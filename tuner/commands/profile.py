@@ -85,14 +85,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prof.add_argument("--db", default=None, help="SQLAlchemy URL (default: sqlite:///var/ctx-tuner.sqlite)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     prof.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit in seconds (default 600)")
+    from tuner.commands.explain import add_progress_options
+
+    add_progress_options(prof)
     return prof
 
 
 def run(args) -> int:
     from tuner.app import profile
+    from tuner.commands.explain import progress_printer
 
+    kw = {}
+    show = progress_printer(args)
+    if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
+        import functools
+
+        from tuner.worker import run_in_worker
+
+        kw["worker"] = functools.partial(run_in_worker, on_progress=show)
     try:
-        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout)
+        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, **kw)
     except (DropError, DeviceError, EraError) as exc:
         print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
         return EXIT_USAGE

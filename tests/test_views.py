@@ -1,0 +1,108 @@
+"""SQL views (migration 0004) and the README's example queries, on a profiled store."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+
+import pytest
+from alembic import command
+
+from tests._results_db import profiled_db
+from tests.conftest import REPO
+from tuner.store import alembic_config, open_store
+
+VIEWS = ("latest_proposals", "run_breakdown_gib", "candidate_breakdown_gib", "fit_surface", "measured_vs_simulated")
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def con():
+    c = sqlite3.connect(profiled_db())
+    c.row_factory = sqlite3.Row
+    yield c
+    c.close()
+
+
+def _readme_queries() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Results in SQL", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
+
+
+def test_migration_creates_the_views(con):
+    names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'view'")}
+    assert set(VIEWS) <= names
+
+
+def test_readme_documents_every_view_and_at_least_five_queries():
+    text = (REPO / "README.md").read_text()
+    for v in VIEWS:
+        assert f"`{v}`" in text
+    assert len(_readme_queries()) >= 5
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_readme_query_runs(con, i):
+    queries = _readme_queries()
+    if i >= len(queries):
+        pytest.skip("fewer queries")
+    rows = con.execute(queries[i]).fetchall()
+    if "unsafe" not in queries[i]:  # the store holds no unsafe prediction
+        assert rows, queries[i]
+
+
+def test_latest_proposals_match_the_tables(con):
+    rows = con.execute("SELECT * FROM latest_proposals ORDER BY drop_name, gpu_memory_utilization").fetchall()
+    raw = con.execute("SELECT p.max_model_len, p.kv_cache_tokens FROM proposals p JOIN drops d ON d.id = p.drop_id "
+                      "ORDER BY d.name, p.gpu_memory_utilization").fetchall()
+    assert [(r["max_model_len"], r["kv_cache_tokens"]) for r in rows] == [tuple(r) for r in raw]
+    assert [r["drop_name"] for r in rows] == ["llama-3.1-8b-h100"] * 3 + ["llama-3.1-8b-rtx3090-v0"]
+
+
+def test_breakdowns_are_bytes_over_2_pow_30(con):
+    c = con.execute("SELECT * FROM candidates WHERE max_model_len = 29000").fetchone()
+    v = con.execute("SELECT * FROM candidate_breakdown_gib WHERE candidate_id = ?", (c["id"],)).fetchone()
+    for col in ("requested", "weights", "activation_peak", "non_torch", "available_kv_cache"):
+        src = c[f"{col}_memory_bytes" if col == "requested" else f"{col}_bytes"]
+        assert v[f"{col}_gib"] == round(src / GiB, 3)
+    assert v["fits"] == 0 and v["num_gpu_blocks"] == c["num_gpu_blocks"]
+    r = con.execute("SELECT * FROM profile_runs WHERE max_num_batched_tokens = 29000 AND method = 'simulate'").fetchone()
+    b = con.execute("SELECT * FROM run_breakdown_gib WHERE run_id = ?", (r["id"],)).fetchone()
+    assert b["activation_peak_gib"] == round(r["activation_peak_bytes"] / GiB, 3)
+    assert b["sampler_peak_gib"] == round(r["sampler_peak_bytes"] / GiB, 3) and b["drop_name"] == "llama-3.1-8b-rtx3090-v0"
+
+
+def test_fit_surface_marks_the_non_monotone_point(con):
+    rows = con.execute("SELECT max_model_len, fits, fits_above_a_failure FROM fit_surface "
+                       "WHERE drop_name = 'llama-3.1-8b-rtx3090-v0' ORDER BY max_model_len").fetchall()
+    assert [tuple(r) for r in rows] == [(20000, 1, 0), (29000, 0, 0), (35000, 1, 1)]
+    assert con.execute("SELECT COUNT(*) FROM fit_surface WHERE drop_name = 'llama-3.1-8b-h100' "
+                       "AND fits_above_a_failure = 1").fetchone()[0] == 0
+
+
+def test_measured_vs_simulated_residuals(con):
+    [row] = con.execute("SELECT * FROM measured_vs_simulated").fetchall()
+    sim = con.execute("SELECT * FROM candidates WHERE id = ?", (row["simulated_candidate_id"],)).fetchone()
+    assert sim["max_model_len"] == 29000 and sim["gpu_memory_utilization"] == 0.9
+    assert row["measured_num_gpu_blocks"] == 1478 and row["simulated_num_gpu_blocks"] == sim["num_gpu_blocks"]
+    assert row["num_gpu_blocks_residual"] == sim["num_gpu_blocks"] - 1478
+    assert row["num_gpu_blocks_residual_pct"] == round(100.0 * (sim["num_gpu_blocks"] - 1478) / 1478, 2)
+    assert row["kv_cache_tokens_residual"] == sim["kv_cache_tokens"] - 23648
+    assert row["available_kv_cache_bytes_residual"] == sim["available_kv_cache_bytes"] - 1478 * 2_097_152
+    assert row["measured_fits"] == 0 and row["simulated_fits"] == 0  # both refuse 29000 at 0.9
+    assert abs(row["num_gpu_blocks_residual_pct"]) < 5
+
+
+def test_downgrade_drops_the_views_and_upgrade_restores_them(tmp_path):
+    url = f"sqlite:///{tmp_path / 'v.sqlite'}"
+    open_store(url).close()
+    command.downgrade(alembic_config(url), "0003")
+    c = sqlite3.connect(tmp_path / "v.sqlite")
+    assert c.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'view'").fetchone()[0] == 0
+    c.close()
+    open_store(url).close()
+    c = sqlite3.connect(tmp_path / "v.sqlite")
+    names = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'view'")}
+    c.close()
+    assert set(VIEWS) <= names

@@ -1,0 +1,108 @@
+"""``ctx-tuner explain DROP.yaml [--gpu-memory-utilization U] [--max-model-len M]`` or
+``ctx-tuner explain --run ID``: the KV-cache budget step by step, and what would make a point start.
+Exit codes: 0 done, 1 job or database failed, 2 invalid drop, option or run id."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tuner.errors import DeviceError, DropError, EraError, TunerError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+NAME = "explain"
+
+
+def _gmu(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return value
+
+
+def _mml(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= 16_777_216:
+        raise argparse.ArgumentTypeError(f"must be in 1..16777216, not {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def add_progress_options(p: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--quiet``: progress lines on stderr (default: when stderr is a terminal)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--progress", action="store_true", default=None,
+                   help="progress lines on stderr (default when stderr is a terminal)")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+
+
+def progress_printer(args):
+    """A stderr progress sink, or None: ``--progress`` on, ``--quiet`` off, else when stderr is a tty."""
+    if getattr(args, "quiet", False):
+        return None
+    if not getattr(args, "progress", None) and not sys.stderr.isatty():
+        return None
+    return lambda line: print(f"ctx-tuner: {line}", file=sys.stderr, flush=True)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("explain", help="explain the KV-cache budget of one point step by step, and what would make it fit")
+    p.add_argument("drop", nargs="?", help="path to a drop YAML file (or use --run)")
+    p.add_argument("--run", type=int, metavar="ID", help="explain a stored profile run (profile_runs.id) without re-running")
+    p.add_argument("--gpu-memory-utilization", "-u", type=_gmu, metavar="U",
+                   help="the u to explain (default: each of the drop's)")
+    p.add_argument("--max-model-len", "-m", type=_mml, metavar="M",
+                   help="the max_model_len to explain (default: the largest that starts at u)")
+    p.add_argument("--no-variants", action="store_true",
+                   help="skip the extra worker jobs (fp8 KV cache, 2x TP, the u needed) for a point that does not start")
+    p.add_argument("--db", default=None, help="SQLAlchemy URL or SQLite path for --run (default var/ctx-tuner.sqlite)")
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON (bytes as integers)")
+    p.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit per job in seconds (default 600)")
+    add_progress_options(p)
+    return p
+
+
+def run(args) -> int:
+    from tuner.explain import ExplainInputError, explain_drop, explain_stored, render
+
+    if (args.drop is None) == (args.run is None):
+        print("ctx-tuner explain: give a drop file or --run ID (one of them)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.run is not None:
+            from tuner.results import open_for_read
+
+            store = open_for_read(args.db)
+            try:
+                doc = explain_stored(store, args.run, gpu_memory_utilization=args.gpu_memory_utilization,
+                                     max_model_len=args.max_model_len)
+            finally:
+                store.close()
+        else:
+            doc = explain_drop(args.drop, gpu_memory_utilization=args.gpu_memory_utilization,
+                               max_model_len=args.max_model_len, timeout_s=args.timeout,
+                               progress=progress_printer(args), variants=not args.no_variants)
+    except (DropError, DeviceError, EraError) as exc:
+        print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ExplainInputError as exc:
+        print(f"ctx-tuner: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TunerError as exc:
+        print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return EXIT_OK

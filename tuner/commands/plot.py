@@ -1,0 +1,80 @@
+"""``ctx-tuner plot DROP.yaml -o frontier.png`` or ``ctx-tuner plot --model TEXT -o frontier.png``:
+the largest max_model_len that starts against gpu_memory_utilization (needs the ``plot`` extra,
+matplotlib). Exit codes: 0 done, 1 job, database or matplotlib missing, 2 invalid drop or usage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tuner.commands.explain import _gmu, _positive, add_progress_options, progress_printer
+from tuner.errors import DeviceError, DropError, EraError, TunerError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+NAME = "plot"
+
+
+def _conc(text: str) -> float:
+    value = float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {text}")
+    return value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plot", help="plot the largest max_model_len that starts against gpu_memory_utilization")
+    p.add_argument("drop", nargs="?", help="drop YAML file to sweep (simulated now), or use --model")
+    p.add_argument("--model", help="plot stored results of models whose name contains this text")
+    p.add_argument("--device", help="with --model: only devices whose name contains this text")
+    p.add_argument("-o", "--output", required=True, help="PNG file to write (the plotted series go to OUTPUT.json too)")
+    p.add_argument("--gmu", type=_gmu, nargs="+", metavar="U",
+                   help="gpu_memory_utilization values to sweep (default: the drop's if >= 3, else 0.70..0.98 step 0.02)")
+    p.add_argument("--concurrency", type=_conc, nargs="+", metavar="C",
+                   help="extra concurrency lines (default 2 4; 1 and the drop's min_concurrency are always drawn)")
+    p.add_argument("--db", default=None, help="store for measured points / --model (default var/ctx-tuner.sqlite)")
+    p.add_argument("--json", action="store_true", help="print the plotted series as JSON")
+    p.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit per job in seconds (default 600)")
+    add_progress_options(p)
+    return p
+
+
+def run(args) -> int:
+    from tuner.plot import _import_pyplot, frontier_from_drop, frontier_from_store, render_png
+    from tuner.results import open_for_read
+
+    if (args.drop is None) == (args.model is None):
+        print("ctx-tuner plot: give a drop file or --model TEXT (one of them)", file=sys.stderr)
+        return EXIT_USAGE
+    store = None
+    try:
+        _import_pyplot()  # fail before any job runs
+        if args.model is not None:
+            store = open_for_read(args.db)
+            data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency)
+        else:
+            db = args.db or "var/ctx-tuner.sqlite"
+            if "://" in db or os.path.isfile(db):  # measured points, if there is a store
+                store = open_for_read(db)
+            data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
+                                      store=store, timeout_s=args.timeout, progress=progress_printer(args))
+        series = render_png(data, args.output)
+    except (DropError, DeviceError, EraError) as exc:
+        print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TunerError as exc:
+        print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        if store is not None:
+            store.close()
+    if args.json:
+        print(json.dumps({"output": args.output, "series": series, "data": data}, indent=2))
+    else:
+        print(f"wrote {args.output} ({len(series)} series; data in {os.path.splitext(args.output)[0]}.json)")
+        for label, pts in series.items():
+            print(f"  {label}: {len(pts)} points")
+        if data.get("non_monotone_at"):
+            print(f"  note: not monotone at gpu_memory_utilization {', '.join(f'{u:g}' for u in data['non_monotone_at'])}")
+    return EXIT_OK

@@ -1,0 +1,666 @@
+"""``explain``: the KV-cache budget of one (``gpu_memory_utilization``, ``max_model_len``) point in
+plain words, step by step, with the numbers — and, when the point does not start, what would.
+
+Parent side (never imports torch). The numbers come from the simulate job run in a worker
+subprocess (:func:`run_jobs`), or from a stored run (:func:`explain_stored`). The narrative is data
+first (:func:`explain_point` returns a JSON-able dict whose ``steps`` carry the bytes of each term)
+and text second (:func:`render`), so tests and ``--json`` read the same numbers the text prints.
+
+The chain every era follows (see :mod:`tuner.budget`)::
+
+    requested = total × u            (int(), or ceil() from vLLM 0.14)
+    − weights − activation peak − non-torch [− CUDA graphs]   = available KV bytes
+    available // bytes per block                              = num_gpu_blocks
+    blocks × block_size (as the release reports it)           = KV cache tokens
+    tokens / max_model_len (as the release reports it)        = full-length requests that fit
+
+"What would make it fit" gives the largest ``max_model_len`` at this ``u`` (the proposal), the ``u``
+needed for ``max_model_len`` (arithmetic on the budget terms, then checked by a worker job), and
+the same point with an fp8 KV cache and with twice the tensor parallelism (worker jobs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tuner.budget import requested_memory_bytes
+from tuner.drop import Drop, load_drop
+from tuner.eras import (GiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V1_CONSUMED, V1_PROFILING, V1_WHOLE_GPU,
+                        Era, era_for)
+from tuner.errors import TunerError
+from tuner.worker import DEFAULT_TIMEOUT_S
+
+__all__ = ["ExplainInputError", "PreparedJob", "prepare", "run_jobs", "explain_drop", "explain_point",
+           "explain_stored", "u_needed", "render", "is_non_monotone"]
+
+Progress = Callable[[str], None]
+
+#: What the budget subtracts, in the era's own words (tuner.eras formula families).
+FORMULA_TEXT = {
+    V0_FREE_DELTA: "vLLM <=0.6.3: available = total x u - (free memory at start - free memory after the profile run)",
+    V0_WHOLE_GPU: "vLLM 0.6.4: available = total x u - (torch allocation peak + everything else on the GPU); "
+                  "the weights are part of the torch peak",
+    V0_PROFILING: "vLLM 0.6.5-0.10: available = total x u - (weights + torch peak increase + non-torch increase)",
+    V1_WHOLE_GPU: "vLLM V1 0.7-0.9.0: available = total x u - (torch allocation peak + everything else on the GPU)",
+    V1_PROFILING: "vLLM V1 0.9.1-0.26: available = requested - (weights + torch peak increase + non-torch increase)"
+                  " [- CUDA graph estimate from 0.20]",
+    V1_CONSUMED: "vLLM V1 0.27+: available = requested - (memory consumed since start + transient headroom) "
+                 "- CUDA graph estimate",
+}
+
+
+class ExplainInputError(TunerError):
+    """The point to explain does not exist (no such stored run, no candidate at the given u/M)."""
+
+
+def _gib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _same_u(a: float, b: float) -> bool:
+    return abs(float(a) - float(b)) < 1e-9
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _default_worker() -> Callable[..., dict]:
+    """:func:`tuner.worker.run_in_worker`, looked up at call time (tests substitute it)."""
+    from tuner import worker
+
+    return worker.run_in_worker
+
+
+# ------------------------------------------------------------------------------------------------
+# Running jobs (worker subprocesses; the parent never imports torch)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedJob:
+    """A validated drop, its resolved device and model config, ready to become worker requests."""
+
+    drop: Drop
+    device: dict
+    config_path: str
+    base_request: dict | None = None
+
+    def request(self, *, gpu_memory_utilization: list[float] | None = None, max_model_len: list[int] | None = None,
+                min_concurrency: float | None = None, **settings: Any) -> dict:
+        """A worker request for this drop with some settings replaced (``kv_cache_dtype``,
+        ``tensor_parallel_size``, …; the candidate lists; ``constraints.min_concurrency``)."""
+        d = self.drop.to_dict()
+        d.update(settings)
+        cand = dict(d.get("candidates") or {})
+        if gpu_memory_utilization is not None:
+            cand["gpu_memory_utilization"] = sorted(set(float(u) for u in gpu_memory_utilization))
+        if max_model_len is not None:
+            cand["max_model_len"] = sorted(set(int(m) for m in max_model_len))
+        d["candidates"] = cand
+        if min_concurrency is not None:
+            d["constraints"] = {**(d.get("constraints") or {}), "min_concurrency": float(min_concurrency)}
+        return {**(self.base_request or {}), "drop": d, "config_path": self.config_path, "device": dict(self.device)}
+
+
+def prepare(drop_path: str, *, nvml: Any = None) -> PreparedJob:
+    """Load and check a drop as ``profile`` does (:func:`tuner.app.prepare_request`: simulate only,
+    device resolved, model config found offline).
+
+    Raises:
+        DropError / DeviceError / EraError: invalid drop (names file and field).
+    """
+    from tuner.app import prepare_request
+
+    drop = load_drop(drop_path)
+    era_for(drop.engine_version, enforce_eager=drop.enforce_eager)  # EraError early, naming the version
+    request, dev = prepare_request(drop, nvml=nvml)
+    return PreparedJob(drop, dev, request["config_path"], request)
+
+
+def run_jobs(jobs: list[tuple[str, dict]], *, job_name: str, worker: Callable[..., dict] | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S, progress: Progress | None = None,
+             max_parallel: int = 4) -> dict[str, dict | TunerError]:
+    """Run labelled worker requests, up to ``max_parallel`` at once (each its own subprocess).
+
+    Returns ``{label: result}``, with the :class:`TunerError` in place of a result for a job that
+    failed (the caller decides whether that is fatal). ``progress`` gets one line per finished job.
+    """
+    out: dict[str, dict | TunerError] = {}
+    total = len(jobs)
+    worker = worker or _default_worker()
+    if not jobs:
+        return out
+    t0 = time.perf_counter()
+
+    try:
+        relays = progress is not None and "on_progress" in inspect.signature(worker).parameters
+    except (TypeError, ValueError):
+        relays = False
+
+    def one(item):
+        label, request = item
+        kw = {"on_progress": (lambda line: progress(f"{label}: {line}"))} if relays else {}
+        try:
+            return label, worker(request, job=f"{job_name}[{label}]", timeout_s=timeout_s, **kw)
+        except TunerError as exc:
+            return label, exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, total))) as pool:
+        for done, (label, res) in enumerate(pool.map(one, jobs), 1):
+            out[label] = res
+            if progress:
+                state = "failed" if isinstance(res, TunerError) else "done"
+                progress(f"[{done}/{total}] {label} {state} ({time.perf_counter() - t0:.1f} s)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The narrative as data
+# ------------------------------------------------------------------------------------------------
+
+
+def is_non_monotone(points: list[dict]) -> bool:
+    """True when some ``max_model_len`` fits above one that does not (at one u)."""
+    seen_fail = False
+    for p in sorted(points, key=lambda p: p["max_model_len"]):
+        if not p["fits"]:
+            seen_fail = True
+        elif seen_fail:
+            return True
+    return False
+
+
+def surface_at(candidates: list[dict], u: float) -> list[dict]:
+    """The recorded fit surface at one u: one row per max_model_len, ascending."""
+    rows = [c for c in candidates if _same_u(c["gpu_memory_utilization"], u)]
+    keys = ("max_model_len", "max_num_batched_tokens", "fits", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+            "reason")
+    return [{k: c.get(k) for k in keys} for c in sorted(rows, key=lambda c: c["max_model_len"])]
+
+
+def blocks_needed(era: Era, max_model_len: int, block_size: int, min_concurrency: float = 1.0) -> int:
+    """Blocks the engine must find for ``max_model_len`` to start with ``min_concurrency`` full-length
+    requests (dense full-attention model; the admission check and the concurrency log by era)."""
+    m, bs = max_model_len, block_size
+    per_req = _cdiv(m, bs)
+    if era.engine == "V0" or era.version < (0, 9, 1):
+        # admission: blocks·bs ≥ M (V0) / bytes ≥ cdiv(M, bs) pages (V1 0.7–0.9.0); concurrency = blocks·bs / M
+        return max(per_req, math.ceil(min_concurrency * m / bs - 1e-9), 1)
+    null = 1 if era.version >= (0, 30, 0) else 0  # 0.30+: the check plans without the null block
+    return max(per_req + null, math.ceil(min_concurrency * per_req - 1e-9), 1)
+
+
+def u_needed(era: Era, *, total_memory_bytes: int, fixed_bytes: int, block_bytes: int, blocks: int) -> dict:
+    """The smallest ``gpu_memory_utilization`` (3 decimals) whose budget holds ``blocks`` blocks.
+
+    ``fixed_bytes`` = weights + activation peak + non-torch + graphs (they do not depend on u).
+    Returns ``{needed_available_kv_bytes, needed_requested_bytes, exact, value, possible}``;
+    ``value`` is rounded up to 0.001 and checked against the era's rounding of total × u.
+    """
+    need_avail = blocks * block_bytes
+    need_req = need_avail + fixed_bytes
+    exact = need_req / total_memory_bytes
+    value = math.ceil(exact * 1000 - 1e-6) / 1000
+    while requested_memory_bytes(era, total_memory_bytes, value) < need_req and value <= 1.0:
+        value = round(value + 0.001, 3)
+    return {"blocks": blocks, "needed_available_kv_bytes": need_avail, "needed_requested_bytes": need_req,
+            "exact": exact, "value": value, "possible": value <= 1.0}
+
+
+def _run_for(result: dict, cand: dict) -> dict | None:
+    """The first-stage pass a candidate was evaluated with."""
+    key = cand.get("run_key")
+    for r in result.get("runs", []):
+        if key is not None and r.get("key") == key:
+            return r
+    runs = [r for r in result.get("runs", []) if r["max_num_batched_tokens"] == cand["max_num_batched_tokens"]]
+    return runs[0] if runs else None
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype in ("float32", "fp32", "float") else 2
+
+
+def _activation_detail(run: dict | None, model: dict | None, dtype: str, tp: int, plugin: str | None) -> list[str]:
+    """Plain words for what makes the activation peak (the profile run's dummy batch)."""
+    if not run:
+        return []
+    n, r = run["max_num_batched_tokens"], run.get("num_reqs") or run.get("num_sampled_rows")
+    lines = [f"profile run: one forward over N = {n} tokens in R = {r} dummy requests, then the dummy sampler "
+             f"over R rows of logits"]
+    fwd, smp = run.get("forward_peak_bytes"), run.get("sampler_peak_bytes")
+    if fwd is not None:
+        text = f"forward over N = {n} tokens peaked at {_gib(fwd)} GiB"
+        if model and model.get("intermediate_size") and plugin == "generic":
+            inter = model["intermediate_size"] // tp
+            db = _dtype_bytes(dtype)
+            text += (f"; its largest tensors are the MLP's fused gate_up output [{n} x {2 * inter}] "
+                     f"({_gib(n * 2 * inter * db)} GiB) and the activation [{n} x {inter}] ({_gib(n * inter * db)} GiB)"
+                     f" in {dtype}")
+        lines.append(text)
+    if smp is not None and r:
+        text = f"sampler over R x vocab"
+        if model and model.get("vocab_size"):
+            v = model["vocab_size"]
+            text += f" = {r} x {v} fp32 logits ({_gib(r * v * 4)} GiB per copy)"
+        text += f" added {_gib(smp)} GiB on top of what the forward left alive"
+        lines.append(text)
+    if fwd is not None and smp is not None:
+        lines.append(f"simulated peak = the larger of the two (the forward peak, or the forward's output plus the "
+                     f"sampler peak) = {_gib(run.get('activation_peak_bytes'))} GiB")
+    return lines
+
+
+def _batch_note(era: Era, n: int, m: int) -> str | None:
+    if era.engine == "V0" and n == max(m, 2048) and m <= 32768:
+        return (f"N = max(max_model_len, 2048) = {n}: this era keeps chunked prefill off at or below 32768 tokens, so "
+                "the profile batch, and the activation peak, grow with max_model_len")
+    if era.engine == "V0" and m > 32768 and n < m:
+        return f"N = {n}: above 32768 tokens this era turns chunked prefill on and the profile batch shrinks"
+    return None
+
+
+def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
+                  model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
+                  block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
+                  surface: list[dict] | None = None, proposal: dict | None = None,
+                  min_concurrency: float = 1.0) -> dict:
+    """One point's budget as data: the terms in bytes, the ``steps`` (name, bytes or value, text),
+    the fit surface at this u and, when it does not start, ``remedies`` to fill in."""
+    u, m = float(cand["gpu_memory_utilization"]), int(cand["max_model_len"])
+    total = int(device["total_memory_bytes"])
+    tp = int(drop.get("tensor_parallel_size") or 1)
+    req, w, act = cand["requested_memory_bytes"], cand["weights_bytes"], cand["activation_peak_bytes"]
+    nt, g, avail = cand["non_torch_bytes"], cand["cuda_graph_bytes"] or 0, cand["available_kv_cache_bytes"]
+    blocks, tokens, conc = cand["num_gpu_blocks"], cand["kv_cache_tokens"], cand["max_concurrency"]
+    n = cand["max_num_batched_tokens"]
+    rounding = "ceil" if era.requested_rounds_up else "int"
+    steps = [
+        {"name": "requested", "op": "=", "bytes": req,
+         "text": f"requested = total {_gib(total)} GiB x gpu_memory_utilization {u:g} ({rounding}, bytes)"},
+        {"name": "weights", "op": "-", "bytes": w,
+         "text": f"weights of one GPU's shard ({dtype}, TP {tp})"},
+        {"name": "activation_peak", "op": "-", "bytes": act,
+         "text": "activation peak of the profile run", "detail": _activation_detail(run, model, dtype, tp, plugin)},
+        {"name": "non_torch", "op": "-", "bytes": nt,
+         "text": "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)"},
+        {"name": "cuda_graphs", "op": "-", "bytes": g,
+         "text": "CUDA graph memory estimate" if era.subtracts_cudagraph_estimate
+         else "CUDA graph memory (this era does not subtract it before sizing the cache)"},
+        {"name": "available_kv", "op": "=", "bytes": avail, "text": "KV cache bytes"},
+    ]
+    note = _batch_note(era, n, m)
+    if note:
+        steps[2]["detail"] = [note] + steps[2]["detail"]
+    sim = (run or {}).get("activation_peak_bytes")
+    if sim is not None and act != sim:
+        steps[2]["overhead_bytes"] = act - sim
+        steps[2]["detail"].append(f"+ {_gib(act - sim)} GiB ({act - sim:,} bytes) a real profile run adds beyond the "
+                                  "simulated passes (cuBLAS workspace, calibrated residual, corrections from measured runs)")
+    if avail <= 0:
+        steps.append({"name": "blocks", "op": "->", "value": 0, "text": "nothing is left for the KV cache"})
+    else:
+        approx = "" if block_bytes_exact else "~"
+        bb = f"{approx}{block_bytes:,} bytes per block" if block_bytes else "bytes per block"
+        steps.append({"name": "blocks", "op": "->", "value": blocks, "block_bytes": block_bytes,
+                      "block_bytes_exact": block_bytes_exact,
+                      "text": f"blocks = {avail:,} // {bb} ({block_size} tokens x every layer's K and V)"})
+    how = (f"{blocks} blocks x {block_size} tokens" if tokens == blocks * block_size
+           else "as this release reports it (int(concurrency x max_model_len))")
+    steps.append({"name": "tokens", "op": "->", "value": tokens, "text": f"KV cache tokens = {how}"})
+    conc_how = (f"{tokens} tokens / {m}" if era.engine == "V0" or era.version < (0, 9, 1)
+                else f"{blocks} blocks / cdiv({m}, {block_size}) = {blocks} / {_cdiv(m, block_size)}")
+    steps.append({"name": "concurrency", "op": "->", "value": conc,
+                  "text": f"full-length requests that fit = {conc_how}"})
+    surf = surface or []
+    out = {
+        "drop": drop.get("name"), "model": drop.get("model"), "device": dict(device), "era": era.name,
+        "engine": era.engine, "budget_formula": era.budget_formula, "formula_text": FORMULA_TEXT.get(era.budget_formula),
+        "dtype": dtype, "kv_cache_dtype": drop.get("kv_cache_dtype", "auto"), "tensor_parallel_size": tp,
+        "pipeline_parallel_size": int(drop.get("pipeline_parallel_size") or 1), "block_size": block_size,
+        "gpu_memory_utilization": u, "max_model_len": m, "total_memory_bytes": total,
+        "requested_memory_bytes": req, "weights_bytes": w, "activation_peak_bytes": act, "non_torch_bytes": nt,
+        "cuda_graph_bytes": g, "available_kv_cache_bytes": avail, "kv_block_bytes": block_bytes,
+        "num_gpu_blocks": blocks, "kv_cache_tokens": tokens, "max_concurrency": conc,
+        "max_num_batched_tokens": n, "num_reqs": (run or {}).get("num_reqs") or (run or {}).get("num_sampled_rows"),
+        "forward_peak_bytes": (run or {}).get("forward_peak_bytes"),
+        "sampler_peak_bytes": (run or {}).get("sampler_peak_bytes"),
+        "vocab_size": (model or {}).get("vocab_size"), "min_concurrency": min_concurrency,
+        "fits": bool(cand["fits"]), "reason": cand.get("reason"), "steps": steps,
+        "surface": surf, "non_monotone": is_non_monotone(surf), "notes": [], "remedies": None,
+    }
+    mpe = (model or {}).get("max_position_embeddings")
+    if mpe and m > mpe:
+        out["notes"].append(f"max_model_len {m} is above the model's max_position_embeddings ({mpe}): vLLM refuses it "
+                            "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    if not out["fits"]:
+        rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
+        if proposal is not None:
+            rem["largest_max_model_len"] = {k: proposal.get(k) for k in
+                                            ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")}
+        if block_bytes:
+            fixed = w + act + nt + g
+            rem["gpu_memory_utilization"] = {
+                **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
+                           blocks=blocks_needed(era, m, block_size, min_concurrency)),
+                "approximate": not block_bytes_exact, "verified": None}
+        out["remedies"] = rem
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# explain DROP.yaml
+# ------------------------------------------------------------------------------------------------
+
+
+def _find(cands: list[dict], u: float, m: int) -> dict | None:
+    for c in cands:
+        if _same_u(c["gpu_memory_utilization"], u) and c["max_model_len"] == m:
+            return c
+    return None
+
+
+def _stage_block_bytes(per_stage: list | None, cand: dict) -> int | None:
+    """Bytes per block of the pipeline stage the candidate's numbers come from (the one whose
+    ``available // bytes per block`` gives its blocks; stage 0 when none does)."""
+    stages = [b for b in (per_stage or []) if b]
+    for b in stages:
+        if cand["available_kv_cache_bytes"] > 0 and cand["available_kv_cache_bytes"] // b == cand["num_gpu_blocks"]:
+            return b
+    return stages[0] if stages else None
+
+
+def _variant_summary(result: dict | TunerError | None, u: float, m: int) -> dict | None:
+    if result is None:
+        return None
+    if isinstance(result, TunerError):
+        return {"error": str(result)}
+    c = _find(result["candidates"], u, m)
+    prop = next((p for p in result["proposals"] if _same_u(p["gpu_memory_utilization"], u)), None)
+    return {"fits": None if c is None else bool(c["fits"]), "num_gpu_blocks": c and c["num_gpu_blocks"],
+            "kv_cache_tokens": c and c["kv_cache_tokens"], "max_concurrency": c and c["max_concurrency"],
+            "available_kv_cache_bytes": c and c["available_kv_cache_bytes"], "reason": c and c["reason"],
+            "largest_max_model_len": prop and prop["max_model_len"]}
+
+
+def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 progress: Progress | None = None, variants: bool = True, nvml: Any = None) -> dict:
+    """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
+
+    Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
+    surface around it is shown), then, for points that do not start, the remedy jobs (the u needed,
+    fp8 KV cache, twice the tensor parallelism) in parallel workers.
+
+    Returns ``{"drop", "device", "explanations": [one per point]}``.
+
+    Raises:
+        DropError / DeviceError / EraError: invalid drop or option; WorkerError / TunerError: the job failed.
+    """
+    job = prepare(drop_path, nvml=nvml)
+    d = job.drop
+    us = [gpu_memory_utilization] if gpu_memory_utilization is not None else None
+    grid = None
+    if max_model_len is not None:
+        grid = sorted(set(d.candidates.max_model_len or ()) | {int(max_model_len)})
+    if progress:
+        progress(f"explain {d.name}: running the profile job")
+    base = run_jobs([("profile", job.request(gpu_memory_utilization=us, max_model_len=grid))], job_name=d.name,
+                    worker=worker, timeout_s=timeout_s, progress=progress)["profile"]
+    if isinstance(base, TunerError):
+        raise base
+    era = era_for(d.engine_version, enforce_eager=d.enforce_eager)
+    dd = d.to_dict()
+    targets = []
+    for prop in base["proposals"]:
+        u = prop["gpu_memory_utilization"]
+        m = max_model_len if max_model_len is not None else (
+            prop["max_model_len"] or (grid or d.candidates.max_model_len or [base["block_size"]])[0])
+        targets.append((prop, u, m))
+    missing = [(u, m) for _, u, m in targets if _find(base["candidates"], u, m) is None]
+    extra: dict = {"candidates": [], "runs": []}
+    if missing:  # a proposal that is not a grid point: evaluate it in one more job
+        got = run_jobs([("points", job.request(gpu_memory_utilization=[u for u, _ in missing],
+                                               max_model_len=[m for _, m in missing]))],
+                       job_name=d.name, worker=worker, timeout_s=timeout_s, progress=progress)["points"]
+        if isinstance(got, TunerError):
+            raise got
+        extra = got
+    explanations = []
+    for prop, u, m in targets:
+        cand, src = _find(base["candidates"], u, m), base
+        if cand is None:
+            cand, src = _find(extra["candidates"], u, m), extra
+        explanations.append(explain_point(
+            drop=dd, device=job.device, era=era, cand=cand, run=_run_for(src, cand), model=base["model"],
+            plugin=base["plugin"], dtype=base["dtype"], block_size=base["block_size"],
+            block_bytes=_stage_block_bytes(base.get("kv_block_bytes"), cand), surface=surface_at(base["candidates"], u),
+            proposal=prop, min_concurrency=d.constraints.min_concurrency))
+    if variants:
+        _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
+    return {"drop": d.name, "model": d.model, "device": job.device, "era": base["era"], "plugin": base["plugin"],
+            "warnings": base.get("warnings", []), "explanations": explanations}
+
+
+def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw: Any) -> None:
+    """Worker jobs for the remedies of every point that does not start (one batch, in parallel)."""
+    failing = [e for e in explanations if not e["fits"]]
+    if not failing:
+        return
+    d = job.drop
+    us = sorted({e["gpu_memory_utilization"] for e in failing})
+    ms = sorted({e["max_model_len"] for e in failing})
+    jobs: list[tuple[str, dict]] = []
+    if d.kv_cache_dtype == "auto":
+        jobs.append(("fp8_kv_cache", job.request(gpu_memory_utilization=us, max_model_len=ms, kv_cache_dtype="fp8")))
+    tp2 = d.tensor_parallel_size * 2
+    heads = base["model"].get("num_attention_heads") or 0
+    tp_ok = heads and heads % tp2 == 0
+    if tp_ok:
+        jobs.append(("tensor_parallel", job.request(gpu_memory_utilization=us, max_model_len=ms,
+                                                    tensor_parallel_size=tp2)))
+    checks = sorted({e["remedies"]["gpu_memory_utilization"]["value"] for e in failing
+                     if e["remedies"]["gpu_memory_utilization"] and e["remedies"]["gpu_memory_utilization"]["possible"]})
+    if checks:
+        jobs.append(("u_check", {**job.request(gpu_memory_utilization=checks, max_model_len=ms), "search": False}))
+    res = run_jobs(jobs, job_name=d.name, progress=kw.get("progress"), worker=kw["worker"], timeout_s=kw["timeout_s"])
+    for e in failing:
+        u, m, rem = e["gpu_memory_utilization"], e["max_model_len"], e["remedies"]
+        rem["fp8_kv_cache"] = (_variant_summary(res.get("fp8_kv_cache"), u, m) if d.kv_cache_dtype == "auto"
+                               else {"error": f"kv_cache_dtype is already {d.kv_cache_dtype}"})
+        if rem["fp8_kv_cache"] is not None:
+            rem["fp8_kv_cache"]["kv_cache_dtype"] = "fp8"
+        if tp_ok:
+            rem["tensor_parallel"] = {**_variant_summary(res.get("tensor_parallel"), u, m), "tensor_parallel_size": tp2}
+        else:
+            rem["tensor_parallel"] = {"tensor_parallel_size": tp2,
+                                      "error": f"{heads} attention heads do not split over {tp2} GPUs"}
+        un = rem["gpu_memory_utilization"]
+        if un and un["possible"] and "u_check" in res:
+            un["verified"] = _variant_summary(res["u_check"], un["value"], m)
+
+
+# ------------------------------------------------------------------------------------------------
+# explain --run ID (stored; no job)
+# ------------------------------------------------------------------------------------------------
+
+
+def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None = None,
+                   max_model_len: int | None = None) -> dict:
+    """Explain a stored profile run: its candidates (simulate) or its own measurement (cuda, vllm,
+    import), optionally only at ``u`` / ``M``. Bytes per block are inferred (``available // blocks``).
+
+    Raises:
+        ExplainInputError: no run with that id, or no candidate at the given u / M.
+    """
+    import sqlalchemy as sa
+
+    from tuner.store import candidates_table, drops_table, profile_runs_table, proposals_table
+
+    runs = store._rows(sa.select(profile_runs_table).where(profile_runs_table.c.id == int(run_id)))
+    if not runs:
+        raise ExplainInputError(f"no profile run with id {run_id}", where=store.where)
+    run = runs[0]
+    drop_rows = store._rows(sa.select(drops_table).where(drops_table.c.id == run["drop_id"]))
+    drop_row = drop_rows[0] if drop_rows else {}
+    era = era_for(run["engine_version"])
+    total = int(run["device_total_memory_bytes"] or 0)
+    device = {"name": run["device_name"], "total_memory_bytes": total}
+    dd = {"name": drop_row.get("name"), "model": run["model"], "kv_cache_dtype": run["kv_cache_dtype"],
+          "tensor_parallel_size": run["tensor_parallel_size"], "pipeline_parallel_size": run["pipeline_parallel_size"]}
+    run_d = {**run, "num_reqs": run.get("num_sampled_rows")}
+    if run["method"] == "simulate":
+        t = candidates_table
+        cands = store._rows(sa.select(t).where(t.c.profile_run_id == run["id"]).order_by(t.c.id))
+        all_drop = store._rows(sa.select(t).where(t.c.drop_id == run["drop_id"]).order_by(t.c.id))
+    else:
+        u0 = run["gpu_memory_utilization"]
+        if u0 is None or not total:
+            raise ExplainInputError(f"profile run {run_id} ({run['method']}) has no gpu_memory_utilization or device "
+                                    "total memory to explain", where=store.where)
+        fits = run["status"] == "ok" and not run.get("error_message")
+        cands = [{
+            "gpu_memory_utilization": u0, "max_model_len": run["max_model_len"] or 0,
+            "max_num_batched_tokens": run["max_num_batched_tokens"], "fits": fits,
+            "reason": run.get("error_message") or run.get("error"),
+            "requested_memory_bytes": requested_memory_bytes(era, total, u0), "weights_bytes": run["weights_bytes"] or 0,
+            "activation_peak_bytes": run["activation_peak_bytes"] or 0, "non_torch_bytes": run["non_torch_bytes"] or 0,
+            "cuda_graph_bytes": run["cuda_graph_bytes"] or 0,
+            "available_kv_cache_bytes": run["available_kv_cache_bytes"] or 0,
+            "num_gpu_blocks": run["num_gpu_blocks"] or 0, "kv_cache_tokens": run["kv_cache_tokens"] or 0,
+            "max_concurrency": run["max_concurrency"] or 0.0}]
+        all_drop = cands
+    if gpu_memory_utilization is not None:
+        cands = [c for c in cands if _same_u(c["gpu_memory_utilization"], gpu_memory_utilization)]
+    if max_model_len is not None:
+        cands = [c for c in cands if c["max_model_len"] == max_model_len]
+    if not cands:
+        raise ExplainInputError(f"profile run {run_id} has no candidate at gpu_memory_utilization "
+                                f"{gpu_memory_utilization}, max_model_len {max_model_len}", where=store.where)
+    props = store._rows(sa.select(proposals_table).where(proposals_table.c.drop_id == run["drop_id"]))
+    block_size = int(run.get("block_size") or 16)
+    # every candidate of the drop shares one block size: the tightest available // blocks bounds it
+    bounds = [x["available_kv_cache_bytes"] // x["num_gpu_blocks"] for x in all_drop
+              if x.get("num_gpu_blocks") and x.get("available_kv_cache_bytes")]
+    explanations = []
+    for c in cands:
+        bb = min(bounds) if bounds else None
+        prop = next((p for p in props if _same_u(p["gpu_memory_utilization"], c["gpu_memory_utilization"])), None)
+        e = explain_point(drop=dd, device=device, era=era, cand=c, run=run_d, dtype=run["dtype"],
+                          block_size=block_size, block_bytes=bb, block_bytes_exact=False,
+                          surface=surface_at(all_drop, c["gpu_memory_utilization"]), proposal=prop)
+        e["run_id"] = run["id"]
+        e["method"] = run["method"]
+        explanations.append(e)
+    return {"drop": drop_row.get("name"), "model": run["model"], "device": device, "era": era.name,
+            "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations}
+
+
+# ------------------------------------------------------------------------------------------------
+# Text
+# ------------------------------------------------------------------------------------------------
+
+
+def _term(step: dict) -> str:
+    return f"{step['op']} {_gib(step['bytes']):>7} GiB  ({step['bytes']:,} bytes)"
+
+
+def render_point(e: dict) -> str:
+    """One explanation as numbered plain-text steps."""
+    u, m = e["gpu_memory_utilization"], e["max_model_len"]
+    verdict = "starts" if e["fits"] else "does NOT start"
+    src = f" (stored run {e['run_id']}, {e['method']})" if e.get("run_id") else ""
+    lines = [f"gpu_memory_utilization {u:g}, max_model_len {m}: {verdict}{src}"]
+    if e.get("formula_text"):
+        lines.append(f"  budget rule: {e['formula_text']}")
+    k = 0
+    for s in e["steps"]:
+        k += 1
+        if "bytes" in s:
+            lines.append(f"  {k}. {s['text']:<84} {_term(s)}")
+            for d in s.get("detail") or []:
+                lines.append(f"       {d}")
+        else:
+            lines.append(f"  {k}. {s['text']:<84} = {s['value']}")
+    if not e["fits"]:
+        lines.append(f"  vLLM: {e['reason']}")
+    for n in e.get("notes") or []:
+        lines.append(f"  note: {n}")
+    surf = e.get("surface") or []
+    if len(surf) > 1:
+        lines += ["", f"  fit surface at gpu_memory_utilization {u:g}:",
+                  f"    {'max_model_len':>13} {'N':>7} {'fits':>4} {'blocks':>7} {'KV tokens':>10} {'conc.':>7}"]
+        for p in surf:
+            mark = "  <- explained" if p["max_model_len"] == m else ""
+            lines.append(f"    {p['max_model_len']:>13} {p['max_num_batched_tokens']:>7} "
+                         f"{'yes' if p['fits'] else 'NO':>4} {p['num_gpu_blocks']:>7} {p['kv_cache_tokens']:>10} "
+                         f"{p['max_concurrency']:>7.2f}{mark}")
+        if e["non_monotone"]:
+            lines.append("    not monotone: a longer max_model_len starts where a shorter one does not "
+                         "(the profile batch N changes with max_model_len in this era)")
+    rem = e.get("remedies")
+    if rem:
+        lines += ["", f"  what would make max_model_len {m} start:"]
+        lm = rem.get("largest_max_model_len")
+        if lm and lm.get("max_model_len"):
+            longer = (" -- longer than the one asked for: the fit is not monotone here"
+                      if lm["max_model_len"] > m else "")
+            lines.append(f"    - another max_model_len: the largest that starts at {u:g} is {lm['max_model_len']} "
+                         f"({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV tokens){longer}")
+            shorter = [p["max_model_len"] for p in surf if p["fits"] and p["max_model_len"] < m]
+            if shorter:
+                lines.append(f"    - a shorter one from the grid: {max(shorter)} starts")
+        elif lm is not None:
+            lines.append(f"    - no max_model_len starts at gpu_memory_utilization {u:g}")
+        un = rem.get("gpu_memory_utilization")
+        if un:
+            approx = " (approximate: bytes per block inferred)" if un.get("approximate") else ""
+            if un["possible"]:
+                text = (f"    - gpu_memory_utilization >= {un['value']:.3f}{approx}: {un['blocks']} blocks need "
+                        f"{_gib(un['needed_available_kv_bytes'])} GiB of KV, so requested must reach "
+                        f"{_gib(un['needed_requested_bytes'])} GiB = {un['exact']:.4f} of total")
+                v = un.get("verified")
+                if v and "error" not in v and v.get("fits") is not None:
+                    text += (f"; checked: {'starts' if v['fits'] else 'still does NOT start'} with "
+                             f"{v['kv_cache_tokens']} KV tokens")
+                lines.append(text)
+            else:
+                lines.append(f"    - no gpu_memory_utilization <= 1 is enough: it would take {un['exact']:.3f} of "
+                             f"total ({_gib(un['needed_requested_bytes'])} GiB){approx}")
+        for key, label in (("fp8_kv_cache", "--kv-cache-dtype fp8"), ("tensor_parallel", "tensor parallelism")):
+            v = rem.get(key)
+            if not v:
+                continue
+            if key == "tensor_parallel":
+                label = f"--tensor-parallel-size {v['tensor_parallel_size']} (that many GPUs)"
+            if "error" in v:
+                lines.append(f"    - {label}: not tried ({v['error']})")
+            elif v.get("fits") is None:
+                lines.append(f"    - {label}: no result at this point")
+            else:
+                lines.append(f"    - {label}: {'starts' if v['fits'] else 'still does NOT start'} with "
+                             f"{v['num_gpu_blocks']} blocks, {v['kv_cache_tokens']} KV tokens, "
+                             f"{v['max_concurrency']:.2f}x concurrency (largest max_model_len at {u:g}: "
+                             f"{v['largest_max_model_len']})")
+    return "\n".join(lines)
+
+
+def render(doc: dict) -> str:
+    """The whole ``explain`` report: a header, then each point."""
+    e0 = doc["explanations"][0] if doc["explanations"] else {}
+    dev = doc["device"]
+    lines = [f"explain {doc.get('drop') or ''}: {doc.get('model')} on {dev['name']} ({_gib(dev['total_memory_bytes'])} GiB), "
+             f"vLLM {doc.get('era')}",
+             f"dtype {e0.get('dtype')}, kv_cache_dtype {e0.get('kv_cache_dtype')}, TP {e0.get('tensor_parallel_size')}, "
+             f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size')}"]
+    for w in doc.get("warnings") or []:
+        lines.append(f"warning: {w}")
+    for e in doc["explanations"]:
+        lines += ["", render_point(e)]
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""``plot``: the largest ``max_model_len`` that starts against ``gpu_memory_utilization``.
+
+Data first (:func:`frontier_from_drop` runs worker jobs; :func:`frontier_from_store` reads the
+store), picture second (:func:`render_png`, matplotlib imported lazily — the ``plot`` extra). The
+picture has one frontier line per concurrency (the largest M at which that many full-length
+requests fit), every simulated grid point (starts / does not start: a non-monotone surface shows
+as a failure below points that start), and measured start-ups from the store marked apart.
+:func:`render_png` returns the series read back from the figure's artists and writes them next to
+the image (``OUT.json``), so what was drawn can be checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import sqlalchemy as sa
+import yaml
+
+from tuner.errors import TunerError
+from tuner.explain import Progress, prepare, run_jobs
+from tuner.results import MEASURED_METHODS, latest_drops, non_monotone, rows
+from tuner.store import Store, candidates_table, profile_runs_table, proposals_table
+from tuner.worker import DEFAULT_TIMEOUT_S
+
+#: gpu_memory_utilization values swept when the drop lists fewer than three.
+DEFAULT_GMU = tuple(round(0.70 + 0.02 * i, 2) for i in range(15))  # 0.70 … 0.98
+
+
+class PlotUnavailable(TunerError):
+    """matplotlib (the ``plot`` extra) is not installed."""
+
+
+def _same_u(a: float, b: float) -> bool:
+    return abs(float(a) - float(b)) < 1e-9
+
+
+def _non_monotone_us(surface: list[dict]) -> list[float]:
+    us = sorted({p["gpu_memory_utilization"] for p in surface})
+    return [u for u in us if non_monotone([p for p in surface if _same_u(p["gpu_memory_utilization"], u)])]
+
+
+def _measured(store: Store | None, **match: Any) -> list[dict]:
+    """Measured / imported runs with a gpu_memory_utilization and max_model_len, filtered."""
+    if store is None:
+        return []
+    r = profile_runs_table
+    cond = [r.c.method.in_(MEASURED_METHODS), r.c.gpu_memory_utilization.isnot(None), r.c.max_model_len.isnot(None)]
+    for key in ("device_name", "engine_version", "tensor_parallel_size", "pipeline_parallel_size", "kv_cache_dtype"):
+        if match.get(key) is not None:
+            cond.append(getattr(r.c, key) == match[key])
+    if match.get("device_like"):
+        cond.append(sa.func.lower(r.c.device_name).contains(match["device_like"].lower(), autoescape=True))
+    if match.get("model_like"):
+        cond.append(sa.func.lower(r.c.model).contains(match["model_like"].lower(), autoescape=True))
+    if match.get("model") or match.get("config_sha256"):
+        cond.append(sa.or_(r.c.model == match.get("model"), r.c.model_config_sha256 == match.get("config_sha256")))
+    out = []
+    for x in rows(store, sa.select(r).where(*cond).order_by(r.c.id)):
+        out.append({"run_id": x["id"], "method": x["method"], "gpu_memory_utilization": x["gpu_memory_utilization"],
+                    "max_model_len": x["max_model_len"], "num_gpu_blocks": x["num_gpu_blocks"],
+                    "kv_cache_tokens": x["kv_cache_tokens"],
+                    "fits": x["status"] == "ok" and not x.get("error_message")})
+    return out
+
+
+def frontier_from_drop(drop_path: str, *, gpu_memory_utilization: list[float] | None = None,
+                       concurrency: list[float] | None = None, store: Store | None = None,
+                       worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       progress: Progress | None = None) -> dict:
+    """Sweep u for one drop: one worker job per concurrency level (in parallel).
+
+    ``gpu_memory_utilization`` defaults to the drop's list when it has three or more values, else
+    :data:`DEFAULT_GMU`; ``concurrency`` to 1, 2, 4 and the drop's ``min_concurrency``.
+    """
+    job = prepare(drop_path)
+    d = job.drop
+    us = sorted(set(gpu_memory_utilization or (d.candidates.gpu_memory_utilization
+                                               if len(d.candidates.gpu_memory_utilization) >= 3 else DEFAULT_GMU)))
+    cs = sorted({1.0, *(float(c) for c in (concurrency or (2, 4))), float(d.constraints.min_concurrency)})
+    jobs = [(f"concurrency {c:g}", job.request(gpu_memory_utilization=us, min_concurrency=c)) for c in cs]
+    if progress:
+        progress(f"plot {d.name}: {len(jobs)} jobs x {len(us)} gpu_memory_utilization values")
+    res = run_jobs(jobs, job_name=d.name, worker=worker, timeout_s=timeout_s, progress=progress)
+    for label, r in res.items():
+        if isinstance(r, TunerError):
+            raise r
+    base = res["concurrency 1"]
+    frontiers = []
+    for c in cs:
+        r = res[f"concurrency {c:g}"]
+        frontiers.append({"label": f"largest max_model_len, >= {c:g} full-length request{'s' if c != 1 else ''}",
+                          "min_concurrency": c,
+                          "points": [[p["gpu_memory_utilization"], p["max_model_len"]] for p in r["proposals"]]})
+    surface = [{k: c[k] for k in ("gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "fits",
+                                  "kv_cache_tokens")} for c in base["candidates"]]
+    measured = _measured(store, device_name=job.device["name"], engine_version=d.engine_version,
+                         tensor_parallel_size=d.tensor_parallel_size, pipeline_parallel_size=d.pipeline_parallel_size,
+                         kv_cache_dtype=d.kv_cache_dtype, model=d.model, config_sha256=base["model"]["config_sha256"])
+    return {"title": f"{d.name}: {d.model} on {job.device['name']}, vLLM {base['era']}",
+            "source": "simulate", "frontiers": frontiers, "surface": surface, "measured": measured,
+            "non_monotone_at": _non_monotone_us(surface)}
+
+
+def frontier_from_store(store: Store, *, model: str, device: str | None = None,
+                        concurrency: list[float] | None = None) -> dict:
+    """The same picture from stored results: the latest drops whose model (and device) contain the
+    given text — their proposals, grid points and the concurrency lines the grid supports — and
+    the measured runs of that model."""
+    drops = latest_drops(store, model=model, device=device)
+    if not drops:
+        raise TunerError(f"no stored drop whose model contains {model!r}"
+                         + (f" and device contains {device!r}" if device else ""), where=store.where)
+    cs = sorted({1.0, *(float(c) for c in (concurrency or (2, 4)))})
+    frontiers, surface = [], []
+    for dr in drops:
+        try:
+            min_c = float(((yaml.safe_load(dr["content"]) or {}).get("constraints") or {}).get("min_concurrency") or 1)
+        except yaml.YAMLError:
+            min_c = 1.0
+        props = rows(store, sa.select(proposals_table).where(proposals_table.c.drop_id == dr["id"])
+                     .order_by(proposals_table.c.gpu_memory_utilization))
+        frontiers.append({"label": f"{dr['name']}: proposals (>= {min_c:g} requests)", "min_concurrency": min_c,
+                          "drop": dr["name"],
+                          "points": [[p["gpu_memory_utilization"], p["max_model_len"]] for p in props]})
+        cands = rows(store, sa.select(candidates_table).where(candidates_table.c.drop_id == dr["id"]))
+        for c in cands:
+            surface.append({"drop": dr["name"], **{k: c[k] for k in ("gpu_memory_utilization", "max_model_len",
+                                                                     "max_num_batched_tokens", "fits",
+                                                                     "kv_cache_tokens")}})
+        us = sorted({c["gpu_memory_utilization"] for c in cands})
+        for k in cs:
+            pts = []
+            for u in us:
+                # starts as far as memory goes (a min_concurrency refusal is not a start-up failure)
+                ok = [c["max_model_len"] for c in cands if _same_u(c["gpu_memory_utilization"], u)
+                      and (c["fits"] or (c["reason"] or "").startswith("only "))
+                      and (c["max_concurrency"] or 0) >= k]
+                pts.append([u, max(ok) if ok else None])
+            frontiers.append({"label": f"{dr['name']}: grid, >= {k:g} requests", "min_concurrency": k,
+                              "drop": dr["name"], "points": pts})
+    measured = _measured(store, model_like=model, device_like=device)
+    title = f"stored results for model ~ {model!r}" + (f", device ~ {device!r}" if device else "")
+    return {"title": title, "source": "store", "frontiers": frontiers, "surface": surface, "measured": measured,
+            "non_monotone_at": _non_monotone_us(surface)}
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlotUnavailable("matplotlib is not installed; install the plot extra: pip install 'ctx-tuner[plot]'") \
+            from exc
+    return plt
+
+
+def render_png(data: dict, out: str | Path) -> dict:
+    """Draw ``data`` into ``out`` (PNG) and ``out`` with suffix ``.json``; return the drawn series
+    (``{label: [[x, y], …]}`` read back from the figure's lines and scatter collections).
+
+    Raises:
+        PlotUnavailable: matplotlib is missing.
+    """
+    plt = _import_pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    try:
+        for f in data["frontiers"]:
+            pts = [(u, m) for u, m in f["points"] if m is not None]
+            if pts:
+                ax.plot([u for u, _ in pts], [m for _, m in pts], marker="o", markersize=3, linewidth=1.5,
+                        label=f["label"])
+        sf = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["surface"] if p["fits"]]
+        sn = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["surface"] if not p["fits"]]
+        if sf:
+            ax.scatter(*zip(*sf), marker="o", facecolors="none", edgecolors="tab:green", s=36,
+                       label="simulated grid point: starts")
+        if sn:
+            ax.scatter(*zip(*sn), marker="x", color="tab:red", s=40, label="simulated grid point: does not start")
+        mf = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["measured"] if p["fits"]]
+        mn = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["measured"] if not p["fits"]]
+        if mf:
+            ax.scatter(*zip(*mf), marker="s", color="black", s=50, label="measured: started")
+        if mn:
+            ax.scatter(*zip(*mn), marker="X", color="darkred", s=70, label="measured: refused")
+        if data.get("non_monotone_at"):
+            us = ", ".join(f"{u:g}" for u in data["non_monotone_at"])
+            ax.text(0.01, 0.02, f"not monotone at gmu {us}: a longer max_model_len starts above one that fails",
+                    transform=ax.transAxes, fontsize=8, color="tab:red")
+        ax.set_xlabel("gpu_memory_utilization")
+        ax.set_ylabel("max_model_len (tokens)")
+        ax.set_title(data["title"], fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        series: dict[str, list] = {}
+        for line in ax.get_lines():
+            series[line.get_label()] = [[float(x), float(y)] for x, y in line.get_xydata()]
+        for coll in ax.collections:
+            series[coll.get_label()] = [[float(x), float(y)] for x, y in coll.get_offsets()]
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    finally:
+        plt.close(fig)
+    sidecar = out.with_suffix(".json")
+    sidecar.write_text(json.dumps({"title": data["title"], "series": series, "data": data}, indent=1))
+    return series
