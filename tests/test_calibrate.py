@@ -124,14 +124,37 @@ def test_calibration_from_imported_runs_changes_the_prediction(tmp_path, shared_
     assert after["num_gpu_blocks"] < before["num_gpu_blocks"]
 
 
-def test_leave_one_out_never_makes_a_case_worse(shared_dir, observed_cases):
-    """Import every visible case's log; calibrate each case only from the other cases of its group;
-    no case's error may grow."""
+@pytest.mark.slow
+def test_validate_calibrate_leave_one_out_never_makes_a_case_worse(shared_dir, observed_cases):
+    """Import every visible case's log; calibrate each case only from the other cases of its group
+    (``validate --calibrate``, worker side, in-process); no case's error may grow and none may
+    turn unsafe; the report carries both summaries."""
+    from tuner.validate import CALIBRATED_FIELDS, render, run_validate_request
+
     cases = list(observed_cases.values())
-    # cases alone in their group cannot be calibrated (before == after); skip predicting them here
-    report = calibrate.leave_one_out(cases, shared_dir / "models", predict_all=False)
-    assert report["worse"] == [], report["worse"]
-    assert len(report["before"]) == len(report["after"]) >= 15
-    b, a = report["summary_before"], report["summary_after"]
-    assert a["unsafe"] <= b["unsafe"]
+    report = run_validate_request({"kind": "validate", "cases": cases, "models_dir": str(shared_dir / "models"),
+                                   "calibrate": True})
+    assert report["calibration_worse"] == [], report["calibration_worse"]
+    rows = report["cases"]
+    assert len(rows) == len(cases)
+    calibrated = [r for r in rows if r.get("calibration")]
+    assert len(calibrated) >= 5 and report["calibration_better"]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        assert all(f"calibrated_{k}" in r for k in CALIBRATED_FIELDS), r["id"]
+        if r.get("calibration") is None:  # alone in its group: unchanged
+            assert r["calibrated_predicted_num_gpu_blocks"] == \
+                r["predicted_num_gpu_blocks"]
+        if r["error_pct"] is not None:
+            assert abs(r["calibrated_error_pct"]) <= abs(r["error_pct"]) + 1e-9, r["id"]
+        assert r["unsafe"] or not r["calibrated_unsafe"], r["id"]
+    b, a = report["summary"], report["summary_calibrated"]
+    assert a["unsafe"] <= b["unsafe"] and a["cases"] == b["cases"]
     assert a["median_abs_error_pct"] <= b["median_abs_error_pct"]
+    assert a["p90_abs_error_pct"] <= b["p90_abs_error_pct"]
+    text = render(report)
+    assert "calibrated (leave-one-out)" in text and "calibrated: median |error|" in text
+    print(f"before: median {b['median_abs_error_pct']} p90 {b['p90_abs_error_pct']} unsafe {b['unsafe']}; "
+          f"after: median {a['median_abs_error_pct']} p90 {a['p90_abs_error_pct']} unsafe {a['unsafe']}; "
+          f"{len(report['calibration_better'])} better of {len(calibrated)} calibrated")

@@ -127,3 +127,34 @@ def test_import_log_command_errors(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert str(empty) in err and "no vLLM memory lines" in err
+
+
+def test_run_and_residual_are_one_transaction(tmp_path, shared_dir, observed_cases, store, monkeypatch):
+    """If the residual cannot be written, the measured run is not written either (and vice versa)."""
+    from tuner.errors import StoreError
+
+    case = observed_cases[LLAMA]
+    log = _write(tmp_path, case)
+    predicted = {"weights_bytes": round(14.99 * GIB), "activation_peak_bytes": round(1.5 * GIB),
+                 "non_torch_bytes": round(0.3 * GIB), "cuda_graph_bytes": 0,
+                 "available_kv_cache_bytes": round(58.5 * GIB), "num_gpu_blocks": 29950, "kv_cache_tokens": 479200}
+
+    def canned(request, **_kw):
+        return {"candidates": [predicted], "warnings": []}
+
+    def broken(conn, row):
+        raise StoreError("disk full", where="test")
+
+    monkeypatch.setattr(store, "insert_calibration", broken)
+    with pytest.raises(StoreError, match="disk full"):
+        import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
+                   models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95}, worker=canned)
+    assert store.measured_runs() == []
+    monkeypatch.undo()
+    out = import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
+                     models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95}, worker=canned)
+    runs = store.measured_runs()
+    rows = store.calibration_rows(device_name="H100-80GB", era=runs[0]["era"], usable_only=False)
+    assert len(runs) == 1 and [r["profile_run_id"] for r in rows] == [runs[0]["id"]]
+    assert rows[0]["id"] == out.calibration["id"]
+    assert rows[0]["activation_peak_delta_bytes"] == round(1.89 * GIB) - round(1.5 * GIB)

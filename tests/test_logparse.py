@@ -186,3 +186,30 @@ def test_binary_garbage_and_huge_lines_are_ignored(tmp_path):
     log = tmp_path / "mixed.log"
     log.write_bytes(b"\xff\xfe garbage\n" + b"x" * 200_000 + b"\nINFO Available KV cache memory: 5.01 GiB\n")
     assert parse_file(log).available_kv_cache_bytes == round(5.01 * GIB)
+
+
+TP2_LOG = """\
+(EngineCore_0 pid=100) INFO 09-04 01:00:00 [core.py:74] Initializing a V1 LLM engine (v0.10.1) with config: model='m'
+(VllmWorker TP0 pid=201) INFO 09-04 01:00:10 [gpu_model_runner.py:1892] Model loading took 7.50 GiB and 3.1 seconds
+(VllmWorker TP1 pid=202) INFO 09-04 01:00:10 [gpu_model_runner.py:1892] Model loading took 7.52 GiB and 3.2 seconds
+(VllmWorker TP1 pid=202) INFO 09-04 01:00:20 [gpu_worker.py:276] Available KV cache memory: 60.10 GiB
+(VllmWorker TP0 pid=201) INFO 09-04 01:00:20 [gpu_worker.py:276] Available KV cache memory: 60.35 GiB
+(EngineCore_0 pid=100) INFO 09-04 01:00:21 [kv_cache_utils.py:849] GPU KV cache size: 984,000 tokens
+[rank0]: INFO # GPU blocks: 30000, # CPU blocks: 2048
+[rank1]: INFO # GPU blocks: 29950, # CPU blocks: 2048
+"""
+
+
+def test_tp_workers_keep_their_own_values_and_the_smallest_kv_wins():
+    """Each TP worker prints its own available KV memory; vLLM sizes every cache by the smallest."""
+    p = parse_text(TP2_LOG)
+    assert p.per_worker["VllmWorker TP0"] == {"weights_bytes": round(7.50 * GIB),
+                                              "available_kv_cache_bytes": round(60.35 * GIB)}
+    assert p.per_worker["VllmWorker TP1"]["available_kv_cache_bytes"] == round(60.10 * GIB)
+    assert p.per_worker["rank0"] == {"num_gpu_blocks": 30000} and p.per_worker["rank1"] == {"num_gpu_blocks": 29950}
+    assert p.available_kv_cache_bytes == round(60.10 * GIB)  # the smaller worker, printed second
+    assert p.num_gpu_blocks == 29950
+    assert p.weights_bytes == round(7.50 * GIB)  # weights: the first worker's line (per rank, not a minimum)
+    assert p.kv_cache_tokens == 984000
+    one = parse_text("\n".join(line for line in TP2_LOG.splitlines() if "TP1" not in line and "rank1" not in line))
+    assert one.available_kv_cache_bytes == round(60.35 * GIB) and one.num_gpu_blocks == 30000

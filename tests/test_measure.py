@@ -37,3 +37,54 @@ def test_cuda_method_without_cuda_is_a_measure_error():
 
     with pytest.raises(MeasureError, match="no CUDA device"):
         measure_pass(None, None, None, None, None, gpu_memory_utilization=0.9)
+
+
+def test_needed_candidates_grid_else_proposals_capped():
+    drop = {"candidates": {"gpu_memory_utilization": [0.8, 0.9], "max_model_len": [4096, 8192]}}
+    assert vllm_engine.needed_candidates(drop, []) == [(0.8, 4096), (0.8, 8192), (0.9, 4096), (0.9, 8192)]
+    props = [{"gpu_memory_utilization": 0.9, "max_model_len": 40128}, {"gpu_memory_utilization": 0.95, "max_model_len": None}]
+    assert vllm_engine.needed_candidates({"candidates": {"gpu_memory_utilization": [0.9, 0.95]}}, props) == [(0.9, 40128)]
+    big = {"candidates": {"gpu_memory_utilization": [0.5, 0.9], "max_model_len": list(range(1024, 11264, 1024))}}
+    assert len(vllm_engine.needed_candidates(big, [])) == vllm_engine.MAX_STARTS
+
+
+def test_measure_candidates_records_refusals_and_failures_without_raising(monkeypatch):
+    """The engine runner is replaced by parsed logs (a refusal and a timeout): this checks the
+    bookkeeping only, not what a GPU does."""
+    import tuner.measure as m
+    from tuner.logparse import GIB, parse_text
+
+    monkeypatch.setattr(m, "has_vllm", lambda: True)
+    refused = parse_text("ValueError: To serve at least one request with the models's max seq len (131072), "
+                         "(16.0 GiB KV cache is needed, which is larger than the available KV cache memory "
+                         "(9.5 GiB). Based on the available memory, the estimated maximum model length is 77824.\n"
+                         "Model loading took 15.0 GiB and 3 seconds\n")
+
+    def fake_run(args, timeout_s):
+        if args["max_model_len"] == 131072:
+            return refused, "", 1
+        raise MeasureError("vLLM engine did not start within 1 s; process group killed", where="vllm")
+
+    runs = vllm_engine.measure_candidates("/m", {}, [(0.9, 131072), (0.9, 8192)], run=fake_run)
+    assert runs[0]["error_message"].startswith("To serve at least one request") and not runs[0]["failed"]
+    assert runs[0]["available_kv_cache_bytes"] == round(9.5 * GIB) and runs[0]["weights_bytes"] == 15 * GIB
+    assert runs[1]["failed"] and "did not start" in runs[1]["error_message"]
+    assert "--max-model-len 8192" in runs[1]["source"]
+
+
+def test_free_memory_refusal_marks_candidates_and_proposals():
+    from tuner.eras import era_for
+    from tuner.measure.cuda import refuse_below_free_memory
+
+    total, free = 80 << 30, 60 << 30
+    cands = [{"gpu_memory_utilization": u, "requested_memory_bytes": int(total * u), "fits": True, "reason": None}
+             for u in (0.7, 0.9)]
+    props = [{"gpu_memory_utilization": 0.9, "max_model_len": 8192, "num_gpu_blocks": 10, "kv_cache_tokens": 160,
+              "max_concurrency": 1.0, "vllm_args": "x", "reason": None}]
+    assert refuse_below_free_memory(era_for("0.19.0"), cands, proposals=props, free_memory_bytes=free,
+                                    total_memory_bytes=total) == 2
+    assert cands[0]["fits"] and not cands[1]["fits"]
+    assert cands[1]["reason"].startswith("Free memory on device cuda:0 (60.0/80.0 GiB) on startup is less than "
+                                         "desired GPU memory utilization (0.9, 72.0 GiB)")
+    assert props[0]["max_model_len"] is None and "vLLM refuses" in props[0]["reason"]
+    assert refuse_below_free_memory(era_for("0.6.4"), cands, free_memory_bytes=0, total_memory_bytes=total) == 0

@@ -55,7 +55,7 @@ NOISE_BYTES = 16 * MIB
 TERMS = ("activation_peak_delta_bytes", "non_torch_delta_bytes", "cuda_graph_delta_bytes")
 
 __all__ = ["residual", "consistency", "fit", "aggregate", "calibration_for", "store_residual", "group_key", "leave_one_out",
-           "TERMS", "NOISE_BYTES"]
+           "lookup_kwargs", "TERMS", "NOISE_BYTES"]
 
 
 def _era_subtracts_graphs(row: dict) -> bool:
@@ -222,6 +222,14 @@ def store_residual(store, run: dict, predicted: dict, *, quantization: str | Non
     Raises:
         StoreError: as :meth:`tuner.store.Store.save_calibration`.
     """
+    row = residual_row(run, predicted, quantization=quantization, total_known=total_known)
+    row["id"] = store.save_calibration(row)
+    return row
+
+
+def residual_row(run: dict, predicted: dict, *, quantization: str | None = None, total_known: bool = True) -> dict:
+    """The ``calibrations`` row (no ``id``) of a measured run (``run`` has its ``id``) against
+    ``predicted``: the predicted terms, :func:`residual` per term, ``usable`` and ``note``. Pure."""
     r = residual(run, predicted, total_known=total_known)
     row = {
         "profile_run_id": run["id"], "model": run["model"], "model_config_sha256": run.get("model_config_sha256"),
@@ -237,7 +245,6 @@ def store_residual(store, run: dict, predicted: dict, *, quantization: str | Non
         "usable": bool(r["usable"]), "note": r["note"],
         **{k: r[k] for k in (*TERMS, "total_delta_bytes", "kv_error_bytes")},
     }
-    row["id"] = store.save_calibration(row)
     return row
 
 
@@ -263,6 +270,43 @@ def calibration_for(store, model: str | None, device_name: str, era: str, *, mod
     if not any(cal.values()):
         return None
     return {**cal, "runs": len(rows)}
+
+
+def lookup_kwargs(request: dict) -> dict:
+    """The :func:`calibration_for` keyword arguments for a worker request (``drop``,
+    ``config_path``, ``device``), computed parent-side without torch the way the worker and
+    :func:`tuner.importlog.run_row` key a run: config SHA-256 of the file's bytes, catalog device
+    name, era name, TP, PP, the dtype vLLM runs and the quantization.
+
+    Raises:
+        ModelConfigError: the config cannot be read; EraError: unknown ``engine_version``.
+    """
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from tuner.devices import lookup
+    from tuner.eras import resolve_dtype
+    from tuner.errors import ModelConfigError
+
+    d = request["drop"]
+    path = Path(request["config_path"])
+    try:
+        raw = path.read_bytes()
+        top = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    tc = top.get("text_config") if isinstance(top, dict) and isinstance(top.get("text_config"), dict) else top
+    config_dtype = str((tc or {}).get("torch_dtype") or (tc or {}).get("dtype") or top.get("torch_dtype")
+                       or "float16").replace("torch.", "")
+    era = era_for(str(d["engine_version"]), d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
+    name = str(request["device"]["name"])
+    known = lookup(name)
+    return {"model": d.get("model"), "device_name": known.name if known else name, "era": era.name,
+            "model_config_sha256": hashlib.sha256(raw).hexdigest(),
+            "tensor_parallel_size": int(d.get("tensor_parallel_size") or 1),
+            "pipeline_parallel_size": int(d.get("pipeline_parallel_size") or 1),
+            "dtype": resolve_dtype(str(d.get("dtype") or "auto"), config_dtype), "quantization": d.get("quantization")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: Sub-command modules, in ``--help`` order.
 COMMANDS: tuple[str, ...] = (
     "tuner.commands.profile",
+    "tuner.commands.explain",
+    "tuner.commands.results",
+    "tuner.commands.plot",
+    "tuner.commands.daemon",
+    "tuner.commands.validate",
+    "tuner.commands.import_log",
+    "tuner.commands.devices",
+    "tuner.commands.selftest",
 )
 
 

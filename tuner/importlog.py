@@ -236,7 +236,8 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
         LogParseError: unreadable log or no memory lines (names the file).
         DropError: a setting is missing or invalid (names the log and the field).
         ModelConfigError, DeviceError: model config or device not found.
-        StoreError: database failure (nothing written); WorkerError: the prediction failed
+        StoreError: database failure (nothing written: the run and its residual are one
+            transaction); WorkerError: the prediction failed
             (the measured run is still stored; the outcome carries a warning instead of raising).
     """
     from tuner import calibrate
@@ -276,10 +277,14 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
             outcome.warnings.extend(result.get("warnings", []))
         except Exception as exc:  # noqa: BLE001 - the measurement is worth keeping without a residual
             outcome.warnings.append(f"no calibration residual: prediction failed: {exc}")
-    outcome.drop_id = store.save_result(drop_row, [row], [], [])
-    if outcome.predicted is not None:
-        stored = store.runs_for_drop(outcome.drop_id)[0]
-        outcome.calibration = calibrate.store_residual(store, stored, outcome.predicted,
-                                                       quantization=drop.quantization,
-                                                       total_known=parsed.total_memory_bytes is not None)
+    def residual_too(conn, drop_id: int) -> None:  # inside save_result's transaction: run and residual together
+        if outcome.predicted is None:
+            return
+        run_id = store.run_ids(conn, drop_id)[0]
+        cal = calibrate.residual_row({**row, "id": run_id}, outcome.predicted, quantization=drop.quantization,
+                                     total_known=parsed.total_memory_bytes is not None)
+        cal["id"] = store.insert_calibration(conn, cal)
+        outcome.calibration = cal
+
+    outcome.drop_id = store.save_result(drop_row, [row], [], [], also=residual_too)
     return outcome

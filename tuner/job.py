@@ -77,7 +77,15 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     Request keys: ``drop`` (``Drop.to_dict()``), ``config_path`` (the model's config.json),
     ``device`` (``{name, total_memory_bytes}``), ``fake`` (default True), ``search`` (default
     True; False evaluates only the drop's ``max_model_len`` grid, no proposal search),
-    ``calibration`` (optional byte corrections, see :class:`tuner.search.Layout`).
+    ``calibration`` (optional byte corrections, see :class:`tuner.search.Layout`), ``method``
+    (``simulate`` default; ``cuda`` measures each pass on GPU 0 with :mod:`tuner.measure.cuda`;
+    ``vllm`` simulates, then starts the installed engine for the needed candidates with
+    :mod:`tuner.measure.vllm_engine`) and ``method_requested`` (``auto``: a ``cuda`` pick falls
+    back to simulate, with a warning, where torch has no CUDA).
+
+    The result also has ``method`` (what ran), ``calibration`` (the corrections applied, or None;
+    candidates and proposals then carry ``uncalibrated``: the same numbers without them) and
+    ``measured`` (``vllm``: one dict per engine start-up).
 
     Returns a dict with ``model``, ``plugin``, ``warnings``, ``era``, ``runs`` (one per pass),
     ``candidates`` and ``proposals`` (see :mod:`tuner.search`), and ``versions``.
@@ -107,16 +115,28 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=d.get("kv_cache_dtype", "auto"),
                      block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"),
-                     compute_capability=_compute_capability(device))
+                     compute_capability=_compute_capability(device),
+                     max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]))
         for r in range(pp)
     ]
     kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
     calibration = request.get("calibration") or {}
+    method = request.get("method") or "simulate"
+    if method == "cuda" and not torch.cuda.is_available():
+        if request.get("method_requested") != "auto":
+            from tuner.errors import MeasureError
+
+            raise MeasureError("torch sees no CUDA device in the worker (method 'cuda' needs a GPU and a CUDA "
+                               "build of torch)", where="method cuda")
+        warnings.append("method auto: NVML sees a GPU but torch has no CUDA in the worker; simulated instead")
+        method = "simulate"
+    if method != "simulate":
+        calibration = {}  # corrections are learned for the simulate terms only
     layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs,
                     corrections=tuple(sorted((k, int(v)) for k, v in calibration.items() if k.endswith("_delta_bytes"))),
-                    activation_overhead_bytes=profile_overhead_bytes(_compute_capability(device)),
+                    activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device)),
                     hidden_size=spec.hidden_size)
     is_mm = "text_config" in spec.top
 
@@ -139,9 +159,16 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
             for s in stage_settings:
                 s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
                                         max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
-                r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True))
+                if method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
+                    from tuner.measure.cuda import measured_pass
+
+                    r = measured_pass(plugin, spec, s, era, batch)
+                    row = {**r, "method": "cuda"}
+                else:
+                    r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True))
+                    row = {**r.to_dict(), "method": "simulate"}
                 results.append(r)
-                runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **r.to_dict(),
+                runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
                              "max_num_seqs": batch.max_num_seqs})
             memo[key] = results
         return memo[key]
@@ -164,11 +191,20 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                                      min_concurrency=min_conc, max_model_len_cap=cap, regions=regions,
                                      extra_args=_extra_args(d))
             proposals.append(prop.to_dict())
+            if layout.corrections:
+                prop0, _ = propose(era, dataclasses.replace(layout, corrections=()), gpu_memory_utilization=u,
+                                   batch_for=batch_for, passes_for=passes_for, min_concurrency=min_conc,
+                                   max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d))
+                proposals[-1]["uncalibrated"] = prop0.to_dict()
         for m in (grid_m or sorted({c.max_model_len for c in searched})):
             batch = batch_for(m)
             c = evaluate(era, layout, batch, passes_for(batch), gpu_memory_utilization=u, max_model_len=m,
                          min_concurrency=min_conc).to_dict()
             c["run_key"] = f"{batch.max_num_batched_tokens}x{batch.num_reqs}@0"
+            if layout.corrections:
+                c["uncalibrated"] = evaluate(era, dataclasses.replace(layout, corrections=()), batch, passes_for(batch),
+                                             gpu_memory_utilization=u, max_model_len=m,
+                                             min_concurrency=min_conc).to_dict()
             candidates.append(c)
         if request.get("progress"):  # one line per u on stderr; the parent relays it (tuner.worker)
             from tuner.worker import PROGRESS_PREFIX
@@ -176,7 +212,36 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
             done = len(proposals) or len({x["gpu_memory_utilization"] for x in candidates})
             print(f"{PROGRESS_PREFIX}gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
                   f"{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+    measured: list[dict] = []
+    if method == "cuda" and runs:  # vLLM's refusal when free memory < total × u (tuner.measure.cuda)
+        from tuner.measure.cuda import refuse_below_free_memory
+
+        refuse_below_free_memory(era, candidates, proposals=proposals,
+                                 free_memory_bytes=min(r["free_memory_bytes"] for r in runs),
+                                 total_memory_bytes=runs[0]["total_memory_bytes"])
+        if abs(runs[0]["total_memory_bytes"] - total) > total // 100:
+            warnings.append(f"method cuda ran on a GPU of {runs[0]['total_memory_bytes'] / GiB:.2f} GiB; the budget "
+                            f"uses the drop's device total ({total / GiB:.2f} GiB)")
+    if method == "vllm":  # the engine itself, with dummy weights, for each needed candidate
+        from pathlib import Path
+
+        from tuner.measure.vllm_engine import measure_candidates, needed_candidates
+
+        model_dir = str(Path(request["config_path"]).parent)
+        measured = measure_candidates(model_dir, d, needed_candidates(d, proposals),
+                                      timeout_s=float(request.get("engine_timeout_s", 900.0)))
+        for mr in measured:
+            b = batch_for(mr["max_model_len"])
+            mr.update(max_num_batched_tokens=b.max_num_batched_tokens, max_num_seqs=b.max_num_seqs, num_reqs=b.num_reqs)
+            for c in candidates:
+                if (c["gpu_memory_utilization"], c["max_model_len"]) == (mr["gpu_memory_utilization"],
+                                                                         mr["max_model_len"]):
+                    c["measured"] = {k: v for k, v in mr.items() if k not in ("source",)}
     return {
+        "method": method,
+        "calibration": ({k: int(v) for k, v in calibration.items() if k.endswith("_delta_bytes")}
+                        | {"runs": int(calibration.get("runs", 0))}) if layout.corrections else None,
+        "measured": measured,
         "model": spec.to_dict(),
         "plugin": plugin.name,
         "warnings": warnings,

@@ -33,7 +33,13 @@ lines. Forms recognised (file:line as in the released wheels):
 Values are printed in GiB (early logs say "GB" but divide by 2**30, reference §2.4); they become
 integer bytes with ``round(x * 2**30)``. When a value is printed more than once (one line per
 worker under TP/PP, or a form of lower precedence) the first line of the most direct form wins:
-weights from the model-loading line, the rest from the first worker that printed them.
+weights from the model-loading line, the rest from the first worker that printed them — except
+the available KV memory and the block count: where several workers (lines prefixed
+``(Worker_TP1 pid=…)``, ``(VllmWorker rank=1 pid=…)``, ``(RayWorkerWrapper pid=…)``, ``[rank1]:``)
+print their own, the smallest is kept, as the engine sizes every worker's cache by the smallest
+(V1 ``vllm/v1/engine/core.py::_initialize_kv_caches`` takes the minimum of the workers'
+``determine_available_memory``; V0 ``executor`` ``determine_num_available_blocks`` → ``min``).
+Each worker's own values are kept in :attr:`ParsedLog.per_worker`.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class ParsedLog:
             V1's suggestion in that message.
         settings: engine arguments the log printed (non-default args / config line), by vLLM name.
         matched_lines: how many lines carried something recognised.
+        per_worker: each worker's own values (see the module docstring).
     """
 
     source: str = ""
@@ -112,6 +119,9 @@ class ParsedLog:
     estimated_max_model_len: int | None = None
     settings: dict = field(default_factory=dict)
     matched_lines: int = 0
+    #: ``{worker label: {field: value}}`` for :data:`PER_WORKER_FIELDS` printed on worker-prefixed
+    #: lines (label = the prefix without its ``pid=``/``ip=`` parts, e.g. ``"Worker_TP1"``).
+    per_worker: dict = field(default_factory=dict)
 
     @property
     def has_memory_lines(self) -> bool:
@@ -128,6 +138,23 @@ MEMORY_FIELDS = (
     "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
     "peak_torch_memory_bytes",
 )
+
+#: Fields kept per worker; of these, the minimum over workers is the log's value.
+PER_WORKER_FIELDS = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
+                     "available_kv_cache_bytes", "num_gpu_blocks")
+_MIN_OVER_WORKERS = ("available_kv_cache_bytes", "num_gpu_blocks")
+_WORKER = re.compile(r"^\s*(?:\(((?:VllmWorker|Worker|RayWorkerWrapper|WorkerProc)[^)]*)\)|\[(rank\d+)\]:)")
+
+
+def _worker_label(line: str) -> str | None:
+    m = _WORKER.match(line)
+    if m is None:
+        return None
+    if m.group(2):
+        return m.group(2)
+    label = re.sub(r",?\s*(?:pid|ip)=[^\s,)]*", "", m.group(1)).strip(" ,")
+    return label if label not in ("VllmWorker", "Worker", "RayWorkerWrapper", "WorkerProc") else m.group(1).strip()
+
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
 _INT = r"(\d[\d,]*)"
@@ -268,12 +295,15 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
     """
     out = ParsedLog(source=source)
     best: dict[str, int] = {}
+    worker_prec: dict[tuple[str, str], int] = {}
     v1 = v0 = False
     for raw in lines:
         line = _ANSI.sub("", raw[:MAX_LINE]).rstrip("\r\n")
         hit = False
+        worker = _worker_label(line)
         for fld, pat, group, kind, prec in _RULES:
-            if fld in best and best[fld] <= prec:
+            per = worker is not None and fld in PER_WORKER_FIELDS
+            if fld in best and best[fld] <= prec and not (per and worker_prec.get((worker, fld), 99) > prec):
                 continue
             m = pat.search(line)
             if m is None:
@@ -282,6 +312,11 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
             try:
                 value = _convert(kind, m.group(group))
             except ValueError:
+                continue
+            if per and worker_prec.get((worker, fld), 99) > prec:
+                out.per_worker.setdefault(worker, {})[fld] = value
+                worker_prec[(worker, fld)] = prec
+            if fld in best and best[fld] <= prec:
                 continue
             setattr(out, fld, value)
             best[fld] = prec
@@ -319,6 +354,10 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
         if _V0_MARKERS.search(line):
             v0 = True
         out.matched_lines += hit
+    for fld in _MIN_OVER_WORKERS:  # the engine sizes every worker's cache by the smallest
+        vals = [w[fld] for key, w in out.per_worker.items() if fld in w and worker_prec[(key, fld)] == best.get(fld)]
+        if len(vals) > 1 or (vals and getattr(out, fld) is not None and min(vals) < getattr(out, fld)):
+            setattr(out, fld, min(vals + [getattr(out, fld)]))
     if v1 != v0:
         out.engine = "V1" if v1 else "V0"
     if out.max_model_len is None and isinstance(out.settings.get("max_model_len"), int):

@@ -11,6 +11,10 @@ Tables (a public interface — users write SQL against them):
 * ``jobs`` — the daemon's durable queue: one row per drop file version it has seen (status,
   attempts, typed error, the resulting ``drops.id``).
 
+Views for readers (migration 0004, SQL in ``migrations/versions/0004_views.py``, not declared
+here so metadata comparisons see tables only): ``latest_proposals``, ``run_breakdown_gib``,
+``candidate_breakdown_gib``, ``fit_surface``, ``measured_vs_simulated``.
+
 Conventions: byte columns are integers (BigInteger) and end in ``_bytes``; times are UTC
 ISO-8601 text, ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (fixed width, so text order is time order);
 ``elapsed_s`` is seconds as a float.
@@ -44,6 +48,7 @@ __all__ = [
     "make_engine",
     "metadata",
     "open_store",
+    "store_exists",
     "utc_text",
 ]
 
@@ -405,6 +410,15 @@ def open_store(
     return Store(engine, where=where, readonly=readonly)
 
 
+def store_exists(url: str | None = None, *, default_path: str = DEFAULT_PATH) -> bool:
+    """False only for a SQLite file store whose file does not exist yet (opening it would create
+    it); True for an existing file and for every server URL. Never opens anything.
+
+    Raises ``StoreError`` for an unparsable URL (as :func:`open_store`)."""
+    u = _resolve_url(url, default_path)
+    return not _is_file_sqlite(u) or Path(u.database).exists()
+
+
 def _upgrade(u: URL, busy_timeout_s: float) -> None:
     from alembic import command
 
@@ -585,6 +599,18 @@ class Store:
             raise
         except sa.exc.SQLAlchemyError as e:
             raise StoreError(f"save_calibration failed, nothing written: {e.orig or e}", where=self.where) from e
+
+    def insert_calibration(self, conn: Connection, row: dict) -> int:
+        """Insert one ``calibrations`` row on ``conn`` — inside another write transaction, e.g. the
+        ``also`` hook of :meth:`save_result`, so a run and its residual are stored together.
+        Returns the new id. Raises ``StoreError`` for an unknown column or a non-integer byte value."""
+        values = {k: v for k, v in row.items() if k not in ("profile_run_id", "id")}
+        return self._insert(conn, calibrations_table, values, created_at=utc_text(), profile_run_id=row["profile_run_id"])
+
+    def run_ids(self, conn: Connection, drop_id: int) -> list[int]:
+        """``profile_runs.id`` of a drop on ``conn`` (inside a transaction), in insertion order."""
+        t = profile_runs_table
+        return [r[0] for r in conn.execute(sa.select(t.c.id).where(t.c.drop_id == drop_id).order_by(t.c.id))]
 
     def calibration_rows(self, *, device_name: str, era: str, model_config_sha256: str | None = None,
                          model: str | None = None, tensor_parallel_size: int | None = None,

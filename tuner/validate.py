@@ -219,7 +219,9 @@ def compare(case: dict, result: dict) -> dict:
         "observed_kv_cache_tokens": obs_tokens,
         "predicted_weights_gib": round(c["weights_bytes"] / GiB, 4),
         "observed_weights_gib": o.get("weights_gib"),
-        "predicted_activation_peak_gib": round(c["activation_peak_bytes"] / GiB, 4),
+        # the modelled peak; the calibrated reserve for unexplained memory is reported apart
+        "predicted_activation_peak_gib": round((c["activation_peak_bytes"] - c.get("reserve_bytes", 0)) / GiB, 4),
+        "predicted_reserve_gib": round(c.get("reserve_bytes", 0) / GiB, 4),
         "observed_activation_peak_gib": o.get("activation_peak_gib"),
         "predicted_non_torch_gib": round(c["non_torch_bytes"] / GiB, 4),
         "predicted_cuda_graph_gib": round(c["cuda_graph_bytes"] / GiB, 4),
@@ -317,14 +319,54 @@ def render(report: dict) -> str:
     lines += ["", f"cases {s['cases']}, predicted {s['predicted']}, median |error| {f(s['median_abs_error_pct'], '.2f')} %, "
               f"p90 {f(s['p90_abs_error_pct'], '.2f')} %, max {f(s['max_abs_error_pct'], '.2f')} %, unsafe {s['unsafe']}, "
               f"fit verdict agrees on {s['fit_verdict_agrees']}/{s['predicted']}"]
+    if "summary_calibrated" in report:  # validate --calibrate: before/after per case and a second summary
+        c = report["summary_calibrated"]
+        lines += ["", f"{'calibrated (leave-one-out)':<52} {'pred blocks':>11} {'cal blocks':>10} {'err %':>7} "
+                      f"{'cal err %':>9}  note"]
+        for r in report["cases"]:
+            if r["status"] != "ok" or r.get("calibration") is None:
+                continue
+            note = "UNSAFE" if r.get("calibrated_unsafe") else ""
+            lines.append(f"{r['id'][:52]:<52} {f(r['predicted_num_gpu_blocks']):>11} "
+                         f"{f(r.get('calibrated_predicted_num_gpu_blocks')):>10} {f(r['error_pct'], '+.2f'):>7} "
+                         f"{f(r.get('calibrated_error_pct'), '+.2f'):>9}  {note}")
+        lines += [f"calibrated: median |error| {f(c['median_abs_error_pct'], '.2f')} %, p90 "
+                  f"{f(c['p90_abs_error_pct'], '.2f')} %, max {f(c['max_abs_error_pct'], '.2f')} %, unsafe {c['unsafe']}; "
+                  f"{len(report.get('calibration_better') or [])} better, {len(report.get('calibration_worse') or [])} worse"]
     for c in s["could_not_run"]:
         lines.append(f"could not run: {c['id']}: {c['reason']}")
     return "\n".join(lines)
 
 
+#: Row fields repeated with a ``calibrated_`` prefix by ``validate --calibrate``.
+CALIBRATED_FIELDS = ("predicted_num_gpu_blocks", "predicted_kv_cache_gib", "predicted_kv_cache_tokens",
+                     "predicted_activation_peak_gib", "predicted_non_torch_gib", "predicted_cuda_graph_gib",
+                     "predicted_fits", "error_pct", "unsafe")
+
+
 def run_validate_request(request: dict) -> dict:
-    """Worker entry: ``{"kind": "validate", "cases": [...], "models_dir": str, "calibrations"?}``
-    → ``{"cases": rows, "summary": {...}}``."""
+    """Worker entry: ``{"kind": "validate", "cases": [...], "models_dir": str, "calibrations"?,
+    "calibrate"?}`` → ``{"cases": rows, "summary": {...}}``.
+
+    With ``"calibrate": true`` every case is also predicted after calibrating it leave-one-out
+    from the *other* cases' logs of its group (:func:`tuner.calibrate.leave_one_out`): each row
+    gains ``calibrated_<field>`` for :data:`CALIBRATED_FIELDS` and ``calibration`` (the corrections,
+    bytes, or None when the case could not be calibrated — its calibrated fields then equal the
+    uncalibrated ones), and the report gains ``summary_calibrated``, ``calibration_worse`` and
+    ``calibration_better`` (case ids)."""
+    if request.get("calibrate"):
+        from tuner.calibrate import leave_one_out
+
+        loo = leave_one_out(request["cases"], request["models_dir"], predict_all=True)
+        rows = []
+        for b, a in zip(loo["before"], loo["after"]):
+            row = dict(b)
+            if b["status"] == "ok" and a["status"] == "ok":
+                row.update({f"calibrated_{k}": a.get(k) for k in CALIBRATED_FIELDS})
+            row["calibration"] = loo["calibrations"].get(b["id"])
+            rows.append(row)
+        return {"cases": rows, "summary": summarize(rows), "summary_calibrated": loo["summary_after"],
+                "calibration_worse": loo["worse"], "calibration_better": loo["better"]}
     rows = predict_cases(request["cases"], request["models_dir"], calibrations=request.get("calibrations"))
     return {"cases": rows, "summary": summarize(rows)}
 

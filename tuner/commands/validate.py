@@ -1,4 +1,4 @@
-"""``ctx-tuner validate CASES.jsonl [--models-dir DIR] [--json] [--filter REGEX] [--timeout S]``:
+"""``ctx-tuner validate CASES.jsonl [--models-dir DIR] [--json] [--filter REGEX] [--timeout S] [--calibrate]``:
 predict every real start-up in a case file with its observed settings and report the errors.
 
 Exit codes: 0 whatever the accuracy (cases that cannot run are reported, not fatal); 1 the worker
@@ -27,6 +27,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help='print one JSON object {"cases": [...], "summary": {...}} instead of a table')
     p.add_argument("--filter", default=None, help="only cases whose id or model matches this regular expression")
     p.add_argument("--timeout", type=float, default=900.0, help="worker time limit in seconds (default 900)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also predict each case calibrated leave-one-out from the other cases' logs of its group "
+                        "(before/after columns, a second summary; --json adds calibrated_* and summary_calibrated)")
     return p
 
 
@@ -49,7 +52,8 @@ def run(args) -> int:
         print(f"ctx-tuner: {models_dir}: models directory not found (use --models-dir)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        report = run_in_worker({"kind": "validate", "cases": cases, "models_dir": str(models_dir)},
+        report = run_in_worker({"kind": "validate", "cases": cases, "models_dir": str(models_dir),
+                                "calibrate": bool(getattr(args, "calibrate", False))},
                                job=f"validate {args.cases}", timeout_s=args.timeout)
     except TunerError as exc:
         print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)

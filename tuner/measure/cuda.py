@@ -107,3 +107,54 @@ def measure_pass(plugin, spec, settings, era, batch, *, gpu_memory_utilization: 
         torch.cuda.empty_cache()
     out["elapsed_s"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def measured_pass(plugin, spec, settings, era, batch, *, device_index: int = 0) -> dict:
+    """:func:`measure_pass` shaped like a simulate pass (:class:`tuner.simulate.profile.PassResult`
+    as a dict) for :func:`tuner.job.run_job`: ``max_num_batched_tokens``, ``num_reqs``,
+    ``pp_rank``, ``weights_bytes``, ``activation_peak_bytes`` (measured), ``forward_peak_bytes``
+    and ``sampler_peak_bytes`` (None: one peak is measured), ``elapsed_s``, plus the measured
+    ``non_torch_bytes``, ``total_memory_bytes`` and ``free_memory_bytes`` (at start).
+
+    The free-memory refusal is not applied here (it depends on ``gpu_memory_utilization``; see
+    :func:`refuse_below_free_memory`).
+
+    Raises:
+        MeasureError: as :func:`measure_pass`.
+    """
+    out = measure_pass(plugin, spec, settings, era, batch, gpu_memory_utilization=0.0, device_index=device_index)
+    return {"max_num_batched_tokens": batch.max_num_batched_tokens, "num_reqs": batch.num_reqs,
+            "pp_rank": settings.pp_rank, "weights_bytes": out["weights_bytes"],
+            "activation_peak_bytes": out["activation_peak_bytes"], "forward_peak_bytes": None,
+            "sampler_peak_bytes": None, "elapsed_s": out["elapsed_s"], "non_torch_bytes": out["non_torch_bytes"],
+            "total_memory_bytes": out["total_memory_bytes"], "free_memory_bytes": out["free_memory_bytes"]}
+
+
+def refuse_below_free_memory(era, candidates: list[dict], *, free_memory_bytes: int, total_memory_bytes: int,
+                             proposals: list[dict] = (), device_index: int = 0) -> int:
+    """Mark the candidates (and proposals) whose requested memory (``total × u``, rounded as the era
+    rounds it) exceeds the free memory at start as refused, with
+    vLLM's own message (V1 ≥ 0.9.1 ``vllm/v1/worker/gpu_worker.py::init_device``: "Free memory on
+    device … on startup is less than desired GPU memory utilization"). Earlier releases do not
+    check. Returns how many candidates were marked. Pure (no torch)."""
+    if not (era.engine == "V1" and era.version >= (0, 9, 1)):
+        return 0
+    gib = lambda b: round(b / (1 << 30), 2)  # noqa: E731 - vLLM's format_gib
+    marked = 0
+    for c in candidates:
+        if c["requested_memory_bytes"] > free_memory_bytes:
+            c["fits"] = False
+            c["reason"] = (f"Free memory on device cuda:{device_index} ({gib(free_memory_bytes)}/"
+                           f"{gib(total_memory_bytes)} GiB) on startup is less than desired GPU memory utilization "
+                           f"({c['gpu_memory_utilization']}, {gib(c['requested_memory_bytes'])} GiB). Decrease GPU "
+                           "memory utilization or reduce GPU memory used by other processes.")
+            marked += 1
+    for p in proposals:
+        raw = total_memory_bytes * p["gpu_memory_utilization"]
+        requested = math.ceil(raw) if era.requested_rounds_up else int(raw)
+        if requested > free_memory_bytes:
+            p.update(max_model_len=None, num_gpu_blocks=None, kv_cache_tokens=None, max_concurrency=None,
+                     vllm_args=None, reason=f"free memory at start ({gib(free_memory_bytes)} GiB) is below "
+                                            f"total × gpu_memory_utilization ({gib(requested)} GiB): vLLM refuses")
+            marked += 1
+    return marked

@@ -103,3 +103,67 @@ def run_engine(args: dict, *, timeout_s: float = 900.0, python: str | None = Non
     if not parsed.has_memory_lines and parsed.error_message is None:
         raise MeasureError(f"vLLM exited ({proc.returncode}) without memory lines: {text[-1500:]}", where="vllm")
     return parsed, text, proc.returncode
+
+
+#: Most engine start-ups one ``vllm``-method job makes (each takes a minute or more).
+MAX_STARTS = 8
+
+
+def needed_candidates(drop: dict, proposals: list[dict]) -> list[tuple[float, int]]:
+    """The (gpu_memory_utilization, max_model_len) points a ``vllm`` job starts the engine for:
+    the drop's explicit grid when it lists ``candidates.max_model_len``, else each proposal's
+    length (the answer to check); at most :data:`MAX_STARTS`, in order."""
+    cand = drop.get("candidates") or {}
+    us = cand.get("gpu_memory_utilization") or []
+    grid = cand.get("max_model_len")
+    points = [(float(u), int(m)) for u in us for m in grid] if grid else \
+        [(float(p["gpu_memory_utilization"]), int(p["max_model_len"])) for p in proposals if p.get("max_model_len")]
+    return points[:MAX_STARTS]
+
+
+def measured_run(parsed: ParsedLog, *, gpu_memory_utilization: float, max_model_len: int, elapsed_s: float,
+                 failed: bool = False) -> dict:
+    """A ``profile_runs``-shaped dict (``method='vllm'``) of one engine start-up: the terms the engine
+    printed (bytes as ints; None where not printed), its blocks/tokens/concurrency or its refusal
+    (``error_message``; a refusal is a measurement). ``failed``: the start-up gave no measurement
+    at all (timeout, crash without memory lines; ``error_message`` says why).
+    ``cuda_graph_bytes`` is the engine's estimate where printed (0.18+), else the captured size."""
+    graphs = parsed.cuda_graph_estimated_bytes if parsed.cuda_graph_estimated_bytes is not None \
+        else parsed.cuda_graph_bytes
+    return {"method": "vllm", "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+            "weights_bytes": parsed.weights_bytes, "activation_peak_bytes": parsed.activation_peak_bytes,
+            "non_torch_bytes": parsed.non_torch_bytes, "cuda_graph_bytes": graphs,
+            "available_kv_cache_bytes": parsed.available_kv_cache_bytes, "num_gpu_blocks": parsed.num_gpu_blocks,
+            "kv_cache_tokens": parsed.kv_cache_tokens, "max_concurrency": parsed.max_concurrency,
+            "error_message": parsed.error_message, "source": parsed.source,
+            "free_memory_bytes": parsed.free_memory_bytes, "total_memory_bytes": parsed.total_memory_bytes,
+            "elapsed_s": round(elapsed_s, 3), "failed": bool(failed)}
+
+
+def measure_candidates(model_dir: str, drop: dict, points: list[tuple[float, int]], *,
+                       timeout_s: float = 900.0, run: Callable[..., tuple] | None = None) -> list[dict]:
+    """Start the engine once per point (:func:`run_engine`) and return one :func:`measured_run`
+    per start-up. A start that fails without memory lines is recorded with its error
+    (``error_message``) rather than raised, so one bad point does not lose the others.
+
+    Raises:
+        MeasureError: vllm is not importable (before any start).
+    """
+    import time
+
+    from tuner.measure import has_vllm
+
+    if not has_vllm():
+        raise MeasureError("vllm is not importable on this host (method 'vllm' needs it)", where="vllm")
+    out = []
+    for u, m in points:
+        args = engine_args(model_dir, drop, gpu_memory_utilization=u, max_model_len=m)
+        t0 = time.perf_counter()
+        failed = False
+        try:
+            parsed, _text, _rc = (run or run_engine)(args, timeout_s=timeout_s)
+        except MeasureError as exc:
+            parsed, failed = ParsedLog(source=serve_command(args), error_message=str(exc)), True
+        out.append(measured_run(parsed, gpu_memory_utilization=u, max_model_len=m,
+                                elapsed_s=time.perf_counter() - t0, failed=failed))
+    return out
