@@ -200,7 +200,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     partial = float(raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
     dtype = _dtype_name(top.get("torch_dtype") or top.get("dtype") or text_json.get("torch_dtype")
-                        or text_json.get("dtype") or _first(hf, "dtype", default=None))
+                        or text_json.get("dtype") or defaults.get("torch_dtype") or _first(hf, "dtype", default=None))
     # The checkpoint's own key wins over a transformers class default.
     if "tie_word_embeddings" in top:
         tie = bool(top["tie_word_embeddings"])

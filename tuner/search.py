@@ -63,6 +63,9 @@ class Candidate:
     num_gpu_blocks: int
     kv_cache_tokens: int
     max_concurrency: float
+    #: The part of ``activation_peak_bytes`` that is the calibrated reserve for start-up memory
+    #: no term explains (:func:`tuner.budget.unexplained_bytes`), bytes.
+    reserve_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,8 +88,9 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     """
     u, m = gpu_memory_utilization, max_model_len
     n = batch.max_num_batched_tokens
-    budgets = []
+    budgets, reserves = [], []
     for stage, p in enumerate(passes):
+        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes"))))
         corr = dict(layout.corrections)
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
@@ -97,7 +101,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             gpu_memory_utilization=u,
             weights_bytes=int(_get(p, "weights_bytes")),
             activation_peak_bytes=max(0, int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes
-                                      + unexplained_bytes(era, int(_get(p, "weights_bytes")))
+                                      + reserves[-1]
                                       + int(corr.get("activation_peak_delta_bytes", 0))),
             non_torch_bytes=max(0, non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                                                    pipeline_parallel_size=layout.pipeline_parallel_size)
@@ -146,7 +150,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     b = budgets[worst]
     return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
                      b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
-                     blocks, tokens, round(conc, 4))
+                     blocks, tokens, round(conc, 4), reserves[worst])
 
 
 @dataclass(frozen=True)
