@@ -45,6 +45,29 @@ def llama_ffn_size(hidden: int, multiplier: float = 1.3, multiple_of: int = 1024
     return -(-width // multiple_of) * multiple_of
 
 
+#: Qwen2 / Qwen2.5 family shapes, keyed by (hidden_size, num_hidden_layers): (attention heads,
+#: MLP width), from the published Qwen2.5 0.5B–72B configs (Qwen2 uses the same per size).
+QWEN2_SHAPES = {
+    (896, 24): (14, 4864), (1536, 28): (12, 8960), (2048, 36): (16, 11008), (3584, 28): (28, 18944),
+    (5120, 48): (40, 13824), (5120, 64): (40, 27648), (8192, 80): (64, 29568),
+}
+
+
+def qwen2_defaults(text: dict) -> dict:
+    """Defaults for a partial Qwen2-architecture config (keys the file lacks): heads and MLP width
+    of the Qwen2.5 family member with the same hidden size and depth (:data:`QWEN2_SHAPES`; other
+    shapes: 128-wide heads, no MLP default), 32768 positions, rope_theta 1e6, bfloat16 —
+    derivatives such as Kimi-Dev-72B and DeepSeek-R1-Distill-Qwen keep the base model's shapes."""
+    out: dict = {}
+    h, n = text.get("hidden_size"), text.get("num_hidden_layers")
+    heads, inter = QWEN2_SHAPES.get((h, n), (h // 128 if isinstance(h, int) and h % 128 == 0 else None, None))
+    for key, value in (("num_attention_heads", heads), ("intermediate_size", inter), ("max_position_embeddings", 32768),
+                       ("rope_theta", 1000000.0), ("torch_dtype", "bfloat16")):
+        if value is not None and key not in text:
+            out[key] = value
+    return out
+
+
 class GenericDecoderPlugin(ModelPlugin):
     """Dense decoder (Llama family and look-alikes)."""
 
@@ -71,7 +94,10 @@ class GenericDecoderPlugin(ModelPlugin):
           ``rope_theta`` 500000 and bfloat16 weights, as every Llama-3.1+ checkpoint ships.
         """
         text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
-        if (text.get("model_type") or top.get("model_type")) != "llama":
+        model_type = text.get("model_type") or top.get("model_type")
+        if model_type == "qwen2":
+            return qwen2_defaults(text)
+        if model_type != "llama":
             return {}
         out: dict = {}
         hidden = text.get("hidden_size")

@@ -218,5 +218,7 @@ def test_gpt_oss_kv_gib(shared_dir, observed_cases, case_id):
     """KV sizing as printed before the FAILED runs died in the post-capture sampler warm-up."""
     case = observed_cases[case_id]
     row = _predict(shared_dir, case)
-    assert row["predicted_kv_cache_gib"] == pytest.approx(case["observed"]["kv_cache_gib"], rel=0.003)
+    # 1 %: the budget's safety reserve (tuner.budget.unexplained_bytes) is ~0.45 % of this KV; never above
+    assert row["predicted_kv_cache_gib"] == pytest.approx(case["observed"]["kv_cache_gib"], rel=0.01)
+    assert row["predicted_kv_cache_gib"] <= case["observed"]["kv_cache_gib"] + 0.005
     assert row["predicted_weights_gib"] == pytest.approx(case["observed"]["weights_gib"], rel=0.005)
