@@ -164,16 +164,5 @@ class GenericDecoderPlugin(ModelPlugin):
         model = L.CausalLM(embed, layers, norm, lm_head, extra={"rotary_emb": rope})
         return model
 
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Bytes of every parameter and buffer of the rank's module, each storage once
-        (vLLM measures the allocated-memory increase over ``load_model``, reference §2.4)."""
-        seen, total = set(), 0
-        for t in list(module.parameters()) + list(module.buffers()):
-            key = id(t.untyped_storage())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return total
-
 
 plugin = GenericDecoderPlugin()

@@ -104,12 +104,5 @@ class GptOssPlugin(ModelPlugin):
         return build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
                              attn_name="attn", qkv_bias=True, o_bias=True, sinks=True)
 
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Every parameter and buffer once (vLLM's "Model loading took": allocated bytes after
-        ``process_weights_after_loading``, with the MXFP4 layouts described above)."""
-        from tuner.simulate.moe import unique_bytes
-
-        return unique_bytes(module)
-
 
 plugin = GptOssPlugin()

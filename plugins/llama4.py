@@ -120,11 +120,5 @@ class Llama4Plugin(ModelPlugin):
                                  engine_version=settings.engine_version, v0=v0)
         return MultimodalCausalLM(text, vision, h, v0=v0)
 
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Bytes of every parameter and buffer, each storage once ("Model loading took")."""
-        from tuner.simulate.moe import unique_bytes
-
-        return unique_bytes(module)
-
 
 plugin = Llama4Plugin()

@@ -75,11 +75,5 @@ class MiniMaxM2Plugin(ModelPlugin):
             attn.k_norm = L.RMSNorm(spec.num_key_value_heads * spec.head_dim // tp, dtype)
         return model
 
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Every parameter and buffer once (vLLM's "Model loading took", reference §2.4)."""
-        from tuner.simulate.moe import unique_bytes
-
-        return unique_bytes(module)
-
 
 plugin = MiniMaxM2Plugin()

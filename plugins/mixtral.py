@@ -67,11 +67,5 @@ class MixtralPlugin(ModelPlugin):
 
         return build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant)
 
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Every parameter and buffer once (vLLM's "Model loading took", reference §2.4)."""
-        from tuner.simulate.moe import unique_bytes
-
-        return unique_bytes(module)
-
 
 plugin = MixtralPlugin()

@@ -94,12 +94,6 @@ class QwenMoePlugin(ModelPlugin):
         return build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
                              qkv_bias=qkv_bias, qk_norm=self.qwen3)
 
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Every parameter and buffer once (vLLM's "Model loading took", reference §2.4)."""
-        from tuner.simulate.moe import unique_bytes
-
-        return unique_bytes(module)
-
 
 qwen2_moe = QwenMoePlugin("qwen_moe", ("Qwen2MoeForCausalLM",), qwen3=False)
 qwen3_moe = QwenMoePlugin("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3=True)

@@ -82,8 +82,24 @@ class ModelPlugin:
     def build_model(self, spec: Any, settings: RankSettings):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def weights_bytes(self, spec: Any, settings: RankSettings, module: Any) -> int:  # pragma: no cover
-        raise NotImplementedError
+    def weights_bytes(self, spec: Any, settings: RankSettings, module: Any) -> int:
+        """Bytes "Model loading took" on one rank: by default every parameter and buffer of the
+        rank's module, each storage once (vLLM measures the allocated-memory increase over
+        ``load_model`` incl. ``process_weights_after_loading``, reference §2.4). Override when a
+        checkpoint loads something the module does not hold."""
+        return module_weights_bytes(module)
+
+
+def module_weights_bytes(module: Any) -> int:
+    """Bytes of every parameter and buffer of a torch module, each underlying storage counted once
+    (tied and shared tensors once). Needs no torch import of its own."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        key = id(t.untyped_storage())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 _REQUIRED = ("kv_cache_spec", "build_model", "weights_bytes")

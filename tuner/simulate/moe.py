@@ -398,12 +398,8 @@ def build_decoder(spec, settings, layer_indices, *, mlp_for_layer, rope: nn.Modu
 
 
 def unique_bytes(module: nn.Module) -> int:
-    """Bytes of every parameter and buffer of ``module``, each storage once (what vLLM's
-    "Model loading took" measures when the checkpoint is loaded as built)."""
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        key = id(t.untyped_storage())
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+    """Bytes of every parameter and buffer of ``module``, each storage once
+    (:func:`tuner.plugin.module_weights_bytes`)."""
+    from tuner.plugin import module_weights_bytes
+
+    return module_weights_bytes(module)
