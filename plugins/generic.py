@@ -33,6 +33,25 @@ def _uses_sliding_window(spec) -> int | None:
     return int(w)
 
 
+def decoder_kv_specs(spec, settings: RankSettings) -> dict:
+    """KV specs of a standard decoder on one rank and PP stage: ``model.layers.i.self_attn.attn`` →
+    :class:`FullAttentionSpec` (``max(1, kv_heads // tp)`` heads of ``head_dim``, the KV dtype's
+    bytes, ``block_size`` or 16), or :class:`SlidingWindowSpec` when the config slides every layer."""
+    bs = settings.block_size or 16
+    heads = kv_heads_per_rank(spec.num_key_value_heads, settings.tensor_parallel_size)
+    dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
+    window = _uses_sliding_window(spec)
+    out = {}
+    for i in _stage_layers(spec, settings):
+        name = f"model.layers.{i}.self_attn.attn"
+        if window:
+            out[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
+                                          dtype_bytes=dt, sliding_window=window)
+        else:
+            out[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim, dtype_bytes=dt)
+    return out
+
+
 #: The Llama-3 tokenizer's vocabulary (every Llama-3.x checkpoint).
 LLAMA3_VOCAB_SIZE = 128256
 
@@ -110,19 +129,7 @@ class GenericDecoderPlugin(ModelPlugin):
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
-        bs = settings.block_size or 16
-        heads = kv_heads_per_rank(spec.num_key_value_heads, settings.tensor_parallel_size)
-        dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
-        window = _uses_sliding_window(spec)
-        out = {}
-        for i in _stage_layers(spec, settings):
-            name = f"model.layers.{i}.self_attn.attn"
-            if window:
-                out[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
-                                              dtype_bytes=dt, sliding_window=window)
-            else:
-                out[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim, dtype_bytes=dt)
-        return out
+        return decoder_kv_specs(spec, settings)
 
     # -- module ------------------------------------------------------------------------------
     def qkv_bias(self, spec) -> bool:

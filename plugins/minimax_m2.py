@@ -21,9 +21,8 @@ compressed-tensors) get their bytes from :func:`tuner.simulate.quant.scheme_for`
 
 from __future__ import annotations
 
-from tuner.kvcache import FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
 from tuner.plugin import ModelPlugin, RankSettings
-from tuner.plugins.generic import _stage_layers
+from tuner.plugins.generic import _stage_layers, decoder_kv_specs
 
 
 def rotary_dim(spec) -> int:
@@ -38,12 +37,7 @@ class MiniMaxM2Plugin(ModelPlugin):
     architectures = ("MiniMaxM2ForCausalLM",)
 
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
-        bs = settings.block_size or 16
-        heads = kv_heads_per_rank(spec.num_key_value_heads, settings.tensor_parallel_size)
-        dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
-        return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=bs, num_kv_heads=heads,
-                                                                       head_size=spec.head_dim, dtype_bytes=dt)
-                for i in _stage_layers(spec, settings)}
+        return decoder_kv_specs(spec, settings)
 
     def build_model(self, spec, settings: RankSettings):
         from tuner.simulate import layers as L

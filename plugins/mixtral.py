@@ -18,8 +18,7 @@ Profile run: the fused-MoE buffers of :mod:`tuner.simulate.moe` (0.19: a persist
 
 from __future__ import annotations
 
-from tuner.plugins.generic import _stage_layers
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.plugins.generic import _stage_layers, decoder_kv_specs
 from tuner.plugin import ModelPlugin, RankSettings
 
 
@@ -30,19 +29,7 @@ class MixtralPlugin(ModelPlugin):
     architectures = ("MixtralForCausalLM",)
 
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
-        bs = settings.block_size or 16
-        heads = kv_heads_per_rank(spec.num_key_value_heads, settings.tensor_parallel_size)
-        dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
-        window = spec.sliding_window
-        out = {}
-        for i in _stage_layers(spec, settings):
-            name = f"model.layers.{i}.self_attn.attn"
-            if window:
-                out[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
-                                              dtype_bytes=dt, sliding_window=int(window))
-            else:
-                out[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim, dtype_bytes=dt)
-        return out
+        return decoder_kv_specs(spec, settings)
 
     def build_model(self, spec, settings: RankSettings):
         from tuner.simulate import layers as L

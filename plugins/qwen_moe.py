@@ -19,9 +19,8 @@ bytes from :func:`tuner.simulate.quant.scheme_for`. KV cache: one ``FullAttentio
 
 from __future__ import annotations
 
-from tuner.kvcache import FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
 from tuner.plugin import ModelPlugin, RankSettings
-from tuner.plugins.generic import _stage_layers
+from tuner.plugins.generic import _stage_layers, decoder_kv_specs
 
 
 def num_experts(raw: dict) -> int:
@@ -46,12 +45,7 @@ class QwenMoePlugin(ModelPlugin):
         self.qwen3 = qwen3
 
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
-        bs = settings.block_size or 16
-        heads = kv_heads_per_rank(spec.num_key_value_heads, settings.tensor_parallel_size)
-        dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
-        return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=bs, num_kv_heads=heads,
-                                                                       head_size=spec.head_dim, dtype_bytes=dt)
-                for i in _stage_layers(spec, settings)}
+        return decoder_kv_specs(spec, settings)
 
     def build_model(self, spec, settings: RankSettings):
         from tuner.simulate import layers as L
