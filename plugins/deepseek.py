@@ -4,9 +4,9 @@ Serves ``DeepseekV2ForCausalLM`` (DeepSeek-V2 / V2-Lite / Coder-V2), ``DeepseekV
 (DeepSeek-V3 / R1 / V3.1, Kimi-K2 — ``model_type: kimi_k2`` with the DeepSeek-V3 architecture) and
 ``DeepseekV32ForCausalLM`` (sparse MLA with the DSA indexer), following vLLM 0.19.0
 ``vllm/model_executor/models/deepseek_v2.py``. ``DeepseekV4ForCausalLM`` is declared only to fail
-clearly: vLLM 0.19 has no such architecture (its registry, vllm/model_executor/models/registry.py),
-and the 0.33 implementation's compressed/sliding attention cache is not modelled, so the plugin
-raises :class:`~tuner.errors.ModelConfigError` instead of guessing.
+clearly: vLLM ≤0.19 has no such architecture (its registry, vllm/model_executor/models/registry.py);
+0.20+ implement it (``deepseek_v4``) with compressed/sliding attention caches this plugin does not
+model, so the plugin raises :class:`~tuner.errors.ModelConfigError` (saying which) instead of guessing.
 
 What it models per rank (module: :mod:`tuner.simulate.mla`):
 
@@ -160,10 +160,17 @@ class DeepseekPlugin(ModelPlugin):
     def check_supported(self, spec, settings: RankSettings) -> None:
         """Raises ModelConfigError for architectures this plugin must not guess."""
         if "DeepseekV4ForCausalLM" in spec.architectures or spec.model_type == "deepseek_v4":
+            # vllm/model_executor/models/registry.py: absent from 0.19, registered from 0.20
+            # (``deepseek_v4``; 0.28 makes it a default Model Runner V2 architecture).
+            if parse_version(settings.engine_version) < (0, 20, 0):
+                raise ModelConfigError(
+                    f"DeepseekV4ForCausalLM is not supported by vLLM {settings.engine_version} (absent from the "
+                    "model registry before 0.20)", where=spec.path)
             raise ModelConfigError(
-                f"DeepseekV4ForCausalLM is not supported by vLLM {settings.engine_version} (absent from the "
-                "0.19 model registry); later releases implement it with compressed/sliding attention "
-                "caches that this plugin does not model", where=spec.path)
+                f"DeepseekV4ForCausalLM (vLLM {settings.engine_version} implements it from 0.20) is not modelled: "
+                "its hyper-connection residuals, compressed (ratio 4/128) and sliding-window attention "
+                "caches and indexer are outside this plugin; no prediction rather than a guess",
+                where=spec.path)
 
     def is_sparse(self, spec) -> bool:
         return spec.raw.get("index_topk") is not None

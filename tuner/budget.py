@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from tuner.eras import GiB, MiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V1_WHOLE_GPU, Era
+from tuner.eras import GiB, MiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V1_CONSUMED, V1_WHOLE_GPU, Era
 
 
 def requested_memory_bytes(era: Era, total_memory_bytes: int, gpu_memory_utilization: float) -> int:
@@ -20,6 +20,16 @@ def requested_memory_bytes(era: Era, total_memory_bytes: int, gpu_memory_utiliza
     truncated to int before (the budget is later cast with ``int()``)."""
     raw = total_memory_bytes * gpu_memory_utilization
     return math.ceil(raw) if era.requested_rounds_up else int(raw)
+
+
+#: Non-torch increase of a V1 0.9.1–0.10.x engine at TP1/PP1 (GiB). These releases snapshot
+#: before ``init_worker_distributed_environment`` (vllm/v1/worker/gpu_worker.py), but a world of one
+#: creates no NCCL communicator or custom all-reduce, so only module loads (cuBLAS/cuBLASLt,
+#: Triton, FlashInfer kernels) remain. Calibrated, not derived: the two vLLM 0.10.1.1 A100-80GB
+#: logs (Qwen2-7B, u = 0.25 and 0.5) both leave 0.546 GiB beyond the logged weights, of which the
+#: simulated FlashInfer sampler peak (two fp32 [R, V] buffers, 0.9+) is 0.53 GiB: ≈0.02 GiB
+#: non-torch (the V1 reserve of :func:`unexplained_bytes` still applies on top).
+V1_0910_TP1_NON_TORCH_GIB = 0.02
 
 
 def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> int:
@@ -30,6 +40,10 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
       the CUDA context included: 0.35 GiB on one RTX 3090 (case vllm-10517, 0.6.4).
     - V0 0.6.5–0.6.6 charge NCCL and workspaces since init: 1.79 GiB TP1, 3.58 GiB TP2
       (PR #10511 sanity log, reference §7A).
+    - V1 0.9.1–0.10.x at TP1: :data:`V1_0910_TP1_NON_TORCH_GIB` (module loads only).
+    - V0 ≤0.6.3 charges the free-memory drop since init: not the CUDA context (created before the
+      baseline) but the torch cache the profile leaves (no ``empty_cache``), cuBLAS and NCCL;
+      the 0.6.4 constant is kept as its estimate (no public ≤0.6.3 breakdown).
     - V1 0.9.1+ charge the non-torch increase during the profile: 0.25 GiB at TP1 on H100 with
       0.19 (0.24–0.26 over 14 cases; 0.13 with 0.11.0); 2.07 GiB at TP2, 2.13 at TP4 (custom
       all-reduce and NCCL buffers); 0.07 GiB on pipeline stages without TP.
@@ -51,6 +65,8 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
         return int((2.07 + 0.06 * math.log2(tp / 2)) * GiB)
     if pp > 1:
         return int(0.07 * GiB)
+    if v < (0, 11, 0):
+        return int(V1_0910_TP1_NON_TORCH_GIB * GiB)
     if v < (0, 12, 0):
         # 0.13 GiB measured on 0.11.0 (4 H100 cases); applied to 0.9.1–0.10 too (the 0.10.1.1 A100
         # logs print no breakdown; with it their KV is predicted −0.8 % / −3.4 %, without −1.3 / −5.8).
@@ -97,10 +113,51 @@ def cublas_workspace_bytes(compute_capability: str | None) -> int:
     return 4096 * 8 * 1024 if major >= 9 else 4096 * 2 * 1024 + 16 * 8 * 1024
 
 
-def profile_overhead_bytes(compute_capability: str | None) -> int:
+def profile_overhead_bytes(compute_capability: str | None, era: Era | None = None) -> int:
     """Torch peak of a real profile run beyond the simulated model and sampler (bytes): the cuBLAS
-    workspace (see also :func:`unexplained_bytes`, charged per rank with it)."""
+    workspace (see also :func:`unexplained_bytes`, charged per rank with it).
+
+    vLLM 0.33 (vllm/v1/worker/gpu_worker.py ``init_device``) runs ``torch.mm`` and a biased
+    ``linear`` before the start-up snapshot, so the cuBLAS(Lt) handles and workspace are baseline
+    and the profile charges none (0.30 still creates them on the profile's first GEMM)."""
+    if era is not None and era.engine == "V1" and era.version >= (0, 33, 0):
+        return 0
     return cublas_workspace_bytes(compute_capability)
+
+
+def _alloc(nbytes: int) -> int:
+    """One allocation as the caching allocator counts it (512-byte granules)."""
+    return -(-max(0, int(nbytes)) // 512) * 512
+
+
+def runner_persistent_bytes(
+    era: Era, *, model_runner_v2: bool, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+    hidden_size: int, vocab_size: int, dtype_bytes: int = 2, block_size: int = 16,
+) -> int:
+    """Persistent GPU buffers the model runner allocates between the start-up snapshot and the
+    profile run, charged only where the budget is ``total_consumed``-based (V1 0.27+,
+    vllm/utils/mem_utils.py ``memory_profiling``: ``init_free − free_after_profile``); earlier
+    formulas take the torch peak increase from the profile's start and never see them (bytes).
+
+    V1 runner (vllm/v1/worker/gpu_model_runner.py ``__init__``, 0.33): ``input_ids`` int32,
+    ``positions``/``req_indices``/``query_pos`` int64, ``is_padding``/``is_token_ids`` bool, all
+    ``[N]``; ``inputs_embeds [N, H]`` in the model dtype; the placeholder ``InputBatch`` block
+    table ``[S, cdiv(M, bs)]`` int32 and slot mapping ``[N]`` int64 (vllm/v1/worker/block_table.py).
+    Model Runner V2 (vllm/v1/worker/gpu/*.py, 0.27–0.33): ``InputBuffers`` ``[N]`` ids/positions/
+    padding, and the sampler's ``PenaltiesState`` — ``output_bin_counts [S, V]`` int32 and
+    ``prompt_bin_mask [S, cdiv(V, 32)]`` int32 (block tables come after the profile, the token
+    history lives in host memory). Buffers of ``[S]`` elements are left out (a few KiB).
+    """
+    if era.engine != "V1" or era.budget_formula != V1_CONSUMED:
+        return 0
+    n, s = int(max_num_batched_tokens), int(max_num_seqs)
+    if model_runner_v2:
+        return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n)
+                + _alloc(4 * s * vocab_size) + _alloc(4 * s * (-(-vocab_size // 32))))
+    blocks = -(-int(max_model_len) // max(1, block_size))
+    return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n) + _alloc(8 * n) + _alloc(n)
+            + _alloc(8 * max(s + 1, n)) + _alloc(n * hidden_size * dtype_bytes)
+            + _alloc(4 * s * blocks) + _alloc(8 * n))
 
 
 def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:

@@ -199,6 +199,24 @@ class ProfileBatch:
     chunked_prefill: bool
 
 
+def v0_multimodal_min_batched_tokens(version: VllmVersion) -> int:
+    """V0 ``SchedulerConfig`` floor on the default ``max_num_batched_tokens`` of multimodal models
+    (vllm/config.py ``_MULTIMODAL_MODEL_MAX_NUM_BATCHED_TOKENS``): 4096 in 0.6.0, 5120 from 0.6.3
+    (0.6.1–0.6.2 not read; taken as 0.6.0), none in 0.5.4."""
+    if version < (0, 6, 0):
+        return 0
+    return 4096 if version < (0, 6, 3) else 5120
+
+
+def v0_uses_sliding_window(sliding_window, use_sliding_window=None) -> bool:
+    """V0 ``ModelConfig.get_hf_config_sliding_window`` (vllm/config.py 0.6.4): no window when the
+    HF config sets ``use_sliding_window`` false (Qwen2 / Qwen1.5 configs carry a window they do
+    not use); a window of 0 or None is none. Decides the V0 chunked-prefill default."""
+    if use_sliding_window is False:
+        return False
+    return bool(sliding_window)
+
+
 def profile_batch(
     era: Era,
     *,
@@ -231,8 +249,10 @@ def profile_batch(
     if era.engine == "V0":
         chunked = enable_chunked_prefill
         if chunked is None:
+            # 0.5.4–0.6.0 (arg_utils.py) did not exclude multimodal models; 0.6.3+ does.
             chunked = (
-                v >= (0, 5, 4) and max_model_len > 32768 and not has_sliding_window and not is_multimodal
+                v >= (0, 5, 4) and max_model_len > 32768 and not has_sliding_window
+                and not (is_multimodal and v >= (0, 6, 3))
             )
         s = max_num_seqs or 256
         if max_num_batched_tokens is not None:
@@ -246,6 +266,8 @@ def profile_batch(
             n = 512 if v < (0, 6, 5) else 2048
         else:
             n = max(max_model_len, 2048)
+        if max_num_batched_tokens is None and is_multimodal:
+            n = max(n, v0_multimodal_min_batched_tokens(v))
         return ProfileBatch(n, s, min(s, n), bool(chunked))
 
     # V1
@@ -259,6 +281,10 @@ def profile_batch(
         serve_n, offline_n = (8192, 16384) if big else (2048, 8192)
         s_default = 1024 if big else 256
     else:
+        # 0.33 (vllm/engine/arg_utils.py get_batch_defaults) also keeps GB10 (cc 12.1) in the
+        # small tier; 0.28 and 0.30 do not test it.
+        if v >= (0, 33, 0) and "gb10" in name:
+            big = False
         if total_memory_bytes >= 160 * GiB:
             serve_n, offline_n, s_default = 16384, 16384, 1024
         elif big:
@@ -290,13 +316,24 @@ SAMPLER_V1_LOGITS_ONLY = "v1_logits_only"  # V1 0.7.3: logits for R rows, no sam
 SAMPLER_V1_FLASHINFER = "v1_flashinfer"  # V1 0.8–0.11: FlashInfer sampler is the CUDA default
 SAMPLER_V1_SORT = "v1_sort"  # V1 0.12–0.16: PyTorch sort path (FlashInfer opt-in)
 SAMPLER_V1_TRITON = "v1_triton"  # V1 0.17+: Triton top-k/top-p in place for batches ≥ 8
+SAMPLER_V2_LOGITS = "v2_logits"  # Model Runner V2 0.22–0.32: default params, model-dtype logits only
+SAMPLER_V2_FP32_PASS = "v2_fp32_pass"  # Model Runner V2 0.33: + warm-up pass on fp32 logits (FlashInfer)
 
 
-def sampler_family(era: Era) -> str:
-    """The dummy-sampler implementation the era's profile run executes (see constants)."""
+def sampler_family(era: Era, *, model_runner_v2: bool = False) -> str:
+    """The dummy-sampler implementation the era's profile run executes (see constants).
+
+    ``model_runner_v2``: the release runs Model Runner V2 for this model
+    (:func:`uses_model_runner_v2`). Its ``_dummy_sampler_run``
+    (vllm/v1/worker/gpu/model_runner.py) samples with default parameters (no top-k/top-p, no
+    fp32 upcast) in 0.22–0.32; 0.33 adds a second pass with ``SamplingParams.for_sampler_warmup()``
+    (fp32 copy of the logits, FlashInfer top-k/top-p).
+    """
     v = era.version
     if era.engine == "V0":
         return SAMPLER_V0_SORT
+    if model_runner_v2 and v >= (0, 22, 0):
+        return SAMPLER_V2_FP32_PASS if v >= (0, 33, 0) else SAMPLER_V2_LOGITS
     if v < (0, 7, 3):
         return SAMPLER_V1_ALL_LOGITS
     if v < (0, 8, 0):
@@ -306,6 +343,75 @@ def sampler_family(era: Era) -> str:
     if v < (0, 17, 0):
         return SAMPLER_V1_SORT
     return SAMPLER_V1_TRITON
+
+
+#: Architectures Model Runner V2 is the default for (vllm/config/vllm.py
+#: ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``): 0.22 one, 0.24 six; from 0.25 every non-MoE
+#: model also defaults to V2, so the list names MoE models (0.25, 0.27 and 0.28 lists read).
+V2_RUNNER_ARCHITECTURES_0_22 = frozenset({"Qwen3ForCausalLM"})
+V2_RUNNER_ARCHITECTURES_0_24 = frozenset({"Qwen3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM",
+                                          "GraniteMoeForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
+V2_RUNNER_ARCHITECTURES_0_25 = frozenset({"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"})
+V2_RUNNER_ARCHITECTURES_0_27 = V2_RUNNER_ARCHITECTURES_0_25 | {
+    "InklingForCausalLM", "InklingForConditionalGeneration", "KimiK3ForConditionalGeneration",
+    "LongcatFlashNgramForCausalLM"}
+V2_RUNNER_ARCHITECTURES_0_28 = V2_RUNNER_ARCHITECTURES_0_27 | {"DeepseekV4ForCausalLM"}
+
+#: HF config keys vLLM reads for the number of experts (vllm/transformers_utils/config.py
+#: ``CONFIG_FIELD_ALIASES["num_experts"]``); ``is_moe`` = that number > 0.
+NUM_EXPERTS_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+def config_is_moe(text_config: dict) -> bool:
+    """vLLM's ``ModelConfig.is_moe`` from the (text) HF config dict (first alias present)."""
+    for key in NUM_EXPERTS_KEYS:
+        val = (text_config or {}).get(key)
+        if val:
+            if isinstance(val, list):
+                val = val[0]
+            try:
+                return int(val) > 0
+            except (TypeError, ValueError):
+                return False
+    for block in (text_config or {}).get("block_configs") or []:
+        if isinstance(block, dict) and block.get("block_type") == "moe" and block.get("n_routed_experts"):
+            return True
+    return False
+
+
+def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bool = False,
+                         is_attention_free: bool = False, is_quantized: bool = False,
+                         generate: bool = True) -> bool:
+    """Whether the release runs Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) by default.
+
+    ``VllmConfig.use_v2_model_runner`` / ``_is_default_v2_model_runner_model`` (vllm/config/vllm.py):
+    * ≤0.21 (0.20 read): opt-in only (``VLLM_USE_V2_MODEL_RUNNER=1``);
+    * 0.22–0.23: ``Qwen3ForCausalLM``, not MoE, not quantized;
+    * 0.24: architecture in a six-entry list;
+    * 0.25–0.27: listed architecture or not MoE; never hybrid (Mamba) or attention-free;
+    * 0.28–0.29: as 0.25, hybrid allowed when the architecture is listed;
+    * 0.30+: every generative model (unless a feature it lacks is configured).
+    Pooling models (``generate=False``) stay on V1 before 0.30.
+    """
+    v = era.version
+    archs = set(architectures or ())
+    if era.engine != "V1" or v < (0, 22, 0):
+        return False
+    if v >= (0, 30, 0):
+        return True
+    if not generate:
+        return False
+    if v < (0, 24, 0):
+        return bool(archs & V2_RUNNER_ARCHITECTURES_0_22) and not is_moe and not is_quantized
+    if v < (0, 25, 0):
+        return bool(archs & V2_RUNNER_ARCHITECTURES_0_24)
+    listed = bool(archs & (V2_RUNNER_ARCHITECTURES_0_25 if v < (0, 27, 0) else
+                           V2_RUNNER_ARCHITECTURES_0_27 if v < (0, 28, 0) else V2_RUNNER_ARCHITECTURES_0_28))
+    if is_hybrid and (v < (0, 28, 0) or not listed):
+        return False
+    if is_attention_free:
+        return False
+    return listed or not is_moe
 
 
 def resolve_dtype(requested: str, config_dtype: str) -> str:

@@ -15,7 +15,8 @@ from typing import Any
 
 from tuner import __version__
 from tuner.budget import profile_overhead_bytes
-from tuner.eras import GiB, era_for, profile_batch, resolve_dtype
+from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
+from tuner.eras import v0_uses_sliding_window
 from tuner.modelspec import load_model_spec, read_architectures, read_top
 from tuner.plugin import RankSettings, load_registry
 from tuner.search import Layout, evaluate, propose
@@ -136,15 +137,26 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         calibration = {}  # corrections are learned for the simulate terms only
     layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs,
                     corrections=tuple(sorted((k, int(v)) for k, v in calibration.items() if k.endswith("_delta_bytes"))),
-                    activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device)),
+                    activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device),
+                                                                                                 era),
                     hidden_size=spec.hidden_size)
     is_mm = "text_config" in spec.top
+    from tuner.kvcache import MambaSpec
+
+    # Model Runner V2 or V1 runner (vllm/config/vllm.py use_v2_model_runner, 0.22+).
+    runner_v2 = uses_model_runner_v2(
+        era, spec.architectures, is_moe=config_is_moe(spec.raw) or config_is_moe(spec.top),
+        is_hybrid=any(isinstance(x, MambaSpec) for specs in kv_specs for x in specs.values()),
+        is_attention_free=not any(kv_specs_i for kv_specs_i in kv_specs),
+        is_quantized=bool(spec.quantization_config or d.get("quantization")))
 
     def batch_for(m: int):
         return profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"), device_name=device["name"],
                              total_memory_bytes=total, max_num_batched_tokens=d.get("max_num_batched_tokens"),
                              max_num_seqs=d.get("max_num_seqs"), enable_chunked_prefill=d.get("enable_chunked_prefill"),
-                             has_sliding_window=spec.sliding_window is not None, is_multimodal=is_mm)
+                             has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
+                                                                        spec.raw.get("use_sliding_window")),
+                             is_multimodal=is_mm)
 
     from tuner.simulate.profile import run_pass
 
@@ -165,7 +177,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     r = measured_pass(plugin, spec, s, era, batch)
                     row = {**r, "method": "cuda"}
                 else:
-                    r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True))
+                    r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True),
+                                 model_runner_v2=runner_v2)
                     row = {**r.to_dict(), "method": "simulate"}
                 results.append(r)
                 runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
@@ -249,6 +262,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         "engine": era.engine,
         "dtype": dtype,
         "block_size": block_size,
+        "model_runner_v2": runner_v2,
         "kv_block_bytes": kv_block_bytes(era, kv_specs, block_size),
         "runs": runs,
         "candidates": candidates,

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tuner.budget import runner_persistent_bytes
 from tuner.eras import Era, ProfileBatch, sampler_family
 from tuner.plugin import RankSettings
 from tuner.simulate.sampler import run_dummy_sampler
@@ -31,19 +32,26 @@ class PassResult:
     forward_peak_bytes: int
     sampler_peak_bytes: int
     elapsed_s: float
+    #: Model-runner buffers allocated after the start-up snapshot that V1 0.27+ charges through
+    #: ``total_consumed`` (:func:`tuner.budget.runner_persistent_bytes`); included in
+    #: ``activation_peak_bytes``. 0 in earlier eras.
+    persistent_bytes: int = 0
+    #: The pass ran Model Runner V2's profile (:func:`tuner.eras.uses_model_runner_v2`).
+    model_runner_v2: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch, *, fake: bool = True,
-             num_sms: int = 132) -> PassResult:
+             num_sms: int = 132, model_runner_v2: bool = False) -> PassResult:
     """Run one profile pass of ``plugin``'s module for ``spec`` on one rank.
 
     Args:
         fake: build and run under ``FakeTensorMode`` (no real memory); ``False`` runs real CPU
             tensors (small models only; used to check the fake pass).
         num_sms: the GPU's streaming multiprocessors (sizes the Triton sampler scratch).
+        model_runner_v2: the release profiles with Model Runner V2 (its sampler and buffers).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -71,10 +79,19 @@ def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch
             before_sampler = tracker.live_bytes
             tracker.reset_peak()
             if last:
-                run_dummy_sampler(sampler_family(era), model, out, num_reqs=r, num_sms=num_sms,
-                                  version=era.version.key)
+                run_dummy_sampler(sampler_family(era, model_runner_v2=model_runner_v2), model, out, num_reqs=r,
+                                  num_sms=num_sms, version=era.version.key)
             sampler_peak = tracker.peak_bytes - before_sampler
             del out
         peak = max(forward_peak, before_sampler + sampler_peak)
-    return PassResult(n, r, settings.pp_rank, weights, int(peak), int(forward_peak), int(sampler_peak),
-                      round(time.perf_counter() - t0, 4))
+    persistent = runner_persistent_bytes(
+        era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n,
+        max_num_seqs=settings.max_num_seqs or batch.max_num_seqs,
+        max_model_len=settings.max_model_len or n, hidden_size=int(spec.hidden_size),
+        vocab_size=int(spec.vocab_size), dtype_bytes=_DTYPE_BYTES.get(settings.dtype, 2),
+        block_size=settings.block_size or 16)
+    return PassResult(n, r, settings.pp_rank, weights, int(peak) + persistent, int(forward_peak), int(sampler_peak),
+                      round(time.perf_counter() - t0, 4), persistent, bool(model_runner_v2))
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}

@@ -6,7 +6,8 @@ Values are never meaningful. Bytes per ``[R, V]`` element at the peak, besides t
 logits: V0 sort path ≈ 30 (0.6.4 ``_apply_top_k_top_p``: fp32 logits, sorted values, int64
 indices, masks, softmax, cumsum, scattered copy); V1 sort path 22 (0.13–0.16); V1 Triton path 12
 plus a per-SM ``[min(SMs, R), V]`` fp32 scratch buffer (0.17+); FlashInfer (0.8–0.11) runs
-opaque kernels whose scratch is calibrated (see ``FLASHINFER_WORKSPACE_FP32_BUFFERS``).
+opaque kernels whose scratch is calibrated (see ``FLASHINFER_WORKSPACE_FP32_BUFFERS``); Model
+Runner V2 (0.22+) samples the model-dtype logits only, 0.33 adds an fp32 pass of 12 B.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ from tuner.eras import (
     SAMPLER_V1_LOGITS_ONLY,
     SAMPLER_V1_SORT,
     SAMPLER_V1_TRITON,
+    SAMPLER_V2_FP32_PASS,
+    SAMPLER_V2_LOGITS,
 )
 
-#: FlashInfer ``top_k_top_p_sampling_from_logits`` scratch, in fp32 ``[R, V]`` buffers.
-#: Calibrated: 0.10.x logs (A100, Qwen2-7B) imply ≈1; 0.11.0 logs (H100, Llama-3.1-8B,
-#: Qwen3-0.6B, gpt-oss-20b: activation peak ≈ 38 B per sampled logit) imply ≈8.
-FLASHINFER_WORKSPACE_FP32_BUFFERS = {(0, 8): 1, (0, 9): 1, (0, 10): 1, (0, 11): 8}
+#: FlashInfer sampler scratch, in fp32 ``[R, V]`` buffers beside the fp32 logits.
+#: 0.8.x (vllm/v1/sample/ops/topk_topp_sampler.py ``forward_cuda``): ``probs = logits.softmax()``
+#: then ``top_k_top_p_sampling_from_probs`` (FlashInfer < 0.2.3; 0.8.x falls back to the sort path
+#: with ≥ 0.2.3) → 1. 0.9.0–0.10.x: ``top_k_top_p_sampling_from_logits`` = FlashInfer
+#: ``top_k_mask_logits`` (``empty_like(logits)``) + ``torch.softmax`` of it, both alive → 2
+#: (read in 0.9.0, 0.9.2, 0.10.1.1 and flashinfer/sampling.py). 0.11.0 calibrated: logs (H100,
+#: Llama-3.1-8B, Qwen3-0.6B, gpt-oss-20b: activation peak ≈ 38 B per sampled logit) imply ≈8.
+FLASHINFER_WORKSPACE_FP32_BUFFERS = {(0, 8): 1, (0, 9): 2, (0, 10): 2, (0, 11): 8}
 
 
 def _sort_top_k_top_p(logits: torch.Tensor, v0: bool) -> torch.Tensor:
@@ -75,8 +82,20 @@ def run_dummy_sampler(
     if family in (SAMPLER_V1_FLASHINFER, SAMPLER_V1_SORT, SAMPLER_V1_TRITON):
         last = torch.empty_like(last)  # torch.rand_like(hidden_states)
     logits = model.compute_logits(last)  # [R, V] model dtype (a view of the padded logits)
-    if family == SAMPLER_V1_LOGITS_ONLY:
+    if family in (SAMPLER_V1_LOGITS_ONLY, SAMPLER_V2_LOGITS):
+        # V2 default pass (vllm/v1/worker/gpu/sample/sampler.py, 0.22–0.33): no request needs
+        # processing, top-k/top-p unset → gumbel_sample on the model-dtype logits ([R] outputs).
         del logits, last
+        return
+    if family == SAMPLER_V2_FP32_PASS:
+        # 0.33 second pass, SamplingParams.for_sampler_warmup(): apply_sampling_params copies
+        # the logits to fp32 (penalties, bias, temperature, min-p in place), then
+        # flashinfer_sample → top_k_mask_logits (empty_like) + softmax probs; the fp32 copy
+        # stays alive for compute_topk_scores (gather-based, no [R, V] output).
+        processed = torch.empty_like(logits, dtype=torch.float32)
+        masked = torch.empty_like(processed)
+        probs = torch.empty_like(masked)
+        del masked, probs, processed, logits, last
         return
     logits32 = logits.to(torch.float32)  # no-op for fp32 models
     if family == SAMPLER_V0_SORT:
