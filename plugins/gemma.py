@@ -34,8 +34,10 @@ unification of Gemma-4's unequal pages and the "GPU KV cache size" token count a
 
 Multimodal ``-it`` checkpoints: Gemma 3's SigLIP tower and projector (and the V1 encoder
 profile) come from :mod:`tuner.simulate.vision` (``VisionTower(kind="siglip")`` wrapped in
-``MultimodalCausalLM``). TODO: Gemma 4's vision encoder has no ``VisionTower`` kind yet, so its
-tower (~0.4-0.55 B parameters) is missing from Gemma-4 weights.
+``MultimodalCausalLM``). Gemma 4's tower (transformers ``Gemma4VisionModel``, which vLLM 0.19
+builds with ``AutoModel.from_config``: replicated, never quantized, ~0.57 B parameters) and
+``embed_vision`` projector come from ``VisionTower(kind="gemma4")`` (weights only: its encoder
+profile is not simulated).
 
 Errors: :class:`tuner.errors.PluginError` when a Gemma-4 config lacks ``layer_types``.
 """
@@ -315,17 +317,19 @@ def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):
     ``MultimodalCausalLM``, which also replays the V1 encoder profile). Gemma 3 uses
     ``kind="siglip"`` (SigLIP + ``Gemma3MultiModalProjector``).
 
-    TODO(vision): Gemma 4's vision encoder (gemma4_mm.py) has no ``VisionTower`` kind yet; its
-    tower and projector are missing from the weights until the multimodal module adds one.
+    Gemma 4 (gemma4_mm.py) uses ``kind="gemma4"`` (transformers ``Gemma4VisionModel`` +
+    ``Gemma4MultimodalEmbedder``; 16-bit whatever the checkpoint's scheme, replicated on every TP
+    rank; weights only).
     """
     vc = spec.top.get("vision_config")
-    if not isinstance(vc, dict) or "text_config" not in spec.top or gen != 3:
+    if not isinstance(vc, dict) or "text_config" not in spec.top or gen not in (3, 4):
         return text
     try:
         from tuner.simulate.vision import MultimodalCausalLM, VisionTower
     except ImportError:  # pragma: no cover - the multimodal engineer's module
         return text
-    tower = VisionTower(spec.top, dtype, kind="siglip", tp=settings.tensor_parallel_size, quant=quant,
+    kind = "siglip" if gen == 3 else "gemma4"
+    tower = VisionTower(spec.top, dtype, kind=kind, tp=settings.tensor_parallel_size, quant=quant,
                         engine_version=settings.engine_version, v0=settings.runs_attention)
     return MultimodalCausalLM(text, tower, spec.hidden_size, v0=settings.runs_attention)
 

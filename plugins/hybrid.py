@@ -424,8 +424,9 @@ class Qwen35Plugin(_HybridPlugin):
 
 def _with_vision(text, spec, settings: RankSettings, dtype, quant):
     """Wrap the text model with the Qwen3-VL vision transformer + merger of the checkpoint
-    (``tuner.simulate.vision``: ``VisionTower(kind="qwen3_5")`` in ``MultimodalCausalLM``; the
-    tower's weights count, its encoder pass is not simulated there)."""
+    (``tuner.simulate.vision``: ``VisionTower(kind="qwen3_5")`` in ``MultimodalCausalLM``: the
+    tower's weights and vLLM's V1 encoder profile, one 4096² dummy image = 65536 patches /
+    16384 tokens for the published 16.8 MP processor limit)."""
     if not isinstance(spec.top.get("vision_config"), dict):
         return text
     try:

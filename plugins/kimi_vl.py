@@ -4,8 +4,10 @@
 Follows vllm/model_executor/models/kimi_vl.py (0.19.0): the language model is vLLM's
 ``DeepseekV2Model`` (modelled by :mod:`tuner.plugins.deepseek`, subclassed here, not copied), the
 tower ``MoonVitPretrainedModel`` and ``KimiVLMultiModalProjector`` come from
-:mod:`tuner.simulate.vision` (kind ``moonvit``, weights only: the encoder's profile pass is not
-simulated, the text dummy run is). KV cache: one 576-element latent per token per layer
+:mod:`tuner.simulate.vision` (kind ``moonvit``), which also replays vLLM's V1 encoder profile:
+``max(N, T) // T`` dummy 1024² images (T = 1089 tokens: scaled to the processor's 4096-patch
+limit, padded to 66x66 patches, 2x2 merge; 7 images at N = 8192), their pixel batch, outputs and
+MoonViT's cached 512x512 rotary table kept through the text dummy run and the sampler. KV cache: one 576-element latent per token per layer
 (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64), not sharded by TP.
 
 Partial configs: the published Kimi-VL facts lack most text keys (shared/models source.txt:

@@ -143,3 +143,35 @@ def test_gemma2_case_predictions(shared_dir, observed_cases, case_id):
     assert abs(c["kv_cache_tokens"] - obs["kv_cache_tokens"]) / obs["kv_cache_tokens"] < 0.01
     assert abs(c["max_concurrency"] - obs["max_concurrency"]) / obs["max_concurrency"] < 0.01
     assert abs(c["available_kv_cache_bytes"] / GiB - obs["kv_cache_gib"]) / obs["kv_cache_gib"] < 0.01
+
+
+@pytest.mark.parametrize("model,text_hidden", [("google--gemma-4-26B-A4B", 2816), ("nvidia--Gemma-4-31B-IT-NVFP4", 5376)])
+def test_gemma4_vision_tower(shared_dir, gemma, model, text_hidden):
+    """Gemma-4 tower (transformers Gemma4VisionModel: 569,548,080 parameters on the meta device for
+    both configs) + embed_vision projection [H, 1152], 16-bit even in the NVFP4 checkpoint."""
+    import json
+
+    import torch
+
+    from tuner.simulate.quant import scheme_for
+    from tuner.simulate.vision import VisionTower, vision_tower_bytes
+
+    top = json.loads((shared_dir / "models" / model / "config.json").read_text())
+    d, i, layers, p, hd = 1152, 4304, 27, 16, 72
+    per_layer = 4 * d * d + 3 * d * i + 2 * hd + 4 * d  # q,k,v,o; gate,up,down; q/k norms; 4 RMSNorms
+    tower = 3 * p * p * d + 2 * 10240 * d + layers * per_layer
+    assert tower == 569_548_080  # transformers' parameters (std_bias/std_scale are buffers there)
+    # + std_bias/std_scale [D] in the default (model) dtype, embed_vision, float32 axial inv_freq x2
+    expected = 2 * (tower + 2 * d + d * text_hidden) + 2 * 18 * 4
+    assert vision_tower_bytes(top, 2, kind="gemma4") == expected
+    assert vision_tower_bytes(top, 2, kind="gemma4", tp=4) == expected  # HF module: replicated
+    spec = _spec(shared_dir, model)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        vt = VisionTower(top, torch.bfloat16, kind="gemma4", quant=scheme_for(spec, _settings()))
+        got = sum(t.numel() * t.element_size() for t in list(vt.parameters()) + list(vt.buffers()))
+    assert got == expected
+    # the plugin's module carries the tower (its weights exceed the text model's by the tower)
+    _, w = _weights(gemma, spec, _settings())
+    assert w > expected

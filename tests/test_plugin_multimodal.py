@@ -148,3 +148,110 @@ def test_llama4_vision_bytes(shared_dir):
              + i * 4096 + 4096 * 4096 + 4096 * h)  # adapter fc1/fc2 (no bias), projector
     rotary = npatch * (d // 16 // 2) * 8  # complex64 [577, 44]
     assert vision_tower_bytes(top, 2, kind="llama4") == 2 * elems + rotary
+
+
+# -- MoonViT / Qwen3.5 encoder profile, every multimodal config --------------------------------
+KIMI_VL = "moonshotai--Kimi-VL-A3B-Instruct"
+
+
+def _tower_pass(top, kind, n):
+    """Replay one tower's V1 encoder profile under FakeTensorMode: (tower, peak, kept bytes)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tuner.simulate.tracker import MemoryTracker
+    from tuner.simulate.vision import VisionTower
+
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        tower = VisionTower(top, torch.bfloat16, kind=kind)
+        with MemoryTracker() as tr:
+            out = tower(n)
+            kept = tr.live_bytes
+        del out
+    return tower, tr.peak_bytes, kept
+
+
+def test_moonvit_dummy_items():
+    from tuner.simulate.vision import encoder_profile_items, max_tokens_per_item
+
+    # 1024² dummy: 73² patches > 4096 -> scale sqrt(4096/5329) -> 897 px -> padded to 924 = 66·14
+    assert max_tokens_per_item({"hidden_size": 1152, "patch_size": 14}, kind="moonvit") == (33 * 33, 1, 66 * 66)
+    assert encoder_profile_items(8192, 1089, "0.19.0") == 7
+    # a 2506-style processor limit of 16384 patches keeps the 1024² image: 74² padded patches
+    assert max_tokens_per_item({"patch_size": 14, "in_token_limit": 16384}, kind="moonvit")[0] == 37 * 37
+
+
+def test_moonvit_encoder_pass_hand_computed(shared_dir):
+    from plugins.kimi_vl import TEXT_DEFAULTS
+
+    top = _top(shared_dir, KIMI_VL)
+    top["text_config"] = {**TEXT_DEFAULTS, **top.get("text_config", {})}
+    _tower, peak, kept = _tower_pass(top, "moonvit", 8192)
+    s, d, h = 7 * 66 * 66, 1152, 2048  # 7 images x 4356 patches
+    pixels = s * 3 * 14 * 14 * 2
+    rope_table = 512 * 512 * 36 * 8  # complex64 [512, 512, hd/2], cached on the first forward
+    freqs = s * 36 * 8
+    # the block's rotary phase: input + norm0 + wqkv (3D) + q,k float32 + q,k complex64 + q,k bf16
+    block = s * d * (2 + 2 + 6 + 8 + 8 + 4)
+    assert peak == pytest.approx(pixels + rope_table + freqs + block, rel=1e-5)  # 1.093 GiB
+    # kept through the text run and the sampler: pixel batch, rotary table, outputs [7·1089, H]
+    assert kept == pytest.approx(pixels + rope_table + 7 * 1089 * h * 2, rel=1e-5)
+
+
+def test_qwen3_5_encoder_pass(shared_dir):
+    from tuner.simulate.vision import encoder_profile_items, max_tokens_per_item, vision_tower_bytes
+
+    top = _top(shared_dir, "Qwen--Qwen3.5-27B")
+    # 16.8 MP processor limit in 32-pixel merge units: 128x128 -> 4096² image, 256² patches
+    assert max_tokens_per_item(top, kind="qwen3_5") == (16384, 1, 65536)
+    assert encoder_profile_items(8192, 16384, "0.19.0") == 1  # budget max(N, T) = T
+    d, i, p, layers, out = 1152, 4304, 16, 27, 5120
+    per_layer = 4 * d + 3 * d * d + 3 * d + d * d + d + d * i + i + i * d + d
+    merger = 2 * d + 16 * d * d + 4 * d + 4 * d * out + out
+    elems = d * 3 * 2 * p * p + d + 2304 * d + 8192 * 36 + layers * per_layer + merger
+    assert vision_tower_bytes(top, 2, kind="qwen3_5") == 2 * elems
+    _tower, peak, kept = _tower_pass(top, "qwen3_5", 8192)
+    s = 65536
+    pixels, pos, cos_sin = s * 1536 * 2, s * d * 2, 2 * s * 36 * 2
+    # attention phase: input, norm1, qkv, q/k contiguous + rotated, context, proj (all [S, *] bf16)
+    block = s * d * 2 * (1 + 1 + 3 + 2 + 2 + 1 + 1)
+    assert peak == pytest.approx(pixels + pos + s * 2 * 8 + cos_sin + block, rel=1e-5)  # 1.885 GiB
+    assert kept == pytest.approx(pixels + s // 4 * out * 2, rel=1e-5)
+
+
+#: vision.py kind of each multimodal architecture's tower
+_KIND = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+         "Mistral3ForConditionalGeneration": "pixtral", "Gemma3ForConditionalGeneration": "siglip",
+         "Gemma4ForConditionalGeneration": "gemma4", "LlavaNextForConditionalGeneration": "siglip",
+         "Llama4ForConditionalGeneration": "llama4", "KimiVLForConditionalGeneration": "moonvit"}
+
+
+def test_every_multimodal_tower_runs(shared_dir):
+    """Every config with a vision_config: its tower builds and replays the V1 encoder profile."""
+    from tuner.simulate.vision import vision_tower_bytes
+
+    seen = 0
+    for cfg in sorted((shared_dir / "models").glob("*/config.json")):
+        top = json.loads(cfg.read_text())
+        if not isinstance(top.get("vision_config"), dict):
+            continue
+        kind = _KIND[top["architectures"][0]]
+        tower, peak, kept = _tower_pass(top, kind, 8192)
+        assert vision_tower_bytes(top, 2, kind=kind) > 0
+        assert (peak > kept > 0) if kind != "gemma4" else peak == 0, cfg.parent.name
+        seen += 1
+    assert seen >= 14
+
+
+@pytest.mark.parametrize("name", [KIMI_VL, "Qwen--Qwen3.5-27B", "google--gemma-4-26B-A4B"])
+def test_multimodal_plugin_pass_runs(shared_dir, registry, name):
+    """The full V1 profile pass (encoder, text run, sampler) of the changed wrappers."""
+    from tuner.eras import ProfileBatch, era_for
+    from tuner.simulate.profile import run_pass
+
+    era = era_for("0.19.0")
+    plugin, _ = registry.for_architectures(_top(shared_dir, name)["architectures"])
+    spec = _spec(shared_dir, name, plugin)
+    st = RankSettings("0.19.0", "bfloat16", compiled=era.compiled, runs_attention=False)
+    res = run_pass(plugin, spec, st, era, ProfileBatch(2048, 16, 16, True))
+    assert res.weights_bytes > 0 and res.activation_peak_bytes > 0

@@ -43,10 +43,26 @@ Kinds (``kind=``), each following vLLM 0.19's module structure:
 - ``moonvit``: Kimi-VL (moonvit.py ``MoonVitPretrainedModel`` + kimi_vl.py projector): conv+bias,
   learnable 2-D position table ``[64, 64, D]``, L blocks (LayerNorms, biased wqkv/wo, fc0/fc1),
   final LayerNorm; projector ``pre_norm``, ``linear_1 [4D, 4D]``, ``linear_2 [H, 4D]``
-  (replicated, 16-bit). Weights only: its encoder pass is not simulated.
+  (replicated, 16-bit). Encoder pass: ``max(N, T) // T`` dummy 1024² images, each scaled to the
+  processor's ``in_token_limit`` (4096 patches) and padded to the 28-pixel merge unit: 66x66
+  patches, T = 1089 tokens (7 images at N = 8192); float32/complex64 rotary products per block,
+  varlen FlashAttention (no scores); the 512x512 complex64 rotary table is built on the first
+  forward and stays allocated (a ``cached_property``).
 - ``qwen3_5``: Qwen3.5/3.6 (qwen3_vl.py ``Qwen3_VisionTransformer``): Conv3d + bias, position
   table, L blocks (LayerNorms, biased qkv/proj/fc1/fc2), merger (LayerNorm, ``linear_fc1 [4D,4D]``,
-  ``linear_fc2 [H, 4D]``), bf16 rotary cache ``[8192, head_dim/2]``. Weights only.
+  ``linear_fc2 [H, 4D]``), bf16 rotary cache ``[8192, head_dim/2]``. Encoder pass: the image
+  with the most features under the processor's 16.8 MP limit (4096², 65536 patches, T = 16384
+  tokens; budget ``max(N, T)`` gives one image for N <= 16384), bilinear position interpolation,
+  q/k contiguous copy + out-of-place rotary, varlen FlashAttention.
+- ``gemma4``: Gemma 4 (transformers ``Gemma4VisionModel``, built by vLLM 0.19 gemma4_mm.py with
+  ``AutoModel.from_config``: plain ``nn.Linear`` without bias, never TP-sharded or quantized):
+  patch ``input_proj [D, 3p²]``, 2-D position table ``[2, 10240, D]``, L blocks of separate
+  q/k/v/o, q/k norms ``[hd]``, 4 RMSNorms, gated MLP gate/up/down; ``std_bias``/``std_scale``
+  when ``standardize``; float32 axial rotary ``inv_freq``; projector
+  ``embed_vision.embedding_projection [H, D]`` (weightless norm). Weights only.
+
+The V1 profile keeps the dummy pixel batch (``batched_dummy_mm_inputs``) and the encoder outputs
+allocated through the text dummy run and the sampler (locals of ``profile_run``).
 
 Defaults for vision-config keys a partial file lacks come from transformers' config classes or
 vLLM's own config class (named where used). Sizes: D vision hidden, I vision intermediate,
@@ -63,7 +79,25 @@ from torch import nn
 
 from tuner.simulate import layers as L
 
-KINDS = ("pixtral", "siglip", "llama4", "moonvit", "qwen3_5")
+KINDS = ("pixtral", "siglip", "llama4", "moonvit", "qwen3_5", "gemma4")
+
+#: Kimi-VL dummy image (vllm/model_executor/models/kimi_vl.py ``MaxImageTokenMeta``: 1024x1024)
+#: and the image processor's ``in_token_limit`` (patches per image before the 2x2 merge) and
+#: ``pad_input`` of Kimi-VL-A3B's preprocessor_config.json (4096 patches = 0.8 MP; the 2506
+#: release raised it to 16384). A vision config's own ``in_token_limit`` wins.
+KIMI_DUMMY_IMAGE = 1024
+KIMI_IN_TOKEN_LIMIT = 4096
+
+#: Qwen3-VL / Qwen3.5 image processor ``size.longest_edge`` (max pixels per image) of the
+#: published preprocessor_config.json (16777216 = 4096²); video frames are capped at
+#: ``25165824 / temporal_patch_size`` pixels (video_preprocessor_config.json), so an image is
+#: the modality with the most tokens. A top-level ``max_pixels`` key wins.
+QWEN3_VL_MAX_PIXELS = 16777216
+QWEN3_VL_VIDEO_MAX_PIXELS = 25165824
+
+#: MoonViT's 2-D rotary table ``Rope2DPosEmb(head_dim, 512, 512)`` (moonvit.py), complex64,
+#: computed on the GPU on the first encoder forward (a ``cached_property``) and kept.
+MOONVIT_ROPE_GRID = 512
 
 #: vLLM stopped depending on xformers (``requirements/cuda.txt``) after 0.11 (0.11.0 pins
 #: xformers 0.0.32; 0.19.0 has none), so Pixtral falls back to SDPA with a dense mask.
@@ -112,7 +146,7 @@ class Geometry:
     patch: int
     image_size: int
     channels: int
-    wrapper: str  # "mistral3" | "gemma3" | "llava_next" | "llama4" | "kimi_vl" | "qwen3_5" | ""
+    wrapper: str  # "mistral3" | "gemma3" | "llava_next" | "llama4" | "kimi_vl" | "qwen3_5" | "gemma4" | ""
 
 
 def _feature_layers(top: dict, vc: dict):
@@ -154,6 +188,11 @@ def geometry(vision_config: dict, *, kind: str, top: dict | None = None) -> Geom
         return Geometry(kind, vc.get("hidden_size", 1152), vc.get("intermediate_size", 4304),
                         vc.get("depth", vc.get("num_hidden_layers", 27)), vc.get("num_heads", 16),
                         vc.get("patch_size", 16), 0, vc.get("in_channels", 3), "qwen3_5")
+    if kind == "gemma4":
+        # transformers Gemma4VisionConfig defaults
+        return Geometry(kind, vc.get("hidden_size", 1152), vc.get("intermediate_size", 4304),
+                        vc.get("num_hidden_layers", 27), vc.get("num_attention_heads", 16), vc.get("patch_size", 16),
+                        0, 3, "gemma4")
     raise ValueError(f"unknown vision tower kind {kind!r} (known: {', '.join(KINDS)})")
 
 
@@ -296,6 +335,39 @@ def param_list(vision_config: dict, *, kind: str, top: dict | None = None) -> li
             out += [(f"{mp}.norm.weight", (nd,), "w"), (f"{mp}.norm.bias", (nd,), "w"),
                     _lin(f"{mp}.linear_fc1", dm, dm, True, "col"), _lin(f"{mp}.linear_fc2", dm, h_out, True, "row")]
         return out
+    if kind == "gemma4":
+        # transformers Gemma4VisionModel (vLLM 0.19 gemma4_mm.py builds it with AutoModel.from_config:
+        # plain nn.Linear, no TP sharding, no quantization) + vLLM's Gemma4MultimodalEmbedder
+        # (ReplicatedLinear without quant_config, weightless RMSNorm).
+        pre = "vision_tower"
+        hdv = int(vc.get("head_dim") or hd)
+        kvh = int(vc.get("num_key_value_heads") or g.heads)
+        npos = int(vc.get("position_embedding_size", 10240))
+        clipped = bool(vc.get("use_clipped_linears", False))
+        out += [_lin(f"{pre}.patch_embedder.input_proj", 3 * p * p, d, False, "rep", False),
+                (f"{pre}.patch_embedder.position_embedding_table", (2, npos, d), "w")]
+        spatial = hdv // 2
+        nfreq = len(range(0, spatial, 2))
+        out += [(f"{pre}.encoder.rotary_emb.inv_freq", (nfreq,), "f32"),
+                (f"{pre}.encoder.rotary_emb.original_inv_freq", (nfreq,), "f32")]
+        for li in range(g.layers):
+            b = f"{pre}.encoder.layers.{li}"
+            lins = [("self_attn.q_proj", d, g.heads * hdv), ("self_attn.k_proj", d, kvh * hdv),
+                    ("self_attn.v_proj", d, kvh * hdv), ("self_attn.o_proj", g.heads * hdv, d),
+                    ("mlp.gate_proj", d, i), ("mlp.up_proj", d, i), ("mlp.down_proj", i, d)]
+            for n, fi, fo in lins:
+                out.append(_lin(f"{b}.{n}.linear", fi, fo, False, "rep", False))
+                if clipped:  # input/output min/max scalars (default dtype)
+                    out += [(f"{b}.{n}.{m}", (), "w") for m in ("input_min", "input_max", "output_min", "output_max")]
+            out += [(f"{b}.self_attn.q_norm.weight", (hdv,), "w"), (f"{b}.self_attn.k_norm.weight", (hdv,), "w")]
+            out += [(f"{b}.{n}.weight", (d,), "w") for n in ("input_layernorm", "post_attention_layernorm",
+                                                            "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        if vc.get("standardize", False):
+            out += [(f"{pre}.std_bias", (d,), "w"), (f"{pre}.std_scale", (d,), "w")]
+        if h_text:
+            dim = int(vc.get("output_proj_dims") or d)
+            out.append(_lin("embed_vision.embedding_projection", dim, h_text, False, "rep", False))
+        return out
     raise ValueError(f"unknown vision tower kind {kind!r}")
 
 
@@ -371,6 +443,35 @@ def max_tokens_per_item(vision_config: dict, *, kind: str, top: dict | None = No
         per_tile = int(side * side * ratio * ratio)
         tiles = LLAMA4_MAX_TILES + 1  # 16:1 image -> 16 tiles + the global tile
         return tiles * per_tile, tiles, side * side + 1
+    if kind == "moonvit":
+        # KimiVLProcessingInfo.get_num_image_tokens on the 1024² dummy image: scale down to
+        # ``in_token_limit`` patches, pad to the merge unit (pad_input), 2x2 merge.
+        p = g.patch
+        kh, kw = (vc.get("merge_kernel_size") or [2, 2])[:2]
+        limit = int(vc.get("in_token_limit", KIMI_IN_TOKEN_LIMIT))
+        w = h = KIMI_DUMMY_IMAGE
+        if (w // p) * (h // p) > limit:
+            scale = math.sqrt(limit / ((w // p) * (h // p)))
+            w, h = int(w * scale), int(h * scale)
+        h += (kh * p - h % (kh * p)) % (kh * p)
+        w += (kw * p - w % (kw * p)) % (kw * p)
+        gh, gw = h // p, w // p
+        return (gh // kh) * (gw // kw), 1, gh * gw
+    if kind == "qwen3_5":
+        # Qwen2VLProcessingInfo.get_image_size_with_most_features + get_num_image_tokens
+        # (qwen2_vl.py / qwen3_vl.py, 0.19): the max-pixel budget in merge units, factored
+        # into the closest pair (aspect <= 200), one temporal patch.
+        m = int(vc.get("spatial_merge_size", 2))
+        unit = g.patch * m
+        max_seq = int(top.get("max_pixels", QWEN3_VL_MAX_PIXELS)) // (unit * unit)
+        hf, wf = 1, max_seq
+        for n in range(max_seq, 0, -1):
+            hf = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+            wf = n // hf
+            if wf / hf <= 200:
+                break
+        patches = (hf * m) * (wf * m)
+        return patches // (m * m), 1, patches
     raise ValueError(f"encoder profile of kind {kind!r} is not simulated")
 
 
@@ -417,7 +518,9 @@ class VisionTower(nn.Module):
         self.kind, self.dtype, self.tp = kind, dtype, tp
         self.engine_version, self.v0 = engine_version, v0
         self.geom = geometry(self.vc, kind=kind, top=self.top)
-        use_quant = quant if kind not in ("llama4", "moonvit") else None
+        use_quant = quant if kind not in ("llama4", "moonvit", "gemma4") else None
+        self._dummy_batch: list = []  # V1: the profile's dummy pixel batch (kept through the text run)
+        self._rope_cache = None  # MoonViT's cached 2-D rotary table (allocated on the first forward)
         self.linears = nn.ModuleDict()
         for name, shape, st in param_list(self.vc, kind=kind, top=self.top):
             key = name.replace(".", "__")
@@ -426,9 +529,9 @@ class VisionTower(nn.Module):
                 q = use_quant if shape[5] else None
                 self.linears[key] = L.Linear(in_f, out_f, dtype, bias=bool(b), quant=q, prefix=name)
             elif st in _TORCH:
-                self.register_buffer(key, torch.empty(*shape, dtype=_TORCH[st]), persistent=False)
+                self.register_buffer(key, torch.empty(tuple(shape), dtype=_TORCH[st]), persistent=False)
             else:
-                self.register_parameter(key, nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False))
+                self.register_parameter(key, nn.Parameter(torch.empty(tuple(shape), dtype=dtype), requires_grad=False))
 
     # -- encoder pass ---------------------------------------------------------------------
     def profile_items(self, num_tokens: int) -> tuple[int, int, int, int]:
@@ -437,10 +540,23 @@ class VisionTower(nn.Module):
         return encoder_profile_items(num_tokens, t, self.engine_version, v0=self.v0), t, crops, patches
 
     def forward(self, num_tokens: int):
-        if self.kind not in ("pixtral", "siglip", "llama4"):
-            return None  # weights only (moonvit, qwen3_5): encoder pass not simulated
+        """Replay the encoder profile; returns the encoder outputs the engine caches, or None
+        for kinds whose pass is not simulated (``gemma4``: weights only).
+
+        V1 (vllm/v1/worker/gpu_model_runner.py ``profile_run``, 0.19) binds the dummy batch
+        (``batched_dummy_mm_inputs``) and the outputs to locals of ``profile_run``, so both stay
+        allocated through the text dummy run and the sampler: the pixel batch is kept on
+        ``self._dummy_batch`` until the next forward. V0 encodes inside the forward and frees both.
+        """
+        if self.kind == "gemma4":
+            return None
+        self._dummy_batch = []
         items, t, crops, patches = self.profile_items(num_tokens)
         h_text = _text_hidden(self.top) or self.geom.hidden
+        if self.kind == "moonvit":
+            return self._moonvit(items, patches)
+        if self.kind == "qwen3_5":
+            return self._qwen3_5(items, patches)
         if self.kind == "pixtral":
             out = self._pixtral(items, patches)
         elif self.kind == "siglip":
@@ -453,13 +569,189 @@ class VisionTower(nn.Module):
     def _e(self, *shape, dtype=None):
         return torch.empty(*shape, dtype=dtype or self.dtype)
 
+    def _pixels(self, *shape):
+        """The dummy pixel batch in the model dtype (vLLM's processor casts floating inputs to
+        the model dtype, vllm/multimodal/processing/context.py); kept past the encoder in V1."""
+        t = self._e(*shape)
+        if not self.v0:
+            self._dummy_batch.append(t)
+        return t
+
+    def _moonvit(self, items: int, patches: int):
+        """MoonViT + Kimi-VL projector (vllm/model_executor/models/moonvit.py, kimi_vl.py, 0.19),
+        eager, ``items`` images of ``patches`` = side² patches each (S = items·patches).
+
+        Per block (``MoonVitEncoderLayer``): norm0, fused wqkv ``[S, 3D]``, ``apply_rope`` (q and
+        k cast to float32, complex products ``[S, heads, hd/2]`` complex64, cast back), varlen
+        FlashAttention output ``[S, D]`` (no mask or scores), wo, residual add; ``attn_out``
+        stays bound until the block returns; MLP2 fc0 ``[S, I]`` + GELU + fc1 with norm1's output
+        held by the module call. The block's input stays alive (caller's loop variable). Extras:
+        the 2-D position table interpolated per image (bicubic, ``[D, side, side]``) when the grid
+        differs from ``init_pos_emb`` (64x64); the rotary table ``[512, 512, hd/2]`` complex64
+        computed on the first forward and kept (``cached_property``); per-image rotary slices
+        concatenated to ``[S, hd/2]``; ``patch_merger`` copies ``[S, D]``; projector LayerNorm,
+        ``linear_1 [S/4, 4D]``, GELU, ``linear_2 [S/4, H]`` (replicated).
+        """
+        g, tp = self.geom, self.tp
+        d, i, dl = g.hidden, g.intermediate // tp, g.hidden // tp
+        hd = d // g.heads
+        side = math.isqrt(patches)
+        s = items * patches
+        kh, kw = (self.vc.get("merge_kernel_size") or [2, 2])[:2]
+        h_text = _text_hidden(self.top) or d
+        pixels = self._pixels(s, g.channels, g.patch, g.patch)
+        # MoonVisionPatchEmbed: conv -> [S, D], + interpolated position table
+        conv = self._e(s, d)
+        ph, pw = int(self.vc.get("init_pos_emb_height", 64)), int(self.vc.get("init_pos_emb_width", 64))
+        pos = []
+        if (side, side) != (ph, pw):
+            for _ in range(items):
+                interp = self._e(1, d, side, side)
+                pos.append(self._e(patches, d))  # permute(...).flatten(end_dim=1) copies
+                del interp
+        cat = self._e(s, d) if pos else None
+        h = self._e(s, d)  # x + cat(pos_embs)
+        del pos, cat, conv
+        # Rope2DPosEmb.precomputed_freqs_cis (first call only), then get_freqs_cis_by_seqlens
+        if self._rope_cache is None:
+            n = MOONVIT_ROPE_GRID * MOONVIT_ROPE_GRID
+            flat, xp, yp = (self._e(n, dtype=torch.float32) for _ in range(3))
+            xf, yf = self._e(n, hd // 4, dtype=torch.float32), self._e(n, hd // 4, dtype=torch.float32)
+            ones = self._e(n, hd // 4, dtype=torch.float32)
+            xc = self._e(n, hd // 4, dtype=torch.complex64)
+            del ones
+            ones = self._e(n, hd // 4, dtype=torch.float32)
+            yc = self._e(n, hd // 4, dtype=torch.complex64)
+            del ones
+            self._rope_cache = self._e(MOONVIT_ROPE_GRID, MOONVIT_ROPE_GRID, hd // 2, dtype=torch.complex64)
+            del flat, xp, yp, xf, yf, xc, yc
+        slices = [self._e(patches, hd // 2, dtype=torch.complex64) for _ in range(items)]
+        freqs = self._e(s, hd // 2, dtype=torch.complex64)
+        del slices
+        for _ in range(g.layers):
+            n0 = self._e(s, d)
+            qkv = self._e(s, 3 * dl)
+            qf, kf = self._e(s, dl, dtype=torch.float32), self._e(s, dl, dtype=torch.float32)
+            qc, kc = self._e(s, dl // 2, dtype=torch.complex64), self._e(s, dl // 2, dtype=torch.complex64)
+            q, k = self._e(s, dl), self._e(s, dl)  # .type_as(x)
+            del qf, kf, qc, kc
+            attn = self._e(s, dl)
+            attn_out = self._e(s, d)  # wo (all-reduced)
+            del attn, q, k, qkv
+            hs = self._e(s, d)  # residual + attn_out
+            del n0
+            n1 = self._e(s, d)
+            f0 = self._e(s, i)
+            a = self._e(s, i)
+            del f0
+            f1 = self._e(s, d)
+            del a
+            out = self._e(s, d)  # residual + mlp
+            del f1, n1, attn_out, hs
+            del h
+            h = out
+        fl = self._e(s, d)  # final_layernorm
+        del h
+        merged = [self._e(patches, d) for _ in range(items)]  # patch_merger: permute(...).contiguous()
+        del fl, freqs
+        feats = self._e(s, d)  # torch.cat(image_features)
+        normed = self._e(s, d)  # pre_norm, viewed [S/4, 4D]
+        l1 = self._e(s // (kh * kw), d * kh * kw)
+        del normed
+        act = self._e(s // (kh * kw), d * kh * kw)
+        del l1
+        out = self._e(s // (kh * kw), h_text)
+        del act, feats, merged
+        return out  # split per image: views (encoder cache)
+
+    def _qwen3_5(self, items: int, patches: int):
+        """Qwen3-VL vision transformer + merger (vllm/model_executor/models/qwen3_vl.py
+        ``Qwen3_VisionTransformer``, attention ``qwen2_5_vl.py Qwen2_5_VisionAttention``, 0.19),
+        eager (``compile_mm_encoder`` off), ``items`` images of ``patches`` patches (S total).
+
+        Patch embed ``[S, D]``; ``prepare_encoder_metadata``: per image the bilinear position
+        interpolation (``pos_embed(indices)`` ``[4, hw, D]`` with int64 index grids and float32
+        weights, summed and permuted to ``[hw, D]``), concatenated ``pos_embeds [S, D]`` (kept
+        for the whole forward), rotary ``cos``/``sin [S, hd/2]``. Per block: norm1 (held by the
+        call), qkv ``[S, 3D]``, q/k made contiguous ``[2, S, D]`` and rotated out of place
+        (both kept until the attention returns), varlen FlashAttention output ``[S, D]``, proj,
+        residual add; norm2, fc1 ``[S, I]``, GELU, fc2, residual add. Deepstack layers run a
+        post-shuffle merger whose output is kept. Merger: LayerNorm ``[S, D]`` (kept until it
+        returns), fc1 ``[S/4, 4D]``, GELU, fc2 ``[S/4, H]``; ``torch.cat`` with the deepstack
+        features copies into the cached output ``[S/4, H·(1 + deepstack)]``.
+        """
+        g, tp = self.geom, self.tp
+        d, i, dl = g.hidden, g.intermediate // tp, g.hidden // tp
+        hd = d // g.heads
+        s = items * patches
+        m = int(self.vc.get("spatial_merge_size", 2))
+        tps = int(self.vc.get("temporal_patch_size", 2))
+        h_out = int(self.vc.get("out_hidden_size", _text_hidden(self.top) or d))
+        ds_idx = list(self.vc.get("deepstack_visual_indexes") or [])
+        pixels = self._pixels(s, g.channels * tps * g.patch * g.patch)
+        pe = self._e(s, d)  # Conv3d patch embed
+        outs = []
+        for _ in range(items):
+            hw = patches
+            grids = [self._e(4, hw, dtype=torch.int64) for _ in range(3)]  # h_grid, w_grid, h_grid * side
+            idx = self._e(4, hw, dtype=torch.int64)
+            wf = self._e(4, hw, dtype=torch.float32)
+            wb = self._e(4, hw, 1)
+            emb = self._e(4, hw, d)  # pos_embed(indices); *= weights in place
+            comb = self._e(hw, d)  # sum(dim=0)
+            outs.append(self._e(hw, d))  # permute(...).reshape copies
+            del grids, idx, wf, wb, emb, comb
+        pos = self._e(s, d)  # torch.cat(outputs)
+        del outs
+        pos_ids = self._e(s, 2, dtype=torch.int64)
+        cos, sin = self._e(s, hd // 2), self._e(s, hd // 2)
+        h = self._e(s, d)  # hidden_states + pos_embeds
+        del pe
+        deep = []
+        for li in range(g.layers):
+            n1 = self._e(s, d)
+            qkv = self._e(s, 3 * dl)
+            qk = self._e(2, s, dl)  # rearrange(...).contiguous()
+            qkr = self._e(2, s, dl)  # apply_rotary_emb
+            ctx = self._e(s, dl)
+            proj = self._e(s, d)
+            del qkv, qk, qkr, ctx
+            x1 = self._e(s, d)
+            del proj, n1
+            n2 = self._e(s, d)
+            f1 = self._e(s, i)
+            a = self._e(s, i)
+            del f1
+            f2 = self._e(s, d)
+            del a
+            x2 = self._e(s, d)
+            del f2, n2, x1
+            del h
+            h = x2
+            if li in ds_idx:
+                nn_ = self._e(s // (m * m), d * m * m)
+                c1 = self._e(s // (m * m), d * m * m // tp)
+                c2 = self._e(s // (m * m), d * m * m // tp)
+                del c1
+                deep.append(self._e(s // (m * m), h_out))
+                del c2, nn_
+        normed = self._e(s, d)
+        c1 = self._e(s // (m * m), d * m * m // tp)
+        c2 = self._e(s // (m * m), d * m * m // tp)
+        del c1
+        merged = self._e(s // (m * m), h_out)
+        del c2, normed, h
+        out = self._e(s // (m * m), h_out * (1 + len(deep)))  # torch.cat([merged] + deepstack, dim=1)
+        del merged, deep, pos, pos_ids, cos, sin
+        return out
+
     def _pixtral(self, items: int, patches: int):
         g, tp = self.geom, self.tp
         d, i = g.hidden, g.intermediate // tp
         dl = d // tp  # heads·head_dim per rank
         s = items * patches
         side = (g.image_size - 1) // g.patch + 1
-        pixels = self._e(items, g.channels, side * g.patch, side * g.patch)  # dummy batch, model dtype
+        pixels = self._pixels(items, g.channels, side * g.patch, side * g.patch)  # dummy batch, model dtype
         convs = [self._e(1, d, side, side) for _ in range(items)]  # patch_embeds_list (kept)
         x = self._e(1, s, d)  # cat
         x0 = self._e(1, s, d)  # ln_pre (kept by hidden_states_pool)
@@ -512,7 +804,7 @@ class VisionTower(nn.Module):
         d, i, dl = g.hidden, g.intermediate // tp, g.hidden // tp
         s = crops * patches
         side = g.image_size // g.patch
-        pixels = self._e(crops, g.channels, side * g.patch, side * g.patch)
+        pixels = self._pixels(crops, g.channels, side * g.patch, side * g.patch)
         conv = self._e(crops, d, side, side)
         x0 = conv  # embeddings += position_embedding (in place)
         feats = _feature_layers(self.top, self.vc) if g.wrapper == "llava_next" else -1
@@ -566,7 +858,7 @@ class VisionTower(nn.Module):
         d, i = g.hidden, g.intermediate
         s = tiles * patches
         side = g.image_size // g.patch
-        pixels = self._e(tiles, g.channels, g.image_size, g.image_size)
+        pixels = self._pixels(tiles, g.channels, g.image_size, g.image_size)
         unf = self._e(tiles, g.channels * g.patch * g.patch, side * side)
         emb = self._e(tiles, side * side, d)
         del unf
