@@ -389,9 +389,36 @@ def _variant_summary(result: dict | TunerError | None, u: float, m: int) -> dict
             "largest_max_model_len": prop and prop["max_model_len"]}
 
 
+def calibration_for_job(job: PreparedJob, db_url: str | None) -> dict | None:
+    """The stored calibration (:func:`tuner.app.lookup_calibration`) for a simulate job, or None when
+    the store does not exist or holds no measured runs for this model, device kind and era."""
+    from tuner.app import lookup_calibration
+    from tuner.store import open_store, store_exists
+
+    if (job.base_request or {}).get("method", "simulate") != "simulate" or not store_exists(db_url):
+        return None
+    store = open_store(db_url, readonly=True)
+    try:
+        return lookup_calibration(job.base_request, store)
+    finally:
+        store.close()
+
+
+def _calibration_note(cand: dict, cal: dict) -> dict:
+    """Before/after of one point: the corrections applied and the uncalibrated KV numbers."""
+    unc = cand.get("uncalibrated") or {}
+    return {"corrections": {k: v for k, v in cal.items() if k.endswith("_delta_bytes")},
+            "runs": cal.get("runs"),
+            "uncalibrated_available_kv_cache_bytes": unc.get("available_kv_cache_bytes"),
+            "uncalibrated_num_gpu_blocks": unc.get("num_gpu_blocks"),
+            "uncalibrated_kv_cache_tokens": unc.get("kv_cache_tokens"),
+            "uncalibrated_fits": unc.get("fits")}
+
+
 def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 progress: Progress | None = None, variants: bool = True, nvml: Any = None) -> dict:
+                 progress: Progress | None = None, variants: bool = True, nvml: Any = None,
+                 db_url: str | None = None, calibrate: bool = True) -> dict:
     """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
 
     Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
@@ -405,6 +432,13 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     """
     job = prepare(drop_path, nvml=nvml)
     d = job.drop
+    cal_warning = None
+    try:
+        cal = calibration_for_job(job, db_url) if calibrate else None
+    except TunerError as exc:  # an unreadable store never stops an explanation
+        cal, cal_warning = None, f"calibration skipped: {exc}"
+    if cal is not None:  # measured runs of this model/device/era correct the simulation
+        job.base_request = {**job.base_request, "calibration": cal}
     us = [gpu_memory_utilization] if gpu_memory_utilization is not None else None
     grid = None
     if max_model_len is not None:
@@ -442,10 +476,13 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             plugin=base["plugin"], dtype=base["dtype"], block_size=base["block_size"],
             block_bytes=_stage_block_bytes(base.get("kv_block_bytes"), cand), surface=surface_at(base["candidates"], u),
             proposal=prop, min_concurrency=d.constraints.min_concurrency))
+        if cal is not None:
+            explanations[-1]["calibration"] = _calibration_note(cand, cal)
     if variants:
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
     return {"drop": d.name, "model": d.model, "device": job.device, "era": base["era"], "plugin": base["plugin"],
-            "warnings": base.get("warnings", []), "explanations": explanations}
+            "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
+            "explanations": explanations}
 
 
 def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw: Any) -> None:
@@ -590,6 +627,13 @@ def render_point(e: dict) -> str:
             lines.append(f"  {k}. {s['text']:<84} = {s['value']}")
     if not e["fits"]:
         lines.append(f"  vLLM: {e['reason']}")
+    cal = e.get("calibration")
+    if cal:
+        terms = ", ".join(f"{k.replace('_delta_bytes', '')} {v / GiB:+.3f} GiB" for k, v in cal["corrections"].items() if v)
+        lines.append(f"  calibrated from measured runs ({terms or 'no correction'}); before calibration: "
+                     f"{_gib(cal['uncalibrated_available_kv_cache_bytes'])} GiB KV, {cal['uncalibrated_num_gpu_blocks']} blocks, "
+                     f"{cal['uncalibrated_kv_cache_tokens']} tokens, "
+                     f"{'starts' if cal['uncalibrated_fits'] else 'does NOT start'}")
     for n in e.get("notes") or []:
         lines.append(f"  note: {n}")
     surf = e.get("surface") or []

@@ -68,7 +68,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the max_model_len to explain (default: the largest that starts at u)")
     p.add_argument("--no-variants", action="store_true",
                    help="skip the extra worker jobs (fp8 KV cache, 2x TP, the u needed) for a point that does not start")
-    p.add_argument("--db", default=None, help="SQLAlchemy URL or SQLite path for --run (default var/ctx-tuner.sqlite)")
+    p.add_argument("--db", default=None,
+                   help="SQLAlchemy URL or SQLite path: the run for --run, and the measured runs a drop's simulation "
+                        "is calibrated from (default var/ctx-tuner.sqlite)")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="explain the plain simulation even where measured runs could calibrate it")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON (bytes as integers)")
     p.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit per job in seconds (default 600)")
     add_progress_options(p)
@@ -94,7 +98,8 @@ def run(args) -> int:
         else:
             doc = explain_drop(args.drop, gpu_memory_utilization=args.gpu_memory_utilization,
                                max_model_len=args.max_model_len, timeout_s=args.timeout,
-                               progress=progress_printer(args), variants=not args.no_variants)
+                               progress=progress_printer(args), variants=not args.no_variants,
+                               db_url=args.db, calibrate=not args.no_calibration)
     except (DropError, DeviceError, EraError) as exc:
         print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
         return EXIT_USAGE
