@@ -158,3 +158,44 @@ def test_validate_calibrate_leave_one_out_never_makes_a_case_worse(shared_dir, o
     print(f"before: median {b['median_abs_error_pct']} p90 {b['p90_abs_error_pct']} unsafe {b['unsafe']}; "
           f"after: median {a['median_abs_error_pct']} p90 {a['p90_abs_error_pct']} unsafe {a['unsafe']}; "
           f"{len(report['calibration_better'])} better of {len(calibrated)} calibrated")
+
+
+def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, shared_dir, observed_cases):
+    """Two imported logs of the drop's model/device/era with a higher activation peak: explain of a
+    drop for the same settings applies the stored correction and prints the uncalibrated numbers."""
+    import yaml
+
+    from tuner.explain import explain_drop, render
+
+    case = observed_cases[LLAMA]
+    text = "\n".join(case["raw_lines"]) + "\n"
+    db = tmp_path / "db.sqlite"
+    store = open_store(str(db))
+    try:
+        for i, (peak, kv) in enumerate((("2.50", "57.50"), ("2.60", "57.40"))):
+            log = tmp_path / f"run{i}.log"
+            log.write_text(text.replace("torch peak memory increase: 1.89GiB", f"torch peak memory increase: {peak}GiB")
+                           .replace("Available KV cache memory: 58.11 GiB", f"Available KV cache memory: {kv} GiB"))
+            import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
+                       models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95}, worker=_in_process)
+    finally:
+        store.close()
+    drop = tmp_path / "drop.yaml"
+    drop.write_text(yaml.safe_dump({
+        "name": "cal", "model": str(shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+        "device": "H100-80GB", "engine_version": "0.19.0", "dtype": "bfloat16",
+        "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
+        "candidates": {"gpu_memory_utilization": [0.95], "max_model_len": [8192]}}))
+    doc = explain_drop(str(drop), gpu_memory_utilization=0.95, max_model_len=8192, worker=_in_process,
+                       variants=False, db_url=str(db))
+    e = doc["explanations"][0]
+    cal = e["calibration"]
+    delta = cal["corrections"]["activation_peak_delta_bytes"]
+    assert delta > 0.2 * GIB  # the logs peak 0.38-0.48 GiB above the simulated 2.12, shrunk by n/(n+1)
+    assert cal["uncalibrated_available_kv_cache_bytes"] - e["available_kv_cache_bytes"] == delta
+    assert cal["uncalibrated_num_gpu_blocks"] > e["num_gpu_blocks"]
+    assert "before calibration:" in render(doc)
+    plain = explain_drop(str(drop), gpu_memory_utilization=0.95, max_model_len=8192, worker=_in_process,
+                         variants=False, db_url=str(db), calibrate=False)
+    assert "calibration" not in plain["explanations"][0]
+    assert plain["explanations"][0]["available_kv_cache_bytes"] == cal["uncalibrated_available_kv_cache_bytes"]
