@@ -241,10 +241,7 @@ class DeepseekPlugin(ModelPlugin):
         from tuner.simulate import mla as M
         from tuner.simulate.quant import scheme_for
 
-        try:
-            from tuner.simulate.moe import FusedMoE
-        except ImportError:  # the MoE module lands separately (issue 7)
-            FusedMoE = M.FallbackFusedMoE
+        from tuner.simulate.moe import FusedMoE
 
         self.check_supported(spec, settings)
         raw = spec.raw
@@ -299,18 +296,6 @@ class DeepseekPlugin(ModelPlugin):
             lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if spec.tie_word_embeddings else None)
         norm = L.RMSNorm(h, dtype) if last else None
         return L.CausalLM(embed, layers, norm, lm_head, extra=extra)
-
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Bytes of every parameter and buffer of the rank's module, each storage once (vLLM's
-        "Model loading took": allocated-memory increase over ``load_model`` including
-        ``process_weights_after_loading``)."""
-        seen, total = set(), 0
-        for t in list(module.parameters()) + list(module.buffers()):
-            key = id(t.untyped_storage())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return total
 
 
 plugin = DeepseekPlugin()

@@ -155,6 +155,15 @@ def _rope_params_for(spec, kind: str) -> dict:
     return out
 
 
+
+def _moe_layer(*args, **kwargs):
+    """:class:`tuner.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
+    torch at module level)."""
+    from tuner.simulate.moe import FusedMoE
+
+    return FusedMoE(*args, **kwargs)
+
+
 class GemmaPlugin(ModelPlugin):
     """Gemma 1/2/3/4 decoders (and the text side of Gemma 3/4 multimodal checkpoints)."""
 
@@ -195,7 +204,6 @@ class GemmaPlugin(ModelPlugin):
     # -- module ------------------------------------------------------------------------------
     def build_model(self, spec, settings: RankSettings):
         import torch
-        from torch import nn
 
         from tuner.simulate import layers as L
         from tuner.simulate.quant import scheme_for
@@ -254,7 +262,7 @@ class GemmaPlugin(ModelPlugin):
                 moe = router = None
                 if raw.get("enable_moe_block") or raw.get("num_experts"):
                     router = Router(h, int(raw["num_experts"]), dtype)
-                    moe = _fused_moe(h, int(raw.get("moe_intermediate_size") or raw.get("expert_intermediate_size")) // tp,
+                    moe = _moe_layer(h, int(raw.get("moe_intermediate_size") or raw.get("expert_intermediate_size")) // tp,
                                      int(raw["num_experts"]), int(raw.get("top_k_experts") or raw.get("num_experts_per_tok")),
                                      dtype, quant=quant, prefix=f"{p}.moe.experts", compiled=compiled)
                 ple = int(raw.get("hidden_size_per_layer_input") or 0)
@@ -275,40 +283,6 @@ class GemmaPlugin(ModelPlugin):
             extra["per_layer_projection_norm"] = L.RMSNorm(ple, dtype)
         text = GemmaLM(embed, layers, norm, lm_head, extra=extra, hidden=h, dtype=dtype)
         return _with_vision(text, spec, settings, dtype, quant, gen)
-
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Bytes of every parameter and buffer of the rank's module, each storage once (vLLM
-        measures the allocated-memory increase over ``load_model``; tied embeddings count once;
-        rotary caches and the normalizer buffer are included)."""
-        seen, total = set(), 0
-        for t in list(module.parameters()) + list(module.buffers()):
-            key = id(t.untyped_storage())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return total
-
-
-def _fused_moe(hidden, inter_per_rank, experts, top_k, dtype, *, quant, prefix, compiled):
-    """The MoE engineer's ``FusedMoE`` (tuner/simulate/moe.py); until it exists, a stand-in with
-    the experts' 16-bit weights ``w13 [E, 2I, H]`` + ``w2 [E, H, I]`` and one ``[N, H]`` output."""
-    try:
-        from tuner.simulate.moe import FusedMoE
-    except ImportError:  # pragma: no cover - depends on the MoE engineer's module
-        import torch
-        from torch import nn
-
-        class _Experts(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.w13 = nn.Parameter(torch.empty(experts, 2 * inter_per_rank, hidden, dtype=dtype), requires_grad=False)
-                self.w2 = nn.Parameter(torch.empty(experts, hidden, inter_per_rank, dtype=dtype), requires_grad=False)
-
-            def forward(self, x, router_logits):
-                return torch.empty_like(x)
-
-        return _Experts()
-    return FusedMoE(hidden, inter_per_rank, experts, top_k, dtype, quant=quant, prefix=prefix, compiled=compiled)
 
 
 def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):

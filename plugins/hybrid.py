@@ -116,6 +116,15 @@ def _stage(n_layers: int, settings: RankSettings) -> range:
     return range(start, start + counts[settings.pp_rank])
 
 
+
+def _moe_layer(*args, **kwargs):
+    """:class:`tuner.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
+    torch at module level)."""
+    from tuner.simulate.moe import FusedMoE
+
+    return FusedMoE(*args, **kwargs)
+
+
 class _HybridPlugin(ModelPlugin):
     """Shared KV-spec logic: ``layer_kinds`` gives ``"attention"`` / ``"state"`` / other per layer."""
 
@@ -156,37 +165,6 @@ class _HybridPlugin(ModelPlugin):
             elif kinds[i] == "state":
                 out[self.layer_name(i, "state")] = MambaSpec(bs, shapes, dts, page_size_padded=pad)
         return out
-
-    def weights_bytes(self, spec, settings: RankSettings, module) -> int:
-        """Bytes of every parameter and buffer of the rank's module, each storage once."""
-        seen, total = set(), 0
-        for t in list(module.parameters()) + list(module.buffers()):
-            key = id(t.untyped_storage())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return total
-
-
-def _fused_moe(hidden, inter_per_rank, experts, top_k, dtype, *, quant, prefix, compiled):
-    """``tuner.simulate.moe.FusedMoE`` (MoE engineer); a 16-bit stand-in until it exists."""
-    try:
-        from tuner.simulate.moe import FusedMoE
-    except ImportError:  # pragma: no cover - depends on the MoE engineer's module
-        import torch
-        from torch import nn
-
-        class _Experts(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.w13 = nn.Parameter(torch.empty(experts, 2 * inter_per_rank, hidden, dtype=dtype), requires_grad=False)
-                self.w2 = nn.Parameter(torch.empty(experts, hidden, inter_per_rank, dtype=dtype), requires_grad=False)
-
-            def forward(self, x, router_logits):
-                return torch.empty_like(x)
-
-        return _Experts()
-    return FusedMoE(hidden, inter_per_rank, experts, top_k, dtype, quant=quant, prefix=prefix, compiled=compiled)
 
 
 # --------------------------------------------------------------------------- Nemotron-H
@@ -288,7 +266,7 @@ class NemotronHPlugin(_HybridPlugin):
                 mixer = nn.Module()
                 e = int(raw["n_routed_experts"])
                 mixer.gate = L.Linear(h, e, dtype)
-                mixer.experts = _fused_moe(h, int(raw["moe_intermediate_size"]) // tp, e,
+                mixer.experts = _moe_layer(h, int(raw["moe_intermediate_size"]) // tp, e,
                                            int(raw["num_experts_per_tok"]), dtype, quant=quant,
                                            prefix=f"{p}.experts", compiled=settings.compiled)
                 shared = int(raw.get("moe_shared_expert_intermediate_size") or 0) * int(raw.get("n_shared_experts") or 0)
@@ -358,7 +336,7 @@ class Qwen35Plugin(_HybridPlugin):
                 si = int(raw.get("shared_expert_intermediate_size") or 0)
                 self.shared_expert = (L.GatedMLP(h, si // tp, dtype, compiled=compiled, quant=quant,
                                                  prefix=f"{p}.shared_expert") if si else None)
-                self.experts = _fused_moe(h, int(raw["moe_intermediate_size"]) // tp, e,
+                self.experts = _moe_layer(h, int(raw["moe_intermediate_size"]) // tp, e,
                                           int(raw.get("num_experts_per_tok") or 8), dtype, quant=quant,
                                           prefix=f"{p}.experts", compiled=compiled)
 

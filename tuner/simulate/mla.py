@@ -208,35 +208,3 @@ class DeepseekMoE(nn.Module):
             out = reduced
         return out
 
-
-class FallbackFusedMoE(nn.Module):
-    """Stand-in with the API of ``tuner.simulate.moe.FusedMoE`` (owned by the MoE work), used only
-    while that module is absent. vLLM 0.19 ``FusedMoE`` + ``TritonExperts`` per rank:
-    ``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``; forward allocates top-k weights/ids
-    ``[N, k]`` (fp32/int32), ``[N, k, 2I]``, ``[N·k, I]``, ``[N, k, H]`` and the output ``[N, H]``."""
-
-    def __init__(self, hidden: int, intermediate_per_rank: int, num_experts_per_rank: int, top_k: int,
-                 dtype: torch.dtype, *, quant=None, prefix: str = "", compiled: bool = True,
-                 has_bias: bool = False, **_ignored) -> None:
-        super().__init__()
-        self.h, self.i, self.e, self.k = hidden, intermediate_per_rank, num_experts_per_rank, top_k
-        make = getattr(quant, "make_expert_weights", None) if quant is not None else None
-        if make is None or not make(self, num_experts_per_rank, hidden, intermediate_per_rank, dtype, prefix):
-            self.w13_weight = L._param(num_experts_per_rank, 2 * intermediate_per_rank, hidden, dtype=dtype)
-            self.w2_weight = L._param(num_experts_per_rank, hidden, intermediate_per_rank, dtype=dtype)
-        if has_bias:
-            self.w13_bias = L._param(num_experts_per_rank, 2 * intermediate_per_rank, dtype=dtype)
-            self.w2_bias = L._param(num_experts_per_rank, hidden, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        tw = x.new_empty(n, self.k, dtype=torch.float32)
-        ti = x.new_empty(n, self.k, dtype=torch.int32)
-        c1 = x.new_empty(n, self.k, 2 * self.i)
-        c2 = x.new_empty(n * self.k, self.i)
-        del c1
-        c3 = x.new_empty(n, self.k, self.h)
-        del c2
-        out = x.new_empty(n, self.h)
-        del c3, tw, ti
-        return out
