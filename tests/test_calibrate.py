@@ -199,3 +199,38 @@ def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, sha
                          variants=False, db_url=str(db), calibrate=False)
     assert "calibration" not in plain["explanations"][0]
     assert plain["explanations"][0]["available_kv_cache_bytes"] == cal["uncalibrated_available_kv_cache_bytes"]
+
+
+def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, observed_cases):
+    """The daemon's job thread looks the corrections up read-only before starting the worker."""
+    import yaml
+
+    from tuner.app import prepare_request
+    from tuner.daemon import Daemon
+    from tuner.drop import load_drop
+    from tuner.settings import Settings
+
+    s = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"))
+    (tmp_path / "state").mkdir()
+    case = observed_cases[LLAMA]
+    text = "\n".join(case["raw_lines"]) + "\n"
+    store = open_store(s.db_url)
+    try:
+        for i, (peak, kv) in enumerate((("2.50", "57.50"), ("2.60", "57.40"))):
+            log = tmp_path / f"run{i}.log"
+            log.write_text(text.replace("torch peak memory increase: 1.89GiB", f"torch peak memory increase: {peak}GiB")
+                           .replace("Available KV cache memory: 58.11 GiB", f"Available KV cache memory: {kv} GiB"))
+            import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
+                       models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95}, worker=_in_process)
+    finally:
+        store.close()
+    drop = tmp_path / "drop.yaml"
+    drop.write_text(yaml.safe_dump({
+        "name": "cal", "model": str(shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+        "device": "H100-80GB", "engine_version": "0.19.0", "dtype": "bfloat16",
+        "candidates": {"gpu_memory_utilization": [0.95], "max_model_len": [8192]}}))
+    request, _dev = prepare_request(load_drop(str(drop)))
+    cal = Daemon(s)._calibration(request, s)
+    assert cal is not None and cal["runs"] == 2 and cal["activation_peak_delta_bytes"] > 0.2 * GIB
+    other = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "empty"))
+    assert Daemon(other)._calibration(request, other) is None  # no store: nothing, no error

@@ -446,10 +446,30 @@ class Daemon:
         self.waker.wake()
         return proc
 
-    def _execute(self, job: Job, drop: Drop, s: Settings) -> None:  # job thread: no database
+    def _calibration(self, request: dict, s: Settings) -> dict | None:  # job thread: read-only
+        """Corrections from measured runs of the same model, device kind and era
+        (:func:`tuner.app.lookup_calibration`), read through a read-only connection of its own (the
+        main loop owns every write); None when there are none or the store cannot be read."""
+        from tuner.app import lookup_calibration
+
+        try:
+            store = open_store(s.db_url, readonly=True)
+            try:
+                return lookup_calibration(request, store)
+            finally:
+                store.close()
+        except TunerError as exc:
+            log.warning("calibration skipped for %s: %s", request.get("config_path"), exc)
+            return None
+
+    def _execute(self, job: Job, drop: Drop, s: Settings) -> None:  # job thread: writes nothing
         started = utc_text()
         try:
             request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code)
+            if request.get("method") == "simulate":
+                cal = self._calibration(request, s)
+                if cal is not None:
+                    request["calibration"] = cal
             result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
                                  python=s.worker_python, popen=self._popen)
             outcome: Any = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
