@@ -274,7 +274,8 @@ def test_crashing_hanging_and_failing_workers_are_recorded_and_the_daemon_stays_
         assert (status, kind) == ("failed", "WorkerTimeout") and "exceeded 1.5 s" in error
         poll(lambda: not group_alive(pid), 5, what="the whole group (worker and its child) killed")
         status, kind, error, attempts, pid = h.job("typed-c.yaml")
-        assert status == "failed" and "PluginError: plugin generic: no architecture" in error
+        # the worker's typed error keeps its class (error_type) and its text
+        assert (status, kind) == ("failed", "PluginError") and "plugin generic: no architecture" in error
         (h.conf / "fine.yaml").write_text(drop_text("fine", h.model))
         h.until(d, lambda: h.job("fine.yaml")[0] == "done", what="a good drop after the failures")
     finally:
@@ -439,3 +440,72 @@ def test_shutdown_leaves_no_threads_or_worker_processes(h, monkeypatch):
     d.shutdown()
     poll(lambda: set(threading.enumerate()) <= before, 5, what="threads joined")
     assert not group_alive(pid)
+
+
+# --- settings and drops a tester tripped over -----------------------------------------------------
+
+
+def _no_gpu_nvml():
+    import types
+
+    import pynvml
+
+    def no_library():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    return types.SimpleNamespace(NVMLError=pynvml.NVMLError, nvmlInit=no_library, nvmlShutdown=lambda: None)
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"state_dir": "/proc/ctx-tuner-nope/state"}, "state_dir"),
+    ({"worker_python": "/nonexistent/python3"}, "worker_python"),
+    ({"worker_python": "NOTEXEC"}, "worker_python"),
+    ({"worker_python": "no-such-python-command-xyz"}, "worker_python"),
+])
+def test_daemon_start_with_unusable_settings_is_one_line_exit_2(tmp_path, capsys, over, field):
+    from tests._daemon_helpers import write_settings
+    from tuner.cli import main
+
+    if over.get("worker_python") == "NOTEXEC":
+        plain = tmp_path / "python-not-executable"
+        plain.write_text("#!/bin/sh\n")
+        plain.chmod(0o644)
+        over = {"worker_python": str(plain)}
+    path = write_settings(tmp_path, **over)
+    rc = main(["daemon", "--settings", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{path}:{field}:" in err
+
+
+def test_two_drops_with_one_name_are_warned_about(h, caplog):
+    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    d = h.start()
+    (h.conf / "a.yaml").write_text(drop_text("same", h.model))
+    (h.conf / "b.yaml").write_text(drop_text("same", h.model))
+    h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'done'") == [(2,)], what="both jobs done")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "'same'" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert str(h.conf / "a.yaml") in warnings[0] and str(h.conf / "b.yaml") in warnings[0]
+    before = d.reconciles
+    d.reconcile()  # a rescan of the same files does not repeat the warning
+    assert d.reconciles == before + 1
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING and "'same'" in r.getMessage()]) == 1
+
+
+def test_default_method_error_names_the_setting_not_the_drop(tmp_path, tiny_config, monkeypatch):
+    harness = Harness(tmp_path, tiny_config, default_method="cuda", source=str(tmp_path / "tuner.yaml"))
+    try:
+        d = harness.start(nvml=_no_gpu_nvml())
+        (harness.conf / "plain.yaml").write_text(drop_text("plain", harness.model))  # no `method` key
+        (harness.conf / "own.yaml").write_text(drop_text("own", harness.model, method="cuda"))
+        harness.until(d, lambda: harness.job("plain.yaml")[0] == "failed" and harness.job("own.yaml")[0] == "failed",
+                      what="both jobs failed")
+        status, kind, error, _, _ = harness.job("plain.yaml")
+        assert kind == "SettingsError" and error.startswith(f"{tmp_path / 'tuner.yaml'}:default_method:")
+        assert "the drop sets no `method`" in error and "needs a GPU host" in error
+        status, kind, error, _, _ = harness.job("own.yaml")
+        assert kind == "DropError" and error.startswith(f"{harness.conf / 'own.yaml'}:method:")
+    finally:
+        harness.close()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner.errors import PluginError, TunerError, WorkerError, WorkerTimeout
+from tuner.errors import ModelConfigError, PluginError, WorkerError, WorkerTimeout
 from tuner.plugin import ENTRY_POINT_GROUP, load_registry
 from tuner.worker import run_in_worker
 
@@ -40,9 +40,9 @@ def test_timeout_kills_the_process_group(tmp_path):
 
 def test_typed_error_reply_is_reraised(tmp_path):
     py = _fake_python(tmp_path, "sys.stdin.read(); print(json.dumps({'ok': False, 'error_type': 'ModelConfigError', 'error': 'no vocab_size'}))")
-    with pytest.raises(TunerError) as e:
+    with pytest.raises(ModelConfigError) as e:  # the same class, not a plain TunerError
         run_in_worker({}, job="j3", python=py)
-    assert "ModelConfigError: no vocab_size" in str(e.value)
+    assert "no vocab_size" in str(e.value) and e.value.where == "j3"
 
 
 def test_garbage_reply_is_a_worker_error(tmp_path):

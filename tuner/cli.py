@@ -2,8 +2,12 @@
 
 Each sub-command lives in its own module under :mod:`tuner.commands` (``NAME``, ``add_parser``,
 ``run``); this module only lists them and dispatches. Exit codes shared by every command:
-``0`` success; ``1`` the job or command failed (bad model config, worker crash or timeout,
-database); ``2`` usage error or invalid input (the message names the file and the field).
+``0`` success; ``1`` the job or command failed (worker crash or timeout, database); ``2`` usage
+error or invalid input (bad option, invalid drop or model config; the message names the file and
+the field);
+``130`` interrupted (SIGINT, Ctrl-C) and ``143`` terminated (SIGTERM), after killing any running
+worker's process group (one line on stderr, no traceback). A closed stdout (``ctx-tuner results
+--json | head``) ends quietly with ``0``: the reader stopped reading on purpose.
 Never imports torch (profile passes run in worker subprocesses).
 """
 
@@ -12,11 +16,51 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
+import threading
 
 from tuner import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 128 + signal.SIGTERM
+
+#: ``--log-level`` choices (case-insensitive).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by the SIGTERM handler; unwinds like ``SystemExit`` (a running
+    worker's process group is killed by :func:`tuner.worker.run_in_worker` on the way)."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_TERMINATED)
+
+
+def _kill_workers() -> None:
+    """Kill every worker group now (also those waited for in other threads: ``explain`` and
+    ``plot`` run jobs in a thread pool, whose shutdown would otherwise wait for them)."""
+    worker = sys.modules.get("tuner.worker")
+    if worker is not None:
+        worker.kill_running_workers()
+
+
+def _on_sigterm(_signum, _frame) -> None:
+    _kill_workers()
+    raise Terminated()
+
+
+def _on_sigint(_signum, _frame) -> None:
+    _kill_workers()
+    raise KeyboardInterrupt
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return level
 
 #: Sub-command modules, in ``--help`` order.
 COMMANDS: tuple[str, ...] = (
@@ -39,7 +83,8 @@ def _modules():
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ctx-tuner", description="Predict the largest vLLM max_model_len that fits.")
     p.add_argument("--version", action="version", version=f"ctx-tuner {__version__}")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument("--log-level", type=_log_level, default="WARNING", metavar="LEVEL",
+                   help=f"logging level: {', '.join(LOG_LEVELS)} (case-insensitive; default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
     for mod in _modules():
         mod.add_parser(sub).set_defaults(_run=mod.run)
@@ -48,8 +93,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    return int(args._run(args))
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
+    # SIGINT: only where Python's own Ctrl-C handler is in place (an ignored SIGINT stays ignored)
+    old_int = signal.signal(signal.SIGINT, _on_sigint) \
+        if in_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler else None
+    try:
+        code = int(args._run(args))
+        sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at exit
+        return code
+    except KeyboardInterrupt:
+        print("ctx-tuner: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("ctx-tuner: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
+    except BrokenPipeError:
+        # the reader of stdout went away (``| head``): no traceback, and no second error when
+        # Python flushes stdout at exit
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
+            if old_int is not None:
+                signal.signal(signal.SIGINT, old_int)
 
 
 if __name__ == "__main__":  # pragma: no cover

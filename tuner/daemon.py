@@ -46,7 +46,7 @@ from tuner.errors import DropError, SettingsError, StoreError, TunerError, Worke
 from tuner.jobqueue import Job, JobNotRunning, JobQueue
 from tuner.notify import NOTIFY_ENV, Notifier
 from tuner.proposals import proposal_document, remove_proposal_file, write_proposal_file
-from tuner.settings import Settings, load_settings
+from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
 from tuner.store import Store, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
@@ -122,7 +122,8 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def check_layout(settings: Settings) -> None:
-    """Refuse a state directory inside ``watch_dir`` (proposal files would be read back as drops).
+    """Refuse a state directory inside ``watch_dir`` (proposal files would be read back as drops)
+    and a ``worker_python`` that is not an executable (:func:`tuner.settings.check_worker_python`).
 
     Raises:
         SettingsError: naming the settings file and ``state_dir``.
@@ -130,6 +131,23 @@ def check_layout(settings: Settings) -> None:
     if _inside(settings.state_dir, settings.watch_dir):
         raise SettingsError(f"state_dir {settings.state_dir} is inside watch_dir {settings.watch_dir}; "
                             "proposal files would be read as drops", path=settings.source, field="state_dir")
+    check_worker_python(settings)
+
+
+def make_state_dir(settings: Settings) -> None:
+    """Create ``state_dir`` (and parents) and check that it is a writable directory.
+
+    Raises:
+        SettingsError: naming the settings file and ``state_dir`` (one line, the OS reason).
+    """
+    d = settings.state_dir
+    try:
+        Path(d).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingsError(f"state_dir {d} cannot be created: {exc.strerror or exc}", path=settings.source,
+                            field="state_dir") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise SettingsError(f"state_dir {d} is not writable by this user", path=settings.source, field="state_dir")
 
 
 class Daemon:
@@ -190,6 +208,9 @@ class Daemon:
         self._closed = False
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup_fd: int | None = None
+        #: path → (content sha256, drop name or None) from the last reconcile; duplicate names warned
+        self._names: dict[str, tuple[str, str | None]] = {}
+        self._dup_warned: dict[str, tuple[str, ...]] = {}
 
     # -- composition -----------------------------------------------------------------------------
 
@@ -207,11 +228,13 @@ class Daemon:
         scan, write a snapshot, then send ``READY=1``.
 
         Raises:
-            SettingsError: bad directory layout. StoreError: the store cannot be opened/migrated.
+            SettingsError: bad directory layout, a ``state_dir`` that cannot be created, a
+                ``worker_python`` that is not an executable. StoreError: the store cannot be
+                opened/migrated.
         """
         s = self.settings
         check_layout(s)
-        Path(s.state_dir).mkdir(parents=True, exist_ok=True)
+        make_state_dir(s)
         self.notifier.status("migrating the database")
         self.store = self.store_factory(s.db_url)
         self.queue = JobQueue(self.store)
@@ -378,6 +401,7 @@ class Daemon:
             if cur is not None and cur.content_sha256 == state.sha256:
                 continue
             self._admit(path, state, changed=cur is not None)
+        self._warn_duplicate_names(sc.files, sc.settling)
         if not sc.ok:
             log.warning("%s: %s; no drop is retired until it can be listed", s.watch_dir, sc.problem)
             return
@@ -387,13 +411,46 @@ class Daemon:
             self._sync_proposals(names)
             self._snapshot_dirty = self._status_dirty = True
 
+    def _warn_duplicate_names(self, files: dict[str, FileState], settling: set[str]) -> None:
+        """Log a WARNING (once per set of files) when drops in different files share a ``name``:
+        their results are keyed by name, so the files overwrite each other's proposal."""
+        names = {p: v for p, v in self._names.items() if p in settling}  # unchanged until they settle
+        for path, state in files.items():
+            if state.raw is None or state.error is not None:
+                continue
+            cached = self._names.get(path)
+            if cached is not None and cached[0] == state.sha256:
+                names[path] = cached
+                continue
+            try:
+                name: str | None = parse_drop(state.raw, path).name
+            except DropError:
+                name = None
+            names[path] = (state.sha256, name)
+        self._names = names
+        by_name: dict[str, list[str]] = {}
+        for path, (_sha, name) in names.items():
+            if name is not None:
+                by_name.setdefault(name, []).append(path)
+        dups = {name: tuple(sorted(paths)) for name, paths in by_name.items() if len(paths) > 1}
+        for name, paths in sorted(dups.items()):
+            if self._dup_warned.get(name) != paths:
+                log.warning("drops %s all have name %r: they share one result history and one proposal file "
+                            "(the last job to finish wins); give each a distinct name", " and ".join(paths), name)
+        self._dup_warned = dups
+
     def _parse(self, path: str, raw: bytes) -> Drop:
         drop = parse_drop(raw, path)
-        if drop.method != self.settings.default_method:  # was it set in the drop, or defaulted?
-            data = yaml.load(raw, Loader=_LOADER)  # already validated by parse_drop (bounded, safe)
-            if "method" not in data:
-                drop = replace(drop, method=self.settings.default_method)
+        if self._method_defaulted(raw):
+            drop = replace(drop, method=self.settings.default_method)
         return drop
+
+    @staticmethod
+    def _method_defaulted(raw: bytes) -> bool:
+        """True when the drop sets no ``method`` (the settings' ``default_method`` applies).
+        Only called on bytes :func:`parse_drop` accepted (bounded, safe YAML mapping)."""
+        data = yaml.load(raw, Loader=_LOADER)
+        return not isinstance(data, dict) or "method" not in data
 
     def _admit(self, path: str, state: FileState, *, changed: bool) -> None:
         self._status_dirty = self._snapshot_dirty = True
@@ -428,7 +485,8 @@ class Daemon:
             self.queue.fail(job.id, err)
             log.error("invalid drop %s (job %d failed)", err, job.id)
             return
-        thread = threading.Thread(target=self._execute, args=(job, drop, self.settings),
+        defaulted = self._method_defaulted((job.content or "").encode("utf-8"))
+        thread = threading.Thread(target=self._execute, args=(job, drop, self.settings, defaulted),
                                   name=f"ctx-tuner-job-{job.id}", daemon=True)
         self._running = _Running(job, drop, thread, self.clock())
         log.info("drop %s: job %d started (attempt %d)", job.path, job.id, job.attempts)
@@ -462,10 +520,20 @@ class Daemon:
             log.warning("calibration skipped for %s: %s", request.get("config_path"), exc)
             return None
 
-    def _execute(self, job: Job, drop: Drop, s: Settings) -> None:  # job thread: writes nothing
+    def _execute(self, job: Job, drop: Drop, s: Settings,
+                 method_defaulted: bool = False) -> None:  # job thread: writes nothing
         started = utc_text()
         try:
-            request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code)
+            try:
+                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code)
+            except DropError as exc:
+                if method_defaulted and exc.field == "method":
+                    # the drop has no `method` key: say where the method really came from
+                    raise SettingsError(
+                        f"default_method {drop.method!r} applies to {drop.path} (the drop sets no `method`), "
+                        f"but {exc.message}; set `method` in the drop or change default_method",
+                        path=s.source or "settings", field="default_method") from exc
+                raise
             if request.get("method") == "simulate":
                 cal = self._calibration(request, s)
                 if cal is not None:

@@ -206,7 +206,10 @@ def _resolve_mapping(value: Mapping) -> Device:
     if has_gib:
         gib = value["total_memory_gib"]
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib):
-            raise DeviceError(f"total_memory_gib must be a number, not {gib!r}", where="device.total_memory_gib")
+            raise DeviceError(f"total_memory_gib must be a finite number, not {gib!r}", where="device.total_memory_gib")
+        if not MIN_TOTAL_BYTES / GIB <= gib <= MAX_TOTAL_BYTES / GIB:  # before int(): 1e300 GiB overflows
+            raise DeviceError(f"total memory {gib:g} GiB is outside {MIN_TOTAL_BYTES // MIB} MiB – "
+                              f"{MAX_TOTAL_BYTES // GIB} GiB", where="device.total_memory_gib")
         total = int(round(gib * GIB))
         fld = "device.total_memory_gib"
     else:

@@ -459,9 +459,18 @@ class Drop:
         """Resolve :attr:`device` now (``auto`` reads GPU 0 through NVML).
 
         Raises:
-            DeviceError: see :func:`tuner.devices.resolve_device`.
+            DeviceError: see :func:`tuner.devices.resolve_device`; ``where`` is
+                ``FILE:device`` (or ``FILE:device.KEY``), so the message starts with the drop file.
         """
-        return devices.resolve_device(self.device, nvml=nvml)
+        try:
+            return devices.resolve_device(self.device, nvml=nvml)
+        except DeviceError as exc:
+            where, message, fld = exc.where or "device", exc.message, "device"
+            if where.startswith("device."):
+                fld = where
+            elif where != "device":  # e.g. "device auto": keep what was being resolved in the text
+                message = f"{where[len('device '):] if where.startswith('device ') else where}: {message}"
+            raise DeviceError(message, where=f"{self.path}:{fld}" if self.path else fld) from exc
 
     @property
     def max_model_len_values(self) -> tuple[int, ...] | None:

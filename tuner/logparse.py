@@ -45,7 +45,9 @@ Each worker's own values are kept in :attr:`ParsedLog.per_worker`.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterable
@@ -59,6 +61,34 @@ MAX_LINE = 65536
 MAX_LOG_BYTES = 256 << 20
 
 __all__ = ["ParsedLog", "parse_lines", "parse_text", "parse_file", "gib_to_bytes", "MEMORY_FIELDS"]
+
+
+#: Log-line formats that identify the release when a log does not print its version: the earliest
+#: release that prints the format (vllm/worker/worker.py 0.6.4 "Memory profiling results: …
+#: initial_memory_usage=…"; 0.6.5–0.6.6 "the current vLLM instance can use …"; V1
+#: "Available KV cache memory" from 0.7), as ``(marker, engine, version)``, first match wins.
+VERSION_BY_LOG_FORMAT = (
+    ("initial_memory_usage=", "V0", "0.6.4"),
+    ("the current vLLM instance can use", "V0", "0.6.5"),
+    ("Available KV cache memory", "V1", "0.10.0"),
+)
+#: The release assumed for an engine when no log-line format identifies one.
+DEFAULT_VERSION = {"V0": "0.6.4", "V1": "0.10.0"}
+
+
+def infer_version(lines: str | Iterable[str], engine: str | None = None) -> tuple[str, str, str | None]:
+    """``(version, engine, marker)`` of a log that does not print its vLLM version: the first
+    :data:`VERSION_BY_LOG_FORMAT` marker found in ``lines`` whose engine agrees with ``engine``
+    (when known), else the engine's :data:`DEFAULT_VERSION` (``marker`` None; engine V1 when
+    unknown). The one rule shared by ``validate`` and ``import-log``."""
+    text = lines if isinstance(lines, str) else "\n".join(lines)
+    eng = (engine or "").upper()
+    eng = eng if eng in ("V0", "V1") else None
+    for marker, marker_engine, version in VERSION_BY_LOG_FORMAT:
+        if marker in text and eng in (None, marker_engine):
+            return version, marker_engine, marker
+    eng = eng or "V1"
+    return DEFAULT_VERSION[eng], eng, None
 
 
 def gib_to_bytes(value: float | str) -> int:
@@ -122,6 +152,9 @@ class ParsedLog:
     #: ``{worker label: {field: value}}`` for :data:`PER_WORKER_FIELDS` printed on worker-prefixed
     #: lines (label = the prefix without its ``pid=``/``ip=`` parts, e.g. ``"Worker_TP1"``).
     per_worker: dict = field(default_factory=dict)
+    #: the :data:`VERSION_BY_LOG_FORMAT` markers the log contains (for :func:`infer_version` when
+    #: it does not print the version).
+    log_formats: list = field(default_factory=list)
 
     @property
     def has_memory_lines(self) -> bool:
@@ -347,6 +380,9 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
             for k, v in _settings_from_config(m.group(1)).items():
                 out.settings.setdefault(k, v)
             hit = True
+        for marker, _eng, _version in VERSION_BY_LOG_FORMAT:
+            if marker not in out.log_formats and marker in line:
+                out.log_formats.append(marker)
         if "Initializing a V1 LLM engine" in line:
             v1 = True
         elif _V1_MARKERS.search(line):
@@ -376,15 +412,33 @@ def parse_file(path: str | Path) -> ParsedLog:
     """Read and parse a vLLM log file (UTF-8, undecodable bytes replaced; first 256 MiB).
 
     Raises:
-        LogParseError: the file cannot be read, or it holds no memory line at all (naming the file
+        LogParseError: the file cannot be read, is not a regular file (a FIFO, a device or a
+            directory would block or never end), or holds no memory line at all (naming the file
             and the lines looked for).
     """
     p = Path(path)
     try:
-        with p.open("rb") as fh:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; the type is checked on the open fd
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise LogParseError(f"cannot read log: {exc.strerror or exc}", where=str(path)) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            raise LogParseError(f"cannot read log: {kind}; give a regular log file", where=str(path))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as fh:
+            fd = -1
             data = fh.read(MAX_LOG_BYTES)
     except OSError as exc:
         raise LogParseError(f"cannot read log: {exc.strerror or exc}", where=str(path)) from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
     parsed = parse_text(data.decode("utf-8", "replace"), source=str(path))
     if not parsed.has_memory_lines:
         raise LogParseError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -225,6 +226,28 @@ def load_settings(path: str | os.PathLike | None) -> Settings:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise SettingsError(f"not valid YAML: {exc}", path=p) from None
     return settings_from_mapping(data, source=p, base_dir=Path(p).resolve().parent)
+
+
+def check_worker_python(settings: Settings) -> None:
+    """``worker_python`` (when set) must be an executable file, or a command name found on ``PATH``.
+
+    Raises:
+        SettingsError: naming the settings file and ``worker_python``.
+    """
+    wp = settings.worker_python
+    if wp is None:
+        return
+    path = os.path.expanduser(wp)
+    if os.sep not in path:
+        if shutil.which(path) is None:
+            raise SettingsError(f"worker_python {wp!r} is not a command on PATH", path=settings.source,
+                                field="worker_python")
+        return
+    if not os.path.exists(path):
+        raise SettingsError(f"worker_python {wp} does not exist", path=settings.source, field="worker_python")
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise SettingsError(f"worker_python {wp} is not an executable file", path=settings.source,
+                            field="worker_python")
 
 
 def settings_markdown() -> str:

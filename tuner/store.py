@@ -29,6 +29,7 @@ No torch here: the daemon's main process imports this module.
 from __future__ import annotations
 
 import numbers
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -275,7 +276,8 @@ def _resolve_url(url: str | None, default_path: str) -> URL:
     try:
         u = make_url(url)
     except Exception as e:  # sqlalchemy.exc.ArgumentError
-        raise StoreError(f"not a SQLAlchemy URL (expected e.g. sqlite:///var/ctx-tuner.sqlite): {e}", where=url) from e
+        raise StoreError(f"not a SQLAlchemy URL (expected e.g. sqlite:///var/ctx-tuner.sqlite): {error_text(e)}",
+                         where=url) from e
     if u.get_backend_name() == "sqlite" and u.database in (None, "", ":memory:"):
         raise StoreError("an in-memory SQLite database would lose the results; give a file path", where=url)
     return u
@@ -364,6 +366,46 @@ def _url_text(url: str | URL) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+_BACKGROUND_RE = re.compile(r"\s*\(Background on this error at: [^)]*\)")
+
+
+def error_text(e: BaseException) -> str:
+    """An exception as StoreError text: without SQLAlchemy's "(Background on this error at:
+    https://sqlalche.me/…)" trailer (a link, not information)."""
+    return _BACKGROUND_RE.sub("", str(e)).strip()
+
+
+def _check_foreign_sqlite(u: URL, where: str) -> None:
+    """Refuse to migrate an existing SQLite file that holds other tables but not ctx-tuner's
+    schema (no ``alembic_version``): ctx-tuner would silently add its tables to someone else's
+    database. An empty file (or a new one) and an existing ctx-tuner store pass.
+
+    Raises:
+        StoreError: naming the file and a few of its tables.
+    """
+    import sqlite3
+
+    path = Path(u.database)
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except (OSError, sqlite3.Error):
+        return  # let the normal open report it
+    try:
+        names = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') AND name NOT LIKE 'sqlite_%' "
+            "ORDER BY name")]
+    except sqlite3.Error:
+        return  # not a database, locked, …: the normal open reports it
+    finally:
+        conn.close()
+    if names and "alembic_version" not in names:
+        shown = ", ".join(names[:5]) + (f", … ({len(names)} in all)" if len(names) > 5 else "")
+        raise StoreError(f"{path} is an SQLite database of something else (tables: {shown}) and not a ctx-tuner "
+                         "store; refusing to add ctx-tuner's tables to it (give a new or empty file)", where=where)
+
+
 def open_store(
     url: str | None = None,
     *,
@@ -385,12 +427,13 @@ def open_store(
     where = _show(u)
     try:
         if _is_file_sqlite(u) and not readonly:
+            _check_foreign_sqlite(u, where)
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
         engine = make_engine(u, readonly=readonly, busy_timeout_s=busy_timeout_s)
     except StoreError:
         raise
     except (OSError, sa.exc.SQLAlchemyError, ValueError, ImportError) as e:  # ImportError: DB driver missing
-        raise StoreError(f"cannot open store: {e}", where=where) from e
+        raise StoreError(f"cannot open store: {error_text(e)}", where=where) from e
 
     try:
         if readonly:
@@ -406,7 +449,7 @@ def open_store(
     except Exception as e:  # alembic CommandError, SQLAlchemy errors, sqlite3 errors
         engine.dispose()
         action = "open" if readonly else "migrate"
-        raise StoreError(f"cannot {action} store: {e}", where=where) from e
+        raise StoreError(f"cannot {action} store: {error_text(e)}", where=where) from e
     return Store(engine, where=where, readonly=readonly)
 
 
@@ -508,7 +551,7 @@ class Store:
         except StoreError:
             raise
         except sa.exc.SQLAlchemyError as e:
-            msg = f"save_result failed, nothing written: {e.orig or e}"
+            msg = f"save_result failed, nothing written: {error_text(e.orig or e)}"
             raise StoreError(msg, where=self.where) from e
 
     def _insert(self, conn: Connection, table: sa.Table, row: dict, **fixed: Any) -> int:
@@ -543,7 +586,7 @@ class Store:
             with self._reader.connect() as conn:
                 return [dict(r) for r in conn.execute(stmt).mappings()]
         except sa.exc.SQLAlchemyError as e:
-            raise StoreError(f"query failed: {e.orig or e}", where=self.where) from e
+            raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
 
     def latest_proposals(self, drop_id: int | None = None) -> list[dict]:
         """Proposals as dicts (proposal columns plus ``drop_name``), ordered by drop name, id.
@@ -598,7 +641,7 @@ class Store:
         except StoreError:
             raise
         except sa.exc.SQLAlchemyError as e:
-            raise StoreError(f"save_calibration failed, nothing written: {e.orig or e}", where=self.where) from e
+            raise StoreError(f"save_calibration failed, nothing written: {error_text(e.orig or e)}", where=self.where) from e
 
     def insert_calibration(self, conn: Connection, row: dict) -> int:
         """Insert one ``calibrations`` row on ``conn`` — inside another write transaction, e.g. the

@@ -21,23 +21,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from tuner import logparse
 from tuner.errors import DropError, TunerError
 
 GiB = 1 << 30
 
 #: The fields a case must have (``shared/cases/README.md``).
 REQUIRED_FIELDS = ("id", "model", "gpu", "settings", "observed")
-
-#: Log-line formats that identify the release when a case does not state it: the earliest
-#: release that prints the format (vllm/worker/worker.py 0.6.4 "Memory profiling results: …
-#: initial_memory_usage=…"; 0.6.5–0.6.6 "the current vLLM instance can use …"; V1
-#: "Available KV cache memory" from 0.7). Used only when ``vllm_version`` is null.
-_VERSION_BY_LOG_FORMAT = (
-    ("initial_memory_usage=", "V0", "0.6.4"),
-    ("the current vLLM instance can use", "V0", "0.6.5"),
-    ("Available KV cache memory", "V1", "0.10.0"),
-)
-_DEFAULT_VERSION = {"V0": "0.6.4", "V1": "0.10.0"}
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
            "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -74,17 +64,13 @@ def load_cases(path: str | Path) -> list[dict]:
 
 def infer_version(case: dict) -> tuple[str, str]:
     """``(version, engine)`` of a case: as stated, else from its log-line formats, else the
-    engine's default release (:data:`_DEFAULT_VERSION`)."""
+    engine's default release (:func:`tuner.logparse.infer_version`)."""
     engine = (case.get("engine") or "").upper()
     engine = engine if engine in ("V0", "V1") else None
     if case.get("vllm_version"):
         return str(case["vllm_version"]), engine
-    text = "\n".join(case.get("raw_lines") or [])
-    for marker, eng, version in _VERSION_BY_LOG_FORMAT:
-        if marker in text and (engine in (None, eng)):
-            return version, eng
-    eng = engine or "V1"
-    return _DEFAULT_VERSION[eng], eng
+    version, eng, _marker = logparse.infer_version(case.get("raw_lines") or [], engine)
+    return version, eng
 
 
 def _model_dir_name(model: str) -> str:

@@ -17,6 +17,11 @@ from typing import Any, Callable
 
 from tuner.errors import TunerError, WorkerError, WorkerTimeout
 
+#: Worker processes this process is waiting for, from any thread: ``pid`` (= its process group)
+#: → the ``killpg`` to use. Read by :func:`kill_running_workers` from signal handlers, so a plain
+#: dict (single operations are atomic) and no lock.
+_RUNNING: dict[int, Callable[[int, int], None]] = {}
+
 #: Default wall-clock limit of one job (seconds).
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -43,7 +48,10 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
         WorkerTimeout: the limit expired (the group was killed).
         WorkerError: the child crashed, was killed, or wrote no valid reply.
         TunerError: the child reported a typed error (bad config, plugin failure, …), re-raised
-            with the same class name in the message.
+            as the same class of :mod:`tuner.errors` with the same ``where`` / ``path`` / ``field``
+            (:func:`error_from_reply`).
+        KeyboardInterrupt, SystemExit, …: anything raised while waiting kills the worker's
+            process group first, then propagates.
     """
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,6 +59,31 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     env["PYTHONUNBUFFERED"] = "1"
     proc = popen([python or sys.executable, "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
+    _RUNNING[proc.pid] = killpg
+    try:
+        return _wait_for_reply(proc, request, job=job, timeout_s=timeout_s, killpg=killpg, on_progress=on_progress)
+    finally:
+        _RUNNING.pop(proc.pid, None)
+
+
+def kill_running_workers() -> int:
+    """SIGKILL the process group of every worker this process is waiting for, in any thread
+    (``explain`` and ``plot`` run several jobs in threads). Safe in a signal handler: the CLI calls
+    it on SIGTERM / SIGINT so that no worker outlives it and the waiting threads return at once.
+    Returns how many groups were signalled."""
+    n = 0
+    for pid, killpg in list(_RUNNING.items()):
+        try:
+            killpg(pid, signal.SIGKILL)
+            n += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return n
+
+
+def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str, timeout_s: float,
+                    killpg: Callable[[int, int], None],
+                    on_progress: Callable[[str], None] | None) -> dict[str, Any]:
     try:
         if on_progress is None:
             out, err = proc.communicate(json.dumps(request).encode(), timeout=timeout_s)
@@ -58,12 +91,18 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
             out, err = _communicate_relaying(proc, json.dumps({**request, "progress": True}).encode(), timeout_s,
                                              on_progress)
     except subprocess.TimeoutExpired:
-        try:
-            killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc, killpg)
         proc.communicate()
         raise WorkerTimeout(f"profile pass exceeded {timeout_s:g} s; worker process group killed", where=job)
+    except BaseException:
+        # KeyboardInterrupt (Ctrl-C), SystemExit (the CLI's SIGTERM handler), or anything else
+        # while waiting: the worker runs in its own process group and would outlive us.
+        _kill_group(proc, killpg)
+        try:
+            proc.wait(timeout=10)
+        except BaseException:  # a second Ctrl-C or a stuck zombie: the group is already SIGKILLed
+            pass
+        raise
     tail = err.decode(errors="replace")[-2000:].strip()
     if proc.returncode != 0 and not out:
         how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
@@ -73,8 +112,52 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     except ValueError as exc:
         raise WorkerError(f"worker wrote no valid JSON reply: {tail or out[-200:]!r}", where=job) from exc
     if not reply.get("ok"):
-        raise TunerError(f"{reply.get('error_type', 'Error')}: {reply.get('error', 'unknown error')}", where=job)
+        raise error_from_reply(reply, job=job)
     return reply["result"]
+
+
+def _kill_group(proc: subprocess.Popen, killpg: Callable[[int, int], None]) -> None:
+    """SIGKILL the worker's process group (its pid is the group id: ``start_new_session``)."""
+    try:
+        killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def error_from_reply(reply: dict[str, Any], *, job: str) -> TunerError:
+    """The typed error a worker reported, rebuilt in this process.
+
+    The class is looked up by name in :mod:`tuner.errors` (``error_type``, then the names in
+    ``error_bases``, the child's class hierarchy); ``where`` / ``path`` / ``field`` are kept. An
+    unknown name becomes a plain :class:`TunerError` whose message starts with that name. Without
+    a ``where`` from the child the error is about ``job``.
+    """
+    from tuner import errors
+
+    name = str(reply.get("error_type") or "Error")
+    message = reply.get("message")
+    if message is None:  # an older worker: only the formatted ``error`` text
+        message = str(reply.get("error", "unknown error"))
+    cls: type[TunerError] | None = None
+    for candidate in [name, *(reply.get("error_bases") or [])]:
+        found = getattr(errors, str(candidate), None)
+        if isinstance(found, type) and issubclass(found, TunerError):
+            cls = found
+            break
+    if cls is None:
+        return TunerError(f"{name}: {message}", where=reply.get("where") or job)
+    if cls.__name__ != name:
+        message = f"{name}: {message}"  # a subclass tuner.errors does not know: keep its name visible
+    if issubclass(cls, (errors.DropError, errors.SettingsError)):
+        path, field = reply.get("path"), reply.get("field")
+        if path is None and field is None:
+            exc = cls(message, path=reply.get("where") or job)
+        else:
+            exc = cls(message, path=path, field=field)
+    else:
+        exc = cls(message, where=reply.get("where") or job)
+    exc.job = job
+    return exc
 
 
 def _communicate_relaying(proc: subprocess.Popen, data: bytes, timeout_s: float,

@@ -2,7 +2,9 @@
 
 Reads one JSON request on stdin, runs :func:`tuner.job.run_job` (or, for ``"kind": "validate"``,
 :func:`tuner.validate.run_validate_request`), writes
-``{"ok": true, "result": …}`` or ``{"ok": false, "error_type": …, "error": …}`` on stdout.
+``{"ok": true, "result": …}`` or ``{"ok": false, "error_type": …, "error_bases": […], "error": …,
+"message": …, "where": …, "path": …, "field": …}`` on stdout (see :func:`error_reply`; the parent
+re-raises the same class, :func:`tuner.worker.error_from_reply`).
 Typed errors are replies; anything else is a crash with a traceback on stderr.
 """
 
@@ -10,6 +12,21 @@ from __future__ import annotations
 
 import json
 import sys
+
+
+def error_reply(exc: BaseException) -> dict:
+    """The reply for a typed error: its class name (and its bases, for subclasses the parent may
+    not know), the bare message, ``where`` and, for :class:`~tuner.errors.DropError` /
+    :class:`~tuner.errors.SettingsError`, ``path`` and ``field``. ``error`` keeps the full text."""
+    reply = {"ok": False, "error_type": type(exc).__name__,
+             "error_bases": [c.__name__ for c in type(exc).__mro__[1:] if c is not Exception and c is not BaseException
+                             and c is not object],
+             "error": str(exc), "message": getattr(exc, "message", str(exc)), "where": getattr(exc, "where", None)}
+    for key in ("path", "field"):
+        value = getattr(exc, key, None)
+        if value is not None:
+            reply[key] = str(value)
+    return reply
 
 
 def main() -> int:
@@ -26,7 +43,7 @@ def main() -> int:
 
             result = run_job(request)
     except TunerError as exc:
-        json.dump({"ok": False, "error_type": type(exc).__name__, "error": str(exc)}, sys.stdout)
+        json.dump(error_reply(exc), sys.stdout)
         return 0
     json.dump({"ok": True, "result": result}, sys.stdout)
     return 0

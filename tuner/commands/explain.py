@@ -1,14 +1,16 @@
 """``ctx-tuner explain DROP.yaml [--gpu-memory-utilization U] [--max-model-len M]`` or
 ``ctx-tuner explain --run ID``: the KV-cache budget step by step, and what would make a point start.
-Exit codes: 0 done, 1 job or database failed, 2 invalid drop, option or run id."""
+Exit codes: 0 done, 1 job or database failed, 2 invalid drop, model config, option or run id."""
 
 from __future__ import annotations
+
+from tuner.commands import timeout_seconds
 
 import argparse
 import json
 import sys
 
-from tuner.errors import DeviceError, DropError, EraError, TunerError
+from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NAME = "explain"
@@ -33,12 +35,6 @@ def _mml(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be in 1..16777216, not {text}")
     return value
 
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
-    return value
 
 
 def add_progress_options(p: argparse.ArgumentParser) -> None:
@@ -74,7 +70,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-calibration", action="store_true",
                    help="explain the plain simulation even where measured runs could calibrate it")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON (bytes as integers)")
-    p.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit per job in seconds (default 600)")
+    p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit per job in seconds (default 600)")
     add_progress_options(p)
     return p
 
@@ -102,6 +98,9 @@ def run(args) -> int:
                                db_url=args.db, calibrate=not args.no_calibration)
     except (DropError, DeviceError, EraError) as exc:
         print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModelConfigError as exc:
+        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ExplainInputError as exc:
         print(f"ctx-tuner: {exc}", file=sys.stderr)

@@ -7,6 +7,8 @@ memory lines, or an invalid/missing setting (the message names the file and the 
 
 from __future__ import annotations
 
+from tuner.commands import timeout_seconds
+
 import argparse
 import json
 import sys
@@ -56,7 +58,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="store again even if this log was imported before")
     p.add_argument("--db", default=None, help="SQLAlchemy URL or SQLite path (default var/ctx-tuner.sqlite)")
     p.add_argument("--json", action="store_true", help="print the stored run as JSON")
-    p.add_argument("--timeout", type=float, default=600.0, help="prediction worker time limit, seconds")
+    p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="prediction worker time limit, seconds")
     return p
 
 

@@ -1,16 +1,19 @@
 """``ctx-tuner plot DROP.yaml -o frontier.png`` or ``ctx-tuner plot --model TEXT -o frontier.png``:
 the largest max_model_len that starts against gpu_memory_utilization (needs the ``plot`` extra,
-matplotlib). Exit codes: 0 done, 1 job, database or matplotlib missing, 2 invalid drop or usage."""
+matplotlib). Exit codes: 0 done, 1 job, database or matplotlib missing, 2 invalid drop, model config or
+usage (an ``-o`` extension matplotlib cannot write)."""
 
 from __future__ import annotations
+
+from tuner.commands import timeout_seconds
 
 import argparse
 import json
 import os
 import sys
 
-from tuner.commands.explain import _gmu, _positive, add_progress_options, progress_printer
-from tuner.errors import DeviceError, DropError, EraError, TunerError
+from tuner.commands.explain import _gmu, add_progress_options, progress_printer
+from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NAME = "plot"
@@ -23,19 +26,32 @@ def _conc(text: str) -> float:
     return value
 
 
+def output_problem(output: str) -> str | None:
+    """Why matplotlib cannot write ``-o OUTPUT`` (its extension names no format it supports), or None."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = os.path.splitext(output)[1][1:].lower()
+    if ext in formats:
+        return None
+    what = f"unsupported extension '.{ext}'" if ext else "no file extension"
+    return f"-o {output}: {what}; matplotlib writes {', '.join(formats)} (e.g. -o frontier.png)"
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="plot the largest max_model_len that starts against gpu_memory_utilization")
     p.add_argument("drop", nargs="?", help="drop YAML file to sweep (simulated now), or use --model")
     p.add_argument("--model", help="plot stored results of models whose name contains this text")
     p.add_argument("--device", help="with --model: only devices whose name contains this text")
-    p.add_argument("-o", "--output", required=True, help="PNG file to write (the plotted series go to OUTPUT.json too)")
+    p.add_argument("-o", "--output", required=True, help="image file to write, format by extension (png, svg, pdf, …; the plotted series go to "
+                        "OUTPUT.json too)")
     p.add_argument("--gmu", type=_gmu, nargs="+", metavar="U",
                    help="gpu_memory_utilization values to sweep (default: the drop's if >= 3, else 0.70..0.98 step 0.02)")
     p.add_argument("--concurrency", type=_conc, nargs="+", metavar="C",
                    help="extra concurrency lines (default 2 4; 1 and the drop's min_concurrency are always drawn)")
     p.add_argument("--db", default=None, help="store for measured points / --model (default var/ctx-tuner.sqlite)")
     p.add_argument("--json", action="store_true", help="print the plotted series as JSON")
-    p.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit per job in seconds (default 600)")
+    p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit per job in seconds (default 600)")
     add_progress_options(p)
     return p
 
@@ -50,6 +66,10 @@ def run(args) -> int:
     store = None
     try:
         _import_pyplot()  # fail before any job runs
+        problem = output_problem(args.output)
+        if problem is not None:
+            print(f"ctx-tuner plot: {problem}", file=sys.stderr)
+            return EXIT_USAGE
         if args.model is not None:
             store = open_for_read(args.db)
             data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency)
@@ -62,6 +82,9 @@ def run(args) -> int:
         series = render_png(data, args.output)
     except (DropError, DeviceError, EraError) as exc:
         print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModelConfigError as exc:
+        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except TunerError as exc:
         print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)

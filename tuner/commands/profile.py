@@ -1,13 +1,15 @@
 """``ctx-tuner profile DROP.yaml [--db URL] [--json] [--timeout S]``: one drop, one worker job,
-results stored and printed. Exit codes: 0 done, 1 job failed, 2 invalid drop."""
+results stored and printed. Exit codes: 0 done, 1 job failed, 2 invalid drop or model config."""
 
 from __future__ import annotations
+
+from tuner.commands import timeout_seconds
 
 import argparse
 import json
 import sys
 
-from tuner.errors import DeviceError, DropError, EraError, TunerError
+from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
 
 GiB = 1 << 30
 
@@ -20,11 +22,19 @@ def _gib(n: int | None) -> str:
 
 
 def render_table(outcome) -> str:
-    """Human-readable report: the memory terms, every candidate, the proposals."""
+    """Human-readable report: the memory terms, every candidate, the proposals.
+
+    Each candidate shows ``starts`` (vLLM's verdict) and ``ok`` (starts and meets the drop's
+    ``min_concurrency``: what a proposal needs); the ``vllm serve`` commands name the model's
+    resolved absolute directory (:func:`tuner.app.serve_model`)."""
+    from tuner.app import serve_model
+    from tuner.search import candidate_starts
+
     r, d = outcome.result, outcome.drop
     m = r["model"]
+    model = serve_model(d)
     lines = [
-        f"drop {d.name}: {d.model} ({','.join(m['architectures'])}, plugin {r['plugin']})",
+        f"drop {d.name}: {model} ({','.join(m['architectures'])}, plugin {r['plugin']})",
         f"device {outcome.device['name']} ({_gib(outcome.device['total_memory_bytes'])} GiB), vLLM {r['era']}, "
         f"dtype {r['dtype']}, kv_cache_dtype {d.kv_cache_dtype}, TP {d.tensor_parallel_size}, PP {d.pipeline_parallel_size}, "
         f"block_size {r['block_size']}",
@@ -32,20 +42,27 @@ def render_table(outcome) -> str:
     for w in outcome.warnings:
         lines.append(f"warning: {w}")
     lines.append("")
-    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'fits':>4} {'weights':>8} {'act.peak':>8} {'non-torch':>9} " \
-           f"{'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
+    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'act.peak':>8} " \
+           f"{'non-torch':>9} {'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
     lines += [head, "-" * len(head)]
     for c in r["candidates"]:
         lines.append(
             f"{c['gpu_memory_utilization']:>5.2f} {c['max_model_len']:>13} {c['max_num_batched_tokens']:>6} "
-            f"{'yes' if c['fits'] else 'NO':>4} {_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
+            f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if c['fits'] else 'NO':>3} "
+            f"{_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
             f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}")
     rows = sorted(r["candidates"], key=lambda c: (c["gpu_memory_utilization"], c["max_model_len"]))
-    if any(a["gpu_memory_utilization"] == b["gpu_memory_utilization"] and not a["fits"] and b["fits"]
-           and a["max_num_batched_tokens"] != b["max_num_batched_tokens"] for a, b in zip(rows, rows[1:])):
+    if any(a["gpu_memory_utilization"] == b["gpu_memory_utilization"] and not candidate_starts(a)
+           and candidate_starts(b) and a["max_num_batched_tokens"] != b["max_num_batched_tokens"]
+           for a, b in zip(rows, rows[1:])):
         lines.append("note: the fit is not monotone in max_model_len (the era changes the profile batch with it)")
-    lines += ["", "proposals (largest max_model_len that starts):"]
+    mc = d.constraints.min_concurrency
+    if any(candidate_starts(c) and not c["fits"] for c in r["candidates"]):
+        lines.append(f"note: starts yes, ok NO = vLLM starts, but fewer than min_concurrency ({mc:g}) full-length "
+                     "requests fit")
+    with_conc = f", with at least {mc:g} full-length requests" if mc != 1 else ""
+    lines += ["", f"proposals (largest max_model_len that starts{with_conc}):"]
     for p in r["proposals"]:
         if p["max_model_len"] is None:
             lines.append(f"  gmu {p['gpu_memory_utilization']:.2f}: nothing fits: {p['reason']}")
@@ -54,29 +71,40 @@ def render_table(outcome) -> str:
             lines.append(f"  gmu {p['gpu_memory_utilization']:.2f}: max_model_len {p['max_model_len']}, "
                          f"{p['num_gpu_blocks']} blocks, {p['kv_cache_tokens']} KV tokens, "
                          f"{p['max_concurrency']:.2f}x concurrency{extra}")
-            lines.append(f"      vllm serve {d.model} {p['vllm_args']}")
+            lines.append(f"      vllm serve {model} {p['vllm_args']}")
     if outcome.drop_id is not None:
         lines.append(f"\nstored as drop id {outcome.drop_id}")
     return "\n".join(lines)
 
 
 def to_json(outcome) -> dict:
-    """The ``--json`` document: candidates (one per grid point) and proposals (one per gmu)."""
+    """The ``--json`` document: candidates (one per grid point, each with ``starts`` — vLLM's
+    verdict — next to ``fits`` — starts and meets the constraints) and proposals (one per gmu,
+    each with its ``command``: ``vllm serve`` with the model's resolved directory ``model_path``)."""
+    from tuner.app import serve_model
+    from tuner.search import candidate_starts
+
     r = outcome.result
+    model = serve_model(outcome.drop)
+    cands = []
+    for c in r["candidates"]:
+        row = {}
+        for k, v in c.items():
+            if k in ("run_key", "starts"):
+                continue
+            row[k] = v
+            if k == "fits":
+                row["starts"] = candidate_starts(c)
+        cands.append(row)
+    props = [{**p, "command": f"vllm serve {model} {p['vllm_args']}" if p.get("vllm_args") else None}
+             for p in r["proposals"]]
     return {
-        "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "plugin": r["plugin"],
-        "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
-        "candidates": [{k: v for k, v in c.items() if k != "run_key"} for c in r["candidates"]],
-        "proposals": r["proposals"],
+        "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "model_path": model,
+        "plugin": r["plugin"], "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
+        "candidates": cands, "proposals": props,
         "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
     }
 
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
-    return value
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -84,7 +112,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prof.add_argument("drop", help="path to a drop YAML file")
     prof.add_argument("--db", default=None, help="SQLAlchemy URL (default: sqlite:///var/ctx-tuner.sqlite)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    prof.add_argument("--timeout", type=_positive, default=600.0, help="worker time limit in seconds (default 600)")
+    prof.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds (default 600)")
     from tuner.commands.explain import add_progress_options
 
     add_progress_options(prof)
@@ -107,6 +135,9 @@ def run(args) -> int:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, **kw)
     except (DropError, DeviceError, EraError) as exc:
         print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModelConfigError as exc:
+        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except TunerError as exc:
         print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -29,8 +29,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print JSON (bytes as integers)")
     fmt.add_argument("--csv", action="store_true", help="print one table as CSV (see --table)")
-    p.add_argument("--table", choices=("proposals", "runs", "candidates"), default="proposals",
-                   help="the table --csv prints (default proposals)")
+    p.add_argument("--table", choices=("proposals", "runs", "candidates"), default=None,
+                   help="the table --csv prints (default proposals); only with --csv")
     p.add_argument("--limit", type=_limit, default=200, help="at most this many runs, newest (default 200)")
     return p
 
@@ -38,6 +38,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from tuner.results import open_for_read, query, render, to_csv
 
+    if args.table is not None and not args.csv:
+        print("ctx-tuner results: --table goes with --csv (the table and --json outputs show every table)",
+              file=sys.stderr)
+        return EXIT_USAGE
     try:
         store = open_for_read(args.db)
         try:
@@ -50,7 +54,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     elif args.csv:
-        sys.stdout.write(to_csv(doc, args.table))
+        sys.stdout.write(to_csv(doc, args.table or "proposals"))
     else:
         print(render(doc))
     return EXIT_OK

@@ -15,6 +15,8 @@ Exit codes: 0 every method that could run ran; 1 a method failed (its row says w
 
 from __future__ import annotations
 
+from tuner.commands import timeout_seconds
+
 import argparse
 import json
 import sys
@@ -43,7 +45,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", action="store_true", help="run the GPU checks (required; without it nothing runs)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON (bytes as integers)")
-    p.add_argument("--timeout", type=float, default=240.0, help="per-method worker limit in seconds (default 240)")
+    p.add_argument("--timeout", type=timeout_seconds, default=240.0, help="per-method worker limit in seconds (default 240)")
     return p
 
 

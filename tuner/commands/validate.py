@@ -7,8 +7,11 @@ itself failed; 2 usage error (unreadable case file, missing models directory).
 
 from __future__ import annotations
 
+from tuner.commands import timeout_seconds
+
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +21,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NAME = "validate"
 
 
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {text!r} ({exc})") from None
+    return text
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="predict real vLLM start-ups (a case file) and report the errors")
     p.add_argument("cases", help="JSON Lines case file (format: shared/cases/README.md)")
@@ -25,8 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="directory of <org>--<name>/config.json per model id (default: ../models next to the case file)")
     p.add_argument("--json", action="store_true",
                    help='print one JSON object {"cases": [...], "summary": {...}} instead of a table')
-    p.add_argument("--filter", default=None, help="only cases whose id or model matches this regular expression")
-    p.add_argument("--timeout", type=float, default=900.0, help="worker time limit in seconds (default 900)")
+    p.add_argument("--filter", type=_regex, default=None, help="only cases whose id or model matches this regular expression")
+    p.add_argument("--timeout", type=timeout_seconds, default=900.0, help="worker time limit in seconds (default 900)")
     p.add_argument("--calibrate", action="store_true",
                    help="also predict each case calibrated leave-one-out from the other cases' logs of its group "
                         "(before/after columns, a second summary; --json adds calibrated_* and summary_calibrated)")

@@ -1,0 +1,93 @@
+"""Command-line arguments that used to crash: each is now a usage error (exit 2) naming the option,
+or, for a closed stdout, a quiet exit."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tuner.cli import main
+
+# every command that runs a worker, with the arguments it needs to reach --timeout
+TIMEOUT_COMMANDS = {
+    "profile": ["profile", "d.yaml"],
+    "explain": ["explain", "d.yaml"],
+    "plot": ["plot", "d.yaml", "-o", "x.png"],
+    "import-log": ["import-log", "x.log", "--model", "m", "--device", "H100-80GB"],
+    "validate": ["validate", "cases.jsonl"],
+    "selftest": ["selftest", "--gpu"],
+}
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as exc:
+            rc = exc.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("command", sorted(TIMEOUT_COMMANDS))
+@pytest.mark.parametrize("value", ["1e9", "inf", "nan", "-1", "0", "86401", "abc"])
+def test_timeout_must_be_finite_and_at_most_a_day(command, value):
+    rc, _, err = _cli(*TIMEOUT_COMMANDS[command], "--timeout", value)
+    assert rc == 2 and "--timeout" in err and "Traceback" not in err, err
+
+
+def test_timeout_of_a_day_is_accepted():
+    from tuner.cli import build_parser
+
+    for argv in TIMEOUT_COMMANDS.values():
+        assert build_parser().parse_args([*argv, "--timeout", "86400"]).timeout == 86400.0
+
+
+def test_log_level_is_a_choice_case_insensitive():
+    rc, _, err = _cli("--log-level", "BOGUS", "results", "--db", "nowhere.sqlite")
+    assert rc == 2 and "--log-level" in err and "DEBUG" in err
+    from tuner.cli import build_parser
+
+    assert build_parser().parse_args(["--log-level", "debug", "results"]).log_level == "DEBUG"
+
+
+def test_validate_filter_must_be_a_regex(tmp_path):
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text("")
+    rc, _, err = _cli("validate", str(cases), "--filter", "(")
+    assert rc == 2 and "--filter" in err and "'('" in err and "regular expression" in err
+
+
+def test_plot_output_extension_must_be_a_matplotlib_format(tmp_path):
+    pytest.importorskip("matplotlib")
+    rc, _, err = _cli("plot", "--model", "x", "-o", str(tmp_path / "x.txt"))
+    assert rc == 2 and "-o" in err and "x.txt" in err and "png" in err and "svg" in err
+    assert not (tmp_path / "x.txt").exists()
+
+
+def test_results_table_goes_with_csv(tmp_path):
+    rc, _, err = _cli("results", "--db", str(tmp_path / "none.sqlite"), "--table", "runs")
+    assert rc == 2 and "--table goes with --csv" in err
+
+
+def test_closed_stdout_exits_quietly(tmp_path):
+    """``ctx-tuner results --json | head``: the reader is gone before the write; exit 0, no traceback,
+    no 'Exception ignored' at interpreter exit."""
+    from tuner.store import open_store
+
+    db = tmp_path / "r.sqlite"
+    open_store(str(db)).close()
+    r, w = os.pipe()
+    os.close(r)  # a reader that already went away: every write gets EPIPE
+    try:
+        p = subprocess.run([sys.executable, "-m", "tuner.cli", "results", "--db", str(db), "--json"],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        os.close(w)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
