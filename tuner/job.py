@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+from pathlib import Path
 import sys
 import time
 from typing import Any
@@ -17,9 +18,11 @@ from tuner import __version__
 from tuner.budget import profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import v0_uses_sliding_window
-from tuner.modelspec import load_model_spec, read_architectures, read_top
+from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_parallel_layout, check_quantization,
+                                 check_unchunked_lengths, quantization_methods, VLLM_019_QUANTIZATION_METHODS)
+from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
 from tuner.plugin import RankSettings, load_registry
-from tuner.search import Layout, evaluate, propose
+from tuner.search import Layout, derived_max_model_len, evaluate, propose
 
 #: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
 #: (vllm/engine/arg_utils.py, 0.5.4+): the fit surface can jump at this boundary.
@@ -35,6 +38,12 @@ def _extra_args(d: dict) -> str:
         parts.append(f"--kv-cache-dtype {d['kv_cache_dtype']}")
     if d.get("dtype", "auto") != "auto":
         parts.append(f"--dtype {d['dtype']}")
+    if d.get("quantization"):
+        parts.append(f"--quantization {d['quantization']}")
+        version = _version_tuple(d.get("engine_version"))
+        if (version and quantization_methods(version) is VLLM_019_QUANTIZATION_METHODS
+                and d["quantization"] in VLLM_019_DEPRECATED):
+            parts.append("--allow-deprecated-quantization")
     for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if d.get(key) is not None:
             parts.append(f"--{key.replace('_', '-')} {d[key]}")
@@ -43,6 +52,33 @@ def _extra_args(d: dict) -> str:
     if d.get("enforce_eager"):
         parts.append("--enforce-eager")
     return " ".join(parts)
+
+
+def _version_tuple(text: Any) -> Any:
+    from tuner.eras import parse_version
+
+    try:
+        return parse_version(str(text))
+    except Exception:  # an unparseable version is the era lookup's error, not this one's
+        return None
+
+
+def per_head_kv_totals(plugin: Any, spec: Any, settings: RankSettings) -> set[int]:
+    """Total KV heads of the model's per-head attention layers (full, sliding-window, chunked
+    local), read from the plugin's own KV specs at TP 1 / PP 1 (so per-layer geometries such as
+    Gemma's global layers count); empty for MLA latents and Mamba state, which have no per-head
+    KV to split. A plugin that cannot lay the layers out at TP 1 gives an empty set (the real
+    call then raises its own error)."""
+    from tuner.errors import TunerError
+    from tuner.kvcache import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    probe = dataclasses.replace(settings, tensor_parallel_size=1, pipeline_parallel_size=1, pp_rank=0)
+    try:
+        specs = plugin.kv_cache_spec(spec, probe)
+    except TunerError:
+        return set()
+    return {int(s.num_kv_heads) for s in specs.values()
+            if isinstance(s, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))}
 
 
 def kv_block_bytes(era, kv_specs: tuple, block_size: int) -> list[int | None]:
@@ -91,7 +127,14 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     Returns a dict with ``model``, ``plugin``, ``warnings``, ``era``, ``runs`` (one per pass),
     ``candidates`` and ``proposals`` (see :mod:`tuner.search`), and ``versions``.
 
+    Warnings (``warnings``) include each plugin default used for a key the model's config.json
+    lacks (:func:`tuner.modelspec.defaults_applied`).
+
     Raises:
+        DropError: settings vLLM refuses for this model (:mod:`tuner.engine_checks`: heads / KV
+            heads vs ``tensor_parallel_size``, layers vs ``pipeline_parallel_size``,
+            ``max_num_batched_tokens`` vs ``max_num_seqs`` / ``max_model_len``, ``quantization``),
+            naming the drop file (``request["drop"]["path"]``) and the key.
         TunerError subclasses for bad configs, plugins or settings.
     """
     import torch
@@ -108,8 +151,16 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     plugin, warn = registry.for_architectures(read_architectures(request["config_path"]))
     if warn:
         warnings.append(warn)
-    spec, _hf = load_model_spec(request["config_path"], defaults=plugin.config_defaults(read_top(request["config_path"])))
+    top = read_top(request["config_path"])
+    defaults = plugin.config_defaults(without_nulls(top))  # a null key gets the default a missing one gets
+    spec, _hf = load_model_spec(request["config_path"], defaults=defaults)
+    config_name = Path(request["config_path"]).name
+    for key, value in defaults_applied(top, defaults).items():  # partial configs: say what was assumed
+        warnings.append(f"{config_name} lacks {key}; using {value!r} (default of plugin {plugin.name})")
     era = era_for(d["engine_version"], d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
+    drop_path = d.get("path")
+    warnings.extend(check_quantization(d.get("quantization"), spec.quantization_config, version=era.version,
+                                       path=drop_path))
     dtype = resolve_dtype(d.get("dtype", "auto"), spec.torch_dtype)
     tp, pp = int(d.get("tensor_parallel_size", 1)), int(d.get("pipeline_parallel_size", 1))
     stage_settings = [
@@ -120,6 +171,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                      max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]))
         for r in range(pp)
     ]
+    # What vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers vs PP.
+    check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
+                          kv_heads=per_head_kv_totals(plugin, spec, stage_settings[0]) if tp > 1 else (),
+                          tensor_parallel_size=tp, pipeline_parallel_size=pp, path=drop_path)
     kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
@@ -135,11 +190,13 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         method = "simulate"
     if method != "simulate":
         calibration = {}  # corrections are learned for the simulate terms only
+    derived_max, derived_key = derived_max_model_len(spec.raw, model_type=spec.model_type)
     layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs,
                     corrections=tuple(sorted((k, int(v)) for k, v in calibration.items() if k.endswith("_delta_bytes"))),
                     activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device),
                                                                                                  era),
-                    hidden_size=spec.hidden_size)
+                    hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
+                    model_max_length=spec.raw.get("model_max_length"))
     is_mm = "text_config" in spec.top
     from tuner.kvcache import MambaSpec
 
@@ -151,12 +208,19 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         is_quantized=bool(spec.quantization_config or d.get("quantization")))
 
     def batch_for(m: int):
-        return profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"), device_name=device["name"],
-                             total_memory_bytes=total, max_num_batched_tokens=d.get("max_num_batched_tokens"),
-                             max_num_seqs=d.get("max_num_seqs"), enable_chunked_prefill=d.get("enable_chunked_prefill"),
-                             has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
-                                                                        spec.raw.get("use_sliding_window")),
-                             is_multimodal=is_mm)
+        batch = profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"),
+                              device_name=device["name"], total_memory_bytes=total,
+                              max_num_batched_tokens=d.get("max_num_batched_tokens"), max_num_seqs=d.get("max_num_seqs"),
+                              enable_chunked_prefill=d.get("enable_chunked_prefill"),
+                              has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
+                                                                         spec.raw.get("use_sliding_window")),
+                              is_multimodal=is_mm)
+        # vLLM's SchedulerConfig: N >= S once the era's defaults are applied.
+        check_batch(engine=era.engine, max_num_batched_tokens=batch.max_num_batched_tokens,
+                    max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,
+                    user_max_num_batched_tokens=d.get("max_num_batched_tokens"),
+                    user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
+        return batch
 
     from tuner.simulate.profile import run_pass
 
@@ -194,6 +258,11 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     min_conc = float(cons.get("min_concurrency") or 1.0)
     cap = cons.get("max_model_len_cap")
     grid_m = (d.get("candidates") or {}).get("max_model_len")
+    if d.get("enable_chunked_prefill") is False and d.get("max_num_batched_tokens") is not None:
+        # Chunked prefill off: vLLM refuses any max_model_len above max_num_batched_tokens.
+        n_user = int(d["max_num_batched_tokens"])
+        check_unchunked_lengths(max_num_batched_tokens=n_user, max_model_lens=grid_m or (), path=drop_path)
+        cap = min(cap, n_user) if cap else n_user
     candidates, proposals = [], []
     search = request.get("search", True)
     us = (d.get("candidates") or {}).get("gpu_memory_utilization") or [era.default_gpu_memory_utilization]
@@ -236,8 +305,6 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
             warnings.append(f"method cuda ran on a GPU of {runs[0]['total_memory_bytes'] / GiB:.2f} GiB; the budget "
                             f"uses the drop's device total ({total / GiB:.2f} GiB)")
     if method == "vllm":  # the engine itself, with dummy weights, for each needed candidate
-        from pathlib import Path
-
         from tuner.measure.vllm_engine import measure_candidates, needed_candidates
 
         model_dir = str(Path(request["config_path"]).parent)

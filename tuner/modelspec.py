@@ -82,12 +82,68 @@ class _JsonConfig:
         return dict(self._data)
 
 
+#: Keys that do not change the model a ``config.json`` describes, left out of
+#: :func:`config_hash`: provenance (``transformers_version``, ``_name_or_path``, ``_commit_hash``),
+#: generation and tokenizer ids (``bos``/``eos``/``pad_token_id``, ``use_cache``), training-time
+#: init (``initializer_range``) and ``auto_map`` (remote-code class names: ctx-tuner never runs
+#: remote code, the plugin is chosen by ``architectures``). Kept: everything else, including
+#: ``architectures`` (picks the plugin) and ``torch_dtype`` (changes the weights).
+HASH_IGNORED_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "_commit_hash", "use_cache", "bos_token_id", "eos_token_id",
+    "pad_token_id", "initializer_range", "auto_map",
+})
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        out = {k: _canonical(v) for k, v in value.items() if k not in HASH_IGNORED_KEYS}
+        if "torch_dtype" in out and "dtype" not in out:  # transformers >= 4.56 writes ``dtype``
+            out["dtype"] = out.pop("torch_dtype")
+        return out
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def config_hash(top: dict) -> str:
+    """SHA-256 of a ``config.json``'s canonical JSON: keys sorted, compact separators, without
+    :data:`HASH_IGNORED_KEYS` (at any depth) and with ``torch_dtype`` spelled ``dtype``. Two copies
+    of one model that differ only in those keys, key order or whitespace hash the same; any size
+    that changes memory changes the hash. Pure Python (no torch)."""
+    text = json.dumps(_canonical(top), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def config_file_sha256(config_path: str | os.PathLike) -> str:
+    """:func:`config_hash` of a ``config.json`` file (what ``ModelSpec.config_sha256`` holds).
+
+    Raises:
+        ModelConfigError: as :func:`read_top`.
+    """
+    return config_hash(read_top(config_path))
+
+
+def _positive_int(value: Any, field_name: str, path: str) -> int:
+    """``value`` if it is a positive int (bools, strings, floats, NaN rejected), else
+    ``ModelConfigError`` naming ``path:field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelConfigError(f"{field_name} must be a positive integer, not {value!r}", where=f"{path}:{field_name}")
+    return value
+
+
+#: The floating-point weight dtypes a ``torch_dtype`` / ``dtype`` key may name (after
+#: normalisation: ``bf16``, ``half``, ``float`` ... are accepted spellings).
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Memory-relevant facts of a model config (the text model for multimodal wrappers).
 
-    Attributes are HF names; sizes in elements, lengths in tokens. ``raw`` holds the whole text
-    config as a dict for plugins that need more; ``top`` the top-level config dict.
+    Attributes are HF names; sizes in elements, lengths in tokens (every size a positive int,
+    checked by :func:`load_model_spec`). ``config_sha256`` is :func:`config_hash` of the file (not
+    of its bytes). ``raw`` holds the whole text config as a dict for plugins that need more;
+    ``top`` the top-level config dict.
     """
 
     path: str
@@ -133,8 +189,14 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         ``(spec, hf_config)``: the :class:`ModelSpec` and the transformers config object.
 
     Raises:
-        ModelConfigError: unreadable JSON, an unknown ``model_type``, or a missing field; the
-            message names the file and the field.
+        ModelConfigError: unreadable JSON, not a JSON object, a missing field, or a value vLLM
+            could not use: every size (``hidden_size``, ``num_hidden_layers``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``,
+            ``vocab_size``, ``max_position_embeddings``) must be a positive int (bools, strings,
+            floats rejected), ``hidden_size`` divisible by the heads unless ``head_dim`` is set,
+            ``torch_dtype`` a floating-point dtype, ``architectures`` a list of names (a single
+            string is taken as one). A null value counts as missing. ``where`` is
+            ``FILE:FIELD`` (``text_config.FIELD`` for a key of the text config).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(config_path)
@@ -161,10 +223,14 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         text_json = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
         hf = text_cfg = _JsonConfig(text_json, top)
     defaults = dict(defaults or {})
+    text_json = top.get("text_config") if isinstance(top.get("text_config"), dict) else None
+    prefix = "text_config." if text_json is not None else ""
+    where = str(path)
     if defaults:
         base = text_cfg
 
-        file_keys = set(top.get("text_config") or {}) if isinstance(top.get("text_config"), dict) else set(top)
+        # Keys the file sets (a null value counts as missing, like an absent key).
+        file_keys = {k for k, v in (text_json if text_json is not None else top).items() if v is not None}
 
         class _WithDefaults:
             """The file's own keys win; a plugin default beats a transformers class default for a
@@ -182,25 +248,75 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
                 return d
 
         text_cfg = _WithDefaults()
-    try:
-        hidden = int(_first(text_cfg, "hidden_size", "n_embd", "d_model"))
-        layers = int(_first(text_cfg, "num_hidden_layers", "n_layer", "num_layers"))
-        heads = int(_first(text_cfg, "num_attention_heads", "n_head"))
-    except TypeError as exc:
-        raise ModelConfigError("missing hidden_size / num_hidden_layers / num_attention_heads", where=str(path)) from exc
-    kv = _first(text_cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=heads)
-    head_dim = _first(text_cfg, "head_dim", default=None) or hidden // heads
-    inter = _first(text_cfg, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * hidden)
-    vocab = _first(text_cfg, "vocab_size", default=None) or _first(hf, "vocab_size") or defaults.get("vocab_size")
+
+    def pick(*names: str) -> tuple[str, Any]:
+        """(the dotted field name that supplied a value, the value); the first name and None
+        when none did."""
+        for n in names:
+            v = _first(text_cfg, n)
+            if v is not None:
+                return prefix + n, v
+        return prefix + names[0], None
+
+    def required(*names: str) -> int:
+        name, value = pick(*names)
+        if value is None:
+            raise ModelConfigError(f"missing {names[0]}", where=f"{where}:{prefix + names[0]}")
+        return _positive_int(value, name, where)
+
+    def optional(default: int, *names: str) -> int:
+        name, value = pick(*names)
+        return default if value is None else _positive_int(value, name, where)
+
+    hidden = required("hidden_size", "n_embd", "d_model")
+    layers = required("num_hidden_layers", "n_layer", "num_layers")
+    heads = required("num_attention_heads", "n_head")
+    kv = optional(heads, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+    hd_name, hd_value = pick("head_dim")
+    file_text = text_json if text_json is not None else top
+    if file_text.get("head_dim") is None and hidden % heads:  # transformers may derive a head_dim itself
+        raise ModelConfigError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) and "
+                               "the config sets no head_dim", where=f"{where}:{prefix}num_attention_heads")
+    if hd_value is None:
+        if hidden % heads:
+            raise ModelConfigError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) and "
+                                   "the config sets no head_dim", where=f"{where}:{prefix}num_attention_heads")
+        head_dim = hidden // heads
+    else:
+        # Any positive width is accepted: vLLM picks an attention backend that supports it.
+        head_dim = _positive_int(hd_value, hd_name, where)
+    inter = optional(4 * hidden, "intermediate_size", "n_inner", "ffn_hidden_size")
+    vocab_name, vocab = pick("vocab_size")
+    if vocab is None:
+        vocab_name, vocab = "vocab_size", _first(hf, "vocab_size") or defaults.get("vocab_size")
     if vocab is None:
         raise ModelConfigError("missing vocab_size", where=f"{path}:vocab_size")
-    maxpos = _first(text_cfg, "max_position_embeddings", "n_positions", "seq_length", default=2048)
+    vocab = _positive_int(vocab, vocab_name, where)
+    maxpos = optional(2048, "max_position_embeddings", "n_positions", "seq_length")
     raw = text_cfg.to_dict()
-    text_json = top.get("text_config") or {}
+    text_json = text_json or {}
     rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    partial = float(raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
-    dtype = _dtype_name(top.get("torch_dtype") or top.get("dtype") or text_json.get("torch_dtype")
-                        or text_json.get("dtype") or defaults.get("torch_dtype") or _first(hf, "dtype", default=None))
+    if not isinstance(rope_params, dict):
+        rope_params = {}
+    partial_value = raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
+    if isinstance(partial_value, bool) or not isinstance(partial_value, (int, float)) or not 0 < partial_value <= 1:
+        raise ModelConfigError(f"partial_rotary_factor must be a number in (0, 1], not {partial_value!r}",
+                               where=f"{where}:{prefix}partial_rotary_factor")
+    partial = float(partial_value)
+    dtype_field, dtype_value = "torch_dtype", None
+    for key_prefix, source in (("", top), ("text_config.", text_json)):
+        for key in ("torch_dtype", "dtype"):
+            if dtype_value is None and source.get(key) is not None:
+                dtype_field, dtype_value = key_prefix + key, source[key]
+    if dtype_value is None:
+        dtype_value = defaults.get("torch_dtype") or _first(hf, "dtype", default=None)
+    if dtype_value is not None and not isinstance(dtype_value, str) and "torch." not in str(dtype_value):
+        raise ModelConfigError(f"{dtype_field} must be a floating-point dtype name ({', '.join(FLOAT_DTYPES)}), "
+                               f"not {dtype_value!r}", where=f"{where}:{dtype_field}")
+    dtype = _dtype_name(dtype_value)
+    if dtype not in FLOAT_DTYPES:
+        raise ModelConfigError(f"{dtype_field} must be a floating-point dtype ({', '.join(FLOAT_DTYPES)}), "
+                               f"not {dtype_value!r}", where=f"{where}:{dtype_field}")
     # The checkpoint's own key wins over a transformers class default.
     if "tie_word_embeddings" in top:
         tie = bool(top["tie_word_embeddings"])
@@ -210,28 +326,75 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         tie = bool(defaults["tie_word_embeddings"])
     else:
         tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
+    sw_name, window = pick("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ModelConfigError(f"sliding_window must be null or a non-negative integer, not {window!r}",
+                               where=f"{where}:{sw_name}")
+    qc = top.get("quantization_config") or raw.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelConfigError(f"quantization_config must be a JSON object, not {qc!r}",
+                               where=f"{where}:quantization_config")
     spec = ModelSpec(
         path=str(path),
-        config_sha256=hashlib.sha256(text).hexdigest(),
-        architectures=tuple(top.get("architectures") or ()),
+        config_sha256=config_hash(top),
+        architectures=_architectures(top, where),
         model_type=str(_first(hf, "model_type", default="")),
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(kv),
-        head_dim=int(head_dim),
-        intermediate_size=int(inter),
-        vocab_size=int(vocab),
-        max_position_embeddings=int(maxpos),
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=maxpos,
         torch_dtype=dtype,
         tie_word_embeddings=tie,
-        rotary_dim=int(int(head_dim) * partial),
-        sliding_window=_first(text_cfg, "sliding_window", default=None),
-        quantization_config=top.get("quantization_config") or raw.get("quantization_config"),
+        rotary_dim=int(head_dim * partial),
+        sliding_window=window,
+        quantization_config=qc,
         raw=raw,
         top=top,
     )
     return spec, hf
+
+
+def _architectures(top: dict, where: str) -> tuple[str, ...]:
+    """``architectures`` as a tuple: absent/null → ``()``; a single string is taken as a
+    one-element list; anything else but a list of strings is a ModelConfigError."""
+    archs = top.get("architectures")
+    if archs is None:
+        return ()
+    if isinstance(archs, str):
+        return (archs,)
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelConfigError(f"architectures must be a list of class names, not {archs!r}",
+                               where=f"{where}:architectures")
+    return tuple(archs)
+
+
+def without_nulls(top: dict) -> dict:
+    """``top`` without null values at the top level and in ``text_config``: what plugins'
+    ``config_defaults`` read, so a key set to null gets the same default as a missing one."""
+    out = {k: v for k, v in top.items() if v is not None}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {k: v for k, v in out["text_config"].items() if v is not None}
+    return out
+
+
+def defaults_applied(top: dict, defaults: dict) -> dict:
+    """The plugin defaults (:meth:`tuner.plugin.ModelPlugin.config_defaults`) that
+    :func:`load_model_spec` uses because the file lacks the key (absent or null) in its text
+    config (``torch_dtype`` also counts as set when the top level or ``dtype`` sets it)."""
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    out = {}
+    for k, v in (defaults or {}).items():
+        if text.get(k) is not None:
+            continue
+        if k in ("torch_dtype", "dtype") and any(src.get(n) is not None for src in (top, text)
+                                                 for n in ("torch_dtype", "dtype")):
+            continue
+        out[k] = v
+    return out
 
 
 def read_top(config_path: str | os.PathLike) -> dict:
@@ -251,6 +414,11 @@ def read_top(config_path: str | os.PathLike) -> dict:
 
 
 def read_architectures(config_path: str | os.PathLike) -> tuple[str, ...]:
-    """The ``architectures`` list of a ``config.json`` (empty when absent)."""
-    archs = read_top(config_path).get("architectures") or ()
-    return tuple(a for a in archs if isinstance(a, str))
+    """The ``architectures`` list of a ``config.json`` (empty when absent; a single string is a
+    one-element list).
+
+    Raises:
+        ModelConfigError: as :func:`read_top`, or ``architectures`` is neither a string nor a list
+            of strings (names the file and the field).
+    """
+    return _architectures(read_top(config_path), str(config_path))

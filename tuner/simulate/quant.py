@@ -657,13 +657,17 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     kernel of the same family (``gptq``/``awq`` force the non-Marlin kernels). On an unquantized
     checkpoint the override quantizes online: ``fp8`` (per-tensor fp8 weights, dynamic per-token
     fp8 activations: ``Fp8OnlineLinearMethod``), ``ptpc_fp8`` (per-channel), ``experts_int8``
-    (int8 experts, per-channel fp32 scales). Other overrides on 16-bit checkpoints return None.
+    (int8 experts, per-channel fp32 scales); other online methods (``bitsandbytes``, ``mxfp8``,
+    ... :data:`tuner.engine_checks.ONLINE_QUANTIZATION_METHODS`) raise ModelConfigError; methods
+    that need a quantized checkpoint return None (:func:`tuner.engine_checks.check_quantization`
+    refuses them in the job).
 
     Returns:
         A :class:`QuantScheme`, or ``None`` (16-bit weights).
 
     Raises:
-        tuner.errors.ModelConfigError: a ``quant_method`` this module does not model.
+        tuner.errors.ModelConfigError: a ``quant_method`` (or online override) this module does
+            not model.
         ValueError: compressed-tensors arguments no vLLM scheme runs.
     """
     qc = getattr(spec, "quantization_config", None)
@@ -684,7 +688,14 @@ def scheme_for(spec, settings) -> QuantScheme | None:
             return QuantScheme("ptpc_fp8", linear_format=f, expert_format=f)
         if override == "experts_int8":
             return QuantScheme("experts_int8", expert_format=Int8Format(strategy="channel"))
-        return None
+        from tuner.engine_checks import MODELLED_ONLINE_METHODS, ONLINE_QUANTIZATION_METHODS
+
+        if override in ONLINE_QUANTIZATION_METHODS and override not in MODELLED_ONLINE_METHODS:
+            from tuner.errors import ModelConfigError
+
+            raise ModelConfigError(f"online quantization {override!r} of a 16-bit checkpoint is not modelled "
+                                   f"(modelled: {', '.join(MODELLED_ONLINE_METHODS)})", where="quantization")
+        return None  # methods that need a quantized checkpoint: the job refuses them first
     method = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower().replace("_", "-")
     if method == "fp8":
         wbs = qc.get("weight_block_size")

@@ -1,0 +1,210 @@
+"""Settings vLLM refuses at start-up, checked before any profile pass (worker side, pure Python).
+
+vLLM validates a configuration before it loads anything; a drop it would refuse must not get a
+proposal. These functions mirror those checks once the model config and the era's defaults are
+known, and raise :class:`~tuner.errors.DropError` with vLLM's own wording, the drop file and the
+drop key at fault (``where`` = ``DROP:FIELD``):
+
+- :func:`check_parallel_layout` — ``ModelConfig.verify_with_parallel_config`` (attention heads
+  divisible by ``tensor_parallel_size``), ``QKVParallelLinear`` (KV heads split evenly or
+  replicated evenly) and ``get_pp_indices`` (every pipeline stage needs a decoder layer);
+- :func:`check_batch` — ``SchedulerConfig.verify_max_model_len`` (``max_num_batched_tokens`` ≥
+  ``max_num_seqs``; ≥ ``max_model_len`` when chunked prefill is off);
+- :func:`check_quantization` — ``ModelConfig._verify_quantization`` (a method name the release
+  knows, the checkpoint's own method not contradicted) and ``get_quant_config`` (methods that
+  need a quantized checkpoint).
+
+No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from tuner.errors import DropError, ModelConfigError
+
+# ---------------------------------------------------------------------------------------------
+# Parallel layout
+# ---------------------------------------------------------------------------------------------
+
+
+def check_parallel_layout(*, num_attention_heads: int, num_hidden_layers: int, kv_heads: Iterable[int],
+                          tensor_parallel_size: int, pipeline_parallel_size: int, path: str | None) -> None:
+    """Refuse the TP/PP layouts vLLM refuses.
+
+    Args:
+        num_attention_heads, num_hidden_layers: the text config's (``ModelSpec``).
+        kv_heads: the distinct total KV-head counts of the model's per-head attention layers (empty
+            for models whose cache has no per-head KV: MLA latents, Mamba state); the KV rule is
+            skipped for those.
+        path: the drop file (for the error).
+
+    Raises:
+        DropError: ``field`` ``tensor_parallel_size`` or ``pipeline_parallel_size``.
+    """
+    tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
+    if num_attention_heads % tp:  # vllm/config/model.py verify_with_parallel_config
+        raise DropError(f"Total number of attention heads ({num_attention_heads}) must be divisible by tensor "
+                        f"parallel size ({tp}).", path=path, field="tensor_parallel_size")
+    for kv in sorted(set(kv_heads)):  # QKVParallelLinear: divide(kv, tp) or divide(tp, kv)
+        if kv >= tp and kv % tp:
+            raise DropError(f"Total number of KV heads ({kv}) must be divisible by tensor parallel size ({tp}) "
+                            f"(vLLM's QKVParallelLinear asserts '{kv} is not divisible by {tp}').",
+                            path=path, field="tensor_parallel_size")
+        if kv < tp and tp % kv:
+            raise DropError(f"Tensor parallel size ({tp}) must be a multiple of the number of KV heads ({kv}) to "
+                            f"replicate them (vLLM's QKVParallelLinear asserts '{tp} is not divisible by {kv}').",
+                            path=path, field="tensor_parallel_size")
+    if pp > num_hidden_layers:  # vllm/distributed/utils.py get_pp_indices
+        raise DropError(f"pipeline_parallel_size ({pp}) is larger than num_hidden_layers ({num_hidden_layers}): "
+                        f"vLLM's get_pp_indices would leave {pp - num_hidden_layers} pipeline stage(s) without a "
+                        "decoder layer.", path=path, field="pipeline_parallel_size")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler limits
+# ---------------------------------------------------------------------------------------------
+
+
+def check_batch(*, engine: str, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool,
+                user_max_num_batched_tokens: int | None, user_max_num_seqs: int | None, path: str | None) -> None:
+    """``max_num_batched_tokens`` (N) ≥ ``max_num_seqs`` (S), after the era's defaults.
+
+    ``max_num_batched_tokens`` / ``max_num_seqs`` are the batch the era sizes
+    (:func:`tuner.eras.profile_batch`); ``user_*`` what the drop set. S is the engine's: the
+    drop's, else V0's fixed default (256); V1 clamps a defaulted S to N, so only a drop-set S can
+    exceed N there. Checked only where N does not depend on ``max_model_len`` (the drop sets N, or
+    V1 with chunked prefill), so one verdict holds for every candidate.
+
+    Raises:
+        DropError: vLLM's ``SchedulerConfig`` message; ``field`` ``max_num_batched_tokens`` when
+            the drop sets it, else ``max_num_seqs``.
+    """
+    if user_max_num_batched_tokens is None and not (engine == "V1" and chunked_prefill):
+        return
+    s = user_max_num_seqs if user_max_num_seqs is not None else (max_num_seqs if engine == "V0" else None)
+    if s is not None and max_num_batched_tokens < s:
+        field = "max_num_batched_tokens" if user_max_num_batched_tokens is not None else "max_num_seqs"
+        raise DropError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal to "
+                        f"max_num_seqs ({s}).", path=path, field=field)
+
+
+def check_unchunked_lengths(*, max_num_batched_tokens: int, max_model_lens: Iterable[int], path: str | None) -> None:
+    """With chunked prefill off, every ``max_model_len`` asked for must fit one batch.
+
+    Raises:
+        DropError: vLLM's ``SchedulerConfig`` message for the largest offending length, ``field``
+            ``max_num_batched_tokens``.
+    """
+    too_long = [m for m in max_model_lens if m > max_num_batched_tokens]
+    if too_long:
+        m = max(too_long)
+        raise DropError(f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len ({m}). "
+                        "This effectively limits the maximum sequence length to max_num_batched_tokens and makes "
+                        "vLLM reject longer sequences. Please increase max_num_batched_tokens or decrease "
+                        "max_model_len.", path=path, field="max_num_batched_tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------
+
+#: vLLM 0.19.0's ``QUANTIZATION_METHODS`` (vllm/model_executor/layers/quantization/__init__.py,
+#: ``QuantizationMethods``), in its order: what ``--quantization`` accepts in 0.19.x.
+VLLM_019_QUANTIZATION_METHODS = (
+    "awq", "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed",
+    "gguf", "gptq_marlin", "awq_marlin", "gptq", "compressed-tensors", "bitsandbytes", "experts_int8", "quark",
+    "moe_wna16", "torchao", "inc", "mxfp4", "mxfp8", "petit_nvfp4", "cpu_awq",
+)
+#: 0.19.0's ``DEPRECATED_QUANTIZATION_METHODS`` present in its list: refused unless the engine is
+#: started with ``--allow-deprecated-quantization``.
+VLLM_019_DEPRECATED = ("fbgemm_fp8", "fp_quant", "experts_int8", "petit_nvfp4")
+#: Names other releases accept (the 0.10.1, 0.11.0 and 0.33.0 lists), for drops of releases
+#: other than 0.19.x: ctx-tuner does not carry each release's list, so these drops are checked
+#: against the union of the lists it has read.
+OTHER_RELEASES_QUANTIZATION_METHODS = (
+    "deepspeedfp", "tpu_int8", "ptpc_fp8", "marlin", "bitblas", "gptq_marlin_24", "gptq_bitblas", "qqq", "hqq",
+    "neuron_quant", "ipex", "auto-round", "rtn", "auto_awq", "auto_gptq", "humming", "gpt_oss_mxfp4",
+    "deepseek_v4_fp8", "online", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
+    "int8_per_channel_weight_only", "nvfp4_per_token",
+)
+#: Methods that quantize a 16-bit checkpoint while loading it (their config class reads no
+#: config file: ``get_config_filenames() == []`` and a usable default config). Every other method
+#: needs a checkpoint quantized with it (vLLM: "Cannot find the config file for ...").
+ONLINE_QUANTIZATION_METHODS = (
+    "fp8", "fbgemm_fp8", "ptpc_fp8", "experts_int8", "bitsandbytes", "mxfp8", "fp_quant", "rtn", "deepspeedfp",
+    "online", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel", "int8_per_channel_weight_only",
+    "nvfp4_per_token",
+)
+#: Online methods whose weights :func:`tuner.simulate.quant.scheme_for` models.
+MODELLED_ONLINE_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "experts_int8")
+#: Overrides vLLM accepts for a checkpoint of another method (``override_quantization_method``:
+#: the Marlin kernels and MoE-WNA16 for GPTQ/AWQ checkpoints).
+_COMPATIBLE = {
+    "gptq": ("gptq", "gptq_marlin", "moe_wna16"),
+    "awq": ("awq", "awq_marlin", "moe_wna16"),
+}
+
+
+def quantization_methods(version: Any) -> tuple[str, ...]:
+    """The ``--quantization`` names a release accepts: 0.19.x's own list, else the union of the
+    lists ctx-tuner has read (:data:`OTHER_RELEASES_QUANTIZATION_METHODS`)."""
+    if (0, 19, 0) <= version < (0, 20, 0):  # a VllmVersion or a (major, minor, patch) tuple
+        return VLLM_019_QUANTIZATION_METHODS
+    return VLLM_019_QUANTIZATION_METHODS + OTHER_RELEASES_QUANTIZATION_METHODS
+
+
+def check_quantization(override: str | None, quantization_config: dict | None, *, version: Any,
+                       path: str | None) -> list[str]:
+    """The drop's ``quantization`` against the release and the checkpoint.
+
+    - a name the release does not know → vLLM's "Unknown quantization method" (0.19.x: its exact
+      list; other releases: the union of known lists);
+    - a quantized checkpoint whose ``quant_method`` differs → vLLM's mismatch error, except the
+      overrides vLLM converts (GPTQ/AWQ → their Marlin kernels or ``moe_wna16``) and ModelOpt /
+      auto-round checkpoints (vLLM replaces the argument with the checkpoint's method);
+    - a 16-bit checkpoint: a method that needs a quantized checkpoint → DropError; an online
+      method ctx-tuner does not model (``bitsandbytes``, ``mxfp8``...) → ModelConfigError.
+
+    Returns:
+        Warnings (a method 0.19 deprecates).
+
+    Raises:
+        DropError: ``field`` ``quantization``.
+        ModelConfigError: a valid online method whose weights are not modelled.
+    """
+    if override is None:
+        return []
+    q = str(override).lower()
+    known = quantization_methods(version)
+    if q not in known:
+        if known is VLLM_019_QUANTIZATION_METHODS:
+            msg = f"Unknown quantization method: {q}. Must be one of {list(known)}."
+        else:
+            msg = (f"Unknown quantization method: {q}. No vLLM release ctx-tuner knows accepts it (known: "
+                   f"{', '.join(sorted(known))}).")
+        raise DropError(msg, path=path, field="quantization")
+    warnings = []
+    if known is VLLM_019_QUANTIZATION_METHODS and q in VLLM_019_DEPRECATED:
+        warnings.append(f"vLLM 0.19 deprecates quantization {q!r}: the engine refuses it unless started with "
+                        "--allow-deprecated-quantization (added to the proposed arguments)")
+    qc = quantization_config or {}
+    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
+    if ckpt:
+        if ckpt.startswith("modelopt") or ckpt in ("auto-round", "autoround"):
+            return warnings  # vLLM's override_quantization_method replaces the argument
+        if q == ckpt or q in _COMPATIBLE.get(ckpt, ()):
+            return warnings
+        raise DropError(f"Quantization method specified in the model config ({ckpt}) does not match the "
+                        f"quantization method specified in the `quantization` argument ({q}).",
+                        path=path, field="quantization")
+    if q not in ONLINE_QUANTIZATION_METHODS:
+        raise DropError(f"quantization {q!r} needs a checkpoint quantized with it, but the model's config.json has "
+                        f"no quantization_config (vLLM: Cannot find the config file for {q}); use a {q} checkpoint "
+                        f"or an online method ({', '.join(MODELLED_ONLINE_METHODS)})", path=path,
+                        field="quantization")
+    if q not in MODELLED_ONLINE_METHODS:
+        raise ModelConfigError(f"online quantization {q!r} of a 16-bit checkpoint is valid for vLLM but not modelled "
+                               f"by ctx-tuner (modelled: {', '.join(MODELLED_ONLINE_METHODS)})",
+                               where=f"{path}:quantization" if path else "quantization")
+    return warnings
