@@ -195,6 +195,16 @@ def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, sha
     assert cal["uncalibrated_available_kv_cache_bytes"] - e["available_kv_cache_bytes"] == delta
     assert cal["uncalibrated_num_gpu_blocks"] > e["num_gpu_blocks"]
     assert "before calibration:" in render(doc)
+    # the correction is its own step, apart from the cuBLAS workspace and the safety reserve; the
+    # steps still add up to the KV bytes exactly
+    from tuner.explain import steps_add_up
+
+    steps = {s["name"]: s for s in e["steps"]}
+    assert steps["calibration"]["op"] == "-" and steps["calibration"]["bytes"] == delta == e["calibration_bytes"]
+    assert steps["cublas_workspace"]["bytes"] == 32 * MIB and steps["safety_reserve"]["bytes"] == e["reserve_bytes"]
+    assert (steps["activation_peak"]["bytes"] + 32 * MIB + e["reserve_bytes"] + delta) == e["activation_peak_bytes"]
+    assert steps_add_up(e["steps"]) == steps["available_kv"]["bytes"] == e["available_kv_cache_bytes"]
+    assert "calibration corrections from measured runs (activation +" in render(doc)
     plain = explain_drop(str(drop), gpu_memory_utilization=0.95, max_model_len=8192, worker=_in_process,
                          variants=False, db_url=str(db), calibrate=False)
     assert "calibration" not in plain["explanations"][0]

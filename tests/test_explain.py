@@ -12,7 +12,7 @@ import pytest
 from tests._results_db import H100_DROP, V0_DROP, profiled_db, using_cached_worker
 from tuner.cli import main
 from tuner.eras import era_for
-from tuner.explain import blocks_needed, render, u_needed
+from tuner.explain import blocks_needed, render, steps_add_up, u_needed
 
 GiB = 1 << 30
 LLAMA8B_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 16  # K and V x 32 layers x 8 KV heads x head 128 x bf16 x 16 tokens
@@ -58,10 +58,16 @@ def test_budget_steps_add_up(v0_29k):
     # requested = total x u exactly (V0 0.6.4 truncates to int)
     assert _step(e, "requested")["bytes"] == e["requested_memory_bytes"] == int(total * 0.9)
     terms = {s["name"]: s["bytes"] for s in e["steps"] if "bytes" in s}
+    # the activation term is the simulated profile run plus the cuBLAS workspace (8 MiB + 128 KiB
+    # before Hopper); V0 keeps no safety reserve and nothing is calibrated here
+    assert terms["cublas_workspace"] == 4096 * 2 * 1024 + 16 * 8 * 1024
+    assert "safety_reserve" not in terms and "calibration" not in terms and e["reserve_bytes"] == 0
+    assert terms["activation_peak"] + terms["cublas_workspace"] == e["activation_peak_bytes"]
     assert terms["available_kv"] == (terms["requested"] - terms["weights"] - terms["activation_peak"]
-                                     - terms["non_torch"] - terms["cuda_graphs"])
-    assert terms["available_kv"] == e["available_kv_cache_bytes"] > 0
-    assert terms["cuda_graphs"] == 0  # this era reserves no graph memory before sizing the cache
+                                     - terms["cublas_workspace"] - terms["non_torch"])
+    assert terms["available_kv"] == steps_add_up(e["steps"]) == e["available_kv_cache_bytes"] > 0
+    # this era reserves no graph memory before sizing the cache: shown, not subtracted
+    assert terms["cuda_graphs"] == 0 and _step(e, "cuda_graphs")["op"] == "info"
     assert abs(terms["weights"] / GiB - 14.99) < 0.01
     # blocks = KV bytes // bytes per block; tokens = blocks x 16; concurrency = tokens / M
     assert e["kv_block_bytes"] == LLAMA8B_BLOCK_BYTES
@@ -79,7 +85,7 @@ def test_activation_peak_is_explained_by_the_profile_batch(v0_29k):
     # V0 without chunked prefill: N = max(M, 2048) tokens over R = 256 requests
     assert e["max_num_batched_tokens"] == 29000 and e["num_reqs"] == 256 and e["vocab_size"] == 128256
     assert e["forward_peak_bytes"] <= e["activation_peak_bytes"]
-    assert act["bytes"] == e["activation_peak_bytes"]
+    assert act["bytes"] + _step(e, "cublas_workspace")["bytes"] == e["activation_peak_bytes"]
     detail = "\n".join(act["detail"])
     assert "N = max(max_model_len, 2048) = 29000" in detail
     assert "[29000 x 28672]" in detail  # the MLP's fused gate_up output over N tokens
@@ -139,7 +145,7 @@ def test_a_point_that_starts_text_and_json():
     assert "gpu_memory_utilization 0.95, max_model_len 131072: starts" in out
     assert "1. requested = total 79.19 GiB x gpu_memory_utilization 0.95 (ceil, bytes)" in out
     assert "what would make" not in out
-    line = [x for x in out.splitlines() if x.strip().startswith("7. blocks = ")][-1]
+    line = [x for x in out.splitlines() if ". blocks = " in x][-1]
     blocks = int(line.rsplit("= ", 1)[1])
     assert abs(blocks - 29751) / 29751 < 0.02  # the engine logged 29,751 blocks at 0.95
     rc, out, _ = _cli("explain", str(H100_DROP), "-q", "--json")
@@ -170,6 +176,9 @@ def test_explain_stored_run_without_rerunning(v0_29k):
     assert (e["requested_memory_bytes"], e["available_kv_cache_bytes"], e["num_gpu_blocks"], e["kv_cache_tokens"]) == cand
     assert e["run_id"] == run_id and e["fits"] is False
     assert e["steps"][-3]["block_bytes_exact"] is False  # inferred from the stored rows
+    # the stored row's activation term is split as a fresh one is, and the steps still add up
+    assert _step(e, "cublas_workspace")["bytes"] == 4096 * 2 * 1024 + 16 * 8 * 1024
+    assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
     assert abs(e["kv_block_bytes"] - LLAMA8B_BLOCK_BYTES) / LLAMA8B_BLOCK_BYTES < 0.001
     # a measured (imported) start-up is explained from its own columns
     rc, out, err = _cli("explain", "--run", str(measured_id), "--db", str(db))

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from tuner.cli import main
-from tuner.errors import DropError
 from tuner.importlog import import_log
 from tuner.job import run_job
 from tuner.logparse import GIB
@@ -93,14 +92,68 @@ def test_every_case_log_imports(tmp_path, shared_dir, observed_cases, store):
     assert sum(1 for r in runs if r["available_kv_cache_bytes"] is not None) == len(observed_cases)
 
 
-def test_log_without_version_needs_engine_version(tmp_path, shared_dir, observed_cases, store):
+def test_log_without_version_gets_one_from_its_log_format(tmp_path, shared_dir, observed_cases, store):
     case = observed_cases[LLAMA]
     log = _write(tmp_path, case)
-    with pytest.raises(DropError) as err:
-        import_log(log, model=case["model"], device="H100-80GB", store=store, models_dir=shared_dir / "models",
-                   predict=False)
-    assert err.value.field == "engine_version" and str(log) in str(err.value)
-    assert store.measured_runs() == []
+    out = import_log(log, model=case["model"], device="H100-80GB", store=store, models_dir=shared_dir / "models",
+                     predict=False)
+    assert out.drop.engine_version == "0.10.0" and out.run["era"].startswith("V1")
+    assert any("does not print the vLLM version; assumed 0.10.0 (V1)" in w and "Available KV cache memory" in w
+               for w in out.warnings), out.warnings
+
+
+_V1_LOG_NO_VERSION = (
+    "INFO 05-01 10:00:00 [gpu_model_runner.py:1] Model loading took 0.0100 GiB and 1.0 seconds\n"
+    "INFO 05-01 10:00:01 [gpu_worker.py:2] Available KV cache memory: 60.00 GiB\n"
+    "INFO 05-01 10:00:01 [kv_cache_utils.py:3] GPU KV cache size: 1,000,000 tokens\n"
+)
+
+
+def test_inferred_version_and_default_gmu_are_reported(tmp_path, tiny_config, store):
+    log = tmp_path / "noversion.log"
+    log.write_text(_V1_LOG_NO_VERSION)
+    out = import_log(log, model=str(tiny_config), device="H100-80GB", store=store, predict=False)
+    assert out.drop.engine_version == "0.10.0"
+    text = "\n".join(out.warnings)
+    assert "assumed 0.10.0 (V1) from its 'Available KV cache memory' lines" in text
+    assert "no gpu_memory_utilization line; assumed vLLM 0.10.0's default 0.9" in text
+    assert "--gpu-memory-utilization" in text
+    # given on the command line: no gmu warning
+    again = import_log(log, model=str(tiny_config), device="H100-80GB", store=store, predict=False, force=True,
+                       options={"gpu_memory_utilization": 0.8})
+    assert not any("gpu_memory_utilization line" in w for w in again.warnings)
+    assert again.drop.candidates.gpu_memory_utilization == (0.8,)
+
+
+def test_import_log_command_prints_the_assumptions(tmp_path, tiny_config, capsys):
+    log = tmp_path / "noversion.log"
+    log.write_text(_V1_LOG_NO_VERSION)
+    rc = main(["import-log", str(log), "--model", str(tiny_config), "--device", "H100-80GB", "--no-predict",
+               "--db", str(tmp_path / "x.sqlite")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "warning: the log does not print the vLLM version; assumed 0.10.0 (V1)" in out
+    assert "warning: the log has no gpu_memory_utilization line" in out
+
+
+def test_import_log_refuses_a_fifo_at_once(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "engine.log"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    rc = main(["import-log", str(fifo), "--model", "org/none", "--device", "H100-80GB",
+               "--db", str(tmp_path / "x.sqlite")])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(fifo) in err and "FIFO" in err and "regular" in err
+
+
+def test_version_rule_lives_in_logparse_only():
+    from tuner import logparse, validate
+
+    assert not hasattr(validate, "_VERSION_BY_LOG_FORMAT") and not hasattr(validate, "_DEFAULT_VERSION")
+    lines = ["INFO ... the current vLLM instance can use total_gpu_memory (23.58GiB) x ..."]
+    assert validate.infer_version({"raw_lines": lines}) == logparse.infer_version(lines)[:2] == ("0.6.5", "V0")
+    assert logparse.parse_text("\n".join(lines)).log_formats == ["the current vLLM instance can use"]
 
 
 def test_import_log_command(tmp_path, shared_dir, observed_cases, capsys):

@@ -48,6 +48,22 @@ class ProfileOutcome:
         return method_used(self.drop, self.result)
 
 
+def serve_model(drop: Drop) -> str:
+    """The model argument of ``vllm serve`` for a drop: the absolute model directory for a local
+    path (the drop's ``model`` is relative to the drop file, not to where the command runs; a
+    path to a ``config.json`` gives its directory), an HF id (``org/name`` with no such local
+    path) unchanged."""
+    try:
+        p = drop.model_path()
+    except (OSError, ValueError):
+        p = None
+    if p is None:
+        return drop.model
+    if p.name == "config.json" or p.is_file():
+        p = p.parent
+    return str(p)
+
+
 def method_used(drop: Drop, result: dict) -> str:
     """``result["method"]`` when the worker reported it, else the drop's method (``auto`` → simulate)."""
     m = result.get("method") or drop.method
@@ -78,7 +94,10 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     Each pass row's ``method`` is the method that produced it (``simulate`` or ``cuda``); a
     ``vllm`` job adds one ``method='vllm'`` row per engine start-up (status ``failed`` with the
     engine's error where it refused). Candidates and proposals are stored as predicted
-    (calibrated where a calibration applied)."""
+    (calibrated where a calibration applied). The ``candidates.fits`` column is the candidate's
+    ``fits``: vLLM starts *and* the drop's constraints (``min_concurrency``) are met; ``starts``
+    (vLLM's own verdict) is not a column — a row with ``fits`` false whose ``reason`` begins
+    "only …" started but missed ``min_concurrency``."""
     d, r, dev = outcome.drop, outcome.result, outcome.device
     drop_row = {"name": d.name, "path": d.path, "content_sha256": d.content_sha256,
                 "content": outcome.content if outcome.content is not None

@@ -275,35 +275,29 @@ def calibration_for(store, model: str | None, device_name: str, era: str, *, mod
 def lookup_kwargs(request: dict) -> dict:
     """The :func:`calibration_for` keyword arguments for a worker request (``drop``,
     ``config_path``, ``device``), computed parent-side without torch the way the worker and
-    :func:`tuner.importlog.run_row` key a run: config SHA-256 of the file's bytes, catalog device
+    :func:`tuner.importlog.run_row` key a run: the config's canonical hash (:func:`tuner.modelspec.config_hash`), catalog device
     name, era name, TP, PP, the dtype vLLM runs and the quantization.
 
     Raises:
         ModelConfigError: the config cannot be read; EraError: unknown ``engine_version``.
     """
-    import hashlib
-    import json
     from pathlib import Path
 
     from tuner.devices import lookup
     from tuner.eras import resolve_dtype
-    from tuner.errors import ModelConfigError
+    from tuner.modelspec import config_hash, read_top
 
     d = request["drop"]
     path = Path(request["config_path"])
-    try:
-        raw = path.read_bytes()
-        top = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
-    tc = top.get("text_config") if isinstance(top, dict) and isinstance(top.get("text_config"), dict) else top
+    top = read_top(path)  # ModelConfigError naming the file: unreadable, not JSON, not an object
+    tc = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
     config_dtype = str((tc or {}).get("torch_dtype") or (tc or {}).get("dtype") or top.get("torch_dtype")
                        or "float16").replace("torch.", "")
     era = era_for(str(d["engine_version"]), d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
     name = str(request["device"]["name"])
     known = lookup(name)
     return {"model": d.get("model"), "device_name": known.name if known else name, "era": era.name,
-            "model_config_sha256": hashlib.sha256(raw).hexdigest(),
+            "model_config_sha256": config_hash(top),
             "tensor_parallel_size": int(d.get("tensor_parallel_size") or 1),
             "pipeline_parallel_size": int(d.get("pipeline_parallel_size") or 1),
             "dtype": resolve_dtype(str(d.get("dtype") or "auto"), config_dtype), "quantization": d.get("quantization")}

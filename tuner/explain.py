@@ -166,10 +166,12 @@ def run_jobs(jobs: list[tuple[str, dict]], *, job_name: str, worker: Callable[..
 
 
 def is_non_monotone(points: list[dict]) -> bool:
-    """True when some ``max_model_len`` fits above one that does not (at one u)."""
+    """True when some ``max_model_len`` starts above one that does not (at one u)."""
+    from tuner.search import candidate_starts
+
     seen_fail = False
     for p in sorted(points, key=lambda p: p["max_model_len"]):
-        if not p["fits"]:
+        if not candidate_starts(p):
             seen_fail = True
         elif seen_fail:
             return True
@@ -179,9 +181,12 @@ def is_non_monotone(points: list[dict]) -> bool:
 def surface_at(candidates: list[dict], u: float) -> list[dict]:
     """The recorded fit surface at one u: one row per max_model_len, ascending."""
     rows = [c for c in candidates if _same_u(c["gpu_memory_utilization"], u)]
+    from tuner.search import candidate_starts
+
     keys = ("max_model_len", "max_num_batched_tokens", "fits", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
             "reason")
-    return [{k: c.get(k) for k in keys} for c in sorted(rows, key=lambda c: c["max_model_len"])]
+    return [{**{k: c.get(k) for k in keys}, "starts": candidate_starts(c)}
+            for c in sorted(rows, key=lambda c: c["max_model_len"])]
 
 
 def blocks_needed(era: Era, max_model_len: int, block_size: int, min_concurrency: float = 1.0) -> int:
@@ -266,13 +271,49 @@ def _batch_note(era: Era, n: int, m: int) -> str | None:
     return None
 
 
+#: Reason prefix of vLLM's refusal of a max_model_len above the model's derived maximum.
+MAX_LEN_REFUSAL = "User-specified max_model_len"
+
+
+def _signed(name: str, nbytes: int, text: str) -> dict:
+    """A step whose bytes may be negative, written as ``+`` or ``-`` a non-negative amount."""
+    return {"name": name, "op": "-" if nbytes >= 0 else "+", "bytes": abs(int(nbytes)), "text": text}
+
+
+def steps_add_up(steps: list[dict]) -> int:
+    """The KV bytes the steps give: the first ``=`` term, ``-``/``+`` the others (``info`` steps
+    are shown, not counted) — equal to the ``available_kv`` step by construction."""
+    total = None
+    for s in steps:
+        if "bytes" not in s or s["name"] == "available_kv":
+            continue
+        if s["op"] == "=" and total is None:
+            total = s["bytes"]
+        elif s["op"] == "-":
+            total -= s["bytes"]
+        elif s["op"] == "+":
+            total += s["bytes"]
+    return total
+
+
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
                   block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
                   surface: list[dict] | None = None, proposal: dict | None = None,
-                  min_concurrency: float = 1.0) -> dict:
-    """One point's budget as data: the terms in bytes, the ``steps`` (name, bytes or value, text),
-    the fit surface at this u and, when it does not start, ``remedies`` to fill in."""
+                  min_concurrency: float = 1.0, measured: bool = False, serve_model: str | None = None) -> dict:
+    """One point's budget as data: the terms in bytes, the ``steps`` (name, op, bytes or value,
+    text; ``-``/``+`` steps add up from ``requested`` to ``available_kv`` exactly, ``info`` steps
+    are shown and not subtracted), the fit surface at this u and, when it does not start,
+    ``remedies`` to fill in.
+
+    A simulated point splits the activation term into the simulated profile run, the cuBLAS
+    workspace, the safety reserve (``reserve_bytes``) and calibration corrections; ``measured``
+    (an engine's own log: ``explain --run`` of a vllm/import run) shows the terms as logged, the
+    difference the log's 2-decimal GiB rounding leaves, and blocks inferred from the KV tokens when
+    the log printed none (approximate)."""
+    from tuner.budget import unexplained_bytes
+    from tuner.search import candidate_starts
+
     u, m = float(cand["gpu_memory_utilization"]), int(cand["max_model_len"])
     total = int(device["total_memory_bytes"])
     tp = int(drop.get("tensor_parallel_size") or 1)
@@ -280,45 +321,102 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     nt, g, avail = cand["non_torch_bytes"], cand["cuda_graph_bytes"] or 0, cand["available_kv_cache_bytes"]
     blocks, tokens, conc = cand["num_gpu_blocks"], cand["kv_cache_tokens"], cand["max_concurrency"]
     n = cand["max_num_batched_tokens"]
+    starts = candidate_starts(cand)
     rounding = "ceil" if era.requested_rounds_up else "int"
+    subtracts_graphs = era.subtracts_cudagraph_estimate
+    sim = None if measured else (run or {}).get("activation_peak_bytes")
+    # the activation term's parts: simulated passes + cuBLAS workspace + safety reserve + correction
+    ws = int(cand.get("workspace_bytes") or 0)
+    reserve = cand.get("reserve_bytes")
+    act_corr = int(cand.get("activation_correction_bytes") or 0)
+    nt_corr = int(cand.get("non_torch_correction_bytes") or 0)
+    g_corr = int(cand.get("cuda_graph_correction_bytes") or 0) if subtracts_graphs else 0
+    split = not measured and "workspace_bytes" in cand
+    if not measured and reserve is None:  # a stored row: the reserve is a function of the era and weights
+        reserve = unexplained_bytes(era, int(w or 0))
+    reserve = int(reserve or 0)
+    if measured:
+        act_sim, rest = act, 0
+    elif split:
+        act_sim, rest = act - ws - reserve - act_corr, 0
+    elif sim is not None:  # stored simulate row: workspace and corrections are not stored apart
+        act_sim, rest = sim, act - sim - reserve
+    else:
+        act_sim, rest, reserve = act - reserve, 0, reserve
+    act_text = ("activation peak of the profile run (torch peak increase, as the engine logged it)" if measured
+                else "activation peak of the profile run (simulated passes)")
     steps = [
         {"name": "requested", "op": "=", "bytes": req,
          "text": f"requested = total {_gib(total)} GiB x gpu_memory_utilization {u:g} ({rounding}, bytes)"},
         {"name": "weights", "op": "-", "bytes": w,
          "text": f"weights of one GPU's shard ({dtype}, TP {tp})"},
-        {"name": "activation_peak", "op": "-", "bytes": act,
-         "text": "activation peak of the profile run", "detail": _activation_detail(run, model, dtype, tp, plugin)},
-        {"name": "non_torch", "op": "-", "bytes": nt,
-         "text": "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)"},
-        {"name": "cuda_graphs", "op": "-", "bytes": g,
-         "text": "CUDA graph memory estimate" if era.subtracts_cudagraph_estimate
-         else "CUDA graph memory (this era does not subtract it before sizing the cache)"},
-        {"name": "available_kv", "op": "=", "bytes": avail, "text": "KV cache bytes"},
+        {"name": "activation_peak", "op": "-", "bytes": act_sim,
+         "text": act_text, "detail": _activation_detail(run, model, dtype, tp, plugin)},
     ]
+    if split and ws:
+        steps.append({"name": "cublas_workspace", "op": "-", "bytes": ws,
+                      "text": "cuBLAS workspace torch allocates on the profile run's first GEMM"})
+    if rest:
+        steps.append(_signed("cublas_workspace", rest, "cuBLAS workspace and calibration corrections (a stored row "
+                                                        "keeps them together)"))
+    if reserve and not measured:
+        steps.append({"name": "safety_reserve", "op": "-", "bytes": reserve,
+                      "text": "safety reserve for start-up memory no term explains, see README"})
+    nt_text = ("non-torch memory (as the engine logged it)" if measured
+               else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
+    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr, "text": nt_text})
+    if subtracts_graphs:
+        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
+    else:
+        steps.append({"name": "cuda_graphs", "op": "info", "bytes": g,
+                      "text": "CUDA graph memory (captured after the cache is sized in this era)"})
+    corr = act_corr + nt_corr + g_corr
+    if split and (act_corr or nt_corr or g_corr):
+        parts = ", ".join(f"{k} {v / GiB:+.3f} GiB" for k, v in
+                          (("activation", act_corr), ("non-torch", nt_corr), ("graphs", g_corr)) if v)
+        steps.append(_signed("calibration", corr, f"calibration corrections from measured runs ({parts})"))
+    gap = steps_add_up(steps + [{"name": "available_kv"}]) - avail
+    if gap:  # a measured run's terms are logged in GiB with 2 decimals
+        steps.append(_signed("rounding", gap, "difference to the engine's KV bytes (its log prints GiB with 2 "
+                                              "decimals)" if measured else "difference not attributed to a term"))
+    steps.append({"name": "available_kv", "op": "=", "bytes": avail,
+                  "text": "KV cache bytes" + (" (as the engine logged it)" if measured else "")})
     note = _batch_note(era, n, m)
     if note:
         steps[2]["detail"] = [note] + steps[2]["detail"]
-    sim = (run or {}).get("activation_peak_bytes")
-    if sim is not None and act != sim:
-        steps[2]["overhead_bytes"] = act - sim
-        steps[2]["detail"].append(f"+ {_gib(act - sim)} GiB ({act - sim:,} bytes) a real profile run adds beyond the "
-                                  "simulated passes (cuBLAS workspace, calibrated residual, corrections from measured runs)")
+    blocks_inferred = False
+    if measured and not blocks and tokens and avail > 0:  # the log printed no block count
+        blocks, blocks_inferred = int(tokens) // block_size, True
+        block_bytes, block_bytes_exact = (avail // blocks if blocks else None), False
     if avail <= 0:
         steps.append({"name": "blocks", "op": "->", "value": 0, "text": "nothing is left for the KV cache"})
+    elif blocks_inferred:
+        steps.append({"name": "blocks", "op": "->", "value": blocks, "approximate": True, "block_bytes": block_bytes,
+                      "block_bytes_exact": False,
+                      "text": f"blocks ~ {tokens} KV tokens / {block_size} (no block count in the log; "
+                              f"~{block_bytes:,} bytes per block)"})
     else:
         approx = "" if block_bytes_exact else "~"
         bb = f"{approx}{block_bytes:,} bytes per block" if block_bytes else "bytes per block"
         steps.append({"name": "blocks", "op": "->", "value": blocks, "block_bytes": block_bytes,
                       "block_bytes_exact": block_bytes_exact,
                       "text": f"blocks = {avail:,} // {bb} ({block_size} tokens x every layer's K and V)"})
-    how = (f"{blocks} blocks x {block_size} tokens" if tokens == blocks * block_size
-           else "as this release reports it (int(concurrency x max_model_len))")
+    if measured:
+        how = "as the engine logged it" + (f" ({blocks} blocks x {block_size} tokens)"
+                                           if blocks and tokens == blocks * block_size and not blocks_inferred else "")
+    else:
+        how = (f"{blocks} blocks x {block_size} tokens" if tokens == blocks * block_size
+               else "as this release reports it (int(concurrency x max_model_len))")
     steps.append({"name": "tokens", "op": "->", "value": tokens, "text": f"KV cache tokens = {how}"})
+    tilde = "~" if blocks_inferred else ""
     conc_how = (f"{tokens} tokens / {m}" if era.engine == "V0" or era.version < (0, 9, 1)
-                else f"{blocks} blocks / cdiv({m}, {block_size}) = {blocks} / {_cdiv(m, block_size)}")
+                else f"{tilde}{blocks} blocks / cdiv({m}, {block_size}) = {tilde}{blocks} / {_cdiv(m, block_size)}")
+    if measured:
+        conc_how = f"as the engine logged it ({conc_how})"
     steps.append({"name": "concurrency", "op": "->", "value": conc,
                   "text": f"full-length requests that fit = {conc_how}"})
     surf = surface or []
+    refused_len = str(cand.get("reason") or "").startswith(MAX_LEN_REFUSAL)
     out = {
         "drop": drop.get("name"), "model": drop.get("model"), "device": dict(device), "era": era.name,
         "engine": era.engine, "budget_formula": era.budget_formula, "formula_text": FORMULA_TEXT.get(era.budget_formula),
@@ -326,26 +424,31 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         "pipeline_parallel_size": int(drop.get("pipeline_parallel_size") or 1), "block_size": block_size,
         "gpu_memory_utilization": u, "max_model_len": m, "total_memory_bytes": total,
         "requested_memory_bytes": req, "weights_bytes": w, "activation_peak_bytes": act, "non_torch_bytes": nt,
-        "cuda_graph_bytes": g, "available_kv_cache_bytes": avail, "kv_block_bytes": block_bytes,
-        "num_gpu_blocks": blocks, "kv_cache_tokens": tokens, "max_concurrency": conc,
+        "cuda_graph_bytes": g, "cuda_graph_subtracted": bool(subtracts_graphs),
+        "reserve_bytes": 0 if measured else reserve, "workspace_bytes": ws if split else None,
+        "calibration_bytes": corr if split else None,
+        "available_kv_cache_bytes": avail, "kv_block_bytes": block_bytes,
+        "num_gpu_blocks": blocks, "num_gpu_blocks_inferred": blocks_inferred,
+        "kv_cache_tokens": tokens, "max_concurrency": conc,
         "max_num_batched_tokens": n, "num_reqs": (run or {}).get("num_reqs") or (run or {}).get("num_sampled_rows"),
         "forward_peak_bytes": (run or {}).get("forward_peak_bytes"),
         "sampler_peak_bytes": (run or {}).get("sampler_peak_bytes"),
         "vocab_size": (model or {}).get("vocab_size"), "min_concurrency": min_concurrency,
-        "fits": bool(cand["fits"]), "reason": cand.get("reason"), "steps": steps,
+        "starts": starts, "fits": bool(cand["fits"]), "reason": cand.get("reason"), "steps": steps,
+        "max_len_refused": refused_len,
         "surface": surf, "non_monotone": is_non_monotone(surf), "notes": [], "remedies": None,
     }
-    mpe = (model or {}).get("max_position_embeddings")
-    if mpe and m > mpe:
-        out["notes"].append(f"max_model_len {m} is above the model's max_position_embeddings ({mpe}): vLLM refuses it "
-                            "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    if serve_model and proposal and proposal.get("vllm_args") and proposal.get("max_model_len") == m and out["fits"]:
+        out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     if not out["fits"]:
         rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
         if proposal is not None:
             rem["largest_max_model_len"] = {k: proposal.get(k) for k in
                                             ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")}
-        if block_bytes:
-            fixed = w + act + nt + g
+        if refused_len:  # no memory setting helps: the length itself is refused
+            rem["max_len_refused"] = True
+        elif block_bytes:
+            fixed = w + act + nt + (g if subtracts_graphs else 0)
             rem["gpu_memory_utilization"] = {
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
                            blocks=blocks_needed(era, m, block_size, min_concurrency)),
@@ -430,8 +533,11 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     Raises:
         DropError / DeviceError / EraError: invalid drop or option; WorkerError / TunerError: the job failed.
     """
+    from tuner.app import serve_model
+
     job = prepare(drop_path, nvml=nvml)
     d = job.drop
+    model_dir = serve_model(d)
     cal_warning = None
     try:
         cal = calibration_for_job(job, db_url) if calibrate else None
@@ -450,7 +556,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     if isinstance(base, TunerError):
         raise base
     era = era_for(d.engine_version, enforce_eager=d.enforce_eager)
-    dd = d.to_dict()
+    dd = {**d.to_dict(), "model": model_dir}
     targets = []
     for prop in base["proposals"]:
         u = prop["gpu_memory_utilization"]
@@ -475,19 +581,19 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             drop=dd, device=job.device, era=era, cand=cand, run=_run_for(src, cand), model=base["model"],
             plugin=base["plugin"], dtype=base["dtype"], block_size=base["block_size"],
             block_bytes=_stage_block_bytes(base.get("kv_block_bytes"), cand), surface=surface_at(base["candidates"], u),
-            proposal=prop, min_concurrency=d.constraints.min_concurrency))
+            proposal=prop, min_concurrency=d.constraints.min_concurrency, serve_model=model_dir))
         if cal is not None:
             explanations[-1]["calibration"] = _calibration_note(cand, cal)
     if variants:
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
-    return {"drop": d.name, "model": d.model, "device": job.device, "era": base["era"], "plugin": base["plugin"],
+    return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
             "explanations": explanations}
 
 
 def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw: Any) -> None:
     """Worker jobs for the remedies of every point that does not start (one batch, in parallel)."""
-    failing = [e for e in explanations if not e["fits"]]
+    failing = [e for e in explanations if not e["fits"] and not e.get("max_len_refused")]
     if not failing:
         return
     d = job.drop
@@ -528,10 +634,25 @@ def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw:
 # ------------------------------------------------------------------------------------------------
 
 
+def _stored_model_dir(model: str, drop_path: str | None) -> str:
+    """A stored drop's model as ``vllm serve`` needs it: a local path resolved against the drop
+    file's directory (absolute), an HF id or a path-less imported run unchanged."""
+    import os
+    from pathlib import Path
+
+    if not model or not drop_path or not Path(drop_path).is_absolute() and not Path(drop_path).exists():
+        return model
+    p = Path(os.path.normpath(Path(drop_path).resolve().parent / os.path.expanduser(model)))
+    if model.startswith((".", "/", "~")) or p.exists():
+        return str(p.parent if p.name == "config.json" else p)
+    return model
+
+
 def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None = None,
                    max_model_len: int | None = None) -> dict:
     """Explain a stored profile run: its candidates (simulate) or its own measurement (cuda, vllm,
-    import), optionally only at ``u`` / ``M``. Bytes per block are inferred (``available // blocks``).
+    import), optionally only at ``u`` / ``M``. Bytes per block are inferred (``available // blocks``;
+    for a log that printed no block count, blocks from the KV tokens), marked approximate.
 
     Raises:
         ExplainInputError: no run with that id, or no candidate at the given u / M.
@@ -549,7 +670,8 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     era = era_for(run["engine_version"])
     total = int(run["device_total_memory_bytes"] or 0)
     device = {"name": run["device_name"], "total_memory_bytes": total}
-    dd = {"name": drop_row.get("name"), "model": run["model"], "kv_cache_dtype": run["kv_cache_dtype"],
+    model_dir = _stored_model_dir(run["model"], drop_row.get("path"))
+    dd = {"name": drop_row.get("name"), "model": model_dir, "kv_cache_dtype": run["kv_cache_dtype"],
           "tensor_parallel_size": run["tensor_parallel_size"], "pipeline_parallel_size": run["pipeline_parallel_size"]}
     run_d = {**run, "num_reqs": run.get("num_sampled_rows")}
     if run["method"] == "simulate":
@@ -564,7 +686,7 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
         fits = run["status"] == "ok" and not run.get("error_message")
         cands = [{
             "gpu_memory_utilization": u0, "max_model_len": run["max_model_len"] or 0,
-            "max_num_batched_tokens": run["max_num_batched_tokens"], "fits": fits,
+            "max_num_batched_tokens": run["max_num_batched_tokens"], "fits": fits, "starts": fits,
             "reason": run.get("error_message") or run.get("error"),
             "requested_memory_bytes": requested_memory_bytes(era, total, u0), "weights_bytes": run["weights_bytes"] or 0,
             "activation_peak_bytes": run["activation_peak_bytes"] or 0, "non_torch_bytes": run["non_torch_bytes"] or 0,
@@ -588,14 +710,27 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     explanations = []
     for c in cands:
         bb = min(bounds) if bounds else None
+        if run["method"] == "simulate" and run.get("activation_peak_bytes") is not None \
+                and int(run.get("pipeline_parallel_size") or 1) == 1:
+            # the stored row keeps the activation term whole: the reserve and the cuBLAS workspace
+            # follow from the era, the weights and the device; the rest is the calibration
+            from tuner.budget import profile_overhead_bytes, unexplained_bytes
+            from tuner.devices import lookup
+
+            dev = lookup(str(run["device_name"] or ""))
+            ws = profile_overhead_bytes(dev.compute_capability if dev is not None else None, era)
+            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0))
+            c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve,
+                 "activation_correction_bytes": c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve}
         prop = next((p for p in props if _same_u(p["gpu_memory_utilization"], c["gpu_memory_utilization"])), None)
         e = explain_point(drop=dd, device=device, era=era, cand=c, run=run_d, dtype=run["dtype"],
                           block_size=block_size, block_bytes=bb, block_bytes_exact=False,
-                          surface=surface_at(all_drop, c["gpu_memory_utilization"]), proposal=prop)
+                          surface=surface_at(all_drop, c["gpu_memory_utilization"]), proposal=prop,
+                          measured=run["method"] != "simulate")
         e["run_id"] = run["id"]
         e["method"] = run["method"]
         explanations.append(e)
-    return {"drop": drop_row.get("name"), "model": run["model"], "device": device, "era": era.name,
+    return {"drop": drop_row.get("name"), "model": model_dir, "device": device, "era": era.name,
             "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations}
 
 
@@ -605,13 +740,25 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
 
 
 def _term(step: dict) -> str:
+    if step["op"] == "info":  # shown, not subtracted
+        return f"  {_gib(step['bytes']):>7} GiB  ({step['bytes']:,} bytes; not subtracted)"
     return f"{step['op']} {_gib(step['bytes']):>7} GiB  ({step['bytes']:,} bytes)"
+
+
+def verdict_text(e: dict) -> str:
+    """"starts", "starts, but fewer than min_concurrency …" or "does NOT start"."""
+    starts = e.get("starts", e["fits"])
+    if e["fits"]:
+        return "starts"
+    if starts:
+        return (f"starts, but fewer than min_concurrency ({e.get('min_concurrency', 1):g}) full-length requests fit")
+    return "does NOT start"
 
 
 def render_point(e: dict) -> str:
     """One explanation as numbered plain-text steps."""
     u, m = e["gpu_memory_utilization"], e["max_model_len"]
-    verdict = "starts" if e["fits"] else "does NOT start"
+    verdict = verdict_text(e)
     src = f" (stored run {e['run_id']}, {e['method']})" if e.get("run_id") else ""
     lines = [f"gpu_memory_utilization {u:g}, max_model_len {m}: {verdict}{src}"]
     if e.get("formula_text"):
@@ -624,9 +771,12 @@ def render_point(e: dict) -> str:
             for d in s.get("detail") or []:
                 lines.append(f"       {d}")
         else:
-            lines.append(f"  {k}. {s['text']:<84} = {s['value']}")
+            approx = "~" if s.get("approximate") else ""
+            lines.append(f"  {k}. {s['text']:<84} = {approx}{s['value']}")
+    if e.get("command"):
+        lines.append(f"  {e['command']}")
     if not e["fits"]:
-        lines.append(f"  vLLM: {e['reason']}")
+        lines.append(f"  {'vLLM' if not e.get('starts', False) else 'constraint'}: {e['reason']}")
     cal = e.get("calibration")
     if cal:
         terms = ", ".join(f"{k.replace('_delta_bytes', '')} {v / GiB:+.3f} GiB" for k, v in cal["corrections"].items() if v)
@@ -639,23 +789,31 @@ def render_point(e: dict) -> str:
     surf = e.get("surface") or []
     if len(surf) > 1:
         lines += ["", f"  fit surface at gpu_memory_utilization {u:g}:",
-                  f"    {'max_model_len':>13} {'N':>7} {'fits':>4} {'blocks':>7} {'KV tokens':>10} {'conc.':>7}"]
+                  f"    {'max_model_len':>13} {'N':>7} {'starts':>6} {'ok':>3} {'blocks':>7} {'KV tokens':>10} "
+                  f"{'conc.':>7}"]
         for p in surf:
             mark = "  <- explained" if p["max_model_len"] == m else ""
             lines.append(f"    {p['max_model_len']:>13} {p['max_num_batched_tokens']:>7} "
-                         f"{'yes' if p['fits'] else 'NO':>4} {p['num_gpu_blocks']:>7} {p['kv_cache_tokens']:>10} "
-                         f"{p['max_concurrency']:>7.2f}{mark}")
+                         f"{'yes' if p.get('starts', p['fits']) else 'NO':>6} {'yes' if p['fits'] else 'NO':>3} "
+                         f"{p['num_gpu_blocks']:>7} {p['kv_cache_tokens']:>10} {p['max_concurrency']:>7.2f}{mark}")
         if e["non_monotone"]:
             lines.append("    not monotone: a longer max_model_len starts where a shorter one does not "
                          "(the profile batch N changes with max_model_len in this era)")
     rem = e.get("remedies")
     if rem:
-        lines += ["", f"  what would make max_model_len {m} start:"]
+        goal = "start" if not e.get("starts") else f"meet min_concurrency {e.get('min_concurrency', 1):g}"
+        lines += ["", f"  what would make max_model_len {m} {goal}:"]
+        if rem.get("max_len_refused"):
+            lines.append("    - a max_model_len at or below the model's derived maximum (no memory setting helps; "
+                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 overrides the check at the model's own risk: positions "
+                         "beyond it give NaNs or out-of-bounds errors)")
         lm = rem.get("largest_max_model_len")
         if lm and lm.get("max_model_len"):
             longer = (" -- longer than the one asked for: the fit is not monotone here"
                       if lm["max_model_len"] > m else "")
-            lines.append(f"    - another max_model_len: the largest that starts at {u:g} is {lm['max_model_len']} "
+            mc = e.get("min_concurrency") or 1
+            cond = f"starts with at least {mc:g} full-length requests" if mc != 1 else "starts"
+            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g} is {lm['max_model_len']} "
                          f"({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV tokens){longer}")
             shorter = [p["max_model_len"] for p in surf if p["fits"] and p["max_model_len"] < m]
             if shorter:

@@ -22,7 +22,7 @@ from tuner import __version__, devices
 from tuner.drop import Drop, parse_drop
 from tuner.eras import default_engine, era_for, parse_version, profile_batch, resolve_dtype
 from tuner.errors import DropError, EraError, LogParseError, ModelConfigError
-from tuner.logparse import ParsedLog, parse_file
+from tuner.logparse import ParsedLog, infer_version, parse_file
 from tuner.modelspec import resolve_model_path
 from tuner.store import Store, utc_text
 
@@ -74,7 +74,9 @@ def _read_config(path: Path) -> tuple[dict, str]:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
-    return top, hashlib.sha256(raw).hexdigest()
+    from tuner.modelspec import config_hash
+
+    return top, config_hash(top)  # the canonical hash profile runs store (ModelSpec.config_sha256)
 
 
 def _text_config(top: dict) -> dict:
@@ -103,18 +105,25 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     Returns:
         ``(drop, extra)``: a validated :class:`~tuner.drop.Drop` with one ``gpu_memory_utilization``
         and one ``max_model_len`` candidate, and ``{"engine": "V0"|"V1", "device_name": canonical
-        name, "total_memory_bytes": int}``.
+        name, "total_memory_bytes": int, "warnings": [what was assumed]}``. A log that prints no
+        version gets one from its log-line formats (:func:`tuner.logparse.infer_version`, the rule
+        ``validate`` uses), with a warning; a missing ``gpu_memory_utilization`` is the release's
+        default, with a warning.
 
     Raises:
-        DropError: the log does not print the vLLM version and none was given (field
-            ``engine_version``), or a value is invalid (the field is named; ``path`` is the log).
+        DropError: a value is invalid (the field is named; ``path`` is the log).
     """
     options = {k: v for k, v in (options or {}).items() if v is not None}
     printed = parsed.settings
+    warnings: list[str] = []
     version = engine_version or parsed.vllm_version
     if not version:
-        raise DropError("the log does not print the vLLM version; give it (e.g. --engine-version 0.19.0)",
-                        path=source, field="engine_version")
+        version, inferred_engine, marker = infer_version(parsed.log_formats, engine or parsed.engine)
+        engine = engine or inferred_engine
+        how = (f"from its {marker!r} lines (the earliest release that prints them)" if marker is not None
+               else "the engine's default (no log-line format identifies the release)")
+        warnings.append(f"the log does not print the vLLM version; assumed {version} ({inferred_engine}) {how}; "
+                        "give --engine-version if it was another release")
     try:
         v = parse_version(version)
         eng = (engine or parsed.engine or default_engine(v)).upper()
@@ -135,7 +144,11 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
             return printed[key]
         return fallback
 
-    gmu = pick("gpu_memory_utilization", parsed.gpu_memory_utilization or era.default_gpu_memory_utilization)
+    gmu = pick("gpu_memory_utilization", parsed.gpu_memory_utilization)
+    if gmu is None:
+        gmu = era.default_gpu_memory_utilization
+        warnings.append(f"the log has no gpu_memory_utilization line; assumed vLLM {version}'s default {gmu:g} "
+                        "(give --gpu-memory-utilization if the engine ran with another)")
     mml = pick("max_model_len", parsed.max_model_len)
     if mml is None and config is not None:
         mml = _text_config(config).get("max_position_embeddings")
@@ -155,7 +168,7 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     if isinstance(doc.get("dtype"), str) and doc["dtype"].startswith("torch."):
         doc["dtype"] = doc["dtype"][len("torch."):]
     drop = parse_drop(json.dumps(doc), source or "log")
-    return drop, {"engine": eng, "device_name": dev_name, "total_memory_bytes": int(total)}
+    return drop, {"engine": eng, "device_name": dev_name, "total_memory_bytes": int(total), "warnings": warnings}
 
 
 def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str,
@@ -257,7 +270,7 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
     drop, extra = resolve_settings(parsed, model=model, device=device, engine_version=engine_version,
                                    engine=engine, options=options, config=config, source=str(path))
     row = run_row(parsed, drop, extra, config=config, config_sha256=config_sha, log_sha256=log_sha)
-    outcome = ImportOutcome(parsed=parsed, drop=drop, run=row)
+    outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])))
     earlier = store.find_run(row["pass_sha256"])
     if earlier is not None and not force:
         outcome.drop_id, outcome.already = earlier["drop_id"], True

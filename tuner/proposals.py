@@ -25,6 +25,19 @@ _NUMBERS = ("requested_memory_bytes", "weights_bytes", "activation_peak_bytes", 
             "cuda_graph_bytes", "available_kv_cache_bytes", "max_num_batched_tokens")
 
 
+
+def _serve_model(drop: dict) -> str:
+    """``vllm serve``'s model argument for a stored drop: the absolute model directory when the
+    drop's ``model`` is a local path (relative to the drop file), else the HF id unchanged."""
+    from pathlib import Path
+
+    model = str(drop["model"])
+    base = Path(drop["path"]).parent if drop.get("path") else Path.cwd()
+    p = Path(model) if Path(model).is_absolute() else base / model
+    if not p.exists():
+        return model
+    return str((p.parent if p.is_file() else p).resolve())
+
 def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) -> dict[str, Any]:
     """The proposal file's content for drop row ``drop_id``.
 
@@ -49,7 +62,7 @@ def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) 
             "kv_cache_tokens": prop["kv_cache_tokens"],
             "max_concurrency": prop["max_concurrency"],
             "vllm_args": prop["vllm_args"],
-            "command": f"vllm serve {drop['model']} {prop['vllm_args']}" if prop["vllm_args"] else None,
+            "command": f"vllm serve {_serve_model(drop)} {prop['vllm_args']}" if prop["vllm_args"] else None,
             "reason": prop["reason"],
         }
         cand = _numbers_for(cands, prop["gpu_memory_utilization"], prop["max_model_len"])

@@ -42,6 +42,66 @@ class Layout:
     activation_overhead_bytes: int = 0
     #: The model's hidden size (elements), for the CUDA-graph estimate.
     hidden_size: int = 4096
+    #: The longest ``max_model_len`` vLLM accepts for this model (:func:`derived_max_model_len`);
+    #: 0 = ``max_position_embeddings``. Longer lengths are refused before any profiling.
+    derived_max_model_len: int = 0
+    #: The config key the derived maximum comes from (named in vLLM's refusal).
+    derived_max_len_key: str = "max_position_embeddings"
+    #: The config's ``model_max_length`` (None when absent), also named in the refusal.
+    model_max_length: int | None = None
+
+    @property
+    def max_model_len_limit(self) -> int:
+        """The derived maximum vLLM checks a user-specified ``max_model_len`` against."""
+        return int(self.derived_max_model_len or self.max_position_embeddings)
+
+
+#: vLLM's config keys for the model's maximum length, in its order
+#: (vllm/transformers_utils/model_arch_config_convertor.py ``derive_max_model_len_and_key``).
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def derived_max_model_len(text_config: dict, *, model_type: str = "") -> tuple[int, str]:
+    """vLLM's derived ``max_model_len`` and the key it comes from (vllm/config/model.py
+    ``_get_and_verify_max_len``, 0.19): the smallest of :data:`MAX_LEN_KEYS` present in the
+    text config (``model_max_length`` wins when set), 2048 when none is; then the RoPE scaling
+    factor rule: for a ``rope_scaling``/``rope_parameters`` type other than ``su``, ``longrope``
+    and ``llama3`` the length is multiplied by its ``factor`` (``yarn`` starting from
+    ``original_max_position_embeddings``); Gemma 3 is already scaled. The tokenizer's
+    ``model_max_length`` (tokenizer_config.json) is not read. Pure."""
+    derived, key = float("inf"), None
+    for k in MAX_LEN_KEYS:
+        v = text_config.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            if v < derived:
+                key = k
+            derived = min(derived, v)
+    mml = text_config.get("model_max_length")
+    if isinstance(mml, (int, float)) and not isinstance(mml, bool) and mml > 0:
+        derived, key = mml, "model_max_length"
+    if derived == float("inf"):
+        derived, key = 2048, "default"
+    rope = text_config.get("rope_parameters") or text_config.get("rope_scaling")
+    if isinstance(rope, dict) and rope and "gemma3" not in (model_type or str(text_config.get("model_type") or "")):
+        nested = all(isinstance(v, dict) for v in rope.values())
+        factor = 1.0
+        for rp in (rope.values() if nested else [rope]):
+            rtype = rp.get("rope_type") or rp.get("type") or "default"
+            if rtype not in ("su", "longrope", "llama3"):
+                f = rp.get("factor", factor)
+                factor = f
+                if rtype == "yarn" and rp.get("original_max_position_embeddings"):
+                    derived = rp["original_max_position_embeddings"]
+        derived = derived * (1.0 if factor is None else float(factor))
+    return int(derived), key or "max_position_embeddings"
+
+
+def max_len_refusal(max_model_len: int, derived: int, key: str, model_max_length: int | None = None) -> str:
+    """vLLM's refusal of a ``max_model_len`` above the derived maximum (its wording, 0.19)."""
+    return (f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+            f"({key}={derived} or model_max_length={model_max_length} in model's config.json). To allow "
+            "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
 
 
 @dataclass(frozen=True)
@@ -52,6 +112,7 @@ class Candidate:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    #: Starts and meets the drop's constraints (``min_concurrency``): what proposals require.
     fits: bool
     reason: str | None
     requested_memory_bytes: int
@@ -66,9 +127,37 @@ class Candidate:
     #: The part of ``activation_peak_bytes`` that is the calibrated reserve for start-up memory
     #: no term explains (:func:`tuner.budget.unexplained_bytes`), bytes.
     reserve_bytes: int = 0
+    #: vLLM's own verdict: the engine starts (it may still miss ``min_concurrency``; ``fits``).
+    starts: bool = True
+    #: The part of ``activation_peak_bytes`` that is the cuBLAS workspace (and, 0.27+, nothing
+    #: else: :attr:`Layout.activation_overhead_bytes`), bytes.
+    workspace_bytes: int = 0
+    #: Calibration corrections included in the activation peak, non-torch and CUDA-graph terms
+    #: (measured - predicted, from :mod:`tuner.calibrate`; after the clamp at 0), bytes.
+    activation_correction_bytes: int = 0
+    non_torch_correction_bytes: int = 0
+    cuda_graph_correction_bytes: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        out = {}
+        for k, v in d.items():  # ``starts`` next to ``fits``
+            if k == "starts":
+                continue
+            out[k] = v
+            if k == "fits":
+                out["starts"] = d["starts"]
+        return out
+
+
+def candidate_starts(c: dict) -> bool:
+    """vLLM's own verdict for a candidate dict (also rows that carry only ``fits``: the store's
+    ``candidates`` table): it fits, or its only failing is ``min_concurrency`` (reason "only …").
+    A candidate marked refused after evaluation (``fits`` false with another reason, e.g. the
+    free-memory check of :mod:`tuner.measure.cuda`) does not start whatever its ``starts`` says."""
+    if c.get("fits"):
+        return True
+    return c.get("starts") is not False and str(c.get("reason") or "").startswith("only ")
 
 
 PassLookup = Callable[[ProfileBatch], Sequence]  # → one pass (dict or PassResult) per PP stage
@@ -82,32 +171,37 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
              gpu_memory_utilization: float, max_model_len: int, min_concurrency: float = 1.0) -> Candidate:
     """vLLM's outcome for one point: blocks, tokens, concurrency, and whether start-up succeeds.
 
-    ``fits`` is False when vLLM would refuse to start (no memory for the cache blocks, or the
-    max-seq-len check: V0 ``raise_if_cache_size_invalid``, V1 ``check_enough_kv_cache_memory``)
-    or when fewer than ``min_concurrency`` full-length requests fit; ``reason`` says which.
+    ``starts`` is vLLM's verdict: False when it would refuse to start (a ``max_model_len`` above
+    the model's derived maximum, checked first as vLLM checks it before profiling; no memory for
+    the cache blocks; the max-seq-len check: V0 ``raise_if_cache_size_invalid``, V1
+    ``check_enough_kv_cache_memory``). ``fits`` is ``starts`` and at least ``min_concurrency``
+    full-length requests fit; ``reason`` says why not.
     """
     u, m = gpu_memory_utilization, max_model_len
     n = batch.max_num_batched_tokens
-    budgets, reserves = [], []
+    budgets, reserves, corrs = [], [], []
+    corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
         reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes"))))
-        corr = dict(layout.corrections)
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                                           hidden_size=layout.hidden_size)
+        act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1]
+        nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
+                              pipeline_parallel_size=layout.pipeline_parallel_size)
+        act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
+        nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
+        g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
         budgets.append(kv_budget(
             era,
             total_memory_bytes=layout.total_memory_bytes,
             gpu_memory_utilization=u,
             weights_bytes=int(_get(p, "weights_bytes")),
-            activation_peak_bytes=max(0, int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes
-                                      + reserves[-1]
-                                      + int(corr.get("activation_peak_delta_bytes", 0))),
-            non_torch_bytes=max(0, non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                                                   pipeline_parallel_size=layout.pipeline_parallel_size)
-                                + int(corr.get("non_torch_delta_bytes", 0))),
-            cuda_graph_bytes=max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0,
+            activation_peak_bytes=act,
+            non_torch_bytes=nt,
+            cuda_graph_bytes=g,
         ))
+        corrs.append((act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0))
     reason = None
     blocks, tokens, conc = 0, 0, 0.0
     worst = min(range(len(budgets)), key=lambda i: budgets[i].available_kv_cache_bytes)
@@ -145,12 +239,19 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             conc = float(kvcache.max_concurrency(era.version, cfg, m, max_num_batched_tokens=n))
         except TunerError as exc:
             reason = reason or exc.message
-    if reason is None and conc < min_concurrency:
+    limit = layout.max_model_len_limit
+    if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
+        reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
+    starts = reason is None
+    if starts and conc < min_concurrency:
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
     b = budgets[worst]
+    ca, cn, cg = corrs[worst]
     return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
                      b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
-                     blocks, tokens, round(conc, 4), reserves[worst])
+                     blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
+                     workspace_bytes=layout.activation_overhead_bytes, activation_correction_bytes=ca,
+                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg)
 
 
 @dataclass(frozen=True)
@@ -196,7 +297,7 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
         The proposal and every candidate evaluated during the search.
     """
     bs = layout.block_size
-    cap = layout.max_position_embeddings
+    cap = min(layout.max_position_embeddings, layout.max_model_len_limit)
     if max_model_len_cap:
         cap = min(cap, max_model_len_cap)
     seen: dict[int, Candidate] = {}
