@@ -92,3 +92,28 @@ def test_state_dir_inside_watch_dir_is_refused(tmp_path):
         check_layout(Settings(watch_dir=str(tmp_path), state_dir=str(tmp_path / "state")))
     assert ei.value.field == "state_dir"
     check_layout(Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state")))
+
+
+def test_daemon_json_log_lines():
+    """``daemon --json`` logs one JSON object per record (time, level, logger, message)."""
+    import io
+    import json
+    import logging
+
+    from tuner.cli import build_parser
+    from tuner.commands.daemon import JsonLogFormatter
+
+    assert build_parser().parse_args(["daemon", "--json"]).json is True
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonLogFormatter())
+    log = logging.getLogger("tuner.test.jsonlog")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("drop %s: job %d failed", "a.yaml", 3)
+    finally:
+        log.removeHandler(handler)
+    doc = json.loads(stream.getvalue())
+    assert doc["level"] == "WARNING" and doc["logger"] == "tuner.test.jsonlog"
+    assert doc["message"] == "drop a.yaml: job 3 failed" and doc["time"].endswith("+00:00")

@@ -1,6 +1,7 @@
-"""``ctx-tuner daemon [--settings /etc/ctx-tuner/tuner.yaml]``: the unattended service.
+"""``ctx-tuner daemon [--settings /etc/ctx-tuner/tuner.yaml] [--json]``: the unattended service.
 
-Runs in the foreground (systemd ``Type=notify``), logs to stderr. Exit codes: 0 stopped by
+Runs in the foreground (systemd ``Type=notify``), logs to stderr (one JSON object per line with
+``--json``). Exit codes: 0 stopped by
 SIGTERM/SIGINT; 1 start-up failed (store cannot be opened or migrated); 2 invalid settings (the
 message names the file and the key).
 """
@@ -23,7 +24,35 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("daemon", help="watch a directory of drops and profile each one (systemd service)")
     p.add_argument("--settings", default=None,
                    help=f"settings YAML (default {DEFAULT_SETTINGS_PATH} if it exists, else built-in defaults)")
+    p.add_argument("--json", action="store_true",
+                   help="log one JSON object per line (time, level, logger, message) instead of text")
     return p
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per log record: ``time`` (UTC ISO-8601), ``level``, ``logger``, ``message``
+    and, with a traceback, ``exception`` — for journald/log shippers (``daemon --json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+        from datetime import datetime, timezone
+
+        doc = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def configure_logging(level: int, *, json_lines: bool = False) -> None:
+    """Root logger on stderr at ``level``; JSON lines with ``json_lines``."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if json_lines:
+        for h in root.handlers:
+            h.setFormatter(JsonLogFormatter())
+    root.setLevel(level)
 
 
 def run(args) -> int:
@@ -40,10 +69,7 @@ def run(args) -> int:
     except SettingsError as exc:
         print(f"ctx-tuner: invalid settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    root.setLevel(settings.log_level_no)
+    configure_logging(settings.log_level_no, json_lines=getattr(args, "json", False))
     logging.getLogger("watchdog").setLevel(max(settings.log_level_no, logging.INFO))  # per-event chatter
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
