@@ -80,12 +80,11 @@ def _in_process(request, **_kw):
     return run_job(request)
 
 
-def test_calibration_from_imported_runs_changes_the_prediction(tmp_path, shared_dir, observed_cases):
-    """Two imported logs whose activation peak is 0.6 GiB above simulate's → the next simulate of
-    the same model/device/era/layout carries that correction (shrunk) and loses the same KV bytes."""
-    case = observed_cases[LLAMA]
+def _import_higher_peak_logs(tmp_path, shared_dir, case, db_path):
+    """Import the case's log twice with a higher activation peak (2.50 / 2.60 GiB) and less KV;
+    returns the last import's outcome."""
     text = "\n".join(case["raw_lines"]) + "\n"
-    store = open_store(str(tmp_path / "db.sqlite"))
+    store = open_store(str(db_path))
     try:
         for i, (peak, kv) in enumerate((("2.50", "57.50"), ("2.60", "57.40"))):
             log = tmp_path / f"run{i}.log"
@@ -95,6 +94,18 @@ def test_calibration_from_imported_runs_changes_the_prediction(tmp_path, shared_
                              models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95},
                              worker=_in_process)
             assert out.calibration["usable"], out.calibration
+    finally:
+        store.close()
+    return out
+
+
+def test_calibration_from_imported_runs_changes_the_prediction(tmp_path, shared_dir, observed_cases):
+    """Two imported logs whose activation peak is 0.6 GiB above simulate's → the next simulate of
+    the same model/device/era/layout carries that correction (shrunk) and loses the same KV bytes."""
+    case = observed_cases[LLAMA]
+    out = _import_higher_peak_logs(tmp_path, shared_dir, case, tmp_path / "db.sqlite")
+    store = open_store(str(tmp_path / "db.sqlite"))
+    try:
         era = out.run["era"]
         predicted_peak = out.predicted["activation_peak_bytes"]
         cal = calibrate.calibration_for(store, case["model"], "H100-80GB", era,
@@ -167,19 +178,8 @@ def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, sha
 
     from tuner.explain import explain_drop, render
 
-    case = observed_cases[LLAMA]
-    text = "\n".join(case["raw_lines"]) + "\n"
     db = tmp_path / "db.sqlite"
-    store = open_store(str(db))
-    try:
-        for i, (peak, kv) in enumerate((("2.50", "57.50"), ("2.60", "57.40"))):
-            log = tmp_path / f"run{i}.log"
-            log.write_text(text.replace("torch peak memory increase: 1.89GiB", f"torch peak memory increase: {peak}GiB")
-                           .replace("Available KV cache memory: 58.11 GiB", f"Available KV cache memory: {kv} GiB"))
-            import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
-                       models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95}, worker=_in_process)
-    finally:
-        store.close()
+    _import_higher_peak_logs(tmp_path, shared_dir, observed_cases[LLAMA], db)
     drop = tmp_path / "drop.yaml"
     drop.write_text(yaml.safe_dump({
         "name": "cal", "model": str(shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
@@ -222,18 +222,7 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
 
     s = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"))
     (tmp_path / "state").mkdir()
-    case = observed_cases[LLAMA]
-    text = "\n".join(case["raw_lines"]) + "\n"
-    store = open_store(s.db_url)
-    try:
-        for i, (peak, kv) in enumerate((("2.50", "57.50"), ("2.60", "57.40"))):
-            log = tmp_path / f"run{i}.log"
-            log.write_text(text.replace("torch peak memory increase: 1.89GiB", f"torch peak memory increase: {peak}GiB")
-                           .replace("Available KV cache memory: 58.11 GiB", f"Available KV cache memory: {kv} GiB"))
-            import_log(log, model=case["model"], device="H100-80GB", store=store, engine_version="0.19.0",
-                       models_dir=shared_dir / "models", options={"gpu_memory_utilization": 0.95}, worker=_in_process)
-    finally:
-        store.close()
+    _import_higher_peak_logs(tmp_path, shared_dir, observed_cases[LLAMA], s.db_url)
     drop = tmp_path / "drop.yaml"
     drop.write_text(yaml.safe_dump({
         "name": "cal", "model": str(shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct"),

@@ -18,3 +18,21 @@ def timeout_seconds(text: str) -> float:
     if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], not {text}")
     return value
+
+
+def job_error_exit(exc: Exception) -> int:
+    """Print the one-line message of an error from a drop's job and return the exit code every
+    drop-running command uses: ``2`` for an invalid drop (DropError, DeviceError, EraError) or an
+    invalid model config (ModelConfigError), ``1`` for any other TunerError (the job failed)."""
+    import sys
+
+    from tuner.errors import DeviceError, DropError, EraError, ModelConfigError
+
+    if isinstance(exc, (DropError, DeviceError, EraError)):
+        print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(exc, ModelConfigError):
+        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
+        return 2
+    print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1

@@ -4,13 +4,13 @@ Exit codes: 0 done, 1 job or database failed, 2 invalid drop, model config, opti
 
 from __future__ import annotations
 
-from tuner.commands import timeout_seconds
+from tuner.commands import job_error_exit, timeout_seconds
 
 import argparse
 import json
 import sys
 
-from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
+from tuner.errors import TunerError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NAME = "explain"
@@ -96,17 +96,10 @@ def run(args) -> int:
                                max_model_len=args.max_model_len, timeout_s=args.timeout,
                                progress=progress_printer(args), variants=not args.no_variants,
                                db_url=args.db, calibrate=not args.no_calibration)
-    except (DropError, DeviceError, EraError) as exc:
-        print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ModelConfigError as exc:
-        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except ExplainInputError as exc:
         print(f"ctx-tuner: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except TunerError as exc:
-        print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return job_error_exit(exc)
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     return EXIT_OK

@@ -5,7 +5,7 @@ usage (an ``-o`` extension matplotlib cannot write)."""
 
 from __future__ import annotations
 
-from tuner.commands import timeout_seconds
+from tuner.commands import job_error_exit, timeout_seconds
 
 import argparse
 import json
@@ -13,7 +13,7 @@ import os
 import sys
 
 from tuner.commands.explain import _gmu, add_progress_options, progress_printer
-from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
+from tuner.errors import TunerError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NAME = "plot"
@@ -80,15 +80,8 @@ def run(args) -> int:
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
                                       store=store, timeout_s=args.timeout, progress=progress_printer(args))
         series = render_png(data, args.output)
-    except (DropError, DeviceError, EraError) as exc:
-        print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ModelConfigError as exc:
-        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except TunerError as exc:
-        print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return job_error_exit(exc)
     finally:
         if store is not None:
             store.close()

@@ -3,13 +3,12 @@ results stored and printed. Exit codes: 0 done, 1 job failed, 2 invalid drop or 
 
 from __future__ import annotations
 
-from tuner.commands import timeout_seconds
+from tuner.commands import job_error_exit, timeout_seconds
 
 import argparse
 import json
-import sys
 
-from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
+from tuner.errors import TunerError
 
 GiB = 1 << 30
 
@@ -133,15 +132,8 @@ def run(args) -> int:
         kw["worker"] = functools.partial(run_in_worker, on_progress=show)
     try:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, **kw)
-    except (DropError, DeviceError, EraError) as exc:
-        print(f"ctx-tuner: invalid drop: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ModelConfigError as exc:
-        print(f"ctx-tuner: invalid model config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except TunerError as exc:
-        print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return job_error_exit(exc)
     if args.json:
         print(json.dumps(to_json(outcome), indent=2))
     else:
