@@ -102,6 +102,20 @@ def test_log_without_version_gets_one_from_its_log_format(tmp_path, shared_dir, 
                for w in out.warnings), out.warnings
 
 
+def test_v0_064_log_gives_weights_and_activation_from_its_summary(tmp_path, shared_dir, observed_cases, store):
+    """0.6.4 prints no weights line: weights = initial_memory_usage − non_torch, activation =
+    peak_torch − weights (15.34 − 0.35 = 14.99 GiB; 17.98 − 14.99 = 2.99 GiB), so a stored-run
+    explanation adds up and its advice matches the simulation's."""
+    case = observed_cases["vllm-10517-rtx3090-llama31-8b-29k"]
+    log = _write(tmp_path, case)
+    out = import_log(log, model=case["model"], device="RTX-3090", store=store, models_dir=shared_dir / "models",
+                     options={"gpu_memory_utilization": 0.9, "max_model_len": 29000}, predict=False)
+    assert out.drop.engine_version == "0.6.4"
+    assert out.run["weights_bytes"] == round(15.34 * GIB) - round(0.35 * GIB)
+    assert out.run["activation_peak_bytes"] == round(17.98 * GIB) - out.run["weights_bytes"]
+    assert abs(out.run["weights_bytes"] / GIB - case["observed"]["weights_gib"]) < 0.01
+
+
 _V1_LOG_NO_VERSION = (
     "INFO 05-01 10:00:00 [gpu_model_runner.py:1] Model loading took 0.0100 GiB and 1.0 seconds\n"
     "INFO 05-01 10:00:01 [gpu_worker.py:2] Available KV cache memory: 60.00 GiB\n"

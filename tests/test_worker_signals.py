@@ -120,6 +120,7 @@ def test_cli_signal_leaves_no_worker_and_no_traceback(tmp_path, tiny_config, com
     cli = subprocess.Popen([sys.executable, str(launcher), py, command[0], str(drop), *command[1:], "--db",
                             str(tmp_path / "r.sqlite"), "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pgid = None
     try:
         poll(lambda: marker.exists() or cli.poll() is not None, 60, what="the profile worker started")
         assert cli.poll() is None, cli.communicate()
@@ -127,14 +128,16 @@ def test_cli_signal_leaves_no_worker_and_no_traceback(tmp_path, tiny_config, com
         assert group_alive(pgid)
         os.kill(cli.pid, sig)
         out, err = cli.communicate(timeout=30)
-    finally:
+        assert cli.returncode == code, err
+        assert "Traceback" not in err and text in err
+        assert len(err.strip().splitlines()) == 1, err
+        poll(lambda: not group_alive(pgid), 10, what="the worker's process group gone")
+    finally:  # never leave a hanging worker behind, whatever failed above
         if cli.poll() is None:
             cli.kill()
             cli.communicate()
-    assert cli.returncode == code, err
-    assert "Traceback" not in err and text in err
-    assert len(err.strip().splitlines()) == 1, err
-    poll(lambda: not group_alive(pgid), 10, what="the worker's process group gone")
+        if pgid is not None and group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 # --- typed worker errors keep their class, where, path and field ---------------------------------

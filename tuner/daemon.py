@@ -716,7 +716,8 @@ class Daemon:
             self._restore_signals()
             self.waker.close()
             self.notifier.close()
-            log.info("stopped")
+            if self.started:  # a start-up that failed was never running: its error says it all
+                log.info("stopped")
 
     def _drain_finished_at_stop(self) -> None:
         while True:

@@ -177,8 +177,9 @@ def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_
 
     ``cuda_graph_bytes`` holds the engine's CUDA-graph *estimate* where the log printed one (0.18+,
     the amount the 0.20+ budget subtracts), else the captured size ("Graph capturing finished …
-    took"). For V0 0.6.4 logs, which print the torch peak including weights, the activation peak
-    is ``peak_torch_memory − weights`` when both are printed.
+    took"). For V0 0.6.4 logs, which print the torch peak including weights, the weights are
+    ``initial_memory_usage − non_torch_memory`` when no weights line is printed, and the activation
+    peak is ``peak_torch_memory − weights``.
     """
     era = era_for(drop.engine_version, extra["engine"], enforce_eager=drop.enforce_eager)
     tc = _text_config(config)
@@ -190,9 +191,16 @@ def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_
                           enable_chunked_prefill=drop.enable_chunked_prefill,
                           has_sliding_window=tc.get("sliding_window") is not None,
                           is_multimodal="text_config" in config)
+    weights = parsed.weights_bytes
+    if (weights is None and parsed.initial_memory_usage_bytes is not None
+            and parsed.non_torch_bytes is not None):
+        # V0 0.6.4 prints no "Loading model weights took" line in its profiling summary, but its
+        # initial_memory_usage is the weights plus the non-torch memory (vllm/worker/worker.py
+        # determine_num_available_blocks, 0.6.4): e.g. 15.34 = 14.99 + 0.35 GiB on an RTX 3090.
+        weights = parsed.initial_memory_usage_bytes - parsed.non_torch_bytes
     activation = parsed.activation_peak_bytes
-    if activation is None and parsed.peak_torch_memory_bytes is not None and parsed.weights_bytes is not None:
-        activation = parsed.peak_torch_memory_bytes - parsed.weights_bytes
+    if activation is None and parsed.peak_torch_memory_bytes is not None and weights is not None:
+        activation = parsed.peak_torch_memory_bytes - weights
     graphs = parsed.cuda_graph_estimated_bytes if parsed.cuda_graph_estimated_bytes is not None \
         else parsed.cuda_graph_bytes
     config_dtype = str(tc.get("torch_dtype") or tc.get("dtype") or config.get("torch_dtype") or "float16")
@@ -209,7 +217,7 @@ def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_
         "dtype": resolve_dtype(drop.dtype, config_dtype.replace("torch.", "")), "kv_cache_dtype": drop.kv_cache_dtype,
         "tensor_parallel_size": drop.tensor_parallel_size, "pipeline_parallel_size": drop.pipeline_parallel_size,
         "max_num_batched_tokens": batch.max_num_batched_tokens, "max_num_seqs": batch.max_num_seqs,
-        "num_sampled_rows": batch.num_reqs, "weights_bytes": parsed.weights_bytes,
+        "num_sampled_rows": batch.num_reqs, "weights_bytes": weights,
         "activation_peak_bytes": activation, "forward_peak_bytes": None, "sampler_peak_bytes": None,
         "tool_version": __version__, "torch_version": None, "transformers_version": None,
         "started_at": started_at or utc_text(), "elapsed_s": None,
