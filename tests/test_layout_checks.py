@@ -185,3 +185,26 @@ def test_vllm_019_list_matches_the_source():
 
     body = re.search(r"QuantizationMethods = Literal\[(.*?)\]", src.read_text(), re.S).group(1)
     assert tuple(re.findall(r'"([^"]+)"', body)) == engine_checks.VLLM_019_QUANTIZATION_METHODS
+
+
+def test_v0_unchunked_lengths_must_fit_the_drops_batch(tmp_path, shared_dir):
+    """V0 keeps chunked prefill off up to 32768 tokens: a grid length there above the drop's
+    max_num_batched_tokens is refused naming that field (with the real length), and the search
+    skips the unchunked lengths the batch cannot hold."""
+    from tuner.errors import DropError
+    from tuner.job import run_job
+
+    config = shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
+    drop = {"name": "v0n", "path": str(tmp_path / "v0n.yaml"), "engine_version": "0.6.4", "dtype": "auto",
+            "kv_cache_dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+            "max_num_batched_tokens": 4096, "candidates": {"gpu_memory_utilization": [0.9], "max_model_len": [8192]},
+            "constraints": {}}
+    dev = {"name": "RTX-3090", "total_memory_bytes": 25318916096}
+    with pytest.raises(DropError) as e:
+        run_job({"drop": drop, "config_path": str(config), "device": dev})
+    assert e.value.field == "max_num_batched_tokens" and "max_model_len (8192)" in str(e.value)
+    drop["candidates"]["max_model_len"] = [2048, 40000]
+    r = run_job({"drop": drop, "config_path": str(config), "device": dev})
+    assert {c["max_num_batched_tokens"] for c in r["candidates"]} == {4096}
+    prop = r["proposals"][0]["max_model_len"]
+    assert prop > 32768 or prop <= 4096  # never an unchunked length above the batch

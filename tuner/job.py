@@ -263,6 +263,17 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         n_user = int(d["max_num_batched_tokens"])
         check_unchunked_lengths(max_num_batched_tokens=n_user, max_model_lens=grid_m or (), path=drop_path)
         cap = min(cap, n_user) if cap else n_user
+    elif (era.engine == "V0" and d.get("enable_chunked_prefill") is None and d.get("max_num_batched_tokens") is not None):
+        # V0 keeps chunked prefill off up to 32768 tokens (0.5.4+; always before): those lengths must
+        # fit one batch of the drop's max_num_batched_tokens, longer ones are chunked.
+        n_user = int(d["max_num_batched_tokens"])
+        limit = V0_CHUNKED_PREFILL_THRESHOLD if era.version >= (0, 5, 4) else None
+        check_unchunked_lengths(max_num_batched_tokens=n_user, path=drop_path,
+                                max_model_lens=[m for m in (grid_m or ()) if limit is None or m <= limit])
+        if limit is None:
+            cap = min(cap, n_user) if cap else n_user
+        elif n_user < limit:
+            regions = [(1, n_user), (limit + 1, spec.max_position_embeddings)]
     candidates, proposals = [], []
     search = request.get("search", True)
     us = (d.get("candidates") or {}).get("gpu_memory_utilization") or [era.default_gpu_memory_utilization]
