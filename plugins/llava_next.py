@@ -24,9 +24,7 @@ up to 10 tiles). Other LLaVA-NeXT configs fall back to transformers ``LlavaNextC
 
 from __future__ import annotations
 
-from tuner.plugin import RankSettings
-from tuner.plugins.generic import _DTYPES, GenericDecoderPlugin
-from tuner.plugins.mistral3 import effective_spec, effective_top
+from tuner.plugins.mistral3 import Mistral3Plugin, effective_top
 
 #: ibm-granite/granite-3.1-2b-instruct (the granite-vision-3.x language model).
 GRANITE_TEXT_DEFAULTS = {"intermediate_size": 8192, "vocab_size": 49155, "num_attention_heads": 32,
@@ -53,42 +51,24 @@ def _is_granite(top: dict) -> bool:
     return tc.get("model_type") == "granite"
 
 
-class LlavaNextPlugin(GenericDecoderPlugin):
+class LlavaNextPlugin(Mistral3Plugin):
     """Generic text decoder + SigLIP/CLIP tower + LLaVA projector + V1 encoder profile."""
 
     name = "llava_next"
     architectures = ("LlavaNextForConditionalGeneration",)
+    vision_kind = "siglip"
 
     def config_defaults(self, top: dict) -> dict:
         """Granite-vision text defaults (granite-3.1-2b-instruct) for Granite language models."""
         return dict(GRANITE_TEXT_DEFAULTS) if _is_granite(top) else {}
 
-    def _text_defaults(self, spec) -> dict:
+    def text_defaults(self, spec) -> dict:
         return self.config_defaults(spec.top)
 
     def top_config(self, spec) -> dict:
         if _is_granite(spec.top):
             return effective_top(spec.top, GRANITE_TEXT_DEFAULTS, SIGLIP_384, GRANITE_VISION_TOP)
         return effective_top(spec.top, {}, {}, LLAVA_NEXT_TOP)
-
-    def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
-        return super().kv_cache_spec(effective_spec(spec, self._text_defaults(spec)), settings)
-
-    def build_model(self, spec, settings: RankSettings):
-        import torch
-
-        from tuner.simulate.quant import scheme_for
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
-
-        spec = effective_spec(spec, self._text_defaults(spec))
-        text = super().build_model(spec, settings)
-        dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
-        v0 = settings.runs_attention
-        vision = None
-        if settings.pp_rank == 0 or not v0:
-            vision = VisionTower(self.top_config(spec), dtype, kind="siglip", tp=settings.tensor_parallel_size,
-                                 quant=scheme_for(spec, settings), engine_version=settings.engine_version, v0=v0)
-        return MultimodalCausalLM(text, vision, spec.hidden_size, v0=v0)
 
 
 plugin = LlavaNextPlugin()

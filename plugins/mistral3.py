@@ -71,20 +71,27 @@ def effective_spec(spec, text_defaults: dict):
 
 
 class Mistral3Plugin(GenericDecoderPlugin):
-    """Mistral text decoder (generic) + Pixtral tower/projector + V1 encoder profile."""
+    """Mistral text decoder (generic) + Pixtral tower/projector + V1 encoder profile. Other
+    "generic decoder + vision tower" wrappers subclass it with their ``vision_kind`` and defaults."""
 
     name = "mistral3"
     architectures = ("Mistral3ForConditionalGeneration",)
+    #: The :mod:`tuner.simulate.vision` tower kind of this wrapper.
+    vision_kind = "pixtral"
 
     def config_defaults(self, top: dict) -> dict:
         """Mistral3 family text defaults (transformers ``Mistral3Config``; see module docstring)."""
         return dict(TEXT_DEFAULTS)
 
+    def text_defaults(self, spec) -> dict:
+        """Family defaults for text keys the file lacks (they beat transformers' class defaults)."""
+        return TEXT_DEFAULTS
+
     def top_config(self, spec) -> dict:
         return effective_top(spec.top, TEXT_DEFAULTS, VISION_DEFAULTS, TOP_DEFAULTS)
 
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
-        return super().kv_cache_spec(effective_spec(spec, TEXT_DEFAULTS), settings)
+        return super().kv_cache_spec(effective_spec(spec, self.text_defaults(spec)), settings)
 
     def build_model(self, spec, settings: RankSettings):
         import torch
@@ -92,13 +99,13 @@ class Mistral3Plugin(GenericDecoderPlugin):
         from tuner.simulate.quant import scheme_for
         from tuner.simulate.vision import MultimodalCausalLM, VisionTower
 
-        spec = effective_spec(spec, TEXT_DEFAULTS)
+        spec = effective_spec(spec, self.text_defaults(spec))
         text = super().build_model(spec, settings)
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
         v0 = settings.runs_attention
         vision = None
         if settings.pp_rank == 0 or not v0:
-            vision = VisionTower(self.top_config(spec), dtype, kind="pixtral", tp=settings.tensor_parallel_size,
+            vision = VisionTower(self.top_config(spec), dtype, kind=self.vision_kind, tp=settings.tensor_parallel_size,
                                  quant=scheme_for(spec, settings), engine_version=settings.engine_version, v0=v0)
         return MultimodalCausalLM(text, vision, spec.hidden_size, v0=v0)
 

@@ -156,6 +156,18 @@ def _unknown(value: object) -> DeviceError:
     )
 
 
+def _compute_capability(nvml: Any, handle: Any, nvml_error: type) -> str | None:
+    """``"major.minor"`` of an NVML device handle, or None where NVML cannot tell."""
+    get_cc = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
+    if get_cc is None:
+        return None
+    try:
+        major, minor = get_cc(handle)
+    except nvml_error:
+        return None
+    return f"{int(major)}.{int(minor)}"
+
+
 def resolve_device(value: Any, *, nvml: Any = None) -> Device:
     """Turn what a drop says about its device into a :class:`Device`.
 
@@ -285,14 +297,7 @@ def _resolve_auto(nvml: Any) -> Device:
         raw_name = _text(nvml.nvmlDeviceGetName(handle))
         mem = nvml.nvmlDeviceGetMemoryInfo(handle)
         uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-        cc = None
-        get_cc = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
-        if get_cc is not None:
-            try:
-                major, minor = get_cc(handle)
-                cc = f"{int(major)}.{int(minor)}"
-            except nvml_error:
-                cc = None
+        cc = _compute_capability(nvml, handle, nvml_error)
     except nvml_error as exc:
         raise DeviceError(f"NVML query failed: {exc}", where=where) from exc
     finally:
@@ -381,14 +386,7 @@ def list_gpus(nvml: Any = None) -> list[GpuInfo]:
                     others = None if any(u is None for u in used) else int(sum(int(u) for u in used))
                 except nvml_error:
                     others = nproc = None
-            cc = None
-            get_cc = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
-            if get_cc is not None:
-                try:
-                    major, minor = get_cc(h)
-                    cc = f"{int(major)}.{int(minor)}"
-                except nvml_error:
-                    cc = None
+            cc = _compute_capability(nvml, h, nvml_error)
             known = lookup(name)
             out.append(GpuInfo(index=i, name=name, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
                                total_memory_bytes=int(mem.total), free_memory_bytes=int(mem.free),

@@ -266,31 +266,13 @@ class SlidingWindowSpec(_Spec):
 
 
 @dataclass(frozen=True)
-class SlidingWindowMLASpec(_Spec):
-    """Sliding-window MLA layer (0.33 only): MLA page, sliding-window max memory."""
-
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype_bytes: int
-    sliding_window: int
-    page_size_padded: int | None = None
-    max_tp_shards: int | None = None
-    dcp_sharded: bool = True
-
-    attention_chunk_size = None
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """Sliding-window MLA layer (0.33 only): MLA page (one latent, no separate V), sliding-window
+    max memory as :class:`SlidingWindowSpec`."""
 
     @property
     def unpadded_page_size_bytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
-
-    @property
-    def page_size_bytes(self) -> int:
-        return _padded(self.unpadded_page_size_bytes, self.page_size_padded)
-
-    def _max_mem(self, ctx: _Ctx) -> int:
-        n = min(self.sliding_window - 1 + ctx.in_flight, ctx.max_model_len)
-        return (cdiv(n, self.block_size) + 1) * self.page_size_bytes
 
 
 @dataclass(frozen=True)
