@@ -49,8 +49,8 @@ not divisible by TP.
 from __future__ import annotations
 
 from tuner.errors import ModelConfigError
-from tuner.kvcache import (FullAttentionSpec, MLAAttentionSpec, dtype_bytes_for, layers_per_pp_rank, mla_spec)
-from tuner.plugin import ModelPlugin, RankSettings
+from tuner.kvcache import (FullAttentionSpec, MLAAttentionSpec, dtype_bytes_for, mla_spec)
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 from tuner.eras import parse_version
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -76,12 +76,6 @@ def _capability(settings: RankSettings) -> tuple[int, int]:
         except ValueError:
             pass
     return DEFAULT_CAPABILITY
-
-
-def _stage_layers(spec, settings: RankSettings) -> range:
-    counts = layers_per_pp_rank(spec.num_hidden_layers, settings.pipeline_parallel_size)
-    start = sum(counts[: settings.pp_rank])
-    return range(start, start + counts[settings.pp_rank])
 
 
 def mla_block_size(version: str, kv_cache_dtype: str = "auto", *, sparse: bool = False,
@@ -207,7 +201,7 @@ class DeepseekPlugin(ModelPlugin):
         out: dict = {}
         if not self.use_mla(spec, settings):
             heads = self.heads_per_rank(spec, settings)
-            for i in _stage_layers(spec, settings):
+            for i in stage_layers(spec, settings):
                 out[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(block_size=bs, num_kv_heads=heads,
                                                                             head_size=nope + rope, dtype_bytes=dt)
             return out
@@ -219,7 +213,7 @@ class DeepseekPlugin(ModelPlugin):
         if sparse and fp8 and v >= "0.11.0" and not (v >= "0.19.0" and bs == 32 and cap[0] == 10):
             cache_str = "fp8_ds_mla"  # FLASHMLA_SPARSE converts fp8 to DeepSeek's packed format
         idx_dim = int(spec.raw.get("index_head_dim") or 128)
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             out[f"model.layers.{i}.self_attn.attn"] = mla_spec(settings.engine_version, bs, kv_lora + rope, dt,
                                                                 cache_dtype_str=cache_str)
             if sparse:
@@ -264,7 +258,7 @@ class DeepseekPlugin(ModelPlugin):
             extra["topk_indices"] = buf
         ws = M.mla_workspace_tokens(None, None, self.block_size(spec, settings))
         layers = []
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             p = f"model.layers.{i}"
             indexer = None
             if sparse:

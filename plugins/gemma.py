@@ -45,17 +45,11 @@ Errors: :class:`tuner.errors.PluginError` when a Gemma-4 config lacks ``layer_ty
 from __future__ import annotations
 
 from tuner.errors import PluginError
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank, layers_per_pp_rank
-from tuner.plugin import ModelPlugin, RankSettings
+from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def _stage_layers(spec, settings: RankSettings) -> range:
-    counts = layers_per_pp_rank(spec.num_hidden_layers, settings.pipeline_parallel_size)
-    start = sum(counts[: settings.pp_rank])
-    return range(start, start + counts[settings.pp_rank])
 
 
 def _family(spec) -> int:
@@ -188,7 +182,7 @@ class GemmaPlugin(ModelPlugin):
         window = spec.sliding_window or spec.raw.get("sliding_window")
         shared = kv_shared_layers(spec)
         out = {}
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             if i in shared:
                 continue
             kv, head = attention_geometry(spec, i, kinds[i])
@@ -236,7 +230,7 @@ class GemmaPlugin(ModelPlugin):
         first, last = rank == 0, rank == pp - 1
         prefix = "model.language_model" if "text_config" in spec.top else "model"
         layers = []
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             kind = kinds[i]
             kv_total, head = attention_geometry(spec, i, kind)
             kv = kv_heads_per_rank(kv_total, tp)

@@ -11,16 +11,10 @@ gate_up/down MLP, RMSNorms; Qwen2 adds QKV bias, Qwen3 per-head q/k norms. KV ca
 
 from __future__ import annotations
 
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank, layers_per_pp_rank
-from tuner.plugin import ModelPlugin, RankSettings
+from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
-
-def _stage_layers(spec, settings: RankSettings) -> range:
-    counts = layers_per_pp_rank(spec.num_hidden_layers, settings.pipeline_parallel_size)
-    start = sum(counts[: settings.pp_rank])
-    return range(start, start + counts[settings.pp_rank])
 
 
 def _uses_sliding_window(spec) -> int | None:
@@ -42,7 +36,7 @@ def decoder_kv_specs(spec, settings: RankSettings) -> dict:
     dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
     window = _uses_sliding_window(spec)
     out = {}
-    for i in _stage_layers(spec, settings):
+    for i in stage_layers(spec, settings):
         name = f"model.layers.{i}.self_attn.attn"
         if window:
             out[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
@@ -151,7 +145,7 @@ class GenericDecoderPlugin(ModelPlugin):
         inter = spec.intermediate_size // tp
         rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
         layers = []
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             attn = L.Attention(h, heads, kv, spec.head_dim, dtype, rope, qkv_bias=self.qkv_bias(spec),
                                compiled=settings.compiled, runs_attention=settings.runs_attention,
                                quant=quant, prefix=f"model.layers.{i}.self_attn")

@@ -35,8 +35,7 @@ sharing one block pool, ``bytes_per_block = 12 · page``.
 from __future__ import annotations
 
 from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings
-from tuner.plugins.generic import _stage_layers
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 
 def is_mxfp4(spec, settings: RankSettings) -> bool:
@@ -67,7 +66,7 @@ class GptOssPlugin(ModelPlugin):
         dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
         window = spec.sliding_window
         out = {}
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             name = f"model.layers.{i}.attn.attn"
             if window and i % 2 == 0:
                 out[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
@@ -101,7 +100,7 @@ class GptOssPlugin(ModelPlugin):
                            tensor_parallel_size=tp, reduce_results=True, kernel="oai_triton" if mx else "triton")
             return SparseMoeBlock(router, moe, tensor_parallel_size=tp)
 
-        return build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
+        return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
                              attn_name="attn", qkv_bias=True, o_bias=True, sinks=True)
 
 

@@ -44,8 +44,8 @@ from __future__ import annotations
 import math
 
 from tuner.errors import PluginError
-from tuner.kvcache import FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_heads_per_rank, layers_per_pp_rank
-from tuner.plugin import ModelPlugin, RankSettings
+from tuner.kvcache import FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_heads_per_rank
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 _STATE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
@@ -110,12 +110,6 @@ def gdn_state(spec, tp: int, model_dtype: str, ssm_dtype: str | None, num_spec: 
     return shapes, (dtype_bytes_for("auto", model_dtype), _state_bytes(ssm_dtype, model_dtype))
 
 
-def _stage(n_layers: int, settings: RankSettings) -> range:
-    counts = layers_per_pp_rank(n_layers, settings.pipeline_parallel_size)
-    start = sum(counts[: settings.pp_rank])
-    return range(start, start + counts[settings.pp_rank])
-
-
 
 def _moe_layer(*args, **kwargs):
     """:class:`tuner.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
@@ -148,7 +142,7 @@ class _HybridPlugin(ModelPlugin):
         kv = kv_heads_per_rank(kv_total, settings.tensor_parallel_size)
         dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
         per_token = 2 * kv * head * dt
-        stage = _stage(len(kinds), settings)
+        stage = stage_layers(spec, settings, num_layers=len(kinds))
         if settings.runs_attention:  # V0 engine: the profile runs attention; only attention layers hold KV
             bs = settings.block_size or 16
             return {self.layer_name(i, "attention"): FullAttentionSpec(bs, kv, head, dt)
@@ -240,7 +234,7 @@ class NemotronHPlugin(_HybridPlugin):
                 return self.mixer(hidden_states), residual
 
         layers, mlp_index = [], -1
-        stage = set(_stage(len(kinds), settings))
+        stage = set(stage_layers(spec, settings, num_layers=len(kinds)))
         for i, kind in enumerate(kinds):
             if kind == "mlp":
                 mlp_index += 1
@@ -391,7 +385,7 @@ class Qwen35Plugin(_HybridPlugin):
                 hidden_states, residual = self.post_attention_layernorm(out, residual)
                 return self.mlp(hidden_states), residual
 
-        layers = [Layer(i, kinds[i]) for i in _stage(len(kinds), settings)]
+        layers = [Layer(i, kinds[i]) for i in stage_layers(spec, settings, num_layers=len(kinds))]
         first, last = rank == 0, rank == pp - 1
         tied = spec.tie_word_embeddings
         embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and tied)) else None

@@ -30,8 +30,7 @@ Vision: ``Llama4VisionModel`` + ``Llama4MultiModalProjector`` (always 16-bit: vL
 from __future__ import annotations
 
 from tuner.kvcache import ChunkedLocalAttentionSpec, FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings
-from tuner.plugins.generic import _stage_layers
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 #: First release whose default keeps chunked local attention in the hybrid KV cache manager.
 HYBRID_CHUNKED_FROM = (0, 12, 0)
@@ -75,7 +74,7 @@ class Llama4Plugin(ModelPlugin):
         local_spec = bool(chunk) and v >= HYBRID_CHUNKED_FROM
         nope = no_rope_layers(spec)
         out = {}
-        for i in _stage_layers(spec, settings):
+        for i in stage_layers(spec, settings):
             name = f"model.layers.{i}.self_attn.attn"
             if local_spec and nope[i] == 1:
                 out[name] = ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=spec.head_dim,
@@ -112,7 +111,7 @@ class Llama4Plugin(ModelPlugin):
             shared = L.GatedMLP(h, inter_moe, dtype, compiled=settings.compiled, quant=quant, prefix=f"{pre}.shared_expert")
             return SparseMoeBlock(gate, fused, shared_expert=shared, tensor_parallel_size=tp)
 
-        text = build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant)
+        text = build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant)
         v0 = settings.runs_attention
         vision = None
         if "vision_config" in spec.top and (settings.pp_rank == 0 or not v0):

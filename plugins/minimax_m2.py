@@ -21,8 +21,8 @@ compressed-tensors) get their bytes from :func:`tuner.simulate.quant.scheme_for`
 
 from __future__ import annotations
 
-from tuner.plugin import ModelPlugin, RankSettings
-from tuner.plugins.generic import _stage_layers, decoder_kv_specs
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.plugins.generic import decoder_kv_specs
 
 
 def rotary_dim(spec) -> int:
@@ -61,7 +61,7 @@ class MiniMaxM2Plugin(ModelPlugin):
                            tensor_parallel_size=tp, reduce_results=False)
             return SparseMoeBlock(gate, moe, tensor_parallel_size=tp)
 
-        model = build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
+        model = build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
                               qkv_bias=bool(raw.get("attention_bias", False)))
         for layer in model.layers:  # MiniMaxText01RMSNormTP over all heads, sharded by tp
             attn = layer.self_attn

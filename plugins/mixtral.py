@@ -18,8 +18,8 @@ Profile run: the fused-MoE buffers of :mod:`tuner.simulate.moe` (0.19: a persist
 
 from __future__ import annotations
 
-from tuner.plugins.generic import _stage_layers, decoder_kv_specs
-from tuner.plugin import ModelPlugin, RankSettings
+from tuner.plugins.generic import decoder_kv_specs
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 
 class MixtralPlugin(ModelPlugin):
@@ -52,7 +52,7 @@ class MixtralPlugin(ModelPlugin):
                            tensor_parallel_size=tp, reduce_results=True)
             return SparseMoeBlock(gate, moe, tensor_parallel_size=tp)
 
-        return build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant)
+        return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant)
 
 
 plugin = MixtralPlugin()

@@ -23,8 +23,8 @@ KV cache: one spec per layer, page ``2 · bs · max(1, kv // tp) · d · dtype``
 from __future__ import annotations
 
 from tuner.kvcache import FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import RankSettings
-from tuner.plugins.generic import GenericDecoderPlugin, _stage_layers
+from tuner.plugin import RankSettings, stage_layers
+from tuner.plugins.generic import GenericDecoderPlugin
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -58,7 +58,7 @@ class PhiPlugin(GenericDecoderPlugin):
         dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
         return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=bs, num_kv_heads=heads,
                                                                       head_size=spec.head_dim, dtype_bytes=dt)
-                for i in _stage_layers(spec, settings)}
+                for i in stage_layers(spec, settings)}
 
     def qkv_bias(self, spec) -> bool:
         return bool(spec.raw.get("attention_bias") or spec.raw.get("qkv_bias"))
@@ -141,7 +141,7 @@ def _build_phi2(spec, settings: RankSettings):
             self.bias = nn.Parameter(torch.empty(self.weight.shape[0], dtype=dtype), requires_grad=False)
 
     first, last = rank == 0, rank == pp - 1
-    layers = [PhiLayer(i) for i in _stage_layers(spec, settings)]
+    layers = [PhiLayer(i) for i in stage_layers(spec, settings)]
     embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if first else None
     return PhiLM(embed, layers, LayerNorm() if last else None, PhiHead() if last else None,
                  extra={"rotary_emb": rope})

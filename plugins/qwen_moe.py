@@ -19,8 +19,8 @@ bytes from :func:`tuner.simulate.quant.scheme_for`. KV cache: one ``FullAttentio
 
 from __future__ import annotations
 
-from tuner.plugin import ModelPlugin, RankSettings
-from tuner.plugins.generic import _stage_layers, decoder_kv_specs
+from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.plugins.generic import decoder_kv_specs
 
 
 def num_experts(raw: dict) -> int:
@@ -85,7 +85,7 @@ class QwenMoePlugin(ModelPlugin):
             return block
 
         qkv_bias = bool(raw.get("attention_bias", False)) if self.qwen3 else True
-        return build_decoder(spec, settings, _stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
+        return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
                              qkv_bias=qkv_bias, qk_norm=self.qwen3)
 
 

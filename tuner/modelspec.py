@@ -141,9 +141,50 @@ class ModelSpec:
     """Memory-relevant facts of a model config (the text model for multimodal wrappers).
 
     Attributes are HF names; sizes in elements, lengths in tokens (every size a positive int,
-    checked by :func:`load_model_spec`). ``config_sha256`` is :func:`config_hash` of the file (not
-    of its bytes). ``raw`` holds the whole text config as a dict for plugins that need more;
-    ``top`` the top-level config dict.
+    checked by :func:`load_model_spec`). Sizes are the whole model's: a plugin divides them by
+    ``tensor_parallel_size`` itself (:mod:`tuner.kit` convention 3). A key a file lacks gets the
+    plugin's ``config_defaults`` first, then the fallback named below.
+
+    Attributes:
+        path: the ``config.json`` read (what errors name as ``where``).
+        config_sha256: :func:`config_hash` of the file (canonical JSON, not its bytes).
+        architectures: the top-level ``architectures`` (the plugin is chosen by them); ``()``
+            when absent.
+        model_type: transformers' ``model_type`` of the top-level config (for a multimodal
+            wrapper the wrapper's, e.g. ``mistral3``; the text model's is ``raw["model_type"]``).
+        hidden_size: ``hidden_size`` (also ``n_embd``, ``d_model``).
+        num_hidden_layers: ``num_hidden_layers`` (also ``n_layer``, ``num_layers``): all layers,
+            not this pipeline stage's (:func:`tuner.plugin.stage_layers`).
+        num_attention_heads: ``num_attention_heads`` (also ``n_head``).
+        num_key_value_heads: ``num_key_value_heads`` (also ``n_head_kv``, ``num_kv_heads``,
+            ``multi_query_group_num``); ``num_attention_heads`` when absent (MHA). All KV heads,
+            not one rank's (:func:`tuner.kvcache.kv_heads_per_rank`).
+        head_dim: the config's ``head_dim``, else ``hidden_size // num_attention_heads``.
+        intermediate_size: ``intermediate_size`` (also ``n_inner``, ``ffn_hidden_size``);
+            ``4 · hidden_size`` when absent. The dense MLP's width (MoE families read their
+            expert width from ``raw``).
+        vocab_size: ``vocab_size`` as the config gives it (unpadded; vLLM pads to 64,
+            :func:`tuner.simulate.layers.pad_vocab`).
+        max_position_embeddings: ``max_position_embeddings`` (also ``n_positions``,
+            ``seq_length``); 2048 when absent. Sizes rotary caches; vLLM's derived maximum
+            ``max_model_len`` also applies the RoPE scaling factor (not done here).
+        torch_dtype: the checkpoint's weight dtype (``torch_dtype`` or ``dtype``, top level
+            before ``text_config``; else the plugin default, else transformers', else ``float16``),
+            normalised to ``bfloat16`` / ``float16`` / ``float32``.
+            Build in ``settings.dtype`` (the drop's resolved dtype), not in this.
+        tie_word_embeddings: the file's key (top level, then ``text_config``), else the plugin
+            default, else transformers' class default: the LM head shares the embedding.
+        rotary_dim: ``int(head_dim · partial_rotary_factor)`` (the factor from the config or its
+            ``rope_parameters`` / ``rope_scaling``, 1.0 when absent): the rotary cache's width.
+        sliding_window: the config's ``sliding_window`` (``None`` when absent or null; 0 is
+            possible). Whether it applies to every layer (``use_sliding_window``,
+            ``layer_types``) is the plugin's decision.
+        quantization_config: the checkpoint's ``quantization_config`` dict (top level, else the
+            text config), or ``None``: what :func:`tuner.simulate.quant.scheme_for` reads.
+        raw: the whole text config as a dict (transformers' ``to_dict()``, class defaults and
+            plugin defaults included) for family keys the attributes above do not cover.
+        top: the top-level ``config.json`` dict as the file has it (``vision_config``,
+            ``text_config``, wrapper keys).
     """
 
     path: str

@@ -22,8 +22,11 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable
 
 from tuner.errors import PluginError
+from tuner.kvcache import layers_per_pp_rank
 
 ENTRY_POINT_GROUP = "tuner.plugins"
+#: The distribution whose entry points are the built-in plugins.
+BUILTIN_DISTRIBUTION = "ctx-tuner"
 log = logging.getLogger(__name__)
 
 
@@ -88,6 +91,21 @@ class ModelPlugin:
         ``load_model`` incl. ``process_weights_after_loading``, reference §2.4). Override when a
         checkpoint loads something the module does not hold."""
         return module_weights_bytes(module)
+
+
+def stage_layers(spec: Any, settings: RankSettings, *, num_layers: int | None = None) -> range:
+    """Global indices of the decoder layers this rank's pipeline stage holds.
+
+    vLLM's ``get_pp_indices`` split (:func:`tuner.kvcache.layers_per_pp_rank`): ``n // pp`` layers
+    per stage, the remainder one each to stages −2, −3, … (never the last); stage
+    ``settings.pp_rank`` of ``settings.pipeline_parallel_size`` gets the range after the stages
+    before it. ``n`` is ``spec.num_hidden_layers`` unless ``num_layers`` is given (a family whose
+    layer list is longer or shorter, e.g. ``hybrid_override_pattern``).
+    """
+    n = spec.num_hidden_layers if num_layers is None else num_layers
+    counts = layers_per_pp_rank(n, settings.pipeline_parallel_size)
+    start = sum(counts[: settings.pp_rank])
+    return range(start, start + counts[settings.pp_rank])
 
 
 def module_weights_bytes(module: Any) -> int:
@@ -160,6 +178,14 @@ class Registry:
             if p.name == name:
                 return p
         raise PluginError("no such plugin", where=name)
+
+
+def builtin_entry_points(group: str = ENTRY_POINT_GROUP) -> list:
+    """The entry points of ``group`` that ctx-tuner's own distribution registers (the built-in
+    plugins), without those of any installed third-party distribution; a
+    :func:`load_registry` ``loader``."""
+    return [ep for ep in entry_points(group=group)
+            if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION]
 
 
 def load_registry(group: str = ENTRY_POINT_GROUP, *, loader: Callable[[str], Iterable] | None = None) -> Registry:
