@@ -65,7 +65,8 @@ Building blocks (torch, :mod:`tuner.simulate`)
     :func:`pad_vocab`; mixture of experts :class:`FusedMoE`, :class:`SparseMoeBlock`,
     :class:`Fp32Router`; MLA :class:`MLAAttention`, :class:`DeepseekMoE`, :class:`Indexer`;
     state-space :class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`GatedOutputAttention`;
-    multimodal :class:`VisionTower`, :class:`MultimodalCausalLM`; quantization
+    multimodal :class:`VisionTower` (a built-in tower by ``kind`` name, or a tower module of the
+    plugin's own: :mod:`tuner.simulate.towers` describes one), :class:`MultimodalCausalLM`; quantization
     :func:`scheme_for`, :class:`QuantScheme`. Each module allocates what vLLM's own layer
     allocates during the profile run (see :mod:`tuner.simulate.layers`).
 
