@@ -44,3 +44,57 @@ def tiny_config(tmp_path) -> Path:
         "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     }))
     return d
+
+
+# -- database backends -----------------------------------------------------------------------------
+#: A PostgreSQL server URL (SQLAlchemy form, e.g. postgresql+psycopg://tuner@127.0.0.1:5432/tuner_test)
+#: that tests may create and drop databases on. Unset: PostgreSQL tests are skipped (reported as
+#: such); CTX_TUNER_REQUIRE_POSTGRESQL=1 (CI's PostgreSQL tier) turns the skip into a failure.
+PG_ENV = "CTX_TUNER_TEST_DATABASE_URL"
+
+
+def _pg_base() -> str:
+    base = os.environ.get(PG_ENV)
+    if not base:
+        if os.environ.get("CTX_TUNER_REQUIRE_POSTGRESQL") == "1":
+            pytest.fail(f"{PG_ENV} is not set but CTX_TUNER_REQUIRE_POSTGRESQL=1")
+        pytest.skip(f"{PG_ENV} not set: no PostgreSQL server to test against")
+    return base
+
+
+def make_pg_database(prefix: str = "t") -> tuple[str, object]:
+    """Create an empty database on the test server; returns (its URL, a function that drops it)."""
+    import uuid
+
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+
+    base = make_url(_pg_base())
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = base.set(database=name).render_as_string(hide_password=False)
+
+    def drop() -> None:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+    return url, drop
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh, empty PostgreSQL database on the test server (dropped afterwards), or a skip."""
+    url, drop = make_pg_database()
+    yield url
+    drop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """The store URL of each backend: a new SQLite file, and a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state' / 'tuner.sqlite'}"
+    return request.getfixturevalue("pg_url")

@@ -1,4 +1,6 @@
-"""tuner.store against real SQLite files: schema, pragmas, round trips, rollback, concurrency."""
+"""tuner.store against real SQLite files and a real PostgreSQL server (``db_url`` fixture; the
+PostgreSQL cases are skipped without CTX_TUNER_TEST_DATABASE_URL): schema, pragmas, round trips,
+rollback, concurrency, migrations racing."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ BIG = 62_398_021_632  # > 2**32: must survive as an exact int
 EXPECTED = {
     "drops": [
         "id", "name", "path", "content_sha256", "content", "model", "device_name",
-        "engine_version", "method", "created_at", "retired_at",
+        "engine_version", "method", "created_at", "retired_at", "owner_id", "result_sha256",
+        "answered_from_drop_id",
     ],
     "profile_runs": [
         "id", "drop_id", "pass_sha256", "status", "error", "method", "engine_version", "era",
@@ -45,7 +48,11 @@ EXPECTED = {
     ],
     "jobs": [
         "id", "path", "content_sha256", "content", "status", "attempts", "error_type", "error",
-        "drop_id", "worker_pid", "created_at", "started_at", "finished_at", "retired_at",
+        "drop_id", "worker_pid", "created_at", "started_at", "finished_at", "retired_at", "owner_id",
+    ],
+    "hosts": [
+        "id", "host_id", "watch_dir", "pid", "tool_version", "gpus", "started_at", "last_seen_at",
+        "lease_expires_at",
     ],
     "calibrations": [
         "id", "profile_run_id", "model", "model_config_sha256", "device_name", "era",
@@ -67,6 +74,14 @@ def _url(tmp_path) -> str:
 @pytest.fixture
 def store(tmp_path):
     s = open_store(_url(tmp_path), busy_timeout_s=0.2)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def any_store(db_url):
+    """A migrated store on each backend (SQLite file, PostgreSQL database)."""
+    s = open_store(db_url, busy_timeout_s=0.2)
     yield s
     s.close()
 
@@ -127,8 +142,10 @@ def _counts(url: str) -> dict[str, int]:
 # -- schema --------------------------------------------------------------------------------------
 
 
-def test_migration_creates_exactly_the_tables_and_columns(store, tmp_path):
-    assert (tmp_path / "state" / "tuner.sqlite").is_file()  # parent dir created
+def test_migration_creates_exactly_the_tables_and_columns(any_store, tmp_path):
+    store = any_store
+    if store.engine.dialect.name == "sqlite":
+        assert (tmp_path / "state" / "tuner.sqlite").is_file()  # parent dir created
     insp = sa.inspect(store.engine)
     assert sorted(insp.get_table_names()) == sorted(TABLES + ["alembic_version"])
     for table, cols in EXPECTED.items():
@@ -144,7 +161,10 @@ def test_migration_creates_exactly_the_tables_and_columns(store, tmp_path):
         fks = insp.get_foreign_keys(table)
         assert {"drops"} <= {fk["referred_table"] for fk in fks}
     idx = {i["name"]: i["column_names"] for i in insp.get_indexes("drops")}
-    assert idx == {"ix_drops_content_sha256": ["content_sha256"]}
+    assert idx == {"ix_drops_content_sha256": ["content_sha256"], "ix_drops_owner_id": ["owner_id"],
+                   "ix_drops_result_sha256": ["result_sha256"]}
+    jidx = {i["name"]: (i["column_names"], bool(i["unique"])) for i in insp.get_indexes("jobs")}
+    assert jidx["uq_jobs_pending_path"] == (["owner_id", "path"], True)
     with store.engine.connect() as c:
         from alembic.script import ScriptDirectory
 
@@ -153,8 +173,8 @@ def test_migration_creates_exactly_the_tables_and_columns(store, tmp_path):
         assert c.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() == head
 
 
-def test_migration_matches_store_metadata(store):
-    with store.engine.connect() as c:
+def test_migration_matches_store_metadata(any_store):
+    with any_store.engine.connect() as c:
         ctx = MigrationContext.configure(c, opts={"compare_type": True})
         diffs = compare_metadata(ctx, metadata)
     assert diffs == []
@@ -178,12 +198,15 @@ def test_default_path_used_when_url_is_none(tmp_path):
     assert "drops" in sa.inspect(sa.create_engine(f"sqlite:///{path}")).get_table_names()
 
 
-def test_downgrade_base_then_upgrade_head(store, tmp_path):
-    url = _url(tmp_path)
+def test_downgrade_base_then_upgrade_head(any_store):
+    store = any_store
+    url = store.engine.url.render_as_string(hide_password=False)
     store.save_result(_drop(), [], [], [])
     store.close()
     command.downgrade(alembic_config(url), "base")
-    names = sa.inspect(sa.create_engine(url)).get_table_names()
+    eng = sa.create_engine(url)
+    names = sa.inspect(eng).get_table_names()
+    eng.dispose()
     assert [n for n in names if n != "alembic_version"] == []
     command.upgrade(alembic_config(url), "head")
     assert _counts(url) == dict.fromkeys(TABLES, 0)
@@ -285,7 +308,7 @@ def test_readonly_open_cannot_write(store, tmp_path):
     finally:
         ro.close()
     assert _counts(url) == {"drops": 1, "profile_runs": 0, "candidates": 0, "proposals": 1, "jobs": 0,
-                            "calibrations": 0}
+                            "calibrations": 0, "hosts": 0}
     assert store.latest_proposals(drop_id)[0]["drop_id"] == drop_id
 
 
@@ -298,7 +321,8 @@ def test_readonly_missing_file_raises(tmp_path):
 # -- save_result and reads -----------------------------------------------------------------------
 
 
-def test_save_result_round_trips(store):
+def test_save_result_round_trips(any_store):
+    store = any_store
     runs = [_run("fwd"), _run("bad", status="failed", sha="q" * 64)]
     runs[1].update(error="CUDA OOM", weights_bytes=None, elapsed_s=0.25)
     drop_id = store.save_result(
@@ -331,13 +355,17 @@ def test_save_result_round_trips(store):
     assert len(p["created_at"]) == 27 and p["created_at"].endswith("Z")
 
     with store.engine.connect() as c:  # what a user's SQL sees: plain integers, typed INTEGER
+        typeof = "typeof" if c.dialect.name == "sqlite" else "pg_typeof"
         row = c.exec_driver_sql(
+            f"SELECT forward_peak_bytes, {typeof}(forward_peak_bytes)::text FROM profile_runs WHERE id = 1"
+            if typeof == "pg_typeof" else
             "SELECT forward_peak_bytes, typeof(forward_peak_bytes) FROM profile_runs WHERE id = 1"
         ).one()
-    assert tuple(row) == (BIG, "integer")
+    assert tuple(row) == (BIG, "integer" if typeof == "typeof" else "bigint")
 
 
-def test_find_run_returns_latest_ok(store):
+def test_find_run_returns_latest_ok(any_store):
+    store = any_store
     assert store.find_run("p" * 64) is None
     store.save_result(_drop(), [_run(1)], [], [])
     second = store.save_result(_drop(), [_run(1)], [], [])
@@ -348,7 +376,8 @@ def test_find_run_returns_latest_ok(store):
     assert store.find_run("z" * 64) is None
 
 
-def test_latest_proposals_newest_unretired_per_name(store, tmp_path):
+def test_latest_proposals_newest_unretired_per_name(any_store):
+    store = any_store
     store.save_result(_drop("a.yaml"), [], [], [_prop(4096)])
     a2 = store.save_result(_drop("a.yaml", sha="b" * 64), [], [], [_prop(8192)])
     b = store.save_result(_drop("b.yaml"), [], [], [_prop(None)])
@@ -372,23 +401,27 @@ def test_latest_proposals_newest_unretired_per_name(store, tmp_path):
         ({"runs": [_run("r"), _run("r")]}, "duplicate"),
     ],
 )
-def test_bad_row_rolls_back_everything(store, tmp_path, bad_last, match):
+def test_bad_row_rolls_back_everything(any_store, bad_last, match):
+    store = any_store
     parts = {"runs": [_run("r")], "candidates": [_cand("r")], "proposals": [_prop()], **bad_last}
+    match = {"NOT NULL": "NOT NULL|not-null", "CHECK": "CHECK|check constraint"}.get(match, match)
     with pytest.raises(StoreError, match=match):
         store.save_result(_drop(), parts["runs"], parts["candidates"], parts["proposals"])
-    assert _counts(_url(tmp_path)) == dict.fromkeys(TABLES, 0)
-    # the store stays usable and ids start afresh
-    assert store.save_result(_drop(), [_run("r")], [_cand("r")], [_prop()]) == 1
+    assert _counts(store.engine.url.render_as_string(hide_password=False)) == dict.fromkeys(TABLES, 0)
+    # the store stays usable (SQLite reuses ids after a rollback; PostgreSQL sequences do not)
+    assert store.save_result(_drop(), [_run("r")], [_cand("r")], [_prop()]) >= 1
 
 
-def test_unknown_drop_key_names_table(store):
+def test_unknown_drop_key_names_table(any_store):
+    store = any_store
     with pytest.raises(StoreError, match=r"drops: .*'colour'"):
         store.save_result({**_drop(), "colour": "red"}, [], [], [])
     with pytest.raises(StoreError, match=r"drops: .*'id'"):
         store.save_result({**_drop(), "id": 7}, [], [], [])
 
 
-def test_naive_time_rejected(store):
+def test_naive_time_rejected(any_store):
+    store = any_store
     run = {**_run("r"), "started_at": datetime(2025, 3, 1, 12, 0)}
     with pytest.raises(StoreError, match="timezone-aware"):
         store.save_result(_drop(), [run], [], [])
@@ -405,3 +438,60 @@ def test_db_option_errors_are_store_errors_not_tracebacks(tmp_path):
     s = open_store(str(tmp_path / "plain.sqlite"))  # a plain path means a SQLite file
     s.close()
     assert (tmp_path / "plain.sqlite").exists()
+
+
+def test_readonly_open_on_postgresql_reads_and_cannot_write(pg_url):
+    """Regression: calibration was silently skipped on PostgreSQL — read-only opens were SQLite-only."""
+    s = open_store(pg_url)
+    s.save_result(_drop(), [], [], [_prop()])
+    s.close()
+    ro = open_store(pg_url, readonly=True)
+    try:
+        assert ro.readonly and [p["max_model_len"] for p in ro.latest_proposals()] == [65536]
+        with pytest.raises(StoreError, match="read-only transaction"):
+            ro.save_result(_drop("other.yaml"), [], [], [])
+    finally:
+        ro.close()
+
+
+def test_readonly_open_of_an_unmigrated_postgresql_database_fails(pg_url):
+    with pytest.raises(StoreError, match="cannot open"):
+        open_store(pg_url, readonly=True)
+
+
+def _migrate_in_child(url: str, q) -> None:
+    try:
+        open_store(url).close()
+        q.put("ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_five_processes_migrating_an_empty_postgresql_database_at_once_all_succeed(pg_url):
+    """Regression: three processes migrating one empty database at once — two failed on a duplicate
+    key. The upgrade now runs under a PostgreSQL advisory lock."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_migrate_in_child, args=(pg_url, q)) for _ in range(5)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert results == ["ok"] * 5
+    eng = sa.create_engine(pg_url)
+    try:
+        with eng.connect() as c:
+            assert c.exec_driver_sql("SELECT count(*) FROM alembic_version").scalar() == 1
+    finally:
+        eng.dispose()
+
+
+def test_server_engines_ping_connections_before_use(pg_url):
+    s = open_store(pg_url)
+    try:
+        assert s.engine.pool._pre_ping is True
+    finally:
+        s.close()

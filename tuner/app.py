@@ -40,6 +40,8 @@ class ProfileOutcome:
     warnings: list[str] = field(default_factory=list)
     #: the drop text that was profiled; None = read it from ``drop.path`` when storing.
     content: str | None = None
+    #: the fleet's shared result key (:func:`tuner.fleet.result_key`) when the daemon computed one.
+    result_sha256: str | None = None
 
     @property
     def method(self) -> str:

@@ -12,6 +12,11 @@ migrations, :class:`~tuner.jobqueue.JobQueue`, :class:`~tuner.watch.DropWatcher`
   group, killed on timeout); every database write happens in the main thread;
 * results and the job's ``done`` mark are one transaction, then the proposal file is written and a
   log line printed; a read-only snapshot is refreshed;
+* fleet (:mod:`tuner.fleet`): the daemon registers as owner ``host_id`` + ``watch_dir`` with a
+  lease it renews every ``lease_s / 3``; it claims, completes and retires only its own jobs and
+  drops, returns an expired owner's running jobs to the queue, and answers a drop whose result
+  key some host already stored without a worker. While the database is down it keeps watching;
+  a failed scan is retried every few seconds and finished results are kept until they are saved;
 * signals only set flags (``signal.set_wakeup_fd`` wakes the loop): SIGTERM/SIGINT stop gracefully
   (the running job's worker group is killed and the job goes back to ``pending``), SIGHUP reloads
   the settings. sd_notify: READY after migrations and the first scan, STATUS, WATCHDOG from the
@@ -42,6 +47,7 @@ import yaml
 
 from tuner.app import ProfileOutcome, prepare_request, rows_for_store
 from tuner.drop import Drop, parse_drop
+from tuner import fleet
 from tuner.errors import DropError, SettingsError, StoreError, TunerError, WorkerError
 from tuner.jobqueue import Job, JobNotRunning, JobQueue
 from tuner.notify import NOTIFY_ENV, Notifier
@@ -63,6 +69,9 @@ UNHEALTHY_AFTER_ERRORS = 5
 SAVE_RETRY_S = 1.0
 #: Longest the loop sleeps without a deadline (seconds).
 MAX_WAIT_S = 30.0
+#: Wait before retrying a scan that failed on the database (seconds): the drops are still on
+#: disk, so once the database answers again the next scan queues whatever changed meanwhile.
+DB_RETRY_S = 2.0
 
 
 class Waker:
@@ -98,6 +107,20 @@ class Waker:
     def close(self) -> None:
         self._r.close()
         self._w.close()
+
+
+@dataclass
+class SharedResult:
+    """A job answered from a result another job (any host) stored under the same
+    :func:`tuner.fleet.result_key`: no worker ran."""
+
+    drop: Drop
+    device: dict
+    source_drop_id: int
+    result_sha256: str
+    content: str | None
+    drop_id: int | None = None
+    result: dict | None = None
 
 
 @dataclass
@@ -184,6 +207,9 @@ class Daemon:
         self.nvml = nvml
         self.store: Store | None = None
         self.queue: JobQueue | None = None
+        self.owner: fleet.Owner | None = None
+        self._next_beat = 0.0
+        self._db_down_logged = False
         self.waker = Waker()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.debouncer = Debouncer(settings.debounce_s)
@@ -237,10 +263,11 @@ class Daemon:
         make_state_dir(s)
         self.notifier.status("migrating the database")
         self.store = self.store_factory(s.db_url)
-        self.queue = JobQueue(self.store)
-        requeued, failed = self.queue.recover(s.max_attempts)
+        self._register(s)
+        requeued, failed = self.queue.recover(s.max_attempts, now=fleet.lease_cutoff(self.wall_clock()))
         for job in requeued + failed:
-            self._kill_orphan(job)
+            if job.owner_id == self.owner.id:
+                self._kill_orphan(job)
         for job in requeued:
             log.warning("job %d (%s) was interrupted by a daemon crash; queued again (attempt %d of %d next)",
                         job.id, job.path, job.attempts + 1, s.max_attempts)
@@ -253,7 +280,32 @@ class Daemon:
         self.started = True
         self.waker.wake()  # the first step starts a queued job at once
         self.notifier.ready(self._status_text())
-        log.info("ready: watching %s, store %s", s.watch_dir, self.store.where)
+        log.info("ready: watching %s as host %s (hosts.id %d), store %s", s.watch_dir, self.owner.host_id,
+                 self.owner.id, self.store.where)
+
+    def _gpus(self) -> list[dict]:
+        from tuner.devices import list_gpus
+
+        try:
+            return [{"name": g.name, "total_memory_bytes": g.total_memory_bytes, "uuid": g.uuid}
+                    for g in list_gpus(self.nvml)]
+        except TunerError:
+            return []
+
+    def _register(self, s: Settings) -> None:
+        """Register (or take over) this daemon's owner row, start its lease, adopt ownerless
+        rows of its watch directory; make the job queue for it.
+
+        Raises:
+            OwnerBusy: a live daemon already owns this host id and watch directory.
+        """
+        self.owner = fleet.register_owner(self.store, s.host, s.watch_dir, lease_s=s.lease_s,
+                                          gpus=self._gpus(), wall_clock=self.wall_clock)
+        self.queue = JobQueue(self.store, self.owner.id, lease_s=s.lease_s)
+        adopted = self.queue.adopt(s.watch_dir)
+        if adopted:
+            log.info("adopted %d job(s) stored before ownership existed", adopted)
+        self._next_beat = self.clock() + s.lease_s / 3
 
     def run(self) -> int:
         """Start, loop until SIGTERM/SIGINT, shut down. Returns the exit status (0).
@@ -324,6 +376,8 @@ class Daemon:
             self._guard(self.reconcile)
         if self._unsaved is not None and self.clock() >= self._retry_at:
             self._guard(self._save_unsaved)
+        if self.clock() >= self._next_beat:
+            self._guard(self._beat)
         self._guard(self._start_next)
         self._guard(self._maybe_snapshot)
         self._guard(self._send_status)
@@ -342,7 +396,7 @@ class Daemon:
 
     def _timeout(self) -> float:
         now = self.clock()
-        deadlines = [self._next_rescan, now + MAX_WAIT_S]
+        deadlines = [self._next_rescan, now + MAX_WAIT_S, self._next_beat]
         d = self.debouncer.deadline()
         if d is not None:
             deadlines.append(d)
@@ -380,12 +434,39 @@ class Daemon:
 
     # -- reconcile -------------------------------------------------------------------------------
 
+    def _beat(self) -> None:
+        """Renew this daemon's lease and return expired owners' running jobs to the queue."""
+        s = self.settings
+        self._next_beat = self.clock() + s.lease_s / 3
+        fleet.renew_lease(self.store, self.owner.id, lease_s=s.lease_s, wall_clock=self.wall_clock)
+        requeued, failed = self.queue.recover(s.max_attempts, now=fleet.lease_cutoff(self.wall_clock()))
+        for job in requeued + failed:  # only other owners' jobs can be running here without us
+            if job.owner_id != self.owner.id:
+                log.warning("job %d (%s) of host id %d was running when its lease expired: %s", job.id, job.path,
+                            job.owner_id, "queued again for its successor" if job in requeued else "failed")
+
     def reconcile(self) -> None:
         """Scan ``watch_dir`` and bring the jobs table in line with it by content hash.
 
         Files still being written (modified less than ``debounce_s`` ago) are left for the next
-        pass; when the directory itself cannot be listed nothing is retired.
+        pass; when the directory itself cannot be listed nothing is retired. When the database
+        cannot be reached the scan is tried again after :data:`DB_RETRY_S` seconds (the files are
+        the queue meanwhile: whatever changed is queued once it answers).
         """
+        try:
+            self._reconcile()
+        except StoreError:
+            self._next_rescan = self.clock() + DB_RETRY_S
+            if not self._db_down_logged:
+                self._db_down_logged = True
+                log.error("database unavailable; still watching %s, drops are queued once it is back",
+                          self.settings.watch_dir)
+            raise
+        if self._db_down_logged:
+            self._db_down_logged = False
+            log.info("database reachable again; caught up with %s", self.settings.watch_dir)
+
+    def _reconcile(self) -> None:
         s = self.settings
         now = self.clock()
         self.reconciles += 1
@@ -504,21 +585,45 @@ class Daemon:
         self.waker.wake()
         return proc
 
-    def _calibration(self, request: dict, s: Settings) -> dict | None:  # job thread: read-only
-        """Corrections from measured runs of the same model, device kind and era
-        (:func:`tuner.app.lookup_calibration`), read through a read-only connection of its own (the
-        main loop owns every write); None when there are none or the store cannot be read."""
+    def _lookups(self, request: dict, s: Settings) -> tuple[dict | None, str | None, int | None]:  # job thread
+        """Read-only look-ups before a pass, through a read-only store of their own (the main loop
+        owns every write; SQLite ``mode=ro`` or read-only server sessions): the corrections from
+        measured runs of the same model, device kind and era, whichever host stored them
+        (:func:`tuner.app.lookup_calibration`; simulate only), then the shared result key
+        (:func:`tuner.fleet.result_key`) and the drop that already holds that result, if any.
+        Returns (calibration, result key, source drop id); a store that cannot be read gives
+        (None, key, None) — the pass runs."""
         from tuner.app import lookup_calibration
 
+        cal = key = None
         try:
             store = open_store(s.db_url, readonly=True)
-            try:
-                return lookup_calibration(request, store)
-            finally:
-                store.close()
         except TunerError as exc:
-            log.warning("calibration skipped for %s: %s", request.get("config_path"), exc)
-            return None
+            log.warning("calibration and shared results skipped for %s: %s", request.get("config_path"), exc)
+            store = None
+        try:
+            if store is not None and request.get("method") == "simulate":
+                try:
+                    cal = lookup_calibration(request, store)
+                except TunerError as exc:
+                    log.warning("calibration skipped for %s: %s", request.get("config_path"), exc)
+            if cal is not None:
+                request["calibration"] = cal
+            try:
+                key = fleet.result_key(request)
+            except TunerError as exc:
+                log.warning("no shared result key for %s: %s", request.get("config_path"), exc)
+                return cal, None, None
+            if store is None:
+                return cal, key, None
+            try:
+                return cal, key, fleet.find_shared_result(store, key)
+            except TunerError as exc:
+                log.warning("shared results skipped for %s: %s", request.get("config_path"), exc)
+                return cal, key, None
+        finally:
+            if store is not None:
+                store.close()
 
     def _execute(self, job: Job, drop: Drop, s: Settings,
                  method_defaulted: bool = False) -> None:  # job thread: writes nothing
@@ -534,14 +639,15 @@ class Daemon:
                         f"but {exc.message}; set `method` in the drop or change default_method",
                         path=s.source or "settings", field="default_method") from exc
                 raise
-            if request.get("method") == "simulate":
-                cal = self._calibration(request, s)
-                if cal is not None:
-                    request["calibration"] = cal
-            result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                                 python=s.worker_python, popen=self._popen)
-            outcome: Any = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
-                                          content=job.content)
+            _cal, key, source = self._lookups(request, s)
+            if source is not None:
+                outcome: Any = SharedResult(drop, dev, source, key, job.content)
+            else:
+                result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
+                                     python=s.worker_python, popen=self._popen)
+                outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
+                                         content=job.content)
+                outcome.result_sha256 = key
         except TunerError as exc:
             outcome = exc
         except Exception as exc:  # a bug or a broken injected worker: the job fails, the daemon lives
@@ -568,9 +674,9 @@ class Daemon:
         assert self._unsaved is not None
         job, outcome, started = self._unsaved
         try:
+            drop_row, runs, cands, props = self._rows(outcome, started)
             drop_id = self.store.save_result(
-                *rows_for_store(outcome, started_at=started),
-                also=lambda conn, did: self.queue.complete_in(conn, job.id, did))
+                drop_row, runs, cands, props, also=lambda conn, did: self.queue.complete_in(conn, job.id, did))
         except JobNotRunning as exc:
             self._unsaved = None
             log.warning("drop %s: %s", job.path, exc)
@@ -589,8 +695,25 @@ class Daemon:
                f" (nothing fits: {p['reason']})")
             for p in outcome.result.get("proposals", []))
         where = written.get(outcome.drop.name)
-        log.info("drop %s (%s): job %d done, drop id %d: %s%s", outcome.drop.name, job.path, job.id, drop_id,
-                 props or "no proposals", f"; proposal file {where}" if where else "")
+        shared = (f" (shared result of drop id {outcome.source_drop_id}, no worker)"
+                  if isinstance(outcome, SharedResult) else "")
+        log.info("drop %s (%s): job %d done, drop id %d%s: %s%s", outcome.drop.name, job.path, job.id, drop_id,
+                 shared, props or "no proposals", f"; proposal file {where}" if where else "")
+
+    def _rows(self, outcome: Any, started: str) -> tuple[dict, list, list, list]:
+        """The rows to store for a finished job: the worker's result, or a copy of the shared
+        result's rows under this drop (``answered_from_drop_id`` naming the original)."""
+        if isinstance(outcome, SharedResult):
+            shell = ProfileOutcome(outcome.drop, outcome.device, {"runs": [], "candidates": [], "proposals": []},
+                                   content=outcome.content)
+            drop_row = rows_for_store(shell, started_at=started)[0]
+            runs, cands, props = fleet.shared_rows(self.store, outcome.source_drop_id)
+            outcome.result = {"proposals": props}
+            return ({**drop_row, "result_sha256": outcome.result_sha256,
+                     "answered_from_drop_id": outcome.source_drop_id}, runs, cands, props)
+        drop_row, runs, cands, props = rows_for_store(outcome, started_at=started)
+        key = getattr(outcome, "result_sha256", None)
+        return ({**drop_row, "result_sha256": key} if key else drop_row), runs, cands, props
 
     def _sync_proposals(self, names: Any) -> dict[str, Path]:
         """Write the proposal file of each name's active drop; remove those with none."""
@@ -669,10 +792,13 @@ class Daemon:
         logging.getLogger().setLevel(new.log_level_no)
         self.settings = new
         self.debouncer.quiet_s = new.debounce_s
-        if new.watch_dir != old.watch_dir:
-            self.watcher.stop()
-            self.watcher = self._make_watcher(new.watch_dir)
-            self.watcher.start()
+        if new.watch_dir != old.watch_dir or new.host != old.host:  # a new owner identity
+            if new.watch_dir != old.watch_dir:
+                self.watcher.stop()
+                self.watcher = self._make_watcher(new.watch_dir)
+                self.watcher.start()
+            fleet.end_lease(self.store, self.owner.id, wall_clock=self.wall_clock)
+            self._register(new)
         log.info("settings reloaded from %s", old.source or "defaults")
         self._status_dirty = True
         self.reconcile()
@@ -703,9 +829,11 @@ class Daemon:
                 r.thread.join(timeout=30)
             self._drain_finished_at_stop()
             if self.queue is not None:
-                for job in self.queue.jobs("running"):
+                for job in self.queue.jobs("running"):  # this owner's only
                     self.queue.requeue(job.id)
                     log.info("job %d (%s) returned to the queue", job.id, job.path)
+                if self.owner is not None:
+                    fleet.end_lease(self.store, self.owner.id, wall_clock=self.wall_clock)
                 if self._snapshot_dirty:
                     self._snapshot()
         except Exception:

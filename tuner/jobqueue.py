@@ -11,6 +11,13 @@ Invalid drops are inserted directly as ``failed`` (attempts 0). Every write is o
 ``BEGIN IMMEDIATE`` transaction on the store's engine, so a second writer (another tool, a
 reader's stray write) waits on ``busy_timeout`` instead of failing half-way. ``current`` is, per
 path, the newest job not retired: the content the daemon last saw there.
+
+Ownership (revision 0007, :mod:`tuner.fleet`): a queue belongs to one owner (``hosts.id``: host id
++ watch directory). It inserts, lists, claims, completes, requeues and retires only its owner's
+jobs and drops; :meth:`JobQueue.recover` also returns to ``pending`` the ``running`` jobs of owners
+whose lease expired (never a live owner's). :meth:`JobQueue.claim_next` is safe with several
+claimers on one database: PostgreSQL locks the chosen row with ``FOR UPDATE SKIP LOCKED``, and on
+every backend the state change is a conditional update whose row count is checked.
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from tuner.errors import StoreError, TunerError
-from tuner.store import Store, drops_table, jobs_table, utc_text
+from tuner.store import Store, drops_table, hosts_table, jobs_table, utc_text
 
-J, D = jobs_table, drops_table
+J, D, H = jobs_table, drops_table, hosts_table
+#: Claim attempts before :meth:`JobQueue.claim_next` gives up for this step (another claimer won
+#: each race); the next step tries again.
+CLAIM_TRIES = 5
 
 
 class JobNotRunning(StoreError):
@@ -50,6 +60,7 @@ class Job:
     started_at: str | None
     finished_at: str | None
     retired_at: str | None
+    owner_id: int | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> "Job":
@@ -63,9 +74,16 @@ class JobQueue:
     errors; nothing is half-written.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, owner_id: int | None = None, *, lease_s: float = 60.0) -> None:
+        """``owner_id``: the ``hosts.id`` this queue acts for; None registers this host with an
+        empty watch directory (:func:`tuner.fleet.register_owner`; tools and tests)."""
         self.store = store
         self.engine = store.engine
+        if owner_id is None:
+            from tuner.fleet import default_host_id, register_owner
+
+            owner_id = register_owner(store, default_host_id(), "", lease_s=lease_s).id
+        self.owner_id = owner_id
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -86,19 +104,22 @@ class JobQueue:
         rows = self._read(sa.select(J).where(J.c.id == job_id))
         return rows[0] if rows else None
 
-    def jobs(self, status: str | None = None) -> list[Job]:
-        """All jobs (or those in ``status``), oldest first."""
+    def jobs(self, status: str | None = None, *, all_owners: bool = False) -> list[Job]:
+        """This owner's jobs (every owner's with ``all_owners``), or those in ``status``, oldest first."""
         stmt = sa.select(J).order_by(J.c.id)
+        if not all_owners:
+            stmt = stmt.where(J.c.owner_id == self.owner_id)
         if status is not None:
             stmt = stmt.where(J.c.status == status)
         return self._read(stmt)
 
     def counts(self) -> dict[str, int]:
-        """Number of jobs per status (every status present, zero included)."""
+        """Number of this owner's jobs per status (every status present, zero included)."""
         out = dict.fromkeys(("pending", "running", "done", "failed", "cancelled"), 0)
         try:
             with self.store._reader.connect() as conn:
-                for status, n in conn.execute(sa.select(J.c.status, sa.func.count()).group_by(J.c.status)):
+                for status, n in conn.execute(sa.select(J.c.status, sa.func.count())
+                                              .where(J.c.owner_id == self.owner_id).group_by(J.c.status)):
                     out[status] = n
         except sa.exc.SQLAlchemyError as e:
             raise StoreError(f"query failed: {e.orig or e}", where=self.store.where) from e
@@ -106,14 +127,14 @@ class JobQueue:
 
     def current(self) -> dict[str, Job]:
         """Per path, the newest job whose file has not been retired: what the daemon last saw."""
-        newest = sa.select(sa.func.max(J.c.id)).where(J.c.retired_at.is_(None)).group_by(J.c.path)
+        newest = (sa.select(sa.func.max(J.c.id)).where(J.c.retired_at.is_(None), J.c.owner_id == self.owner_id)
+                  .group_by(J.c.path))
         return {j.path: j for j in self._read(sa.select(J).where(J.c.id.in_(newest)))}
 
     # -- enqueue ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _cancel_pending(conn: Connection, path: str, why: str, now: str) -> int:
-        res = conn.execute(J.update().where(J.c.path == path, J.c.status == "pending")
+    def _cancel_pending(self, conn: Connection, path: str, why: str, now: str) -> int:
+        res = conn.execute(J.update().where(J.c.path == path, J.c.status == "pending", J.c.owner_id == self.owner_id)
                            .values(status="cancelled", error=why, finished_at=now))
         return res.rowcount
 
@@ -124,7 +145,8 @@ class JobQueue:
             now = utc_text()
             self._cancel_pending(conn, path, "superseded by newer content before it ran", now)
             return conn.execute(J.insert().values(path=path, content_sha256=sha256, content=content, status="pending",
-                                                  attempts=0, created_at=now)).inserted_primary_key[0]
+                                                  attempts=0, created_at=now, owner_id=self.owner_id)
+                                ).inserted_primary_key[0]
         job_id = self._write(fn)
         return self.get(job_id)  # type: ignore[return-value]
 
@@ -136,7 +158,8 @@ class JobQueue:
             self._cancel_pending(conn, path, "superseded by newer content before it ran", now)
             return conn.execute(J.insert().values(
                 path=path, content_sha256=sha256, content=content, status="failed", attempts=0,
-                error_type=type(error).__name__, error=str(error), created_at=now, finished_at=now)
+                error_type=type(error).__name__, error=str(error), created_at=now, finished_at=now,
+                owner_id=self.owner_id)
             ).inserted_primary_key[0]
         job_id = self._write(fn)
         return self.get(job_id)  # type: ignore[return-value]
@@ -144,16 +167,29 @@ class JobQueue:
     # -- running ---------------------------------------------------------------------------------
 
     def claim_next(self) -> Job | None:
-        """Move the oldest pending job to ``running`` (attempts + 1) and return it; None if idle."""
-        def fn(conn: Connection) -> int | None:
-            job_id = conn.execute(sa.select(J.c.id).where(J.c.status == "pending").order_by(J.c.id).limit(1)).scalar()
+        """Move this owner's oldest pending job to ``running`` (attempts + 1) and return it; None if
+        idle. Exactly one claimer wins a job: the chosen row is locked ``FOR UPDATE SKIP LOCKED`` on
+        PostgreSQL (a concurrent claimer takes the next row instead of waiting), and the update
+        only applies while the row is still ``pending`` — its row count says who won; a lost race
+        tries the next job."""
+        def fn(conn: Connection) -> int | None | bool:
+            stmt = (sa.select(J.c.id).where(J.c.status == "pending", J.c.owner_id == self.owner_id)
+                    .order_by(J.c.id).limit(1))
+            if conn.dialect.name == "postgresql":
+                stmt = stmt.with_for_update(skip_locked=True)
+            job_id = conn.execute(stmt).scalar()
             if job_id is None:
                 return None
-            conn.execute(J.update().where(J.c.id == job_id, J.c.status == "pending").values(
+            res = conn.execute(J.update().where(J.c.id == job_id, J.c.status == "pending").values(
                 status="running", attempts=J.c.attempts + 1, started_at=utc_text(), worker_pid=None))
-            return job_id
-        job_id = self._write(fn)
-        return None if job_id is None else self.get(job_id)
+            return job_id if res.rowcount == 1 else False
+        for _ in range(CLAIM_TRIES):
+            job_id = self._write(fn)
+            if job_id is None:
+                return None
+            if job_id is not False:
+                return self.get(job_id)
+        return None
 
     def set_worker_pid(self, job_id: int, pid: int) -> None:
         """Remember the worker process (group leader) of a running job, for orphan clean-up."""
@@ -168,13 +204,17 @@ class JobQueue:
             JobNotRunning: the job is not running any more (rolls the results back: no duplicates).
         """
         now = utc_text()
-        job = conn.execute(sa.select(J.c.path, J.c.retired_at).where(J.c.id == job_id, J.c.status == "running")).first()
+        job = conn.execute(sa.select(J.c.path, J.c.retired_at, J.c.owner_id).where(
+            J.c.id == job_id, J.c.status == "running")).first()
         if job is None:
             raise JobNotRunning(f"job {job_id} is not running; its results are discarded", where=self.store.where)
-        conn.execute(J.update().where(J.c.id == job_id).values(
+        res = conn.execute(J.update().where(J.c.id == job_id, J.c.status == "running").values(
             status="done", drop_id=drop_id, finished_at=now, error=None, error_type=None))
-        conn.execute(D.update().where(D.c.path == job.path, D.c.id < drop_id, D.c.retired_at.is_(None))
-                     .values(retired_at=now))
+        if res.rowcount != 1:  # finished elsewhere between the read and the update
+            raise JobNotRunning(f"job {job_id} is not running; its results are discarded", where=self.store.where)
+        conn.execute(D.update().where(D.c.id == drop_id).values(owner_id=job.owner_id))
+        conn.execute(D.update().where(D.c.path == job.path, D.c.id < drop_id, D.c.retired_at.is_(None),
+                                      D.c.owner_id == job.owner_id).values(retired_at=now))
         if job.retired_at is not None:
             conn.execute(D.update().where(D.c.id == drop_id).values(retired_at=now))
 
@@ -190,7 +230,8 @@ class JobQueue:
         attempt is not counted."""
         def fn(conn: Connection) -> None:
             newer = conn.execute(sa.select(J.c.id).where(J.c.path == sa.select(J.c.path).where(J.c.id == job_id)
-                                                        .scalar_subquery(), J.c.status == "pending")).first()
+                                                        .scalar_subquery(), J.c.status == "pending",
+                                                        J.c.owner_id == self.owner_id)).first()
             if newer is not None:  # a newer version is already queued: this one is obsolete
                 conn.execute(J.update().where(J.c.id == job_id, J.c.status == "running").values(
                     status="cancelled", error="superseded by newer content", finished_at=utc_text()))
@@ -200,28 +241,53 @@ class JobQueue:
                 worker_pid=None))
         self._write(fn)
 
-    def recover(self, max_attempts: int) -> tuple[list[Job], list[Job]]:
-        """At start: jobs left ``running`` by a crash go back to ``pending``, or become ``failed``
-        once they have been started ``max_attempts`` times (a drop that kills the daemon cannot
-        loop forever). Returns (requeued, failed) as they were before the change (``worker_pid``
-        tells the caller which orphaned worker group to kill)."""
-        stale = self.jobs("running")
+    def adopt(self, watch_dir: str) -> int:
+        """Take ownership of the jobs and drops without an owner (stored before revision 0007)
+        whose path lies inside ``watch_dir``. Returns the number of jobs adopted."""
+        prefix = watch_dir.rstrip("/") + "/"
+
+        def inside(col: Any) -> Any:
+            return sa.func.substr(col, 1, len(prefix)) == prefix
+
+        def fn(conn: Connection) -> int:
+            n = conn.execute(J.update().where(J.c.owner_id.is_(None), inside(J.c.path))
+                             .values(owner_id=self.owner_id)).rowcount
+            conn.execute(D.update().where(D.c.owner_id.is_(None), inside(D.c.path)).values(owner_id=self.owner_id))
+            return n
+        return self._write(fn)
+
+    def _expired_owner_ids(self, now: str) -> list[int]:
+        rows = self.store._rows(sa.select(H.c.id).where(H.c.lease_expires_at < now, H.c.id != self.owner_id))
+        return [r["id"] for r in rows]
+
+    def recover(self, max_attempts: int, *, now: str | None = None) -> tuple[list[Job], list[Job]]:
+        """Jobs left ``running`` by a crash — this owner's, and those of owners whose lease expired
+        before ``now`` (default: the current time), never a live owner's — go back to ``pending``
+        (still owned by their owner, whose successor runs them), or become ``failed`` once they
+        have been started ``max_attempts`` times (a drop that kills the daemon cannot loop
+        forever). Returns (requeued, failed) as they were before the change; ``worker_pid`` of
+        this owner's jobs tells the caller which orphaned worker group to kill."""
+        now = now or utc_text()
+        owners = [self.owner_id, *self._expired_owner_ids(now)]
+        stale = self._read(sa.select(J).where(J.c.status == "running", J.c.owner_id.in_(owners)).order_by(J.c.id))
         requeued, failed = [], []
 
         def fn(conn: Connection) -> None:
             now = utc_text()
             for j in stale:
-                newer = conn.execute(sa.select(J.c.id).where(J.c.path == j.path, J.c.status == "pending")).first()
+                newer = conn.execute(sa.select(J.c.id).where(J.c.path == j.path, J.c.status == "pending",
+                                                             J.c.owner_id == j.owner_id)).first()
                 if j.attempts >= max_attempts:
-                    conn.execute(J.update().where(J.c.id == j.id).values(
+                    conn.execute(J.update().where(J.c.id == j.id, J.c.status == "running").values(
                         status="failed", error_type="WorkerError", finished_at=now,
                         error=f"interrupted {j.attempts} times (daemon crashed or was killed during the job); gave up"))
                     failed.append(j)
                 elif newer is not None:
-                    conn.execute(J.update().where(J.c.id == j.id).values(
+                    conn.execute(J.update().where(J.c.id == j.id, J.c.status == "running").values(
                         status="cancelled", error="superseded by newer content", finished_at=now))
                 else:
-                    conn.execute(J.update().where(J.c.id == j.id).values(status="pending", worker_pid=None))
+                    conn.execute(J.update().where(J.c.id == j.id, J.c.status == "running")
+                                 .values(status="pending", worker_pid=None))
                     requeued.append(j)
         if stale:
             self._write(fn)
@@ -235,24 +301,27 @@ class JobQueue:
         def fn(conn: Connection) -> list[str]:
             now = utc_text()
             self._cancel_pending(conn, path, "drop file deleted before it ran", now)
-            conn.execute(J.update().where(J.c.path == path, J.c.retired_at.is_(None)).values(retired_at=now))
-            names = [r[0] for r in conn.execute(sa.select(D.c.name).where(D.c.path == path, D.c.retired_at.is_(None)))]
-            conn.execute(D.update().where(D.c.path == path, D.c.retired_at.is_(None)).values(retired_at=now))
+            mine_j, mine_d = J.c.owner_id == self.owner_id, D.c.owner_id == self.owner_id
+            conn.execute(J.update().where(J.c.path == path, J.c.retired_at.is_(None), mine_j).values(retired_at=now))
+            names = [r[0] for r in conn.execute(sa.select(D.c.name).where(D.c.path == path, D.c.retired_at.is_(None),
+                                                                          mine_d))]
+            conn.execute(D.update().where(D.c.path == path, D.c.retired_at.is_(None), mine_d).values(retired_at=now))
             return names
         return self._write(fn)
 
     def drop_names_for_path(self, path: str) -> list[str]:
-        """Names of every drop row ever stored for the file at ``path``."""
-        rows = self.store._rows(sa.select(D.c.name).where(D.c.path == path).distinct())
+        """Names of every drop row this owner ever stored for the file at ``path``."""
+        rows = self.store._rows(sa.select(D.c.name).where(D.c.path == path, D.c.owner_id == self.owner_id).distinct())
         return [r["name"] for r in rows]
 
     def active_drop_ids(self, names: Iterable[str]) -> dict[str, int]:
-        """For each drop name, the newest drop row that is not retired (names without one are absent)."""
+        """For each drop name, this owner's newest drop row that is not retired (names without one
+        are absent)."""
         names = list(names)
         if not names:
             return {}
-        stmt = (sa.select(D.c.name, sa.func.max(D.c.id)).where(D.c.name.in_(names), D.c.retired_at.is_(None))
-                .group_by(D.c.name))
+        stmt = (sa.select(D.c.name, sa.func.max(D.c.id)).where(D.c.name.in_(names), D.c.retired_at.is_(None),
+                                                               D.c.owner_id == self.owner_id).group_by(D.c.name))
         try:
             with self.store._reader.connect() as conn:
                 return {n: i for n, i in conn.execute(stmt)}

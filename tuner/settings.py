@@ -45,6 +45,14 @@ def _opt_path(v: Any) -> str | None:
     return None if v is None else _path(v)
 
 
+def _opt_name(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip() or len(v) > 253 or any(c.isspace() or not c.isprintable() for c in v):
+        raise _Bad(f"must be a host name (printable, no spaces, at most 253 characters), not {v!r}")
+    return v
+
+
 def _number(lo: float, hi: float) -> Callable[[Any], float]:
     def check(v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -100,7 +108,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Writable state: the database (by default), `proposals/NAME.yaml` and the read-only snapshot.",
             _path),
     Setting("database_url", None,
-            "SQLAlchemy URL or SQLite file path of the results store; null = `STATE_DIR/ctx-tuner.sqlite`.",
+            "SQLAlchemy URL or SQLite file path of the results store; null = `STATE_DIR/ctx-tuner.sqlite`. "
+            "Overridden by `$CTX_TUNER_DATABASE_URL`, then by the systemd credential `database_url`; a "
+            "`database_password` credential fills in the password of a URL without one (see Fleet).",
             _opt_path),
     Setting("snapshot_path", None,
             "Read-only SQLite copy for readers that cannot write the state directory (rewritten atomically "
@@ -126,6 +136,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("worker_python", None,
             "Python interpreter that runs worker subprocesses (`-m tuner.worker_main`, needs torch); "
             "null = the daemon's own interpreter.", _opt_path),
+    Setting("host_id", None,
+            "This daemon's name in a fleet (`hosts.host_id`; with `watch_dir` it owns jobs and drops); "
+            "null = the host name.", _opt_name),
+    Setting("lease_s", 60.0,
+            "Seconds a daemon's lease on its jobs lasts without a heartbeat (renewed every third of it); "
+            "after that another daemon may return its running jobs to the queue for its successor.",
+            _number(3, 86400)),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -147,6 +164,8 @@ class Settings:
     allow_trust_remote_code: bool = False
     default_method: str = "simulate"
     worker_python: str | None = None
+    host_id: str | None = None
+    lease_s: float = 60.0
     #: the file these settings came from (None = defaults).
     source: str | None = None
 
@@ -154,6 +173,13 @@ class Settings:
     def db_url(self) -> str:
         """The store URL: ``database_url`` or the SQLite file ``STATE_DIR/ctx-tuner.sqlite``."""
         return self.database_url or str(Path(self.state_dir) / "ctx-tuner.sqlite")
+
+    @property
+    def host(self) -> str:
+        """``host_id`` or the host name."""
+        from tuner.fleet import default_host_id
+
+        return self.host_id or default_host_id()
 
     @property
     def snapshot_file(self) -> Path:
@@ -204,13 +230,72 @@ def settings_from_mapping(data: Any, *, source: str | None = None, base_dir: str
     return replace(Settings(), source=source, **values)
 
 
-def load_settings(path: str | os.PathLike | None) -> Settings:
-    """Read and validate a settings file; ``None`` gives the defaults.
+#: Environment variable that sets the store URL (wins over ``database_url`` in the file).
+DATABASE_URL_ENV = "CTX_TUNER_DATABASE_URL"
+#: systemd credentials read from ``$CREDENTIALS_DIRECTORY`` (``LoadCredential=NAME:FILE``).
+URL_CREDENTIAL, PASSWORD_CREDENTIAL = "database_url", "database_password"
+
+
+def _read_credential(directory: str, name: str) -> str | None:
+    path = Path(directory) / name
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"cannot read credential: {getattr(exc, 'strerror', None) or exc}", path=str(path)) from None
+    if not text:
+        raise SettingsError("credential is empty", path=str(path))
+    return text
+
+
+def apply_environment(settings: Settings, environ: dict[str, str] | os._Environ | None = None) -> Settings:
+    """The store URL from outside the settings file, so no secret needs to be in ``tuner.yaml``:
+    ``$CTX_TUNER_DATABASE_URL``, else the systemd credential ``database_url``
+    (``$CREDENTIALS_DIRECTORY/database_url``), else ``database_url`` from the file; then a
+    ``database_password`` credential is put into a server URL that has no password.
+
+    Raises:
+        SettingsError: a credential file that cannot be read or is empty, or a bad URL (naming the
+            variable or file).
+    """
+    env = os.environ if environ is None else environ
+    url, source = settings.database_url, "database_url"
+    creds = env.get("CREDENTIALS_DIRECTORY") or ""
+    if creds:
+        cred = _read_credential(creds, URL_CREDENTIAL)
+        if cred is not None:
+            url, source = cred, str(Path(creds) / URL_CREDENTIAL)
+    if env.get(DATABASE_URL_ENV):
+        url, source = env[DATABASE_URL_ENV].strip(), f"${DATABASE_URL_ENV}"
+    if url and "://" in url and creds:
+        password = _read_credential(creds, PASSWORD_CREDENTIAL)
+        if password is not None:
+            from sqlalchemy.engine import make_url
+
+            try:
+                u = make_url(url)
+            except Exception as exc:
+                raise SettingsError(f"not a SQLAlchemy URL: {exc}", path=source) from None
+            if u.password is None:
+                url = u.set(password=password).render_as_string(hide_password=False)
+    if url == settings.database_url:
+        return settings
+    return replace(settings, database_url=url)
+
+
+def load_settings(path: str | os.PathLike | None, environ: dict[str, str] | None = None) -> Settings:
+    """Read and validate a settings file; ``None`` gives the defaults. The store URL may then come
+    from the environment or a systemd credential (:func:`apply_environment`).
 
     Raises:
         SettingsError: the file cannot be read, exceeds 64 KiB, is not YAML, or holds a bad key or
-            value (the error names the file and the key).
+            value (the error names the file and the key); a bad credential.
     """
+    return apply_environment(_load_file(path), environ)
+
+
+def _load_file(path: str | os.PathLike | None) -> Settings:
     if path is None:
         return Settings()
     p = str(path)

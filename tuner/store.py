@@ -80,6 +80,23 @@ def _bytes(name: str, nullable: bool = True) -> sa.Column:
     return sa.Column(name, sa.BigInteger, nullable=nullable)
 
 
+#: Revision 0007 (fleet): one row per daemon identity (host id + watch directory) with its lease.
+#: ``gpus`` is JSON text (a list of ``{name, total_memory_bytes}``); times are UTC text.
+hosts_table = sa.Table(
+    "hosts",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("host_id", sa.Text, nullable=False),
+    sa.Column("watch_dir", sa.Text, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=True),
+    sa.Column("tool_version", sa.Text, nullable=True),
+    sa.Column("gpus", sa.Text, nullable=True),
+    sa.Column("started_at", _TS, nullable=False),
+    sa.Column("last_seen_at", _TS, nullable=False),
+    sa.Column("lease_expires_at", _TS, nullable=False),
+    sa.UniqueConstraint("host_id", "watch_dir", name="uq_hosts_host_id"),
+)
+
 drops_table = sa.Table(
     "drops",
     metadata,
@@ -94,6 +111,11 @@ drops_table = sa.Table(
     sa.Column("method", sa.Text, nullable=False),
     sa.Column("created_at", _TS, nullable=False),
     sa.Column("retired_at", _TS, nullable=True),
+    # revision 0007 (fleet): the daemon that owns the drop (null: `profile` / `import-log`), the
+    # shared result key (tuner.fleet.result_key) and the drop whose stored result answered it.
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("hosts.id"), nullable=True, index=True),
+    sa.Column("result_sha256", sa.String(64), nullable=True, index=True),
+    sa.Column("answered_from_drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=True),
 )
 
 profile_runs_table = sa.Table(
@@ -204,8 +226,10 @@ jobs_table = sa.Table(
     sa.Column("started_at", _TS, nullable=True),
     sa.Column("finished_at", _TS, nullable=True),
     sa.Column("retired_at", _TS, nullable=True),
+    # revision 0007: the daemon (hosts.id) whose watch directory holds the file; only it claims the job.
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("hosts.id"), nullable=True, index=True),
     sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed', 'cancelled')", name="status"),
-    sa.Index("uq_jobs_pending_path", "path", unique=True,
+    sa.Index("uq_jobs_pending_path", "owner_id", "path", unique=True,
              sqlite_where=sa.text("status = 'pending'"), postgresql_where=sa.text("status = 'pending'")),
 )
 
@@ -297,15 +321,23 @@ def make_engine(
     """Create an engine; for SQLite install the WAL/busy/BEGIN IMMEDIATE connection set-up.
 
     ``readonly`` opens a SQLite file through a ``file:...?mode=ro`` URI (the file must exist;
-    ``journal_mode`` is then left as the file has it). ``foreign_keys=False`` is for migrations
+    ``journal_mode`` is then left as the file has it); on PostgreSQL it opens read-only sessions
+    (``SET SESSION CHARACTERISTICS … READ ONLY`` through psycopg). Server engines use
+    ``pool_pre_ping`` so a restarted server is reconnected. ``foreign_keys=False`` is for migrations
     (SQLite batch mode copies tables). ``busy_timeout_s`` is seconds. Writes on a read-only engine
     fail in SQLite itself ("attempt to write a readonly database").
     """
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
-        if readonly:
-            raise StoreError("read-only open is supported for SQLite only", where=_show(u))
-        return sa.create_engine(u)
+        # A server database: check each pooled connection before use (a restarted server is
+        # reconnected instead of failing the next query), give up connecting after 10 s by
+        # default, and open read-only sessions for readers.
+        kw: dict[str, Any] = {"pool_pre_ping": True}
+        if u.get_backend_name() == "postgresql" and "connect_timeout" not in u.query:
+            kw["connect_args"] = {"connect_timeout": 10}
+        if readonly and u.get_backend_name() == "postgresql":
+            kw["execution_options"] = {"postgresql_readonly": True}
+        return sa.create_engine(u, **kw)
     if readonly:
         if not _is_file_sqlite(u):
             raise StoreError("read-only open needs a SQLite file", where=_show(u))
@@ -417,8 +449,10 @@ def open_store(
 
     ``url=None`` means the SQLite file ``default_path`` (parent directories are created).
     Unless ``readonly``, runs Alembic ``upgrade head`` in one transaction (SQLite: batch mode,
-    foreign keys off while migrating). ``readonly=True`` opens an existing SQLite file with
-    ``mode=ro`` and does not migrate; it fails if the file is missing or was never migrated.
+    foreign keys off while migrating; PostgreSQL: under an advisory lock, so concurrent starts
+    never race). ``readonly=True`` opens an existing SQLite file with ``mode=ro`` (a server
+    database with read-only sessions) and does not migrate; it fails if the file is missing or
+    was never migrated.
     ``busy_timeout_s`` is how long (seconds) SQLite waits for another writer's lock.
 
     Raises ``StoreError(msg, where=url)`` if the database cannot be opened or migrated.
@@ -468,10 +502,18 @@ def _upgrade(u: URL, busy_timeout_s: float) -> None:
     mig = make_engine(u, foreign_keys=False, busy_timeout_s=busy_timeout_s)
     try:
         with mig.begin() as conn:  # one transaction: every step plus alembic_version
+            if conn.dialect.name == "postgresql":
+                # Several daemons starting at once on one server: one migrates, the others wait
+                # here and then find the schema at head (SQLite serialises on BEGIN IMMEDIATE).
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
             command.upgrade(alembic_config(u, connection=conn), "head")
     finally:
         mig.dispose()
 
+
+#: PostgreSQL advisory lock key held (for the transaction) around Alembic's upgrade: the bytes
+#: "ctx-tune" as a signed 64-bit integer.
+MIGRATION_LOCK_KEY = int.from_bytes(b"ctx-tune", "big", signed=True)
 
 _EXTRA = {"profile_runs": "key", "candidates": "run_key"}
 _SET_BY_STORE = {"id", "drop_id", "profile_run_id", "created_at"}
