@@ -134,7 +134,11 @@ def test_atomic_saves_editor_files_subdirs_and_deletion(h, tmp_path):
     # recreated with the old content: it is a drop again
     (h.conf / "a.yaml").write_text(drop_text("a", h.model, gmu=(0.75,)))
     h.until(d, lambda: proposal.exists(), what="drop recreated")
-    assert len(worker_calls(tmp_path)) == 4
+    # b has a's settings (only the name differs) and the recreated a the 0.75 version's: both are
+    # answered from the stored results (tuner.fleet.result_key), so only two workers ran
+    assert len(worker_calls(tmp_path)) == 2
+    shared = h.rows("SELECT d.name, s.content FROM drops d JOIN drops s ON s.id = d.answered_from_drop_id ORDER BY d.id")
+    assert [(n, "0.75" in c) for n, c in shared] == [("b", False), ("a", True)]
 
 
 def _shell_fake(tmp_path: Path, model: Path) -> Path:
@@ -166,8 +170,8 @@ def test_200_drops_written_at_once_are_each_profiled_exactly_once(tmp_path, tiny
     h = Harness(base, tiny_config)
     h.settings = h.settings.__class__(**{**h.settings.__dict__, "worker_python": str(_shell_fake(base, tiny_config))})
     d = h.start()
-    for i in range(200):
-        (h.conf / f"d{i:03d}.yaml").write_text(drop_text(f"d{i:03d}", h.model))
+    for i in range(200):  # distinct settings: none is answered from another's stored result
+        (h.conf / f"d{i:03d}.yaml").write_text(drop_text(f"d{i:03d}", h.model, max_num_seqs=i + 1))
     h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'done'") == [(200,)], timeout_s=60,
             what="200 jobs done")
     names = worker_calls(base)

@@ -439,11 +439,11 @@ class Daemon:
         s = self.settings
         self._next_beat = self.clock() + s.lease_s / 3
         fleet.renew_lease(self.store, self.owner.id, lease_s=s.lease_s, wall_clock=self.wall_clock)
-        requeued, failed = self.queue.recover(s.max_attempts, now=fleet.lease_cutoff(self.wall_clock()))
-        for job in requeued + failed:  # only other owners' jobs can be running here without us
-            if job.owner_id != self.owner.id:
-                log.warning("job %d (%s) of host id %d was running when its lease expired: %s", job.id, job.path,
-                            job.owner_id, "queued again for its successor" if job in requeued else "failed")
+        requeued, failed = self.queue.recover(s.max_attempts, now=fleet.lease_cutoff(self.wall_clock()),
+                                              include_own=False)
+        for job in requeued + failed:
+            log.warning("job %d (%s) of host id %d was running when its lease expired: %s", job.id, job.path,
+                        job.owner_id, "queued again for its successor" if job in requeued else "failed")
 
     def reconcile(self) -> None:
         """Scan ``watch_dir`` and bring the jobs table in line with it by content hash.
@@ -708,6 +708,7 @@ class Daemon:
                                    content=outcome.content)
             drop_row = rows_for_store(shell, started_at=started)[0]
             runs, cands, props = fleet.shared_rows(self.store, outcome.source_drop_id)
+            runs = [{**r, "model": outcome.drop.model} for r in runs]  # this drop's model spelling
             outcome.result = {"proposals": props}
             return ({**drop_row, "result_sha256": outcome.result_sha256,
                      "answered_from_drop_id": outcome.source_drop_id}, runs, cands, props)

@@ -260,15 +260,19 @@ class JobQueue:
         rows = self.store._rows(sa.select(H.c.id).where(H.c.lease_expires_at < now, H.c.id != self.owner_id))
         return [r["id"] for r in rows]
 
-    def recover(self, max_attempts: int, *, now: str | None = None) -> tuple[list[Job], list[Job]]:
-        """Jobs left ``running`` by a crash — this owner's, and those of owners whose lease expired
-        before ``now`` (default: the current time), never a live owner's — go back to ``pending``
+    def recover(self, max_attempts: int, *, now: str | None = None,
+                include_own: bool = True) -> tuple[list[Job], list[Job]]:
+        """Jobs left ``running`` by a crash — this owner's (unless ``include_own`` is false: the
+        periodic check of a running daemon), and those of owners whose lease expired before
+        ``now`` (default: the current time), never a live owner's — go back to ``pending``
         (still owned by their owner, whose successor runs them), or become ``failed`` once they
         have been started ``max_attempts`` times (a drop that kills the daemon cannot loop
         forever). Returns (requeued, failed) as they were before the change; ``worker_pid`` of
         this owner's jobs tells the caller which orphaned worker group to kill."""
         now = now or utc_text()
-        owners = [self.owner_id, *self._expired_owner_ids(now)]
+        owners = ([self.owner_id] if include_own else []) + self._expired_owner_ids(now)
+        if not owners:
+            return [], []
         stale = self._read(sa.select(J).where(J.c.status == "running", J.c.owner_id.in_(owners)).order_by(J.c.id))
         requeued, failed = [], []
 
