@@ -71,7 +71,7 @@ def make_pg_database(prefix: str = "t") -> tuple[str, object]:
 
     base = make_url(_pg_base())
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{name}"')
     url = base.set(database=name).render_as_string(hide_password=False)

@@ -117,3 +117,69 @@ def test_daemon_json_log_lines():
     doc = json.loads(stream.getvalue())
     assert doc["level"] == "WARNING" and doc["logger"] == "tuner.test.jsonlog"
     assert doc["message"] == "drop a.yaml: job 3 failed" and doc["time"].endswith("+00:00")
+
+
+# -- the store URL from the environment and systemd credentials (fleet) --------------------------------
+
+
+def _file(tmp_path, text: str):
+    p = tmp_path / "tuner.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_database_url_from_the_environment_wins_over_the_file(tmp_path):
+    p = _file(tmp_path, "database_url: sqlite:///from-file.sqlite\n")
+    assert load_settings(p, environ={}).database_url == "sqlite:///from-file.sqlite"
+    env = {"CTX_TUNER_DATABASE_URL": "postgresql+psycopg://tuner:pw@db.example:5432/tuner"}
+    assert load_settings(p, environ=env).database_url == env["CTX_TUNER_DATABASE_URL"]
+    assert load_settings(None, environ=env).db_url == env["CTX_TUNER_DATABASE_URL"]
+
+
+def test_database_url_from_a_systemd_credential(tmp_path):
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "database_url").write_text("postgresql+psycopg://tuner:s3cret@db.example/tuner\n")
+    p = _file(tmp_path, "watch_dir: conf.d\n")
+    s = load_settings(p, environ={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert s.database_url == "postgresql+psycopg://tuner:s3cret@db.example/tuner"
+    # the environment variable still wins over the credential
+    s = load_settings(p, environ={"CREDENTIALS_DIRECTORY": str(creds), "CTX_TUNER_DATABASE_URL": "sqlite:///x.sqlite"})
+    assert s.database_url == "sqlite:///x.sqlite"
+
+
+def test_password_credential_completes_a_url_without_a_secret_in_the_file(tmp_path):
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "database_password").write_text("p@ss/word\n")
+    p = _file(tmp_path, "database_url: postgresql+psycopg://tuner@db.example:5432/tuner\n")
+    s = load_settings(p, environ={"CREDENTIALS_DIRECTORY": str(creds)})
+    from sqlalchemy.engine import make_url
+
+    u = make_url(s.database_url)
+    assert (u.username, u.password, u.host, u.port, u.database) == ("tuner", "p@ss/word", "db.example", 5432, "tuner")
+    assert "p@ss/word" not in p.read_text()
+    # a URL that already has a password keeps it; a SQLite path is left alone
+    p2 = _file(tmp_path, "database_url: postgresql+psycopg://tuner:own@db.example/tuner\n")
+    assert make_url(load_settings(p2, environ={"CREDENTIALS_DIRECTORY": str(creds)}).database_url).password == "own"
+    p3 = _file(tmp_path, "database_url: state.sqlite\n")
+    assert load_settings(p3, environ={"CREDENTIALS_DIRECTORY": str(creds)}).database_url == str(tmp_path / "state.sqlite")
+
+
+def test_empty_credential_is_a_settings_error_naming_the_file(tmp_path):
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "database_url").write_text("\n")
+    with pytest.raises(SettingsError, match="credential is empty") as ei:
+        load_settings(None, environ={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert str(creds / "database_url") in str(ei.value)
+
+
+@pytest.mark.parametrize("bad", ["two words", "", "x" * 300, 7])
+def test_bad_host_id_names_the_key(tmp_path, bad):
+    import yaml
+
+    p = _file(tmp_path, yaml.safe_dump({"host_id": bad}))
+    with pytest.raises(SettingsError, match="host name") as ei:
+        load_settings(p, environ={})
+    assert ei.value.field == "host_id"

@@ -753,10 +753,10 @@ class Daemon:
 
     def _snapshot(self, *, force: bool = False) -> None:
         db = self.store.engine.url
-        if db.get_backend_name() != "sqlite" or not db.database:
-            return
         self._last_snapshot = self.clock()
         self._snapshot_dirty = False
+        if db.get_backend_name() != "sqlite" or not db.database:
+            return  # a server database has no snapshot (and must not leave a past deadline armed)
         write_snapshot(db.database, self.settings.snapshot_file)
 
     def _status_text(self) -> str:
