@@ -98,3 +98,13 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'state' / 'tuner.sqlite'}"
     return request.getfixturevalue("pg_url")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that runs on PostgreSQL (``pg_url``, or ``db_url[postgresql]``) with
+    ``postgresql``: CI's PostgreSQL tier selects them with ``-m postgresql``."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = getattr(item, "fixturenames", ())
+        if params.get("db_url") == "postgresql" or ("pg_url" in names and "db_url" not in params):
+            item.add_marker(pytest.mark.postgresql)

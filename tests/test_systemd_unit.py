@@ -53,3 +53,42 @@ def test_systemd_analyze_verify_prints_nothing_and_security_scores(tmp_path):
     line = next(x for x in sec.stdout.splitlines() if "Overall exposure level" in x)
     score = float(line.split(":")[1].split()[0])
     assert score <= 2.0, line  # "SAFE" is below 2
+
+
+DROPIN = REPO / "configs" / "ctx-tuner.service.d" / "network-db.conf"
+
+
+def _dropin_directives() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in DROPIN.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def test_network_db_dropin_opens_only_the_database_and_loads_the_url_as_a_credential():
+    d = _dropin_directives()
+    assert d["PrivateNetwork"] == ["no"]
+    assert set(d["RestrictAddressFamilies"][0].split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    assert len(d["IPAddressAllow"]) == 1 and d["IPAddressAllow"][0] not in ("any", "")
+    assert "IPAddressDeny" not in d  # the unit's IPAddressDeny=any stays in force
+    assert d["LoadCredential"] == ["database_url:/etc/ctx-tuner/credentials/database_url"]
+    # nothing else of the unit's hardening is relaxed
+    assert set(d) == {"Wants", "After", "PrivateNetwork", "RestrictAddressFamilies", "IPAddressAllow", "LoadCredential"}
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_with_the_network_db_dropin_verifies_and_stays_hardened(tmp_path):
+    unit = tmp_path / "ctx-tuner.service"
+    unit.write_text(UNIT.read_text().replace("ExecStart=/usr/local/bin/ctx-tuner ",
+                                             f"ExecStart={shutil.which('sh')} "))
+    (tmp_path / "ctx-tuner.service.d").mkdir()
+    (tmp_path / "ctx-tuner.service.d" / "network-db.conf").write_text(DROPIN.read_text())
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
+    sec = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True,
+                         text=True, timeout=60)
+    assert "Service has access to the host's network" in sec.stdout  # the drop-in was applied
+    line = next(x for x in sec.stdout.splitlines() if "Overall exposure level" in x)
+    assert float(line.split(":")[1].split()[0]) <= 2.0, line

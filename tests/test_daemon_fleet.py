@@ -1,0 +1,171 @@
+"""The daemon as a fleet member, in-process, on each backend (``db_url``: a SQLite file and a
+PostgreSQL database; the latter skipped without CTX_TUNER_TEST_DATABASE_URL): ownership and the
+hosts row, look-ups through read-only stores, shared results across hosts, no foreign retirement,
+and a database outage that the daemon rides out."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from tests._daemon_helpers import drop_text, poll, settings_for
+from tuner.daemon import DB_RETRY_S, Daemon
+from tuner.notify import Notifier
+
+
+class Fleet:
+    def __init__(self, tmp_path: Path, db_url: str, model: Path) -> None:
+        self.tmp, self.url, self.model = tmp_path, db_url, model
+        self.daemons: list[Daemon] = []
+        self.eng = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+
+    def start(self, tag: str, **over) -> Daemon:
+        base = self.tmp / tag
+        base.mkdir(exist_ok=True)
+        s = settings_for(base, database_url=self.url, host_id=f"host-{tag}", **over)
+        d = Daemon(s, notifier=Notifier({}))
+        self.daemons.append(d)
+        d.start()
+        return d
+
+    def rows(self, sql: str, **params) -> list[tuple]:
+        with self.eng.connect() as c:
+            return [tuple(r) for r in c.execute(sa.text(sql), params)]
+
+    def until(self, d: Daemon, predicate, timeout_s: float = 20.0, what: str = "condition"):
+        return poll(predicate, timeout_s, step=lambda: d.step(max_wait_s=0.05), what=what)
+
+    def close(self) -> None:
+        for d in self.daemons:
+            d.shutdown()
+        self.eng.dispose()
+
+
+@pytest.fixture
+def fleet(tmp_path, db_url, tiny_config, monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
+    f = Fleet(tmp_path, db_url, tiny_config)
+    yield f
+    f.close()
+
+
+def _worker_calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "worker.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_drop_is_owned_by_its_daemon_whose_host_row_shows_in_sql(fleet, caplog):
+    caplog.set_level(logging.WARNING, logger="tuner.daemon")
+    d = fleet.start("a")
+    conf = Path(d.settings.watch_dir)
+    (conf / "x.yaml").write_text(drop_text("x", fleet.model))
+    fleet.until(d, lambda: fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'"), what="job done")
+    [(host_id, watch_dir, pid, version, gpus, seen, lease)] = fleet.rows(
+        "SELECT host_id, watch_dir, pid, tool_version, gpus, last_seen_at, lease_expires_at FROM hosts")
+    assert (host_id, watch_dir, version, gpus) == ("host-a", str(conf), "0.1.0", "[]") and pid > 0
+    assert lease > seen  # lease_expires_at = last_seen_at + lease_s (UTC text orders as time)
+    assert fleet.rows("SELECT owner_id FROM jobs") == [(d.owner.id,)]
+    assert fleet.rows("SELECT owner_id, result_sha256 IS NOT NULL FROM drops") == [(d.owner.id, True)]
+    # regression: on PostgreSQL the read-only look-ups (calibration, shared results) were skipped
+    assert not [r for r in caplog.records if "skipped" in r.getMessage()]
+    # regression: on PostgreSQL an armed snapshot deadline in the past made the loop spin
+    assert d._timeout() > 1.0
+
+
+def test_a_drop_computed_on_one_host_is_answered_on_another_without_a_worker(fleet, tmp_path):
+    a, b = fleet.start("a"), fleet.start("b")
+    (Path(a.settings.watch_dir) / "x.yaml").write_text(drop_text("x", fleet.model, gmu=(0.5, 0.9)))
+    fleet.until(a, lambda: fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'"), what="a done")
+    assert len(_worker_calls(tmp_path)) == 1
+    # the same settings under another name and file on host b
+    (Path(b.settings.watch_dir) / "y.yaml").write_text(drop_text("y", fleet.model, gmu=(0.5, 0.9)))
+    fleet.until(b, lambda: len(fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'")) == 2, what="b done")
+    assert len(_worker_calls(tmp_path)) == 1  # no second worker
+    [(src, key_a, key_b)] = fleet.rows(
+        "SELECT y.answered_from_drop_id, x.result_sha256, y.result_sha256 FROM drops y JOIN drops x ON x.name = 'x' "
+        "WHERE y.name = 'y'")
+    assert key_a == key_b and src == fleet.rows("SELECT id FROM drops WHERE name = 'x'")[0][0]
+    px = fleet.rows("SELECT gpu_memory_utilization, max_model_len, num_gpu_blocks FROM latest_proposals "
+                    "WHERE drop_name = 'x' ORDER BY 1")
+    py = fleet.rows("SELECT gpu_memory_utilization, max_model_len, num_gpu_blocks FROM latest_proposals "
+                    "WHERE drop_name = 'y' ORDER BY 1")
+    assert px == py and len(px) == 2
+    assert (Path(b.settings.state_dir) / "proposals" / "y.yaml").is_file()
+    assert fleet.rows("SELECT host_id, drop_name, from_shared_result FROM fleet_latest_proposals "
+                      "WHERE gpu_memory_utilization = 0.5 ORDER BY host_id") == [("host-a", "x", 0), ("host-b", "y", 1)]
+    [(device, hosts, drops, lo, hi)] = fleet.rows(
+        "SELECT device_name, hosts, drops, min_max_model_len, max_max_model_len FROM fleet_by_device "
+        "WHERE gpu_memory_utilization = 0.9")
+    assert (device, hosts, drops, lo) == ("H100-80GB", 2, 2, hi)
+    # other settings: a worker runs
+    (Path(b.settings.watch_dir) / "z.yaml").write_text(drop_text("z", fleet.model, gmu=(0.6,)))
+    fleet.until(b, lambda: len(fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'")) == 3, what="z done")
+    assert len(_worker_calls(tmp_path)) == 2
+
+
+def test_same_file_name_on_two_hosts_each_keeps_its_own_drop_and_deletion_retires_only_its_own(fleet):
+    a, b = fleet.start("a"), fleet.start("b")
+    for d, gmu in ((a, 0.5), (b, 0.6)):
+        (Path(d.settings.watch_dir) / "x.yaml").write_text(drop_text("x", fleet.model, gmu=(gmu,)))
+    poll(lambda: len(fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'")) == 2, 20,
+         step=lambda: (a.step(max_wait_s=0.05), b.step(max_wait_s=0.05)), what="both done")
+    b.reconcile()
+    a.reconcile()
+    assert fleet.rows("SELECT count(*) FROM drops WHERE retired_at IS NULL") == [(2,)]
+    (Path(b.settings.watch_dir) / "x.yaml").unlink()
+    fleet.until(b, lambda: fleet.rows("SELECT count(*) FROM drops WHERE retired_at IS NULL") == [(1,)],
+                what="b's drop retired")
+    a.reconcile()
+    assert fleet.rows("SELECT d.owner_id, p.gpu_memory_utilization FROM drops d JOIN proposals p ON p.drop_id = d.id "
+                      "WHERE d.retired_at IS NULL") == [(a.owner.id, 0.5)]
+    assert "gpu_memory_utilization: 0.5" in (Path(a.settings.state_dir) / "proposals" / "x.yaml").read_text()
+    assert not (Path(b.settings.state_dir) / "proposals" / "x.yaml").exists()
+
+
+def test_database_down_daemon_keeps_watching_then_catches_up(fleet, caplog, tmp_path):
+    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    d = fleet.start("a")
+    conf = Path(d.settings.watch_dir)
+    good = (d.store.engine, d.store._reader, d.queue.engine)
+    dead_url = ("sqlite:///" + str(tmp_path / "no-such-dir" / "x.sqlite")
+                if good[0].dialect.name == "sqlite" else "postgresql+psycopg://tuner@127.0.0.1:9/none")
+    dead = sa.create_engine(dead_url)
+    d.store.engine = d.queue.engine = dead
+    d.store._reader = dead
+    try:
+        (conf / "x.yaml").write_text(drop_text("x", fleet.model))
+        for _ in range(10):
+            d.step(max_wait_s=0.05)  # never raises: errors are logged, the loop goes on
+        assert any("database unavailable; still watching" in r.getMessage() for r in caplog.records)
+        assert d._next_rescan - d.clock() <= DB_RETRY_S  # a failed scan is retried soon
+        assert fleet.rows("SELECT count(*) FROM jobs") == [(0,)]
+    finally:
+        d.store.engine, d.store._reader, d.queue.engine = good
+        dead.dispose()
+    d._next_rescan = d.clock()  # the retry is due (no sleep in the test)
+    fleet.until(d, lambda: fleet.rows("SELECT status FROM jobs") == [("done",)], what="caught up")
+    assert any("database reachable again" in r.getMessage() for r in caplog.records)
+    assert (Path(d.settings.state_dir) / "proposals" / "x.yaml").is_file()
+
+
+def test_finished_results_wait_for_the_database_and_are_saved_once(fleet):
+    d = fleet.start("a")
+    conf = Path(d.settings.watch_dir)
+    (conf / "x.yaml").write_text(drop_text("x", fleet.model))
+    fleet.until(d, lambda: d._running is not None, what="job running")
+    good = (d.store.engine, d.queue.engine)
+    dead_url = ("sqlite:///" + str(fleet.tmp / "no-such-dir" / "x.sqlite")
+                if good[0].dialect.name == "sqlite" else "postgresql+psycopg://tuner@127.0.0.1:9/none")
+    dead = sa.create_engine(dead_url)
+    d.store.engine = d.queue.engine = dead
+    try:
+        poll(lambda: d._unsaved is not None, 20, step=lambda: d.step(max_wait_s=0.05), what="result held unsaved")
+    finally:
+        d.store.engine, d.queue.engine = good
+        dead.dispose()
+    d._retry_at = d.clock()
+    fleet.until(d, lambda: fleet.rows("SELECT status FROM jobs") == [("done",)], what="saved after the outage")
+    assert fleet.rows("SELECT count(*) FROM drops") == [(1,)]
