@@ -115,6 +115,17 @@ def test_same_file_name_on_two_hosts_each_keeps_its_own_drop_and_deletion_retire
     b.reconcile()
     a.reconcile()
     assert fleet.rows("SELECT count(*) FROM drops WHERE retired_at IS NULL") == [(2,)]
+    # `results` shows one latest drop per name and host (it used to keep only the newest per name)
+    from tuner.results import open_for_read, query, render
+
+    ro = open_for_read(fleet.url)
+    try:
+        doc = query(ro)
+    finally:
+        ro.close()
+    assert [(p["drop_name"], p["host_id"], p["gpu_memory_utilization"]) for p in doc["proposals"]] == [
+        ("x", "host-a", 0.5), ("x", "host-b", 0.6)]
+    assert "x@host-a" in render(doc) and "x@host-b" in render(doc)
     (Path(b.settings.watch_dir) / "x.yaml").unlink()
     fleet.until(b, lambda: fleet.rows("SELECT count(*) FROM drops WHERE retired_at IS NULL") == [(1,)],
                 what="b's drop retired")

@@ -1,7 +1,9 @@
 """``results``: the latest proposals, fit surfaces and runs in the store, as text, JSON or CSV.
 
 Reads the tables (not the views, so a store at any revision works) through SQLAlchemy Core, on a
-read-only connection for SQLite files. Bytes stay ints here; GiB appear only in :func:`render`.
+read-only connection (SQLite ``mode=ro``, read-only PostgreSQL sessions). Bytes stay ints here;
+GiB appear only in :func:`render`. In a fleet (revision 0007) the latest drop is per drop name *and*
+owner, and each proposal names its ``host_id`` (null for drops stored by ``profile``).
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ from typing import Any
 import sqlalchemy as sa
 
 from tuner.errors import StoreError
-from tuner.store import (DEFAULT_PATH, Store, candidates_table, drops_table, open_store, profile_runs_table,
-                         proposals_table)
+from tuner.store import (DEFAULT_PATH, Store, candidates_table, drops_table, hosts_table, open_store,
+                         profile_runs_table, proposals_table)
 
 GiB = 1 << 30
 MEASURED_METHODS = ("cuda", "vllm", "import")
 
 #: CSV/JSON columns per table (``--table``).
-PROPOSAL_COLUMNS = ("drop_id", "drop_name", "model", "device_name", "engine_version", "gpu_memory_utilization",
-                    "max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency", "vllm_args", "reason",
-                    "created_at")
+PROPOSAL_COLUMNS = ("drop_id", "drop_name", "host_id", "model", "device_name", "engine_version",
+                    "gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+                    "vllm_args", "reason", "created_at")
 RUN_COLUMNS = ("id", "drop_id", "method", "status", "model", "device_name", "engine_version", "era", "dtype",
                "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_num_batched_tokens",
                "max_num_seqs", "num_sampled_rows", "gpu_memory_utilization", "max_model_len",
@@ -38,7 +40,7 @@ TABLES = {"proposals": PROPOSAL_COLUMNS, "runs": RUN_COLUMNS, "candidates": CAND
 
 
 def open_for_read(db_url: str | None) -> Store:
-    """Open the store for reading: a SQLite file read-only (it must exist), other URLs as given.
+    """Open the store for reading, read-only (a SQLite file must exist; nothing is migrated).
 
     Raises:
         StoreError: no store at the path, or it cannot be opened.
@@ -49,9 +51,7 @@ def open_for_read(db_url: str | None) -> Store:
             raise StoreError("no results store here (run `ctx-tuner profile DROP.yaml` first, or pass --db)",
                              where=path)
         return open_store(path, readonly=True)
-    if db_url.startswith("sqlite"):
-        return open_store(db_url, readonly=True)
-    return open_store(db_url)
+    return open_store(db_url, readonly=True)
 
 
 def rows(store: Store, stmt: sa.Executable) -> list[dict]:
@@ -63,15 +63,31 @@ def _like(col, text: str | None):
     return sa.true() if not text else sa.func.lower(col).contains(text.lower(), autoescape=True)
 
 
+def _has_owners(store: Store) -> bool:
+    """True when the store has revision 0007's ``drops.owner_id`` (a read-only open never migrates)."""
+    try:
+        return "owner_id" in {c["name"] for c in sa.inspect(store.engine).get_columns("drops")}
+    except sa.exc.SQLAlchemyError as e:
+        raise StoreError(f"query failed: {e}", where=store.where) from e
+
+
 def latest_drops(store: Store, *, model: str | None = None, device: str | None = None) -> list[dict]:
-    """The newest unretired drop row per drop name whose model / device contain the given text
-    (case-insensitive), ordered by name."""
-    d = drops_table
+    """The newest unretired drop row per drop name (and owner, in a fleet store) whose model /
+    device contain the given text (case-insensitive), ordered by name and host; ``host_id`` is the
+    owner's (None without one)."""
+    d, h = drops_table, hosts_table
+    cols = [d.c.id, d.c.name, d.c.model, d.c.device_name, d.c.engine_version, d.c.method, d.c.content, d.c.created_at]
+    if _has_owners(store):
+        newest = (sa.select(sa.func.max(d.c.id)).where(d.c.retired_at.is_(None))
+                  .group_by(d.c.name, sa.func.coalesce(d.c.owner_id, 0)))
+        stmt = (sa.select(*cols, h.c.host_id).select_from(d.outerjoin(h, h.c.id == d.c.owner_id))
+                .where(d.c.id.in_(newest), _like(d.c.model, model), _like(d.c.device_name, device))
+                .order_by(d.c.name, h.c.host_id))
+        return rows(store, stmt)
     newest = sa.select(sa.func.max(d.c.id)).where(d.c.retired_at.is_(None)).group_by(d.c.name)
-    stmt = (sa.select(d.c.id, d.c.name, d.c.model, d.c.device_name, d.c.engine_version, d.c.method, d.c.content,
-                      d.c.created_at)
-            .where(d.c.id.in_(newest), _like(d.c.model, model), _like(d.c.device_name, device)).order_by(d.c.name))
-    return rows(store, stmt)
+    stmt = (sa.select(*cols).where(d.c.id.in_(newest), _like(d.c.model, model), _like(d.c.device_name, device))
+            .order_by(d.c.name))
+    return [{**r, "host_id": None} for r in rows(store, stmt)]
 
 
 def non_monotone(points: list[dict]) -> bool:
@@ -94,9 +110,12 @@ def query(store: Store, *, model: str | None = None, device: str | None = None, 
     ids = [d["id"] for d in drops]
     names = {d["id"]: d["name"] for d in drops}
     p, c, r = proposals_table, candidates_table, profile_runs_table
-    props = rows(store, sa.select(p).where(p.c.drop_id.in_(ids)).order_by(p.c.drop_id, p.c.gpu_memory_utilization))
+    order = {i: n for n, i in enumerate(ids)}  # drops' order: name, then host
+    props = sorted(rows(store, sa.select(p).where(p.c.drop_id.in_(ids))),
+                   key=lambda x: (order[x["drop_id"]], x["gpu_memory_utilization"]))
     by_id = {d["id"]: d for d in drops}
-    proposals = [{"drop_name": names[x["drop_id"]], "model": by_id[x["drop_id"]]["model"],
+    proposals = [{"drop_name": names[x["drop_id"]], "host_id": by_id[x["drop_id"]]["host_id"],
+                  "model": by_id[x["drop_id"]]["model"],
                   "device_name": by_id[x["drop_id"]]["device_name"],
                   "engine_version": by_id[x["drop_id"]]["engine_version"], **x} for x in props]
     cands = rows(store, sa.select(c).where(c.c.drop_id.in_(ids)).order_by(c.c.drop_id, c.c.gpu_memory_utilization,
@@ -144,7 +163,8 @@ def render(doc: dict) -> str:
         lines.append(head)
     for p in doc["proposals"]:
         mml = "none" if p["max_model_len"] is None else p["max_model_len"]
-        lines.append(f"  {p['drop_name']:<28} {p['device_name']:<12} {p['engine_version']:<7} "
+        name = p["drop_name"] + (f"@{p['host_id']}" if p.get("host_id") else "")
+        lines.append(f"  {name:<28} {p['device_name']:<12} {p['engine_version']:<7} "
                      f"{p['gpu_memory_utilization']:>5.2f} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
                      f"{p['kv_cache_tokens'] or '-':>10} {p['max_concurrency'] or 0:>7.2f}")
     lines += ["", "fit surfaces (max_model_len:fits at each gpu_memory_utilization):"]
