@@ -106,5 +106,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         names = getattr(item, "fixturenames", ())
-        if params.get("db_url") == "postgresql" or ("pg_url" in names and "db_url" not in params):
+        if params.get("db_url") == "postgresql" or (
+                any(n == "pg_url" or n.startswith("pg_") for n in names) and "db_url" not in params):
             item.add_marker(pytest.mark.postgresql)

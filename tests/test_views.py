@@ -106,3 +106,123 @@ def test_downgrade_drops_the_views_and_upgrade_restores_them(tmp_path):
     names = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'view'")}
     c.close()
     assert set(VIEWS) <= names
+
+
+# -- the same views and README queries on PostgreSQL; the fleet views and queries on both ------------
+
+
+def _copy_store(src_url: str, dst_url: str) -> None:
+    """Copy every table of a migrated store into another migrated (empty) store, ids kept."""
+    import sqlalchemy as sa
+
+    from tuner.store import metadata
+
+    src, dst = sa.create_engine(src_url), sa.create_engine(dst_url)
+    try:
+        with src.connect() as s, dst.begin() as d:
+            for table in metadata.sorted_tables:
+                rows = [dict(r) for r in s.execute(sa.select(table).order_by(table.c.id)).mappings()]
+                if rows:
+                    d.execute(table.insert(), rows)
+                if d.dialect.name == "postgresql":
+                    d.exec_driver_sql(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), "
+                                      f"COALESCE((SELECT MAX(id) FROM {table.name}), 0) + 1, false)")
+    finally:
+        src.dispose()
+        dst.dispose()
+
+
+@pytest.fixture(scope="module")
+def pg_profiled():
+    """A PostgreSQL copy of the profiled store (module scope: built once)."""
+    import sqlalchemy as sa
+
+    from tests.conftest import make_pg_database
+
+    url, drop = make_pg_database("views")
+    open_store(url).close()
+    _copy_store(f"sqlite:///{profiled_db()}", url)
+    eng = sa.create_engine(url)
+    yield eng
+    eng.dispose()
+    drop()
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_readme_query_runs_on_postgresql(pg_profiled, con, i):
+    queries = _readme_queries()
+    if i >= len(queries):
+        pytest.skip("fewer queries")
+    with pg_profiled.connect() as c:
+        pg_rows = [tuple(r) for r in c.exec_driver_sql(queries[i].replace("%", "%%"))]
+    sqlite_rows = [tuple(r) for r in con.execute(queries[i]).fetchall()]
+    assert len(pg_rows) == len(sqlite_rows), queries[i]
+    if "unsafe" not in queries[i]:
+        assert pg_rows, queries[i]
+
+
+def test_views_agree_between_sqlite_and_postgresql(pg_profiled, con):
+    sql = ("SELECT drop_name, gpu_memory_utilization, max_model_len, kv_cache_tokens FROM latest_proposals "
+           "ORDER BY drop_name, gpu_memory_utilization")
+    with pg_profiled.connect() as c:
+        assert [tuple(r) for r in c.exec_driver_sql(sql)] == [tuple(r) for r in con.execute(sql).fetchall()]
+    sql = "SELECT measured_run_id, num_gpu_blocks_residual, kv_cache_tokens_residual FROM measured_vs_simulated"
+    with pg_profiled.connect() as c:
+        assert [tuple(r) for r in c.exec_driver_sql(sql)] == [tuple(r) for r in con.execute(sql).fetchall()]
+
+
+def _fleet_queries() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Fleet SQL", 1)[1].split("\n### ", 1)[0]
+    return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
+
+
+@pytest.fixture
+def fleet_store(db_url):
+    """Two hosts of one device kind: host-a computed x (u 0.5, 0.9), host-b's y was answered from it,
+    host-b's z is its own; one job of host-a still pending."""
+    from tuner.fleet import register_owner
+    from tuner.jobqueue import JobQueue
+
+    store = open_store(db_url)
+    qa = JobQueue(store, register_owner(store, "host-a", "/a", lease_s=60, gpus=[{"name": "NVIDIA H100 80GB HBM3"}]).id)
+    qb = JobQueue(store, register_owner(store, "host-b", "/b", lease_s=60).id)
+
+    def save(q, path, name, mml, src=None):
+        job = q.enqueue(path, "1" * 64, "x")
+        q.claim_next()
+        drop = {"name": name, "path": path, "content_sha256": "1" * 64, "content": "x", "model": "m",
+                "device_name": "H100-80GB", "engine_version": "0.19.0", "method": "simulate",
+                "result_sha256": "k" * 64 if src is None or src else None, "answered_from_drop_id": src or None}
+        props = [{"gpu_memory_utilization": u, "max_model_len": mml, "num_gpu_blocks": 100, "kv_cache_tokens": 1600,
+                  "max_concurrency": 1.0, "vllm_args": f"--max-model-len {mml}", "reason": None} for u in (0.5, 0.9)]
+        return store.save_result(drop, [], [], props, also=lambda c, i: q.complete_in(c, job.id, i))
+
+    x = save(qa, "/a/x.yaml", "x", 8192)
+    save(qb, "/b/y.yaml", "y", 8192, src=x)
+    save(qb, "/b/z.yaml", "z", 4096, src=0)
+    qa.enqueue("/a/w.yaml", "2" * 64, "w")
+    yield store
+    store.close()
+
+
+def test_fleet_views_and_readme_fleet_queries(fleet_store):
+    import sqlalchemy as sa
+
+    queries = _fleet_queries()
+    assert len(queries) >= 5
+    with fleet_store.engine.connect() as c:
+        for q in queries:
+            assert c.execute(sa.text(q)).all(), q
+        rows = c.execute(sa.text("SELECT host_id, drop_name, max_model_len, from_shared_result FROM "
+                                 "fleet_latest_proposals WHERE gpu_memory_utilization = 0.9 ORDER BY host_id, drop_name")).all()
+        assert [tuple(r) for r in rows] == [("host-a", "x", 8192, 0), ("host-b", "y", 8192, 1), ("host-b", "z", 4096, 0)]
+        rows = c.execute(sa.text("SELECT device_name, gpu_memory_utilization, hosts, drops, min_max_model_len, "
+                                 "max_max_model_len FROM fleet_by_device ORDER BY gpu_memory_utilization")).all()
+        assert [tuple(r) for r in rows] == [("H100-80GB", 0.5, 2, 3, 4096, 8192), ("H100-80GB", 0.9, 2, 3, 4096, 8192)]
+        jobs = c.execute(sa.text(queries[3])).all()
+        assert [tuple(r) for r in jobs] == [("host-a", "done", 1), ("host-a", "pending", 1), ("host-b", "done", 2)]
+        shared = c.execute(sa.text(queries[4])).all()
+        assert [tuple(r) for r in shared] == [("y", "host-b", "x", "host-a")]
+        gpus = c.execute(sa.text("SELECT gpus FROM hosts WHERE host_id = 'host-a'")).scalar()
+        assert "H100" in gpus
