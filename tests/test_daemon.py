@@ -1,6 +1,7 @@
-"""The daemon in-process, with real inotify, real SQLite files and real worker subprocesses (the
-fast fake worker, tests/_fake_worker.py, behind ``worker_python``; the code path is the real one).
-No fixed sleeps: every wait polls a condition with a deadline."""
+"""The daemon in-process, with real inotify, real SQLite files (and, through the ``db_url``
+fixture, a real PostgreSQL database when CTX_TUNER_TEST_DATABASE_URL is set) and real worker
+subprocesses (the fast fake worker, tests/_fake_worker.py, behind ``worker_python``; the code path
+is the real one). No fixed sleeps: every wait polls a condition with a deadline."""
 
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ def _expected_tokens(gmu: float) -> int:
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, model: Path, **over) -> None:
+    def __init__(self, tmp_path: Path, model: Path, db_url: str | None = None, **over) -> None:
         self.tmp = tmp_path
         self.model = model
+        self.pg = db_url is not None and db_url.startswith("postgresql")
+        if self.pg:
+            over = {**over, "database_url": db_url}
         self.settings = settings_for(tmp_path, **over)
         self.conf = Path(self.settings.watch_dir)
         self.db = Path(self.settings.state_dir) / "ctx-tuner.sqlite"
+        self.url = db_url
         self.daemons: list[Daemon] = []
 
     def start(self, **kw) -> Daemon:
@@ -46,7 +51,22 @@ class Harness:
         return poll(predicate, timeout_s, step=lambda: d.step(max_wait_s=0.05), what=what)
 
     def rows(self, sql: str, *args) -> list[tuple]:
-        return db_rows(self.db, sql, *args)
+        if not self.pg:
+            return db_rows(self.db, sql, *args)
+        import sqlalchemy as sa
+
+        eng = sa.create_engine(self.url, poolclass=sa.pool.NullPool)
+        try:
+            with eng.connect() as c:
+                return [tuple(r) for r in c.exec_driver_sql(sql.replace("?", "%s"), tuple(args))]
+        except sa.exc.ProgrammingError:  # not migrated yet
+            return []
+        finally:
+            eng.dispose()
+
+    def sqlite_only(self) -> None:
+        if self.pg:
+            pytest.skip("about SQLite's own locking")
 
     def job(self, name: str) -> tuple:
         rows = self.rows("SELECT status, error_type, error, attempts, worker_pid FROM jobs WHERE path = ? "
@@ -59,9 +79,9 @@ class Harness:
 
 
 @pytest.fixture
-def h(tmp_path, tiny_config, monkeypatch):
+def h(tmp_path, tiny_config, monkeypatch, db_url):
     monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
-    harness = Harness(tmp_path, tiny_config)
+    harness = Harness(tmp_path, tiny_config, db_url)
     yield harness
     harness.close()
 
@@ -287,6 +307,7 @@ def test_crashing_hanging_and_failing_workers_are_recorded_and_the_daemon_stays_
 
 
 def test_a_reader_holding_the_database_never_fails_a_daemon_write(h, tmp_path):
+    h.sqlite_only()
     d = h.start()
     reader = sqlite3.connect(h.db, timeout=0, isolation_level=None)
     snap_reader = sqlite3.connect(f"file:{h.settings.snapshot_file}?mode=ro", uri=True, isolation_level=None)
@@ -411,6 +432,7 @@ def test_signal_handlers_only_set_flags(h):
 
 
 def test_a_locked_database_delays_the_save_then_the_job_is_stored_once(h, tmp_path, monkeypatch, caplog):
+    h.sqlite_only()
     """A foreign writer holding the lock past busy_timeout: the finished result waits in memory
     and is retried; the daemon neither dies nor loses or duplicates the job."""
     from tuner.store import open_store

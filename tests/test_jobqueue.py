@@ -218,3 +218,11 @@ def test_concurrent_claimers_never_claim_a_job_twice(db_url):
     flat = [i for got in claimed for i in got]
     assert len(flat) - len(set(flat)) == 0  # no double claims
     assert sorted(flat) == ids  # every job claimed exactly once
+
+
+def test_nul_bytes_of_an_invalid_drop_are_stored_on_every_backend(q):
+    """Regression: on PostgreSQL a drop file with a NUL byte failed its write ("text fields cannot
+    contain NUL"), which aborted every scan, so no later drop was ever queued."""
+    err = DropError("drop contains a NUL byte", path="/d/n.yaml")
+    job = q.record_invalid("/d/n.yaml", "5" * 64, "name: a\x00\n", err)
+    assert (job.status, job.content) == ("failed", "name: a\\x00\n")

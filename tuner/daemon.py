@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import sqlalchemy as sa
 import yaml
 
 from tuner.app import ProfileOutcome, prepare_request, rows_for_store
@@ -455,9 +456,10 @@ class Daemon:
         """
         try:
             self._reconcile()
-        except StoreError:
+        except StoreError as exc:
             self._next_rescan = self.clock() + DB_RETRY_S
-            if not self._db_down_logged:
+            down = isinstance(exc.__cause__, (sa.exc.OperationalError, sa.exc.InterfaceError))
+            if down and not self._db_down_logged:
                 self._db_down_logged = True
                 log.error("database unavailable; still watching %s, drops are queued once it is back",
                           self.settings.watch_dir)

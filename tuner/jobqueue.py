@@ -37,6 +37,12 @@ J, D, H = jobs_table, drops_table, hosts_table
 CLAIM_TRIES = 5
 
 
+def _text(value: str | None) -> str | None:
+    """Text as every backend stores it: PostgreSQL text cannot hold NUL, so a NUL (a binary drop
+    file's bytes, an error quoting them) is kept visibly as ``\\x00``."""
+    return None if value is None else value.replace("\x00", "\\x00")
+
+
 class JobNotRunning(StoreError):
     """A finished job's row is no longer ``running`` (cancelled or finished elsewhere); the
     transaction that would store its results is rolled back."""
@@ -144,7 +150,7 @@ class JobQueue:
         def fn(conn: Connection) -> int:
             now = utc_text()
             self._cancel_pending(conn, path, "superseded by newer content before it ran", now)
-            return conn.execute(J.insert().values(path=path, content_sha256=sha256, content=content, status="pending",
+            return conn.execute(J.insert().values(path=path, content_sha256=sha256, content=_text(content), status="pending",
                                                   attempts=0, created_at=now, owner_id=self.owner_id)
                                 ).inserted_primary_key[0]
         job_id = self._write(fn)
@@ -157,8 +163,8 @@ class JobQueue:
             now = utc_text()
             self._cancel_pending(conn, path, "superseded by newer content before it ran", now)
             return conn.execute(J.insert().values(
-                path=path, content_sha256=sha256, content=content, status="failed", attempts=0,
-                error_type=type(error).__name__, error=str(error), created_at=now, finished_at=now,
+                path=path, content_sha256=sha256, content=_text(content), status="failed", attempts=0,
+                error_type=type(error).__name__, error=_text(str(error)), created_at=now, finished_at=now,
                 owner_id=self.owner_id)
             ).inserted_primary_key[0]
         job_id = self._write(fn)
@@ -222,7 +228,7 @@ class JobQueue:
         """Mark a running job ``failed`` with the error's class name and text."""
         kind = type(error).__name__
         self._write(lambda conn: conn.execute(J.update().where(J.c.id == job_id, J.c.status == "running").values(
-            status="failed", error_type=kind, error=str(error), finished_at=utc_text())))
+            status="failed", error_type=kind, error=_text(str(error)), finished_at=utc_text())))
         return self.get(job_id)
 
     def requeue(self, job_id: int) -> None:
