@@ -211,8 +211,10 @@ def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, sha
     assert plain["explanations"][0]["available_kv_cache_bytes"] == cal["uncalibrated_available_kv_cache_bytes"]
 
 
-def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, observed_cases):
-    """The daemon's job thread looks the corrections up read-only before starting the worker."""
+def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, observed_cases, db_url):
+    """The daemon's job thread looks the corrections up read-only before starting the worker — on
+    SQLite and on PostgreSQL (regression: calibration was silently skipped there), whichever host
+    imported the measured runs (calibrations are keyed by model, device kind, era and layout)."""
     import yaml
 
     from tuner.app import prepare_request
@@ -220,7 +222,8 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
     from tuner.drop import load_drop
     from tuner.settings import Settings
 
-    s = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"))
+    s = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"),
+                 database_url=None if db_url.startswith("sqlite") else db_url, host_id="another-host")
     (tmp_path / "state").mkdir()
     _import_higher_peak_logs(tmp_path, shared_dir, observed_cases[LLAMA], s.db_url)
     drop = tmp_path / "drop.yaml"
@@ -229,7 +232,8 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
         "device": "H100-80GB", "engine_version": "0.19.0", "dtype": "bfloat16",
         "candidates": {"gpu_memory_utilization": [0.95], "max_model_len": [8192]}}))
     request, _dev = prepare_request(load_drop(str(drop)))
-    cal = Daemon(s)._calibration(request, s)
+    cal, key, source = Daemon(s)._lookups(dict(request), s)
     assert cal is not None and cal["runs"] == 2 and cal["activation_peak_delta_bytes"] > 0.2 * GIB
+    assert len(key) == 64 and source is None
     other = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "empty"))
-    assert Daemon(other)._calibration(request, other) is None  # no store: nothing, no error
+    assert Daemon(other)._lookups(dict(request), other)[::2] == (None, None)  # no store: nothing, no error
