@@ -432,9 +432,9 @@ def test_signal_handlers_only_set_flags(h):
 
 
 def test_a_locked_database_delays_the_save_then_the_job_is_stored_once(h, tmp_path, monkeypatch, caplog):
-    h.sqlite_only()
     """A foreign writer holding the lock past busy_timeout: the finished result waits in memory
     and is retried; the daemon neither dies nor loses or duplicates the job."""
+    h.sqlite_only()
     from tuner.store import open_store
 
     monkeypatch.setenv("FAKE_SLOW_S", "0.5")

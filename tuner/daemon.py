@@ -140,6 +140,13 @@ def _one_line(exc: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _connection_error(exc: BaseException) -> bool:
+    """True for a StoreError caused by the database being unreachable or busy (SQLAlchemy
+    ``OperationalError`` / ``InterfaceError``: refused, restarted, locked), not by bad data."""
+    cause = exc.__cause__
+    return isinstance(cause, (sa.exc.OperationalError, sa.exc.InterfaceError))
+
+
 def _inside(child: str, parent: str) -> bool:
     c, p = os.path.realpath(child), os.path.realpath(parent)
     return c == p or c.startswith(p.rstrip(os.sep) + os.sep)
@@ -388,6 +395,12 @@ class Daemon:
     def _guard(self, fn: Callable[[], Any]) -> None:
         try:
             fn()
+        except StoreError as exc:
+            if _connection_error(exc):  # an outage is not a broken loop: logged once, not counted
+                self._database_down(exc)
+                return
+            self._step_failed = True
+            log.error("%s: %s", type(exc).__name__, exc)
         except Exception as exc:
             self._step_failed = True
             if isinstance(exc, TunerError):
@@ -456,17 +469,22 @@ class Daemon:
         """
         try:
             self._reconcile()
-        except StoreError as exc:
+        except StoreError:
             self._next_rescan = self.clock() + DB_RETRY_S
-            down = isinstance(exc.__cause__, (sa.exc.OperationalError, sa.exc.InterfaceError))
-            if down and not self._db_down_logged:
-                self._db_down_logged = True
-                log.error("database unavailable; still watching %s, drops are queued once it is back",
-                          self.settings.watch_dir)
             raise
         if self._db_down_logged:
             self._db_down_logged = False
             log.info("database reachable again; caught up with %s", self.settings.watch_dir)
+
+    def _database_down(self, exc: StoreError) -> None:
+        """The database cannot be reached (or is locked past ``busy_timeout``): say so once per
+        outage, keep watching, scan again in :data:`DB_RETRY_S` seconds. Finished results stay in
+        memory meanwhile (:meth:`_save_unsaved` retries); the watchdog keeps being fed."""
+        self._next_rescan = min(self._next_rescan, self.clock() + DB_RETRY_S)
+        if not self._db_down_logged:
+            self._db_down_logged = True
+            log.error("database unavailable (%s); still watching %s, drops are queued once it is back",
+                      _one_line(exc, 300), self.settings.watch_dir)
 
     def _reconcile(self) -> None:
         s = self.settings
