@@ -10,10 +10,13 @@ Tables (a public interface — users write SQL against them):
 * ``calibrations`` — per measured run, the simulate prediction's residual per memory term.
 * ``jobs`` — the daemon's durable queue: one row per drop file version it has seen (status,
   attempts, typed error, the resulting ``drops.id``).
+* ``hosts`` — revision 0007 (fleet): one row per daemon identity (host id + watch directory) with
+  its lease; ``jobs.owner_id`` / ``drops.owner_id`` refer to it (:mod:`tuner.fleet`).
 
 Views for readers (migration 0004, SQL in ``migrations/versions/0004_views.py``, not declared
 here so metadata comparisons see tables only): ``latest_proposals``, ``run_breakdown_gib``,
-``candidate_breakdown_gib``, ``fit_surface``, ``measured_vs_simulated``.
+``candidate_breakdown_gib``, ``fit_surface``, ``measured_vs_simulated``; revision 0007 makes
+``latest_proposals`` per owner and adds ``fleet_latest_proposals`` and ``fleet_by_device``.
 
 Conventions: byte columns are integers (BigInteger) and end in ``_bytes``; times are UTC
 ISO-8601 text, ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (fixed width, so text order is time order);
