@@ -72,6 +72,16 @@ def _wait_running(eng: sa.Engine, host: str, timeout_s: float = 5.0) -> bool:
     return False
 
 
+def _wait_registered(eng: sa.Engine, host: str, pid: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with eng.connect() as c:
+            if c.exec_driver_sql(f"SELECT pid FROM hosts WHERE host_id = '{host}'").scalar() == pid:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{host} (pid {pid}) did not register within {timeout_s} s")
+
+
 def run_fleet(url: str, base: Path, *, hosts: int = 3, drops_per_host: int = 20, restart_db: Callable[[], None] | None,
               kill_host: int = 1, lease_s: float = 6.0, timeout_s: float = 240.0,
               log: Callable[[str], None] = lambda m: None) -> dict:
@@ -103,6 +113,7 @@ def run_fleet(url: str, base: Path, *, hosts: int = 3, drops_per_host: int = 20,
                 procs[kill_host].send_signal(signal.SIGKILL)
                 procs[kill_host].wait()
                 procs[kill_host] = _start(base, kill_host, env)
+                _wait_registered(eng, f"host-{kill_host}", procs[kill_host].pid)  # its successor is up
                 killed = True
                 events.append(f"kill -9 host-{kill_host} at {n}/{total} done")
                 log(events[-1])

@@ -283,7 +283,12 @@ class Daemon:
             log.error("drop %s: job %d failed: interrupted %d times by daemon crashes; gave up",
                       job.path, job.id, job.attempts)
         self.watcher.start()
-        self.reconcile()
+        try:
+            self.reconcile()
+        except StoreError as exc:  # the database went away right after the migration: keep going
+            if not _connection_error(exc):
+                raise
+            self._database_down(exc)
         self._snapshot(force=True)
         self.started = True
         self.waker.wake()  # the first step starts a queued job at once
@@ -780,9 +785,14 @@ class Daemon:
         write_snapshot(db.database, self.settings.snapshot_file)
 
     def _status_text(self) -> str:
-        c = self.queue.counts()
         r = self._running
         now = f"running {r.drop.name}" if r is not None else "idle"
+        try:
+            c = self.queue.counts()
+        except StoreError as exc:
+            if not _connection_error(exc):
+                raise
+            return f"{now}; database unavailable; watching {self.settings.watch_dir}"
         return (f"{now}; jobs: {c['pending']} pending, {c['done']} done, {c['failed']} failed; "
                 f"watching {self.settings.watch_dir}")
 
