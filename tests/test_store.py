@@ -20,7 +20,7 @@ BIG = 62_398_021_632  # > 2**32: must survive as an exact int
 EXPECTED = {
     "drops": [
         "id", "name", "path", "content_sha256", "content", "model", "device_name",
-        "engine_version", "method", "created_at", "retired_at",
+        "engine_version", "method", "created_at", "retired_at", "warnings",
     ],
     "profile_runs": [
         "id", "drop_id", "pass_sha256", "status", "error", "method", "engine_version", "era",
@@ -46,6 +46,7 @@ EXPECTED = {
     "jobs": [
         "id", "path", "content_sha256", "content", "status", "attempts", "error_type", "error",
         "drop_id", "worker_pid", "created_at", "started_at", "finished_at", "retired_at",
+        "name", "failure_kind", "retry_at", "interruptions", "history",
     ],
     "calibrations": [
         "id", "profile_run_id", "model", "model_config_sha256", "device_name", "era",

@@ -242,7 +242,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(config_path)
     try:
-        text = path.read_bytes()
+        text = read_config_bytes(path)
         top = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
@@ -438,6 +438,49 @@ def defaults_applied(top: dict, defaults: dict) -> dict:
     return out
 
 
+#: Largest model config file read, bytes (the largest real ``config.json`` files are tens of KiB;
+#: a bigger file is refused before it is read, so a drop cannot make any process read gigabytes).
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+def read_config_bytes(config_path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of a model config file: a regular file (never a FIFO or device) of at most
+    ``max_bytes`` bytes, checked before and while reading.
+
+    Raises:
+        ModelConfigError: not a regular file, too large, or unreadable (names the file).
+    """
+    import stat as _stat
+
+    path = str(config_path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ModelConfigError(f"cannot read config: {exc.strerror or exc}", where=path) from exc
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise ModelConfigError("not a regular file (a FIFO, socket or device is never read)", where=path)
+        if st.st_size > max_bytes:
+            raise ModelConfigError(f"config file is {st.st_size:,} bytes; model configs are read up to "
+                                   f"{max_bytes:,} bytes (MAX_CONFIG_BYTES)", where=path)
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise ModelConfigError(f"cannot read config: {exc.strerror or exc}", where=path) from exc
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise ModelConfigError(f"config file grew past {max_bytes:,} bytes while being read (MAX_CONFIG_BYTES)",
+                               where=path)
+    return b"".join(chunks)
+
+
 def read_top(config_path: str | os.PathLike) -> dict:
     """The top-level dict of a ``config.json`` (no transformers, no torch).
 
@@ -446,7 +489,7 @@ def read_top(config_path: str | os.PathLike) -> dict:
     """
     path = Path(config_path)
     try:
-        top = json.loads(path.read_bytes())
+        top = json.loads(read_config_bytes(path))
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
     if not isinstance(top, dict):

@@ -65,6 +65,16 @@ def _int(lo: int, hi: int) -> Callable[[Any], int]:
     return check
 
 
+def _opt_bytes(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Bad(f"must be an integer number of bytes or null, not {type(v).__name__} {v!r}")
+    if v != 0 and not (1 << 27) <= v <= (1 << 50):
+        raise _Bad(f"must be 0 (no limit) or between {1 << 27} (128 MiB) and {1 << 50} bytes, not {v}")
+    return v
+
+
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise _Bad(f"must be true or false, not {type(v).__name__} {v!r}")
@@ -94,8 +104,8 @@ class Setting:
 #: Every daemon settings key, declared once. Order = README order.
 SETTINGS: tuple[Setting, ...] = (
     Setting("watch_dir", "/etc/ctx-tuner/conf.d",
-            "Directory of drops: every `*.yaml` below it (subdirectories included; hidden files, editor "
-            "swap/backup files and symlinked directories are ignored).", _path),
+            "Directory of drops: every `*.yaml` / `*.yml` (any case) below it (subdirectories included; hidden "
+            "files, editor swap/backup files and symlinked directories are ignored).", _path),
     Setting("state_dir", "/var/lib/ctx-tuner",
             "Writable state: the database (by default), `proposals/NAME.yaml` and the read-only snapshot.",
             _path),
@@ -115,8 +125,18 @@ SETTINGS: tuple[Setting, ...] = (
             "Quiet time in seconds after a filesystem event before the directory is reconciled; files "
             "modified more recently than this are left for the next pass.", _number(0, 60)),
     Setting("max_attempts", 3,
-            "A job found running after a daemon crash is retried until it has been started this many times, "
-            "then marked failed.", _int(1, 100)),
+            "Runs of one job that may fail (worker crash, OOM or signal kill, timeout) before it is marked failed; "
+            "each failed run is retried after a backoff. Attempts lost to daemon crashes are not counted, and an "
+            "invalid drop is failed at once (final until the file changes or `ctx-tuner retry`).", _int(1, 100)),
+    Setting("retry_backoff_s", 30.0,
+            "Delay before the first retry of a failed run (and of a job interrupted by a daemon crash), in "
+            "seconds; doubled for each further retry.", _number(0, 86400)),
+    Setting("retry_backoff_max_s", 3600.0,
+            "Longest delay between retries, in seconds.", _number(0, 604800)),
+    Setting("worker_memory_max_bytes", None,
+            "Memory limit of each worker subprocess in bytes (`RLIMIT_DATA`: heap and private maps; GPU "
+            "memory is not counted); a pass that needs more fails as a run failure instead of waking the host's "
+            "OOM killer. null = half of the host's physical memory; 0 = no limit.", _opt_bytes),
     Setting("log_level", "INFO", "Logging level of the daemon's stderr log.", _choice(LOG_LEVELS, upper=True)),
     Setting("allow_trust_remote_code", False,
             "Allow model code from the model directory (HF `trust_remote_code`). Drops can never set it.",
@@ -143,6 +163,9 @@ class Settings:
     rescan_interval_s: float = 60.0
     debounce_s: float = 0.5
     max_attempts: int = 3
+    retry_backoff_s: float = 30.0
+    retry_backoff_max_s: float = 3600.0
+    worker_memory_max_bytes: int | None = None
     log_level: str = "INFO"
     allow_trust_remote_code: bool = False
     default_method: str = "simulate"
@@ -164,6 +187,20 @@ class Settings:
     def proposals_dir(self) -> Path:
         """Directory of the per-drop proposal files: ``STATE_DIR/proposals``."""
         return Path(self.state_dir) / "proposals"
+
+    @property
+    def worker_memory_limit(self) -> int | None:
+        """``worker_memory_max_bytes`` in force: the setting, half the physical memory when
+        null, None (no limit) when 0."""
+        v = self.worker_memory_max_bytes
+        if v == 0:
+            return None
+        if v is None:
+            try:
+                return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+            except (ValueError, OSError):
+                return None
+        return v
 
     @property
     def log_level_no(self) -> int:

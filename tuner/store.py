@@ -94,6 +94,7 @@ drops_table = sa.Table(
     sa.Column("method", sa.Text, nullable=False),
     sa.Column("created_at", _TS, nullable=False),
     sa.Column("retired_at", _TS, nullable=True),
+    sa.Column("warnings", sa.Text, nullable=True),  # revision 0006: JSON list of the run's warnings
 )
 
 profile_runs_table = sa.Table(
@@ -204,6 +205,12 @@ jobs_table = sa.Table(
     sa.Column("started_at", _TS, nullable=True),
     sa.Column("finished_at", _TS, nullable=True),
     sa.Column("retired_at", _TS, nullable=True),
+    # revision 0006 (issue 15): drop identity, failure kinds, retries with backoff
+    sa.Column("name", sa.Text, nullable=True, index=True),
+    sa.Column("failure_kind", sa.Text, nullable=True),
+    sa.Column("retry_at", _TS, nullable=True),
+    sa.Column("interruptions", sa.Integer, nullable=True),
+    sa.Column("history", sa.Text, nullable=True),
     sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed', 'cancelled')", name="status"),
     sa.Index("uq_jobs_pending_path", "path", unique=True,
              sqlite_where=sa.text("status = 'pending'"), postgresql_where=sa.text("status = 'pending'")),
