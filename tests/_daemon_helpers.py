@@ -29,7 +29,7 @@ def settings_for(tmp_path: Path, **over) -> Settings:
     (tmp_path / "conf.d").mkdir(exist_ok=True)
     base = dict(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"), debounce_s=0.05,
                 rescan_interval_s=30.0, job_timeout_s=20.0, worker_python=str(fake_python(tmp_path)),
-                log_level="INFO")
+                log_level="INFO", retry_backoff_s=0.0)
     base.update(over)
     return Settings(**base)
 
@@ -37,7 +37,7 @@ def settings_for(tmp_path: Path, **over) -> Settings:
 def write_settings(tmp_path: Path, **over) -> Path:
     s = settings_for(tmp_path, **over)
     data = {k: getattr(s, k) for k in ("watch_dir", "state_dir", "debounce_s", "rescan_interval_s", "job_timeout_s",
-                                       "worker_python", "log_level")}
+                                       "worker_python", "log_level", "retry_backoff_s")}
     data.update(over)
     p = tmp_path / "tuner.yaml"
     p.write_text(yaml.safe_dump(data))

@@ -5,7 +5,10 @@ Invoked as ``python -S tests/_fake_worker.py -m tuner.worker_main`` (the daemon'
 worker's format with numbers derived from the request. Behaviour by drop name prefix:
 ``crash`` (dies by SIGKILL after writing to stderr), ``hang`` (sleeps forever, with a child in the
 same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then replies),
-``typed`` (replies with a typed error). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
+``typed`` (replies with a typed error), ``warn`` (replies with two warnings), ``hog`` (allocates
+``$FAKE_HOG_BYTES`` bytes, default 4 GiB). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
+Like the real worker it first applies :func:`tuner.worker_guard.install` (dies with its parent, own
+deadline, memory limit).
 """
 
 import json
@@ -15,6 +18,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tuner.worker_guard import install  # noqa: E402  (stdlib only: the real worker's first step)
+
+install()
 req = json.loads(sys.stdin.read())
 d = req["drop"]
 name = d["name"]
@@ -30,6 +37,8 @@ if name.startswith("hang"):
     time.sleep(3600)
 if name.startswith("slow"):
     time.sleep(float(os.environ.get("FAKE_SLOW_S", "3")))
+if name.startswith("hog"):
+    hog = bytearray(int(os.environ.get("FAKE_HOG_BYTES", str(4 << 30))))  # MemoryError past the limit
 if name.startswith("typed"):
     json.dump({"ok": False, "error_type": "PluginError", "error": "plugin generic: no architecture"}, sys.stdout)
     sys.exit(0)
@@ -60,7 +69,9 @@ for u in d["candidates"]["gpu_memory_utilization"]:
                   "kv_cache_tokens": tokens, "max_concurrency": tokens / best if best else 0.0, "reason": None,
                   "vllm_args": f"--max-model-len {best} --gpu-memory-utilization {u:g}"})
 result = {"model": {"config_sha256": "f" * 64, "architectures": ["LlamaForCausalLM"]}, "plugin": "fake",
-          "warnings": [], "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
+          "warnings": (["no plugin serves FooForCausalLM; using generic",
+                        "config.json lacks head_dim; using 128 (default of plugin generic)"]
+                       if name.startswith("warn") else []), "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
           "versions": {"tool": "0.1.0", "torch": None, "transformers": None},
           "runs": [run], "candidates": cands, "proposals": props}
 json.dump({"ok": True, "result": result}, sys.stdout)
