@@ -78,7 +78,15 @@ class _Invalid(Exception):
 # --------------------------------------------------------------------------------------------
 
 
+_YAML11_FLOAT_LOOKALIKE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _type_name(v: Any) -> str:
+    if isinstance(v, str) and _YAML11_FLOAT_LOOKALIKE.match(v.strip()):
+        mant, _, exp = v.strip().lower().partition("e")
+        fixed = f"{mant if '.' in mant else mant + '.0'}e{exp if exp[:1] in '+-' else '+' + exp}"
+        return (f"str (YAML 1.1 reads {v.strip()} as a string: a float needs a dot and a signed exponent, "
+                f"write {fixed})")
     return "null" if v is None else type(v).__name__
 
 
@@ -608,15 +616,27 @@ def load_drop(path: str | os.PathLike) -> Drop:
     """Read and validate the drop file at ``path``.
 
     Raises:
-        DropError: the file cannot be read, is larger than :data:`MAX_DROP_BYTES` (256 KiB), is not
+        DropError: the file cannot be read, is not a regular file (a FIFO, socket or device: never
+            opened for a blocking read), is larger than :data:`MAX_DROP_BYTES` (256 KiB), is not
             UTF-8, or fails :func:`parse_drop`.
     """
+    import stat
+
     p = str(path)
     try:
-        with open(p, "rb") as fh:
+        # O_NONBLOCK: opening a FIFO never waits for a writer; anything but a regular file is refused
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DropError(f"cannot read drop: {exc.strerror or exc}", path=p) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DropError("not a regular file (a FIFO, socket or device is never read)", path=p)
+        with os.fdopen(os.dup(fd), "rb") as fh:
             raw = fh.read(MAX_DROP_BYTES + 1)
     except OSError as exc:
         raise DropError(f"cannot read drop: {exc.strerror or exc}", path=p) from None
+    finally:
+        os.close(fd)
     return parse_drop(raw, p)
 
 

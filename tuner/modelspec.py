@@ -51,7 +51,17 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None) ->
             searched.append(f"HF cache for {model}")
         except Exception as exc:  # pragma: no cover - depends on the local hub install
             searched.append(f"HF cache for {model} ({exc})")
-    raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)})", where=model)
+    hint = ""
+    if model.count("/") == 1 and not model.startswith(("/", ".")):
+        try:
+            from huggingface_hub import constants
+
+            cache = constants.HF_HUB_CACHE
+        except Exception:  # pragma: no cover - depends on the local hub install
+            cache = os.environ.get("HF_HUB_CACHE") or "~/.cache/huggingface/hub"
+        hint = (f"; the HF cache is {cache} (HF_HOME / HF_HUB_CACHE move it): fill it on a host with network "
+                f"with `huggingface-cli download {model} config.json`, or give a local directory holding config.json")
+    raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)}){hint}", where=model)
 
 
 def _first(obj: Any, *names: str, default: Any = None) -> Any:
@@ -123,11 +133,32 @@ def config_file_sha256(config_path: str | os.PathLike) -> str:
     return config_hash(read_top(config_path))
 
 
+#: Largest value accepted per config size key: sanity bounds far above every published model
+#: (largest seen: hidden 25,600, 126 layers, 128 heads, intermediate 73,728, vocab 262,144,
+#: 10M positions), so an absurd value (``hidden_size: 2**40``, ``num_hidden_layers: 10**6``) is
+#: refused before anything is built instead of crashing the allocator or running to the timeout.
+#: They also bound the work one simulated pass may do (layers × modules built).
+MAX_CONFIG_SIZES = {
+    "hidden_size": 1 << 18, "n_embd": 1 << 18, "d_model": 1 << 18,
+    "num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096,
+    "num_attention_heads": 1 << 14, "n_head": 1 << 14,
+    "num_key_value_heads": 1 << 14, "n_head_kv": 1 << 14, "num_kv_heads": 1 << 14, "multi_query_group_num": 1 << 14,
+    "head_dim": 1 << 14,
+    "intermediate_size": 1 << 22, "n_inner": 1 << 22, "ffn_hidden_size": 1 << 22,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 30, "n_positions": 1 << 30, "seq_length": 1 << 30,
+}
+
+
 def _positive_int(value: Any, field_name: str, path: str) -> int:
-    """``value`` if it is a positive int (bools, strings, floats, NaN rejected), else
-    ``ModelConfigError`` naming ``path:field``."""
+    """``value`` if it is a positive int (bools, strings, floats, NaN rejected) no larger than its
+    :data:`MAX_CONFIG_SIZES` bound, else ``ModelConfigError`` naming ``path:field``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelConfigError(f"{field_name} must be a positive integer, not {value!r}", where=f"{path}:{field_name}")
+    limit = MAX_CONFIG_SIZES.get(field_name.rsplit(".", 1)[-1])
+    if limit is not None and value > limit:
+        raise ModelConfigError(f"{field_name} is {value:,}, more than {limit:,}, the largest this tool accepts "
+                               "(far above any published model; MAX_CONFIG_SIZES)", where=f"{path}:{field_name}")
     return value
 
 

@@ -74,8 +74,12 @@ def run(args) -> int:
             store = open_for_read(args.db)
             data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency)
         else:
+            from tuner.store import store_exists
+
             db = args.db or "var/ctx-tuner.sqlite"
-            if "://" in db or os.path.isfile(db):  # measured points, if there is a store
+            # measured points, if there is a store: a SQLite file that does not exist yet (path or
+            # sqlite:/// URL) simply has none
+            if store_exists(db):
                 store = open_for_read(db)
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
                                       store=store, timeout_s=args.timeout, progress=progress_printer(args))

@@ -109,7 +109,8 @@ def to_json(outcome) -> dict:
 def add_parser(sub) -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="profile one drop file, store the results, print the proposal")
     prof.add_argument("drop", help="path to a drop YAML file")
-    prof.add_argument("--db", default=None, help="SQLAlchemy URL (default: sqlite:///var/ctx-tuner.sqlite)")
+    prof.add_argument("--db", default=None, help="results store: a SQLite file path (e.g. runs.sqlite) or an SQLAlchemy URL "
+                      "(default: var/ctx-tuner.sqlite)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     prof.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds (default 600)")
     from tuner.commands.explain import add_progress_options
