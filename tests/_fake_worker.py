@@ -4,7 +4,8 @@ Invoked as ``python -S tests/_fake_worker.py -m tuner.worker_main`` (the daemon'
 ``worker_python`` is a wrapper script), it reads the real JSON request on stdin and replies in the
 worker's format with numbers derived from the request. Behaviour by drop name prefix:
 ``crash`` (dies by SIGKILL after writing to stderr), ``hang`` (sleeps forever, with a child in the
-same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then replies),
+same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then replies; with ``$FAKE_SLOW_ONCE_DIR`` only
+the first run of each drop sleeps),
 ``typed`` (replies with a typed error), ``warn`` (replies with two warnings), ``hog`` (allocates
 ``$FAKE_HOG_BYTES`` bytes, default 4 GiB). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
 Like the real worker it first applies :func:`tuner.worker_guard.install` (dies with its parent, own
@@ -36,9 +37,18 @@ if name.startswith("hang"):
     subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(3600)"])
     time.sleep(3600)
 if name.startswith("slow"):
-    time.sleep(float(os.environ.get("FAKE_SLOW_S", "3")))
+    once = os.environ.get("FAKE_SLOW_ONCE_DIR")  # with a directory: only each drop's first run is slow
+    marker = os.path.join(once, name) if once else None
+    if marker is None or not os.path.exists(marker):
+        if marker is not None:
+            open(marker, "w").close()
+        time.sleep(float(os.environ.get("FAKE_SLOW_S", "3")))
 if name.startswith("hog"):
-    hog = bytearray(int(os.environ.get("FAKE_HOG_BYTES", str(4 << 30))))  # MemoryError past the limit
+    once = os.environ.get("FAKE_HOG_ONCE")  # a marker file: only the first run allocates
+    if not once or not os.path.exists(once):
+        if once:
+            open(once, "w").close()
+        hog = bytearray(int(os.environ.get("FAKE_HOG_BYTES", str(4 << 30))))  # MemoryError past the limit
 if name.startswith("typed"):
     json.dump({"ok": False, "error_type": "PluginError", "error": "plugin generic: no architecture"}, sys.stdout)
     sys.exit(0)

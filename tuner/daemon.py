@@ -275,6 +275,9 @@ class Daemon:
         self._beat = clock()
         self._in_step = False
         self._work_thread: threading.Thread | None = None
+        #: set by :meth:`shutdown` when the work thread was still blocked (a locked database): the
+        #: caller should end the process at once (``os._exit``) rather than wait on it at exit
+        self.work_stuck = False
         self.control = Waker()
 
     # -- composition -----------------------------------------------------------------------------
@@ -976,6 +979,7 @@ class Daemon:
                 self._stop_work()
             else:
                 work.join(timeout=STOP_GRACE_S)
+                self.work_stuck = work.is_alive()
                 if work.is_alive():
                     log.warning("the database is busy (another writer holds its lock): stopping without waiting; "
                                 "an interrupted job is requeued at the next start (not counted)")

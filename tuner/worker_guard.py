@@ -2,10 +2,12 @@
 
 The parent (:func:`tuner.worker.run_in_worker`) passes them in the environment:
 
-* ``CTX_TUNER_PARENT_PID`` — the worker dies with its parent: ``prctl(PR_SET_PDEATHSIG,
-  SIGKILL)`` (Linux, through ctypes) and, because that signal follows the parent *thread* and
-  misses a parent that died before the call, a watchdog thread that polls ``getppid()`` and kills
-  the worker's whole process group once the parent is gone (an orphan is re-parented).
+* ``CTX_TUNER_PARENT_PID`` — the worker dies with its parent, and its whole process group with
+  it (the children a pass starts, such as an engine's helpers): ``prctl(PR_SET_PDEATHSIG)``
+  (Linux, through ctypes) delivers a blocked real-time signal that a watchdog thread waits for
+  (``sigtimedwait``), and the same thread polls ``getppid()`` (the death signal follows the
+  parent *thread*, and misses a parent that died before the call); either way it SIGKILLs the
+  group at once.
 * ``CTX_TUNER_WORKER_DEADLINE_S`` — the worker's own wall-clock deadline: at expiry it kills its
   process group, even when nobody is left to do it (the parent's timeout is the first line).
 * ``CTX_TUNER_WORKER_MEMORY_MAX_BYTES`` — ``RLIMIT_DATA`` (private writable memory: heap and
@@ -75,11 +77,21 @@ def prefer_oom_kill() -> None:
         pass
 
 
+def _death_signal() -> int | None:
+    """The signal the parent's death delivers: a real-time one nothing else uses, blocked in
+    every thread so only the watchdog's ``sigtimedwait`` takes it; None where unsupported."""
+    if not hasattr(signal, "SIGRTMIN") or not hasattr(signal, "sigtimedwait"):
+        return None
+    return signal.SIGRTMIN + 3
+
+
 def install(environ: Mapping[str, str] | None = None, *, getppid: Callable[[], int] = os.getppid,
             die: Callable[[], None] = kill_own_group, poll_s: float = PARENT_POLL_S,
-            monotonic: Callable[[], float] = time.monotonic) -> list[threading.Thread]:
-    """Apply the limits named in ``environ`` (default ``os.environ``). Returns the watchdog
-    threads started (daemon threads; tests inject ``getppid``/``die``/``poll_s``)."""
+            monotonic: Callable[[], float] = time.monotonic,
+            pdeathsig: Callable[[int], bool] = set_pdeathsig) -> list[threading.Thread]:
+    """Apply the limits named in ``environ`` (default ``os.environ``). Call it from the main thread
+    before other threads exist. Returns the watchdog threads started (daemon threads; tests
+    inject ``getppid``/``die``/``poll_s``/``pdeathsig``)."""
     env = os.environ if environ is None else environ
     threads = []
     mem = env.get(ENV_MEMORY)
@@ -89,14 +101,24 @@ def install(environ: Mapping[str, str] | None = None, *, getppid: Callable[[], i
     parent = env.get(ENV_PARENT)
     if parent and parent.isdigit():
         ppid = int(parent)
-        set_pdeathsig()
+        sig = _death_signal()
+        if sig is not None:
+            try:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+            except (OSError, ValueError):
+                sig = None
+        pdeathsig(sig if sig is not None else signal.SIGKILL)
         if getppid() != ppid:  # the parent died before the prctl took effect
             die()
 
         def watch_parent() -> None:
             while True:
-                time.sleep(poll_s)
-                if getppid() != ppid:
+                if sig is not None:
+                    got = signal.sigtimedwait([sig], poll_s)
+                else:
+                    got = None
+                    time.sleep(poll_s)
+                if got is not None or getppid() != ppid:
                     die()
                     return
 

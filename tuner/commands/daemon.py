@@ -74,7 +74,14 @@ def run(args) -> int:
     logging.getLogger("watchdog").setLevel(max(settings.log_level_no, logging.INFO))  # per-event chatter
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
-        return Daemon(settings).run()
+        daemon = Daemon(settings)
+        code = daemon.run()
+        if daemon.work_stuck:  # its work thread is blocked on another writer's lock: do not wait for it
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except SettingsError as exc:
         print(f"ctx-tuner: invalid settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
