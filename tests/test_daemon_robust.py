@@ -405,6 +405,14 @@ def test_store_that_does_not_exist_yet_made_plot_fail():
     assert store_exists("sqlite:////nonexistent/dir/new.sqlite") is False  # plot: no measured points
 
 
+def test_plot_svg_then_png_overwrote_the_same_json(tmp_path):
+    from tuner.plot import sidecar_path
+
+    assert sidecar_path(tmp_path / "x.png") == tmp_path / "x.json"
+    assert sidecar_path(tmp_path / "x.svg") == tmp_path / "x.svg.json"
+    assert sidecar_path(tmp_path / "x.PDF") == tmp_path / "x.PDF.json"
+
+
 # -- 11 ------------------------------------------------------------------------------------------
 
 def test_moved_drop_file_was_retired_and_profiled_again(h, caplog):

@@ -6,7 +6,8 @@ Real ``ctx-tuner daemon`` processes, real SQLite files and signals, the fast fak
 (``tests/_fake_worker.py`` behind ``worker_python``; every drop's pass takes 0.3 s):
 
 1. ``--random`` (default 50): 20 drops; the daemon is started and SIGKILLed at a random moment
-   (0.2–2.5 s after start) N times, then run to the end.
+   N times (one in five during start-up, the others 0–3 s after READY, while it claims, runs,
+   commits and writes files), then run to the end.
 2. ``--window`` (default 30): N drops; each run of the daemon SIGKILLs itself right after a job's
    results are committed and before its proposal file is written (``tests/_daemon_with_hooks.py``),
    N times, then run to the end.
@@ -120,8 +121,14 @@ def part_random(n_kills: int, rng: random.Random) -> dict:
     log = root / "daemon.log"
     env = {"FAKE_SLOW_S": "0.3"}
     for _ in range(n_kills):
+        readies = log.read_text().count("ready: watching") if log.exists() else 0
         proc = spawn(settings, log, env=env)
-        time.sleep(rng.uniform(0.2, 2.5))
+        if rng.random() < 0.2:  # now and then during start-up (migrations, recovery, first scan)
+            time.sleep(rng.uniform(0.0, 1.5))
+        else:  # mostly while it works: claims, passes, commits, file writes
+            poll(lambda: log.read_text().count("ready: watching") > readies or proc.poll() is not None, 60,
+                 what="the daemon ready")
+            time.sleep(rng.uniform(0.0, 3.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     wall = run_to_end(settings, db, n, log, env=env)
