@@ -231,5 +231,11 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
     request, _dev = prepare_request(load_drop(str(drop)))
     cal = Daemon(s)._calibration(request, s)
     assert cal is not None and cal["runs"] == 2 and cal["activation_peak_delta_bytes"] > 0.2 * GIB
+    # issue 15: with a SQLite store the daemon leaves the lookup (and the config read) to the worker
+    from tuner.worker_main import _calibrate
+
+    in_worker = {**request, "calibration_db": s.db_url}
+    _calibrate(in_worker)
+    assert in_worker["calibration"] == cal and "calibration_db" not in in_worker
     other = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "empty"))
     assert Daemon(other)._calibration(request, other) is None  # no store: nothing, no error

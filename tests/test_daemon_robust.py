@@ -196,6 +196,7 @@ def test_daemon_read_a_1gib_model_config_into_its_own_memory(tmp_path, tiny_conf
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    print(f"daemon peak RSS (VmHWM) {rss:,} bytes with a 1 GiB config.json in a drop")
     assert 0 < rss < 100_000_000, rss
     status, kind, etype, error = rows["huge"]
     assert (status, kind, etype) == ("failed", "drop", "ModelConfigError")

@@ -973,7 +973,6 @@ class Daemon:
         self.notifier.stopping("stopping")
         work = self._work_thread
         try:
-            self.watcher.stop()
             self._kill_running()
             if work is None:
                 self._stop_work()
@@ -981,6 +980,7 @@ class Daemon:
                 work.join(timeout=STOP_GRACE_S)
                 self.work_stuck = work.is_alive()
                 if work.is_alive():
+                    self.watcher.stop()
                     log.warning("the database is busy (another writer holds its lock): stopping without waiting; "
                                 "an interrupted job is requeued at the next start (not counted)")
         except Exception:
@@ -1013,6 +1013,7 @@ class Daemon:
         """The database part of stopping (work thread under :meth:`run`): wait for the killed
         job's thread, keep results that finished before the kill, requeue running jobs, snapshot."""
         try:
+            self.watcher.stop()
             self._kill_running()
             r = self._running
             if r is not None:
