@@ -134,9 +134,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry_backoff_max_s", 3600.0,
             "Longest delay between retries, in seconds.", _number(0, 604800)),
     Setting("worker_memory_max_bytes", None,
-            "Memory limit of each worker subprocess in bytes (`RLIMIT_DATA`: heap and private maps; GPU "
-            "memory is not counted); a pass that needs more fails as a run failure instead of waking the host's "
-            "OOM killer. null = half of the host's physical memory; 0 = no limit.", _opt_bytes),
+            "Memory limit of each simulate worker subprocess in bytes (`RLIMIT_DATA`: heap and private maps); a "
+            "pass that needs more fails as a run failure instead of waking the host's OOM killer (cuda/vllm "
+            "workers are bounded by the unit's `MemoryMax=`). null = half of the host's physical memory; 0 = "
+            "no limit.", _opt_bytes),
     Setting("log_level", "INFO", "Logging level of the daemon's stderr log.", _choice(LOG_LEVELS, upper=True)),
     Setting("allow_trust_remote_code", False,
             "Allow model code from the model directory (HF `trust_remote_code`). Drops can never set it.",
