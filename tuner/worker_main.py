@@ -30,7 +30,14 @@ def error_reply(exc: BaseException) -> dict:
 
 
 def main() -> int:
+    import os
+
     request = json.loads(sys.stdin.read())
+    # The reply owns stdout: anything else written there (vLLM's logger and C++ prints, when the
+    # engine adapter imports vLLM) goes to stderr instead.
+    reply_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     from tuner.errors import TunerError
 
     try:
@@ -43,9 +50,11 @@ def main() -> int:
 
             result = run_job(request)
     except TunerError as exc:
-        json.dump(error_reply(exc), sys.stdout)
+        json.dump(error_reply(exc), reply_out)
+        reply_out.flush()
         return 0
-    json.dump({"ok": True, "result": result}, sys.stdout)
+    json.dump({"ok": True, "result": result}, reply_out)
+    reply_out.flush()
     return 0
 
 
