@@ -93,7 +93,7 @@ def _provenance_json(result: dict) -> dict:
     out = {}
     for key in ("term_sources", "engine_check"):
         v = result.get(key)
-        out[key] = json.dumps(v, sort_keys=True) if v is not None else None
+        out[key] = json.dumps(v) if v is not None else None  # key order kept (explain prints it)
     return out
 
 

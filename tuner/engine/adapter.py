@@ -223,15 +223,16 @@ def _init_single_rank(vc: Any, tp: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
-        real_tp = vc.parallel_config.tensor_parallel_size
-        vc.parallel_config.tensor_parallel_size = 1
+        pc = vc.parallel_config
+        saved = (pc.tensor_parallel_size, pc.world_size)
+        pc.tensor_parallel_size, pc.world_size = 1, 1
         try:
             init_worker_distributed_environment(vc, 0, f"tcp://127.0.0.1:{_free_port()}", 0, "gloo")
         finally:
-            vc.parallel_config.tensor_parallel_size = real_tp
-    if tp > 1:
-        parallel_state.get_tp_group().world_size = tp
-        vc.parallel_config.tensor_parallel_size = tp
+            pc.tensor_parallel_size, pc.world_size = saved
+    # set every time: one process may open sessions of different TP sizes
+    parallel_state.get_tp_group().world_size = tp
+    vc.parallel_config.tensor_parallel_size = tp
 
 
 def _weights_by_dtype(model: Any) -> dict:
@@ -340,10 +341,10 @@ def open_session(model_dir: str, settings: EngineSettings, *, path: str | None =
             vc = EngineArgs(**kw).create_engine_config()
     except Exception as exc:
         msg = str(exc).strip()
-        if "Model architectures" in msg and "failed to be inspected" in msg:
-            raise EngineError(f"vLLM {vllm.__version__} could not inspect the architecture: {msg}",
-                              where=model_dir) from exc
         first = " ".join(msg.split())[:600]
+        if "failed to be inspected" in msg or "not supported for now" in msg:
+            raise EngineError(f"vLLM {vllm.__version__} could not inspect the architecture: {first}",
+                              where=model_dir) from exc
         raise DropError(f"vLLM {vllm.__version__} refuses these settings: {first}", path=path,
                         field=drop_field_of(msg)) from exc
     timings["config_s"] = round(time.perf_counter() - t1, 3)

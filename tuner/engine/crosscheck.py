@@ -56,6 +56,8 @@ def to_tuner_spec(s: Any) -> Any:
         UnconvertibleSpec: a class (or dtype) with no :mod:`tuner.kvcache` counterpart.
     """
     cls = type(s).__name__
+    if cls not in ENGINE_SPEC_FIELDS:
+        raise UnconvertibleSpec(f"no tuner.kvcache counterpart for vLLM's {cls}")
     pad = getattr(s, "page_size_padded", None)
     if cls == "MambaSpec":
         return kvcache.MambaSpec(int(s.block_size), tuple(tuple(int(x) for x in sh) for sh in s.shapes),
