@@ -539,7 +539,7 @@ class Daemon:
                 if cal is not None:
                     request["calibration"] = cal
             result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                                 python=s.worker_python, popen=self._popen)
+                                 python=s.python_for(drop.engine_version), popen=self._popen)
             outcome: Any = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                           content=job.content)
         except TunerError as exc:
