@@ -214,3 +214,24 @@ def test_profile_worker_python_not_executable_exit_2(tmp_path, capsys):
 
     rc = main(["profile", str(tmp_path / "d.yaml"), "--worker-python", str(tmp_path / "nope" / "python")])
     assert rc == 2 and "--worker-python" in capsys.readouterr().err
+
+
+def test_engine_refusal_of_a_drop_setting_is_a_drop_error_else_a_warning():
+    from tuner.errors import DropError, ModelConfigError
+
+    def refuse(field):
+        def opener(*a, **k):
+            raise DropError("vLLM 0.32.0 refuses these settings: bad", path="/d.yaml", field=field)
+        return opener
+
+    spec = SimpleNamespace(top={}, architectures=["XForCausalLM"])
+    plugin = SimpleNamespace(name="generic")
+    kw = dict(model_dir="/m", spec=spec, plugin=plugin, era=era_for("0.32.0"), plugin_specs=_full(2),
+              plugin_specs_at=lambda v: _full(2), reference_bytes=1 << 30)
+    with pytest.raises(DropError):  # the drop sets quantization: its error
+        engine_for_job(d={"engine_version": "0.32.0", "quantization": "awq"}, unserved=False,
+                       opener=refuse("quantization"), **kw)
+    use = engine_for_job(d={"engine_version": "0.32.0"}, unserved=False, opener=refuse("quantization"), **kw)
+    assert use.session is None and any("vLLM refuses the model config" in w for w in use.warnings)
+    with pytest.raises(ModelConfigError):
+        engine_for_job(d={"engine_version": "0.32.0"}, unserved=True, opener=refuse("quantization"), **kw)

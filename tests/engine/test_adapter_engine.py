@@ -55,7 +55,10 @@ def test_adapter_llama_specs_weights_and_blocks(shared_dir):
     mine = kvcache.get_kv_cache_config(s.version, specs, avail, max_model_len=8192, max_num_batched_tokens=8192)
     assert got["starts"] and got["num_gpu_blocks"] == mine.num_blocks == avail // (32 * 65536)
     refused = s.kv_sizing(2 * GiB, 131072)
-    assert not refused["starts"] and refused["estimated_max_model_len"] == 16 * (2 * GiB // (32 * 65536))
+    assert not refused["starts"] and 0 < refused["estimated_max_model_len"] <= 16 * (2 * GiB // (32 * 65536))
+    port = crosscheck.tuner_sizing(s.version, specs, 2 * GiB, 131072, 8192)  # ctx-tuner's port says the same
+    assert not port["starts"]
+    assert f"estimated maximum model length is {refused['estimated_max_model_len']}" in port["error"]
     # the plugin agrees at the installed release
     chk = crosscheck.compare(_plugin_specs(model, s.version), specs, version=s.version, reference_bytes=40 * GiB,
                              block_size=16, max_num_batched_tokens=8192)

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tuner.engine import crosscheck
-from tuner.errors import EngineError
+from pathlib import Path
+
+from tuner.errors import DropError, EngineError, ModelConfigError
 
 
 @dataclass
@@ -101,7 +103,9 @@ def engine_for_job(*, d: dict, model_dir: str, spec: Any, plugin: Any, unserved:
     in tests.
 
     Raises:
-        DropError: vLLM refuses the drop's settings (its message, the field).
+        DropError: vLLM refuses a setting the drop gives (its message, the field); a refusal of a
+            setting the drop leaves to the checkpoint (a partial config.json) is a warning, or for
+            an unserved architecture a ModelConfigError.
         EngineError: the engine cannot build the model (for a served architecture the job goes on
             with the plugin and a warning instead).
     """
@@ -112,7 +116,18 @@ def engine_for_job(*, d: dict, model_dir: str, spec: Any, plugin: Any, unserved:
     use = EngineUse(plugin=plugin)
     bs = gpu_block_size(d, None if unserved else plugin_specs)
     es = engine_settings(d, block_size=bs, multimodal="text_config" in spec.top, trust_remote_code=trust_remote_code)
-    session = opener(model_dir, es, path=d.get("path"))
+    try:
+        session = opener(model_dir, es, path=d.get("path"))
+    except DropError as exc:
+        if exc.field and d.get(exc.field) is not None:
+            raise  # vLLM refuses a setting the drop gives: an invalid drop
+        # the refusal concerns the checkpoint's own config (e.g. a partial config.json)
+        if unserved:
+            raise ModelConfigError(f"vLLM refuses the model config: {exc.message}",
+                                   where=str(Path(model_dir) / "config.json")) from exc
+        use.warnings.append(f"engine cross-check skipped: vLLM refuses the model config ({exc.message})")
+        use.report.update(error=exc.message)
+        return use
     use.session = session
     rep = use.report
     rep["release"] = session.version
