@@ -61,7 +61,7 @@ def _run_profile(drop: Path, db: Path, env_extra: dict) -> subprocess.CompletedP
 
 
 def test_unserved_moe_without_engine_is_refused_exit_2(tmp_path):
-    drop = REPO / "configs" / "examples" / "tiny-olmoe-engine.yaml"
+    drop = REPO / "configs" / "engine" / "tiny-olmoe-engine.yaml"
     p = _run_profile(drop, tmp_path / "s.sqlite", {})
     assert p.returncode == 2, p.stderr
     assert "no plugin serves architecture OlmoeForCausalLM" in p.stderr

@@ -231,6 +231,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     engine_use = _engine_use(request, d, spec, plugin, warn is not None, top, era, stage_settings, total, pp)
     if engine_use is not None:
         plugin = engine_use.plugin or plugin
+        if engine_use.weights and warn in warnings:  # the engine, not the generic fallback, serves it
+            warnings.remove(warn)
         warnings.extend(engine_use.warnings)
     kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
     if engine_use is not None and engine_use.kv_specs is not None:
