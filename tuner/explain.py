@@ -892,6 +892,8 @@ def engine_check_lines(check: dict | None) -> list[str]:
                               for g in x.get("specs", []))
             out.append(f"  {side:<6} {specs}; {x.get('num_gpu_blocks', '-')} blocks in "
                        f"{_gib(chk.get('reference_bytes'))} GiB, {x.get('num_groups', '-')} groups")
+    if chk.get("note"):
+        out.append(f"  note: {chk['note']}")
     for dline in chk.get("differences") or []:
         out.append(f"  difference: {dline}")
     cfg = check.get("config") or {}
@@ -901,8 +903,10 @@ def engine_check_lines(check: dict | None) -> list[str]:
                    f"block_size {cfg.get('block_size')}, quantization {cfg.get('quantization')}")
     w = check.get("weights")
     if w:
-        out.append(f"  engine weights (meta model): {w['bytes']} B ({_gib(w['bytes'])} GiB), "
-                   + ", ".join(f"{k} {v}" for k, v in w.get("by_dtype", {}).items()))
+        out.append(f"  engine weights (meta model, before process_weights_after_loading): {w['bytes']} B "
+                   f"({_gib(w['bytes'])} GiB), " + ", ".join(f"{k} {v}" for k, v in w.get("by_dtype", {}).items())
+                   + (f"; the run's weights {w['job_bytes']} B ({w['job_bytes'] - w['bytes']:+d})"
+                      if w.get("job_bytes") is not None else ""))
     for v in check.get("proposals") or []:
         e = v["engine"]
         got = e.get("num_gpu_blocks") if e.get("starts") else f"refuses ({(e.get('error') or '')[:120]})"

@@ -375,6 +375,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                             min_concurrency=min_conc).available_kv_cache_bytes
 
         verify_proposals(engine_use, proposals, available_at)
+        if engine_use.report.get("weights") and runs and pp == 1:
+            engine_use.report["weights"]["job_bytes"] = int(runs[0]["weights_bytes"])  # what the budget used
         for v in engine_use.report.get("proposals", []):
             if not v["agree"] and engine_use.report.get("releases_match", False):
                 warnings.append(f"gmu {v['gpu_memory_utilization']:g}, max_model_len {v['max_model_len']}: vLLM's "

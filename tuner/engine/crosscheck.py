@@ -114,7 +114,7 @@ def compare(plugin_specs: dict | None, engine_specs: dict, *, version: str, refe
     e_size = tuner_sizing(version, engine_specs, reference_bytes, block_size, max_num_batched_tokens)
     out: dict = {"reference_bytes": int(reference_bytes), "engine": {"specs": eng, **e_size}}
     if plugin_specs is None:
-        out.update(agree=None, differences=["no plugin serves the architecture: the engine's specs are used"])
+        out.update(agree=None, differences=[], note="no plugin serves the architecture: the engine's specs are used")
         return out
     plg = spec_summary(plugin_specs)
     p_size = tuner_sizing(version, plugin_specs, reference_bytes, block_size, max_num_batched_tokens)
