@@ -235,3 +235,6 @@ def test_engine_refusal_of_a_drop_setting_is_a_drop_error_else_a_warning():
     assert use.session is None and any("vLLM refuses the model config" in w for w in use.warnings)
     with pytest.raises(ModelConfigError):
         engine_for_job(d={"engine_version": "0.32.0"}, unserved=True, opener=refuse("quantization"), **kw)
+    # "model" (no setting named): the checkpoint's config, never the drop's fault
+    use = engine_for_job(d={"engine_version": "0.32.0", "model": "/m"}, unserved=False, opener=refuse("model"), **kw)
+    assert use.session is None and use.report["error"].startswith("vLLM 0.32.0 refuses")

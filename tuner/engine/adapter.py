@@ -341,6 +341,8 @@ def open_session(model_dir: str, settings: EngineSettings, *, path: str | None =
             vc = EngineArgs(**kw).create_engine_config()
     except Exception as exc:
         msg = str(exc).strip()
+        if not isinstance(exc, ValueError) or len(msg) < 40:  # e.g. a KeyError of a partial config: say which
+            msg = f"{type(exc).__name__}: {msg}"
         first = " ".join(msg.split())[:600]
         if "failed to be inspected" in msg or "not supported for now" in msg:
             raise EngineError(f"vLLM {vllm.__version__} could not inspect the architecture: {first}",

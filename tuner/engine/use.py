@@ -119,7 +119,7 @@ def engine_for_job(*, d: dict, model_dir: str, spec: Any, plugin: Any, unserved:
     try:
         session = opener(model_dir, es, path=d.get("path"))
     except DropError as exc:
-        if exc.field and d.get(exc.field) is not None:
+        if exc.field and exc.field != "model" and d.get(exc.field) is not None:
             raise  # vLLM refuses a setting the drop gives: an invalid drop
         # the refusal concerns the checkpoint's own config (e.g. a partial config.json)
         if unserved:
