@@ -35,6 +35,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("profile_runs") as batch:
+    if op.get_bind().dialect.name == "sqlite":
+        # native DROP COLUMN (SQLite 3.35+): a batch copy of the table would break the 0004 views
         for name in reversed(COLUMNS):
-            batch.drop_column(name)
+            op.execute(f"ALTER TABLE profile_runs DROP COLUMN {name}")
+        return
+    for name in reversed(COLUMNS):
+        op.drop_column("profile_runs", name)
