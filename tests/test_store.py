@@ -31,7 +31,7 @@ EXPECTED = {
         "tool_version", "torch_version", "transformers_version", "started_at", "elapsed_s",
         "gpu_memory_utilization", "max_model_len", "block_size", "non_torch_bytes",
         "cuda_graph_bytes", "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens",
-        "max_concurrency", "error_message", "source",
+        "max_concurrency", "error_message", "source", "term_sources", "engine_check",
     ],
     "candidates": [
         "id", "drop_id", "profile_run_id", "gpu_memory_utilization", "max_model_len",

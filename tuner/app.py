@@ -88,6 +88,15 @@ _MEASURED_COLUMNS = ("gpu_memory_utilization", "max_model_len", "weights_bytes",
                      "kv_cache_tokens", "max_concurrency", "error_message", "source")
 
 
+def _provenance_json(result: dict) -> dict:
+    """The ``term_sources`` and ``engine_check`` columns (JSON text, null when absent)."""
+    out = {}
+    for key in ("term_sources", "engine_check"):
+        v = result.get(key)
+        out[key] = json.dumps(v) if v is not None else None  # key order kept (explain prints it)
+    return out
+
+
 def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, list, list, list]:
     """Map a job result onto the ``drops``/``profile_runs``/``candidates``/``proposals`` rows.
 
@@ -121,6 +130,7 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
             "elapsed_s": run["elapsed_s"],
         })
         runs[-1]["method"] = run.get("method") or runs[-1]["method"]
+        runs[-1].update(_provenance_json(r))
         if run.get("non_torch_bytes") is not None:  # measured on the GPU (cuda)
             runs[-1]["non_torch_bytes"] = int(run["non_torch_bytes"])
     for i, m in enumerate(r.get("measured") or []):  # vllm: one engine start-up per needed candidate

@@ -803,7 +803,7 @@ class Daemon:
             # memory and is bounded by the unit's MemoryMax= and its oom_score_adj instead
             limit = s.worker_memory_limit if request.get("method") == "simulate" else None
             result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                                 python=s.worker_python, popen=self._popen, memory_max_bytes=limit)
+                                 python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
             outcome: Any = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                           content=job.content)
         except TunerError as exc:

@@ -588,6 +588,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
+            "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "explanations": explanations}
 
 
@@ -731,7 +732,20 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
         e["method"] = run["method"]
         explanations.append(e)
     return {"drop": drop_row.get("name"), "model": model_dir, "device": device, "era": era.name,
-            "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations}
+            "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations,
+            "term_sources": _json_column(run.get("term_sources")), "engine_check": _json_column(run.get("engine_check"))}
+
+
+def _json_column(text: str | None) -> Any:
+    """A stored JSON text column (``term_sources``, ``engine_check``), None when absent or unreadable."""
+    import json
+
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -853,6 +867,58 @@ def render_point(e: dict) -> str:
     return "\n".join(lines)
 
 
+def term_sources_line(sources: dict) -> str:
+    """``sources: kv_cache_spec engine, weights engine, …`` (see :mod:`tuner.engine.crosscheck`)."""
+    return "sources: " + ", ".join(f"{k} {v}" for k, v in sources.items() if k != "plugin")
+
+
+def engine_check_lines(check: dict | None) -> list[str]:
+    """The engine adapter's cross-check in words: release, decision, differences, vLLM's blocks
+    at each proposal next to ctx-tuner's. Empty when no engine ran."""
+    if not check:
+        return []
+    if check.get("skipped"):
+        return [f"engine: {check['skipped']}"]
+    rel = check.get("release")
+    same = "same release as the drop" if check.get("releases_match") else f"drop asks {check.get('drop_release')}"
+    out = [f"engine: vLLM {rel} ({same}); KV specs: {check.get('decision', 'not compared')}"]
+    if check.get("error"):
+        out.append(f"  engine error: {check['error']}")
+    chk = check.get("check") or {}
+    for side in ("plugin", "engine"):
+        if chk.get(side):
+            x = chk[side]
+            specs = ", ".join(f"{g['layers']}×{g['kind']} bs {g['block_size']} page {g['page_size_bytes']}"
+                              for g in x.get("specs", []))
+            out.append(f"  {side:<6} {specs}; {x.get('num_gpu_blocks', '-')} blocks in "
+                       f"{_gib(chk.get('reference_bytes'))} GiB, {x.get('num_groups', '-')} groups")
+    if chk.get("note"):
+        out.append(f"  note: {chk['note']}")
+    for dline in chk.get("differences") or []:
+        out.append(f"  difference: {dline}")
+    cfg = check.get("config") or {}
+    if cfg:
+        out.append(f"  engine config ({cfg.get('platform')}): max_model_len {cfg.get('max_model_len')}, "
+                   f"max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, max_num_seqs {cfg.get('max_num_seqs')}, "
+                   f"block_size {cfg.get('block_size')}, quantization {cfg.get('quantization')}")
+    w = check.get("weights")
+    if w:
+        out.append(f"  engine weights (meta model, before process_weights_after_loading): {w['bytes']} B "
+                   f"({_gib(w['bytes'])} GiB), " + ", ".join(f"{k} {v}" for k, v in w.get("by_dtype", {}).items())
+                   + (f"; the run's weights {w['job_bytes']} B ({w['job_bytes'] - w['bytes']:+d})"
+                      if w.get("job_bytes") is not None else ""))
+    for v in check.get("proposals") or []:
+        e = v["engine"]
+        got = e.get("num_gpu_blocks") if e.get("starts") else f"refuses ({(e.get('error') or '')[:120]})"
+        out.append(f"  gmu {v['gpu_memory_utilization']:g} max_model_len {v['max_model_len']}: vLLM kv_cache_utils "
+                   f"{got} blocks, ctx-tuner {v['ctx_tuner_num_gpu_blocks']}"
+                   + ("" if v["agree"] else "  <- differ"))
+    t = check.get("timings")
+    if t:
+        out.append("  engine time: " + ", ".join(f"{k} {v}" for k, v in t.items()))
+    return out
+
+
 def render(doc: dict) -> str:
     """The whole ``explain`` report: a header, then each point."""
     e0 = doc["explanations"][0] if doc["explanations"] else {}
@@ -863,6 +929,9 @@ def render(doc: dict) -> str:
              f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size')}"]
     for w in doc.get("warnings") or []:
         lines.append(f"warning: {w}")
+    if doc.get("term_sources"):
+        lines.append(term_sources_line(doc["term_sources"]))
+    lines += engine_check_lines(doc.get("engine_check"))
     for e in doc["explanations"]:
         lines += ["", render_point(e)]
     return "\n".join(lines)

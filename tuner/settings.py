@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -91,6 +91,23 @@ def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], st
     return check
 
 
+def _release_pythons(v: Any) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise _Bad(f"must be a mapping of vLLM release to Python path, not {type(v).__name__} {v!r}")
+    from tuner.eras import EraError, parse_version
+
+    out = {}
+    for k, p in v.items():
+        try:
+            key = ".".join(map(str, parse_version(str(k)).key))
+        except EraError as exc:
+            raise _Bad(f"{k!r}: {exc.message}") from None
+        out[key] = _path(p)
+    return out
+
+
 @dataclass(frozen=True)
 class Setting:
     """One settings key: its ``name``, ``default`` (None = derived, see help), ``help`` and check."""
@@ -147,6 +164,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("worker_python", None,
             "Python interpreter that runs worker subprocesses (`-m tuner.worker_main`, needs torch); "
             "null = the daemon's own interpreter.", _opt_path),
+    Setting("engine_pythons", {},
+            "vLLM release → Python interpreter of a venv with that vLLM build installed (`{\"0.32.0\": "
+            "/opt/vllm-0.32/bin/python}`): a drop whose `engine_version` is that release runs its worker there "
+            "(the engine adapter then uses the drop's own release); other drops use `worker_python`.",
+            _release_pythons),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -171,8 +193,20 @@ class Settings:
     allow_trust_remote_code: bool = False
     default_method: str = "simulate"
     worker_python: str | None = None
+    engine_pythons: dict = field(default_factory=dict)
     #: the file these settings came from (None = defaults).
     source: str | None = None
+
+    def python_for(self, engine_version: str | None) -> str | None:
+        """The worker interpreter for a drop of ``engine_version``: its ``engine_pythons`` entry
+        (same major.minor.patch), else ``worker_python``."""
+        from tuner.eras import EraError, parse_version
+
+        try:
+            key = ".".join(map(str, parse_version(str(engine_version)).key))
+        except EraError:
+            return self.worker_python
+        return self.engine_pythons.get(key) or self.worker_python
 
     @property
     def db_url(self) -> str:
@@ -236,6 +270,9 @@ def settings_from_mapping(data: Any, *, source: str | None = None, base_dir: str
         v = values.get(key)
         if v is not None and base is not None and not os.path.isabs(os.path.expanduser(v)):
             values[key] = str(base / v)
+    if values.get("engine_pythons") and base is not None:
+        values["engine_pythons"] = {k: v if os.path.isabs(os.path.expanduser(v)) else str(base / v)
+                                    for k, v in values["engine_pythons"].items()}
     db = values.get("database_url")
     if db and "://" not in db and base is not None and not os.path.isabs(db):
         values["database_url"] = str(base / db)
@@ -272,20 +309,25 @@ def check_worker_python(settings: Settings) -> None:
     Raises:
         SettingsError: naming the settings file and ``worker_python``.
     """
-    wp = settings.worker_python
+    _check_python(settings, settings.worker_python, "worker_python")
+    for release, wp in settings.engine_pythons.items():
+        _check_python(settings, wp, f"engine_pythons.{release}")
+
+
+def _check_python(settings: Settings, wp: str | None, name: str) -> None:
     if wp is None:
         return
     path = os.path.expanduser(wp)
     if os.sep not in path:
         if shutil.which(path) is None:
-            raise SettingsError(f"worker_python {wp!r} is not a command on PATH", path=settings.source,
-                                field="worker_python")
+            raise SettingsError(f"{name} {wp!r} is not a command on PATH", path=settings.source,
+                                field=name)
         return
     if not os.path.exists(path):
-        raise SettingsError(f"worker_python {wp} does not exist", path=settings.source, field="worker_python")
+        raise SettingsError(f"{name} {wp} does not exist", path=settings.source, field=name)
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
-        raise SettingsError(f"worker_python {wp} is not an executable file", path=settings.source,
-                            field="worker_python")
+        raise SettingsError(f"{name} {wp} is not an executable file", path=settings.source,
+                            field=name)
 
 
 def settings_markdown() -> str:

@@ -142,6 +142,9 @@ profile_runs_table = sa.Table(
     sa.Column("max_concurrency", sa.Float, nullable=True),
     sa.Column("error_message", sa.Text, nullable=True),
     sa.Column("source", sa.Text, nullable=True),
+    # revision 0005: JSON text — which source gave each term; the engine adapter's cross-check.
+    sa.Column("term_sources", sa.Text, nullable=True),
+    sa.Column("engine_check", sa.Text, nullable=True),
     sa.CheckConstraint("status IN ('ok', 'failed')", name="status"),
     sa.CheckConstraint("method IN ('simulate', 'cuda', 'vllm', 'import')", name="method"),
 )

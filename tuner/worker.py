@@ -75,13 +75,25 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
         env[ENV_MEMORY] = str(int(memory_max_bytes))
     else:
         env.pop(ENV_MEMORY, None)
-    proc = popen([python or sys.executable, "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
+    proc = popen([worker_python(python), "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
     _RUNNING[proc.pid] = killpg
     try:
         return _wait_for_reply(proc, request, job=job, timeout_s=timeout_s, killpg=killpg, on_progress=on_progress)
     finally:
         _RUNNING.pop(proc.pid, None)
+
+
+#: Environment variable naming the worker's Python (e.g. a venv with a vLLM build for the engine
+#: adapter) for every command that runs workers; ``profile --worker-python`` and the daemon's
+#: ``worker_python`` setting win over it.
+WORKER_PYTHON_ENV = "CTX_TUNER_WORKER_PYTHON"
+
+
+def worker_python(python: str | None = None) -> str:
+    """The interpreter that runs workers: ``python`` when given, else ``$CTX_TUNER_WORKER_PYTHON``,
+    else this process's own."""
+    return python or os.environ.get(WORKER_PYTHON_ENV) or sys.executable
 
 
 def kill_running_workers() -> int:

@@ -11,6 +11,7 @@ Typed errors are replies; anything else is a crash with a traceback on stderr.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -63,6 +64,11 @@ def main() -> int:
 
     install()  # die with the parent, own deadline, memory limit: before anything big is imported
     request = json.loads(sys.stdin.read())
+    # The reply owns stdout: anything else written there (vLLM's logger and C++ prints, when the
+    # engine adapter imports vLLM) goes to stderr instead.
+    reply_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     from tuner.errors import TunerError, WorkerError
 
     try:
@@ -79,20 +85,21 @@ def main() -> int:
         if extra and isinstance(result, dict):
             result["warnings"] = list(result.get("warnings") or []) + extra
     except TunerError as exc:
-        json.dump(error_reply(exc), sys.stdout)
+        json.dump(error_reply(exc), reply_out)
+        reply_out.flush()
         return 0
     except MemoryError:
-        import os
-
         from tuner.worker_guard import ENV_MEMORY
 
         limit = os.environ.get(ENV_MEMORY)
         exc = WorkerError("the profile pass ran out of memory" + (
             f" (worker memory limit {int(limit):,} bytes, setting worker_memory_max_bytes)" if limit else ""),
             where=str((request.get("drop") or {}).get("name") or "worker"))
-        json.dump(error_reply(exc), sys.stdout)
+        json.dump(error_reply(exc), reply_out)
+        reply_out.flush()
         return 0
-    json.dump({"ok": True, "result": result}, sys.stdout)
+    json.dump({"ok": True, "result": result}, reply_out)
+    reply_out.flush()
     return 0
 
 
