@@ -296,6 +296,36 @@ def steps_add_up(steps: list[dict]) -> int:
     return total
 
 
+def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> list[dict]:
+    """The TP group's share of the non-torch term as its own steps (bytes; empty at TP 1): NCCL
+    (NVLS on NVSwitch, the communicator where the era charges it) and custom all-reduce's IPC
+    buffers, with whether custom all-reduce is on and why (:mod:`tuner.budget`)."""
+    from tuner.budget import (V0_PROFILING, V1_CONSUMED, V1_PROFILING, custom_all_reduce_buffer_bytes,
+                              custom_all_reduce_enabled, nccl_profile_bytes)
+    from tuner.job import topology_for
+
+    tp = int(drop.get("tensor_parallel_size") or 1)
+    if tp <= 1 or era.budget_formula not in (V0_PROFILING, V1_PROFILING, V1_CONSUMED):
+        return []
+    if era.engine == "V0" and era.version < (0, 7, 0):
+        return []
+    topo = topology_for(device, drop)
+    nccl = nccl_profile_bytes(era, tp, topo)
+    on, why = custom_all_reduce_enabled(tp, topo)
+    charged = era.engine == "V0" or era.version < (0, 11, 0)
+    ar = custom_all_reduce_buffer_bytes(era, tp, topo) if charged else 0
+    if nccl + ar > non_torch:
+        return []
+    out = [{"name": "nccl", "op": "-", "bytes": nccl,
+            "text": f"NCCL buffers of the TP{tp} group ({topo.interconnect}"
+                    f"{', NVLS' if topo.interconnect == 'nvswitch' and nccl else ''})"}]
+    state = "on" if on else f"off: {why}"
+    out.append({"name": "custom_all_reduce", "op": "-", "bytes": ar,
+                "text": f"custom all-reduce IPC buffers ({state}"
+                        f"{'' if charged or not on else '; allocated before the start-up snapshot, not charged'})"})
+    return out
+
+
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
                   block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
@@ -364,7 +394,23 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                       "text": "safety reserve for start-up memory no term explains, see README"})
     nt_text = ("non-torch memory (as the engine logged it)" if measured
                else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
-    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr, "text": nt_text})
+    comm = [] if measured else _communication_steps(era, drop, device, nt - nt_corr)
+    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr - sum(s["bytes"] for s in comm),
+                  "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
+                                                   "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
+    steps.extend(comm)
+    spec = drop.get("speculative_config") or {}
+    if spec:
+        from tuner.budget import cudagraph_capture_sizes
+        from tuner.job import num_speculative_tokens
+
+        k = num_speculative_tokens(drop, era)
+        sizes = cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k)
+        steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
+                      "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
+                              f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
+                              f"sizes up to {max(sizes) if sizes else 0} (drafter weights, KV layers and profile "
+                              "run not modelled)"})
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:

@@ -49,6 +49,12 @@ def _extra_args(d: dict) -> str:
             parts.append(f"--{key.replace('_', '-')} {d[key]}")
     if d.get("enable_chunked_prefill") is not None:
         parts.append("--enable-chunked-prefill" if d["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
+    if d.get("speculative_config"):
+        import json
+
+        parts.append(f"--speculative-config '{json.dumps(d['speculative_config'], sort_keys=True)}'")
+    if d.get("disable_custom_all_reduce"):
+        parts.append("--disable-custom-all-reduce")
     if d.get("enforce_eager"):
         parts.append("--enforce-eager")
     return " ".join(parts)
@@ -104,8 +110,34 @@ def _compute_capability(device: dict) -> str | None:
         return str(device["compute_capability"])
     from tuner.devices import lookup
 
-    dev = lookup(str(device.get("name", "")))
+    dev = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
     return dev.compute_capability if dev is not None else None
+
+
+def num_speculative_tokens(drop: dict, era) -> int:
+    """Draft tokens per request that size the CUDA-graph captures (``VllmConfig.num_speculative_tokens``,
+    vllm/config/vllm.py): the drop's ``speculative_config.num_speculative_tokens`` on V1; 0 without
+    speculative decoding and on V0 (no capture-size rule there)."""
+    sc = drop.get("speculative_config") or {}
+    if era.engine != "V1" or not sc:
+        return 0
+    return int(sc.get("num_speculative_tokens") or 0)
+
+
+def topology_for(device: dict, drop: dict):
+    """The TP group's :class:`tuner.budget.Topology`: the device's ``interconnect`` / ``p2p`` as the
+    request states them, else the catalog's for its name (and total), else the calibration centre
+    (NVSwitch, P2P); ``disable_custom_all_reduce`` from the drop."""
+    from tuner.budget import Topology
+    from tuner.devices import lookup
+
+    known = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
+    ic = device.get("interconnect") or (known.interconnect if known is not None else None) or "nvswitch"
+    p2p = device.get("p2p")
+    if p2p is None:
+        p2p = known.p2p if known is not None and known.p2p is not None else True
+    return Topology(interconnect=ic, p2p=bool(p2p), compute_capability=_compute_capability(device),
+                    disable_custom_all_reduce=bool(drop.get("disable_custom_all_reduce")))
 
 
 def run_job(request: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +228,13 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device),
                                                                                                  era),
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
-                    model_max_length=spec.raw.get("model_max_length"))
+                    model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
+                    num_speculative_tokens=num_speculative_tokens(d, era))
+    spec_cfg = d.get("speculative_config") or {}
+    if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix"):
+        warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
+                        "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
+                        "than predicted")
     is_mm = "text_config" in spec.top
     from tuner.kvcache import MambaSpec
 

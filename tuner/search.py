@@ -49,6 +49,12 @@ class Layout:
     derived_max_len_key: str = "max_position_embeddings"
     #: The config's ``model_max_length`` (None when absent), also named in the refusal.
     model_max_length: int | None = None
+    #: The TP group's interconnect and custom all-reduce (:class:`tuner.budget.Topology`); None =
+    #: the calibration centre (H100 SXM, NVSwitch).
+    topology: object = None
+    #: Speculative decoding's draft tokens per request (1 + k tokens per decode step size the
+    #: CUDA-graph captures, :func:`tuner.budget.cudagraph_capture_sizes`).
+    num_speculative_tokens: int = 0
 
     @property
     def max_model_len_limit(self) -> int:
@@ -185,10 +191,11 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes"))))
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
-                                          hidden_size=layout.hidden_size)
+                                          hidden_size=layout.hidden_size,
+                                          num_speculative_tokens=layout.num_speculative_tokens)
         act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1]
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                              pipeline_parallel_size=layout.pipeline_parallel_size)
+                              pipeline_parallel_size=layout.pipeline_parallel_size, topology=layout.topology)
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
