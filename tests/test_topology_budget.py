@@ -169,3 +169,23 @@ def test_auto_round_checkpoint_accepts_any_spelling_of_the_argument():
     with pytest.raises(DropError) as e:
         check_quantization("auto_round", None, version=era_for("0.20.1").version, path="x.yaml")
     assert e.value.field == "quantization" and "Unknown quantization method: auto_round" in e.value.message
+
+
+def test_explain_shows_nccl_and_custom_all_reduce_as_their_own_steps():
+    from tuner.explain import _communication_steps
+
+    v19 = era_for("0.19.0")
+    nt = non_torch_bytes(v19, tensor_parallel_size=4)
+    steps = _communication_steps(v19, {"tensor_parallel_size": 4}, {"name": "H100-80GB",
+                                                                     "total_memory_bytes": 85030076416}, nt)
+    assert [s["name"] for s in steps] == ["nccl", "custom_all_reduce"]
+    assert steps[0]["bytes"] == int(1.88 * GiB) and "NVLS" in steps[0]["text"]
+    # 0.19 allocates custom all-reduce before the start-up snapshot: shown, not charged
+    assert steps[1]["bytes"] == 0 and "on" in steps[1]["text"] and "not charged" in steps[1]["text"]
+    l40 = {"name": "NVIDIA L40", "total_memory_bytes": int(44.32 * GiB)}
+    v0 = era_for("0.8.4", "V0")
+    steps = _communication_steps(v0, {"tensor_parallel_size": 4}, l40,
+                                 non_torch_bytes(v0, tensor_parallel_size=4, topology=PCIE_L40))
+    assert steps[0]["bytes"] == int(0.12 * GiB)
+    assert "off: not supported on more than two PCIe-only GPUs" in steps[1]["text"]
+    assert _communication_steps(v19, {"tensor_parallel_size": 1}, l40, int(0.25 * GiB)) == []

@@ -300,8 +300,8 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
     """The TP group's share of the non-torch term as its own steps (bytes; empty at TP 1): NCCL
     (NVLS on NVSwitch, the communicator where the era charges it) and custom all-reduce's IPC
     buffers, with whether custom all-reduce is on and why (:mod:`tuner.budget`)."""
-    from tuner.budget import (V0_PROFILING, V1_CONSUMED, V1_PROFILING, custom_all_reduce_buffer_bytes,
-                              custom_all_reduce_enabled, nccl_profile_bytes)
+    from tuner.budget import custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes
+    from tuner.eras import V0_PROFILING, V1_CONSUMED, V1_PROFILING
     from tuner.job import topology_for
 
     tp = int(drop.get("tensor_parallel_size") or 1)
