@@ -33,10 +33,17 @@ def _expected(key: str, value):
 def test_every_raw_lines_sample_parses_to_the_observed_values(observed_cases):
     assert len(observed_cases) >= 40
     found: dict[str, int] = {}
+    import re
+
+    record = re.compile(r"\b(?:INFO|WARNING|DEBUG|ERROR) \d\d-\d\d |\[\w+\.py:\d+\]|^\S*\s*(?:INFO|WARNING)\b")
+    not_logs = []
     for cid, case in observed_cases.items():
         lines = case["raw_lines"]
         assert lines, cid
         p = parse_lines(lines, source=cid)
+        if not p.has_memory_lines and not any(record.search(x) for x in lines):
+            not_logs.append(cid)  # a reporter's table rows or prose (PR #51590, issue #42058), not log lines
+            continue
         assert p.has_memory_lines, cid
         assert p.matched_lines == len(lines), cid  # every sample line is a recognised line
         text = "\n".join(lines)
@@ -57,10 +64,12 @@ def test_every_raw_lines_sample_parses_to_the_observed_values(observed_cases):
         if p.max_model_len is not None and mml is not None:
             assert p.max_model_len == mml, cid
     # every memory field the samples carry was found in every sample carrying it
-    assert found["kv_cache_gib"] == 41
-    assert found["weights_gib"] == 40
-    assert found["kv_cache_tokens"] == 37 and found["max_concurrency"] == 37
-    assert found["activation_peak_gib"] == 34 and found["non_torch_gib"] == 35
+    # 47 cases since 2026-12-01: three carry a reporter's table / prose instead of log lines
+    assert len(not_logs) == 3, not_logs
+    assert found["kv_cache_gib"] == 43
+    assert found["weights_gib"] == 41
+    assert found["kv_cache_tokens"] == 39 and found["max_concurrency"] == 38
+    assert found["activation_peak_gib"] == 35 and found["non_torch_gib"] == 36
     assert found["cuda_graph_gib"] == 36 and found["total_non_kv_gib"] == 34
     assert found["num_gpu_blocks"] == 1 and found["error_message"] == 3
 

@@ -363,7 +363,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     g_corr = int(cand.get("cuda_graph_correction_bytes") or 0) if subtracts_graphs else 0
     split = not measured and "workspace_bytes" in cand
     if not measured and reserve is None:  # a stored row: the reserve is a function of the era and weights
-        reserve = unexplained_bytes(era, int(w or 0))
+        reserve = unexplained_bytes(era, int(w or 0), int(sim or 0) + ws)
     reserve = int(reserve or 0)
     if measured:
         act_sim, rest = act, 0
@@ -765,7 +765,7 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
 
             dev = lookup(str(run["device_name"] or ""))
             ws = profile_overhead_bytes(dev.compute_capability if dev is not None else None, era)
-            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0))
+            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0), int(run["activation_peak_bytes"] or 0) + ws)
             c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve,
                  "activation_correction_bytes": c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve}
         prop = next((p for p in props if _same_u(p["gpu_memory_utilization"], c["gpu_memory_utilization"])), None)

@@ -186,7 +186,10 @@ def _worker_label(line: str) -> str | None:
     if m.group(2):
         return m.group(2)
     label = re.sub(r",?\s*(?:pid|ip)=[^\s,)]*", "", m.group(1)).strip(" ,")
-    return label if label not in ("VllmWorker", "Worker", "RayWorkerWrapper", "WorkerProc") else m.group(1).strip()
+    # V0 multiprocessing workers print "(VllmWorkerProcess pid=N)" (vllm/executor/multiproc_worker_utils.py):
+    # the pid is what tells them apart
+    return label if label not in ("VllmWorker", "VllmWorkerProcess", "Worker", "RayWorkerWrapper", "WorkerProc") \
+        else m.group(1).strip()
 
 
 _NUM = r"(-?\d+(?:\.\d+)?)"

@@ -188,7 +188,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets, reserves, corrs = [], [], []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
-        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes"))))
+        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")),
+                                          int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes))
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                                           hidden_size=layout.hidden_size,
