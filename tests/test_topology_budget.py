@@ -189,3 +189,37 @@ def test_explain_shows_nccl_and_custom_all_reduce_as_their_own_steps():
     assert steps[0]["bytes"] == int(0.12 * GiB)
     assert "off: not supported on more than two PCIe-only GPUs" in steps[1]["text"]
     assert _communication_steps(v19, {"tensor_parallel_size": 1}, l40, int(0.25 * GiB)) == []
+
+
+def test_mtp_drafter_layers_from_the_checkpoint_config():
+    from tuner.kvcache import FullAttentionSpec, MambaSpec
+    from tuner.specdecode import drafter_kv_specs, mtp_dense_layer_weights_bytes, mtp_num_layers
+
+    assert mtp_num_layers({"mtp_num_hidden_layers": 1}) == 1
+    assert mtp_num_layers({"num_nextn_predict_layers": 3}) == 3
+    assert mtp_num_layers({}) == 1
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=256, dtype_bytes=1)
+    stage = {"model.layers.3.self_attn.attn": full,
+             "model.layers.0.linear_attn": MambaSpec(block_size=16, shapes=((3, 8),), dtypes_bytes=(4,))}
+    extra = drafter_kv_specs(stage, 2, first_layer_index=64)
+    assert list(extra) == ["model.layers.64.self_attn.attn", "model.layers.65.self_attn.attn"]
+    assert all(s == full for s in extra.values())
+    assert drafter_kv_specs({"x": stage["model.layers.0.linear_attn"]}, 1, first_layer_index=1) == {}
+    # Qwen3.6-27B's MTP block (hidden 5120, 24 heads × 256 with a gated q, 4 KV heads, I 17408) at TP4
+    cfg = {"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_attention_heads": 24,
+           "num_key_value_heads": 4, "head_dim": 256, "mtp_num_hidden_layers": 1}
+    attn = 5120 * (24 * 256 * 2 + 2 * 4 * 256) + 24 * 256 * 5120
+    assert mtp_dense_layer_weights_bytes(cfg, tensor_parallel_size=4) == (attn + 3 * 5120 * 17408 + 2 * 5120 * 5120) * 2 // 4
+
+
+def test_speculative_tokens_add_mamba_state_blocks():
+    from tuner.kvcache import FullAttentionSpec, MambaSpec
+    from tuner.specdecode import with_speculative_state_blocks
+
+    m = MambaSpec(block_size=16, shapes=((3, 8),), dtypes_bytes=(4,))
+    f = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype_bytes=2)
+    out = with_speculative_state_blocks(({"a": m, "b": f},), 3)
+    assert out[0]["a"].num_speculative_blocks == 3 and out[0]["b"] is f
+    assert (out[0]["a"].max_memory_usage_bytes("0.24.0", 4096) - m.max_memory_usage_bytes("0.24.0", 4096)
+            == 3 * m.page_size_bytes)
+    assert with_speculative_state_blocks(({"a": m},), 0)[0]["a"] is m

@@ -397,8 +397,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "As vLLM's --speculative-config: `method` (ngram, suffix, mtp and the model-specific *_mtp names, "
               "eagle, eagle3, draft_model, dflash, medusa, mlp_speculator), `num_speculative_tokens` (1–1024), "
               "the drafter `model` (needed by draft_model, dflash, eagle*, medusa), `prompt_lookup_min`/`max`, "
-              "`draft_tensor_parallel_size`. Sizes the CUDA-graph captures (1 + k tokens per request); a "
-              "drafter's own weights and KV layers are not modelled yet (a warning says so).", _speculative_config),
+              "`draft_tensor_parallel_size`. Sizes the CUDA-graph captures (1 + k tokens per request); `mtp` adds the "
+              "checkpoint's MTP layers (their KV layers and 16-bit weights); another checkpoint's drafter is not "
+              "modelled yet (a warning says so).", _speculative_config),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("entry_point", "serve | offline", "serve",

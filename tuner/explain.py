@@ -409,8 +409,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
                       "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
                               f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
-                              f"sizes up to {max(sizes) if sizes else 0} (drafter weights, KV layers and profile "
-                              "run not modelled)"})
+                              f"sizes up to {max(sizes) if sizes else 0} ("
+                              + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
+                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their 16-bit weights "
+                                 "in the weights step" if spec.get("method") == "mtp" else
+                                 "the drafter's weights, KV layers and profile run are not modelled") + ")"})
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:

@@ -208,6 +208,24 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                           kv_heads=per_head_kv_totals(plugin, spec, stage_settings[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=drop_path)
     kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
+    spec_cfg = d.get("speculative_config") or {}
+    if spec_cfg and era.engine == "V1":
+        from tuner.specdecode import with_speculative_state_blocks
+
+        kv_specs = with_speculative_state_blocks(kv_specs, int(spec_cfg.get("num_speculative_tokens") or 0))
+    drafter_weights = 0
+    if spec_cfg.get("method") == "mtp" and era.engine == "V1":
+        # the checkpoint's MTP layers: KV layers on the last stage, 16-bit weights (tuner.specdecode)
+        from tuner.specdecode import drafter_kv_specs, mtp_dense_layer_weights_bytes, mtp_num_layers
+
+        n_mtp = mtp_num_layers(spec.raw)
+        extra = drafter_kv_specs(kv_specs[-1], n_mtp, first_layer_index=spec.num_hidden_layers)
+        kv_specs = kv_specs[:-1] + ({**kv_specs[-1], **extra},)
+        if config_is_moe(spec.raw):
+            warnings.append("speculative_config mtp: the MTP layers of a MoE model are not weighed (their KV layers "
+                            "are counted)")
+        else:
+            drafter_weights = mtp_dense_layer_weights_bytes(spec.raw, tensor_parallel_size=tp)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
     calibration = request.get("calibration") or {}
@@ -229,9 +247,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                                                                                                  era),
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
                     model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
-                    num_speculative_tokens=num_speculative_tokens(d, era))
-    spec_cfg = d.get("speculative_config") or {}
-    if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix"):
+                    num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights)
+    if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix", "mtp"):
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
                         "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
                         "than predicted")

@@ -55,6 +55,9 @@ class Layout:
     #: Speculative decoding's draft tokens per request (1 + k tokens per decode step size the
     #: CUDA-graph captures, :func:`tuner.budget.cudagraph_capture_sizes`).
     num_speculative_tokens: int = 0
+    #: Weights of a speculative-decoding drafter loaded on the last pipeline stage (MTP layers,
+    #: :mod:`tuner.specdecode`), bytes, added to that stage's weights.
+    drafter_weights_bytes: int = 0
 
     @property
     def max_model_len_limit(self) -> int:
@@ -204,7 +207,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             era,
             total_memory_bytes=layout.total_memory_bytes,
             gpu_memory_utilization=u,
-            weights_bytes=int(_get(p, "weights_bytes")),
+            weights_bytes=int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes
+                                                            if stage == len(passes) - 1 else 0),
             activation_peak_bytes=act,
             non_torch_bytes=nt,
             cuda_graph_bytes=g,
