@@ -259,6 +259,22 @@ def profile_overhead_bytes(compute_capability: str | None, era: Era | None = Non
     return cublas_workspace_bytes(compute_capability)
 
 
+def moe_rank_shape(num_experts: int, intermediate_size: int, *, tensor_parallel_size: int = 1,
+                   data_parallel_size: int = 1, enable_expert_parallel: bool = False) -> tuple[int, int]:
+    """``(experts on the rank, expert intermediate size on the rank)`` of a FusedMoE layer
+    (vllm/model_executor/layers/fused_moe/config.py ``FusedMoEParallelConfig.make``: the MoE group
+    flattens TP across DP, ``tp_size = dp × tp``; with ``enable_expert_parallel`` and more than one
+    rank, ``ep_size = dp × tp`` and ``tp_size = 1``; layer.py ``determine_expert_map``: rank r holds
+    ``E // ep + (1 if r < E % ep else 0)`` experts — rank 0, the largest, is returned). Without EP
+    every rank holds all E experts with ``I / (dp × tp)`` of each; dense layers stay TP-sharded and
+    replicated over DP (each DP rank is its own engine)."""
+    ranks = max(1, int(tensor_parallel_size)) * max(1, int(data_parallel_size))
+    if enable_expert_parallel and ranks > 1:
+        e = int(num_experts)
+        return e // ranks + (1 if e % ranks else 0), int(intermediate_size)
+    return int(num_experts), int(intermediate_size) // ranks
+
+
 def _alloc(nbytes: int) -> int:
     """One allocation as the caching allocator counts it (512-byte granules)."""
     return -(-max(0, int(nbytes)) // 512) * 512

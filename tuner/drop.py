@@ -389,6 +389,13 @@ DROP_FIELDS: tuple[DropField, ...] = (
               _choice(BLOCK_SIZES, nullable=True)),
     DropField("enable_chunked_prefill", "boolean | null", None,
               "Chunked prefill on/off; null = the era's default for the entry point.", _bool(nullable=True)),
+    DropField("data_parallel_size", "integer 1–1024", 1,
+              "Data-parallel engines (vLLM's --data-parallel-size); memory is predicted per GPU. Dense layers are "
+              "replicated per DP rank; MoE experts are TP-sharded over data_parallel_size × tensor_parallel_size "
+              "ranks (or split among them with enable_expert_parallel).", _int_range(1, 1024)),
+    DropField("enable_expert_parallel", "boolean", False,
+              "vLLM's --enable-expert-parallel: each of the data_parallel_size × tensor_parallel_size ranks holds "
+              "E / ranks whole experts instead of a slice of every expert.", _bool()),
     DropField("disable_custom_all_reduce", "boolean", False,
               "As vLLM's --disable-custom-all-reduce: no custom all-reduce buffers for TP ≥ 2 (vLLM also keeps it "
               "off by itself for > 2 GPUs that are not fully connected, GPUs without P2P, other world sizes than "
@@ -486,6 +493,8 @@ class Drop:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     enable_chunked_prefill: bool | None = None
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     disable_custom_all_reduce: bool = False
     speculative_config: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False

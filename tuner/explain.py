@@ -399,6 +399,30 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                   "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
+    dp, ep = int(drop.get("data_parallel_size") or 1), bool(drop.get("enable_expert_parallel"))
+    if dp > 1 or ep:
+        from tuner.budget import moe_rank_shape
+        from tuner.eras import NUM_EXPERTS_KEYS
+
+        raw = {}
+        try:  # the experts come from the model's config.json (parent side: JSON only)
+            from tuner.modelspec import read_top
+
+            top = read_top((model or {}).get("path") or "")
+            raw = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+        except Exception:  # noqa: BLE001 - an explanation never fails on this info step
+            raw = {}
+        e = next((int(raw[k]) for k in NUM_EXPERTS_KEYS if isinstance(raw.get(k), int) and raw[k] > 0), 0)
+        if e:
+            here, _i = moe_rank_shape(e, 1 << 20, tensor_parallel_size=tp, data_parallel_size=dp,
+                                      enable_expert_parallel=ep)
+            how = (f"{here} of {e} experts per MoE layer, whole" if ep and dp * tp > 1
+                   else f"all {e} experts, each 1/{dp * tp} of its intermediate size")
+        else:
+            how = "no MoE layers: every DP rank holds the TP shard of the whole model"
+        steps.append({"name": "data_expert_parallel", "op": "info", "bytes": 0,
+                      "text": f"data_parallel_size {dp}, expert parallel {'on' if ep else 'off'}: {how} on this "
+                              "rank (in the weights step); dense layers TP-sharded, replicated per DP rank"})
     spec = drop.get("speculative_config") or {}
     if spec:
         from tuner.budget import cudagraph_capture_sizes

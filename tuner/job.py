@@ -53,6 +53,10 @@ def _extra_args(d: dict) -> str:
         import json
 
         parts.append(f"--speculative-config '{json.dumps(d['speculative_config'], sort_keys=True)}'")
+    if int(d.get("data_parallel_size") or 1) > 1:
+        parts.append(f"--data-parallel-size {d['data_parallel_size']}")
+    if d.get("enable_expert_parallel"):
+        parts.append("--enable-expert-parallel")
     if d.get("disable_custom_all_reduce"):
         parts.append("--disable-custom-all-reduce")
     if d.get("enforce_eager"):
@@ -200,6 +204,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                      block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"),
                      compute_capability=_compute_capability(device),
+                     data_parallel_size=int(d.get("data_parallel_size") or 1),
+                     enable_expert_parallel=bool(d.get("enable_expert_parallel")),
                      max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]))
         for r in range(pp)
     ]

@@ -158,6 +158,8 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
         "enable_chunked_prefill": s.get("enable_chunked_prefill"),
         "enforce_eager": bool(s.get("enforce_eager")),
         "disable_custom_all_reduce": bool(s.get("disable_custom_all_reduce")),
+        "data_parallel_size": int(s.get("data_parallel_size") or 1),
+        "enable_expert_parallel": bool(s.get("enable_expert_parallel")),
         "speculative_config": _speculative(s.get("speculative_config")),
         "entry_point": "serve",
         "candidates": {"gpu_memory_utilization": [u] if u else None, "max_model_len": [max_model_len]},
