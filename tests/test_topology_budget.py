@@ -223,3 +223,48 @@ def test_speculative_tokens_add_mamba_state_blocks():
     assert (out[0]["a"].max_memory_usage_bytes("0.24.0", 4096) - m.max_memory_usage_bytes("0.24.0", 4096)
             == 3 * m.page_size_bytes)
     assert with_speculative_state_blocks(({"a": m},), 0)[0]["a"] is m
+
+
+def test_co_tenant_memory_by_era():
+    from tuner.budget import co_tenant_non_torch_bytes, free_memory_refusal
+
+    other = 10 * GiB
+    assert co_tenant_non_torch_bytes(era_for("0.6.4", "V0"), other) == other  # whole-GPU budget
+    assert co_tenant_non_torch_bytes(era_for("0.8.5"), other) == other  # V1 0.7–0.9.0 (fixed by #19312)
+    assert co_tenant_non_torch_bytes(era_for("0.19.0"), other) == 0  # per-instance budget
+    total = 85030076416
+    msg = free_memory_refusal(era_for("0.19.0"), total_memory_bytes=total, other_processes_bytes=other,
+                              gpu_memory_utilization=0.9, requested_memory_bytes=int(total * 0.9))
+    assert msg.startswith("Free memory on device cuda:0 (69.19/79.19 GiB) on startup is less than desired GPU memory "
+                          "utilization (0.9, 71.27 GiB).")
+    assert free_memory_refusal(era_for("0.19.0"), total_memory_bytes=total, other_processes_bytes=other,
+                               gpu_memory_utilization=0.8, requested_memory_bytes=int(total * 0.8)) is None
+    assert free_memory_refusal(era_for("0.10.1"), total_memory_bytes=total, other_processes_bytes=other,
+                               gpu_memory_utilization=0.9, requested_memory_bytes=int(total * 0.9)).startswith(
+        "Free memory on device (")
+    assert free_memory_refusal(era_for("0.8.4", "V0"), total_memory_bytes=total, other_processes_bytes=other,
+                               gpu_memory_utilization=0.9, requested_memory_bytes=int(total * 0.9)) is None
+
+
+def test_co_tenant_drop_field_refuses_what_the_free_memory_check_refuses(tmp_path):
+    from tuner.job import other_processes_bytes
+    from tuner.search import Layout, evaluate
+    from tuner.eras import ProfileBatch
+    from tuner.kvcache import FullAttentionSpec
+
+    d = parse_drop(_DROP + "other_processes_memory_gib: 10\n", "x.yaml")
+    assert d.other_processes_memory_gib == 10.0
+    with pytest.raises(DropError) as e:
+        parse_drop(_DROP + "other_processes_memory_gib: -1\n", "x.yaml")
+    assert e.value.field == "other_processes_memory_gib"
+    assert other_processes_bytes({}, d.to_dict()) == 10 * GiB
+    assert other_processes_bytes({"other_processes_bytes": 5}, {}) == 5
+    specs = ({f"l{i}": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_bytes=2) for i in range(32)},)
+    layout = Layout(85030076416, 16, 1, 1, 32, 131072, specs, other_processes_bytes=10 * GiB)
+    p = {"weights_bytes": 15 * GiB, "activation_peak_bytes": 2 * GiB}
+    c = evaluate(era_for("0.19.0"), layout, ProfileBatch(8192, 256, 256, True), [p], gpu_memory_utilization=0.9,
+                 max_model_len=8192)
+    assert not c.starts and c.reason.startswith("Free memory on device cuda:0")
+    c = evaluate(era_for("0.19.0"), layout, ProfileBatch(8192, 256, 256, True), [p], gpu_memory_utilization=0.85,
+                 max_model_len=8192)
+    assert c.starts

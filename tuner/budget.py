@@ -275,6 +275,33 @@ def moe_rank_shape(num_experts: int, intermediate_size: int, *, tensor_parallel_
     return int(num_experts), int(intermediate_size) // ranks
 
 
+def co_tenant_non_torch_bytes(era: Era, other_processes_bytes: int) -> int:
+    """Memory of other processes the era's budget charges as this instance's non-torch memory
+    (bytes): all of it where the budget is whole-GPU (V0 0.6.4 ``T·u − (peak + non_torch)`` with
+    ``non_torch = (T − free) − allocated``; V1 0.7–0.9.0 the same, fixed by PR #19312 in 0.9.1),
+    none where it is per instance (V0 ≤0.6.3 and 0.6.5+, V1 0.9.1+: the baseline excludes it)."""
+    if era.budget_formula in (V0_WHOLE_GPU, V1_WHOLE_GPU):
+        return max(0, int(other_processes_bytes))
+    return 0
+
+
+def free_memory_refusal(era: Era, *, total_memory_bytes: int, other_processes_bytes: int,
+                        gpu_memory_utilization: float, requested_memory_bytes: int) -> str | None:
+    """vLLM's start-up refusal when free memory is below the request (V1 0.9.1+,
+    vllm/v1/worker/gpu_worker.py ``init_device``: ``init_snapshot.free_memory < requested_memory``),
+    with free = total − other processes (this process's own CUDA context is not counted); its
+    wording ("on device cuda:0" from 0.14). None when it starts or the era has no such check."""
+    if era.engine != "V1" or era.version < (0, 9, 1) or other_processes_bytes <= 0:
+        return None
+    free = int(total_memory_bytes) - int(other_processes_bytes)
+    if free >= requested_memory_bytes:
+        return None
+    where = "device cuda:0" if era.version >= (0, 14, 0) else "device"
+    return (f"Free memory on {where} ({free / GiB:.2f}/{total_memory_bytes / GiB:.2f} GiB) on startup is less than "
+            f"desired GPU memory utilization ({gpu_memory_utilization}, {requested_memory_bytes / GiB:.2f} GiB). "
+            "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+
+
 def _alloc(nbytes: int) -> int:
     """One allocation as the caching allocator counts it (512-byte granules)."""
     return -(-max(0, int(nbytes)) // 512) * 512

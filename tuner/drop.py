@@ -320,6 +320,14 @@ def _speculative_config(v: Any) -> dict | None:
     return out
 
 
+def _gib_or_null(v: Any) -> float | None:
+    if v is None:
+        return None
+    if not _is_number(v) or not 0 <= v <= 4096:
+        raise _Invalid(f"must be null or a number of GiB in 0–4096, not {_type_name(v)} {v!r}")
+    return float(v)
+
+
 def _min_concurrency(v: Any) -> float:
     if not _is_number(v):
         raise _Invalid(f"must be a number ≥ 1, not {_type_name(v)} {v!r}")
@@ -396,6 +404,11 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("enable_expert_parallel", "boolean", False,
               "vLLM's --enable-expert-parallel: each of the data_parallel_size × tensor_parallel_size ranks holds "
               "E / ranks whole experts instead of a slice of every expert.", _bool()),
+    DropField("other_processes_memory_gib", "number 0–4096 | null", None,
+              "GPU memory other processes hold when vLLM starts (GiB = 2^30 bytes; co-tenants). V1 0.9.1+ refuses to "
+              "start when total − this < total × u (its free-memory check); V0 0.6.4 and V1 0.7–0.9.0 subtract it "
+              "from the budget. null = none, or for `device: auto` what NVML reports in use at job time.",
+              _gib_or_null),
     DropField("disable_custom_all_reduce", "boolean", False,
               "As vLLM's --disable-custom-all-reduce: no custom all-reduce buffers for TP ≥ 2 (vLLM also keeps it "
               "off by itself for > 2 GPUs that are not fully connected, GPUs without P2P, other world sizes than "
@@ -495,6 +508,7 @@ class Drop:
     enable_chunked_prefill: bool | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    other_processes_memory_gib: float | None = None
     disable_custom_all_reduce: bool = False
     speculative_config: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False

@@ -399,6 +399,19 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                   "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
+    from tuner.job import other_processes_bytes
+
+    others = other_processes_bytes(device, drop)
+    if others:
+        from tuner.budget import co_tenant_non_torch_bytes
+
+        charged = co_tenant_non_torch_bytes(era, others)
+        steps.append({"name": "other_processes", "op": "info", "bytes": others,
+                      "text": "memory other processes hold at start: "
+                              + ("counted in the non-torch step (this era's budget is whole-GPU)" if charged else
+                                 "outside this instance's budget; vLLM refuses to start when total minus it is below "
+                                 "the requested memory" if era.engine == "V1" and era.version >= (0, 9, 1) else
+                                 "outside this instance's budget (no free-memory check in this era)")})
     dp, ep = int(drop.get("data_parallel_size") or 1), bool(drop.get("enable_expert_parallel"))
     if dp > 1 or ep:
         from tuner.budget import moe_rank_shape

@@ -118,6 +118,14 @@ def _compute_capability(device: dict) -> str | None:
     return dev.compute_capability if dev is not None else None
 
 
+def other_processes_bytes(device: dict, drop: dict) -> int:
+    """Co-tenant memory at start (bytes): the drop's ``other_processes_memory_gib``, else what the
+    request's device says NVML saw in use (``device: auto``), else 0."""
+    if drop.get("other_processes_memory_gib") is not None:
+        return int(round(float(drop["other_processes_memory_gib"]) * GiB))
+    return max(0, int(device.get("other_processes_bytes") or 0))
+
+
 def num_speculative_tokens(drop: dict, era) -> int:
     """Draft tokens per request that size the CUDA-graph captures (``VllmConfig.num_speculative_tokens``,
     vllm/config/vllm.py): the drop's ``speculative_config.num_speculative_tokens`` on V1; 0 without
@@ -253,7 +261,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                                                                                                  era),
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
                     model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
-                    num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights)
+                    num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights,
+                    other_processes_bytes=other_processes_bytes(device, d))
     if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix", "mtp"):
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
                         "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
