@@ -222,3 +222,17 @@ def test_tp_workers_keep_their_own_values_and_the_smallest_kv_wins():
     assert p.kv_cache_tokens == 984000
     one = parse_text("\n".join(line for line in TP2_LOG.splitlines() if "TP1" not in line and "rank1" not in line))
     assert one.available_kv_cache_bytes == round(60.35 * GIB) and one.num_gpu_blocks == 30000
+
+
+def test_release_from_the_source_line_of_the_memory_summary():
+    """The line numbers come from the wheels: V0 worker.py logs its summary at line 267 in 0.7.3–0.8.4
+    (bracketed from 0.8.0), V1 gpu_worker.py "Available KV cache memory" at 436 (0.19.0) and 508 (0.24.0)."""
+    from tuner.logparse import infer_version
+
+    v0 = "(VllmWorkerProcess pid=1866) INFO 04-20 16:26:30 [worker.py:267] the current vLLM instance can use x"
+    assert infer_version([v0]) == ("0.8.0", "V0", "[worker.py:267]")
+    assert infer_version(["INFO 01-02 03:04:05 worker.py:267] the current vLLM instance can use x"])[0] == "0.7.3"
+    v1 = "(Worker_TP0 pid=129) INFO 07-05 17:28:28 [gpu_worker.py:508] Available KV cache memory: 15.72 GiB"
+    assert infer_version([v1])[:2] == ("0.24.0", "V1")
+    # an unknown line number falls back to the format marker
+    assert infer_version(["INFO 07-05 17:28:28 [gpu_worker.py:1] Available KV cache memory: 1 GiB"])[0] == "0.10.0"
