@@ -89,9 +89,9 @@ def test_starts_and_fits_are_both_reported(tmp_path):
     out = profile(str(TP4_DROP), db_url=str(tmp_path / "db.sqlite"), worker=cached_worker)
     by = {(c["gpu_memory_utilization"], c["max_model_len"]): c for c in out.result["candidates"]}
     c = by[(0.9, 114688)]
-    # 27,899 blocks hold 3.89 requests of 114688 tokens: vLLM starts, min_concurrency 4 is missed
-    assert c["num_gpu_blocks"] == 27899 and c["max_concurrency"] == pytest.approx(3.89, abs=0.01)
-    assert c["starts"] is True and c["fits"] is False and c["reason"].startswith("only 3.89 requests")
+    # 27,963 blocks hold 3.90 requests of 114688 tokens: vLLM starts, min_concurrency 4 is missed
+    assert c["num_gpu_blocks"] == 27963 and c["max_concurrency"] == pytest.approx(3.90, abs=0.01)
+    assert c["starts"] is True and c["fits"] is False and c["reason"].startswith("only 3.90 requests")
     assert by[(0.9, 98304)]["starts"] and by[(0.9, 98304)]["fits"]
     table = render_table(out)
     assert "starts  ok" in table
@@ -111,7 +111,7 @@ def test_explain_says_starts_but_too_few_requests():
     assert e["starts"] is True and e["fits"] is False
     text = render(doc)
     assert "max_model_len 114688: starts, but fewer than min_concurrency (4) full-length requests fit" in text
-    assert "constraint: only 3.89 requests of 114688 tokens fit; min_concurrency is 4" in text
+    assert "constraint: only 3.90 requests of 114688 tokens fit; min_concurrency is 4" in text
     assert "what would make max_model_len 114688 meet min_concurrency 4" in text
 
 
