@@ -198,7 +198,14 @@ def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = F
     except ModelConfigError as exc:
         raise DropError(exc.message, path=drop.path, field="model") from exc
     dev = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
-    request = {"drop": drop.to_dict(), "config_path": str(config_path), "device": dev, "method": method,
+    # the topology a drop's device mapping states travels with the request (tuner.budget.Topology)
+    extra = {k: getattr(device, k) for k in ("compute_capability", "interconnect", "p2p")
+             if isinstance(drop.device, dict) and k in drop.device}
+    if drop.device == "auto" and device.free_memory_bytes is not None:
+        # co-tenants as vLLM's free-memory check sees them: the engine's total minus NVML's free memory
+        # at job time (on an idle card NVML's free is about the CUDA total: ~0)
+        extra["other_processes_bytes"] = max(0, int(device.total_memory_bytes) - int(device.free_memory_bytes))
+    request = {"drop": drop.to_dict(), "config_path": str(config_path), "device": {**dev, **extra}, "method": method,
                "method_requested": drop.method}
     if trust_remote_code:
         request["trust_remote_code"] = True

@@ -296,6 +296,36 @@ def steps_add_up(steps: list[dict]) -> int:
     return total
 
 
+def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> list[dict]:
+    """The TP group's share of the non-torch term as its own steps (bytes; empty at TP 1): NCCL
+    (NVLS on NVSwitch, the communicator where the era charges it) and custom all-reduce's IPC
+    buffers, with whether custom all-reduce is on and why (:mod:`tuner.budget`)."""
+    from tuner.budget import custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes
+    from tuner.eras import V0_PROFILING, V1_CONSUMED, V1_PROFILING
+    from tuner.job import topology_for
+
+    tp = int(drop.get("tensor_parallel_size") or 1)
+    if tp <= 1 or era.budget_formula not in (V0_PROFILING, V1_PROFILING, V1_CONSUMED):
+        return []
+    if era.engine == "V0" and era.version < (0, 7, 0):
+        return []
+    topo = topology_for(device, drop)
+    nccl = nccl_profile_bytes(era, tp, topo)
+    on, why = custom_all_reduce_enabled(tp, topo)
+    charged = era.engine == "V0" or era.version < (0, 11, 0)
+    ar = custom_all_reduce_buffer_bytes(era, tp, topo) if charged else 0
+    if nccl + ar > non_torch:
+        return []
+    out = [{"name": "nccl", "op": "-", "bytes": nccl,
+            "text": f"NCCL buffers of the TP{tp} group ({topo.interconnect}"
+                    f"{', NVLS' if topo.interconnect == 'nvswitch' and nccl else ''})"}]
+    state = "on" if on else f"off: {why}"
+    out.append({"name": "custom_all_reduce", "op": "-", "bytes": ar,
+                "text": f"custom all-reduce IPC buffers ({state}"
+                        f"{'' if charged or not on else '; allocated before the start-up snapshot, not charged'})"})
+    return out
+
+
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
                   block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
@@ -333,7 +363,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     g_corr = int(cand.get("cuda_graph_correction_bytes") or 0) if subtracts_graphs else 0
     split = not measured and "workspace_bytes" in cand
     if not measured and reserve is None:  # a stored row: the reserve is a function of the era and weights
-        reserve = unexplained_bytes(era, int(w or 0))
+        reserve = unexplained_bytes(era, int(w or 0), int(sim or 0) + ws)
     reserve = int(reserve or 0)
     if measured:
         act_sim, rest = act, 0
@@ -364,7 +394,63 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                       "text": "safety reserve for start-up memory no term explains, see README"})
     nt_text = ("non-torch memory (as the engine logged it)" if measured
                else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
-    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr, "text": nt_text})
+    comm = [] if measured else _communication_steps(era, drop, device, nt - nt_corr)
+    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr - sum(s["bytes"] for s in comm),
+                  "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
+                                                   "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
+    steps.extend(comm)
+    from tuner.job import other_processes_bytes
+
+    others = other_processes_bytes(device, drop)
+    if others:
+        from tuner.budget import co_tenant_non_torch_bytes
+
+        charged = co_tenant_non_torch_bytes(era, others)
+        steps.append({"name": "other_processes", "op": "info", "bytes": others,
+                      "text": "memory other processes hold at start: "
+                              + ("counted in the non-torch step (this era's budget is whole-GPU)" if charged else
+                                 "outside this instance's budget; vLLM refuses to start when total minus it is below "
+                                 "the requested memory" if era.engine == "V1" and era.version >= (0, 9, 1) else
+                                 "outside this instance's budget (no free-memory check in this era)")})
+    dp, ep = int(drop.get("data_parallel_size") or 1), bool(drop.get("enable_expert_parallel"))
+    if dp > 1 or ep:
+        from tuner.budget import moe_rank_shape
+        from tuner.eras import NUM_EXPERTS_KEYS
+
+        raw = {}
+        try:  # the experts come from the model's config.json (parent side: JSON only)
+            from tuner.modelspec import read_top
+
+            top = read_top((model or {}).get("path") or "")
+            raw = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+        except Exception:  # noqa: BLE001 - an explanation never fails on this info step
+            raw = {}
+        e = next((int(raw[k]) for k in NUM_EXPERTS_KEYS if isinstance(raw.get(k), int) and raw[k] > 0), 0)
+        if e:
+            here, _i = moe_rank_shape(e, 1 << 20, tensor_parallel_size=tp, data_parallel_size=dp,
+                                      enable_expert_parallel=ep)
+            how = (f"{here} of {e} experts per MoE layer, whole" if ep and dp * tp > 1
+                   else f"all {e} experts, each 1/{dp * tp} of its intermediate size")
+        else:
+            how = "no MoE layers: every DP rank holds the TP shard of the whole model"
+        steps.append({"name": "data_expert_parallel", "op": "info", "bytes": 0,
+                      "text": f"data_parallel_size {dp}, expert parallel {'on' if ep else 'off'}: {how} on this "
+                              "rank (in the weights step); dense layers TP-sharded, replicated per DP rank"})
+    spec = drop.get("speculative_config") or {}
+    if spec:
+        from tuner.budget import cudagraph_capture_sizes
+        from tuner.job import num_speculative_tokens
+
+        k = num_speculative_tokens(drop, era)
+        sizes = cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k)
+        steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
+                      "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
+                              f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
+                              f"sizes up to {max(sizes) if sizes else 0} ("
+                              + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
+                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their 16-bit weights "
+                                 "in the weights step" if spec.get("method") == "mtp" else
+                                 "the drafter's weights, KV layers and profile run are not modelled") + ")"})
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:
@@ -720,7 +806,7 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
 
             dev = lookup(str(run["device_name"] or ""))
             ws = profile_overhead_bytes(dev.compute_capability if dev is not None else None, era)
-            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0))
+            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0), int(run["activation_peak_bytes"] or 0) + ws)
             c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve,
                  "activation_correction_bytes": c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve}
         prop = next((p for p in props if _same_u(p["gpu_memory_utilization"], c["gpu_memory_utilization"])), None)
