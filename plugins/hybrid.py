@@ -19,7 +19,8 @@ KV cache (V1). State pages follow ``MambaStateShapeCalculator`` / ``MambaStateDt
 (vllm/model_executor/layers/mamba/mamba_utils.py):
 
 * Mamba-2: conv ``(k − 1, (I + 2·G·S)/tp)`` in the model dtype + SSM ``(nh/tp, hd, S)`` in
-  ``mamba_ssm_cache_dtype`` — for Nemotron-H the config's key, else ``float16``
+  ``mamba_ssm_cache_dtype`` — for Nemotron-H the config's key, else ``float16`` before vLLM
+  0.20 and ``float32`` from 0.20 (:func:`nemotron_h_default_ssm_dtype`)
   (``NemotronHForCausalLMConfig``; the checkpoints' config.json has no such key);
   ``G = n_groups`` (+ ``tp − n_groups`` when tp does not divide it).
 * Gated DeltaNet: conv ``(k − 1, (2·nk·dk + nv·dv)/tp)`` in the model dtype + recurrent
@@ -163,6 +164,25 @@ class _HybridPlugin(ModelPlugin):
 
 # --------------------------------------------------------------------------- Nemotron-H
 
+#: First vLLM release whose Nemotron-H SSM state defaults to float32 (model_executor/models/config.py).
+NEMOTRON_H_FP32_SSM_SINCE = (0, 20, 0)
+
+
+def nemotron_h_default_ssm_dtype(engine_version: str | None) -> str:
+    """The SSM state dtype vLLM gives a Nemotron-H config without ``mamba_ssm_cache_dtype``:
+    ``float16`` before 0.20.0, ``float32`` from 0.20.0 (an unparseable or missing release: the
+    newer rule)."""
+    from tuner.eras import parse_version
+
+    try:
+        v = parse_version(str(engine_version)) if engine_version else None
+    except Exception:
+        v = None
+    if v is not None and v.key < NEMOTRON_H_FP32_SSM_SINCE:
+        return "float16"
+    return "float32"
+
+
 class NemotronHPlugin(_HybridPlugin):
     """Nemotron-H: Mamba-2 / MLP / attention / MoE layers per ``hybrid_override_pattern``."""
 
@@ -175,13 +195,20 @@ class NemotronHPlugin(_HybridPlugin):
             raise PluginError("Nemotron-H config has no hybrid_override_pattern", where=spec.path)
         return [{"M": "state", "*": "attention", "-": "mlp", "E": "moe"}.get(c, c) for c in pat]
 
-    def ssm_dtype(self, spec) -> str:
-        """``mamba_ssm_cache_dtype`` of the checkpoint's config.json, else vLLM's ``float16``."""
+    def ssm_dtype(self, spec, engine_version: str | None = None) -> str:
+        """``mamba_ssm_cache_dtype`` of the checkpoint's config.json, else the release's default:
+        ``float16`` in vLLM 0.19.x, ``float32`` from 0.20.0 (``NemotronHForCausalLMConfig`` in
+        vllm/model_executor/models/config.py falls back to ``DEFAULT_MAMBA_SSM_CACHE_DTYPE =
+        "float32"`` from 0.20.0; checked in the 0.20.0 … 0.32.0 wheels; found by the engine
+        adapter's cross-check)."""
         text = spec.top.get("text_config") if isinstance(spec.top.get("text_config"), dict) else spec.top
-        return text.get("mamba_ssm_cache_dtype") or "float16"
+        if text.get("mamba_ssm_cache_dtype"):
+            return text["mamba_ssm_cache_dtype"]
+        return nemotron_h_default_ssm_dtype(engine_version)
 
     def state(self, spec, settings):
-        return mamba2_state(spec, settings.tensor_parallel_size, settings.dtype, self.ssm_dtype(spec))
+        return mamba2_state(spec, settings.tensor_parallel_size, settings.dtype,
+                            self.ssm_dtype(spec, settings.engine_version))
 
     def attn_geometry(self, spec):
         raw = spec.raw

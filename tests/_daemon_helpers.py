@@ -29,7 +29,7 @@ def settings_for(tmp_path: Path, **over) -> Settings:
     (tmp_path / "conf.d").mkdir(exist_ok=True)
     base = dict(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"), debounce_s=0.05,
                 rescan_interval_s=30.0, job_timeout_s=20.0, worker_python=str(fake_python(tmp_path)),
-                log_level="INFO")
+                log_level="INFO", retry_backoff_s=0.0)
     base.update(over)
     return Settings(**base)
 
@@ -37,7 +37,7 @@ def settings_for(tmp_path: Path, **over) -> Settings:
 def write_settings(tmp_path: Path, **over) -> Path:
     s = settings_for(tmp_path, **over)
     data = {k: getattr(s, k) for k in ("watch_dir", "state_dir", "debounce_s", "rescan_interval_s", "job_timeout_s",
-                                       "worker_python", "log_level")}
+                                       "worker_python", "log_level", "retry_backoff_s")}
     data.update(over)
     p = tmp_path / "tuner.yaml"
     p.write_text(yaml.safe_dump(data))
@@ -49,6 +49,17 @@ def drop_text(name: str, model: str | os.PathLike, gmu=(0.5,), **extra) -> str:
             "candidates": {"gpu_memory_utilization": list(gmu), "max_model_len": [1024]}}
     body.update(extra)
     return yaml.safe_dump(body)
+
+
+def own_drop_text(name: str, model: str | os.PathLike, gmu=(0.5,), **extra) -> str:
+    """:func:`drop_text` with a ``max_num_seqs`` of its own derived from ``name``: drops that differ
+    only by name share one result key (:func:`tuner.fleet.result_key`) and all but the first are
+    answered from the store without a worker, while the fake worker's behaviour (slow, crash,
+    hog, …) hangs on the name — tests of worker runs give each drop its own pass this way."""
+    import zlib
+
+    extra.setdefault("max_num_seqs", 1 + zlib.crc32(name.encode("utf-8")) % 65536)
+    return drop_text(name, model, gmu, **extra)
 
 
 def poll(predicate: Callable[[], object], timeout_s: float = 10.0, step: Callable[[], None] | None = None,

@@ -4,8 +4,12 @@ Invoked as ``python -S tests/_fake_worker.py -m tuner.worker_main`` (the daemon'
 ``worker_python`` is a wrapper script), it reads the real JSON request on stdin and replies in the
 worker's format with numbers derived from the request. Behaviour by drop name prefix:
 ``crash`` (dies by SIGKILL after writing to stderr), ``hang`` (sleeps forever, with a child in the
-same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then replies),
-``typed`` (replies with a typed error). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
+same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then replies; with ``$FAKE_SLOW_ONCE_DIR`` only
+the first run of each drop sleeps),
+``typed`` (replies with a typed error), ``warn`` (replies with two warnings), ``hog`` (allocates
+``$FAKE_HOG_BYTES`` bytes, default 4 GiB). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
+Like the real worker it first applies :func:`tuner.worker_guard.install` (dies with its parent, own
+deadline, memory limit).
 """
 
 import json
@@ -15,6 +19,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tuner.worker_guard import install  # noqa: E402  (stdlib only: the real worker's first step)
+
+install()
 req = json.loads(sys.stdin.read())
 d = req["drop"]
 name = d["name"]
@@ -29,7 +37,18 @@ if name.startswith("hang"):
     subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(3600)"])
     time.sleep(3600)
 if name.startswith("slow"):
-    time.sleep(float(os.environ.get("FAKE_SLOW_S", "3")))
+    once = os.environ.get("FAKE_SLOW_ONCE_DIR")  # with a directory: only each drop's first run is slow
+    marker = os.path.join(once, name) if once else None
+    if marker is None or not os.path.exists(marker):
+        if marker is not None:
+            open(marker, "w").close()
+        time.sleep(float(os.environ.get("FAKE_SLOW_S", "3")))
+if name.startswith("hog"):
+    once = os.environ.get("FAKE_HOG_ONCE")  # a marker file: only the first run allocates
+    if not once or not os.path.exists(once):
+        if once:
+            open(once, "w").close()
+        hog = bytearray(int(os.environ.get("FAKE_HOG_BYTES", str(4 << 30))))  # MemoryError past the limit
 if name.startswith("typed"):
     json.dump({"ok": False, "error_type": "PluginError", "error": "plugin generic: no architecture"}, sys.stdout)
     sys.exit(0)
@@ -60,7 +79,9 @@ for u in d["candidates"]["gpu_memory_utilization"]:
                   "kv_cache_tokens": tokens, "max_concurrency": tokens / best if best else 0.0, "reason": None,
                   "vllm_args": f"--max-model-len {best} --gpu-memory-utilization {u:g}"})
 result = {"model": {"config_sha256": "f" * 64, "architectures": ["LlamaForCausalLM"]}, "plugin": "fake",
-          "warnings": [], "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
+          "warnings": (["no plugin serves FooForCausalLM; using generic",
+                        "config.json lacks head_dim; using 128 (default of plugin generic)"]
+                       if name.startswith("warn") else []), "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
           "versions": {"tool": "0.1.0", "torch": None, "transformers": None},
           "runs": [run], "candidates": cands, "proposals": props}
 json.dump({"ok": True, "result": result}, sys.stdout)

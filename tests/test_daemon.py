@@ -284,22 +284,29 @@ def test_malformed_drops_each_give_an_error_row_and_a_log_line(h, tmp_path, capl
 
 def test_crashing_hanging_and_failing_workers_are_recorded_and_the_daemon_stays_up(tmp_path, tiny_config, monkeypatch):
     monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
-    h = Harness(tmp_path, tiny_config, job_timeout_s=1.5)
+    h = Harness(tmp_path, tiny_config, job_timeout_s=1.5, max_attempts=2, retry_backoff_s=0.0)
     try:
         d = h.start()
         for name in ("crash-a", "hang-b", "typed-c"):
             (h.conf / f"{name}.yaml").write_text(drop_text(name, h.model))
-        h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(3,)], timeout_s=15,
+        h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(3,)], timeout_s=25,
                 what="three failed jobs")
+        # run failures (a crash, a timeout) are retried up to max_attempts; each attempt is in history
         status, kind, error, attempts, pid = h.job("crash-a.yaml")
-        assert (status, kind, attempts) == ("failed", "WorkerError", 1)
+        assert (status, kind, attempts) == ("failed", "WorkerError", 2)
         assert "killed by signal 9" in error and "CUDA out of memory" in error
         status, kind, error, attempts, pid = h.job("hang-b.yaml")
-        assert (status, kind) == ("failed", "WorkerTimeout") and "exceeded 1.5 s" in error
+        assert (status, kind, attempts) == ("failed", "WorkerTimeout", 2) and "exceeded 1.5 s" in error
         poll(lambda: not group_alive(pid), 5, what="the whole group (worker and its child) killed")
         status, kind, error, attempts, pid = h.job("typed-c.yaml")
-        # the worker's typed error keeps its class (error_type) and its text
-        assert (status, kind) == ("failed", "PluginError") and "plugin generic: no architecture" in error
+        # the worker's typed error keeps its class (error_type) and its text; a drop failure is final at once
+        assert (status, kind, attempts) == ("failed", "PluginError", 1) and "plugin generic: no architecture" in error
+        kinds = dict(h.rows("SELECT path, failure_kind FROM jobs"))
+        assert [kinds[str(h.conf / f"{n}.yaml")] for n in ("crash-a", "hang-b", "typed-c")] == ["run", "run", "drop"]
+        import json
+        (hist,), = h.rows("SELECT history FROM jobs WHERE path = ?", str(h.conf / "crash-a.yaml"))
+        assert [(e["attempt"], e["kind"], e["error_type"]) for e in json.loads(hist)] == [
+            (1, "run", "WorkerError"), (2, "run", "WorkerError")]
         (h.conf / "fine.yaml").write_text(drop_text("fine", h.model))
         h.until(d, lambda: h.job("fine.yaml")[0] == "done", what="a good drop after the failures")
     finally:

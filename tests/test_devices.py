@@ -39,7 +39,7 @@ def test_catalog_totals_round_to_the_quoted_gib(name, gib):
 
 def test_h100_exact_bytes_and_source():
     dev = resolve_device("H100-80GB")
-    assert dev == Device("H100-80GB", 85_030_076_416, "observed in vLLM log", "9.0")
+    assert dev == Device("H100-80GB", 85_030_076_416, "observed in vLLM log", "9.0", interconnect="nvswitch")
     assert dev.uuid is None and dev.free_memory_bytes is None
 
 
@@ -184,9 +184,9 @@ def test_auto_known_card_uses_catalog_total_below_nvml_physical():
 
 
 def test_auto_unknown_card_uses_nvml_values():
-    nvml = _fake_nvml(name=b"NVIDIA RTX PRO 6000", total=102_000_000_000, free=101_000_000_000, cc=(12, 0))
+    nvml = _fake_nvml(name=b"NVIDIA Example X1 Accelerator", total=102_000_000_000, free=101_000_000_000, cc=(12, 0))
     dev = resolve_device("AUTO", nvml=nvml)
-    assert dev == Device("NVIDIA RTX PRO 6000", 102_000_000_000, "nvml", "12.0", "GPU-1234abcd", 101_000_000_000)
+    assert dev == Device("NVIDIA Example X1 Accelerator", 102_000_000_000, "nvml", "12.0", "GPU-1234abcd", 101_000_000_000)
 
 
 def test_auto_known_card_with_smaller_nvml_total_keeps_nvml():

@@ -73,19 +73,34 @@ def test_import_stores_the_measured_run_and_its_residual(tmp_path, shared_dir, o
 
 def test_every_case_log_imports(tmp_path, shared_dir, observed_cases, store):
     """Each visible case's raw_lines import (settings from the case); no prediction here."""
+    import re
+
     from tuner.validate import infer_version
 
+    from tuner.errors import LogParseError
+
+    # Cases whose raw_lines are a reporter's table or prose rather than log lines (vLLM PR #51590's
+    # table rows, issue #42058's "Capacity" sentence) are not logs; they may fail to parse, nothing else.
+    not_logs = []
     for i, (cid, case) in enumerate(observed_cases.items()):
         log = _write(tmp_path, case, name=f"{i}.log")
         version, engine = infer_version(case)
         s = case["settings"]
-        out = import_log(log, model=case["model"], device=case["gpu"], store=store, engine_version=version,
-                         engine=engine, models_dir=shared_dir / "models", predict=False,
-                         options={"gpu_memory_utilization": s["gpu_memory_utilization"],
-                                  "max_model_len": s["max_model_len"],
-                                  "tensor_parallel_size": case["tensor_parallel_size"] or 1,
-                                  "pipeline_parallel_size": case["pipeline_parallel_size"] or 1})
+        try:
+            out = import_log(log, model=case["model"], device=case["gpu"], store=store, engine_version=version,
+                             engine=engine, models_dir=shared_dir / "models", predict=False,
+                             options={"gpu_memory_utilization": s["gpu_memory_utilization"],
+                                      "max_model_len": s["max_model_len"],
+                                      "tensor_parallel_size": case["tensor_parallel_size"] or 1,
+                                      "pipeline_parallel_size": case["pipeline_parallel_size"] or 1})
+        except LogParseError:
+            assert not any(re.search(r"\b(?:INFO|WARNING|DEBUG|ERROR) \d\d-\d\d ", line)
+                           for line in case.get("raw_lines") or []), cid
+            not_logs.append(cid)
+            continue
         assert out.drop_id is not None, cid
+    assert len(not_logs) <= 3, not_logs
+    observed_cases = {cid: c for cid, c in observed_cases.items() if cid not in not_logs}
     runs = store.measured_runs()
     assert len(runs) == len(observed_cases)
     assert {r["method"] for r in runs} == {"import"}

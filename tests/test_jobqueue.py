@@ -10,7 +10,7 @@ import pytest
 from tuner.errors import DropError, WorkerError
 from tuner.fleet import OwnerBusy, register_owner, renew_lease
 from tuner.jobqueue import JobNotRunning, JobQueue
-from tuner.store import open_store
+from tuner.store import open_store, utc_text
 
 
 @pytest.fixture
@@ -70,20 +70,62 @@ def test_invalid_drop_is_a_failed_row_at_once(q):
     assert q.claim_next() is None
 
 
-def test_requeue_does_not_count_and_recover_gives_up_after_max_attempts(q):
-    job = q.enqueue("/d/a.yaml", "1" * 64, "v1")
+def test_requeue_does_not_count_and_daemon_crashes_never_leave_a_drop_failed(q):
+    """Issue 15 item 2: three daemon crashes during one job used to fail it for good."""
+    from datetime import datetime, timedelta, timezone
+
+    job = q.enqueue("/d/a.yaml", "1" * 64, "v1", name="a")
     q.claim_next()
     q.requeue(job.id)  # graceful stop
     assert (q.get(job.id).status, q.get(job.id).attempts) == ("pending", 0)
-    for attempt in (1, 2):  # two crashes while running
-        q.claim_next()
-        requeued, failed = q.recover(max_attempts=3)
+    t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    for n in range(1, 6):  # five crashes while running, more than max_attempts
+        claimed = q.claim_next(now=t0 + timedelta(days=n))
+        assert claimed is not None and claimed.attempts == 1
+        requeued, failed = q.recover(3, backoff_base_s=10, backoff_max_s=60, now=t0 + timedelta(days=n))
         assert [j.id for j in requeued] == [job.id] and failed == []
-        assert (q.get(job.id).status, q.get(job.id).attempts) == ("pending", attempt)
-    q.claim_next()
-    requeued, failed = q.recover(max_attempts=3)
-    assert requeued == [] and [j.id for j in failed] == [job.id]
-    assert q.get(job.id).status == "failed" and "interrupted 3 times" in q.get(job.id).error
+        j = q.get(job.id)
+        assert (j.status, j.attempts, j.interruptions) == ("pending", 0, n)
+        assert j.retry_at == utc_text(t0 + timedelta(days=n, seconds=min(60, 10 * 2 ** (n - 1))))
+    assert [e["kind"] for e in q.get(job.id).failures] == ["interrupted"] * 5
+    # backoff: not claimable before retry_at
+    assert q.claim_next(now=t0 + timedelta(days=5, seconds=59)) is None
+    assert q.claim_next(now=t0 + timedelta(days=5, seconds=60)).id == job.id
+
+
+def test_failed_run_is_retried_with_backoff_but_a_failed_drop_is_final(q):
+    """Issue 15 item 2: a worker killed by the OOM killer stayed failed until the bytes changed."""
+    from datetime import datetime, timedelta, timezone
+
+    t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    run = q.enqueue("/d/run.yaml", "1" * 64, "v1", name="run")
+    bad = q.enqueue("/d/bad.yaml", "2" * 64, "v2", name="bad")
+    kw = dict(max_attempts=3, backoff_base_s=30, backoff_max_s=3600)
+    c = q.claim_next(now=t0)
+    assert c.id == run.id
+    j = q.fail(c.id, WorkerError("worker crashed (killed by signal 9): oom", where="run"), now=t0, **kw)
+    assert (j.status, j.failure_kind, j.attempts, j.retry_at) == ("pending", "run", 1,
+                                                                 utc_text(t0 + timedelta(seconds=30)))
+    c = q.claim_next(now=t0)
+    assert c.id == bad.id  # the retry waits for its backoff; the next drop runs meanwhile
+    j = q.fail(c.id, DropError("must be an integer", path="/d/bad.yaml", field="block_size"), now=t0, **kw)
+    assert (j.status, j.failure_kind, j.attempts) == ("failed", "drop", 1)
+    assert q.claim_next(now=t0 + timedelta(seconds=29)) is None
+    c = q.claim_next(now=t0 + timedelta(seconds=30))
+    j = q.fail(c.id, WorkerError("again", where="run"), now=t0, **kw)
+    assert (j.status, j.attempts, j.retry_at) == ("pending", 2, utc_text(t0 + timedelta(seconds=60)))
+    c = q.claim_next(now=t0 + timedelta(seconds=60))
+    j = q.fail(c.id, WorkerError("third", where="run"), now=t0, **kw)
+    assert (j.status, j.failure_kind, j.attempts) == ("failed", "run", 3)
+    assert [(e["attempt"], e["kind"], e["reason"]) for e in j.failures] == [
+        (1, "run", "run: worker crashed (killed by signal 9): oom"), (2, "run", "run: again"),
+        (3, "run", "run: third")]
+    # ctx-tuner retry NAME / --failed
+    assert [x.id for x in q.retry(["run"])] == [run.id]
+    j = q.get(run.id)
+    assert (j.status, j.attempts, j.retry_at, len(j.failures)) == ("pending", 0, None, 3)
+    assert [x.id for x in q.retry(all_failed=True)] == [bad.id]
+    assert q.counts()["failed"] == 0
 
 
 def test_one_pending_job_per_path_is_enforced_by_the_database(q):

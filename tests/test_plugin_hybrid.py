@@ -93,3 +93,27 @@ def test_text_parameters_match_transformers(shared_dir, name, model, params):
     else:
         extra = 54 * 256 * 2  # A fp32 [256] on 54 Mamba layers
     assert p == 2 * params + extra
+
+
+@pytest.mark.parametrize("version,ssm_bytes,blocks", [
+    ("0.19.1", 2, 2080),   # NemotronHForCausalLMConfig falls back to float16 (0.19.0, 0.19.1)
+    ("0.20.0", 4, 4128),   # DEFAULT_MAMBA_SSM_CACHE_DTYPE = "float32" from 0.20.0
+    ("0.32.0", 4, 4128),
+])
+def test_nemotron_h_ssm_state_float16_after_0_20_doubles_blocks(shared_dir, version, ssm_bytes, blocks):
+    """The failure: from vLLM 0.20 the Nemotron-H SSM state defaults to float32, while the plugin
+    kept float16 for every release (824 blocks where vLLM 0.32 has 415, engine cross-check)."""
+    plugin = load_registry().by_name("nemotron_h")
+    spec = _spec(shared_dir, "nvidia--Nemotron-H-56B-Base-8K")
+    specs = plugin.kv_cache_spec(spec, _settings(engine_version=version))
+    state = next(s for s in specs.values() if isinstance(s, MambaSpec))
+    attn = next(s for s in specs.values() if isinstance(s, FullAttentionSpec))
+    assert state.dtypes_bytes == (2, ssm_bytes)
+    assert state.unpadded_page_size_bytes == 3 * 20480 * 2 + 256 * 64 * 256 * ssm_bytes
+    assert attn.block_size == blocks  # 16 · cdiv(state page, 16 · 4096 B per token)
+    # a config that names the dtype wins over the release default
+    named = _spec(shared_dir, "nvidia--Nemotron-H-56B-Base-8K")
+    named.top["mamba_ssm_cache_dtype"] = "float16"
+    st = next(s for s in plugin.kv_cache_spec(named, _settings(engine_version=version)).values()
+              if isinstance(s, MambaSpec))
+    assert st.dtypes_bytes == (2, 2)

@@ -22,7 +22,7 @@ BIG = 62_398_021_632  # > 2**32: must survive as an exact int
 EXPECTED = {
     "drops": [
         "id", "name", "path", "content_sha256", "content", "model", "device_name",
-        "engine_version", "method", "created_at", "retired_at", "owner_id", "result_sha256",
+        "engine_version", "method", "created_at", "retired_at", "warnings", "owner_id", "result_sha256",
         "answered_from_drop_id",
     ],
     "profile_runs": [
@@ -34,7 +34,7 @@ EXPECTED = {
         "tool_version", "torch_version", "transformers_version", "started_at", "elapsed_s",
         "gpu_memory_utilization", "max_model_len", "block_size", "non_torch_bytes",
         "cuda_graph_bytes", "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens",
-        "max_concurrency", "error_message", "source",
+        "max_concurrency", "error_message", "source", "term_sources", "engine_check",
     ],
     "candidates": [
         "id", "drop_id", "profile_run_id", "gpu_memory_utilization", "max_model_len",
@@ -48,7 +48,8 @@ EXPECTED = {
     ],
     "jobs": [
         "id", "path", "content_sha256", "content", "status", "attempts", "error_type", "error",
-        "drop_id", "worker_pid", "created_at", "started_at", "finished_at", "retired_at", "owner_id",
+        "drop_id", "worker_pid", "created_at", "started_at", "finished_at", "retired_at",
+        "name", "failure_kind", "retry_at", "interruptions", "history", "owner_id",
     ],
     "hosts": [
         "id", "host_id", "watch_dir", "pid", "tool_version", "gpus", "started_at", "last_seen_at",

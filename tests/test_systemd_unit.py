@@ -37,6 +37,8 @@ def test_unit_is_a_hardened_notify_service_with_gpu_access():
     for key in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "RestrictNamespaces",
                 "SystemCallFilter", "CapabilityBoundingSet", "PrivateNetwork"):
         assert key in d, key
+    # issue 15: a drop must not be able to take the host down, and an OOM kill must not stop the service
+    assert d["MemoryMax"] and d["TasksMax"] and d["OOMPolicy"] == ["continue"]
     configparser.ConfigParser(strict=False, interpolation=None).read_string(
         "\n".join(line for line in UNIT.read_text().splitlines() if not line.startswith("SystemCallFilter")))
 

@@ -11,9 +11,9 @@ from tuner.watch import Debouncer, is_drop_name, is_drop_path, scan
 
 
 @pytest.mark.parametrize("name, ok", [
-    ("a.yaml", True), ("team-b.v2.yaml", True), ("a.yml", False), ("a.yaml~", False), (".a.yaml.swp", False),
+    ("a.yaml", True), ("team-b.v2.yaml", True), ("a.yml", True), ("a.yaml~", False), (".a.yaml.swp", False),
     ("a.yaml.swp", False), ("#a.yaml#", False), (".#a.yaml", False), (".a.yaml", False), ("a.yaml.tmp", False),
-    ("4913", False), ("a.yaml.dpkg-new", False), (".yaml", False), ("a.YAML", False), ("~a.yaml", False),
+    ("4913", False), ("a.yaml.dpkg-new", False), (".yaml", False), ("a.YAML", True), ("~a.yaml", False),
 ])
 def test_drop_names(name, ok):
     assert is_drop_name(name) is ok

@@ -90,6 +90,15 @@ _MEASURED_COLUMNS = ("gpu_memory_utilization", "max_model_len", "weights_bytes",
                      "kv_cache_tokens", "max_concurrency", "error_message", "source")
 
 
+def _provenance_json(result: dict) -> dict:
+    """The ``term_sources`` and ``engine_check`` columns (JSON text, null when absent)."""
+    out = {}
+    for key in ("term_sources", "engine_check"):
+        v = result.get(key)
+        out[key] = json.dumps(v) if v is not None else None  # key order kept (explain prints it)
+    return out
+
+
 def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, list, list, list]:
     """Map a job result onto the ``drops``/``profile_runs``/``candidates``/``proposals`` rows.
 
@@ -104,7 +113,8 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     drop_row = {"name": d.name, "path": d.path, "content_sha256": d.content_sha256,
                 "content": outcome.content if outcome.content is not None
                 else (open(d.path, encoding="utf-8").read() if d.path else ""),
-                "model": d.model, "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method}
+                "model": d.model, "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
+                "warnings": json.dumps([str(w) for w in outcome.warnings]) if outcome.warnings else None}
     runs = []
     for run in r["runs"]:
         runs.append({
@@ -122,6 +132,7 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
             "elapsed_s": run["elapsed_s"],
         })
         runs[-1]["method"] = run.get("method") or runs[-1]["method"]
+        runs[-1].update(_provenance_json(r))
         if run.get("non_torch_bytes") is not None:  # measured on the GPU (cuda)
             runs[-1]["non_torch_bytes"] = int(run["non_torch_bytes"])
     for i, m in enumerate(r.get("measured") or []):  # vllm: one engine start-up per needed candidate
@@ -189,7 +200,14 @@ def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = F
     except ModelConfigError as exc:
         raise DropError(exc.message, path=drop.path, field="model") from exc
     dev = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
-    request = {"drop": drop.to_dict(), "config_path": str(config_path), "device": dev, "method": method,
+    # the topology a drop's device mapping states travels with the request (tuner.budget.Topology)
+    extra = {k: getattr(device, k) for k in ("compute_capability", "interconnect", "p2p")
+             if isinstance(drop.device, dict) and k in drop.device}
+    if drop.device == "auto" and device.free_memory_bytes is not None:
+        # co-tenants as vLLM's free-memory check sees them: the engine's total minus NVML's free memory
+        # at job time (on an idle card NVML's free is about the CUDA total: ~0)
+        extra["other_processes_bytes"] = max(0, int(device.total_memory_bytes) - int(device.free_memory_bytes))
+    request = {"drop": drop.to_dict(), "config_path": str(config_path), "device": {**dev, **extra}, "method": method,
                "method_requested": drop.method}
     if trust_remote_code:
         request["trust_remote_code"] = True

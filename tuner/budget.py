@@ -32,7 +32,128 @@ def requested_memory_bytes(era: Era, total_memory_bytes: int, gpu_memory_utiliza
 V1_0910_TP1_NON_TORCH_GIB = 0.02
 
 
-def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> int:
+#: GPU interconnect classes of the catalog (``tuner/data/gpus.yaml`` ``interconnect``):
+#: ``nvswitch`` — every GPU reaches every other over NVLink through NVSwitch (SXM/OAM boards,
+#: GH200/GB200 NVL); ``nvlink`` — NVLink pairs or bridges; ``pcie`` — PCIe only; ``xgmi`` — AMD
+#: Infinity Fabric (fully connected, as vLLM's ROCm platform reports it).
+INTERCONNECTS = ("nvswitch", "nvlink", "pcie", "xgmi")
+FULLY_CONNECTED = frozenset({"nvswitch", "xgmi"})
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What decides the communication buffers of a TP/PP group on one node (per rank).
+
+    ``interconnect`` one of :data:`INTERCONNECTS`; ``p2p``: CUDA peer access between the cards
+    (``cudaDeviceCanAccessPeer``; GeForce cards have none over PCIe); ``compute_capability``
+    ``"9.0"``…; ``disable_custom_all_reduce`` as vLLM's ``--disable-custom-all-reduce``;
+    ``single_node``: every rank of the group on this host (custom all-reduce needs it).
+    The default is the calibration centre: H100 SXM behind NVSwitch.
+    """
+
+    interconnect: str = "nvswitch"
+    p2p: bool = True
+    compute_capability: str | None = "9.0"
+    disable_custom_all_reduce: bool = False
+    single_node: bool = True
+
+
+#: vLLM's custom all-reduce world sizes (vllm/distributed/device_communicators/custom_all_reduce.py
+#: ``CustomAllreduce._SUPPORTED_WORLD_SIZES``, 0.5–0.33).
+CUSTOM_ALL_REDUCE_WORLD_SIZES = (2, 4, 6, 8)
+#: ``CustomAllreduce.__init__`` default ``max_size=8192 * 1024`` (0.5–0.33).
+CUSTOM_ALL_REDUCE_MAX_SIZE = 8192 * 1024
+#: ``rank_data = torch.empty(8 * 1024 * 1024, dtype=torch.uint8)`` (a torch tensor, 0.5–0.33).
+CUSTOM_ALL_REDUCE_RANK_DATA = 8 * 1024 * 1024
+#: ``ops.meta_size()`` = ``sizeof(vllm::Signal)`` (csrc/custom_all_reduce.cuh): ``start`` and ``end``
+#: ``uint32[kMaxBlocks=36][8]`` and ``_flag uint32[36]``, each ``alignas(128)``: 1152 + 1152 + 256.
+CUSTOM_ALL_REDUCE_META_SIZE = 2560
+#: vllm/distributed/device_communicators/all_reduce_utils.py ``CUSTOM_ALL_REDUCE_MAX_SIZES``
+#: (0.11–0.33; applied when torch symmetric memory is enabled, i.e. on these capabilities):
+#: the buffer size is ``min(this, max_size)``.
+CUSTOM_ALL_REDUCE_MAX_SIZES = {
+    "9.0": {2: 64 * MiB, 4: 32 * MiB, 6: MiB // 2, 8: MiB // 4},
+    "10.0": {2: 2 * MiB, 4: 2 * MiB, 6: 1 * MiB, 8: 1 * MiB},
+    "10.3": {2: 4 * MiB, 4: 4 * MiB, 6: 8 * MiB, 8: 4 * MiB},
+}
+
+
+def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool, str]:
+    """Whether vLLM's custom all-reduce comes up for a TP group, and why not
+    (vllm/distributed/device_communicators/custom_all_reduce.py ``CustomAllreduce.__init__``,
+    the same checks 0.5–0.33): off with ``disable_custom_all_reduce``, for a world of one, a world
+    size outside 2/4/6/8, a group spanning nodes, more than two GPUs that are not fully connected
+    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access."""
+    t = topology
+    if t.disable_custom_all_reduce:
+        return False, "disable_custom_all_reduce"
+    if world_size <= 1:
+        return False, "world size 1"
+    if world_size not in CUSTOM_ALL_REDUCE_WORLD_SIZES:
+        return False, f"world size {world_size} not in {list(CUSTOM_ALL_REDUCE_WORLD_SIZES)}"
+    if not t.single_node:
+        return False, "group spans several nodes"
+    if world_size > 2 and t.interconnect not in FULLY_CONNECTED:
+        return False, "not supported on more than two PCIe-only GPUs"
+    if not t.p2p and t.interconnect == "pcie":
+        return False, "no P2P access between the GPUs"
+    return True, "on"
+
+
+def custom_all_reduce_buffer_bytes(era: Era, world_size: int, topology: Topology) -> int:
+    """Device memory one rank's custom all-reduce allocates outside torch's allocator (bytes):
+    the IPC ``meta_ptrs`` buffer ``meta_size + max_size`` and ``buffer_ptrs`` ``max_size``
+    (``create_shared_buffer``: cudaMalloc + IPC handles); ``max_size`` is 8 MiB, capped from 0.11 by
+    ``CUSTOM_ALL_REDUCE_MAX_SIZES[capability][world]`` where torch symmetric memory is available
+    (Hopper/Blackwell). The 8 MiB ``rank_data`` is a torch tensor (not non-torch). 0 when off."""
+    on, _why = custom_all_reduce_enabled(world_size, topology)
+    if not on:
+        return 0
+    max_size = CUSTOM_ALL_REDUCE_MAX_SIZE
+    caps = CUSTOM_ALL_REDUCE_MAX_SIZES.get(str(topology.compute_capability or ""))
+    if era.engine == "V1" and era.version >= (0, 11, 0) and caps and world_size in caps:
+        max_size = min(caps[world_size], max_size)
+    return CUSTOM_ALL_REDUCE_META_SIZE + 2 * max_size
+
+
+#: NCCL buffers an NVSwitch fabric of Hopper or newer adds during the profile of a TP ≥ 2 group
+#: (GiB at world size 2, and per doubling): NVLink SHARP (NVLS) buffers, which NCCL ≥ 2.22
+#: allocates at the first collective that uses the algorithm (``NCCL_RUNTIME_CONNECT``), i.e.
+#: inside the profile run, in multicast-granularity units. Calibrated, not derived: vLLM 0.19.0
+#: H100-SXM logs print 2.06–2.09 GiB non-torch at TP2 (5 models) and 2.13 at TP4 (2 models)
+#: against 0.25 at TP1 (14 cases): 1.82 GiB at TP2, +0.06 GiB per doubling.
+NVLS_TP2_GIB = 1.82
+NVLS_PER_DOUBLING_GIB = 0.06
+#: NCCL communicator buffers of a TP ≥ 2 group (NVLS aside), charged
+#: where the start-up snapshot precedes ``init_worker_distributed_environment`` (V0 0.6.5–0.10,
+#: V1 0.9.1–0.10; reference §3.1, §4.2) (GiB). Calibrated, not derived: a vLLM 0.8.4 V0 log on
+#: 4× L40 (TP4, PCIe, custom all-reduce off) prints 0.37 / 0.33 GiB non-torch against the
+#: release's 0.25 GiB TP1 term: 0.12 GiB (the larger rank decides, V0 takes the minimum blocks).
+NCCL_COMMUNICATOR_GIB = 0.12
+
+
+def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
+    """NCCL memory the era charges to a rank of a TP group of ``world_size`` (bytes): NVLS
+    buffers on an NVSwitch fabric with compute capability ≥ 9.0 (:data:`NVLS_TP2_GIB`, allocated
+    during the profile in every era), plus the communicator's own buffers where the snapshot
+    precedes the distributed init (:data:`NCCL_COMMUNICATOR_GIB`; from V1 0.11 they are baseline)."""
+    if world_size <= 1:
+        return 0
+    out = 0.0
+    try:
+        major = int(str(topology.compute_capability).split(".")[0])
+    except (TypeError, ValueError):
+        major = 9  # unknown: the larger (safe) value
+    if topology.interconnect == "nvswitch" and major >= 9:
+        out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(world_size / 2)
+    snapshot_before_nccl = era.engine == "V0" or era.version < (0, 11, 0)
+    if snapshot_before_nccl:
+        out += NCCL_COMMUNICATOR_GIB
+    return int(out * GiB)
+
+
+def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                    topology: Topology | None = None) -> int:
     """Non-torch memory the era charges to the instance (bytes, per rank).
 
     What it contains depends on the era (reference §8):
@@ -45,60 +166,73 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
       baseline) but the torch cache the profile leaves (no ``empty_cache``), cuBLAS and NCCL;
       the 0.6.4 constant is kept as its estimate (no public ≤0.6.3 breakdown).
     - V1 0.9.1+ charge the non-torch increase during the profile: 0.25 GiB at TP1 on H100 with
-      0.19 (0.24–0.26 over 14 cases; 0.13 with 0.11.0); 2.07 GiB at TP2, 2.13 at TP4 (custom
-      all-reduce and NCCL buffers); 0.07 GiB on pipeline stages without TP.
-    Calibrated constants, not a per-model lookup.
+      0.19 (0.24–0.26 over 14 cases; 0.13 with 0.11.0); 0.07 GiB on pipeline stages without TP.
+    - TP ≥ 2 (V0 0.7+ and V1 0.9.1+) adds the TP group's communication memory by topology
+      (:class:`Topology`): :func:`nccl_profile_bytes` and, where the snapshot precedes the
+      distributed init (V0, V1 ≤ 0.10), :func:`custom_all_reduce_buffer_bytes`.
+    The TP1 terms are calibrated constants, not a per-model lookup.
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
+    topo = topology or Topology()
     v = era.version
     f = era.budget_formula
     if f in (V0_WHOLE_GPU, V1_WHOLE_GPU, V0_FREE_DELTA):
         base = 0.35 * GiB
         return int(base + (1.8 * GiB if tp > 1 else 0))
+    if f == V0_PROFILING and v < (0, 7, 0):
+        return int(1.79 * GiB * (2 if tp > 1 else 1))
     if f == V0_PROFILING:
-        if v < (0, 7, 0):
-            return int(1.79 * GiB * (2 if tp > 1 else 1))
-        return int(0.25 * GiB + (1.8 * GiB if tp > 1 else 0))
-    # V1 0.9.1+
-    if tp > 1:
-        # 2.07 GiB at TP2 (2.06–2.09 over 5 models), 2.13 at TP4 (2 models): +0.06 GiB per doubling.
-        return int((2.07 + 0.06 * math.log2(tp / 2)) * GiB)
-    if pp > 1:
-        return int(0.07 * GiB)
-    if v < (0, 11, 0):
-        return int(V1_0910_TP1_NON_TORCH_GIB * GiB)
-    if v < (0, 12, 0):
+        base = int(0.25 * GiB)
+    elif v < (0, 11, 0):
+        base = int(V1_0910_TP1_NON_TORCH_GIB * GiB)
+    elif v < (0, 12, 0):
         # 0.13 GiB measured on 0.11.0 (4 H100 cases); applied to 0.9.1–0.10 too (the 0.10.1.1 A100
         # logs print no breakdown; with it their KV is predicted −0.8 % / −3.4 %, without −1.3 / −5.8).
-        return int(0.13 * GiB)
-    return int(0.25 * GiB)
+        base = int(0.13 * GiB)
+    else:
+        base = int(0.25 * GiB)
+    if tp > 1:
+        charged_ar = era.engine == "V0" or v < (0, 11, 0)
+        return (base + nccl_profile_bytes(era, tp, topo)
+                + (custom_all_reduce_buffer_bytes(era, tp, topo) if charged_ar else 0))
+    if pp > 1:
+        return int(0.07 * GiB)
+    return base
 
 
 MiB = 1 << 20
 
-#: Unexplained start-up memory of a V1 engine, charged with the profile pass (bytes):
-#: :data:`UNEXPLAINED_FLOOR_BYTES` plus :data:`UNEXPLAINED_WEIGHTS_FRACTION` of the rank's weights,
-#: at most :data:`UNEXPLAINED_CAP_BYTES` — a safety reserve, reported apart from the activation.
-#: Calibrated, not derived, on the 41 visible start-ups plus 6 checks built from the logs cited in
-#: shared/models source files (vLLM 0.10–0.19, H100/A100, TP 1–4, PP 1–4, dense, quantized, MoE,
-#: MLA, multimodal): after the cuBLAS workspace, engines kept 0–90 MiB more torch peak than
-#: simulated (Granite's unfused residual path is the largest), and several checkpoints load more
-#: than their parameters and rotary caches (Qwen2 family +0.39 %, DeepSeek-V2-Lite +0.53 %, gpt-oss
-#: +0.37 %; Llama / Qwen3 / Mistral +0.00 %). These are the smallest round values that keep every
-#: prediction but one (fp32 Llama, whose fp32 activations are under-modelled by 0.3 GiB) at or
-#: below the engine's KV cache; median |error| 0.3 %. A start must not fail because the prediction
-#: was optimistic. V0 accounting (whole-GPU peak) shows no residual on its one visible case.
-UNEXPLAINED_FLOOR_BYTES = 192 * MiB
-UNEXPLAINED_WEIGHTS_FRACTION = 0.0035
-UNEXPLAINED_CAP_BYTES = 256 * MiB
+#: Unexplained start-up memory of a V1 engine, charged with the profile pass (bytes) — a safety
+#: reserve, reported apart from the activation, proportional to the two terms it covers:
+#: :data:`UNEXPLAINED_WEIGHTS_FRACTION` of the rank's weights (checkpoints that load more than
+#: their parameters and rotary caches) plus :data:`UNEXPLAINED_ACTIVATION_FRACTION` of the
+#: modelled activation peak (torch peak the simulation misses), at least
+#: :data:`UNEXPLAINED_FLOOR_BYTES`, at most :data:`UNEXPLAINED_CAP_BYTES`.
+#: Calibrated, not derived, on the 41 V1 visible start-ups (vLLM 0.10–0.28, H100/A100/RTX 4090/3090/
+#: RTX PRO 4500, TP 1–8, PP 1–4; dense, quantized, MoE, MLA, multimodal): the memory each engine
+#: used beyond the modelled terms (prediction without reserve − engine KV) is 0–0.06 GiB on most
+#: cases — Qwen2 family +0.057 GiB on 14.2 GiB weights (+0.40 %), DeepSeek-V2-Lite +0.163 GiB on
+#: 29.3 GiB (+0.56 %), Qwen2.5-72B at TP2 +0.121 GiB on 67.7 GiB, gpt-oss-20b +0.068 GiB with a
+#: 7.4 GiB activation, Qwen3-0.6B +0.007 GiB, Gemma-2-2B +0.024 GiB. 0.56 % of W + 0.5 % of the
+#: activation, 16 MiB floor and 176 MiB cap cover every one of them except the mechanisms not
+#: modelled (fp32 Llama activations +0.36 GiB, an MXFP4 off-Hopper weight layout, spec-decode drafters,
+#: one pair of runs with unstated settings), and cost ≤ 2 % on the smallest caches (3 GiB: the 72B at
+#: TP2, −1.7 %; a 5 GiB A100 cache, −1 %), where the former flat 192–256 MiB cost 4 %.
+#: V0 accounting (whole-GPU peak) shows no residual on its one visible case.
+UNEXPLAINED_FLOOR_BYTES = 16 * MiB
+UNEXPLAINED_WEIGHTS_FRACTION = 0.0056
+UNEXPLAINED_ACTIVATION_FRACTION = 0.005
+UNEXPLAINED_CAP_BYTES = 176 * MiB
 
 
-def unexplained_bytes(era: Era, weights_bytes: int) -> int:
-    """Start-up memory no modelled term explains, for one rank (bytes); 0 on V0 engines."""
+def unexplained_bytes(era: Era, weights_bytes: int, activation_peak_bytes: int = 0) -> int:
+    """Start-up memory no modelled term explains, for one rank (bytes); 0 on V0 engines.
+    ``activation_peak_bytes``: the modelled activation (simulated peak + cuBLAS workspace)."""
     if era.engine != "V1":
         return 0
-    return int(min(UNEXPLAINED_FLOOR_BYTES + UNEXPLAINED_WEIGHTS_FRACTION * max(0, weights_bytes),
-                   UNEXPLAINED_CAP_BYTES))
+    r = (UNEXPLAINED_WEIGHTS_FRACTION * max(0, weights_bytes)
+         + UNEXPLAINED_ACTIVATION_FRACTION * max(0, activation_peak_bytes))
+    return int(min(max(UNEXPLAINED_FLOOR_BYTES, r), UNEXPLAINED_CAP_BYTES))
 
 
 def cublas_workspace_bytes(compute_capability: str | None) -> int:
@@ -123,6 +257,49 @@ def profile_overhead_bytes(compute_capability: str | None, era: Era | None = Non
     if era is not None and era.engine == "V1" and era.version >= (0, 33, 0):
         return 0
     return cublas_workspace_bytes(compute_capability)
+
+
+def moe_rank_shape(num_experts: int, intermediate_size: int, *, tensor_parallel_size: int = 1,
+                   data_parallel_size: int = 1, enable_expert_parallel: bool = False) -> tuple[int, int]:
+    """``(experts on the rank, expert intermediate size on the rank)`` of a FusedMoE layer
+    (vllm/model_executor/layers/fused_moe/config.py ``FusedMoEParallelConfig.make``: the MoE group
+    flattens TP across DP, ``tp_size = dp × tp``; with ``enable_expert_parallel`` and more than one
+    rank, ``ep_size = dp × tp`` and ``tp_size = 1``; layer.py ``determine_expert_map``: rank r holds
+    ``E // ep + (1 if r < E % ep else 0)`` experts — rank 0, the largest, is returned). Without EP
+    every rank holds all E experts with ``I / (dp × tp)`` of each; dense layers stay TP-sharded and
+    replicated over DP (each DP rank is its own engine)."""
+    ranks = max(1, int(tensor_parallel_size)) * max(1, int(data_parallel_size))
+    if enable_expert_parallel and ranks > 1:
+        e = int(num_experts)
+        return e // ranks + (1 if e % ranks else 0), int(intermediate_size)
+    return int(num_experts), int(intermediate_size) // ranks
+
+
+def co_tenant_non_torch_bytes(era: Era, other_processes_bytes: int) -> int:
+    """Memory of other processes the era's budget charges as this instance's non-torch memory
+    (bytes): all of it where the budget is whole-GPU (V0 0.6.4 ``T·u − (peak + non_torch)`` with
+    ``non_torch = (T − free) − allocated``; V1 0.7–0.9.0 the same, fixed by PR #19312 in 0.9.1),
+    none where it is per instance (V0 ≤0.6.3 and 0.6.5+, V1 0.9.1+: the baseline excludes it)."""
+    if era.budget_formula in (V0_WHOLE_GPU, V1_WHOLE_GPU):
+        return max(0, int(other_processes_bytes))
+    return 0
+
+
+def free_memory_refusal(era: Era, *, total_memory_bytes: int, other_processes_bytes: int,
+                        gpu_memory_utilization: float, requested_memory_bytes: int) -> str | None:
+    """vLLM's start-up refusal when free memory is below the request (V1 0.9.1+,
+    vllm/v1/worker/gpu_worker.py ``init_device``: ``init_snapshot.free_memory < requested_memory``),
+    with free = total − other processes (this process's own CUDA context is not counted); its
+    wording ("on device cuda:0" from 0.14). None when it starts or the era has no such check."""
+    if era.engine != "V1" or era.version < (0, 9, 1) or other_processes_bytes <= 0:
+        return None
+    free = int(total_memory_bytes) - int(other_processes_bytes)
+    if free >= requested_memory_bytes:
+        return None
+    where = "device cuda:0" if era.version >= (0, 14, 0) else "device"
+    return (f"Free memory on {where} ({free / GiB:.2f}/{total_memory_bytes / GiB:.2f} GiB) on startup is less than "
+            f"desired GPU memory utilization ({gpu_memory_utilization}, {requested_memory_bytes / GiB:.2f} GiB). "
+            "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
 
 
 def _alloc(nbytes: int) -> int:
@@ -160,37 +337,64 @@ def runner_persistent_bytes(
             + _alloc(4 * s * blocks) + _alloc(8 * n))
 
 
-def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """CUDA-graph capture sizes (tokens) by era (vllm/config/compilation.py).
+def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int, *,
+                            num_speculative_tokens: int = 0, cudagraph_capture_sizes: list[int] | None = None,
+                            max_cudagraph_capture_size: int | None = None) -> list[int]:
+    """CUDA-graph capture sizes (tokens) as the release derives them.
 
-    ≤0.11: ``[1, 2, 4] + range(8, max_graph + 1, 8)``, ``max_graph = min(2·max_num_seqs, 512)``;
-    later: ``[1, 2, 4] + range(8, 256, 8) + range(256, max_graph + 1, 16)``; both capped at N.
+    ≥0.12 (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``, 0.19 and 0.24 read):
+    ``max = min(max_num_seqs × (1 + num_speculative_tokens) × 2, 512)`` unless
+    ``max_cudagraph_capture_size`` is given, then ``min(max, max_num_batched_tokens)``; sizes
+    ``[1, 2, 4]`` (those ≤ max) + ``range(8, min(max + 1, 256), 8)`` + ``range(256, max + 1, 16)``;
+    from 0.24 also ``max_num_batched_tokens`` itself when it is ≤ max (0.19 lacks that step;
+    0.20–0.23 taken as 0.19). A user ``cudagraph_capture_sizes`` list replaces the derived one
+    (deduplicated, sizes above N dropped). ≤0.11 (vllm/config/__init__.py, 0.10.1):
+    ``[1, 2, 4] + range(8, max + 1, 8)`` with ``max = min(2·max_num_seqs, 512)``, capped at N.
     """
-    max_graph = min(2 * max_num_seqs, 512)
+    n = int(max_num_batched_tokens)
+    if cudagraph_capture_sizes:
+        return sorted({int(x) for x in cudagraph_capture_sizes if int(x) <= n})
     if era.version < (0, 12, 0):
+        max_graph = min(2 * max_num_seqs, 512)
         sizes = [1, 2, 4] + list(range(8, max_graph + 1, 8))
-    else:
-        sizes = [1, 2, 4] + list(range(8, min(256, max_graph + 1), 8)) + list(range(256, max_graph + 1, 16))
-    return [s for s in sizes if s <= max_num_batched_tokens]
+        return [x for x in sizes if x <= n]
+    max_graph = max_cudagraph_capture_size or min(max_num_seqs * (1 + int(num_speculative_tokens)) * 2, 512)
+    max_graph = min(n, max_graph)
+    sizes = [x for x in (1, 2, 4) if x <= max_graph]
+    if max_graph >= 8:
+        sizes += list(range(8, min(max_graph + 1, 256), 8))
+    if max_graph >= 256:
+        sizes += list(range(256, max_graph + 1, 16))
+    if era.version >= (0, 24, 0) and n <= max_graph:
+        sizes.append(n)
+    return sorted(set(sizes))
+
+
+#: The capture sizes of the CUDA-graph fit's anchor logs (vLLM 0.19.0, max_num_seqs 1024,
+#: max_num_batched_tokens 8192: max 512 → 51 sizes).
+CUDAGRAPH_ANCHOR_SIZES = 51
 
 
 def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
-    always: bool = False,
+    always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
     vLLM 0.19+ (vllm/v1/worker/gpu_model_runner.py ``profile_cudagraph_memory``) captures the two
     largest sizes per mode, measures free memory around each, and extrapolates
-    ``first + per_graph·(n − 1)``; 0.20+ subtracts it from the KV budget
-    (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). The measured value is a function of the
-    stage's residual stream (layers × hidden), calibrated, not derived, on the 34 vLLM 0.19.0 H100
-    logs that print "CUDA graph pool memory: … (estimated)" (default 1024 seqs / 8192 tokens):
-    0.84 GiB at 131072 layer·hidden (Llama-3.1-8B, CodeLlama-7B, Qwen3-8B, Gemma-2-9B and
-    Mistral-Small-24B all print 0.84), proportional below with a 0.5 GiB floor (Gemma-2-2B 0.52,
-    8-16-layer pipeline stages 0.49-0.54), +1.5 GiB per 10⁶ above (Qwen2.5-72B: 1.63). Fit: median
-    |error| 0.03 GiB on dense models; MoE/MLA models print 0.3-0.9 GiB more (not modelled).
-    ``always`` returns the estimate even where the era does not subtract it (for reports).
+    ``first + per_graph·(n − 1)`` over the ``n`` capture sizes of the mode; 0.20+ subtracts it
+    from the KV budget (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). The measured value at the
+    anchor's 51 sizes is a function of the stage's residual stream (layers × hidden), calibrated,
+    not derived, on the 34 vLLM 0.19.0 H100 logs that print "CUDA graph pool memory: …
+    (estimated)" (default 1024 seqs / 8192 tokens): 0.84 GiB at 131072 layer·hidden (Llama-3.1-8B,
+    CodeLlama-7B, Qwen3-8B, Gemma-2-9B and Mistral-Small-24B all print 0.84), proportional below
+    with a 0.5 GiB floor (Gemma-2-2B 0.52, 8-16-layer pipeline stages 0.49-0.54), +1.5 GiB per 10⁶
+    above (Qwen2.5-72B: 1.63). Fit: median |error| 0.03 GiB on dense models; MoE/MLA models print
+    0.3-0.9 GiB more (not modelled). Other capture-size counts (:func:`cudagraph_capture_sizes`:
+    small ``max_num_seqs``, spec decode's ``1 + num_speculative_tokens`` tokens per request, a
+    user list) scale it by ``n / 51``, vLLM's own extrapolation. ``always`` returns the estimate
+    even where the era does not subtract it (for reports).
     """
     if not (era.subtracts_cudagraph_estimate or always) or era.engine != "V1":
         return 0
@@ -200,7 +404,9 @@ def cudagraph_estimate_bytes(
         est = max(0.5 * GiB, at_anchor * x / anchor)
     else:
         est = at_anchor + 1.507e-6 * GiB * (x - anchor)
-    return int(est)
+    sizes = capture_sizes if capture_sizes is not None else cudagraph_capture_sizes(
+        era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens)
+    return int(est * len(sizes) / CUDAGRAPH_ANCHOR_SIZES)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ COMMANDS: tuple[str, ...] = (
     "tuner.commands.results",
     "tuner.commands.plot",
     "tuner.commands.daemon",
+    "tuner.commands.retry",
     "tuner.commands.validate",
     "tuner.commands.import_log",
     "tuner.commands.devices",

@@ -19,8 +19,20 @@ migrations, :class:`~tuner.jobqueue.JobQueue`, :class:`~tuner.watch.DropWatcher`
   a failed scan is retried every few seconds and finished results are kept until they are saved;
 * signals only set flags (``signal.set_wakeup_fd`` wakes the loop): SIGTERM/SIGINT stop gracefully
   (the running job's worker group is killed and the job goes back to ``pending``), SIGHUP reloads
-  the settings. sd_notify: READY after migrations and the first scan, STATUS, WATCHDOG from the
-  loop while healthy, RELOADING/READY around a reload, STOPPING.
+  the settings. sd_notify: READY after migrations and the first scan, STATUS, WATCHDOG while the
+  loop is healthy, RELOADING/READY around a reload, STOPPING;
+* under :meth:`Daemon.run` the work loop above runs in its own thread and the main thread only
+  handles signals and sends the watchdog pings (every ``WatchdogSec/4`` while the work loop has
+  made progress within :data:`LOOP_STALL_S`): a database locked by another writer delays the
+  work, never the pings or SIGTERM (which kills the worker and exits within :data:`STOP_GRACE_S`;
+  a job whose requeue could not be written is requeued, uncounted, at the next start);
+* outputs are derived from the store: at start and on every reconcile a missing or stale proposal
+  file is rewritten from the committed rows, a file of a retired drop removed, and a missing
+  snapshot rewritten — a kill between the commit and the file write loses nothing;
+* failures are of the drop (final until its bytes change) or of the run (retried with backoff,
+  :mod:`tuner.jobqueue`); a daemon crash costs a job no attempt;
+* drops are identified by content and name: a file moved or renamed keeps its results (a move,
+  not a deletion and a new drop).
 
 Nothing here imports torch or transformers. Clocks, the worker call, ``Popen``, ``killpg`` and
 the observer are injectable; one bad drop, broken worker or database hiccup is logged and the
@@ -29,6 +41,7 @@ loop goes on.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -50,16 +63,20 @@ from tuner.app import ProfileOutcome, prepare_request, rows_for_store
 from tuner.drop import Drop, parse_drop
 from tuner import fleet
 from tuner.errors import DropError, SettingsError, StoreError, TunerError, WorkerError
-from tuner.jobqueue import Job, JobNotRunning, JobQueue
+from tuner.jobqueue import Job, JobNotRunning, JobQueue, failure_kind
 from tuner.notify import NOTIFY_ENV, Notifier
-from tuner.proposals import proposal_document, remove_proposal_file, write_proposal_file
+from tuner.proposals import proposal_document, proposal_path, remove_proposal_file, write_proposal_file
 from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
-from tuner.store import Store, open_store, utc_text
+from tuner.store import Store, drops_table, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
 from tuner.worker import run_in_worker
 
 log = logging.getLogger("tuner.daemon")
+
+#: Test hook: called as ``hook(job, drop_id)`` right after a job's results are committed and
+#: before its proposal file is written (aims kill -9 at the commit window). None in production.
+_AFTER_COMMIT_HOOK: Callable[[Job, int], None] | None = None
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 #: Snapshots are refreshed at most this often while jobs keep finishing (seconds).
@@ -73,6 +90,15 @@ MAX_WAIT_S = 30.0
 #: Wait before retrying a scan that failed on the database (seconds): the drops are still on
 #: disk, so once the database answers again the next scan queues whatever changed meanwhile.
 DB_RETRY_S = 2.0
+#: How often an idle loop looks for jobs queued by others (``ctx-tuner retry``), seconds.
+JOB_POLL_S = 5.0
+#: The work loop counts as stuck (no more watchdog pings) when one step has run this long
+#: (seconds): longer than any wait on another writer's lock (busy_timeout) a step may do.
+LOOP_STALL_S = 300.0
+#: After SIGTERM the daemon exits within this many seconds even if the database is locked.
+STOP_GRACE_S = 1.5
+#: Largest proposal file read back when checking it against the store (bytes).
+MAX_PROPOSAL_FILE_BYTES = 1 << 20
 
 
 class Waker:
@@ -122,6 +148,7 @@ class SharedResult:
     content: str | None
     drop_id: int | None = None
     result: dict | None = None
+    warnings: list | None = None
 
 
 @dataclass
@@ -179,6 +206,36 @@ def make_state_dir(settings: Settings) -> None:
                             field="state_dir") from None
     if not os.access(d, os.W_OK | os.X_OK):
         raise SettingsError(f"state_dir {d} is not writable by this user", path=settings.source, field="state_dir")
+
+
+def clean_temporaries(settings: Settings) -> list[str]:
+    """Remove what a crash can leave in the state directory: atomic-write temporaries of the
+    snapshot and of proposal files (``.NAME.XXXX.tmp``) and their SQLite ``-journal``. Returns the
+    paths removed. Only names this daemon creates are touched."""
+    removed = []
+    dirs = {Path(settings.state_dir), settings.proposals_dir, settings.snapshot_file.parent}
+    for d in dirs:
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            n = e.name
+            if n.startswith(".") and (n.endswith(".tmp") or n.endswith(".tmp-journal")) and e.is_file(follow_symlinks=False):
+                try:
+                    os.unlink(e.path)
+                    removed.append(e.path)
+                except OSError:
+                    pass
+    return sorted(removed)
+
+
+def _proposal_summary(props: list[dict]) -> str:
+    return "; ".join(
+        f"gmu {p['gpu_memory_utilization']:.2f} → max_model_len {p['max_model_len']}"
+        + (f" ({p['num_gpu_blocks']} blocks, {p['kv_cache_tokens']} KV tokens)" if p["max_model_len"] else
+           f" (nothing fits: {p['reason']})")
+        for p in props) or "no proposals"
 
 
 class Daemon:
@@ -245,6 +302,18 @@ class Daemon:
         #: path → (content sha256, drop name or None) from the last reconcile; duplicate names warned
         self._names: dict[str, tuple[str, str | None]] = {}
         self._dup_warned: dict[str, tuple[str, ...]] = {}
+        #: name → (drop id, inode, mtime_ns, size) of the proposal file last written or checked
+        self._written: dict[str, tuple[int, int, int, int]] = {}
+        self._next_job_poll = 0.0
+        self._next_retry: float | None = None
+        #: monotonic time the work loop last began or ended a step (the watchdog's health signal)
+        self._beat = clock()
+        self._in_step = False
+        self._work_thread: threading.Thread | None = None
+        #: set by :meth:`shutdown` when the work thread was still blocked (a locked database): the
+        #: caller should end the process at once (``os._exit``) rather than wait on it at exit
+        self.work_stuck = False
+        self.control = Waker()
 
     # -- composition -----------------------------------------------------------------------------
 
@@ -269,19 +338,21 @@ class Daemon:
         s = self.settings
         check_layout(s)
         make_state_dir(s)
+        for path in clean_temporaries(s):
+            log.info("removed %s (a temporary file left by a crash)", path)
         self.notifier.status("migrating the database")
         self.store = self.store_factory(s.db_url)
         self._register(s)
-        requeued, failed = self.queue.recover(s.max_attempts, now=fleet.lease_cutoff(self.wall_clock()))
+        requeued, failed = self.queue.recover(backoff_base_s=s.retry_backoff_s, backoff_max_s=s.retry_backoff_max_s,
+                                              now=self._utc_now())
         for job in requeued + failed:
             if job.owner_id == self.owner.id:
                 self._kill_orphan(job)
         for job in requeued:
-            log.warning("job %d (%s) was interrupted by a daemon crash; queued again (attempt %d of %d next)",
-                        job.id, job.path, job.attempts + 1, s.max_attempts)
-        for job in failed:
-            log.error("drop %s: job %d failed: interrupted %d times by daemon crashes; gave up",
-                      job.path, job.id, job.attempts)
+            log.warning("job %d (%s) was interrupted by a daemon crash; queued again (not counted: %d of %d "
+                        "attempts used; interrupted %d time(s))", job.id, job.path, max(job.attempts - 1, 0),
+                        s.max_attempts, (job.interruptions or 0) + 1)
+        self._note_retry()
         self.watcher.start()
         try:
             self.reconcile()
@@ -329,16 +400,51 @@ class Daemon:
         self._install_signals()
         try:
             self.start()
-            while not self.stop_requested:
-                self.step()
+            self._work_thread = threading.Thread(target=self._work_loop, name="ctx-tuner-work", daemon=True)
+            self._work_thread.start()
+            self._control_loop()
         finally:
             self.shutdown()
         return 0
+
+    def _work_loop(self) -> None:  # work thread: every database write of a running daemon
+        try:
+            while not self.stop_requested:
+                self.step(ping=False)
+        except BaseException:  # pragma: no cover - step() guards each part; this is the last net
+            log.exception("the work loop died")
+            self.stop_requested = True
+            self.control.wake()
+        finally:
+            self._stop_work()
+
+    def _control_loop(self) -> None:  # main thread: signals and watchdog pings only, no database
+        while not self.stop_requested:
+            interval = self.notifier.watchdog_interval_s
+            self.control.wait(min(interval / 4, 1.0) if interval else 1.0)
+            if self.reload_requested:
+                self.waker.wake()  # the work loop reloads
+            self._ping(quarter=True)
+            t = self._work_thread
+            if t is not None and not t.is_alive():
+                break
+
+    def healthy(self) -> bool:
+        """True when the work loop is alive and making progress: no run of
+        ``UNHEALTHY_AFTER_ERRORS`` failing iterations, and the current step (if any) has run less
+        than :data:`LOOP_STALL_S`."""
+        if self._errors >= UNHEALTHY_AFTER_ERRORS:
+            return False
+        if self._in_step and self.clock() - self._beat > LOOP_STALL_S:
+            return False
+        t = self._work_thread
+        return t is None or t.is_alive()
 
     def request_stop(self) -> None:
         """Ask the loop to stop (what SIGTERM does); safe from any thread."""
         self.stop_requested = True
         self.waker.wake()
+        self.control.wake()
 
     def request_reload(self) -> None:
         """Ask the loop to reload the settings (what SIGHUP does)."""
@@ -354,10 +460,12 @@ class Daemon:
                 self.reload_requested = True
             else:
                 self.stop_requested = True
+            self.waker.wake()
+            self.control.wake()
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, on_signal)
-        self._old_wakeup_fd = signal.set_wakeup_fd(self.waker.write_fd(), warn_on_full_buffer=False)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self.control.write_fd(), warn_on_full_buffer=False)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._old_handlers.items():
@@ -369,15 +477,27 @@ class Daemon:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def step(self, *, block: bool = True, max_wait_s: float | None = None) -> None:
+    def step(self, *, block: bool = True, max_wait_s: float | None = None, ping: bool = True) -> None:
         """One loop iteration: wait for a wake-up or the next deadline (``block``; at most
         ``max_wait_s`` seconds if given), then handle finished jobs and hints, a reload, a due
-        reconcile, the next job, the snapshot, the status and the watchdog ping. Never raises for
-        one failing part (logged, counted)."""
+        reconcile, the next job, the snapshot, the status and (``ping``; :meth:`run` pings from the
+        main thread instead) the watchdog ping. Never raises for one failing part (logged, counted;
+        a database another process keeps locked is not counted against the loop's health)."""
         wait = self._timeout() if block else 0.0
         if max_wait_s is not None:
             wait = min(wait, max_wait_s)
         self.waker.wait(wait)
+        self._beat = self.clock()
+        self._in_step = True
+        try:
+            self._step()
+        finally:
+            self._beat = self.clock()
+            self._in_step = False
+        if ping:
+            self._ping()
+
+    def _step(self) -> None:
         self._step_failed = False
         self._guard(self._drain_events)
         if self.stop_requested:
@@ -390,12 +510,11 @@ class Daemon:
         if self._unsaved is not None and self.clock() >= self._retry_at:
             self._guard(self._save_unsaved)
         if self.clock() >= self._next_beat:
-            self._guard(self._beat)
+            self._guard(self._renew_lease)
         self._guard(self._start_next)
         self._guard(self._maybe_snapshot)
         self._guard(self._send_status)
         self._errors = self._errors + 1 if self._step_failed else 0
-        self._ping()
 
     def _guard(self, fn: Callable[[], Any]) -> None:
         try:
@@ -425,16 +544,31 @@ class Daemon:
             deadlines.append(self._next_ping)
         if self._snapshot_dirty:
             deadlines.append(self._last_snapshot + SNAPSHOT_MIN_INTERVAL_S)
+        if self._running is None:
+            deadlines.append(self._next_job_poll)
+            if self._next_retry is not None:
+                deadlines.append(self._next_retry)
         return max(0.0, min(deadlines) - now)
 
-    def _ping(self) -> None:
+    def _ping(self, *, quarter: bool = False) -> None:
         interval = self.notifier.watchdog_interval_s
-        if not interval or self._errors >= UNHEALTHY_AFTER_ERRORS:
+        if not interval or not self.healthy():
             return
         now = self.clock()
         if now >= self._next_ping:
             self.notifier.watchdog()
-            self._next_ping = now + interval / 2
+            self._next_ping = now + interval / (4 if quarter else 2)
+
+    def _note_retry(self) -> None:
+        """Remember (on the monotonic clock) when the next backed-off job becomes due."""
+        at = self.queue.next_retry_at() if self.queue is not None else None
+        if at is None:
+            self._next_retry = None
+            return
+        from datetime import datetime
+
+        delta = datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp() - self.wall_clock()
+        self._next_retry = self.clock() + max(0.0, delta)
 
     def _drain_events(self) -> None:
         now = self.clock()
@@ -453,13 +587,14 @@ class Daemon:
 
     # -- reconcile -------------------------------------------------------------------------------
 
-    def _beat(self) -> None:
-        """Renew this daemon's lease and return expired owners' running jobs to the queue."""
+    def _renew_lease(self) -> None:  # work thread (``_beat`` is the loop's progress time)
+        """Renew this daemon's lease and return expired owners' running jobs to the queue (the
+        attempt their crash cost not counted, retried with backoff)."""
         s = self.settings
         self._next_beat = self.clock() + s.lease_s / 3
         fleet.renew_lease(self.store, self.owner.id, lease_s=s.lease_s, wall_clock=self.wall_clock)
-        requeued, failed = self.queue.recover(s.max_attempts, now=fleet.lease_cutoff(self.wall_clock()),
-                                              include_own=False)
+        requeued, failed = self.queue.recover(backoff_base_s=s.retry_backoff_s, backoff_max_s=s.retry_backoff_max_s,
+                                              now=self._utc_now(), include_own=False)
         for job in requeued + failed:
             log.warning("job %d (%s) of host id %d was running when its lease expired: %s", job.id, job.path,
                         job.owner_id, "queued again for its successor" if job in requeued else "failed")
@@ -502,6 +637,19 @@ class Daemon:
         if sc.settling:
             self.debouncer.hint(now)
         current = self.queue.current()
+        root = os.path.abspath(s.watch_dir)
+        # paths outside watch_dir (it changed on SIGHUP) are gone even while the new one cannot be listed
+        outside = {p for p in current if not _inside(p, root)}
+        gone = (set(current) - set(sc.files) - sc.settling) if sc.ok else outside
+        moved = self._find_moves(current, sc.files, gone)
+        for old, new in sorted(moved.items()):
+            names = self.queue.move_path(old, new)
+            log.info("drop file %s moved to %s: %s kept (same content and name; nothing profiled again)",
+                     old, new, ", ".join(names) or "its job")
+            self._sync_proposals(names)
+            self._snapshot_dirty = self._status_dirty = True
+            current[new] = current.pop(old)
+            gone.discard(old)
         for path, state in sc.files.items():
             cur = current.get(path)
             if cur is not None and cur.content_sha256 == state.sha256:
@@ -510,12 +658,113 @@ class Daemon:
         self._warn_duplicate_names(sc.files, sc.settling)
         if not sc.ok:
             log.warning("%s: %s; no drop is retired until it can be listed", s.watch_dir, sc.problem)
-            return
-        for path in sorted(set(current) - set(sc.files) - sc.settling):
+        for path in sorted(gone):
             names = self.queue.retire_path(path)
-            log.info("drop file %s deleted: retired %s (results kept)", path, ", ".join(names) or "no results yet")
+            if path in outside:
+                log.info("drop file %s is no longer under watch_dir %s: retired %s (results kept)", path, root,
+                         ", ".join(names) or "no results yet")
+            else:
+                log.info("drop file %s deleted: retired %s (results kept)", path, ", ".join(names) or "no results yet")
             self._sync_proposals(names)
             self._snapshot_dirty = self._status_dirty = True
+        self._sync_outputs()
+
+    def _find_moves(self, current: dict[str, Job], files: dict[str, FileState], gone: set[str]) -> dict[str, str]:
+        """Old path → new path for drops that moved: a file gone from its path whose exact bytes
+        (hence its ``name``) appear at a path with no job yet, and whose ``model`` resolves to the
+        same place from there (a relative model path moved to another directory is a new drop)."""
+        by_sha: dict[str, list[str]] = {}
+        for path in sorted(gone):
+            job = current[path]
+            if job.status != "cancelled":
+                by_sha.setdefault(job.content_sha256, []).append(path)
+        moves: dict[str, str] = {}
+        for path, state in sorted(files.items()):
+            if path in current or state.raw is None or state.error is not None:
+                continue
+            olds = by_sha.get(state.sha256)
+            if not olds:
+                continue
+            for old in olds:
+                if self._model_key(old, state.raw) == self._model_key(path, state.raw):
+                    moves[old] = path
+                    olds.remove(old)
+                    break
+        return moves
+
+    @staticmethod
+    def _model_key(path: str, raw: bytes) -> str | None:
+        try:
+            model = str(parse_drop(raw, path).model)
+        except DropError:
+            return None
+        if os.path.isabs(model):
+            return os.path.realpath(model)
+        local = os.path.join(os.path.dirname(path), model)
+        return os.path.realpath(local) if os.path.exists(local) else model
+
+    def _sync_outputs(self) -> None:
+        """Derive the outputs from the committed rows: (re)write each active drop's proposal
+        file that is missing or does not hold its newest drop row, remove files of names with no
+        active drop, and schedule a snapshot when it is missing. Unchanged files cost one stat."""
+        directory = self.settings.proposals_dir
+        active = self.queue.active_drops()
+        for name, drop_id in sorted(active.items()):
+            dest = proposal_path(directory, name)
+            key = self._file_key(dest, drop_id)
+            if key is not None and self._written.get(name) == key:
+                continue
+            why = "missing" if key is None else self._proposal_file_problem(dest, drop_id)
+            if why is None:
+                self._written[name] = key  # type: ignore[assignment]
+                continue
+            try:
+                doc = proposal_document(self.store, drop_id)
+                written = write_proposal_file(directory, doc)
+            except OSError as exc:
+                log.error("%s: cannot write proposal file: %s", directory, exc.strerror or exc)
+                continue
+            self._written[name] = self._file_key(written, drop_id)  # type: ignore[assignment]
+            log.info("drop %s: proposal file %s re-derived from the store (it was %s; drop id %d): %s", name,
+                     written, why, drop_id, _proposal_summary(doc["proposals"]))
+        try:
+            leftovers = [e for e in os.scandir(directory) if e.name.endswith(".yaml") and not e.name.startswith(".")
+                         and e.is_file(follow_symlinks=False) and e.name[:-5] not in active]
+        except OSError:
+            leftovers = []
+        for e in leftovers:
+            try:
+                os.unlink(e.path)
+                self._written.pop(e.name[:-5], None)
+                log.info("proposal file %s removed: no active drop has that name", e.path)
+            except OSError:
+                pass
+        db = self.store.engine.url
+        if db.get_backend_name() == "sqlite" and db.database and not self.settings.snapshot_file.exists():
+            self._snapshot_dirty = True
+
+    @staticmethod
+    def _file_key(path: Path, drop_id: int) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (drop_id, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    @staticmethod
+    def _proposal_file_problem(path: Path, drop_id: int) -> str | None:
+        """None when the file at ``path`` is a proposal of drop row ``drop_id``; else why not."""
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read(MAX_PROPOSAL_FILE_BYTES + 1)
+            if len(raw) > MAX_PROPOSAL_FILE_BYTES:
+                return "oversized"
+            doc = yaml.load(raw, Loader=_LOADER)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            return "unreadable"
+        if not isinstance(doc, dict) or doc.get("drop_id") != drop_id or "proposals" not in doc:
+            return "stale"
+        return None
 
     def _warn_duplicate_names(self, files: dict[str, FileState], settling: set[str]) -> None:
         """Log a WARNING (once per set of files) when drops in different files share a ``name``:
@@ -568,12 +817,12 @@ class Daemon:
         assert state.raw is not None
         text = state.raw.decode("utf-8", "replace")
         try:
-            self._parse(path, state.raw)
+            drop = self._parse(path, state.raw)
         except DropError as err:
             job = self.queue.record_invalid(path, state.sha256, text, err)
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
             return
-        job = self.queue.enqueue(path, state.sha256, text)
+        job = self.queue.enqueue(path, state.sha256, text, name=drop.name)
         log.info("drop %s %s: job %d queued", path, "changed" if changed else "found", job.id)
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -581,7 +830,11 @@ class Daemon:
     def _start_next(self) -> None:
         if self._running is not None or self._unsaved is not None or self.stop_requested:
             return
-        job = self.queue.claim_next()
+        now = self.clock()
+        self._next_job_poll = now + JOB_POLL_S
+        if not self.queue.has_due(self._utc_now()):  # a read: an idle loop takes no write lock
+            return
+        job = self.queue.claim_next(now=self._utc_now())
         if job is None:
             return
         self._status_dirty = True
@@ -597,6 +850,11 @@ class Daemon:
         self._running = _Running(job, drop, thread, self.clock())
         log.info("drop %s: job %d started (attempt %d)", job.path, job.id, job.attempts)
         thread.start()
+
+    def _utc_now(self):
+        from datetime import datetime, timezone
+
+        return datetime.fromtimestamp(self.wall_clock(), timezone.utc)
 
     def _popen(self, args: Any, **kw: Any) -> subprocess.Popen:  # job thread
         env = {k: v for k, v in (kw.pop("env", None) or os.environ).items() if k not in NOTIFY_ENV}
@@ -664,12 +922,16 @@ class Daemon:
                         f"but {exc.message}; set `method` in the drop or change default_method",
                         path=s.source or "settings", field="default_method") from exc
                 raise
-            _cal, key, source = self._lookups(request, s)
+            _cal, key, source = self._lookups(request, s)  # calibration (read-only store) and shared result
             if source is not None:
                 outcome: Any = SharedResult(drop, dev, source, key, job.content)
             else:
+                # the memory limit covers simulate passes (CPU only); a cuda/vllm worker maps device
+                # memory and is bounded by the unit's MemoryMax= and its oom_score_adj instead
+                limit = s.worker_memory_limit if request.get("method") == "simulate" else None
                 result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                                     python=s.worker_python, popen=self._popen)
+                                     python=s.python_for(drop.engine_version), popen=self._popen,
+                                     memory_max_bytes=limit)
                 outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                          content=job.content)
                 outcome.result_sha256 = key
@@ -689,8 +951,21 @@ class Daemon:
         if isinstance(outcome, BaseException):
             if r is not None and r.killed:
                 return  # killed by shutdown(): requeued there
-            self.queue.fail(job.id, outcome)
-            log.error("drop %s: job %d failed: %s: %s", job.path, job.id, type(outcome).__name__, _one_line(outcome))
+            s = self.settings
+            row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
+                                  backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
+            what = f"{type(outcome).__name__}: {_one_line(outcome)}"
+            if row is not None and row.status == "pending":
+                log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,
+                            row.attempts, s.max_attempts, row.retry_at, what)
+                self._note_retry()
+            elif failure_kind(outcome) == "run":
+                log.error("drop %s: job %d failed: %s (run failure: gave up after %d attempts; "
+                          "`ctx-tuner retry %s` runs it again)", job.path, job.id, what,
+                          row.attempts if row else job.attempts, job.name or Path(job.path).stem)
+            else:
+                log.error("drop %s: job %d failed: %s (invalid input: final until the file changes)", job.path,
+                          job.id, what)
             return
         self._unsaved = (job, outcome, started)
         self._save_unsaved()
@@ -713,21 +988,22 @@ class Daemon:
         outcome.drop_id = drop_id
         self._snapshot_dirty = self._status_dirty = True
         names = {outcome.drop.name} | set(self.queue.drop_names_for_path(job.path))
+        if _AFTER_COMMIT_HOOK is not None:
+            _AFTER_COMMIT_HOOK(job, drop_id)
         written = self._sync_proposals(names)
-        props = "; ".join(
-            f"gmu {p['gpu_memory_utilization']:.2f} → max_model_len {p['max_model_len']}"
-            + (f" ({p['num_gpu_blocks']} blocks, {p['kv_cache_tokens']} KV tokens)" if p["max_model_len"] else
-               f" (nothing fits: {p['reason']})")
-            for p in outcome.result.get("proposals", []))
+        props = _proposal_summary(outcome.result.get("proposals", []))
         where = written.get(outcome.drop.name)
         shared = (f" (shared result of drop id {outcome.source_drop_id}, no worker)"
                   if isinstance(outcome, SharedResult) else "")
-        log.info("drop %s (%s): job %d done, drop id %d%s: %s%s", outcome.drop.name, job.path, job.id, drop_id,
-                 shared, props or "no proposals", f"; proposal file {where}" if where else "")
+        warns = getattr(outcome, "warnings", None) or []
+        log.info("drop %s (%s): job %d done, drop id %d%s: %s%s%s", outcome.drop.name, job.path, job.id, drop_id,
+                 shared, props or "no proposals", f"; proposal file {where}" if where else "",
+                 f"; {len(warns)} warning(s): " + "; ".join(_one_line(Exception(w), 300) for w in warns) if warns else "")
 
     def _rows(self, outcome: Any, started: str) -> tuple[dict, list, list, list]:
         """The rows to store for a finished job: the worker's result, or a copy of the shared
-        result's rows under this drop (``answered_from_drop_id`` naming the original)."""
+        result's rows under this drop (``answered_from_drop_id`` naming the original, its
+        warnings kept)."""
         if isinstance(outcome, SharedResult):
             shell = ProfileOutcome(outcome.drop, outcome.device, {"runs": [], "candidates": [], "proposals": []},
                                    content=outcome.content)
@@ -735,7 +1011,13 @@ class Daemon:
             runs, cands, props = fleet.shared_rows(self.store, outcome.source_drop_id)
             runs = [{**r, "model": outcome.drop.model} for r in runs]  # this drop's model spelling
             outcome.result = {"proposals": props}
-            return ({**drop_row, "result_sha256": outcome.result_sha256,
+            src = self.store._rows(sa.select(drops_table.c.warnings).where(drops_table.c.id == outcome.source_drop_id))
+            warnings = src[0]["warnings"] if src else None
+            try:
+                outcome.warnings = [str(w) for w in json.loads(warnings)] if warnings else []
+            except (ValueError, TypeError):
+                outcome.warnings = []
+            return ({**drop_row, "result_sha256": outcome.result_sha256, "warnings": warnings,
                      "answered_from_drop_id": outcome.source_drop_id}, runs, cands, props)
         drop_row, runs, cands, props = rows_for_store(outcome, started_at=started)
         key = getattr(outcome, "result_sha256", None)
@@ -750,8 +1032,13 @@ class Daemon:
                 if name in active:
                     written[name] = write_proposal_file(self.settings.proposals_dir,
                                                         proposal_document(self.store, active[name]))
-                elif remove_proposal_file(self.settings.proposals_dir, name):
-                    log.info("proposal file for %s removed (drop retired)", name)
+                    key = self._file_key(written[name], active[name])
+                    if key is not None:
+                        self._written[name] = key
+                else:
+                    self._written.pop(name, None)
+                    if remove_proposal_file(self.settings.proposals_dir, name):
+                        log.info("proposal file for %s removed (drop retired)", name)
             except OSError as exc:
                 log.error("%s: cannot write proposal file: %s", self.settings.proposals_dir, exc.strerror or exc)
         return written
@@ -828,8 +1115,14 @@ class Daemon:
                 self.watcher.stop()
                 self.watcher = self._make_watcher(new.watch_dir)
                 self.watcher.start()
+            old_owner = self.owner.id
             fleet.end_lease(self.store, self.owner.id, wall_clock=self.wall_clock)
             self._register(new)
+            # the same daemon under its new identity: its unretired jobs and drops go with it, so
+            # the scan below sees moves as moves and files outside the new watch_dir as retired
+            taken = self.queue.take_over(old_owner)
+            if taken:
+                log.info("took over %d job(s) of the previous identity (hosts.id %d)", taken, old_owner)
         log.info("settings reloaded from %s", old.source or "defaults")
         self._status_dirty = True
         self.reconcile()
@@ -838,25 +1131,63 @@ class Daemon:
     # -- shutdown --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop gracefully: STOPPING=1, kill the running worker group and put its job back to
-        ``pending``, stop watching, final snapshot, close the store. Idempotent."""
+        """Stop gracefully: STOPPING=1, kill the running worker group, put its job back to
+        ``pending``, stop watching, final snapshot, close the store. Idempotent. Under
+        :meth:`run` the database part happens in the work thread and is waited for at most
+        :data:`STOP_GRACE_S`: with the database locked by another writer the daemon still exits
+        at once, and the job left ``running`` is requeued (not counted) at the next start."""
         if self._closed:
             return
         self._closed = True
         self.stop_requested = True
+        self.waker.wake()
         self.notifier.stopping("stopping")
+        work = self._work_thread
+        try:
+            self._kill_running()
+            if work is None:
+                self._stop_work()
+            else:
+                work.join(timeout=STOP_GRACE_S)
+                self.work_stuck = work.is_alive()
+                if work.is_alive():
+                    self.watcher.stop()
+                    log.warning("the database is busy (another writer holds its lock): stopping without waiting; "
+                                "an interrupted job is requeued at the next start (not counted)")
+        except Exception:
+            log.exception("error while stopping")
+        finally:
+            if self.store is not None and (work is None or not work.is_alive()):
+                self.store.close()
+            self._restore_signals()
+            if work is None or not work.is_alive():
+                self.waker.close()
+            self.control.close()
+            self.notifier.close()
+            if self.started:  # a start-up that failed was never running: its error says it all
+                log.info("stopped")
+
+    def _kill_running(self) -> None:
+        r = self._running
+        if r is None:
+            return
+        with self._lock:
+            r.killed = True
+            proc = r.proc
+        if proc is not None:
+            try:
+                self.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _stop_work(self) -> None:
+        """The database part of stopping (work thread under :meth:`run`): wait for the killed
+        job's thread, keep results that finished before the kill, requeue running jobs, snapshot."""
         try:
             self.watcher.stop()
+            self._kill_running()
             r = self._running
             if r is not None:
-                with self._lock:
-                    r.killed = True
-                    proc = r.proc
-                if proc is not None:
-                    try:
-                        self.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 r.thread.join(timeout=30)
             self._drain_finished_at_stop()
             if self.queue is not None:
@@ -869,14 +1200,6 @@ class Daemon:
                     self._snapshot()
         except Exception:
             log.exception("error while stopping")
-        finally:
-            if self.store is not None:
-                self.store.close()
-            self._restore_signals()
-            self.waker.close()
-            self.notifier.close()
-            if self.started:  # a start-up that failed was never running: its error says it all
-                log.info("stopped")
 
     def _drain_finished_at_stop(self) -> None:
         while True:

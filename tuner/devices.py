@@ -34,6 +34,10 @@ from tuner.errors import DeviceError
 GIB = 1 << 30
 MIB = 1 << 20
 
+#: Interconnect classes (the same tuple as :data:`tuner.budget.INTERCONNECTS`; kept here so this
+#: module stays free of the budget's imports).
+INTERCONNECTS = ("nvswitch", "nvlink", "pcie", "xgmi")
+
 #: Sanity bounds for a device's total memory given in a drop (bytes): 256 MiB … 4 TiB.
 MIN_TOTAL_BYTES = 256 * MIB
 MAX_TOTAL_BYTES = 4096 * GIB
@@ -65,6 +69,12 @@ class Device:
     compute_capability: str | None = None
     uuid: str | None = None
     free_memory_bytes: int | None = None
+    #: How the card talks to its peers in a TP group: ``nvswitch``, ``nvlink``, ``pcie`` or
+    #: ``xgmi`` (:data:`tuner.budget.INTERCONNECTS`); None when unknown (the budget then assumes
+    #: the calibration centre, NVSwitch).
+    interconnect: str | None = None
+    #: CUDA peer-to-peer access between two such cards (None: unknown, taken as available).
+    p2p: bool | None = None
 
     @property
     def total_memory_gib(self) -> float:
@@ -104,7 +114,8 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
     for i, entry in enumerate(data["gpus"]):
         if not isinstance(entry, dict):
             raise DeviceError(f"entry {i} is not a mapping", where=where)
-        unknown = set(entry) - {"name", "total_memory_bytes", "compute_capability", "source", "aliases"}
+        unknown = set(entry) - {"name", "total_memory_bytes", "compute_capability", "source", "aliases",
+                                "interconnect", "p2p"}
         if unknown:
             raise DeviceError(f"entry {i}: unknown keys {sorted(unknown)}", where=where)
         name, total = entry.get("name"), entry.get("total_memory_bytes")
@@ -118,8 +129,14 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         aliases = entry.get("aliases") or []
         if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
             raise DeviceError(f"{name}: 'aliases' must be a list of strings", where=where)
+        ic = entry.get("interconnect")
+        if ic is not None and ic not in INTERCONNECTS:
+            raise DeviceError(f"{name}: 'interconnect' must be one of {', '.join(INTERCONNECTS)}", where=where)
+        p2p = entry.get("p2p")
+        if p2p is not None and not isinstance(p2p, bool):
+            raise DeviceError(f"{name}: 'p2p' must be true or false", where=where)
         dev = Device(name=name, total_memory_bytes=total, source=str(entry.get("source") or "typical"),
-                     compute_capability=cc)
+                     compute_capability=cc, interconnect=ic, p2p=p2p)
         devices.append(dev)
         for alias in [name, *aliases]:
             for k in _keys(alias):
@@ -140,15 +157,107 @@ def known_names() -> list[str]:
     return [d.name for d in _load_catalog()[0]]
 
 
-def lookup(name: str) -> Device | None:
-    """The catalog device whose name or alias matches ``name`` (case-insensitive; blanks, '-' and
-    '_' are interchangeable; a leading "NVIDIA " is optional), or None."""
+#: Words NVML / vLLM print around a card's model name that do not tell cards apart: vendor and
+#: brand prefixes, memory technology, form-factor words, and a trailing memory size in
+#: parentheses (``(24G)``, ``(48GB)``). :func:`_base_key` drops them.
+_NOISE_WORDS = ("nvidia", "geforce", "tesla", "quadro", "amd", "instinct", "radeon", "generation",
+                "hbm3e", "hbm3", "hbm2e", "hbm2", "gddr7", "gddr6x", "gddr6", "server", "edition", "workstation",
+                "sxm", "sxm2", "sxm4", "sxm5", "oam")
+_MEM_SUFFIX_RE = re.compile(r"\(\s*\d+(?:\.\d+)?\s*(?:g|gb|gib)?\s*\)")
+_SIZE_WORD_RE = re.compile(r"^\d+(?:\.\d+)?\s*(?:g|gb|gib)$")
+
+
+def _base_key(text: str) -> str:
+    """The card's model name without noise words or memory sizes: ``"NVIDIA H100 80GB HBM3"`` →
+    ``"h100"``, ``"NVIDIA GeForce RTX 4090 (24G)"`` → ``"rtx 4090"``, ``"H20-141GB"`` → ``"h20"``."""
+    k = _MEM_SUFFIX_RE.sub(" ", text.lower())
+    words = [w for w in _key(k).split(" ") if w and w not in _NOISE_WORDS and not _SIZE_WORD_RE.match(w)]
+    return " ".join(words)
+
+
+@lru_cache(maxsize=1)
+def _families() -> dict[str, tuple[Device, ...]]:
+    """Base key (:func:`_base_key`) of every catalog name and alias → the devices it may mean."""
+    out: dict[str, list[Device]] = {}
+    for dev in _load_catalog()[0]:
+        for k in {_base_key(a) for a in [dev.name, *_aliases(dev.name)]}:
+            if k and dev not in out.setdefault(k, []):
+                out[k].append(dev)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _aliases(name: str) -> list[str]:
+    return [a for a, d in _alias_table().items() if d == name]
+
+
+@lru_cache(maxsize=1)
+def _alias_table() -> dict[str, str]:
+    text = resources.files("tuner").joinpath("data/gpus.yaml").read_text(encoding="utf-8")
+    table: dict[str, str] = {}
+    for entry in (yaml.safe_load(text) or {}).get("gpus") or []:
+        for a in entry.get("aliases") or []:
+            table[a] = entry["name"]
+    return table
+
+
+#: How far a known total may be from a catalog total and still pick that card among several
+#: that share a model name (fraction): ECC, driver and display reservations move the total by
+#: ~1 %; neighbouring memory sizes of one model differ by ≥ 20 % (A100 40/80, H20 96/141).
+TOTAL_MATCH_TOLERANCE = 0.08
+
+
+def candidates_for(name: str) -> tuple[Device, ...]:
+    """Every catalog device ``name`` may mean: the exact match when there is one, else every card
+    whose model name (:func:`_base_key`) equals the name's."""
+    if not isinstance(name, str):
+        return ()
+    exact = _load_catalog()[1].get(_key(name))
+    if exact is not None:
+        return (exact,)
+    return _families().get(_base_key(name), ())
+
+
+def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None:
+    """The catalog device ``name`` names, or None.
+
+    Matching: case-insensitive, blanks/'-'/'_' interchangeable, a leading "NVIDIA " optional; then
+    the spellings NVML and vLLM print (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA GeForce RTX 4090
+    (24G)"``, ``"... Server Edition"``) by the card's model name (:func:`_base_key`). A name that fits
+    several cards (``"NVIDIA A100"``, ``"H20"``) is resolved by ``total_memory_bytes`` when given (the
+    card within :data:`TOTAL_MATCH_TOLERANCE`, nearest first), else by an exact memory size in the
+    name; otherwise it stays ambiguous (None)."""
     if not isinstance(name, str):
         return None
-    return _load_catalog()[1].get(_key(name))
+    exact = _load_catalog()[1].get(_key(name))
+    family = _families().get(_base_key(name), ())
+    if total_memory_bytes:
+        pool = list(family) + ([exact] if exact is not None and exact not in family else [])
+        near = sorted(pool, key=lambda d: abs(d.total_memory_bytes - total_memory_bytes))
+        if near and abs(near[0].total_memory_bytes - total_memory_bytes) <= TOTAL_MATCH_TOLERANCE * near[0].total_memory_bytes:
+            return near[0]
+        return exact if exact is not None else (family[0] if len(family) == 1 else None)
+    if exact is not None:
+        return exact
+    found = family
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        return None
+    size = re.search(r"(\d+)\s*(?:g|gb|gib)\b", name.lower())
+    if size:
+        gb = int(size.group(1))
+        near = [d for d in found if abs(d.total_memory_bytes / 1e9 - gb) <= 0.12 * gb]
+        if len(near) == 1:
+            return near[0]
+    return None
 
 
 def _unknown(value: object) -> DeviceError:
+    several = candidates_for(value) if isinstance(value, str) else ()
+    if len(several) > 1:
+        return DeviceError(
+            f"device {value!r} may be {', '.join(d.name for d in several)}; name one of them or give "
+            "{name: ..., total_memory_gib: ...} (the total picks the card)", where="device")
     return DeviceError(
         f"unknown device {value!r}; known devices: {', '.join(known_names())} "
         "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})",
@@ -203,7 +312,7 @@ def resolve_device(value: Any, *, nvml: Any = None) -> Device:
 
 
 def _resolve_mapping(value: Mapping) -> Device:
-    allowed = {"name", "total_memory_gib", "total_memory_bytes", "compute_capability"}
+    allowed = {"name", "total_memory_gib", "total_memory_bytes", "compute_capability", "interconnect", "p2p"}
     unknown = [k for k in value if k not in allowed]
     if unknown:
         raise DeviceError(f"unknown key {unknown[0]!r} in device mapping; allowed: {sorted(allowed)}",
@@ -238,10 +347,20 @@ def _resolve_mapping(value: Mapping) -> Device:
     if cc is not None and not (isinstance(cc, str) and re.fullmatch(r"\d+\.\d+", cc)):
         raise DeviceError(f"compute_capability must be a string like \"9.0\", not {cc!r}",
                           where="device.compute_capability")
-    known = lookup(name)
-    if cc is None and known is not None:
-        cc = known.compute_capability
-    return Device(name=name.strip(), total_memory_bytes=total, source=_SOURCE_DROP, compute_capability=cc)
+    ic = value.get("interconnect")
+    if ic is not None and ic not in INTERCONNECTS:
+        raise DeviceError(f"interconnect must be one of {', '.join(INTERCONNECTS)}, not {ic!r}",
+                          where="device.interconnect")
+    p2p = value.get("p2p")
+    if p2p is not None and not isinstance(p2p, bool):
+        raise DeviceError(f"p2p must be true or false, not {p2p!r}", where="device.p2p")
+    known = lookup(name, total_memory_bytes=total)
+    if known is not None:
+        cc = cc if cc is not None else known.compute_capability
+        ic = ic if ic is not None else known.interconnect
+        p2p = p2p if p2p is not None else known.p2p
+    return Device(name=name.strip(), total_memory_bytes=total, source=_SOURCE_DROP, compute_capability=cc,
+                  interconnect=ic, p2p=p2p)
 
 
 def _text(v: Any) -> str:
@@ -307,7 +426,7 @@ def _resolve_auto(nvml: Any) -> Device:
             pass
 
     total, free = int(mem.total), int(mem.free)
-    known = lookup(raw_name)
+    known = lookup(raw_name, total_memory_bytes=total)
     if known is None:
         return Device(name=raw_name.strip(), total_memory_bytes=total, source=_SOURCE_NVML,
                       compute_capability=cc, uuid=uuid, free_memory_bytes=free)
@@ -316,7 +435,8 @@ def _resolve_auto(nvml: Any) -> Device:
     else:
         source = _SOURCE_NVML
     return Device(name=known.name, total_memory_bytes=total, source=source,
-                  compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free)
+                  compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free,
+                  interconnect=known.interconnect, p2p=known.p2p)
 
 
 @dataclass(frozen=True)
@@ -387,7 +507,7 @@ def list_gpus(nvml: Any = None) -> list[GpuInfo]:
                 except nvml_error:
                     others = nproc = None
             cc = _compute_capability(nvml, h, nvml_error)
-            known = lookup(name)
+            known = lookup(name, total_memory_bytes=int(mem.total))
             out.append(GpuInfo(index=i, name=name, uuid=_text(nvml.nvmlDeviceGetUUID(h)),
                                total_memory_bytes=int(mem.total), free_memory_bytes=int(mem.free),
                                used_memory_bytes=int(mem.used), other_processes_bytes=others, processes=nproc,

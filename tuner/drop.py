@@ -78,7 +78,15 @@ class _Invalid(Exception):
 # --------------------------------------------------------------------------------------------
 
 
+_YAML11_FLOAT_LOOKALIKE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _type_name(v: Any) -> str:
+    if isinstance(v, str) and _YAML11_FLOAT_LOOKALIKE.match(v.strip()):
+        mant, _, exp = v.strip().lower().partition("e")
+        fixed = f"{mant if '.' in mant else mant + '.0'}e{exp if exp[:1] in '+-' else '+' + exp}"
+        return (f"str (YAML 1.1 reads {v.strip()} as a string: a float needs a dot and a signed exponent, "
+                f"write {fixed})")
     return "null" if v is None else type(v).__name__
 
 
@@ -183,10 +191,11 @@ def _device(v: Any) -> Any:
         return v.strip()
     if isinstance(v, Mapping):
         for k in v:
-            if k not in ("name", "total_memory_gib", "total_memory_bytes", "compute_capability"):
+            if k not in ("name", "total_memory_gib", "total_memory_bytes", "compute_capability", "interconnect",
+                         "p2p"):
                 raise _Invalid(
                     f"unknown key {k!r} in device mapping; allowed: name, total_memory_gib | "
-                    "total_memory_bytes, compute_capability", sub=f".{k}")
+                    "total_memory_bytes, compute_capability, interconnect, p2p", sub=f".{k}")
         if "name" not in v:
             raise _Invalid("device mapping needs 'name'", sub=".name")
         if "total_memory_gib" not in v and "total_memory_bytes" not in v:
@@ -272,6 +281,61 @@ def _len_list(v: Any) -> tuple[int, ...] | None:
     return tuple(sorted(out))
 
 
+#: ``speculative_config.method`` values (vllm/config/speculative.py ``SpeculativeMethod``, 0.19–0.28
+#: read), plus the model-specific MTP names vLLM folds into ``mtp``.
+SPEC_METHODS = ("ngram", "eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp", "suffix", "dflash",
+                "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp", "ernie_mtp", "mimo_mtp", "longcat_flash_mtp",
+                "qwen3_5_mtp", "pangu_ultra_moe_mtp")
+#: Methods whose drafter has no weights and no KV cache (vllm/v1/spec_decode/ngram_proposer.py,
+#: suffix_decoding.py).
+SPEC_METHODS_WITHOUT_MODEL = ("ngram", "suffix")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+              "draft_tensor_parallel_size")
+
+
+def _speculative_config(v: Any) -> dict | None:
+    """vLLM's ``--speculative-config`` as a mapping: ``method`` (one of :data:`SPEC_METHODS`),
+    ``num_speculative_tokens`` (1–1024), optional ``model``, ``prompt_lookup_min`` /
+    ``prompt_lookup_max`` (n-gram) and ``draft_tensor_parallel_size``."""
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise _Invalid(f"must be a mapping {{method, num_speculative_tokens, ...}} or null, not {_type_name(v)} {v!r}")
+    for k in v:
+        if k not in _SPEC_KEYS:
+            raise _Invalid(f"unknown key {k!r}; allowed: {', '.join(_SPEC_KEYS)}", sub=f".{k}")
+    out: dict[str, Any] = {}
+    method = v.get("method")
+    if not isinstance(method, str) or method.strip().lower() not in SPEC_METHODS:
+        raise _Invalid(f"must be one of {', '.join(SPEC_METHODS)}, not {method!r}", sub=".method")
+    method = method.strip().lower()
+    out["method"] = "mtp" if method.endswith("_mtp") else method
+    k = v.get("num_speculative_tokens")
+    if not _is_int(k) or not 1 <= k <= 1024:
+        raise _Invalid(f"must be an integer 1–1024, not {_type_name(k)} {k!r}", sub=".num_speculative_tokens")
+    out["num_speculative_tokens"] = k
+    if "model" in v and v["model"] is not None:
+        if not isinstance(v["model"], str) or not v["model"].strip():
+            raise _Invalid(f"must be a non-empty string, not {v['model']!r}", sub=".model")
+        out["model"] = v["model"].strip()
+    for key in ("prompt_lookup_min", "prompt_lookup_max", "draft_tensor_parallel_size"):
+        if key in v and v[key] is not None:
+            if not _is_int(v[key]) or not 1 <= v[key] <= 65536:
+                raise _Invalid(f"must be an integer 1–65536, not {_type_name(v[key])} {v[key]!r}", sub=f".{key}")
+            out[key] = v[key]
+    if out["method"] in ("draft_model", "dflash", "eagle", "eagle3", "medusa", "mlp_speculator") and "model" not in out:
+        raise _Invalid(f"method {out['method']!r} needs the drafter's 'model'", sub=".model")
+    return out
+
+
+def _gib_or_null(v: Any) -> float | None:
+    if v is None:
+        return None
+    if not _is_number(v) or not 0 <= v <= 4096:
+        raise _Invalid(f"must be null or a number of GiB in 0–4096, not {_type_name(v)} {v!r}")
+    return float(v)
+
+
 def _min_concurrency(v: Any) -> float:
     if not _is_number(v):
         raise _Invalid(f"must be a number ≥ 1, not {_type_name(v)} {v!r}")
@@ -341,6 +405,29 @@ DROP_FIELDS: tuple[DropField, ...] = (
               _choice(BLOCK_SIZES, nullable=True)),
     DropField("enable_chunked_prefill", "boolean | null", None,
               "Chunked prefill on/off; null = the era's default for the entry point.", _bool(nullable=True)),
+    DropField("data_parallel_size", "integer 1–1024", 1,
+              "Data-parallel engines (vLLM's --data-parallel-size); memory is predicted per GPU. Dense layers are "
+              "replicated per DP rank; MoE experts are TP-sharded over data_parallel_size × tensor_parallel_size "
+              "ranks (or split among them with enable_expert_parallel).", _int_range(1, 1024)),
+    DropField("enable_expert_parallel", "boolean", False,
+              "vLLM's --enable-expert-parallel: each of the data_parallel_size × tensor_parallel_size ranks holds "
+              "E / ranks whole experts instead of a slice of every expert.", _bool()),
+    DropField("other_processes_memory_gib", "number 0–4096 | null", None,
+              "GPU memory other processes hold when vLLM starts (GiB = 2^30 bytes; co-tenants). V1 0.9.1+ refuses to "
+              "start when total − this < total × u (its free-memory check); V0 0.6.4 and V1 0.7–0.9.0 subtract it "
+              "from the budget. null = none, or for `device: auto` what NVML reports in use at job time.",
+              _gib_or_null),
+    DropField("disable_custom_all_reduce", "boolean", False,
+              "As vLLM's --disable-custom-all-reduce: no custom all-reduce buffers for TP ≥ 2 (vLLM also keeps it "
+              "off by itself for > 2 GPUs that are not fully connected, GPUs without P2P, other world sizes than "
+              "2/4/6/8 and groups across nodes; the device's `interconnect` decides).", _bool()),
+    DropField("speculative_config", "{method, num_speculative_tokens, model?, ...} | null", None,
+              "As vLLM's --speculative-config: `method` (ngram, suffix, mtp and the model-specific *_mtp names, "
+              "eagle, eagle3, draft_model, dflash, medusa, mlp_speculator), `num_speculative_tokens` (1–1024), "
+              "the drafter `model` (needed by draft_model, dflash, eagle*, medusa), `prompt_lookup_min`/`max`, "
+              "`draft_tensor_parallel_size`. Sizes the CUDA-graph captures (1 + k tokens per request); `mtp` adds the "
+              "checkpoint's MTP layers (their KV layers and 16-bit weights); another checkpoint's drafter is not "
+              "modelled yet (a warning says so).", _speculative_config),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("entry_point", "serve | offline", "serve",
@@ -427,6 +514,11 @@ class Drop:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     enable_chunked_prefill: bool | None = None
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    other_processes_memory_gib: float | None = None
+    disable_custom_all_reduce: bool = False
+    speculative_config: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False
     entry_point: str = "serve"
     #: the drop file as given to :func:`load_drop` / :func:`parse_drop`.
@@ -608,15 +700,27 @@ def load_drop(path: str | os.PathLike) -> Drop:
     """Read and validate the drop file at ``path``.
 
     Raises:
-        DropError: the file cannot be read, is larger than :data:`MAX_DROP_BYTES` (256 KiB), is not
+        DropError: the file cannot be read, is not a regular file (a FIFO, socket or device: never
+            opened for a blocking read), is larger than :data:`MAX_DROP_BYTES` (256 KiB), is not
             UTF-8, or fails :func:`parse_drop`.
     """
+    import stat
+
     p = str(path)
     try:
-        with open(p, "rb") as fh:
+        # O_NONBLOCK: opening a FIFO never waits for a writer; anything but a regular file is refused
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DropError(f"cannot read drop: {exc.strerror or exc}", path=p) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DropError("not a regular file (a FIFO, socket or device is never read)", path=p)
+        with os.fdopen(os.dup(fd), "rb") as fh:
             raw = fh.read(MAX_DROP_BYTES + 1)
     except OSError as exc:
         raise DropError(f"cannot read drop: {exc.strerror or exc}", path=p) from None
+    finally:
+        os.close(fd)
     return parse_drop(raw, p)
 
 

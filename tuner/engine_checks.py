@@ -177,6 +177,14 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
         return []
     q = str(override).lower()
     known = quantization_methods(version)
+    qc = quantization_config or {}
+    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
+    if ckpt in ("auto-round", "autoround"):
+        # vllm/config/model.py ``_verify_quantization`` (0.19–0.33) runs the checkpoint overrides
+        # before the name check, and INCConfig.override_quantization_method returns "inc" for an
+        # auto-round checkpoint whatever the argument says: any spelling (auto_round, auto-round,
+        # inc) becomes "inc" before vLLM looks the name up.
+        return []
     if q not in known:
         if known is VLLM_019_QUANTIZATION_METHODS:
             msg = f"Unknown quantization method: {q}. Must be one of {list(known)}."
@@ -188,10 +196,8 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
     if known is VLLM_019_QUANTIZATION_METHODS and q in VLLM_019_DEPRECATED:
         warnings.append(f"vLLM 0.19 deprecates quantization {q!r}: the engine refuses it unless started with "
                         "--allow-deprecated-quantization (added to the proposed arguments)")
-    qc = quantization_config or {}
-    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
     if ckpt:
-        if ckpt.startswith("modelopt") or ckpt in ("auto-round", "autoround"):
+        if ckpt.startswith("modelopt"):
             return warnings  # vLLM's override_quantization_method replaces the argument
         if q == ckpt or q in _COMPATIBLE.get(ckpt, ()):
             return warnings

@@ -74,3 +74,14 @@ class LogParseError(TunerError):
 
 class MeasureError(TunerError):
     """A measured profile pass (``cuda`` / ``vllm``) could not run or gave no result."""
+
+
+class UnsupportedArchitectureError(ModelConfigError):
+    """No plugin serves a config's architecture, it is not a standard decoder, and no installed
+    vLLM can give its KV specs and weights (:mod:`tuner.engine.fallback`). ``where`` is the
+    config file."""
+
+
+class EngineError(TunerError):
+    """The installed vLLM engine (:mod:`tuner.engine.adapter`) failed on something other than the
+    drop's settings (an import failure, a model it cannot build); ``where`` names the engine."""

@@ -296,6 +296,36 @@ def steps_add_up(steps: list[dict]) -> int:
     return total
 
 
+def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> list[dict]:
+    """The TP group's share of the non-torch term as its own steps (bytes; empty at TP 1): NCCL
+    (NVLS on NVSwitch, the communicator where the era charges it) and custom all-reduce's IPC
+    buffers, with whether custom all-reduce is on and why (:mod:`tuner.budget`)."""
+    from tuner.budget import custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes
+    from tuner.eras import V0_PROFILING, V1_CONSUMED, V1_PROFILING
+    from tuner.job import topology_for
+
+    tp = int(drop.get("tensor_parallel_size") or 1)
+    if tp <= 1 or era.budget_formula not in (V0_PROFILING, V1_PROFILING, V1_CONSUMED):
+        return []
+    if era.engine == "V0" and era.version < (0, 7, 0):
+        return []
+    topo = topology_for(device, drop)
+    nccl = nccl_profile_bytes(era, tp, topo)
+    on, why = custom_all_reduce_enabled(tp, topo)
+    charged = era.engine == "V0" or era.version < (0, 11, 0)
+    ar = custom_all_reduce_buffer_bytes(era, tp, topo) if charged else 0
+    if nccl + ar > non_torch:
+        return []
+    out = [{"name": "nccl", "op": "-", "bytes": nccl,
+            "text": f"NCCL buffers of the TP{tp} group ({topo.interconnect}"
+                    f"{', NVLS' if topo.interconnect == 'nvswitch' and nccl else ''})"}]
+    state = "on" if on else f"off: {why}"
+    out.append({"name": "custom_all_reduce", "op": "-", "bytes": ar,
+                "text": f"custom all-reduce IPC buffers ({state}"
+                        f"{'' if charged or not on else '; allocated before the start-up snapshot, not charged'})"})
+    return out
+
+
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
                   block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
@@ -333,7 +363,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     g_corr = int(cand.get("cuda_graph_correction_bytes") or 0) if subtracts_graphs else 0
     split = not measured and "workspace_bytes" in cand
     if not measured and reserve is None:  # a stored row: the reserve is a function of the era and weights
-        reserve = unexplained_bytes(era, int(w or 0))
+        reserve = unexplained_bytes(era, int(w or 0), int(sim or 0) + ws)
     reserve = int(reserve or 0)
     if measured:
         act_sim, rest = act, 0
@@ -364,7 +394,63 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                       "text": "safety reserve for start-up memory no term explains, see README"})
     nt_text = ("non-torch memory (as the engine logged it)" if measured
                else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
-    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr, "text": nt_text})
+    comm = [] if measured else _communication_steps(era, drop, device, nt - nt_corr)
+    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr - sum(s["bytes"] for s in comm),
+                  "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
+                                                   "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
+    steps.extend(comm)
+    from tuner.job import other_processes_bytes
+
+    others = other_processes_bytes(device, drop)
+    if others:
+        from tuner.budget import co_tenant_non_torch_bytes
+
+        charged = co_tenant_non_torch_bytes(era, others)
+        steps.append({"name": "other_processes", "op": "info", "bytes": others,
+                      "text": "memory other processes hold at start: "
+                              + ("counted in the non-torch step (this era's budget is whole-GPU)" if charged else
+                                 "outside this instance's budget; vLLM refuses to start when total minus it is below "
+                                 "the requested memory" if era.engine == "V1" and era.version >= (0, 9, 1) else
+                                 "outside this instance's budget (no free-memory check in this era)")})
+    dp, ep = int(drop.get("data_parallel_size") or 1), bool(drop.get("enable_expert_parallel"))
+    if dp > 1 or ep:
+        from tuner.budget import moe_rank_shape
+        from tuner.eras import NUM_EXPERTS_KEYS
+
+        raw = {}
+        try:  # the experts come from the model's config.json (parent side: JSON only)
+            from tuner.modelspec import read_top
+
+            top = read_top((model or {}).get("path") or "")
+            raw = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+        except Exception:  # noqa: BLE001 - an explanation never fails on this info step
+            raw = {}
+        e = next((int(raw[k]) for k in NUM_EXPERTS_KEYS if isinstance(raw.get(k), int) and raw[k] > 0), 0)
+        if e:
+            here, _i = moe_rank_shape(e, 1 << 20, tensor_parallel_size=tp, data_parallel_size=dp,
+                                      enable_expert_parallel=ep)
+            how = (f"{here} of {e} experts per MoE layer, whole" if ep and dp * tp > 1
+                   else f"all {e} experts, each 1/{dp * tp} of its intermediate size")
+        else:
+            how = "no MoE layers: every DP rank holds the TP shard of the whole model"
+        steps.append({"name": "data_expert_parallel", "op": "info", "bytes": 0,
+                      "text": f"data_parallel_size {dp}, expert parallel {'on' if ep else 'off'}: {how} on this "
+                              "rank (in the weights step); dense layers TP-sharded, replicated per DP rank"})
+    spec = drop.get("speculative_config") or {}
+    if spec:
+        from tuner.budget import cudagraph_capture_sizes
+        from tuner.job import num_speculative_tokens
+
+        k = num_speculative_tokens(drop, era)
+        sizes = cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k)
+        steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
+                      "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
+                              f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
+                              f"sizes up to {max(sizes) if sizes else 0} ("
+                              + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
+                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their 16-bit weights "
+                                 "in the weights step" if spec.get("method") == "mtp" else
+                                 "the drafter's weights, KV layers and profile run are not modelled") + ")"})
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:
@@ -588,6 +674,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
+            "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "explanations": explanations}
 
 
@@ -719,7 +806,7 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
 
             dev = lookup(str(run["device_name"] or ""))
             ws = profile_overhead_bytes(dev.compute_capability if dev is not None else None, era)
-            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0))
+            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0), int(run["activation_peak_bytes"] or 0) + ws)
             c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve,
                  "activation_correction_bytes": c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve}
         prop = next((p for p in props if _same_u(p["gpu_memory_utilization"], c["gpu_memory_utilization"])), None)
@@ -731,7 +818,20 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
         e["method"] = run["method"]
         explanations.append(e)
     return {"drop": drop_row.get("name"), "model": model_dir, "device": device, "era": era.name,
-            "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations}
+            "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations,
+            "term_sources": _json_column(run.get("term_sources")), "engine_check": _json_column(run.get("engine_check"))}
+
+
+def _json_column(text: str | None) -> Any:
+    """A stored JSON text column (``term_sources``, ``engine_check``), None when absent or unreadable."""
+    import json
+
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -853,6 +953,58 @@ def render_point(e: dict) -> str:
     return "\n".join(lines)
 
 
+def term_sources_line(sources: dict) -> str:
+    """``sources: kv_cache_spec engine, weights engine, …`` (see :mod:`tuner.engine.crosscheck`)."""
+    return "sources: " + ", ".join(f"{k} {v}" for k, v in sources.items() if k != "plugin")
+
+
+def engine_check_lines(check: dict | None) -> list[str]:
+    """The engine adapter's cross-check in words: release, decision, differences, vLLM's blocks
+    at each proposal next to ctx-tuner's. Empty when no engine ran."""
+    if not check:
+        return []
+    if check.get("skipped"):
+        return [f"engine: {check['skipped']}"]
+    rel = check.get("release")
+    same = "same release as the drop" if check.get("releases_match") else f"drop asks {check.get('drop_release')}"
+    out = [f"engine: vLLM {rel} ({same}); KV specs: {check.get('decision', 'not compared')}"]
+    if check.get("error"):
+        out.append(f"  engine error: {check['error']}")
+    chk = check.get("check") or {}
+    for side in ("plugin", "engine"):
+        if chk.get(side):
+            x = chk[side]
+            specs = ", ".join(f"{g['layers']}×{g['kind']} bs {g['block_size']} page {g['page_size_bytes']}"
+                              for g in x.get("specs", []))
+            out.append(f"  {side:<6} {specs}; {x.get('num_gpu_blocks', '-')} blocks in "
+                       f"{_gib(chk.get('reference_bytes'))} GiB, {x.get('num_groups', '-')} groups")
+    if chk.get("note"):
+        out.append(f"  note: {chk['note']}")
+    for dline in chk.get("differences") or []:
+        out.append(f"  difference: {dline}")
+    cfg = check.get("config") or {}
+    if cfg:
+        out.append(f"  engine config ({cfg.get('platform')}): max_model_len {cfg.get('max_model_len')}, "
+                   f"max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, max_num_seqs {cfg.get('max_num_seqs')}, "
+                   f"block_size {cfg.get('block_size')}, quantization {cfg.get('quantization')}")
+    w = check.get("weights")
+    if w:
+        out.append(f"  engine weights (meta model, before process_weights_after_loading): {w['bytes']} B "
+                   f"({_gib(w['bytes'])} GiB), " + ", ".join(f"{k} {v}" for k, v in w.get("by_dtype", {}).items())
+                   + (f"; the run's weights {w['job_bytes']} B ({w['job_bytes'] - w['bytes']:+d})"
+                      if w.get("job_bytes") is not None else ""))
+    for v in check.get("proposals") or []:
+        e = v["engine"]
+        got = e.get("num_gpu_blocks") if e.get("starts") else f"refuses ({(e.get('error') or '')[:120]})"
+        out.append(f"  gmu {v['gpu_memory_utilization']:g} max_model_len {v['max_model_len']}: vLLM kv_cache_utils "
+                   f"{got} blocks, ctx-tuner {v['ctx_tuner_num_gpu_blocks']}"
+                   + ("" if v["agree"] else "  <- differ"))
+    t = check.get("timings")
+    if t:
+        out.append("  engine time: " + ", ".join(f"{k} {v}" for k, v in t.items()))
+    return out
+
+
 def render(doc: dict) -> str:
     """The whole ``explain`` report: a header, then each point."""
     e0 = doc["explanations"][0] if doc["explanations"] else {}
@@ -863,6 +1015,9 @@ def render(doc: dict) -> str:
              f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size')}"]
     for w in doc.get("warnings") or []:
         lines.append(f"warning: {w}")
+    if doc.get("term_sources"):
+        lines.append(term_sources_line(doc["term_sources"]))
+    lines += engine_check_lines(doc.get("engine_check"))
     for e in doc["explanations"]:
         lines += ["", render_point(e)]
     return "\n".join(lines)

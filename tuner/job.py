@@ -49,6 +49,16 @@ def _extra_args(d: dict) -> str:
             parts.append(f"--{key.replace('_', '-')} {d[key]}")
     if d.get("enable_chunked_prefill") is not None:
         parts.append("--enable-chunked-prefill" if d["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
+    if d.get("speculative_config"):
+        import json
+
+        parts.append(f"--speculative-config '{json.dumps(d['speculative_config'], sort_keys=True)}'")
+    if int(d.get("data_parallel_size") or 1) > 1:
+        parts.append(f"--data-parallel-size {d['data_parallel_size']}")
+    if d.get("enable_expert_parallel"):
+        parts.append("--enable-expert-parallel")
+    if d.get("disable_custom_all_reduce"):
+        parts.append("--disable-custom-all-reduce")
     if d.get("enforce_eager"):
         parts.append("--enforce-eager")
     return " ".join(parts)
@@ -98,14 +108,99 @@ def kv_block_bytes(era, kv_specs: tuple, block_size: int) -> list[int | None]:
         return [None for _ in kv_specs]
 
 
+def _device_from_catalog(device: dict) -> bool:
+    """The device total is the catalog's entry for its name (not a drop-given or NVML total)."""
+    from tuner.devices import lookup
+
+    dev = lookup(str(device.get("name", "")))
+    return dev is not None and int(dev.total_memory_bytes) == int(device["total_memory_bytes"])
+
+
 def _compute_capability(device: dict) -> str | None:
     """The device's compute capability: as given, else from the catalog by name, else None."""
     if device.get("compute_capability"):
         return str(device["compute_capability"])
     from tuner.devices import lookup
 
-    dev = lookup(str(device.get("name", "")))
+    dev = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
     return dev.compute_capability if dev is not None else None
+
+
+def _engine_use(request: dict, d: dict, spec: Any, plugin: Any, unserved: bool, top: dict, era: Any,
+                stage_settings: list, total: int, pp: int) -> Any:
+    """The job's use of an installed vLLM (:mod:`tuner.engine.use`), or None where none is
+    importable or ``engine`` is ``off`` (request key, else env ``CTX_TUNER_ENGINE``).
+
+    Raises:
+        UnsupportedArchitectureError: no plugin serves the architecture, its config is not a
+            standard decoder and no engine can serve it (:mod:`tuner.engine.fallback`).
+    """
+    import os
+
+    from tuner.engine import vllm_importable
+    from tuner.engine.fallback import non_standard_features, refuse_unserved
+
+    mode = str(request.get("engine") or os.environ.get("CTX_TUNER_ENGINE") or "auto")
+    available = mode != "off" and vllm_importable()
+    features = non_standard_features(top) if unserved else []
+    if features and not available:
+        refuse_unserved(list(spec.architectures), features, path=request["config_path"])
+    if not available:
+        return None
+    from tuner.engine.use import EngineUse, engine_for_job
+
+    if era.engine == "V0" or pp > 1:
+        why = "a V0 release" if era.engine == "V0" else "pipeline_parallel_size > 1"
+        if features:
+            from tuner.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(f"no plugin serves {', '.join(spec.architectures)} and the engine "
+                                               f"adapter does not serve {why}; write a plugin",
+                                               where=request["config_path"])
+        return EngineUse(report={"skipped": f"engine adapter not used for {why}"},
+                         warnings=[f"engine cross-check skipped for {why}"])
+    plugin_specs = None if unserved else plugin.kv_cache_spec(spec, stage_settings[0])
+
+    def specs_at(version: str) -> dict:
+        return plugin.kv_cache_spec(spec, dataclasses.replace(stage_settings[0], engine_version=version))
+
+    return engine_for_job(d=d, model_dir=str(Path(request["config_path"]).parent), spec=spec, plugin=plugin,
+                          unserved=unserved, era=era, plugin_specs=plugin_specs, plugin_specs_at=specs_at,
+                          reference_bytes=total // 2, trust_remote_code=bool(request.get("trust_remote_code")))
+
+
+def other_processes_bytes(device: dict, drop: dict) -> int:
+    """Co-tenant memory at start (bytes): the drop's ``other_processes_memory_gib``, else what the
+    request's device says NVML saw in use (``device: auto``), else 0."""
+    if drop.get("other_processes_memory_gib") is not None:
+        return int(round(float(drop["other_processes_memory_gib"]) * GiB))
+    return max(0, int(device.get("other_processes_bytes") or 0))
+
+
+def num_speculative_tokens(drop: dict, era) -> int:
+    """Draft tokens per request that size the CUDA-graph captures (``VllmConfig.num_speculative_tokens``,
+    vllm/config/vllm.py): the drop's ``speculative_config.num_speculative_tokens`` on V1; 0 without
+    speculative decoding and on V0 (no capture-size rule there)."""
+    sc = drop.get("speculative_config") or {}
+    if era.engine != "V1" or not sc:
+        return 0
+    return int(sc.get("num_speculative_tokens") or 0)
+
+
+def topology_for(device: dict, drop: dict):
+    """The TP group's :class:`tuner.budget.Topology`: the device's ``interconnect`` / ``p2p`` as the
+    request states them, else the catalog's for its name (and total), else the calibration centre
+    (NVSwitch, P2P); ``disable_custom_all_reduce`` from the drop."""
+    from tuner.budget import Topology
+    from tuner.devices import lookup
+
+    known = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
+    ic = device.get("interconnect") or (known.interconnect if known is not None else None) or "nvswitch"
+    p2p = device.get("p2p")
+    if p2p is None:
+        p2p = known.p2p if known is not None and known.p2p is not None else True
+    return Topology(interconnect=ic, p2p=bool(p2p), compute_capability=_compute_capability(device),
+                    disable_custom_all_reduce=bool(drop.get("disable_custom_all_reduce")))
 
 
 def run_job(request: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +263,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                      block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"),
                      compute_capability=_compute_capability(device),
+                     data_parallel_size=int(d.get("data_parallel_size") or 1),
+                     enable_expert_parallel=bool(d.get("enable_expert_parallel")),
                      max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]))
         for r in range(pp)
     ]
@@ -175,7 +272,35 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
                           kv_heads=per_head_kv_totals(plugin, spec, stage_settings[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=drop_path)
+    # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
+    # cross-check of the plugin's KV specs, vLLM's own argument checks; no silent fallback.
+    engine_use = _engine_use(request, d, spec, plugin, warn is not None, top, era, stage_settings, total, pp)
+    if engine_use is not None:
+        plugin = engine_use.plugin or plugin
+        if engine_use.weights and warn in warnings:  # the engine, not the generic fallback, serves it
+            warnings.remove(warn)
+        warnings.extend(engine_use.warnings)
     kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
+    if engine_use is not None and engine_use.kv_specs is not None:
+        kv_specs = (dict(engine_use.kv_specs),)
+    spec_cfg = d.get("speculative_config") or {}
+    if spec_cfg and era.engine == "V1":
+        from tuner.specdecode import with_speculative_state_blocks
+
+        kv_specs = with_speculative_state_blocks(kv_specs, int(spec_cfg.get("num_speculative_tokens") or 0))
+    drafter_weights = 0
+    if spec_cfg.get("method") == "mtp" and era.engine == "V1":
+        # the checkpoint's MTP layers: KV layers on the last stage, 16-bit weights (tuner.specdecode)
+        from tuner.specdecode import drafter_kv_specs, mtp_dense_layer_weights_bytes, mtp_num_layers
+
+        n_mtp = mtp_num_layers(spec.raw)
+        extra = drafter_kv_specs(kv_specs[-1], n_mtp, first_layer_index=spec.num_hidden_layers)
+        kv_specs = kv_specs[:-1] + ({**kv_specs[-1], **extra},)
+        if config_is_moe(spec.raw):
+            warnings.append("speculative_config mtp: the MTP layers of a MoE model are not weighed (their KV layers "
+                            "are counted)")
+        else:
+            drafter_weights = mtp_dense_layer_weights_bytes(spec.raw, tensor_parallel_size=tp)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
     calibration = request.get("calibration") or {}
@@ -196,7 +321,13 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device),
                                                                                                  era),
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
-                    model_max_length=spec.raw.get("model_max_length"))
+                    model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
+                    num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights,
+                    other_processes_bytes=other_processes_bytes(device, d))
+    if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix", "mtp"):
+        warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
+                        "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
+                        "than predicted")
     is_mm = "text_config" in spec.top
     from tuner.kvcache import MambaSpec
 
@@ -305,6 +436,29 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
             done = len(proposals) or len({x["gpu_memory_utilization"] for x in candidates})
             print(f"{PROGRESS_PREFIX}gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
                   f"{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+    if engine_use is not None and engine_use.session is not None:
+        from tuner.engine.use import verify_proposals
+
+        def available_at(u: float, m: int) -> int | None:
+            b = batch_for(m)
+            return evaluate(era, layout, b, passes_for(b), gpu_memory_utilization=u, max_model_len=m,
+                            min_concurrency=min_conc).available_kv_cache_bytes
+
+        verify_proposals(engine_use, proposals, available_at)
+        if engine_use.report.get("weights") and runs and pp == 1:
+            engine_use.report["weights"]["job_bytes"] = int(runs[0]["weights_bytes"])  # what the budget used
+        for v in engine_use.report.get("proposals", []):
+            if not v["agree"] and engine_use.report.get("releases_match", False):
+                warnings.append(f"gmu {v['gpu_memory_utilization']:g}, max_model_len {v['max_model_len']}: vLLM's "
+                                f"kv_cache_utils gives {v['engine'].get('num_gpu_blocks')} blocks, ctx-tuner "
+                                f"{v['ctx_tuner_num_gpu_blocks']}")
+    from tuner.engine.crosscheck import term_sources
+
+    sources = term_sources(plugin=plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
+                           engine_weights=bool(engine_use and engine_use.weights),
+                           approximate_activation=bool(engine_use and engine_use.approximate_activation),
+                           calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
+                           engine_defaults=False, method=method)
     measured: list[dict] = []
     if method == "cuda" and runs:  # vLLM's refusal when free memory < total × u (tuner.measure.cuda)
         from tuner.measure.cuda import refuse_below_free_memory
@@ -336,6 +490,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         "model": spec.to_dict(),
         "plugin": plugin.name,
         "warnings": warnings,
+        "term_sources": sources,
+        "engine_check": engine_use.report if engine_use is not None else None,
         "era": era.name,
         "engine": era.engine,
         "dtype": dtype,

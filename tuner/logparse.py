@@ -72,19 +72,35 @@ VERSION_BY_LOG_FORMAT = (
     ("the current vLLM instance can use", "V0", "0.6.5"),
     ("Available KV cache memory", "V1", "0.10.0"),
 )
+#: Source lines that print the memory summary, by release (read from the wheels): the V0 worker's
+#: ``logger.info(msg)`` after "the current vLLM instance can use" (vllm/worker/worker.py) and the V1
+#: "Available KV cache memory" call (vllm/v1/worker/gpu_worker.py). The logger prints
+#: ``[file:line]`` with an opening bracket from 0.8.0 (vllm/logger.py ``_FORMAT``; 0.7.3 and before
+#: ``file:line]``). ``(marker, engine, earliest release printing it)``; checked before the formats.
+VERSION_BY_SOURCE_LINE = (
+    ("[worker.py:295]", "V0", "0.10.1"),
+    ("[worker.py:287]", "V0", "0.8.5"),
+    ("[worker.py:267]", "V0", "0.8.0"),  # 0.8.0–0.8.4
+    (" worker.py:267]", "V0", "0.7.3"),
+    (" worker.py:241]", "V0", "0.6.6"),
+    ("[gpu_worker.py:276] Available KV cache memory", "V1", "0.10.1"),
+    ("[gpu_worker.py:436] Available KV cache memory", "V1", "0.19.0"),
+    ("[gpu_worker.py:508] Available KV cache memory", "V1", "0.24.0"),
+    ("[gpu_worker.py:578] Available KV cache memory", "V1", "0.28.0"),
+)
 #: The release assumed for an engine when no log-line format identifies one.
 DEFAULT_VERSION = {"V0": "0.6.4", "V1": "0.10.0"}
 
 
 def infer_version(lines: str | Iterable[str], engine: str | None = None) -> tuple[str, str, str | None]:
     """``(version, engine, marker)`` of a log that does not print its vLLM version: the first
-    :data:`VERSION_BY_LOG_FORMAT` marker found in ``lines`` whose engine agrees with ``engine``
+    :data:`VERSION_BY_SOURCE_LINE` or :data:`VERSION_BY_LOG_FORMAT` marker found in ``lines`` whose engine agrees with ``engine``
     (when known), else the engine's :data:`DEFAULT_VERSION` (``marker`` None; engine V1 when
     unknown). The one rule shared by ``validate`` and ``import-log``."""
     text = lines if isinstance(lines, str) else "\n".join(lines)
     eng = (engine or "").upper()
     eng = eng if eng in ("V0", "V1") else None
-    for marker, marker_engine, version in VERSION_BY_LOG_FORMAT:
+    for marker, marker_engine, version in VERSION_BY_SOURCE_LINE + VERSION_BY_LOG_FORMAT:
         if marker in text and eng in (None, marker_engine):
             return version, marker_engine, marker
     eng = eng or "V1"
@@ -186,7 +202,10 @@ def _worker_label(line: str) -> str | None:
     if m.group(2):
         return m.group(2)
     label = re.sub(r",?\s*(?:pid|ip)=[^\s,)]*", "", m.group(1)).strip(" ,")
-    return label if label not in ("VllmWorker", "Worker", "RayWorkerWrapper", "WorkerProc") else m.group(1).strip()
+    # V0 multiprocessing workers print "(VllmWorkerProcess pid=N)" (vllm/executor/multiproc_worker_utils.py):
+    # the pid is what tells them apart
+    return label if label not in ("VllmWorker", "VllmWorkerProcess", "Worker", "RayWorkerWrapper", "WorkerProc") \
+        else m.group(1).strip()
 
 
 _NUM = r"(-?\d+(?:\.\d+)?)"

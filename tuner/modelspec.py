@@ -51,7 +51,17 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None) ->
             searched.append(f"HF cache for {model}")
         except Exception as exc:  # pragma: no cover - depends on the local hub install
             searched.append(f"HF cache for {model} ({exc})")
-    raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)})", where=model)
+    hint = ""
+    if model.count("/") == 1 and not model.startswith(("/", ".")):
+        try:
+            from huggingface_hub import constants
+
+            cache = constants.HF_HUB_CACHE
+        except Exception:  # pragma: no cover - depends on the local hub install
+            cache = os.environ.get("HF_HUB_CACHE") or "~/.cache/huggingface/hub"
+        hint = (f"; the HF cache is {cache} (HF_HOME / HF_HUB_CACHE move it): fill it on a host with network "
+                f"with `huggingface-cli download {model} config.json`, or give a local directory holding config.json")
+    raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)}){hint}", where=model)
 
 
 def _first(obj: Any, *names: str, default: Any = None) -> Any:
@@ -123,11 +133,32 @@ def config_file_sha256(config_path: str | os.PathLike) -> str:
     return config_hash(read_top(config_path))
 
 
+#: Largest value accepted per config size key: sanity bounds far above every published model
+#: (largest seen: hidden 25,600, 126 layers, 128 heads, intermediate 73,728, vocab 262,144,
+#: 10M positions), so an absurd value (``hidden_size: 2**40``, ``num_hidden_layers: 10**6``) is
+#: refused before anything is built instead of crashing the allocator or running to the timeout.
+#: They also bound the work one simulated pass may do (layers × modules built).
+MAX_CONFIG_SIZES = {
+    "hidden_size": 1 << 18, "n_embd": 1 << 18, "d_model": 1 << 18,
+    "num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096,
+    "num_attention_heads": 1 << 14, "n_head": 1 << 14,
+    "num_key_value_heads": 1 << 14, "n_head_kv": 1 << 14, "num_kv_heads": 1 << 14, "multi_query_group_num": 1 << 14,
+    "head_dim": 1 << 14,
+    "intermediate_size": 1 << 22, "n_inner": 1 << 22, "ffn_hidden_size": 1 << 22,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 30, "n_positions": 1 << 30, "seq_length": 1 << 30,
+}
+
+
 def _positive_int(value: Any, field_name: str, path: str) -> int:
-    """``value`` if it is a positive int (bools, strings, floats, NaN rejected), else
-    ``ModelConfigError`` naming ``path:field``."""
+    """``value`` if it is a positive int (bools, strings, floats, NaN rejected) no larger than its
+    :data:`MAX_CONFIG_SIZES` bound, else ``ModelConfigError`` naming ``path:field``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelConfigError(f"{field_name} must be a positive integer, not {value!r}", where=f"{path}:{field_name}")
+    limit = MAX_CONFIG_SIZES.get(field_name.rsplit(".", 1)[-1])
+    if limit is not None and value > limit:
+        raise ModelConfigError(f"{field_name} is {value:,}, more than {limit:,}, the largest this tool accepts "
+                               "(far above any published model; MAX_CONFIG_SIZES)", where=f"{path}:{field_name}")
     return value
 
 
@@ -242,7 +273,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(config_path)
     try:
-        text = path.read_bytes()
+        text = read_config_bytes(path)
         top = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
@@ -438,6 +469,49 @@ def defaults_applied(top: dict, defaults: dict) -> dict:
     return out
 
 
+#: Largest model config file read, bytes (the largest real ``config.json`` files are tens of KiB;
+#: a bigger file is refused before it is read, so a drop cannot make any process read gigabytes).
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+def read_config_bytes(config_path: str | os.PathLike, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of a model config file: a regular file (never a FIFO or device) of at most
+    ``max_bytes`` bytes, checked before and while reading.
+
+    Raises:
+        ModelConfigError: not a regular file, too large, or unreadable (names the file).
+    """
+    import stat as _stat
+
+    path = str(config_path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ModelConfigError(f"cannot read config: {exc.strerror or exc}", where=path) from exc
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise ModelConfigError("not a regular file (a FIFO, socket or device is never read)", where=path)
+        if st.st_size > max_bytes:
+            raise ModelConfigError(f"config file is {st.st_size:,} bytes; model configs are read up to "
+                                   f"{max_bytes:,} bytes (MAX_CONFIG_BYTES)", where=path)
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise ModelConfigError(f"cannot read config: {exc.strerror or exc}", where=path) from exc
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise ModelConfigError(f"config file grew past {max_bytes:,} bytes while being read (MAX_CONFIG_BYTES)",
+                               where=path)
+    return b"".join(chunks)
+
+
 def read_top(config_path: str | os.PathLike) -> dict:
     """The top-level dict of a ``config.json`` (no transformers, no torch).
 
@@ -446,7 +520,7 @@ def read_top(config_path: str | os.PathLike) -> dict:
     """
     path = Path(config_path)
     try:
-        top = json.loads(path.read_bytes())
+        top = json.loads(read_config_bytes(path))
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
     if not isinstance(top, dict):

@@ -205,6 +205,14 @@ def render_png(data: dict, out: str | Path) -> dict:
         fig.savefig(out)
     finally:
         plt.close(fig)
-    sidecar = out.with_suffix(".json")
+    sidecar = sidecar_path(out)
     sidecar.write_text(json.dumps({"title": data["title"], "series": series, "data": data}, indent=1))
     return series
+
+
+def sidecar_path(out: str | Path) -> Path:
+    """Where the plotted series of image ``out`` go: ``NAME.json`` for a PNG (``frontier.png`` →
+    ``frontier.json``), ``NAME.EXT.json`` for any other format, so ``-o x.svg`` and ``-o x.png``
+    never overwrite each other's data."""
+    out = Path(out)
+    return out.with_suffix(".json") if out.suffix.lower() == ".png" else out.with_name(out.name + ".json")

@@ -62,6 +62,9 @@ class RankSettings:
     compute_capability: str | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    #: data-parallel ranks and expert parallelism (MoE layers only, :func:`tuner.budget.moe_rank_shape`).
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     max_model_len: int | None = None
 
 

@@ -3,7 +3,8 @@
 Each file holds the vLLM arguments proposed per ``gpu_memory_utilization`` and the numbers behind
 them (bytes as integers): requested memory, weights, activation peak, non-torch, CUDA graphs,
 available KV cache, blocks, KV tokens, concurrency, and where they came from (drop file, content
-hash, drop and job ids, era, plugin). Built from the database rows, so a file can always be
+hash, drop and job ids, era, plugin) and the run's warnings (plugin fallbacks, assumed config
+defaults). Built from the database rows, so a file can always be
 regenerated. Written atomically (temporary file, fsync, rename); readers never see half a file.
 """
 
@@ -86,8 +87,20 @@ def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) 
     if runs:
         doc.update(era=runs[0]["era"], plugin=runs[0]["plugin"], dtype=runs[0]["dtype"],
                    tool_version=runs[0]["tool_version"])
+    doc["warnings"] = _warnings(drop.get("warnings"))
     doc["proposals"] = out_props
     return doc
+
+
+def _warnings(text: str | None) -> list[str]:
+    """``drops.warnings`` (a JSON list, revision 0006) as a list of strings."""
+    import json
+
+    try:
+        items = json.loads(text) if text else []
+    except ValueError:
+        return [str(text)]
+    return [str(w) for w in items] if isinstance(items, list) else [str(items)]
 
 
 def _numbers_for(cands: list[dict], gmu: float, mml: int | None) -> dict | None:

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from tuner import kvcache
-from tuner.budget import cudagraph_estimate_bytes, kv_budget, non_torch_bytes, unexplained_bytes
+from tuner.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, free_memory_refusal, kv_budget,
+                          non_torch_bytes, unexplained_bytes)
 from tuner.eras import Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
 
@@ -49,6 +50,18 @@ class Layout:
     derived_max_len_key: str = "max_position_embeddings"
     #: The config's ``model_max_length`` (None when absent), also named in the refusal.
     model_max_length: int | None = None
+    #: The TP group's interconnect and custom all-reduce (:class:`tuner.budget.Topology`); None =
+    #: the calibration centre (H100 SXM, NVSwitch).
+    topology: object = None
+    #: Speculative decoding's draft tokens per request (1 + k tokens per decode step size the
+    #: CUDA-graph captures, :func:`tuner.budget.cudagraph_capture_sizes`).
+    num_speculative_tokens: int = 0
+    #: Weights of a speculative-decoding drafter loaded on the last pipeline stage (MTP layers,
+    #: :mod:`tuner.specdecode`), bytes, added to that stage's weights.
+    drafter_weights_bytes: int = 0
+    #: GPU memory other processes hold at start (co-tenants), bytes (:func:`tuner.budget.free_memory_refusal`,
+    #: :func:`tuner.budget.co_tenant_non_torch_bytes`).
+    other_processes_bytes: int = 0
 
     @property
     def max_model_len_limit(self) -> int:
@@ -182,13 +195,16 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets, reserves, corrs = [], [], []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
-        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes"))))
+        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")),
+                                          int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes))
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
-                                          hidden_size=layout.hidden_size)
+                                          hidden_size=layout.hidden_size,
+                                          num_speculative_tokens=layout.num_speculative_tokens)
         act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1]
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                              pipeline_parallel_size=layout.pipeline_parallel_size)
+                              pipeline_parallel_size=layout.pipeline_parallel_size, topology=layout.topology) \
+            + co_tenant_non_torch_bytes(era, layout.other_processes_bytes)
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
@@ -196,7 +212,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             era,
             total_memory_bytes=layout.total_memory_bytes,
             gpu_memory_utilization=u,
-            weights_bytes=int(_get(p, "weights_bytes")),
+            weights_bytes=int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes
+                                                            if stage == len(passes) - 1 else 0),
             activation_peak_bytes=act,
             non_torch_bytes=nt,
             cuda_graph_bytes=g,
@@ -239,6 +256,11 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             conc = float(kvcache.max_concurrency(era.version, cfg, m, max_num_batched_tokens=n))
         except TunerError as exc:
             reason = reason or exc.message
+    refusal = free_memory_refusal(era, total_memory_bytes=layout.total_memory_bytes,
+                                  other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
+                                  requested_memory_bytes=budgets[0].requested_memory_bytes)
+    if refusal:  # vLLM checks free memory in init_device, before it loads anything
+        reason = refusal
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)

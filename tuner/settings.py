@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,6 +73,16 @@ def _int(lo: int, hi: int) -> Callable[[Any], int]:
     return check
 
 
+def _opt_bytes(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Bad(f"must be an integer number of bytes or null, not {type(v).__name__} {v!r}")
+    if v != 0 and not (1 << 27) <= v <= (1 << 50):
+        raise _Bad(f"must be 0 (no limit) or between {1 << 27} (128 MiB) and {1 << 50} bytes, not {v}")
+    return v
+
+
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise _Bad(f"must be true or false, not {type(v).__name__} {v!r}")
@@ -89,6 +99,23 @@ def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], st
     return check
 
 
+def _release_pythons(v: Any) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise _Bad(f"must be a mapping of vLLM release to Python path, not {type(v).__name__} {v!r}")
+    from tuner.eras import EraError, parse_version
+
+    out = {}
+    for k, p in v.items():
+        try:
+            key = ".".join(map(str, parse_version(str(k)).key))
+        except EraError as exc:
+            raise _Bad(f"{k!r}: {exc.message}") from None
+        out[key] = _path(p)
+    return out
+
+
 @dataclass(frozen=True)
 class Setting:
     """One settings key: its ``name``, ``default`` (None = derived, see help), ``help`` and check."""
@@ -102,8 +129,8 @@ class Setting:
 #: Every daemon settings key, declared once. Order = README order.
 SETTINGS: tuple[Setting, ...] = (
     Setting("watch_dir", "/etc/ctx-tuner/conf.d",
-            "Directory of drops: every `*.yaml` below it (subdirectories included; hidden files, editor "
-            "swap/backup files and symlinked directories are ignored).", _path),
+            "Directory of drops: every `*.yaml` / `*.yml` (any case) below it (subdirectories included; hidden "
+            "files, editor swap/backup files and symlinked directories are ignored).", _path),
     Setting("state_dir", "/var/lib/ctx-tuner",
             "Writable state: the database (by default), `proposals/NAME.yaml` and the read-only snapshot.",
             _path),
@@ -125,8 +152,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Quiet time in seconds after a filesystem event before the directory is reconciled; files "
             "modified more recently than this are left for the next pass.", _number(0, 60)),
     Setting("max_attempts", 3,
-            "A job found running after a daemon crash is retried until it has been started this many times, "
-            "then marked failed.", _int(1, 100)),
+            "Runs of one job that may fail (worker crash, OOM or signal kill, timeout) before it is marked failed; "
+            "each failed run is retried after a backoff. Attempts lost to daemon crashes are not counted, and an "
+            "invalid drop is failed at once (final until the file changes or `ctx-tuner retry`).", _int(1, 100)),
+    Setting("retry_backoff_s", 30.0,
+            "Delay before the first retry of a failed run (and of a job interrupted by a daemon crash), in "
+            "seconds; doubled for each further retry.", _number(0, 86400)),
+    Setting("retry_backoff_max_s", 3600.0,
+            "Longest delay between retries, in seconds.", _number(0, 604800)),
+    Setting("worker_memory_max_bytes", None,
+            "Memory limit of each simulate worker subprocess in bytes (`RLIMIT_DATA`: heap and private maps); a "
+            "pass that needs more fails as a run failure instead of waking the host's OOM killer (cuda/vllm "
+            "workers are bounded by the unit's `MemoryMax=`). null = half of the host's physical memory; 0 = "
+            "no limit.", _opt_bytes),
     Setting("log_level", "INFO", "Logging level of the daemon's stderr log.", _choice(LOG_LEVELS, upper=True)),
     Setting("allow_trust_remote_code", False,
             "Allow model code from the model directory (HF `trust_remote_code`). Drops can never set it.",
@@ -143,6 +181,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a daemon's lease on its jobs lasts without a heartbeat (renewed every third of it); "
             "after that another daemon may return its running jobs to the queue for its successor.",
             _number(3, 86400)),
+    Setting("engine_pythons", {},
+            "vLLM release → Python interpreter of a venv with that vLLM build installed (`{\"0.32.0\": "
+            "/opt/vllm-0.32/bin/python}`): a drop whose `engine_version` is that release runs its worker there "
+            "(the engine adapter then uses the drop's own release); other drops use `worker_python`.",
+            _release_pythons),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -160,14 +203,29 @@ class Settings:
     rescan_interval_s: float = 60.0
     debounce_s: float = 0.5
     max_attempts: int = 3
+    retry_backoff_s: float = 30.0
+    retry_backoff_max_s: float = 3600.0
+    worker_memory_max_bytes: int | None = None
     log_level: str = "INFO"
     allow_trust_remote_code: bool = False
     default_method: str = "simulate"
     worker_python: str | None = None
     host_id: str | None = None
     lease_s: float = 60.0
+    engine_pythons: dict = field(default_factory=dict)
     #: the file these settings came from (None = defaults).
     source: str | None = None
+
+    def python_for(self, engine_version: str | None) -> str | None:
+        """The worker interpreter for a drop of ``engine_version``: its ``engine_pythons`` entry
+        (same major.minor.patch), else ``worker_python``."""
+        from tuner.eras import EraError, parse_version
+
+        try:
+            key = ".".join(map(str, parse_version(str(engine_version)).key))
+        except EraError:
+            return self.worker_python
+        return self.engine_pythons.get(key) or self.worker_python
 
     @property
     def db_url(self) -> str:
@@ -190,6 +248,20 @@ class Settings:
     def proposals_dir(self) -> Path:
         """Directory of the per-drop proposal files: ``STATE_DIR/proposals``."""
         return Path(self.state_dir) / "proposals"
+
+    @property
+    def worker_memory_limit(self) -> int | None:
+        """``worker_memory_max_bytes`` in force: the setting, half the physical memory when
+        null, None (no limit) when 0."""
+        v = self.worker_memory_max_bytes
+        if v == 0:
+            return None
+        if v is None:
+            try:
+                return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+            except (ValueError, OSError):
+                return None
+        return v
 
     @property
     def log_level_no(self) -> int:
@@ -224,6 +296,9 @@ def settings_from_mapping(data: Any, *, source: str | None = None, base_dir: str
         v = values.get(key)
         if v is not None and base is not None and not os.path.isabs(os.path.expanduser(v)):
             values[key] = str(base / v)
+    if values.get("engine_pythons") and base is not None:
+        values["engine_pythons"] = {k: v if os.path.isabs(os.path.expanduser(v)) else str(base / v)
+                                    for k, v in values["engine_pythons"].items()}
     db = values.get("database_url")
     if db and "://" not in db and base is not None and not os.path.isabs(db):
         values["database_url"] = str(base / db)
@@ -319,20 +394,25 @@ def check_worker_python(settings: Settings) -> None:
     Raises:
         SettingsError: naming the settings file and ``worker_python``.
     """
-    wp = settings.worker_python
+    _check_python(settings, settings.worker_python, "worker_python")
+    for release, wp in settings.engine_pythons.items():
+        _check_python(settings, wp, f"engine_pythons.{release}")
+
+
+def _check_python(settings: Settings, wp: str | None, name: str) -> None:
     if wp is None:
         return
     path = os.path.expanduser(wp)
     if os.sep not in path:
         if shutil.which(path) is None:
-            raise SettingsError(f"worker_python {wp!r} is not a command on PATH", path=settings.source,
-                                field="worker_python")
+            raise SettingsError(f"{name} {wp!r} is not a command on PATH", path=settings.source,
+                                field=name)
         return
     if not os.path.exists(path):
-        raise SettingsError(f"worker_python {wp} does not exist", path=settings.source, field="worker_python")
+        raise SettingsError(f"{name} {wp} does not exist", path=settings.source, field=name)
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
-        raise SettingsError(f"worker_python {wp} is not an executable file", path=settings.source,
-                            field="worker_python")
+        raise SettingsError(f"{name} {wp} is not an executable file", path=settings.source,
+                            field=name)
 
 
 def settings_markdown() -> str:

@@ -119,6 +119,7 @@ drops_table = sa.Table(
     sa.Column("owner_id", sa.Integer, sa.ForeignKey("hosts.id"), nullable=True, index=True),
     sa.Column("result_sha256", sa.String(64), nullable=True, index=True),
     sa.Column("answered_from_drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=True),
+    sa.Column("warnings", sa.Text, nullable=True),  # revision 0006: JSON list of the run's warnings
 )
 
 profile_runs_table = sa.Table(
@@ -166,6 +167,9 @@ profile_runs_table = sa.Table(
     sa.Column("max_concurrency", sa.Float, nullable=True),
     sa.Column("error_message", sa.Text, nullable=True),
     sa.Column("source", sa.Text, nullable=True),
+    # revision 0005: JSON text — which source gave each term; the engine adapter's cross-check.
+    sa.Column("term_sources", sa.Text, nullable=True),
+    sa.Column("engine_check", sa.Text, nullable=True),
     sa.CheckConstraint("status IN ('ok', 'failed')", name="status"),
     sa.CheckConstraint("method IN ('simulate', 'cuda', 'vllm', 'import')", name="method"),
 )
@@ -231,6 +235,12 @@ jobs_table = sa.Table(
     sa.Column("retired_at", _TS, nullable=True),
     # revision 0007: the daemon (hosts.id) whose watch directory holds the file; only it claims the job.
     sa.Column("owner_id", sa.Integer, sa.ForeignKey("hosts.id"), nullable=True, index=True),
+    # revision 0006 (issue 15): drop identity, failure kinds, retries with backoff
+    sa.Column("name", sa.Text, nullable=True, index=True),
+    sa.Column("failure_kind", sa.Text, nullable=True),
+    sa.Column("retry_at", _TS, nullable=True),
+    sa.Column("interruptions", sa.Integer, nullable=True),
+    sa.Column("history", sa.Text, nullable=True),
     sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed', 'cancelled')", name="status"),
     sa.Index("uq_jobs_pending_path", "owner_id", "path", unique=True,
              sqlite_where=sa.text("status = 'pending'"), postgresql_where=sa.text("status = 'pending'")),

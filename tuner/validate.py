@@ -116,6 +116,19 @@ def _device(case: dict) -> dict:
     return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
 
 
+def _speculative(value: Any) -> dict | None:
+    """A case's ``settings.speculative_config`` as a drop's (vLLM's key names; unknown keys of the
+    case, such as ``num_spec_tokens`` spellings, are mapped or dropped)."""
+    if not isinstance(value, dict) or not value.get("method"):
+        return None
+    k = value.get("num_speculative_tokens") or value.get("num_spec_tokens")
+    out = {"method": str(value["method"]).lower(), "num_speculative_tokens": int(k) if k else 1}
+    for key in ("model", "prompt_lookup_min", "prompt_lookup_max", "draft_tensor_parallel_size"):
+        if value.get(key) is not None:
+            out[key] = value[key]
+    return out
+
+
 def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None = None) -> dict:
     """The job request (:func:`tuner.job.run_job`) that reproduces one case: its release, engine,
     device total, dtype, KV dtype, quantization, TP/PP and settings, one candidate
@@ -144,12 +157,19 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
         "block_size": s.get("block_size"),
         "enable_chunked_prefill": s.get("enable_chunked_prefill"),
         "enforce_eager": bool(s.get("enforce_eager")),
+        "disable_custom_all_reduce": bool(s.get("disable_custom_all_reduce")),
+        "data_parallel_size": int(s.get("data_parallel_size") or 1),
+        "enable_expert_parallel": bool(s.get("enable_expert_parallel")),
+        "speculative_config": _speculative(s.get("speculative_config")),
         "entry_point": "serve",
         "candidates": {"gpu_memory_utilization": [u] if u else None, "max_model_len": [max_model_len]},
         "constraints": {},
     }
+    import os
+
+    # the engine adapter costs seconds per case: validate leaves it off unless CTX_TUNER_ENGINE says so
     req = {"drop": drop, "config_path": str(config_path), "device": _device(case),
-           "fake": True, "search": False}
+           "fake": True, "search": False, "engine": os.environ.get("CTX_TUNER_ENGINE") or "off"}
     if calibration:
         req["calibration"] = dict(calibration)
     return req

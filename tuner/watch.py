@@ -1,6 +1,6 @@
 """Watching the drop directory: filesystem events are hints, content hashes decide.
 
-* :func:`is_drop_name` — which names are drops (``*.yaml``; never hidden files, editor swap,
+* :func:`is_drop_name` — which names are drops (``*.yaml``, ``*.yml``, any case; never hidden files, editor swap,
   backup or lock files, atomic-save temporaries).
 * :func:`scan` — one full pass over ``watch_dir``: path → :class:`FileState` (the SHA-256 of the
   bytes, or a typed error for a path trick such as a FIFO or a symlink leaving the directory).
@@ -35,11 +35,16 @@ _IGNORED_SUFFIXES = (".swp", ".swx", ".swo", "~", ".tmp", ".bak", ".orig", ".rej
 _CHANGE_EVENTS = frozenset({"created", "modified", "moved", "deleted", "closed"})
 
 
+#: File name endings of drops, compared case-insensitively (``x.yaml``, ``x.yml``, ``X.YAML``).
+DROP_SUFFIXES = (".yaml", ".yml")
+
+
 def is_drop_name(name: str) -> bool:
-    """True for a file name the daemon treats as a drop: ``*.yaml``, not hidden (``.x.yaml``,
+    """True for a file name the daemon treats as a drop: ``*.yaml`` or ``*.yml`` in any case, not hidden (``.x.yaml``,
     Emacs lock ``.#x.yaml``), not an editor/atomic-save leftover (``#x.yaml#``, ``x.yaml~``,
     ``x.yaml.swp``, ``x.yaml.tmp``)."""
-    if not name.endswith(".yaml") or name == ".yaml":
+    low = name.lower()
+    if not low.endswith(DROP_SUFFIXES) or low in DROP_SUFFIXES:
         return False
     if name.startswith((".", "#", "~")):
         return False

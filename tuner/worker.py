@@ -4,6 +4,11 @@ The child is ``python -m tuner.worker_main``: it reads one JSON request on stdin
 JSON reply on stdout. It runs in its own process group (``start_new_session``) so a timeout kills
 the whole group; a crash, a signal or unreadable output becomes a :class:`WorkerError` carrying
 the job name and the tail of the child's stderr.
+
+The child also guards itself (:mod:`tuner.worker_guard`, from the environment set here): it dies
+with this process (``PR_SET_PDEATHSIG`` plus a ``getppid`` watchdog that kills its group), keeps
+its own deadline (``timeout_s`` + :data:`DEADLINE_GRACE_S`) and, with ``memory_max_bytes``, a
+memory limit.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ _RUNNING: dict[int, Callable[[int, int], None]] = {}
 #: Default wall-clock limit of one job (seconds).
 DEFAULT_TIMEOUT_S = 600.0
 
+#: The worker's own deadline is the parent's timeout plus this (seconds): the parent kills first.
+DEADLINE_GRACE_S = 5.0
+
 #: Prefix of the progress lines a job writes on stderr (request ``"progress": true``); the parent
 #: passes them to ``on_progress`` and keeps them out of error tails.
 PROGRESS_PREFIX = "ctx-tuner-progress: "
@@ -33,7 +41,8 @@ PROGRESS_PREFIX = "ctx-tuner-progress: "
 def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                   python: str | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
                   killpg: Callable[[int, int], None] = os.killpg,
-                  on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                  on_progress: Callable[[str], None] | None = None,
+                  memory_max_bytes: int | None = None) -> dict[str, Any]:
     """Run one job in a fresh worker process and return its result dict.
 
     Args:
@@ -43,6 +52,7 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
         python, popen, killpg: injectable for tests.
         on_progress: called with each progress line the job writes (the request gets
             ``"progress": true``); stderr is then read while the job runs.
+        memory_max_bytes: the worker's memory limit (``RLIMIT_DATA``); None or 0: none.
 
     Raises:
         WorkerTimeout: the limit expired (the group was killed).
@@ -57,13 +67,33 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    proc = popen([python or sys.executable, "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
+    from tuner.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT
+
+    env[ENV_PARENT] = str(os.getpid())
+    env[ENV_DEADLINE] = f"{timeout_s + DEADLINE_GRACE_S:g}"
+    if memory_max_bytes:
+        env[ENV_MEMORY] = str(int(memory_max_bytes))
+    else:
+        env.pop(ENV_MEMORY, None)
+    proc = popen([worker_python(python), "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
     _RUNNING[proc.pid] = killpg
     try:
         return _wait_for_reply(proc, request, job=job, timeout_s=timeout_s, killpg=killpg, on_progress=on_progress)
     finally:
         _RUNNING.pop(proc.pid, None)
+
+
+#: Environment variable naming the worker's Python (e.g. a venv with a vLLM build for the engine
+#: adapter) for every command that runs workers; ``profile --worker-python`` and the daemon's
+#: ``worker_python`` setting win over it.
+WORKER_PYTHON_ENV = "CTX_TUNER_WORKER_PYTHON"
+
+
+def worker_python(python: str | None = None) -> str:
+    """The interpreter that runs workers: ``python`` when given, else ``$CTX_TUNER_WORKER_PYTHON``,
+    else this process's own."""
+    return python or os.environ.get(WORKER_PYTHON_ENV) or sys.executable
 
 
 def kill_running_workers() -> int:

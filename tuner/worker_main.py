@@ -11,6 +11,7 @@ Typed errors are replies; anything else is a crash with a traceback on stderr.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -29,11 +30,50 @@ def error_reply(exc: BaseException) -> dict:
     return reply
 
 
-def main() -> int:
-    request = json.loads(sys.stdin.read())
-    from tuner.errors import TunerError
+def _calibrate(request: dict) -> None:
+    """``calibration_db`` in a request (the daemon): look the corrections up here, in the worker,
+    so the daemon never reads the model's config.json itself (:func:`tuner.app.lookup_calibration`
+    through a read-only store). A lookup that fails is a warning, not an error."""
+    url = request.pop("calibration_db", None)
+    if not url or request.get("calibration") or request.get("method", "simulate") != "simulate":
+        return
+    from tuner.app import lookup_calibration
+    from tuner.errors import ModelConfigError, TunerError
+    from tuner.store import open_store
 
     try:
+        store = open_store(url, readonly=True)
+    except TunerError as exc:
+        request.setdefault("_warnings", []).append(f"calibration skipped: {exc}")
+        return
+    try:
+        cal = lookup_calibration(request, store)
+    except ModelConfigError:
+        raise  # the job itself reports the unreadable config
+    except TunerError as exc:
+        request.setdefault("_warnings", []).append(f"calibration skipped: {exc}")
+        return
+    finally:
+        store.close()
+    if cal is not None:
+        request["calibration"] = cal
+
+
+def main() -> int:
+    from tuner.worker_guard import install
+
+    install()  # die with the parent, own deadline, memory limit: before anything big is imported
+    request = json.loads(sys.stdin.read())
+    # The reply owns stdout: anything else written there (vLLM's logger and C++ prints, when the
+    # engine adapter imports vLLM) goes to stderr instead.
+    reply_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    from tuner.errors import TunerError, WorkerError
+
+    try:
+        _calibrate(request)
+        extra = request.pop("_warnings", [])
         if request.get("kind") == "validate":
             from tuner.validate import run_validate_request
 
@@ -42,10 +82,24 @@ def main() -> int:
             from tuner.job import run_job
 
             result = run_job(request)
+        if extra and isinstance(result, dict):
+            result["warnings"] = list(result.get("warnings") or []) + extra
     except TunerError as exc:
-        json.dump(error_reply(exc), sys.stdout)
+        json.dump(error_reply(exc), reply_out)
+        reply_out.flush()
         return 0
-    json.dump({"ok": True, "result": result}, sys.stdout)
+    except MemoryError:
+        from tuner.worker_guard import ENV_MEMORY
+
+        limit = os.environ.get(ENV_MEMORY)
+        exc = WorkerError("the profile pass ran out of memory" + (
+            f" (worker memory limit {int(limit):,} bytes, setting worker_memory_max_bytes)" if limit else ""),
+            where=str((request.get("drop") or {}).get("name") or "worker"))
+        json.dump(error_reply(exc), reply_out)
+        reply_out.flush()
+        return 0
+    json.dump({"ok": True, "result": result}, reply_out)
+    reply_out.flush()
     return 0
 
 

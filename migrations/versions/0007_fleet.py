@@ -22,7 +22,7 @@ Rows from before this revision have no owner; a daemon adopts the jobs and drops
 inside its own watch directory at start (:meth:`tuner.jobqueue.JobQueue.adopt`).
 
 Revision ID: 0007
-Revises: 0004
+Revises: 0006
 Create Date: 2026-12-01
 """
 
@@ -35,7 +35,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0007"
-down_revision: Union[str, Sequence[str], None] = "0004"
+down_revision: Union[str, Sequence[str], None] = "0006"
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

@@ -16,6 +16,8 @@ from tuner.errors import SettingsError, TunerError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NAME = "daemon"
+#: Text log line: local time with milliseconds, level, logger, message.
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -48,10 +50,9 @@ def configure_logging(level: int, *, json_lines: bool = False) -> None:
     """Root logger on stderr at ``level``; JSON lines with ``json_lines``."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    if json_lines:
-        for h in root.handlers:
-            h.setFormatter(JsonLogFormatter())
+        logging.basicConfig(stream=sys.stderr, format=TEXT_FORMAT)
+    for h in root.handlers:  # text lines carry a timestamp too (foreground use has no journald)
+        h.setFormatter(JsonLogFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
     root.setLevel(level)
 
 
@@ -73,7 +74,14 @@ def run(args) -> int:
     logging.getLogger("watchdog").setLevel(max(settings.log_level_no, logging.INFO))  # per-event chatter
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
-        return Daemon(settings).run()
+        daemon = Daemon(settings)
+        code = daemon.run()
+        if daemon.work_stuck:  # its work thread is blocked on another writer's lock: do not wait for it
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except SettingsError as exc:
         print(f"ctx-tuner: invalid settings: {exc}", file=sys.stderr)
         return EXIT_USAGE

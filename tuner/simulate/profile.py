@@ -59,7 +59,11 @@ def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch
     n, r = batch.max_num_batched_tokens, batch.num_reqs
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with torch.no_grad(), mode:
-        model = plugin.build_model(spec, settings)
+        from tuner.simulate.moe import expert_layout
+
+        with expert_layout(settings.tensor_parallel_size, getattr(settings, "data_parallel_size", 1),
+                           getattr(settings, "enable_expert_parallel", False)):
+            model = plugin.build_model(spec, settings)
         weights = int(plugin.weights_bytes(spec, settings, model))
         input_ids = torch.zeros(n, dtype=torch.long)
         positions = torch.zeros(n, dtype=torch.long)
