@@ -41,6 +41,13 @@ class MemoryTracker(TorchDispatchMode):
     just as vLLM's peak increase excludes memory allocated before the profile run.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
+        # unless this says no: nothing here is ever compiled, and the wrapper would import
+        # ``torch._dynamo`` (seconds) and cost a frame-callback switch on every op.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.live_bytes = 0
