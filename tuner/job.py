@@ -233,8 +233,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         TunerError subclasses for bad configs, plugins or settings.
     """
     import torch
-    import transformers
 
+    from tuner.transformers_lean import import_transformers
+
+    transformers = import_transformers()  # without the scan of every model's source
     t_start = time.perf_counter()
     d = request["drop"]
     device = request["device"]
@@ -353,9 +355,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
         return batch
 
-    from tuner.simulate.profile import run_pass
+    from tuner.simulate.profile import ModelCache, run_pass
 
     memo: dict[tuple, list] = {}
+    models = ModelCache()  # V0 runs one pass per length: each rank's module is built once
     runs: list[dict] = []
 
     def passes_for(batch):
@@ -373,7 +376,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     row = {**r, "method": "cuda"}
                 else:
                     r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True),
-                                 model_runner_v2=runner_v2)
+                                 model_runner_v2=runner_v2, models=models)
                     row = {**r.to_dict(), "method": "simulate"}
                 results.append(r)
                 runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,

@@ -277,9 +277,10 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         top = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
-    from transformers import AutoConfig  # worker side only: imports torch
+    from tuner.transformers_lean import import_transformers  # worker side only: imports torch
 
-    import transformers
+    transformers = import_transformers()  # without the scan of every model's source
+    from transformers.models.auto.configuration_auto import AutoConfig
 
     transformers.logging.set_verbosity_error()
     if not isinstance(top, dict):
