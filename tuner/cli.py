@@ -65,6 +65,7 @@ def _log_level(text: str) -> str:
 #: Sub-command modules, in ``--help`` order.
 COMMANDS: tuple[str, ...] = (
     "tuner.commands.profile",
+    "tuner.commands.check",
     "tuner.commands.explain",
     "tuner.commands.results",
     "tuner.commands.plot",

@@ -110,6 +110,26 @@ def _int_range(lo: int, hi: int, *, nullable: bool = False) -> Callable[[Any], A
     return check
 
 
+def _as_length(v: Any) -> Any:
+    """A length or token count written as vLLM's human-readable form (``32k`` = 32000, ``32K`` =
+    32768, ``1M`` = 1048576; :func:`tuner.serve_args.human_readable_int`) becomes its integer;
+    anything else is returned unchanged for the caller's type check."""
+    if isinstance(v, str):
+        from tuner.serve_args import human_readable_int
+
+        try:
+            return human_readable_int(v)
+        except ValueError as exc:
+            raise _Invalid(f"must be an integer or a length such as 32k / 128K / 1M, not {v!r} ({exc})") from None
+    return v
+
+
+def _length_range(lo: int, hi: int, *, nullable: bool = False) -> Callable[[Any], Any]:
+    """As :func:`_int_range`, also accepting ``32k``-style strings."""
+    inner = _int_range(lo, hi, nullable=nullable)
+    return lambda v: inner(_as_length(v))
+
+
 def _choice(options: tuple, *, nullable: bool = False, aliases: Mapping[str, str] | None = None) -> Callable:
     def check(v: Any) -> Any:
         if v is None and nullable:
@@ -253,7 +273,7 @@ def _len_list(v: Any) -> tuple[int, ...] | None:
         for k in ("min", "max", "step"):
             if k not in v:
                 raise _Invalid(f"a range needs '{k}'", sub=f".{k}")
-            x = v[k]
+            x = _as_length(v[k])
             if not _is_int(x):
                 raise _Invalid(f"must be an integer, not {_type_name(x)} {x!r}", sub=f".{k}")
             hi = MAX_MODEL_LEN_LIMIT
@@ -272,6 +292,10 @@ def _len_list(v: Any) -> tuple[int, ...] | None:
         raise _Invalid(f"must have 1–{MAX_LEN_VALUES} values, not {len(v)}")
     out = set()
     for i, x in enumerate(v):
+        try:
+            x = _as_length(x)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, sub=f"[{i}]") from None
         if not _is_int(x):
             raise _Invalid(f"must be an integer, not {_type_name(x)} {x!r}", sub=f"[{i}]")
         if not 1 <= x <= MAX_MODEL_LEN_LIMIT:
@@ -342,8 +366,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "Most sequences per step (R); sizes the sampler's dummy run. null = the era's default.",
               _int_range(1, 65536, nullable=True)),
     DropField("max_num_batched_tokens", "integer 1–2097152 | null", None,
-              "Most tokens per step (N); sizes the profile run's dummy batch. null = the era's default.",
-              _int_range(1, 2_097_152, nullable=True)),
+              "Most tokens per step (N); sizes the profile run's dummy batch (`8k`-style values as vLLM "
+              "reads them). null = the era's default.",
+              _length_range(1, 2_097_152, nullable=True)),
     DropField("block_size", "1 | 8 | 16 | 32 | 64 | 128 | 256 | null", None,
               "KV cache block size in tokens; null = the era's/backend's default (16; 64 for FlashMLA).",
               _choice(BLOCK_SIZES, nullable=True)),
@@ -358,12 +383,14 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "Fractions of total device memory to try (1–64 values; sorted, duplicates dropped).", _gmu_list),
     DropField("candidates.max_model_len", "list of integers | {min, max, step} | null", None,
               "max_model_len values to try (1–4096 values, each 1–16777216; a range expands to "
-              "min, min+step, … ≤ max). null = search up to the model's max_position_embeddings.", _len_list),
+              "min, min+step, … ≤ max; lengths may be written as vLLM reads them: `32k` = 32000, `32K` = "
+              "32768, `1M` = 1048576). null = search up to the model's max_position_embeddings.", _len_list),
     DropField("constraints.min_concurrency", "number ≥ 1", 1.0,
               "Only propose a max_model_len at which at least this many full-length requests fit.",
               _min_concurrency),
     DropField("constraints.max_model_len_cap", "integer 1–16777216 | null", None,
-              "Never propose a max_model_len above this.", _int_range(1, MAX_MODEL_LEN_LIMIT, nullable=True)),
+              "Never propose a max_model_len above this (`128K`-style values accepted).",
+              _length_range(1, MAX_MODEL_LEN_LIMIT, nullable=True)),
 )
 
 _FIELDS_BY_NAME = {f.name: f for f in DROP_FIELDS}
