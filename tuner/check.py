@@ -222,9 +222,12 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if "max_model_len" not in d["candidates"]:
         d["candidates"]["max_model_len"] = [m]
         drop = build_drop(sa, d, label=config_file or "vllm serve")
-    doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
-                       timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
-                       calibrate=False)
+    try:
+        doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
+                           timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
+                           calibrate=False)
+    except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
+        raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field) from None
     e = doc["explanations"][0]
     values = {k: v for k, v in sa.values.items() if k not in ("revision",)}
     model = doc["model"]

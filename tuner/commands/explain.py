@@ -42,7 +42,7 @@ def add_progress_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--progress", action="store_true", default=None,
                    help="progress lines on stderr (default when stderr is a terminal)")
-    g.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    g.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def progress_printer(args):
