@@ -23,9 +23,9 @@ The rules follow vLLM 0.32's ``vllm/utils/argparse_utils.py`` (``FlexibleArgumen
   ``--kv-cache-memory-bytes``): ``25.6k`` = 25600, ``32k`` = 32000 (decimal ``k m g t``), ``32K`` =
   32768 (binary ``K M G T``, no decimals); ``--max-model-len auto`` or ``-1`` = auto-fit (0.14+).
 - a config file (``--config FILE``, ``.yaml``/``.yml``): each key becomes ``--key``; ``true`` →
-  ``--key``; ``false`` → ``--no-key`` only where vLLM has that option spelled exactly so (a
-  ``false`` under an underscore spelling is dropped, as vLLM drops it; reported); a list → ``--key
-  item …``; a mapping → JSON. Config arguments come after the model and before the remaining
+  ``--key``; ``false`` is dropped (``vllm serve`` looks for ``--no-key`` among the top-level
+  parser's options, where it never is: reported; ``no-key: true`` is the spelling that works); a
+  list → ``--key item …``; a mapping → JSON. Config arguments come after the model and before the remaining
   command line, so the command line wins.
 """
 
@@ -390,11 +390,10 @@ def load_config_file(path: str) -> tuple[list[str], list[str]]:
         if isinstance(value, bool):
             if value:
                 args.append("--" + key)
-            elif f"--no-{key}" in _negatable():
-                args.append(f"--no-{key}")
             else:
-                notes.append(f"{path}: `{key}: false` is dropped, as vLLM drops it (vLLM only turns a false "
-                             f"boolean into --no-{key.replace('_', '-')} when the key is spelled with dashes)")
+                notes.append(f"{path}: `{key}: false` is dropped, as `vllm serve --config` drops it (vLLM looks "
+                             f"for --no-{key} among the top-level parser's options, which never has it); write "
+                             f"`no-{key.replace('_', '-')}: true` to turn it off")
         elif isinstance(value, list):
             if value:
                 args.append("--" + key)
@@ -404,10 +403,6 @@ def load_config_file(path: str) -> tuple[list[str], list[str]]:
         else:
             args += ["--" + key, str(value)]
     return args, notes
-
-
-def _negatable() -> set[str]:
-    return {"--no-" + opt[2:] for f in FLAGS if f.kind == "bool" for opt in f.options if opt.startswith("--")}
 
 
 def _insert_config(args: list[str], config_args: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """Proposals and checked settings in vLLM's own forms: ``vllm serve`` arguments and the YAML file
-``vllm serve --config`` reads (keys are vLLM's long option names with dashes; ``true`` → ``--key``,
-``false`` → ``--no-key``; loaded unchanged by vLLM 0.32's ``FlexibleArgumentParser``). Pure.
+``vllm serve --config`` reads (keys are vLLM's long option names with dashes; ``true`` → ``--key``; a
+boolean turned off is written ``no-key: true`` because ``vllm serve --config`` drops ``key: false``;
+loaded unchanged by vLLM 0.32's ``FlexibleArgumentParser``). Pure.
 
 A proposal has two forms per ``gpu_memory_utilization``:
 
@@ -71,7 +72,10 @@ def config_dict(model: str, values: dict[str, Any]) -> dict[str, Any]:
     """The ``vllm serve --config`` mapping: ``model`` first, then dashed long option names."""
     doc: dict[str, Any] = {"model": model}
     for k, v in _ordered(_without_defaults(values)):
-        doc[k.replace("_", "-")] = v
+        if v is False:  # `vllm serve --config` drops `key: false`; `no-key: true` becomes --no-key
+            doc["no-" + k.replace("_", "-")] = True
+        else:
+            doc[k.replace("_", "-")] = v
     return doc
 
 
@@ -104,3 +108,29 @@ def config_yaml(doc: dict[str, Any], *, header: str = "") -> str:
     text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
     head = "".join(f"# {line}\n" for line in header.splitlines() if line.strip())
     return head + text
+
+
+def config_file_names(gpu_memory_utilization: float) -> tuple[str, str]:
+    """File names of one proposal's two config forms (inside ``proposals/NAME.vllm/``)."""
+    u = f"{gpu_memory_utilization:g}"
+    return f"gpu-memory-utilization-{u}.yaml", f"kv-cache-memory-bytes-{u}.yaml"
+
+
+def proposal_documents(model: str, engine_version: str, entries: list[dict]) -> list[tuple[str, str]]:
+    """``(file name, YAML text)`` of every config form of a drop's proposals; ``entries`` are
+    proposal-file entries carrying ``vllm_config`` / ``vllm_config_kv_cache_memory_bytes``."""
+    out = []
+    for e in entries:
+        u = e["gpu_memory_utilization"]
+        by_u, by_kv = config_file_names(u)
+        head = (f"ctx-tuner proposal for {model}: max_model_len {e['max_model_len']} at gpu_memory_utilization {u:g}, "
+                f"{e.get('num_gpu_blocks')} blocks, {e.get('kv_cache_tokens')} KV tokens (vLLM {engine_version})\n"
+                "use: vllm serve --config THIS_FILE")
+        if e.get("vllm_config"):
+            out.append((by_u, config_yaml(e["vllm_config"], header=head)))
+        if e.get("vllm_config_kv_cache_memory_bytes"):
+            kv = e["vllm_config_kv_cache_memory_bytes"]["kv-cache-memory-bytes"]
+            out.append((by_kv, config_yaml(e["vllm_config_kv_cache_memory_bytes"],
+                                           header=head + f"\nthe same KV cache as an absolute budget: {kv} bytes "
+                                                         "(vLLM then ignores gpu_memory_utilization)")))
+    return out
