@@ -71,6 +71,7 @@ COMMANDS: tuple[str, ...] = (
     "tuner.commands.plot",
     "tuner.commands.daemon",
     "tuner.commands.retry",
+    "tuner.commands.status",
     "tuner.commands.validate",
     "tuner.commands.import_log",
     "tuner.commands.devices",
