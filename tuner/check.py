@@ -41,7 +41,7 @@ _DROP_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_s
               "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enforce_eager",
               "kv_cache_memory_bytes")
 #: Destinations ``check`` itself uses (not drop keys).
-_OWN = ("max_model_len", "gpu_memory_utilization", "revision")
+_OWN = ("max_model_len", "gpu_memory_utilization")
 
 
 class CheckInputError(TunerError):
@@ -229,7 +229,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
         raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field) from None
     e = doc["explanations"][0]
-    values = {k: v for k, v in sa.values.items() if k not in ("revision",)}
+    values = dict(sa.values)
     model = doc["model"]
     picked = m
     reason = e.get("reason") if not e["starts"] else None

@@ -799,7 +799,8 @@ class Daemon:
         started = utc_text()
         try:
             try:
-                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code)
+                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code,
+                                               download=bool(getattr(s, "allow_hub_download", False)))
             except DropError as exc:
                 if method_defaulted and exc.field == "method":
                     # the drop has no `method` key: say where the method really came from

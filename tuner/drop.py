@@ -198,6 +198,14 @@ def _model(v: Any) -> str:
     return v
 
 
+def _revision(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}", v) or ".." in v:
+        raise _Invalid(f"must be null or a revision (branch, tag or commit hash), not {v!r}")
+    return v
+
+
 def _device(v: Any) -> Any:
     """Keep the raw value ('auto' normalised to lower case); check it resolves unless 'auto'."""
     if isinstance(v, str):
@@ -342,6 +350,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("model", "string", REQUIRED,
               "Local path to a model directory holding config.json (or to a config.json file), relative "
               "to the drop file's directory unless absolute; or an HF id `org/name`.", _model),
+    DropField("revision", "string | null", None,
+              "HF revision (branch, tag or commit) of an HF id `model` whose config.json is read; null = main.",
+              _revision),
     DropField("device", "string | {name, total_memory_gib | total_memory_bytes}", REQUIRED,
               "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
               "machine running the job, via NVML), or a mapping with the total memory the engine sees "
@@ -464,6 +475,8 @@ class Drop:
     enable_chunked_prefill: bool | None = None
     enforce_eager: bool = False
     entry_point: str = "serve"
+    #: HF revision of an HF id ``model`` (None = the default branch).
+    revision: str | None = None
     #: the drop file as given to :func:`load_drop` / :func:`parse_drop`.
     path: str = ""
     #: SHA-256 (hex) of the drop file's raw bytes; decides whether a drop changed.
