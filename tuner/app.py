@@ -102,7 +102,7 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     drop_row = {"name": d.name, "path": d.path, "content_sha256": d.content_sha256,
                 "content": outcome.content if outcome.content is not None
                 else (open(d.path, encoding="utf-8").read() if d.path else ""),
-                "model": d.model, "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
+                "model": serve_model(d), "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
                 "warnings": json.dumps([str(w) for w in outcome.warnings]) if outcome.warnings else None}
     runs = []
     for run in r["runs"]:
