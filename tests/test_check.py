@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import REPO
 from tuner.check import run_check
@@ -306,3 +307,21 @@ def test_drops_accept_vllm_lengths(tmp_path):
     with pytest.raises(DropError, match=r"candidates.max_model_len\[0\]"):
         parse_drop(f"name: x\nmodel: {L8B}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.9], "
                    "max_model_len: [1.5K]}\n", str(tmp_path / "d.yaml"))
+
+
+def test_shipped_examples_are_valid_and_check_the_same_config(tmp_path):
+    """configs/ci and configs/k8s: valid YAML; the Job's vLLM config parses as the serve line it mirrors."""
+    gha = yaml.safe_load((REPO / "configs" / "ci" / "github-actions-check.yml").read_text())
+    steps = [s.get("run", "") for s in gha["jobs"]["check"]["steps"]]
+    assert any("ctx-tuner check --config" in s for s in steps)
+    docs = list(yaml.safe_load_all((REPO / "configs" / "k8s" / "check-job.yaml").read_text()))
+    cm, job = docs
+    assert job["kind"] == "Job" and "ctx-tuner check --config /etc/vllm/vllm.yaml" in " ".join(
+        job["spec"]["template"]["spec"]["containers"][0]["args"])
+    cfg = tmp_path / "vllm.yaml"
+    cfg.write_text(cm["data"]["vllm.yaml"])
+    sa = parse_serve([], str(cfg))
+    line = parse_serve(["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "128K",
+                        "--gpu-memory-utilization", "0.9", "--max-num-seqs", "256"])
+    assert sa.model == line.model and sa.values == {**line.values, "tensor_parallel_size": 1}
+    assert [e["flag"] for e in sa.ignored] == ["--port"]
