@@ -243,6 +243,21 @@ def test_python_module_form_and_model_option(tmp_path):
     assert res.doc["numbers"]["block_size"] == 32
 
 
+def test_kv_cache_memory_bytes_line_matches_drop(tmp_path):
+    res = check("vllm", "serve", str(L8B), "--max-model-len", "32k", "--kv-cache-memory-bytes", "2G")
+    cand = drop_answer(tmp_path, f"name: x\nmodel: {L8B}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
+                                 "kv_cache_memory_bytes: 2G\ncandidates: {gpu_memory_utilization: [0.9], "
+                                 "max_model_len: [32000]}\n", 0.9, 32000)
+    _same(res, cand)
+    assert res.doc["numbers"]["available_kv_cache_bytes"] == 2 << 30
+    assert res.doc["numbers"]["num_gpu_blocks"] == (2 << 30) // (32 * 2 * 8 * 128 * 2 * 16) == 1024
+    small = check("vllm", "serve", str(L8B), "--max-model-len", "32k", "--kv-cache-memory-bytes=1g")
+    assert not small.starts and small.doc["numbers"]["kv_cache_tokens"] == 1_000_000_000 // 2_097_152 * 16
+    rc, _, err = _cli("check", "--device", "H100-80GB", "--engine-version", "0.10.1", "--",
+                      "vllm", "serve", str(L8B), "--kv-cache-memory-bytes", "2G")
+    assert rc == 2 and "--kv-cache-memory-bytes" in err
+
+
 # ------------------------------------------------------------------------------------------------
 # The CLI: exit codes, unknown and unmodelled flags named
 # ------------------------------------------------------------------------------------------------

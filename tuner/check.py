@@ -256,8 +256,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
             picked, reason, starts, auto_note = None, AUTO_FIT_REFUSAL, False, None
         if auto_note:
             warnings.append(f"vLLM would log: {auto_note}")
+    kv_bytes = sa.values.get("kv_cache_memory_bytes")
+    if kv_bytes is not None:
+        warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
+                        "sizing it from the memory profile and ignores gpu_memory_utilization")
     nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m,
                                                                           "gpu_memory_utilization": u})
+    if kv_bytes is not None:
+        nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
     checked_values = {**values, "gpu_memory_utilization": u, "max_model_len": picked if picked is not None else m}
     out = {
         "verdict": "starts" if starts else "does not start",

@@ -380,6 +380,10 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "Most tokens per step (N); sizes the profile run's dummy batch (`8k`-style values as vLLM "
               "reads them). null = the era's default.",
               _length_range(1, 2_097_152, nullable=True)),
+    DropField("kv_cache_memory_bytes", "integer ≥ 1 | null", None,
+              "vLLM's --kv-cache-memory-bytes (V1 0.10.2+): KV cache bytes per GPU; the cache is no longer sized by "
+              "`gpu_memory_utilization` (`80G`-style values as vLLM reads them). null = sized by the budget.",
+              _length_range(1, 1 << 50, nullable=True)),
     DropField("block_size", "1 | 8 | 16 | 32 | 64 | 128 | 256 | null", None,
               "KV cache block size in tokens; null = the era's/backend's default (16; 64 for FlashMLA).",
               _choice(BLOCK_SIZES, nullable=True)),
@@ -472,6 +476,7 @@ class Drop:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
+    kv_cache_memory_bytes: int | None = None
     enable_chunked_prefill: bool | None = None
     enforce_eager: bool = False
     entry_point: str = "serve"
