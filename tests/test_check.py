@@ -340,3 +340,15 @@ def test_shipped_examples_are_valid_and_check_the_same_config(tmp_path):
                         "--gpu-memory-utilization", "0.9", "--max-num-seqs", "256"])
     assert sa.model == line.model and sa.values == {**line.values, "tensor_parallel_size": 1}
     assert [e["flag"] for e in sa.ignored] == ["--port"]
+
+
+def test_command_line_lengths_accept_vllm_forms():
+    import argparse
+
+    from tuner.commands.explain import _mml
+    from tuner.commands.import_log import _length
+
+    assert _mml("32k") == 32000 and _mml("128K") == 131072 and _mml("4096") == 4096
+    assert _length("8K") == 8192
+    with pytest.raises(argparse.ArgumentTypeError, match="Decimals are not allowed"):
+        _mml("1.5K")

@@ -27,10 +27,13 @@ def _gmu(text: str) -> float:
 
 
 def _mml(text: str) -> int:
+    """A length: an integer or vLLM's human-readable form (``32k``, ``128K``)."""
+    from tuner.serve_args import human_readable_int
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        value = human_readable_int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an integer or a length such as 32k: {text!r} ({exc})") from None
     if not 1 <= value <= 16_777_216:
         raise argparse.ArgumentTypeError(f"must be in 1..16777216, not {text}")
     return value
