@@ -352,3 +352,35 @@ def test_command_line_lengths_accept_vllm_forms():
     assert _length("8K") == 8192
     with pytest.raises(argparse.ArgumentTypeError, match="Decimals are not allowed"):
         _mml("1.5K")
+
+
+def test_human_readable_model_len_matches_vllms_own_test_cases(shared_dir):
+    """vLLM 0.19's tests/engine/test_arg_utils.py::test_human_readable_model_len, every case of
+    ../shared/cases/vllm-kv-tests.jsonl, through the built-in serve parser."""
+    cases = [json.loads(line) for line in (shared_dir / "cases" / "vllm-kv-tests.jsonl").read_text().splitlines()
+             if line.strip() and json.loads(line)["id"].startswith("test_human_readable_model_len[")]
+    assert len(cases) >= 20
+    for c in cases:
+        arg, want = c["inputs"]["arg"], c["expected"]
+        argv = ["vllm", "serve", "m"] + ([] if arg == "(not given)" else ["--max-model-len", arg])
+        if "raises" in want:
+            with pytest.raises(ServeArgsError):
+                parse_serve(argv)
+            continue
+        assert parse_serve(argv).values.get("max_model_len") == want["max_model_len"], c["id"]
+
+
+@pytest.mark.slow
+def test_check_process_imports_neither_torch_nor_vllm(tiny_config):
+    """The parent (CLI) never imports torch or vLLM: the pass runs in the worker subprocess."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tuner.cli import main; "
+            f"rc = main(['check', '--device', 'H100-80GB', '--engine-version', '0.19.0', '--json', '--', "
+            f"'vllm', 'serve', {str(tiny_config)!r}, '--max-model-len', '2k']); "
+            "print('MODULES', 'torch' in sys.modules, 'vllm' in sys.modules, rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "MODULES False False 0"
+    assert json.loads(r.stdout[:r.stdout.rindex("MODULES")])["verdict"] == "starts"

@@ -24,9 +24,9 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from tuner.drop import _FIELDS_BY_NAME, Drop, parse_drop
-from tuner.errors import DropError, ModelConfigError, TunerError
-from tuner.serve_args import (AUTO, AUTO_FIT_SINCE, KV_CACHE_MEMORY_BYTES_SINCE, UNMODELLED, ServeArgs,
-                              ServeArgsError, ServeParser, option_for, parse_serve)
+from tuner.errors import DropError, TunerError
+from tuner.serve_args import (AUTO, AUTO_FIT_SINCE, KV_CACHE_MEMORY_BYTES_SINCE, ServeArgs,
+                              ServeParser, option_for, parse_serve)
 
 EXIT_STARTS, EXIT_FAILED, EXIT_INVALID, EXIT_DOES_NOT_START = 0, 1, 2, 3
 GiB = 1 << 30
@@ -35,11 +35,6 @@ GiB = 1 << 30
 AUTO_FIT_REFUSAL = ("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single token. "
                     "Try increasing `gpu_memory_utilization`.")
 
-#: vLLM destinations that become top-level drop keys of the same name (when the drop schema has them).
-_DROP_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
-              "speculative_config", "dtype", "kv_cache_dtype", "quantization", "max_num_seqs",
-              "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enforce_eager",
-              "kv_cache_memory_bytes")
 #: Destinations ``check`` itself uses (not drop keys).
 _OWN = ("max_model_len", "gpu_memory_utilization")
 
