@@ -120,8 +120,9 @@ def _as_length(v: Any) -> Any:
         try:
             return human_readable_int(v)
         except ValueError as exc:
-            raise _Invalid(f"must be an integer or a length such as 32k / 128K / 1M, not {v!r} ({exc})") from None
-    return v
+            if re.fullmatch(r"\s*\d+(?:\.\d+)?[kKmMgGtT]\s*", v):  # a length in vLLM's form it refuses
+                raise _Invalid(f"must be an integer or a length such as 32k / 128K / 1M, not {v!r} ({exc})") from None
+    return v  # anything else: the caller's type check (and its hints) decides
 
 
 def _length_range(lo: int, hi: int, *, nullable: bool = False) -> Callable[[Any], Any]:
