@@ -316,6 +316,7 @@ class Daemon:
                         "attempts used; interrupted %d time(s))", job.id, job.path, max(job.attempts - 1, 0),
                         s.max_attempts, (job.interruptions or 0) + 1)
         self._note_retry()
+        self._start_metrics()
         self.watcher.start()
         self.reconcile()
         self._snapshot(force=True)
@@ -323,6 +324,23 @@ class Daemon:
         self.waker.wake()  # the first step starts a queued job at once
         self.notifier.ready(self._status_text())
         log.info("ready: watching %s, store %s", s.watch_dir, self.store.where)
+
+    def _start_metrics(self) -> None:
+        """Serve Prometheus metrics (:mod:`tuner.metrics`) when ``metrics_listen`` is set; a port
+        or socket that cannot be opened is logged, never fatal."""
+        listen = getattr(self.settings, "metrics_listen", None)
+        if not listen or getattr(self, "_metrics", None) is not None:
+            return
+        from tuner.metrics import MetricsError, MetricsServer
+
+        server = MetricsServer(listen, self.store.engine.connect)
+        try:
+            server.start()
+        except MetricsError as exc:
+            log.error("%s", exc)
+            return
+        self._metrics = server
+        log.info("metrics on %s", server.address)
 
     def run(self) -> int:
         """Start, loop until SIGTERM/SIGINT, shut down. Returns the exit status (0).
@@ -781,7 +799,8 @@ class Daemon:
         started = utc_text()
         try:
             try:
-                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code)
+                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code,
+                                               download=bool(getattr(s, "allow_hub_download", False)))
             except DropError as exc:
                 if method_defaulted and exc.field == "method":
                     # the drop has no `method` key: say where the method really came from
@@ -989,6 +1008,9 @@ class Daemon:
         except Exception:
             log.exception("error while stopping")
         finally:
+            if getattr(self, "_metrics", None) is not None:
+                self._metrics.stop()
+                self._metrics = None
             if self.store is not None and (work is None or not work.is_alive()):
                 self.store.close()
             self._restore_signals()
