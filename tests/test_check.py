@@ -141,7 +141,7 @@ def test_serve_line_32k_tp2_matches_drop(tmp_path):
                                  "max_model_len: [32000]}\n", 0.9, 32000)
     assert res.starts and res.exit_code == 0
     _same(res, cand)
-    assert res.doc["max_model_len"] == 32000 and res.doc["numbers"]["num_gpu_blocks"] == 61030
+    assert res.doc["max_model_len"] == 32000 and res.doc["numbers"]["num_gpu_blocks"] == 61196
 
 
 def test_equals_and_underscore_spelling_matches_drop(tmp_path):
@@ -225,9 +225,9 @@ def test_max_model_len_auto_picks_what_auto_fit_picks(tmp_path):
 
     req, _ = prepare_request(load_drop(p))
     prop = inproc_worker(req, job="x")["proposals"][0]
-    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len"] == 8272
+    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len"] == 8784
     assert res.doc["numbers"]["kv_cache_tokens"] == prop["kv_cache_tokens"]
-    assert any("Auto-fit max_model_len: reduced from 131072 to 8272" in w for w in res.doc["warnings"])
+    assert any("Auto-fit max_model_len: reduced from 131072 to 8784" in w for w in res.doc["warnings"])
     # the whole context fits on 8 GPUs' worth of memory: auto keeps the derived length
     full = check("vllm", "serve", str(L8B), "--max-model-len", "auto")
     assert full.starts and full.doc["max_model_len"] == 131072
