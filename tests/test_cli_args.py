@@ -91,3 +91,12 @@ def test_closed_stdout_exits_quietly(tmp_path):
         os.close(w)
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""
+
+
+@pytest.mark.parametrize("command", ["profile", "explain", "plot"])
+def test_q_is_not_quiet_since_it_is_vllms_quantization(command):
+    """``-q`` is vLLM's ``--quantization``; ctx-tuner keeps only ``--quiet`` so a pasted vLLM flag
+    never silently means something else."""
+    argv = {"profile": ["profile", "d.yaml"], "explain": ["explain", "d.yaml"], "plot": ["plot", "d.yaml", "-o", "x.png"]}
+    rc, _, err = _cli(*argv[command], "-q")
+    assert rc == 2 and "unrecognized arguments: -q" in err

@@ -140,7 +140,7 @@ def test_u_needed_arithmetic_is_exact():
 
 def test_a_point_that_starts_text_and_json():
     # no -u / -m: each of the drop's u at its proposal (on the drop's grid: no extra job)
-    rc, out, err = _cli("explain", str(H100_DROP), "-q")
+    rc, out, err = _cli("explain", str(H100_DROP), "--quiet")
     assert rc == 0, err
     assert "gpu_memory_utilization 0.95, max_model_len 131072: starts" in out
     assert "1. requested = total 79.19 GiB x gpu_memory_utilization 0.95 (ceil, bytes)" in out
@@ -148,7 +148,7 @@ def test_a_point_that_starts_text_and_json():
     line = [x for x in out.splitlines() if ". blocks = " in x][-1]
     blocks = int(line.rsplit("= ", 1)[1])
     assert abs(blocks - 29751) / 29751 < 0.02  # the engine logged 29,751 blocks at 0.95
-    rc, out, _ = _cli("explain", str(H100_DROP), "-q", "--json")
+    rc, out, _ = _cli("explain", str(H100_DROP), "--quiet", "--json")
     doc = json.loads(out)
     assert [e["gpu_memory_utilization"] for e in doc["explanations"]] == [0.8, 0.9, 0.95]
     for e in doc["explanations"]:

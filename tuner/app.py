@@ -113,7 +113,7 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     drop_row = {"name": d.name, "path": d.path, "content_sha256": d.content_sha256,
                 "content": outcome.content if outcome.content is not None
                 else (open(d.path, encoding="utf-8").read() if d.path else ""),
-                "model": d.model, "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
+                "model": serve_model(d), "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
                 "warnings": json.dumps([str(w) for w in outcome.warnings]) if outcome.warnings else None}
     runs = []
     for run in r["runs"]:
@@ -182,7 +182,8 @@ def resolve_method(drop: Drop, *, nvml: Any = None) -> str:
     return drop.method
 
 
-def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False) -> tuple[dict, dict]:
+def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False,
+                    download: bool | None = None) -> tuple[dict, dict]:
     """The worker request for a validated drop, and the resolved device ``{name, total_memory_bytes}``.
 
     Resolves the method (:func:`resolve_method`; the request's ``method`` key is what the worker
@@ -196,7 +197,11 @@ def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = F
     method = resolve_method(drop, nvml=nvml)
     device = drop.resolve_device(nvml=nvml)
     try:
-        config_path = resolve_model_path(drop.model, drop.base_dir)
+        if download is None:  # the CLI: fetch a missing HF config unless HF_HUB_OFFLINE says no
+            from tuner.hub import offline
+
+            download = not offline()
+        config_path = resolve_model_path(drop.model, drop.base_dir, download=download, revision=drop.revision)
     except ModelConfigError as exc:
         raise DropError(exc.message, path=drop.path, field="model") from exc
     dev = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}

@@ -65,11 +65,13 @@ def _log_level(text: str) -> str:
 #: Sub-command modules, in ``--help`` order.
 COMMANDS: tuple[str, ...] = (
     "tuner.commands.profile",
+    "tuner.commands.check",
     "tuner.commands.explain",
     "tuner.commands.results",
     "tuner.commands.plot",
     "tuner.commands.daemon",
     "tuner.commands.retry",
+    "tuner.commands.status",
     "tuner.commands.validate",
     "tuner.commands.import_log",
     "tuner.commands.devices",

@@ -353,6 +353,7 @@ class Daemon:
                         "attempts used; interrupted %d time(s))", job.id, job.path, max(job.attempts - 1, 0),
                         s.max_attempts, (job.interruptions or 0) + 1)
         self._note_retry()
+        self._start_metrics()
         self.watcher.start()
         try:
             self.reconcile()
@@ -390,6 +391,23 @@ class Daemon:
         if adopted:
             log.info("adopted %d job(s) stored before ownership existed", adopted)
         self._next_beat = self.clock() + s.lease_s / 3
+
+    def _start_metrics(self) -> None:
+        """Serve Prometheus metrics (:mod:`tuner.metrics`) when ``metrics_listen`` is set; a port
+        or socket that cannot be opened is logged, never fatal."""
+        listen = getattr(self.settings, "metrics_listen", None)
+        if not listen or getattr(self, "_metrics", None) is not None:
+            return
+        from tuner.metrics import MetricsError, MetricsServer
+
+        server = MetricsServer(listen, self.store.engine.connect)
+        try:
+            server.start()
+        except MetricsError as exc:
+            log.error("%s", exc)
+            return
+        self._metrics = server
+        log.info("metrics on %s", server.address)
 
     def run(self) -> int:
         """Start, loop until SIGTERM/SIGINT, shut down. Returns the exit status (0).
@@ -913,7 +931,8 @@ class Daemon:
         started = utc_text()
         try:
             try:
-                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code)
+                request, dev = prepare_request(drop, nvml=self.nvml, trust_remote_code=s.allow_trust_remote_code,
+                                               download=bool(getattr(s, "allow_hub_download", False)))
             except DropError as exc:
                 if method_defaulted and exc.field == "method":
                     # the drop has no `method` key: say where the method really came from
@@ -1157,6 +1176,9 @@ class Daemon:
         except Exception:
             log.exception("error while stopping")
         finally:
+            if getattr(self, "_metrics", None) is not None:
+                self._metrics.stop()
+                self._metrics = None
             if self.store is not None and (work is None or not work.is_alive()):
                 self.store.close()
             self._restore_signals()

@@ -110,6 +110,27 @@ def _int_range(lo: int, hi: int, *, nullable: bool = False) -> Callable[[Any], A
     return check
 
 
+def _as_length(v: Any) -> Any:
+    """A length or token count written as vLLM's human-readable form (``32k`` = 32000, ``32K`` =
+    32768, ``1M`` = 1048576; :func:`tuner.serve_args.human_readable_int`) becomes its integer;
+    anything else is returned unchanged for the caller's type check."""
+    if isinstance(v, str):
+        from tuner.serve_args import human_readable_int
+
+        try:
+            return human_readable_int(v)
+        except ValueError as exc:
+            if re.fullmatch(r"\s*\d+(?:\.\d+)?[kKmMgGtT]\s*", v):  # a length in vLLM's form it refuses
+                raise _Invalid(f"must be an integer or a length such as 32k / 128K / 1M, not {v!r} ({exc})") from None
+    return v  # anything else: the caller's type check (and its hints) decides
+
+
+def _length_range(lo: int, hi: int, *, nullable: bool = False) -> Callable[[Any], Any]:
+    """As :func:`_int_range`, also accepting ``32k``-style strings."""
+    inner = _int_range(lo, hi, nullable=nullable)
+    return lambda v: inner(_as_length(v))
+
+
 def _choice(options: tuple, *, nullable: bool = False, aliases: Mapping[str, str] | None = None) -> Callable:
     def check(v: Any) -> Any:
         if v is None and nullable:
@@ -175,6 +196,14 @@ def _model(v: Any) -> str:
             f"{v!r} is neither an HF id 'org/name' (letters, digits, '.', '_', '-', no '..' or '--') "
             "nor a path (start a relative path with './' or '../')"
         )
+    return v
+
+
+def _revision(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}", v) or ".." in v:
+        raise _Invalid(f"must be null or a revision (branch, tag or commit hash), not {v!r}")
     return v
 
 
@@ -254,7 +283,7 @@ def _len_list(v: Any) -> tuple[int, ...] | None:
         for k in ("min", "max", "step"):
             if k not in v:
                 raise _Invalid(f"a range needs '{k}'", sub=f".{k}")
-            x = v[k]
+            x = _as_length(v[k])
             if not _is_int(x):
                 raise _Invalid(f"must be an integer, not {_type_name(x)} {x!r}", sub=f".{k}")
             hi = MAX_MODEL_LEN_LIMIT
@@ -273,6 +302,10 @@ def _len_list(v: Any) -> tuple[int, ...] | None:
         raise _Invalid(f"must have 1–{MAX_LEN_VALUES} values, not {len(v)}")
     out = set()
     for i, x in enumerate(v):
+        try:
+            x = _as_length(x)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, sub=f"[{i}]") from None
         if not _is_int(x):
             raise _Invalid(f"must be an integer, not {_type_name(x)} {x!r}", sub=f"[{i}]")
         if not 1 <= x <= MAX_MODEL_LEN_LIMIT:
@@ -374,6 +407,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("model", "string", REQUIRED,
               "Local path to a model directory holding config.json (or to a config.json file), relative "
               "to the drop file's directory unless absolute; or an HF id `org/name`.", _model),
+    DropField("revision", "string | null", None,
+              "HF revision (branch, tag or commit) of an HF id `model` whose config.json is read; null = main.",
+              _revision),
     DropField("device", "string | {name, total_memory_gib | total_memory_bytes}", REQUIRED,
               "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
               "machine running the job, via NVML), or a mapping with the total memory the engine sees "
@@ -398,8 +434,13 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "Most sequences per step (R); sizes the sampler's dummy run. null = the era's default.",
               _int_range(1, 65536, nullable=True)),
     DropField("max_num_batched_tokens", "integer 1–2097152 | null", None,
-              "Most tokens per step (N); sizes the profile run's dummy batch. null = the era's default.",
-              _int_range(1, 2_097_152, nullable=True)),
+              "Most tokens per step (N); sizes the profile run's dummy batch (`8k`-style values as vLLM "
+              "reads them). null = the era's default.",
+              _length_range(1, 2_097_152, nullable=True)),
+    DropField("kv_cache_memory_bytes", "integer ≥ 1 | null", None,
+              "vLLM's --kv-cache-memory-bytes (V1 0.10.2+): KV cache bytes per GPU; the cache is no longer sized by "
+              "`gpu_memory_utilization` (`80G`-style values as vLLM reads them). null = sized by the budget.",
+              _length_range(1, 1 << 50, nullable=True)),
     DropField("block_size", "1 | 8 | 16 | 32 | 64 | 128 | 256 | null", None,
               "KV cache block size in tokens; null = the era's/backend's default (16; 64 for FlashMLA).",
               _choice(BLOCK_SIZES, nullable=True)),
@@ -437,12 +478,14 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "Fractions of total device memory to try (1–64 values; sorted, duplicates dropped).", _gmu_list),
     DropField("candidates.max_model_len", "list of integers | {min, max, step} | null", None,
               "max_model_len values to try (1–4096 values, each 1–16777216; a range expands to "
-              "min, min+step, … ≤ max). null = search up to the model's max_position_embeddings.", _len_list),
+              "min, min+step, … ≤ max; lengths may be written as vLLM reads them: `32k` = 32000, `32K` = "
+              "32768, `1M` = 1048576). null = search up to the model's max_position_embeddings.", _len_list),
     DropField("constraints.min_concurrency", "number ≥ 1", 1.0,
               "Only propose a max_model_len at which at least this many full-length requests fit.",
               _min_concurrency),
     DropField("constraints.max_model_len_cap", "integer 1–16777216 | null", None,
-              "Never propose a max_model_len above this.", _int_range(1, MAX_MODEL_LEN_LIMIT, nullable=True)),
+              "Never propose a max_model_len above this (`128K`-style values accepted).",
+              _length_range(1, MAX_MODEL_LEN_LIMIT, nullable=True)),
 )
 
 _FIELDS_BY_NAME = {f.name: f for f in DROP_FIELDS}
@@ -513,6 +556,7 @@ class Drop:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
+    kv_cache_memory_bytes: int | None = None
     enable_chunked_prefill: bool | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -521,6 +565,8 @@ class Drop:
     speculative_config: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False
     entry_point: str = "serve"
+    #: HF revision of an HF id ``model`` (None = the default branch).
+    revision: str | None = None
     #: the drop file as given to :func:`load_drop` / :func:`parse_drop`.
     path: str = ""
     #: SHA-256 (hex) of the drop file's raw bytes; decides whether a drop changed.

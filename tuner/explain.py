@@ -108,16 +108,17 @@ class PreparedJob:
         return {**(self.base_request or {}), "drop": d, "config_path": self.config_path, "device": dict(self.device)}
 
 
-def prepare(drop_path: str, *, nvml: Any = None) -> PreparedJob:
+def prepare(drop_path: str | None, *, nvml: Any = None, drop: Drop | None = None) -> PreparedJob:
     """Load and check a drop as ``profile`` does (:func:`tuner.app.prepare_request`: simulate only,
-    device resolved, model config found offline).
+    device resolved, model config found offline). ``drop``: an already validated drop (``check``
+    builds one from a ``vllm serve`` line) instead of the file ``drop_path``.
 
     Raises:
         DropError / DeviceError / EraError: invalid drop (names file and field).
     """
     from tuner.app import prepare_request
 
-    drop = load_drop(drop_path)
+    drop = drop if drop is not None else load_drop(drop_path)
     era_for(drop.engine_version, enforce_eager=drop.enforce_eager)  # EraError early, naming the version
     request, dev = prepare_request(drop, nvml=nvml)
     return PreparedJob(drop, dev, request["config_path"], request)
@@ -607,7 +608,7 @@ def _calibration_note(cand: dict, cal: dict) -> dict:
 def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Progress | None = None, variants: bool = True, nvml: Any = None,
-                 db_url: str | None = None, calibrate: bool = True) -> dict:
+                 db_url: str | None = None, calibrate: bool = True, drop: Drop | None = None) -> dict:
     """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
 
     Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
@@ -621,7 +622,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     """
     from tuner.app import serve_model
 
-    job = prepare(drop_path, nvml=nvml)
+    job = prepare(drop_path, nvml=nvml, drop=drop)
     d = job.drop
     model_dir = serve_model(d)
     cal_warning = None

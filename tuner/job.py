@@ -44,7 +44,7 @@ def _extra_args(d: dict) -> str:
         if (version and quantization_methods(version) is VLLM_019_QUANTIZATION_METHODS
                 and d["quantization"] in VLLM_019_DEPRECATED):
             parts.append("--allow-deprecated-quantization")
-    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
         if d.get(key) is not None:
             parts.append(f"--{key.replace('_', '-')} {d[key]}")
     if d.get("enable_chunked_prefill") is not None:
@@ -62,6 +62,20 @@ def _extra_args(d: dict) -> str:
     if d.get("enforce_eager"):
         parts.append("--enforce-eager")
     return " ".join(parts)
+
+
+def _kv_cache_memory_bytes(d: dict, era) -> int | None:
+    """The drop's ``kv_cache_memory_bytes``, refused where the release has no such setting
+    (V0, V1 before 0.10.2)."""
+    v = d.get("kv_cache_memory_bytes")
+    if v is None:
+        return None
+    if era.engine != "V1" or era.version < (0, 10, 2):
+        from tuner.errors import DropError
+
+        raise DropError(f"vLLM {era.version} has no --kv-cache-memory-bytes (V1 0.10.2+)", path=d.get("path"),
+                        field="kv_cache_memory_bytes")
+    return int(v)
 
 
 def _version_tuple(text: Any) -> Any:
@@ -233,8 +247,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         TunerError subclasses for bad configs, plugins or settings.
     """
     import torch
-    import transformers
 
+    from tuner.transformers_lean import import_transformers
+
+    transformers = import_transformers()  # without the scan of every model's source
     t_start = time.perf_counter()
     d = request["drop"]
     device = request["device"]
@@ -323,7 +339,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
                     model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
                     num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights,
-                    other_processes_bytes=other_processes_bytes(device, d))
+                    other_processes_bytes=other_processes_bytes(device, d),
+                    kv_cache_memory_bytes=_kv_cache_memory_bytes(d, era))
     if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix", "mtp"):
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
                         "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
@@ -353,9 +370,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
         return batch
 
-    from tuner.simulate.profile import run_pass
+    from tuner.simulate.profile import ModelCache, run_pass
 
     memo: dict[tuple, list] = {}
+    models = ModelCache()  # V0 runs one pass per length: each rank's module is built once
     runs: list[dict] = []
 
     def passes_for(batch):
@@ -373,7 +391,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     row = {**r, "method": "cuda"}
                 else:
                     r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True),
-                                 model_runner_v2=runner_v2)
+                                 model_runner_v2=runner_v2, models=models)
                     row = {**r.to_dict(), "method": "simulate"}
                 results.append(r)
                 runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,

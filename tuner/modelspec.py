@@ -18,12 +18,14 @@ from typing import Any
 from tuner.errors import ModelConfigError
 
 
-def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None) -> Path:
-    """Find the ``config.json`` for a drop's ``model`` value without network access.
+def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *, download: bool = False,
+                       revision: str | None = None) -> Path:
+    """Find the ``config.json`` for a drop's ``model`` value (no network unless ``download``).
 
     Order: a path (absolute, or relative to ``base_dir``) to a directory holding ``config.json``
     or to a ``.json`` file; then an HF id (``org/name``) in the local HF cache
-    (``huggingface_hub.try_to_load_from_cache``, honouring ``HF_HOME``/``HF_HUB_CACHE``).
+    (``huggingface_hub.try_to_load_from_cache``, honouring ``HF_HOME``/``HF_HUB_CACHE``) at
+    ``revision``; then, with ``download``, fetched from the Hub (:func:`tuner.hub.fetch_config`).
 
     Returns:
         The path of the config file.
@@ -45,12 +47,18 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None) ->
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            hit = try_to_load_from_cache(repo_id=model, filename="config.json")
+            hit = try_to_load_from_cache(repo_id=model, filename="config.json", revision=revision)
             if isinstance(hit, str) and os.path.isfile(hit):
                 return Path(hit)
             searched.append(f"HF cache for {model}")
         except Exception as exc:  # pragma: no cover - depends on the local hub install
             searched.append(f"HF cache for {model} ({exc})")
+        from tuner.hub import fetch_config, offline
+
+        if download:
+            return fetch_config(model, revision=revision)
+        searched.append("not fetched from the Hub: " + ("HF_HUB_OFFLINE is set" if offline() else
+                                                         "hub downloads are off (daemon setting allow_hub_download)"))
     hint = ""
     if model.count("/") == 1 and not model.startswith(("/", ".")):
         try:
@@ -277,9 +285,10 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         top = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
-    from transformers import AutoConfig  # worker side only: imports torch
+    from tuner.transformers_lean import import_transformers  # worker side only: imports torch
 
-    import transformers
+    transformers = import_transformers()  # without the scan of every model's source
+    from transformers.models.auto.configuration_auto import AutoConfig
 
     transformers.logging.set_verbosity_error()
     if not isinstance(top, dict):

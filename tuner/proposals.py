@@ -70,6 +70,8 @@ def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) 
         if cand is not None:
             entry["numbers"] = {k: cand[k] for k in _NUMBERS}
             entry["numbers"]["from_candidate_max_model_len"] = cand["max_model_len"]
+        add_vllm_forms(entry, _serve_model(drop), drop["engine_version"],
+                       cand["available_kv_cache_bytes"] if cand is not None else None)
         out_props.append(entry)
     doc: dict[str, Any] = {
         "drop": drop["name"],
@@ -103,6 +105,19 @@ def _warnings(text: str | None) -> list[str]:
     return [str(w) for w in items] if isinstance(items, list) else [str(items)]
 
 
+def add_vllm_forms(entry: dict[str, Any], model: str, engine_version: str, kv_cache_bytes: int | None) -> None:
+    """Add a proposal's vLLM forms to its entry (:mod:`tuner.vllm_forms`): ``vllm_config`` (the
+    ``vllm serve --config`` mapping), ``vllm_args_kv_cache_memory_bytes`` and
+    ``vllm_config_kv_cache_memory_bytes`` (the same start-up with ``--kv-cache-memory-bytes``;
+    None before vLLM 0.10.2)."""
+    from tuner.vllm_forms import proposal_configs
+
+    forms = proposal_configs(model, entry, engine_version=engine_version, kv_cache_bytes=kv_cache_bytes)
+    entry["vllm_config"] = forms["gpu_memory_utilization"]
+    entry["vllm_args_kv_cache_memory_bytes"] = forms["vllm_args_kv_cache_memory_bytes"]
+    entry["vllm_config_kv_cache_memory_bytes"] = forms["kv_cache_memory_bytes"]
+
+
 def _numbers_for(cands: list[dict], gmu: float, mml: int | None) -> dict | None:
     """The grid candidate whose memory terms stand behind a proposal: same utilization, the same
     ``max_model_len`` if it was on the grid, else the largest one below it (the terms depend on the
@@ -123,18 +138,13 @@ def proposal_path(directory: str | os.PathLike, name: str) -> Path:
     return Path(directory) / f"{name}.yaml"
 
 
-def write_proposal_file(directory: str | os.PathLike, doc: dict[str, Any]) -> Path:
-    """Write ``doc`` as ``directory/NAME.yaml`` atomically (mode 0644). Returns the path.
+def vllm_config_dir(directory: str | os.PathLike, name: str) -> Path:
+    """``directory/NAME.vllm``: the proposal's ``vllm serve --config`` files, next to ``NAME.yaml``."""
+    return Path(directory) / f"{name}.vllm"
 
-    Raises:
-        OSError: the directory cannot be created or written.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    dest = proposal_path(directory, doc["drop"])
-    text = "# ctx-tuner proposal (written by the daemon; edits are overwritten)\n" + yaml.dump(
-        doc, Dumper=_DUMPER, sort_keys=False, default_flow_style=False, allow_unicode=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=directory)
+
+def _atomic_write(dest: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -145,11 +155,51 @@ def write_proposal_file(directory: str | os.PathLike, doc: dict[str, Any]) -> Pa
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_vllm_configs(directory: str | os.PathLike, doc: dict[str, Any]) -> list[Path]:
+    """Write each proposal of ``doc`` as ``vllm serve --config`` files in ``directory/NAME.vllm/``
+    (``gpu-memory-utilization-U.yaml`` and, vLLM 0.10.2+, ``kv-cache-memory-bytes-U.yaml``),
+    atomically; files of proposals no longer in ``doc`` are removed. Returns the paths written."""
+    from tuner.vllm_forms import proposal_documents
+
+    d = vllm_config_dir(directory, doc["drop"])
+    d.mkdir(parents=True, exist_ok=True)
+    model = next((p["vllm_config"]["model"] for p in doc.get("proposals", []) if p.get("vllm_config")), doc["model"])
+    written = []
+    for fname, text in proposal_documents(model, doc["engine_version"], doc.get("proposals", [])):
+        _atomic_write(d / fname, text)
+        written.append(d / fname)
+    for old in d.glob("*.yaml"):
+        if old not in written:
+            old.unlink()
+    return written
+
+
+def write_proposal_file(directory: str | os.PathLike, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as ``directory/NAME.yaml`` atomically (mode 0644), and its proposals as
+    ``vllm serve --config`` files in ``directory/NAME.vllm/`` (:func:`write_vllm_configs`).
+    Returns the path of ``NAME.yaml``.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dest = proposal_path(directory, doc["drop"])
+    text = "# ctx-tuner proposal (written by the daemon; edits are overwritten)\n" + yaml.dump(
+        doc, Dumper=_DUMPER, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    write_vllm_configs(directory, doc)
+    _atomic_write(dest, text)
     return dest
 
 
 def remove_proposal_file(directory: str | os.PathLike, name: str) -> bool:
-    """Remove ``directory/NAME.yaml`` if present. Returns True if a file was removed."""
+    """Remove ``directory/NAME.yaml`` (and its ``NAME.vllm/`` config files) if present. Returns
+    True if the proposal file was removed."""
+    import shutil
+
+    shutil.rmtree(vllm_config_dir(directory, name), ignore_errors=True)
     try:
         proposal_path(directory, name).unlink()
         return True

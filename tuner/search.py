@@ -62,6 +62,10 @@ class Layout:
     #: GPU memory other processes hold at start (co-tenants), bytes (:func:`tuner.budget.free_memory_refusal`,
     #: :func:`tuner.budget.co_tenant_non_torch_bytes`).
     other_processes_bytes: int = 0
+    #: ``--kv-cache-memory-bytes`` (V1 0.10.2+): the KV cache bytes per GPU as given; the profile
+    #: still runs but its terms no longer size the cache and ``gpu_memory_utilization`` is ignored
+    #: (vllm/v1/worker/gpu_worker.py ``determine_available_memory``). None = sized by the budget.
+    kv_cache_memory_bytes: int | None = None
 
     @property
     def max_model_len_limit(self) -> int:
@@ -219,6 +223,10 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             cuda_graph_bytes=g,
         ))
         corrs.append((act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0))
+    if layout.kv_cache_memory_bytes is not None:  # the user's KV bytes replace the budget's
+        import dataclasses
+
+        budgets = [dataclasses.replace(b, available_kv_cache_bytes=int(layout.kv_cache_memory_bytes)) for b in budgets]
     reason = None
     blocks, tokens, conc = 0, 0, 0.0
     worst = min(range(len(budgets)), key=lambda i: budgets[i].available_kv_cache_bytes)

@@ -89,6 +89,20 @@ def _bool(v: Any) -> bool:
     return v
 
 
+def _listen(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _Bad(f"must be HOST:PORT (loopback), unix:/PATH or null, not {type(v).__name__} {v!r}")
+    from tuner.metrics import parse_listen
+
+    try:
+        parse_listen(v)
+    except ValueError as exc:
+        raise _Bad(str(exc)) from None
+    return v
+
+
 def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[Any], str]:
     def check(v: Any) -> str:
         if isinstance(v, str):
@@ -186,6 +200,13 @@ SETTINGS: tuple[Setting, ...] = (
             "/opt/vllm-0.32/bin/python}`): a drop whose `engine_version` is that release runs its worker there "
             "(the engine adapter then uses the drop's own release); other drops use `worker_python`.",
             _release_pythons),
+    Setting("metrics_listen", None,
+            "Prometheus metrics endpoint: `127.0.0.1:PORT` (a loopback address) or `unix:/run/ctx-tuner/metrics.sock` "
+            "(what the shipped unit allows); null = no metrics. `ctx-tuner status` probes it.", _listen),
+    Setting("allow_hub_download", False,
+            "Fetch `config.json` (and the small quantization / processor JSON files, never weights) of an HF id "
+            "that is not in the local HF cache through `huggingface_hub` (honours HF_ENDPOINT, HF_TOKEN, "
+            "HF_HUB_OFFLINE); the unit must then allow network access.", _bool),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -213,6 +234,8 @@ class Settings:
     host_id: str | None = None
     lease_s: float = 60.0
     engine_pythons: dict = field(default_factory=dict)
+    metrics_listen: str | None = None
+    allow_hub_download: bool = False
     #: the file these settings came from (None = defaults).
     source: str | None = None
 

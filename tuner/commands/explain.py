@@ -27,10 +27,13 @@ def _gmu(text: str) -> float:
 
 
 def _mml(text: str) -> int:
+    """A length: an integer or vLLM's human-readable form (``32k``, ``128K``)."""
+    from tuner.serve_args import human_readable_int
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        value = human_readable_int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an integer or a length such as 32k: {text!r} ({exc})") from None
     if not 1 <= value <= 16_777_216:
         raise argparse.ArgumentTypeError(f"must be in 1..16777216, not {text}")
     return value
@@ -42,7 +45,7 @@ def add_progress_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--progress", action="store_true", default=None,
                    help="progress lines on stderr (default when stderr is a terminal)")
-    g.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    g.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def progress_printer(args):

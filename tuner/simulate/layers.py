@@ -213,7 +213,10 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
-            masked = input_ids.clamp(0, self.weight.shape[0] - 1)
+            # the ids masked into this rank's shard (vLLM: a clamp/where over ``input_ids``): one new
+            # [N] int64 tensor, allocated as such (values never matter; ``clamp`` on meta tensors
+            # would run a Python reference and import torch._dynamo, seconds of a cold worker)
+            masked = torch.empty_like(input_ids)
             out = torch.nn.functional.embedding(masked, self.weight)
             del masked
             return out

@@ -1,11 +1,20 @@
 """One simulated (or real-CPU) profile pass: build the rank's module, run vLLM's dummy batch,
-track live bytes, return the peaks. Worker side (imports torch)."""
+track live bytes, return the peaks. Worker side (imports torch).
+
+A simulated pass runs on ``meta`` tensors (shapes, dtypes and storages without memory; torch's
+meta kernels, the same ones ``FakeTensorMode`` runs underneath, without its per-op Python layer);
+a pass that fails on meta tensors (an op without a meta kernel, a plugin that needs fake-tensor
+semantics) is run again under ``FakeTensorMode``, which was the only mode before and gives the
+same figures wherever both run (every example drop and visible case, compared in the tests).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -44,27 +53,42 @@ class PassResult:
 
 
 def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch, *, fake: bool = True,
-             num_sms: int = 132, model_runner_v2: bool = False) -> PassResult:
+             num_sms: int = 132, model_runner_v2: bool = False, models: "ModelCache | None" = None) -> PassResult:
     """Run one profile pass of ``plugin``'s module for ``spec`` on one rank.
 
     Args:
-        fake: build and run under ``FakeTensorMode`` (no real memory); ``False`` runs real CPU
-            tensors (small models only; used to check the fake pass).
+        fake: simulate without memory (``meta`` tensors, ``FakeTensorMode`` where they fail; see
+            the module docstring); ``False`` runs real CPU tensors (small models only; used to
+            check the simulated pass).
         num_sms: the GPU's streaming multiprocessors (sizes the Triton sampler scratch).
         model_runner_v2: the release profiles with Model Runner V2 (its sampler and buffers).
+        models: a :class:`ModelCache` shared by the passes of one job: the module (and its
+            weights bytes) is built once and reused by later passes that differ only in the
+            batch, where that gives the same figures (see :class:`ModelCache`). None builds a
+            fresh module for this pass.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tuner.errors import TunerError
 
+    cache = models if models is not None else ModelCache(enabled=False)
+    if not fake:
+        return _run_pass(cache, plugin, spec, settings, era, batch, REAL, num_sms, model_runner_v2)
+    if cache.meta and not cache.meta_failed(plugin, spec, settings):
+        try:
+            return _run_pass(cache, plugin, spec, settings, era, batch, META, num_sms, model_runner_v2)
+        except TunerError:
+            raise
+        except Exception:  # needs fake-tensor semantics: the FakeTensorMode pass decides
+            cache.note_meta_failure(plugin, spec, settings)
+    return _run_pass(cache, plugin, spec, settings, era, batch, FAKE, num_sms, model_runner_v2)
+
+
+def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch, backend: str,
+              num_sms: int, model_runner_v2: bool) -> PassResult:
     t0 = time.perf_counter()
     n, r = batch.max_num_batched_tokens, batch.num_reqs
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with torch.no_grad(), mode:
-        from tuner.simulate.moe import expert_layout
-
-        with expert_layout(settings.tensor_parallel_size, getattr(settings, "data_parallel_size", 1),
-                           getattr(settings, "enable_expert_parallel", False)):
-            model = plugin.build_model(spec, settings)
-        weights = int(plugin.weights_bytes(spec, settings, model))
+    built = cache.take(plugin, spec, settings, backend=backend)
+    with torch.no_grad(), built.context():
+        model, weights = built.model, built.weights_bytes
         input_ids = torch.zeros(n, dtype=torch.long)
         positions = torch.zeros(n, dtype=torch.long)
         first = settings.pp_rank == 0
@@ -88,6 +112,8 @@ def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch
             sampler_peak = tracker.peak_bytes - before_sampler
             del out
         peak = max(forward_peak, before_sampler + sampler_peak)
+    del model, input_ids, positions, intermediate
+    cache.give_back(built)
     persistent = runner_persistent_bytes(
         era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n,
         max_num_seqs=settings.max_num_seqs or batch.max_num_seqs,
@@ -99,3 +125,172 @@ def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
+
+#: The :class:`~tuner.plugin.RankSettings` fields that change from one pass of a job to the next
+#: (the profile batch); a module whose build never reads them is reused across those passes.
+BATCH_FIELDS = ("max_num_batched_tokens", "max_num_seqs")
+
+
+#: How a pass's tensors exist: ``meta`` tensors, ``FakeTensorMode`` fake tensors, real CPU tensors.
+META, FAKE, REAL = "meta", "fake", "real"
+
+
+@dataclass
+class BuiltModel:
+    """A rank's module, how its tensors exist (:data:`META` / :data:`FAKE` / :data:`REAL`; the
+    ``FakeTensorMode`` its fake tensors belong to) and its weights bytes
+    (:meth:`~tuner.plugin.ModelPlugin.weights_bytes`)."""
+
+    key: tuple
+    backend: str
+    mode: Any
+    model: Any
+    weights_bytes: int
+    #: The build read a :data:`BATCH_FIELDS` setting: valid for that batch only.
+    batch_dependent: bool
+    #: :func:`module_state` right after the build.
+    state: tuple
+    #: The plugin and spec the key names by ``id`` (kept alive so that no id is reused).
+    owner: tuple = ()
+
+    def context(self) -> Any:
+        """The context a pass of this module runs in: new tensors on ``meta``, in the fake mode,
+        or plain CPU tensors."""
+        if self.backend == META:
+            return torch.device("meta")
+        return self.mode if self.mode is not None else contextlib.nullcontext()
+
+
+class ModelCache:
+    """The modules one job builds, kept for its later passes (V0 without chunked prefill runs one
+    pass per ``max_model_len``; every pass of a job has the same model, layout and release, only
+    the batch changes).
+
+    A module is reused only where a fresh build would give the same pass, checked rather than
+    assumed: the build must not read a :data:`BATCH_FIELDS` setting (reads are recorded; such a
+    module is kept for its own batch only), and the pass must leave the module as it was built
+    (:func:`module_state` compared after every pass; a module that keeps something from its
+    forward — an encoder cache, a rotary table built on the first call — is dropped and the next
+    pass builds afresh). ``enabled=False`` builds for every pass (the behaviour without a cache);
+    ``meta=False`` simulates under ``FakeTensorMode`` only (with ``enabled=False``: the passes as
+    they ran before meta tensors and reuse, kept for the tests that compare both).
+    """
+
+    def __init__(self, *, enabled: bool = True, meta: bool = True) -> None:
+        self.enabled = enabled
+        self.meta = meta
+        self._free: dict[tuple, BuiltModel] = {}
+        self._meta_failed: set[tuple] = set()
+        self.builds = 0
+        self.reuses = 0
+
+    @staticmethod
+    def _key(plugin: Any, spec: Any, settings: RankSettings, backend: str, batch: bool) -> tuple:
+        fields = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else {"settings": id(settings)}
+        if not batch:
+            fields = {k: v for k, v in fields.items() if k not in BATCH_FIELDS}
+        return (id(plugin), id(spec), backend, batch, tuple(sorted(fields.items(), key=lambda kv: kv[0])))
+
+    def meta_failed(self, plugin: Any, spec: Any, settings: RankSettings) -> bool:
+        """A pass of this module failed on ``meta`` tensors in this job (later ones go to fake)."""
+        return self._key(plugin, spec, settings, META, False) in self._meta_failed
+
+    def note_meta_failure(self, plugin: Any, spec: Any, settings: RankSettings) -> None:
+        self._meta_failed.add(self._key(plugin, spec, settings, META, False))
+        for key in [k for k in self._free if k[:3] == (id(plugin), id(spec), META)]:
+            del self._free[key]
+
+    def take(self, plugin: Any, spec: Any, settings: RankSettings, *, backend: str) -> BuiltModel:
+        """The module for this pass: a kept one that fits, else a new build."""
+        for batch in (False, True):
+            built = self._free.pop(self._key(plugin, spec, settings, backend, batch), None)
+            if built is not None:
+                self.reuses += 1
+                return built
+        mode = None
+        if backend == FAKE:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+        recorder = _BatchReads.wrap(settings) if dataclasses.is_dataclass(settings) else settings
+        built = BuiltModel((), backend, mode, None, 0, True, ())
+        from tuner.simulate.moe import expert_layout
+
+        with torch.no_grad(), built.context():
+            with expert_layout(settings.tensor_parallel_size, getattr(settings, "data_parallel_size", 1),
+                               getattr(settings, "enable_expert_parallel", False)):
+                model = plugin.build_model(spec, recorder)
+            weights = int(plugin.weights_bytes(spec, recorder, model))
+        batch = recorder is settings or _BatchReads.seen()
+        self.builds += 1
+        return BuiltModel(self._key(plugin, spec, settings, backend, batch), backend, mode, model, weights, batch,
+                          module_state(model), (plugin, spec))
+
+    def give_back(self, built: BuiltModel) -> None:
+        """Keep ``built`` for a later pass, if its pass left it as built."""
+        if self.enabled and module_state(built.model) == built.state:
+            self._free[built.key] = built
+
+
+class _BatchReads:
+    """Copies of a :class:`~tuner.plugin.RankSettings` that record reads of
+    :data:`BATCH_FIELDS` (a subclass, so ``isinstance`` and ``dataclasses.replace`` work as on
+    the original; a copy made from a copy records too). One build at a time: :meth:`wrap`
+    clears the record."""
+
+    _classes: dict[type, type] = {}
+    reads: list[str] = []
+
+    @classmethod
+    def wrap(cls, settings: RankSettings) -> RankSettings:
+        base = type(settings)
+        sub = cls._classes.get(base)
+        if sub is None:
+            reads = cls.reads
+
+            def __getattribute__(self, name, _get=object.__getattribute__):
+                if name in BATCH_FIELDS:
+                    reads.append(name)
+                return _get(self, name)
+
+            sub = type(base.__name__, (base,), {"__getattribute__": __getattribute__, "__module__": base.__module__,
+                                                "__qualname__": base.__qualname__})
+            cls._classes[base] = sub
+        copy = sub(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)})
+        cls.reads.clear()
+        return copy
+
+    @classmethod
+    def seen(cls) -> bool:
+        return bool(cls.reads)
+
+
+_SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
+_SEQUENCES = frozenset({list, tuple})
+
+
+def _ident(value: Any, depth: int = 0) -> Any:
+    """What identifies ``value`` for :func:`module_state`: scalars by value, containers by their
+    items, plain objects by their attributes (three levels), everything else (tensors, modules,
+    dtypes, functions) by identity."""
+    t = type(value)
+    if t in _SCALARS:
+        return value
+    if depth > 2 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+        return id(value)
+    if t in _SEQUENCES:
+        return (id(value), tuple([_ident(v, depth + 1) for v in value])) if value else (id(value), 0)
+    if isinstance(value, dict):
+        return (id(value), tuple([(k, _ident(v, depth + 1)) for k, v in value.items()])) if value else id(value)
+    if isinstance(value, (set, frozenset)):
+        return (id(value), frozenset(map(id, value)))
+    if hasattr(value, "__dict__") and not callable(value):
+        return (id(value), tuple([(k, _ident(v, depth + 1)) for k, v in vars(value).items()]))
+    return id(value)
+
+
+def module_state(model: Any) -> tuple:
+    """A fingerprint of every attribute binding of ``model`` and its submodules (parameters,
+    buffers, submodules, plain attributes, the items of their containers): equal before and after a
+    pass when the pass left nothing behind in the module."""
+    return tuple((name, _ident(vars(m))) for name, m in model.named_modules(remove_duplicate=False))

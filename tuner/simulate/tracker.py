@@ -41,6 +41,13 @@ class MemoryTracker(TorchDispatchMode):
     just as vLLM's peak increase excludes memory allocated before the profile run.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
+        # unless this says no: nothing here is ever compiled, and the wrapper would import
+        # ``torch._dynamo`` (seconds) and cost a frame-callback switch on every op.
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.live_bytes = 0
@@ -86,20 +93,48 @@ class MemoryTracker(TorchDispatchMode):
         # Storages of inputs that existed before: remember them so outputs aliasing them
         # (views, in-place ops) are never counted as new allocations.
         out = func(*args, **kwargs)
-        flat_in, _ = tree_flatten((args, kwargs))
-        in_ids = {id(a.untyped_storage()) for a in flat_in if isinstance(a, torch.Tensor) and _has_storage(a)}
-        flat_out, _ = tree_flatten(out)
-        for o in flat_out:
-            if isinstance(o, torch.Tensor) and _has_storage(o):
-                if id(o.untyped_storage()) in in_ids:
-                    continue
+        in_ids = set()
+        for a in _tensors((args, kwargs)):
+            key = _storage_id(a)
+            if key is not None:
+                in_ids.add(key)
+        for o in _tensors(out):
+            key = _storage_id(o)
+            if key is not None and key not in in_ids:
                 self._track(o)
         return out
 
 
-def _has_storage(t: torch.Tensor) -> bool:
+#: Leaf types of op arguments that hold no tensor (skipped without a pytree walk).
+_NO_TENSOR = frozenset({int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
+                        torch.memory_format, torch.layout, torch.Size})
+
+
+def _tensors(tree) -> list:
+    """The tensors of ``tree`` in ``tree_flatten`` order: plain lists, tuples and dicts walked
+    here, tensors and the common non-tensor leaves taken directly, anything else (named tuples,
+    pytree-registered types) through ``torch.utils._pytree.tree_flatten``."""
+    found: list = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        t = type(node)
+        if t in _NO_TENSOR:
+            continue
+        if t is list or t is tuple:
+            stack.extend(reversed(node))
+        elif t is dict:
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, torch.Tensor):
+            found.append(node)
+        else:
+            found.extend(x for x in tree_flatten(node)[0] if isinstance(x, torch.Tensor))
+    return found
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    """``id`` of the tensor's untyped storage, None for tensors without one (sparse, opaque)."""
     try:
-        t.untyped_storage()
-        return True
+        return id(t.untyped_storage())
     except (NotImplementedError, RuntimeError):
-        return False
+        return None

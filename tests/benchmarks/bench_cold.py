@@ -1,0 +1,119 @@
+"""Benchmark (on demand, not in the default test run): first answers from cold processes.
+
+    .venv/bin/python tests/benchmarks/bench_cold.py [--runs N]
+
+1. Cold CLI, new model: ``ctx-tuner profile configs/examples/llama-3.1-70b-h100-tp4.yaml`` in a new
+   process (its worker subprocess included) against a new store, N runs; median wall seconds.
+   Target (issue 13): ≤ 2.0 s.
+2. V0 after imports: a new process imports the worker side (torch, transformers, the job, the
+   simulator), then runs the V0 example drop ``configs/examples/llama-3.1-8b-rtx3090-v0.yaml``
+   (vLLM 0.6.4 without chunked prefill: one pass per ``max_model_len`` probed); seconds of that
+   first job, median over N processes (and of the same job run again in that process, which
+   leaves out what the first job still imports or builds on first use). Target (issue 13): ≤ 1.5 s.
+
+Each figure is also printed as CPU seconds (user + system of the process and its children), which
+a loaded machine stretches less than wall time. Exit status 0 when both medians meet their targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+COLD_DROP = REPO / "configs" / "examples" / "llama-3.1-70b-h100-tp4.yaml"
+V0_DROP = REPO / "configs" / "examples" / "llama-3.1-8b-rtx3090-v0.yaml"
+COLD_TARGET_S, V0_TARGET_S = 2.0, 1.5
+
+#: The child of figure 2: imports first, then one timed job (JSON on stdout).
+V0_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch  # noqa: F401
+from tuner.app import prepare_request
+from tuner.drop import load_drop
+from tuner.job import run_job
+from tuner.plugin import load_registry
+import tuner.simulate.profile  # noqa: F401
+try:
+    from tuner.transformers_lean import import_transformers
+except ImportError:  # a checkout before the lean import (for before/after figures)
+    import transformers  # noqa: F401
+else:
+    import_transformers()
+from transformers.models.auto.configuration_auto import AutoConfig  # noqa: F401
+load_registry()
+request = prepare_request(load_drop(sys.argv[1]))[0]
+t1, c1 = time.perf_counter(), time.process_time()
+result = run_job(request)
+t2, c2 = time.perf_counter(), time.process_time()
+run_job(request)
+print(json.dumps({"imports_s": t1 - t0, "job_s": t2 - t1, "job_cpu_s": c2 - c1, "repeat_s": time.perf_counter() - t2,
+                  "repeat_cpu_s": time.process_time() - c2, "passes": len(result["runs"]),
+                  "proposals": [p["max_model_len"] for p in result["proposals"]]}))
+"""
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def cold_cli(runs: int) -> tuple[list[float], list[float]]:
+    walls, cpus = [], []
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            db = Path(tmp) / f"cold-{i}.sqlite"
+            c0, t0 = _children_cpu(), time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(COLD_DROP), "--db", str(db)],
+                                  cwd=REPO, env=env, capture_output=True, text=True)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(_children_cpu() - c0)
+            if proc.returncode != 0:
+                raise SystemExit(f"profile failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return walls, cpus
+
+
+def v0_after_imports(runs: int) -> list[dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-c", V0_CHILD, str(V0_DROP)], cwd=REPO, env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"V0 child failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5, help="processes per figure (default 5)")
+    args = ap.parse_args()
+    walls, cpus = cold_cli(args.runs)
+    print(f"cold CLI, {COLD_DROP.name}: wall {_spread(walls)}; cpu {_spread(cpus)}; target <= {COLD_TARGET_S} s wall")
+    v0 = v0_after_imports(args.runs)
+    job = [r["job_s"] for r in v0]
+    print(f"V0 after imports, {V0_DROP.name} ({v0[0]['passes']} passes, proposals {v0[0]['proposals']}): "
+          f"first job wall {_spread(job)}, cpu {_spread([r['job_cpu_s'] for r in v0])}; target <= {V0_TARGET_S} s wall")
+    print(f"  the same job again in that process: wall {_spread([r['repeat_s'] for r in v0])}, "
+          f"cpu {_spread([r['repeat_cpu_s'] for r in v0])}; the imports before: {_spread([r['imports_s'] for r in v0])}")
+    ok = statistics.median(walls) <= COLD_TARGET_S and statistics.median(job) <= V0_TARGET_S
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Lean worker imports: transformers without its scan of every model's source gives the same
+ModelSpec for every config as the ordinary import, and the same lazy-module tables once the scan
+has run on demand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tuner import transformers_lean  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = Path(__file__).with_name("_lean_specs.py")
+
+
+def _run(how: str, what: str, out: Path, *paths: str) -> dict:
+    subprocess.run([sys.executable, str(HELPER), how, what, str(out), *paths], check=True, cwd=REPO,
+                   capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+def _configs(tiny_config) -> list[str]:
+    from tests.conftest import SHARED
+
+    paths = sorted(str(p) for p in (SHARED / "models").glob("*/config.json"))
+    paths += sorted(str(p) for p in (REPO / "configs" / "models").glob("*/config.json"))
+    return paths + [str(tiny_config / "config.json")]
+
+
+@pytest.mark.slow
+def test_lean_import_gives_the_same_model_spec_for_every_config(tiny_config, tmp_path):
+    """Every config in shared/models and configs/models (with and without the plugin's
+    defaults): the whole ModelSpec — raw and top included — and the config class equal to the
+    ordinary transformers import's; the lean process never ran the models scan."""
+    paths = _configs(tiny_config)
+    before = _run("plain", "specs", tmp_path / "plain.json", *paths)
+    after = _run("lean", "specs", tmp_path / "lean.json", *paths)
+    state_before, state_after = before.pop("_state"), after.pop("_state")
+    assert after == before
+    assert len(after) == 2 * len(paths) and len(paths) >= 3
+    assert sum("spec" in v for v in after.values()) >= len(after) - 4  # a few configs are refused
+    assert state_before["installed"] is False  # transformers was imported the ordinary way
+    assert state_after == {"installed": True, "completed": [], "deferred": True}
+
+
+def test_deferred_scan_completes_to_the_ordinary_tables(tmp_path):
+    """A name only the scan knows (``transformers.LlamaConfig``) runs it once; the lazy modules'
+    tables then equal the ordinary import's."""
+    before = _run("plain", "structure", tmp_path / "plain.json")
+    after = _run("lean", "structure", tmp_path / "lean.json")
+    assert before.pop("completed") == []
+    assert sorted(after.pop("completed")) == ["transformers", "transformers.models"]
+    assert after == before
+    assert before["transformers"]["class_to_module"]["LlamaConfig"] == "models.llama.configuration_llama"
+
+
+def test_lean_import_is_the_module_already_imported():
+    import transformers
+
+    assert transformers_lean.import_transformers() is transformers
+
+
+def test_unexpected_transformers_internals_leave_the_plain_import():
+    """A transformers whose import utilities lack the expected shape is left alone."""
+    utils = SimpleNamespace(define_import_structure=lambda *a, **k: {}, __file__="/nowhere/utils/import_utils.py")
+    transformers_lean._patch(utils)
+    assert utils.define_import_structure() == {}  # not wrapped
+    assert transformers_lean._shape_ok(SimpleNamespace(define_import_structure=print, _LazyModule=None)) is False
+
+    class Lazy:  # a _LazyModule that keeps other tables
+        def __init__(self, name, file, structure, **kw):
+            self.name = name
+
+    assert transformers_lean._shape_ok(SimpleNamespace(define_import_structure=print, _LazyModule=Lazy)) is False

