@@ -142,3 +142,36 @@ def test_listen_addresses():
     for bad in ("10.0.0.1:9464", "0.0.0.0:1", "127.0.0.1", "unix:rel.sock", "127.0.0.1:70000"):
         with pytest.raises(ValueError):
             parse_listen(bad)
+
+
+def test_metrics_of_a_fleet_database_count_each_daemons_own_jobs_and_proposals(tmp_path):
+    """Several daemons on one database (revision 0007): each daemon's scrape holds its own jobs
+    and proposals, not the fleet's (every host's scrape summed the whole store, and two hosts'
+    drops of one name gave duplicate samples)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tuner.fleet import register_owner
+    from tuner.jobqueue import JobQueue
+    from tuner.metrics import StoreCollector
+    from tuner.store import open_store
+
+    store = open_store(str(tmp_path / "fleet.sqlite"))
+    try:
+        a = register_owner(store, "host-a", str(tmp_path / "a"), lease_s=60).id
+        b = register_owner(store, "host-b", str(tmp_path / "b"), lease_s=60).id
+        qa, qb = JobQueue(store, a), JobQueue(store, b)
+        for i in range(3):
+            qa.enqueue(str(tmp_path / "a" / f"x{i}.yaml"), f"{i:064d}", "name: x\n")
+        qb.enqueue(str(tmp_path / "b" / "y.yaml"), "f" * 64, "name: y\n")
+
+        def jobs(owner):
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(StoreCollector(store.engine.connect, owner))
+            fams = _samples(generate_latest(reg).decode())
+            return {s.labels["state"]: s.value for s in fams["ctx_tuner_jobs"]}
+
+        assert jobs(lambda: a)["pending"] == 3
+        assert jobs(lambda: b)["pending"] == 1
+        assert jobs(None)["pending"] == 4  # no owner: the whole store
+    finally:
+        store.close()

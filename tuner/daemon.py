@@ -400,7 +400,9 @@ class Daemon:
             return
         from tuner.metrics import MetricsError, MetricsServer
 
-        server = MetricsServer(listen, self.store.engine.connect)
+        # this daemon's jobs and proposals (a fleet database holds every host's)
+        server = MetricsServer(listen, self.store.engine.connect,
+                               owner=lambda: self.owner.id if self.owner is not None else None)
         try:
             server.start()
         except MetricsError as exc:

@@ -3,7 +3,8 @@
 Every value is read from the SQL store when Prometheus scrapes (one read-only query per family),
 so the metrics are rebuildable from the store and survive restarts:
 
-- ``ctx_tuner_jobs{state}``: jobs per state (pending, running, done, failed, cancelled);
+- ``ctx_tuner_jobs{state}``: jobs per state (pending, running, done, failed, cancelled; a daemon on a
+  fleet database counts its own jobs, and ``ctx_tuner_proposal_*`` are its own proposals);
 - ``ctx_tuner_job_duration_seconds``: histogram of finished jobs' wall time (started → finished);
 - ``ctx_tuner_proposal_max_model_len{drop,gpu_memory_utilization}``, ``…_kv_cache_tokens``,
   ``…_num_gpu_blocks``: the latest proposal per active drop and utilization (view
@@ -79,10 +80,13 @@ def _seconds(start: Any, end: Any) -> float | None:
 
 class StoreCollector:
     """A ``prometheus_client`` collector whose families are queried from the store per scrape.
-    ``connect`` returns a SQLAlchemy connection context (``store.engine.connect``)."""
+    ``connect`` returns a SQLAlchemy connection context (``store.engine.connect``). ``owner``
+    (fleet, revision 0007) gives this daemon's ``hosts.id``: jobs and proposals are then this
+    daemon's only (several daemons on one database each report their own; None: the whole store)."""
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
+    def __init__(self, connect: Callable[[], Any], owner: Callable[[], int | None] | None = None) -> None:
         self._connect = connect
+        self._owner = owner
 
     def describe(self) -> Iterable:
         return []
@@ -96,13 +100,17 @@ class StoreCollector:
         yield up
         store_up = GaugeMetricFamily("ctx_tuner_store_up", "1 when the results store answered this scrape")
         try:
+            owner = self._owner() if self._owner is not None else None
+            mine, arg = ("owner_id = :o", {"o": owner}) if owner is not None else ("1 = 1", {})
             with self._connect() as conn:
-                states = dict(conn.execute(sa.text("SELECT status, COUNT(*) FROM jobs GROUP BY status")).all())
+                states = dict(conn.execute(sa.text(f"SELECT status, COUNT(*) FROM jobs WHERE {mine} GROUP BY status"),
+                                           arg).all())
                 times = conn.execute(sa.text("SELECT started_at, finished_at FROM jobs WHERE status IN "
                                              "('done', 'failed') AND started_at IS NOT NULL AND finished_at IS NOT "
-                                             "NULL")).all()
+                                             f"NULL AND {mine}"), arg).all()
                 props = conn.execute(sa.text("SELECT drop_name, gpu_memory_utilization, max_model_len, "
-                                             "kv_cache_tokens, num_gpu_blocks FROM latest_proposals")).all()
+                                             f"kv_cache_tokens, num_gpu_blocks FROM latest_proposals WHERE {mine}"),
+                                     arg).all()
                 resid = conn.execute(sa.text(
                     "SELECT m.model, m.device_name, m.method, v.measured_available_kv_cache_bytes, "
                     "v.simulated_available_kv_cache_bytes FROM measured_vs_simulated v JOIN profile_runs m "
@@ -165,10 +173,11 @@ class MetricsServer:
     """The endpoint: ``start()`` binds and serves in a daemon thread, ``stop()`` closes it (and
     removes a Unix socket it created). ``address`` is the bound ``(host, port)`` or socket path."""
 
-    def __init__(self, listen: str, connect: Callable[[], Any]) -> None:
+    def __init__(self, listen: str, connect: Callable[[], Any], owner: Callable[[], int | None] | None = None) -> None:
         self.kind, self.target = parse_listen(listen)
         self.listen = listen
         self._connect = connect
+        self._owner = owner
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.address: Any = None
@@ -178,7 +187,7 @@ class MetricsServer:
         from prometheus_client.exposition import MetricsHandler
 
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(StoreCollector(self._connect))
+        registry.register(StoreCollector(self._connect, self._owner))
         handler = MetricsHandler.factory(registry)
         try:
             if self.kind == "unix":
