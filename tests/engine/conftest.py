@@ -1,7 +1,7 @@
 """Engine tier (``.ci/run`` block ``# --- engine tier ---``): tests against the real vLLM.
 
-Every test module here starts with ``pytest.importorskip("vllm")``, so in the normal venv (no vLLM)
-the whole directory skips at collection, costing nothing. In the engine venv the differential tests
+Every test module here skips when ``vllm`` is not importable, so in the normal venv the directory
+costs nothing. In the engine venv the differential tests
 record their case and mismatch counts in :func:`engine_diff_stats`; the terminal summary prints
 them, so the CI log shows the count without ``-s``.
 """
