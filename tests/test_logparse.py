@@ -150,6 +150,10 @@ def test_v1_recent_forms_single_line_tokens_and_graph_estimate():
      round(14.9889 * GIB)),
     ("INFO # CUDA blocks: 27284, # CPU blocks: 2048", "num_gpu_blocks", 27284),
     ("INFO # GPU blocks: 7407", "num_gpu_blocks", 7407),
+    ("(Worker pid=9) INFO [v1/worker/cpu_worker.py:260] Explicitly set (1.0/23.54) GiB for KV cache on node 0.",
+     "available_kv_cache_bytes", 1 << 30),
+    ("INFO [v1/core/kv_cache_utils.py:2327] CPU KV cache size: 4,194,304 tokens, Maximum concurrency for 2,048 "
+     "tokens per request: 2048.00x", "kv_cache_tokens", 4_194_304),
     ("ValueError: To serve at least one request with the models's max seq len (131072), (16.00 GiB KV cache is "
      "needed, which is larger than the available KV cache memory (10.00 GiB). Based on the available memory, the "
      "estimated maximum model length is 81920. Try increasing `gpu_memory_utilization` or decreasing "

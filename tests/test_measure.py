@@ -88,3 +88,37 @@ def test_free_memory_refusal_marks_candidates_and_proposals():
                                          "desired GPU memory utilization (0.9, 72.0 GiB)")
     assert props[0]["max_model_len"] is None and "vLLM refuses" in props[0]["reason"]
     assert refuse_below_free_memory(era_for("0.6.4"), cands, free_memory_bytes=0, total_memory_bytes=total) == 0
+
+
+def test_engine_figures_fill_the_block_count_the_cpu_build_does_not_print():
+    from tuner.logparse import parse_text
+    from tuner.measure.vllm_engine import apply_figures, engine_figures, measured_run
+
+    text = ("(Worker pid=7) INFO Explicitly set (0.7/23.54) GiB for KV cache on node 0.\n"
+            "INFO CPU KV cache size: 2,936,000 tokens, Maximum concurrency for 2,048 tokens per request: 1433.59x\n"
+            "CTX_TUNER_ENGINE_READY\n"
+            'CTX_TUNER_ENGINE_FIGURES {"device_type": "cpu", "num_gpu_blocks": 22937, "block_size": 128, '
+            '"kv_cache_memory_bytes": 751619276, "max_model_len": 2048, "VLLM_CPU_KVCACHE_SPACE": "0.7"}\n')
+    parsed = parse_text(text, source="vllm serve m")
+    assert parsed.num_gpu_blocks is None and parsed.available_kv_cache_bytes == round(0.7 * (1 << 30))
+    figures = engine_figures(text)
+    apply_figures(parsed, figures)
+    assert parsed.num_gpu_blocks == 22937 and parsed.available_kv_cache_bytes == 751619276  # exact, not 2 decimals
+    m = measured_run(parsed, gpu_memory_utilization=0.9, max_model_len=2048, elapsed_s=1.0, figures=figures)
+    assert (m["engine_device"], m["block_size"], m["kv_cache_space"]) == ("cpu", 128, "VLLM_CPU_KVCACHE_SPACE=0.7 GiB")
+    assert m["source"].startswith("vllm serve m (CPU build: KV cache space from VLLM_CPU_KVCACHE_SPACE=0.7 GiB")
+
+
+def test_engine_figures_on_a_gpu_build_only_fill_what_the_log_lacks():
+    from tuner.logparse import parse_text
+    from tuner.measure.vllm_engine import apply_figures, engine_figures, measured_run
+
+    text = ("INFO Available KV cache memory: 58.40 GiB\nINFO GPU KV cache size: 478,416 tokens\n"
+            'CTX_TUNER_ENGINE_FIGURES {"device_type": "cuda", "num_gpu_blocks": 29901, "block_size": 16, '
+            '"kv_cache_memory_bytes": null, "max_model_len": 8192, "VLLM_CPU_KVCACHE_SPACE": null}\n')
+    figures = engine_figures(text)
+    parsed = apply_figures(parse_text(text), figures)
+    assert parsed.available_kv_cache_bytes == round(58.40 * (1 << 30)) and parsed.num_gpu_blocks == 29901
+    m = measured_run(parsed, gpu_memory_utilization=0.9, max_model_len=8192, elapsed_s=1.0, figures=figures)
+    assert m["engine_device"] == "cuda" and m["kv_cache_space"] is None and "CPU build" not in m["source"]
+    assert engine_figures("CTX_TUNER_ENGINE_FIGURES {not json\n") == {} and engine_figures("") == {}

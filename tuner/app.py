@@ -104,7 +104,9 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
 
     Each pass row's ``method`` is the method that produced it (``simulate`` or ``cuda``); a
     ``vllm`` job adds one ``method='vllm'`` row per engine start-up (status ``failed`` with the
-    engine's error where it refused). Candidates and proposals are stored as predicted
+    engine's error where it refused; a start of a CPU build is kept under ``device_name='cpu'``
+    with its ``source`` naming ``VLLM_CPU_KVCACHE_SPACE``, and never calibrates). Candidates and
+    proposals are stored as predicted
     (calibrated where a calibration applied). The ``candidates.fits`` column is the candidate's
     ``fits``: vLLM starts *and* the drop's constraints (``min_concurrency``) are met; ``starts``
     (vLLM's own verdict) is not a column — a row with ``fits`` false whose ``reason`` begins
@@ -144,6 +146,10 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
                      "max_num_batched_tokens": m["max_num_batched_tokens"], "max_num_seqs": m["max_num_seqs"],
                      "num_sampled_rows": m["num_reqs"], "forward_peak_bytes": None, "sampler_peak_bytes": None,
                      "elapsed_s": m["elapsed_s"], **{k: m.get(k) for k in _MEASURED_COLUMNS}})
+        if m.get("block_size") is not None:
+            runs[-1]["block_size"] = m["block_size"]
+        if m.get("engine_device") == "cpu":  # a CPU build (vllm-cpu): the engine's device, not the drop's GPU
+            runs[-1].update(device_name="cpu", device_total_memory_bytes=None)
     cand_cols = ("gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "fits", "reason",
                  "requested_memory_bytes", "weights_bytes", "activation_peak_bytes", "non_torch_bytes",
                  "cuda_graph_bytes", "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")
@@ -288,7 +294,7 @@ def _vllm_residuals(outcome: ProfileOutcome, runs: list[dict], store: Store) -> 
         ids = store.run_ids(conn, drop_id)
         for run_id, run, m in zip(ids[len(runs) - len(measured):], runs[len(runs) - len(measured):], measured):
             pred = preds.get((m["gpu_memory_utilization"], m["max_model_len"]))
-            if pred is None or run["status"] != "ok":
+            if pred is None or run["status"] != "ok" or m.get("engine_device") == "cpu":  # CPU: no GPU budget
                 continue
             row = calibrate.residual_row({**run, "id": run_id}, pred, quantization=outcome.drop.quantization,
                                          total_known=m.get("total_memory_bytes") is not None)

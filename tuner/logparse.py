@@ -16,7 +16,9 @@ lines. Forms recognised (file:line as in the released wheels):
 - CUDA graphs: "Graph capturing finished in N secs, took X GiB" and "CUDA graph pool memory:
   X GiB (actual), Y GiB (estimated)" (0.18+, ``v1/worker/gpu_worker.py``).
 - available KV: "Available KV cache memory: X GiB" (V1), "kv_cache_size=X GiB" (V0 0.6.4), "the rest
-  of the memory reserved for KV Cache is X GiB" (V0 0.6.5+).
+  of the memory reserved for KV Cache is X GiB" (V0 0.6.5+), and the CPU build's "Explicitly set
+  (X/T) GiB for KV cache on node N" / "Auto set (X/T) GiB …" (``v1/worker/cpu_worker.py``; X is
+  the ``VLLM_CPU_KVCACHE_SPACE`` / ``kv_cache_memory_bytes`` budget, T the NUMA node's memory).
 - blocks, tokens, concurrency: "# GPU blocks: N[, # CPU blocks: M]" (V0; "# CUDA blocks" from 0.7),
   "GPU KV cache size: N tokens" (V1 0.8+, comma-grouped), "Maximum concurrency for M tokens per
   request: X.XXx" (V0 0.6.3+, V1 0.7.3+), the 0.28+ single line combining both.
@@ -253,6 +255,7 @@ _rule("available_kv_cache_bytes", r"kv_cache_size=" + _NUM + _G)
 _rule("available_kv_cache_bytes", r"the rest of the memory reserved for KV Cache is\s*" + _NUM + _G)
 _rule("available_kv_cache_bytes", r"available KV cache memory \(" + _NUM + _G + r"\)", prec=1)
 _rule("available_kv_cache_bytes", r"Current kv cache memory in use is\s*" + _NUM + _G, prec=2)
+_rule("available_kv_cache_bytes", r"(?:Explicitly|Auto) set \(" + _NUM + r"/[\d.]+\)\s*GiB for KV cache", prec=3)
 # blocks, tokens, concurrency
 _rule("num_gpu_blocks", r"#\s*(?!CPU\b)[A-Za-z]+ blocks:\s*" + _INT, kind="int")
 _rule("num_cpu_blocks", r"#\s*CPU blocks:\s*" + _INT, kind="int")

