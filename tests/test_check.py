@@ -262,15 +262,25 @@ def test_kv_cache_memory_bytes_line_matches_drop(tmp_path):
 # The CLI: exit codes, unknown and unmodelled flags named
 # ------------------------------------------------------------------------------------------------
 
-def test_cli_names_unknown_and_ignored_flags():
+def test_misspelled_flag_passed_the_gate_with_the_derived_maximum():
+    # `--max-modle-len 32k` was named as unknown but checked at 131072 and answered "starts" (exit 0);
+    # vLLM refuses the line, so the gate must too (exit 2, the flag named).
     rc, out, err = _cli("check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--no-variants", "--",
+                        "vllm", "serve", str(L8B), "--max-modle-len", "32k")
+    assert rc == 2
+    assert "unrecognized arguments: --max-modle-len 32k" in err
+
+
+def test_cli_names_unknown_and_ignored_flags():
+    rc, out, err = _cli("check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--no-variants",
+                        "--allow-unmodelled", "--",
                         "vllm", "serve", str(L8B), "--max-model-len", "8k", "--port", "8000", "--frobnicate", "7")
     assert rc == 0, err
     assert "STARTS: max_model_len 8000" in out
     assert "unknown flag: --frobnicate 7" in out
     assert "ignored: --port 8000" in out
     rc, out, _ = _cli("check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--json", "--no-variants",
-                      "--", "vllm", "serve", str(L8B), "--max-model-len", "8k", "--frobnicate", "7")
+                      "--allow-unmodelled", "--", "vllm", "serve", str(L8B), "--max-model-len", "8k", "--frobnicate", "7")
     doc = json.loads(out)
     assert doc["read"]["unknown"][0]["flag"] == "--frobnicate" and doc["exit_code"] == 0
 

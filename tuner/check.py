@@ -124,6 +124,12 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
     unmodelled = list(sa.unmodelled) + [e for e in extra if not (
         (e["flag"] == "--data-parallel-size" and e["value"] == 1)
         or (e["flag"] == "--enable-expert-parallel" and e["value"] is False))]
+    if sa.unknown and not allow_unmodelled:
+        # vLLM's parser exits on a flag it does not know ("unrecognized arguments"): a misspelled
+        # --max-model-len must never pass a deploy gate with the model's derived maximum instead.
+        names = " ".join(e["flag"] + (f" {e['value']}" if e.get("value") else "") for e in sa.unknown)
+        raise CheckInputError(f"unrecognized arguments: {names} (vLLM refuses flags it does not know: check the "
+                              "spelling; --allow-unmodelled checks without them)", where="command line")
     if unmodelled and not allow_unmodelled:
         names = ", ".join(f"{e['as_written'] or e['flag']} ({e['note']})" if e.get("note") else
                           (e["as_written"] or e["flag"]) for e in unmodelled)
