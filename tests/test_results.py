@@ -122,12 +122,16 @@ def test_reading_commands_never_import_torch(db, tmp_path):
     import subprocess
     import sys
 
+    # run 1 depends on which example finished first (they are profiled in two threads): take a
+    # V1 simulate run, which has candidates at every length
+    run_id = _sql(db, "SELECT r.id FROM profile_runs r JOIN drops d ON d.id = r.drop_id "
+                      "WHERE d.name = 'llama-3.1-8b-h100' AND r.method = 'simulate' ORDER BY r.id LIMIT 1")[0][0]
     code = (
         "import sys, io, contextlib\n"
         "from tuner.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         f"    assert main(['results', '--db', {db!r}, '--json']) == 0\n"
-        f"    assert main(['explain', '--run', '1', '--db', {db!r}, '--json']) == 0\n"
+        f"    assert main(['explain', '--run', '{run_id}', '--db', {db!r}, '--json']) == 0\n"
         f"    assert main(['plot', '--model', 'llama', '--db', {db!r}, '-o', {str(tmp_path / 'p.png')!r}]) == 0\n"
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
