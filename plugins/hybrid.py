@@ -23,6 +23,10 @@ KV cache (V1). State pages follow ``MambaStateShapeCalculator`` / ``MambaStateDt
   0.20 and ``float32`` from 0.20 (:func:`nemotron_h_default_ssm_dtype`)
   (``NemotronHForCausalLMConfig``; the checkpoints' config.json has no such key);
   ``G = n_groups`` (+ ``tp − n_groups`` when tp does not divide it).
+* Both conv states keep ``k − 1 + num_speculative_tokens`` columns with speculative decoding
+  (``num_spec`` of ``mamba2_state_shape`` / ``gated_delta_net_state_shape``, read in the 0.19,
+  0.20.1 and 0.24 wheels: the draft tokens' conv inputs), which raises the state page and with it
+  the hybrid attention block size (Qwen3.6-27B TP4 with 3 MTP tokens: 1568 → 1600 tokens).
 * Gated DeltaNet: conv ``(k − 1, (2·nk·dk + nv·dv)/tp)`` in the model dtype + recurrent
   ``(nv/tp, dv, dk)`` in ``mamba_ssm_dtype`` (Qwen3.5 configs: float32,
   ``Qwen3_5ForConditionalGenerationConfig``), else the model dtype.
@@ -158,7 +162,8 @@ class _HybridPlugin(ModelPlugin):
             if kinds[i] == "attention":
                 out[self.layer_name(i, "attention")] = FullAttentionSpec(bs, kv, head, dt)
             elif kinds[i] == "state":
-                out[self.layer_name(i, "state")] = MambaSpec(bs, shapes, dts, page_size_padded=pad)
+                out[self.layer_name(i, "state")] = MambaSpec(bs, shapes, dts, page_size_padded=pad,
+                                                             mamba_cache_mode=settings.mamba_cache_mode)
         return out
 
 
@@ -187,6 +192,9 @@ class NemotronHPlugin(_HybridPlugin):
     """Nemotron-H: Mamba-2 / MLP / attention / MoE layers per ``hybrid_override_pattern``."""
 
     name = "nemotron_h"
+    #: ``NemotronHForCausalLM`` implements ``SupportsMambaPrefixCaching``: prefix caching gives
+    #: ``mamba_cache_mode="all"`` (vllm/model_executor/models/config.py ``MambaModelConfig``).
+    mamba_prefix_caching_mode = "all"
     architectures = ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM")
 
     def layer_kinds(self, spec) -> list[str]:
@@ -208,7 +216,7 @@ class NemotronHPlugin(_HybridPlugin):
 
     def state(self, spec, settings):
         return mamba2_state(spec, settings.tensor_parallel_size, settings.dtype,
-                            self.ssm_dtype(spec, settings.engine_version))
+                            self.ssm_dtype(spec, settings.engine_version), settings.num_speculative_tokens)
 
     def attn_geometry(self, spec):
         raw = spec.raw
@@ -309,6 +317,9 @@ class Qwen35Plugin(_HybridPlugin):
     """Qwen3.5 / Qwen3.6 (dense and MoE): Gated DeltaNet + gated full attention."""
 
     name = "qwen3_5"
+    #: Qwen3.5 lacks ``SupportsMambaPrefixCaching``: prefix caching gives ``mamba_cache_mode="align"``
+    #: (``MambaModelConfig``, 0.19–0.24 read; the 0.20.1 and 0.24 Qwen3.6-27B logs' tokens need it).
+    mamba_prefix_caching_mode = "align"
     architectures = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                      "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
@@ -322,7 +333,8 @@ class Qwen35Plugin(_HybridPlugin):
 
     def state(self, spec, settings):
         return gdn_state(spec, settings.tensor_parallel_size, settings.dtype,
-                         spec.raw.get("mamba_ssm_dtype") or spec.top.get("mamba_ssm_dtype"))
+                         spec.raw.get("mamba_ssm_dtype") or spec.top.get("mamba_ssm_dtype"),
+                         settings.num_speculative_tokens)
 
     def layer_name(self, i, kind):
         return f"model.language_model.layers.{i}." + ("self_attn.attn" if kind == "attention" else "linear_attn")

@@ -220,6 +220,13 @@ def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = F
         extra["other_processes_bytes"] = max(0, int(device.total_memory_bytes) - int(device.free_memory_bytes))
     request = {"drop": drop.to_dict(), "config_path": str(config_path), "device": {**dev, **extra}, "method": method,
                "method_requested": drop.method}
+    sc = drop.speculative_config or {}
+    if sc.get("model") and sc.get("method") in ("draft_model", "eagle", "eagle3", "dflash"):
+        # the drafter checkpoint's config.json, found like the target's (tuner.specdecode sizes it)
+        try:
+            request["draft_config_path"] = str(resolve_model_path(sc["model"], drop.base_dir, download=download))
+        except ModelConfigError as exc:
+            request["draft_config_error"] = exc.message
     if trust_remote_code:
         request["trust_remote_code"] = True
     return request, dev

@@ -446,6 +446,10 @@ DROP_FIELDS: tuple[DropField, ...] = (
               _choice(BLOCK_SIZES, nullable=True)),
     DropField("enable_chunked_prefill", "boolean | null", None,
               "Chunked prefill on/off; null = the era's default for the entry point.", _bool(nullable=True)),
+    DropField("enable_prefix_caching", "boolean | null", None,
+              "As vLLM's --enable-prefix-caching. It sizes nothing for attention-only models; on hybrid "
+              "(Mamba / DeltaNet) models from 0.19 it sets mamba_cache_mode `align` (Qwen3.5/3.6): one more state "
+              "block per request. null = the release's default (off for hybrid models).", _bool(nullable=True)),
     DropField("data_parallel_size", "integer 1–1024", 1,
               "Data-parallel engines (vLLM's --data-parallel-size); memory is predicted per GPU. Dense layers are "
               "replicated per DP rank; MoE experts are TP-sharded over data_parallel_size × tensor_parallel_size "
@@ -558,6 +562,7 @@ class Drop:
     block_size: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     other_processes_memory_gib: float | None = None

@@ -369,7 +369,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if measured:
         act_sim, rest = act, 0
     elif split:
-        act_sim, rest = act - ws - reserve - act_corr, 0
+        act_sim, rest = act - ws - reserve - act_corr - int(cand.get("drafter_activation_bytes") or 0), 0
     elif sim is not None:  # stored simulate row: workspace and corrections are not stored apart
         act_sim, rest = sim, act - sim - reserve
     else:
@@ -379,11 +379,23 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     steps = [
         {"name": "requested", "op": "=", "bytes": req,
          "text": f"requested = total {_gib(total)} GiB x gpu_memory_utilization {u:g} ({rounding}, bytes)"},
-        {"name": "weights", "op": "-", "bytes": w,
+        {"name": "weights", "op": "-", "bytes": w - int(cand.get("drafter_weights_bytes") or 0),
          "text": f"weights of one GPU's shard ({dtype}, TP {tp})"},
         {"name": "activation_peak", "op": "-", "bytes": act_sim,
          "text": act_text, "detail": _activation_detail(run, model, dtype, tp, plugin)},
     ]
+    drafter_w = int(cand.get("drafter_weights_bytes") or 0)
+    drafter_act = int(cand.get("drafter_activation_bytes") or 0) if split else 0
+    if drafter_act:
+        steps.append({"name": "drafter_activation", "op": "-", "bytes": drafter_act,
+                      "text": f"the target's auxiliary hidden states the drafter reads, alive through the profile "
+                              f"run ({n} tokens x hidden x dtype per aux layer)"})
+    if drafter_w:
+        sc = drop.get("speculative_config") or {}
+        steps.append({"name": "drafter_weights", "op": "-", "bytes": drafter_w,
+                      "text": f"speculative decoding drafter's weights on this rank ({sc.get('method')}"
+                              + (f" {sc['model']}" if sc.get("model") else ": the checkpoint's MTP layers")
+                              + ", tuner/specdecode.py)"})
     if split and ws:
         steps.append({"name": "cublas_workspace", "op": "-", "bytes": ws,
                       "text": "cuBLAS workspace torch allocates on the profile run's first GEMM"})
@@ -450,7 +462,9 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                               f"sizes up to {max(sizes) if sizes else 0} ("
                               + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
                                  "the checkpoint's MTP layers: their KV layers are in the blocks, their 16-bit weights "
-                                 "in the weights step" if spec.get("method") == "mtp" else
+                                 "in the drafter weights step" if spec.get("method") == "mtp" else
+                                 f"the drafter {spec.get('model')}: its KV layers are in the blocks, its weights in "
+                                 "the drafter weights step" if drafter_w else
                                  "the drafter's weights, KV layers and profile run are not modelled") + ")"})
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})

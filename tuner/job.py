@@ -22,6 +22,7 @@ from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_paralle
                                  check_unchunked_lengths, quantization_methods, VLLM_019_QUANTIZATION_METHODS)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
 from tuner.plugin import RankSettings, load_registry
+from tuner.kvcache import dtype_bytes_for as _kv_dtype_bytes
 from tuner.search import Layout, derived_max_model_len, evaluate, propose
 
 #: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
@@ -49,6 +50,8 @@ def _extra_args(d: dict) -> str:
             parts.append(f"--{key.replace('_', '-')} {d[key]}")
     if d.get("enable_chunked_prefill") is not None:
         parts.append("--enable-chunked-prefill" if d["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
+    if d.get("enable_prefix_caching") is not None:
+        parts.append("--enable-prefix-caching" if d["enable_prefix_caching"] else "--no-enable-prefix-caching")
     if d.get("speculative_config"):
         import json
 
@@ -191,6 +194,63 @@ def other_processes_bytes(device: dict, drop: dict) -> int:
     return max(0, int(device.get("other_processes_bytes") or 0))
 
 
+#: Methods whose drafter is another checkpoint (:mod:`tuner.specdecode`).
+CHECKPOINT_DRAFTERS = ("draft_model", "eagle", "eagle3", "dflash")
+
+#: First release read whose hybrid models follow ``cache_config.mamba_cache_mode`` with prefix
+#: caching (vllm/model_executor/models/config.py ``MambaModelConfig``, 0.19 / 0.20.1 / 0.24 wheels).
+MAMBA_CACHE_MODE_SINCE = (0, 19, 0)
+
+
+def mamba_cache_mode(drop: dict, era, plugin, warnings: list[str]) -> str | None:
+    """vLLM's ``mamba_cache_mode`` for a hybrid model: with ``enable_prefix_caching`` (off by
+    default for hybrid models, ``ModelConfig.is_prefix_caching_supported``, 0.19–0.24 read) a
+    model without ``SupportsMambaPrefixCaching`` gets ``"align"`` (the plugin's
+    ``mamba_prefix_caching_mode``): one extra state block per request
+    (``MambaSpec.max_memory_usage_bytes``: ``page · (2 + num_speculative_blocks)``). ``"all"``
+    (Mamba-2 models that support it) aligns the block size to the SSM chunk and is not modelled
+    (a warning says so); so are releases before :data:`MAMBA_CACHE_MODE_SINCE`. None = ``"none"``."""
+    if not drop.get("enable_prefix_caching") or era.engine != "V1":
+        return None
+    mode = getattr(plugin, "mamba_prefix_caching_mode", None)
+    if mode is None:
+        return None
+    if era.version < MAMBA_CACHE_MODE_SINCE or mode != "align":
+        warnings.append(f"enable_prefix_caching on a hybrid model: mamba_cache_mode {mode!r} in vLLM "
+                        f"{'.'.join(map(str, era.version))} is not modelled (state blocks counted as without it)")
+        return None
+    return mode
+
+
+def _checkpoint_drafter(request: dict, spec_cfg: dict, spec, last_stage_specs: dict, tp: int, dtype: str,
+                        drop: dict) -> tuple[int, dict, int, str | None]:
+    """``(weights bytes, KV specs, aux hidden-state layers, None)`` of another checkpoint's drafter from the request's
+    ``draft_config_path`` (resolved by the parent: :func:`tuner.app.prepare_request`, validate's
+    models directory), or ``(0, {}, 0, warning)`` when its config is not at hand or not usable. The
+    weights are weighed in the target's dtype (a quantized drafter checkpoint holds less)."""
+    from tuner.errors import TunerError
+    from tuner.kvcache import dtype_bytes_for
+    from tuner.modelspec import read_top
+    from tuner.specdecode import aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_weights_bytes
+
+    method, model = spec_cfg["method"], spec_cfg.get("model")
+    path = request.get("draft_config_path")
+    if not path:
+        why = request.get("draft_config_error") or "its config.json was not found"
+        return 0, {}, 0, (f"speculative_config.model {model!r}: {why}; the {method} drafter's weights and KV "
+                          "layers are not modelled; expect fewer KV blocks than predicted")
+    try:
+        cfg = read_top(path)
+        weights = checkpoint_drafter_weights_bytes(method, cfg, spec.top, tensor_parallel_size=tp,
+                                                   dtype_bytes=dtype_bytes_for("auto", dtype))
+        kv = checkpoint_drafter_kv_specs(cfg, last_stage_specs, tensor_parallel_size=tp,
+                                         kv_dtype_bytes=dtype_bytes_for(drop.get("kv_cache_dtype", "auto"), dtype),
+                                         first_layer_index=spec.num_hidden_layers)
+    except (ValueError, TunerError) as exc:
+        return 0, {}, 0, f"speculative_config.model {model!r} ({path}): {exc}; the drafter is not modelled"
+    return weights, kv, aux_hidden_state_layers(method, cfg), None
+
+
 def num_speculative_tokens(drop: dict, era) -> int:
     """Draft tokens per request that size the CUDA-graph captures (``VllmConfig.num_speculative_tokens``,
     vllm/config/vllm.py): the drop's ``speculative_config.num_speculative_tokens`` on V1; 0 without
@@ -281,7 +341,9 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                      compute_capability=_compute_capability(device),
                      data_parallel_size=int(d.get("data_parallel_size") or 1),
                      enable_expert_parallel=bool(d.get("enable_expert_parallel")),
-                     max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]))
+                     max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]),
+                     num_speculative_tokens=num_speculative_tokens(d, era),
+                     mamba_cache_mode=mamba_cache_mode(d, era, plugin, warnings))
         for r in range(pp)
     ]
     # What vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers vs PP.
@@ -317,6 +379,17 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                             "are counted)")
         else:
             drafter_weights = mtp_dense_layer_weights_bytes(spec.raw, tensor_parallel_size=tp)
+    drafter_modelled = spec_cfg.get("method") in ("ngram", "suffix", "mtp")
+    drafter_act_per_token = 0
+    if spec_cfg.get("method") in CHECKPOINT_DRAFTERS and era.engine == "V1":
+        # another checkpoint's drafter, from its config.json (tuner.specdecode)
+        drafter_weights, extra, n_aux, note = _checkpoint_drafter(request, spec_cfg, spec, kv_specs[-1], tp, dtype, d)
+        if note:
+            warnings.append(note)
+        else:
+            drafter_modelled = True
+            kv_specs = kv_specs[:-1] + ({**kv_specs[-1], **extra},)
+            drafter_act_per_token = n_aux * spec.hidden_size * _kv_dtype_bytes("auto", dtype)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
     calibration = request.get("calibration") or {}
@@ -339,9 +412,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
                     model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
                     num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights,
+                    drafter_activation_bytes_per_token=drafter_act_per_token,
                     other_processes_bytes=other_processes_bytes(device, d),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(d, era))
-    if spec_cfg and spec_cfg.get("method") not in ("ngram", "suffix", "mtp"):
+    if spec_cfg and not drafter_modelled:
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
                         "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
                         "than predicted")

@@ -47,6 +47,10 @@ class RankSettings:
             unknown; backends and kernels (MLA block size, Marlin repacking) depend on it.
         max_num_batched_tokens, max_num_seqs, max_model_len: the engine's scheduler limits for
             the candidate being profiled (tokens / sequences), or ``None`` when not known.
+        num_speculative_tokens: draft tokens per request of speculative decoding (0 = none); a
+            Mamba / DeltaNet conv state keeps ``k − 1 + num_speculative_tokens`` columns.
+        mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode`` for hybrid models (``"none"``,
+            ``"align"`` with prefix caching; ``None`` = the release's default, ``"none"``).
     """
 
     engine_version: str
@@ -66,6 +70,8 @@ class RankSettings:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     max_model_len: int | None = None
+    num_speculative_tokens: int = 0
+    mamba_cache_mode: str | None = None
 
 
 class ModelPlugin:

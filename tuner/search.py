@@ -59,6 +59,10 @@ class Layout:
     #: Weights of a speculative-decoding drafter loaded on the last pipeline stage (MTP layers,
     #: :mod:`tuner.specdecode`), bytes, added to that stage's weights.
     drafter_weights_bytes: int = 0
+    #: Bytes per batched token a drafter adds to the last stage's profile peak: the target's
+    #: auxiliary hidden states an EAGLE3 / DFlash drafter reads (:func:`tuner.specdecode.aux_hidden_state_layers`
+    #: × hidden × dtype), alive through the forward and the drafter's dummy run.
+    drafter_activation_bytes_per_token: int = 0
     #: GPU memory other processes hold at start (co-tenants), bytes (:func:`tuner.budget.free_memory_refusal`,
     #: :func:`tuner.budget.co_tenant_non_torch_bytes`).
     other_processes_bytes: int = 0
@@ -157,6 +161,10 @@ class Candidate:
     activation_correction_bytes: int = 0
     non_torch_correction_bytes: int = 0
     cuda_graph_correction_bytes: int = 0
+    #: The part of ``weights_bytes`` that is a speculative-decoding drafter's (last stage), bytes.
+    drafter_weights_bytes: int = 0
+    #: The part of ``activation_peak_bytes`` that is a drafter's (the aux hidden states), bytes.
+    drafter_activation_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -199,7 +207,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     """
     u, m = gpu_memory_utilization, max_model_len
     n = batch.max_num_batched_tokens
-    budgets, reserves, corrs = [], [], []
+    budgets, reserves, corrs, drafter_acts = [], [], [], []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
         reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")),
@@ -208,7 +216,9 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                                           hidden_size=layout.hidden_size,
                                           num_speculative_tokens=layout.num_speculative_tokens)
-        act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1]
+        drafter_act = layout.drafter_activation_bytes_per_token * n if stage == len(passes) - 1 else 0
+        act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1] + drafter_act
+        drafter_acts.append(drafter_act)
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                               pipeline_parallel_size=layout.pipeline_parallel_size, topology=layout.topology) \
             + co_tenant_non_torch_bytes(era, layout.other_processes_bytes)
@@ -292,7 +302,9 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
                      blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
                      workspace_bytes=layout.activation_overhead_bytes, activation_correction_bytes=ca,
-                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg)
+                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
+                     drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
+                     drafter_activation_bytes=drafter_acts[worst])
 
 
 @dataclass(frozen=True)

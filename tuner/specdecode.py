@@ -7,8 +7,17 @@ multi-token-prediction layers, loaded into the same workers (vllm/v1/spec_decode
 attention layers get KV cache like the target's (``GPUModelRunner.get_kv_cache_spec`` walks every
 ``Attention`` layer of the runner, drafter included, vllm/v1/worker/gpu_model_runner.py), and
 their weights are part of "Model loading took". n-gram and suffix decoding have no model.
-Drafters from another checkpoint (``draft_model``, ``eagle``/``eagle3``, ``dflash``, ``medusa``)
-need that checkpoint's config and are not modelled (the job warns).
+
+Drafters from another checkpoint (``draft_model``, ``eagle``, ``eagle3``, ``dflash``) are sized
+from that checkpoint's config.json (the drop's ``speculative_config.model``), read in the 0.20.1
+and 0.24 wheels: :func:`checkpoint_drafter_weights_bytes` (their weights on one rank, in the
+target's dtype: ``SpeculativeConfig`` builds the draft ``ModelConfig`` with the target's dtype)
+and :func:`checkpoint_drafter_kv_specs` (one full-attention KV layer per drafter decoder layer,
+of the drafter's own KV heads and head size, at the target's attention block size:
+``SpecDecodeBaseProposer.load_model`` collects the attention layers the drafter adds and
+``GPUModelRunner.get_kv_cache_spec`` gives each its spec; a geometry other than the target's is
+its own KV-cache group, vllm/v1/core/kv_cache_utils.py ``_get_kv_cache_groups_uniform_page_size``).
+``medusa`` / ``mlp_speculator`` heads are not modelled (the job warns).
 """
 
 from __future__ import annotations
@@ -80,3 +89,153 @@ def with_speculative_state_blocks(kv_specs: tuple, num_speculative_tokens: int) 
         return kv_specs
     return tuple({name: (replace(s, num_speculative_blocks=num_speculative_tokens) if isinstance(s, MambaSpec) else s)
                   for name, s in specs.items()} for specs in kv_specs)
+
+
+#: Methods whose drafter is another checkpoint sized from its config.json (:func:`checkpoint_drafter_weights_bytes`).
+CHECKPOINT_DRAFTERS = ("draft_model", "eagle", "eagle3", "dflash")
+
+
+def _pad_vocab(v: int) -> int:
+    """``pad_vocab_size(v, 64)`` (vllm/model_executor/layers/vocab_parallel_embedding.py)."""
+    return -(-int(v) // 64) * 64
+
+
+def _text(cfg: dict) -> dict:
+    cfg = cfg or {}
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def drafter_geometry(draft_config: dict) -> dict:
+    """The drafter's decoder shape from its config.json: ``layers``, ``hidden``, ``heads``,
+    ``kv_heads``, ``head_dim``, ``intermediate``, ``vocab``, ``bias`` (attention bias).
+
+    Raises:
+        ValueError: a size the config lacks or that is not a positive integer (names the key).
+    """
+    t = _text(draft_config)
+
+    def need(key: str, default=None) -> int:
+        v = t.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"drafter config.json: {key} must be a positive integer, not {v!r}")
+        return int(v)
+
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    return {"layers": need("num_hidden_layers"), "hidden": hidden, "heads": heads,
+            "kv_heads": need("num_key_value_heads", heads),
+            "head_dim": need("head_dim", hidden // heads if hidden % heads == 0 else None),
+            "intermediate": need("intermediate_size"), "vocab": need("vocab_size"),
+            "bias": bool(t.get("attention_bias", False))}
+
+
+def _decoder_layer_params(g: dict, tp: int, *, qkv_input: int | None = None, qk_norm: bool = False) -> int:
+    """One Llama / Qwen3 decoder layer on one rank: ``QKVParallelLinear`` (KV heads replicated when
+    fewer than ranks), ``RowParallelLinear`` o, the gated MLP ``MergedColumnParallelLinear`` gate_up
+    + ``RowParallelLinear`` down (``3·H·I/tp``), two RMSNorms (+ per-head q/k norms for Qwen3)."""
+    h, hd = g["hidden"], g["head_dim"]
+    q = g["heads"] * hd // tp
+    kv = max(1, g["kv_heads"] // tp) * hd
+    inp = qkv_input or h
+    qkv = inp * (q + 2 * kv) + ((q + 2 * kv) if g["bias"] else 0)
+    o = q * h + (h if g["bias"] else 0)
+    mlp = 3 * h * g["intermediate"] // tp
+    return qkv + o + mlp + 2 * h + (2 * hd if qk_norm else 0)
+
+
+def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_config: dict, *,
+                                     tensor_parallel_size: int, dtype_bytes: int = 2) -> int:
+    """Weights of another checkpoint's drafter on one rank (bytes), as vLLM builds it:
+
+    * ``draft_model`` (vllm/v1/spec_decode/draft_model.py): the whole dense model, its own
+      embedding and LM head (``_maybe_share_embeddings`` / ``_maybe_share_lm_head`` do nothing),
+      the head tied when ``tie_word_embeddings``; vocab padded to 64 and split over TP.
+    * ``eagle`` (vllm/model_executor/models/llama_eagle.py): the decoder layers and the
+      ``ReplicatedLinear`` ``fc`` ``2H → H`` on every rank; embedding and LM head are the target's
+      (EAGLE checkpoints carry none or an identical copy: ``llm_base_proposer`` shares them).
+    * ``eagle3`` (llama_eagle3.py): the first layer's QKV reads ``2H``; ``fc`` ``H_t·n_aux → H``
+      replicated (``num_aux_hidden_states`` or the aux layer ids, default 3); its own LM head of
+      ``draft_vocab_size`` (split over TP) and the int64 ``draft_id_to_target_id`` map when the
+      draft vocabulary differs from the target's; embedding shared.
+    * ``dflash`` (qwen3_dflash.py ``DFlashQwen3Model``): Qwen3 decoder layers (per-head q/k
+      norms), ``hidden_norm`` and ``norm``, ``fc`` ``H_t·n → H`` replicated (``n`` = the
+      ``dflash_config.target_layer_ids``, else the drafter's layer count), and the fused K/V copy
+      ``_build_fused_kv_buffers`` concatenates from every layer (``layers·2·kv/tp·d·H``);
+      embedding and LM head shared unless ``draft_vocab_size`` differs from the target's.
+
+    Raises:
+        ValueError: ``method`` not in :data:`CHECKPOINT_DRAFTERS`, or a size the config lacks.
+    """
+    if method not in CHECKPOINT_DRAFTERS:
+        raise ValueError(f"no checkpoint drafter for method {method!r}")
+    tp = max(1, int(tensor_parallel_size))
+    g = drafter_geometry(draft_config)
+    t, tt = _text(draft_config), _text(target_config)
+    h, n = g["hidden"], g["layers"]
+    target_hidden = int(t.get("target_hidden_size") or tt.get("hidden_size") or h)
+    target_vocab = int(tt.get("vocab_size") or g["vocab"])
+    params = 0
+    if method == "draft_model":
+        emb = _pad_vocab(g["vocab"]) * h // tp
+        params = emb * (1 if draft_config.get("tie_word_embeddings", t.get("tie_word_embeddings")) else 2)
+        params += n * _decoder_layer_params(g, tp) + h
+    elif method == "eagle":
+        params = n * _decoder_layer_params(g, tp) + 2 * h * h
+    elif method == "eagle3":
+        params = _decoder_layer_params(g, tp, qkv_input=2 * h) + (n - 1) * _decoder_layer_params(g, tp) + h
+        ec = t.get("eagle_config") or {}
+        n_aux = t.get("num_aux_hidden_states") or len(ec.get("eagle_aux_hidden_state_layer_ids") or []) or 3
+        params += target_hidden * int(n_aux) * h
+        dv = int(t.get("draft_vocab_size") or g["vocab"])
+        if dv != target_vocab:
+            params += _pad_vocab(dv) * h // tp
+            return int(params * dtype_bytes + 8 * dv)
+    else:  # dflash
+        dc = {**(t.get("eagle_config") or {}), **(t.get("dflash_config") or {})}
+        feats = len(dc.get("target_layer_ids") or dc.get("layer_ids") or []) or n
+        params = n * _decoder_layer_params(g, tp, qk_norm=True) + 2 * h
+        if dc.get("use_aux_hidden_state", True):
+            params += target_hidden * feats * h
+        params += n * 2 * max(1, g["kv_heads"] // tp) * g["head_dim"] * h  # the fused K/V copy
+        dv = int(t.get("draft_vocab_size") or g["vocab"])
+        if dv != target_vocab:
+            params += _pad_vocab(dv) * h // tp
+            return int(params * dtype_bytes + 8 * dv)
+    return int(params * dtype_bytes)
+
+
+def checkpoint_drafter_kv_specs(draft_config: dict, stage_specs: dict, *, tensor_parallel_size: int,
+                                kv_dtype_bytes: int, first_layer_index: int) -> dict:
+    """One ``FullAttentionSpec`` per drafter decoder layer (the drafter's KV heads per rank and
+    head size, the target's attention block size: vLLM gives every attention layer
+    ``cache_config.block_size``, which a hybrid target has already raised), named
+    ``model.layers.{first_layer_index + i}.self_attn.attn`` as the drafters number their layers
+    after the target's (``start_layer_id``)."""
+    from tuner.kvcache import FullAttentionSpec, kv_heads_per_rank
+
+    g = drafter_geometry(draft_config)
+    bs = next((s.block_size for s in stage_specs.values() if type(s) is FullAttentionSpec), 16)
+    kv = kv_heads_per_rank(g["kv_heads"], tensor_parallel_size)
+    return {f"model.layers.{first_layer_index + i}.self_attn.attn": FullAttentionSpec(bs, kv, g["head_dim"], kv_dtype_bytes)
+            for i in range(g["layers"])}
+
+
+def aux_hidden_state_layers(method: str, draft_config: dict) -> int:
+    """Target layers whose hidden states an EAGLE3 / DFlash drafter reads (0 for other methods):
+    vLLM asks the target for them (``use_aux_hidden_state_outputs``) and each is a fresh
+    ``hidden + residual`` ``[N, H]`` tensor, alive through the profile run's forward and the
+    drafter's ``dummy_run`` (vllm/v1/worker/gpu_model_runner.py ``_dummy_run``,
+    ``_get_eagle3_aux_layers_from_config``, 0.24): the config's
+    ``eagle_aux_hidden_state_layer_ids``, else ``dflash_config.target_layer_ids``, else
+    ``eagle_config``'s ids, else the model's default ``(2, L // 2, L − 3)``; none for an EAGLE3
+    drafter with ``use_aux_hidden_state`` false."""
+    if method not in ("eagle3", "dflash"):
+        return 0
+    t = _text(draft_config)
+    ec = t.get("eagle_config") if isinstance(t.get("eagle_config"), dict) else {}
+    dc = t.get("dflash_config") if isinstance(t.get("dflash_config"), dict) else {}
+    if method == "eagle3" and ec.get("use_aux_hidden_state") is False:
+        return 0
+    ids = (t.get("eagle_aux_hidden_state_layer_ids") or ec.get("eagle_aux_hidden_state_layer_ids")
+           or dc.get("target_layer_ids"))
+    return len(ids) if isinstance(ids, (list, tuple)) and ids else 3

@@ -156,6 +156,7 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
         "max_num_batched_tokens": s.get("max_num_batched_tokens"),
         "block_size": s.get("block_size"),
         "enable_chunked_prefill": s.get("enable_chunked_prefill"),
+        "enable_prefix_caching": s.get("enable_prefix_caching"),
         "enforce_eager": bool(s.get("enforce_eager")),
         "disable_custom_all_reduce": bool(s.get("disable_custom_all_reduce")),
         "data_parallel_size": int(s.get("data_parallel_size") or 1),
@@ -170,6 +171,13 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     # the engine adapter costs seconds per case: validate leaves it off unless CTX_TUNER_ENGINE says so
     req = {"drop": drop, "config_path": str(config_path), "device": _device(case),
            "fake": True, "search": False, "engine": os.environ.get("CTX_TUNER_ENGINE") or "off"}
+    spec = drop["speculative_config"] or {}
+    if spec.get("model"):  # a drafter checkpoint: its config beside the target's in the models directory
+        draft = Path(models_dir) / _model_dir_name(str(spec["model"])) / "config.json"
+        if draft.is_file():
+            req["draft_config_path"] = str(draft)
+        else:
+            req["draft_config_error"] = f"no config.json at {draft}"
     if calibration:
         req["calibration"] = dict(calibration)
     return req
