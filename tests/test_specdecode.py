@@ -200,3 +200,25 @@ def test_enable_prefix_caching_is_a_validated_drop_field(tmp_path):
     with pytest.raises(DropError) as e:
         parse_drop(base + "enable_prefix_caching: maybe\n", "x.yaml")
     assert e.value.field == "enable_prefix_caching" and e.value.path == "x.yaml"
+
+
+def test_mtp_of_a_moe_model_weighs_its_experts_per_rank():
+    # DeepSeek-V3's MTP block (deepseek_mtp.py): one DeepseekV2DecoderLayer (MLA + 256 routed experts
+    # of 2048, 1 shared) in the checkpoint's fp8, eh_proj a plain nn.Linear (bf16, every rank)
+    from tuner.specdecode import mtp_moe_layer_weights_bytes, quantized_param_bytes
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "deepseek-ai--DeepSeek-V3"
+                      / "config.json").read_text())
+    fp8 = cfg["quantization_config"]
+    assert quantized_param_bytes(fp8, 2) == 1.0 and quantized_param_bytes({"bits": 4}, 2) == 0.5
+    assert quantized_param_bytes(None, 2) == 2.0
+    h, e, i = 7168, 256, 2048
+    attn = h * (1536 + 512 + 64) + 1536 * 128 * 192 // 8 + 512 * 128 * 256 // 8 + 128 * 128 * h // 8
+    common = 3 * h * i // 8 + attn + e * h * 2 + 4 * e + 2 * h * h * 2
+    tp8 = mtp_moe_layer_weights_bytes(cfg, tensor_parallel_size=8, dtype_bytes=2, quantization_config=fp8)
+    assert tp8 == e * 3 * h * (i // 8) + common
+    # expert parallel over dp 2 × tp 8: 16 whole experts per rank, the same bytes as 1/16 of each
+    ep = mtp_moe_layer_weights_bytes(cfg, tensor_parallel_size=8, data_parallel_size=2, enable_expert_parallel=True,
+                                     dtype_bytes=2, quantization_config=fp8)
+    assert ep == 16 * 3 * h * i + common
+    assert 1.5 * GiB < tp8 < 1.6 * GiB  # ~11.7e9 parameters of MTP block over 8 ranks in fp8

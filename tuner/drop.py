@@ -470,9 +470,13 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "As vLLM's --speculative-config: `method` (ngram, suffix, mtp and the model-specific *_mtp names, "
               "eagle, eagle3, draft_model, dflash, medusa, mlp_speculator), `num_speculative_tokens` (1–1024), "
               "the drafter `model` (needed by draft_model, dflash, eagle*, medusa), `prompt_lookup_min`/`max`, "
-              "`draft_tensor_parallel_size`. Sizes the CUDA-graph captures (1 + k tokens per request); `mtp` adds the "
-              "checkpoint's MTP layers (their KV layers and 16-bit weights); another checkpoint's drafter is not "
-              "modelled yet (a warning says so).", _speculative_config),
+              "`draft_tensor_parallel_size`. Sizes the CUDA-graph captures (1 + k tokens per request) and the hybrid "
+              "models' conv state (k more columns); `mtp` adds the checkpoint's MTP layers (their KV layers and "
+              "weights, MoE experts per rank included); `draft_model`, `eagle`, `eagle3` and `dflash` add the drafter "
+              "checkpoint's weights, KV layers and (EAGLE3 / DFlash) the target's auxiliary hidden states in the "
+              "profile run, from the drafter's config.json (`model`: a local path, relative to the drop, or an HF id "
+              "found like the drop's `model`; `validate` looks in its models directory); a drafter whose config is "
+              "not found, and medusa / mlp_speculator, are not modelled (a warning says so).", _speculative_config),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("entry_point", "serve | offline", "serve",

@@ -461,7 +461,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                               f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
                               f"sizes up to {max(sizes) if sizes else 0} ("
                               + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
-                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their 16-bit weights "
+                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their weights "
                                  "in the drafter weights step" if spec.get("method") == "mtp" else
                                  f"the drafter {spec.get('model')}: its KV layers are in the blocks, its weights in "
                                  "the drafter weights step" if drafter_w else

@@ -375,8 +375,12 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         extra = drafter_kv_specs(kv_specs[-1], n_mtp, first_layer_index=spec.num_hidden_layers)
         kv_specs = kv_specs[:-1] + ({**kv_specs[-1], **extra},)
         if config_is_moe(spec.raw):
-            warnings.append("speculative_config mtp: the MTP layers of a MoE model are not weighed (their KV layers "
-                            "are counted)")
+            from tuner.specdecode import mtp_moe_layer_weights_bytes
+
+            drafter_weights = mtp_moe_layer_weights_bytes(
+                spec.raw, tensor_parallel_size=tp, data_parallel_size=int(d.get("data_parallel_size") or 1),
+                enable_expert_parallel=bool(d.get("enable_expert_parallel")),
+                dtype_bytes=_kv_dtype_bytes("auto", dtype), quantization_config=spec.quantization_config)
         else:
             drafter_weights = mtp_dense_layer_weights_bytes(spec.raw, tensor_parallel_size=tp)
     drafter_modelled = spec_cfg.get("method") in ("ngram", "suffix", "mtp")

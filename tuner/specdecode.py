@@ -239,3 +239,74 @@ def aux_hidden_state_layers(method: str, draft_config: dict) -> int:
     ids = (t.get("eagle_aux_hidden_state_layer_ids") or ec.get("eagle_aux_hidden_state_layer_ids")
            or dc.get("target_layer_ids"))
     return len(ids) if isinstance(ids, (list, tuple)) and ids else 3
+
+
+def quantized_param_bytes(quantization_config: dict | None, dtype_bytes: int) -> float:
+    """Bytes per weight of a quantized checkpoint's linear layers (scales not counted): fp8
+    (``quant_method`` fp8 / fbgemm_fp8, compressed-tensors ``float`` 8-bit) 1, 4-bit methods
+    (``bits`` 4: GPTQ / AWQ / AutoRound, mxfp4, nvfp4 / modelopt_fp4) 0.5, else the dtype's."""
+    q = quantization_config or {}
+    method = str(q.get("quant_method") or "").lower()
+    bits = q.get("bits") or q.get("w_bit")
+    if method in ("mxfp4", "modelopt_fp4", "nvfp4") or bits == 4:
+        return 0.5
+    if "fp8" in method or method == "modelopt":
+        return 1.0
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        nb = {(g.get("weights") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
+        if nb == {4}:
+            return 0.5
+        if nb == {8}:
+            return 1.0
+    return float(dtype_bytes)
+
+
+def mtp_moe_layer_weights_bytes(text_config: dict, *, tensor_parallel_size: int, data_parallel_size: int = 1,
+                                enable_expert_parallel: bool = False, dtype_bytes: int = 2,
+                                quantization_config: dict | None = None) -> int:
+    """Weights of the MTP block of a MoE decoder on one rank (bytes), per MTP layer a decoder
+    layer of the target's MoE kind, loaded with the target's quantization:
+
+    * experts (FusedMoE ``w13`` ``2·I`` + ``w2`` ``I`` per expert and ``H``): the rank's share by
+      :func:`tuner.budget.moe_rank_shape` (TP-sliced over dp × tp, or whole experts with expert
+      parallelism), in the checkpoint's weight bytes (:func:`quantized_param_bytes`);
+    * shared experts (``n_shared_experts · moe_intermediate_size``, or Qwen3-Next's
+      ``shared_expert_intermediate_size`` + its 1-wide gate) TP-sharded; the router ``E × H`` and
+      DeepSeek's ``e_score_correction_bias`` replicated, unquantized;
+    * attention: MLA (``kv_lora_rank``: fused ``q_a``/``kv_a`` replicated, ``q_b``/``kv_b``/``o``
+      sharded; vllm/model_executor/models/deepseek_v2.py) or GQA (gated q for Qwen3-Next);
+    * the block's ``eh_proj`` / ``fc`` ``2H → H`` in the model dtype: a plain ``nn.Linear`` on every rank for
+      DeepSeek / GLM (deepseek_mtp.py, glm4_moe_mtp.py), ``ColumnParallelLinear`` for Qwen3-Next /
+      Qwen3.5 (qwen3_next_mtp.py); embeddings and LM head are the target's."""
+    from tuner.budget import moe_rank_shape
+    from tuner.eras import NUM_EXPERTS_KEYS
+
+    t = text_config or {}
+    tp = max(1, int(tensor_parallel_size))
+    h = int(t.get("hidden_size") or 0)
+    e = next((int(t[k]) for k in NUM_EXPERTS_KEYS if isinstance(t.get(k), int) and t[k] > 0), 0)
+    moe_i = int(t.get("moe_intermediate_size") or t.get("intermediate_size") or 0)
+    wq = quantized_param_bytes(quantization_config, dtype_bytes)
+    here, i_rank = moe_rank_shape(e, moe_i, tensor_parallel_size=tp, data_parallel_size=data_parallel_size,
+                                  enable_expert_parallel=enable_expert_parallel)
+    experts = here * 3 * h * i_rank * wq
+    shared_i = int(t.get("shared_expert_intermediate_size") or (t.get("n_shared_experts") or 0) * moe_i)
+    shared = 3 * h * shared_i // tp * wq + (h if t.get("shared_expert_intermediate_size") else 0) * dtype_bytes
+    router = e * h * dtype_bytes + (4 * e if str(t.get("topk_method") or "") == "noaux_tc" else 0)
+    heads = int(t.get("num_attention_heads") or 1)
+    if t.get("kv_lora_rank"):
+        nope, rope = int(t.get("qk_nope_head_dim") or 0), int(t.get("qk_rope_head_dim") or 0)
+        v, kv_lora, q_lora = int(t.get("v_head_dim") or 0), int(t["kv_lora_rank"]), int(t.get("q_lora_rank") or 0)
+        qh = heads * (nope + rope) // tp
+        attn = (h * (q_lora + kv_lora + rope) + q_lora * qh if q_lora else h * (kv_lora + rope) + h * qh) \
+            + kv_lora * heads * (nope + v) // tp + heads * v * h // tp
+    else:
+        kvh = int(t.get("num_key_value_heads") or heads)
+        hd = int(t.get("head_dim") or (h // heads))
+        gated = 2 if t.get("attn_output_gate") or str(t.get("model_type", "")).startswith(("qwen3_next", "qwen3_5")) else 1
+        attn = h * (heads * hd * gated // tp + 2 * max(1, kvh // tp) * hd) + heads * hd * h // tp
+    replicated_fc = str(t.get("model_type", "")).startswith(("deepseek", "glm", "kimi"))
+    fc = 2 * h * h // (1 if replicated_fc else tp)
+    n = mtp_num_layers(t)
+    return int(n * (experts + shared + attn * wq + router + fc * dtype_bytes))
