@@ -222,3 +222,11 @@ def test_mtp_of_a_moe_model_weighs_its_experts_per_rank():
                                      dtype_bytes=2, quantization_config=fp8)
     assert ep == 16 * 3 * h * i + common
     assert 1.5 * GiB < tp8 < 1.6 * GiB  # ~11.7e9 parameters of MTP block over 8 ranks in fp8
+
+
+def test_serve_line_prefix_caching_reaches_the_drop_field():
+    from tuner.serve_args import parse_serve
+
+    sa = parse_serve(["vllm", "serve", "m", "--enable-prefix-caching"])
+    assert sa.values["enable_prefix_caching"] is True
+    assert parse_serve(["vllm", "serve", "m", "--no-enable-prefix-caching"]).values["enable_prefix_caching"] is False
