@@ -230,3 +230,21 @@ def test_serve_line_prefix_caching_reaches_the_drop_field():
     sa = parse_serve(["vllm", "serve", "m", "--enable-prefix-caching"])
     assert sa.values["enable_prefix_caching"] is True
     assert parse_serve(["vllm", "serve", "m", "--no-enable-prefix-caching"]).values["enable_prefix_caching"] is False
+
+
+def test_validate_finds_a_cases_drafter_beside_the_target(tmp_path):
+    from tuner.validate import case_request
+
+    for name, cfg in (("org--target", {"architectures": ["LlamaForCausalLM"]}), ("z-lab--drafter", DFLASH)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    case = {"id": "c", "model": "org/target", "gpu": "H100-80GB", "vllm_version": "0.24.0", "engine": "V1",
+            "settings": {"max_model_len": 4096, "enable_prefix_caching": True,
+                         "speculative_config": {"method": "dflash", "model": "z-lab/drafter", "num_spec_tokens": 5}},
+            "observed": {}}
+    req = case_request(case, tmp_path)
+    assert req["draft_config_path"] == str(tmp_path / "z-lab--drafter" / "config.json")
+    assert req["drop"]["enable_prefix_caching"] is True
+    assert req["drop"]["speculative_config"] == {"method": "dflash", "num_speculative_tokens": 5, "model": "z-lab/drafter"}
+    case["settings"]["speculative_config"]["model"] = "z-lab/absent"
+    assert "no config.json at" in case_request(case, tmp_path)["draft_config_error"]
