@@ -58,7 +58,9 @@ DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+#: every ``--kv-cache-dtype`` name of any release (tuner/vllm_names.py); a drop's own release is
+#: checked against its list in :func:`parse_drop`.
+from tuner.vllm_names import ALL_KV_CACHE_DTYPES as KV_CACHE_DTYPES  # noqa: E402
 METHODS = ("simulate", "cuda", "vllm", "auto")
 ENTRY_POINTS = ("serve", "offline")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -422,8 +424,14 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("dtype", "auto | bfloat16 | float16 | float32", "auto",
               "Model dtype as vLLM's --dtype (bf16, fp16, half, fp32, float accepted); `auto` = config's "
               "torch_dtype.", _choice((), aliases=DTYPE_ALIASES)),
-    DropField("kv_cache_dtype", "auto | fp8 | fp8_e4m3 | fp8_e5m2", "auto",
-              "KV cache dtype as vLLM's --kv-cache-dtype; fp8 stores 1 byte per element.", _choice(KV_CACHE_DTYPES)),
+    DropField("kv_cache_dtype", "auto | fp8 | fp8_e4m3 | fp8_e5m2 | … (the release's names)", "auto",
+              "KV cache dtype as vLLM's --kv-cache-dtype, checked against the names `engine_version` accepts "
+              "(`tuner/vllm_names.py`: fp8_inc 0.10+, bfloat16 0.11+, float16 0.18+, int8_per_token_head / "
+              "fp8_per_token_head / nvfp4 0.20+, int4_per_token_head 0.25+, nvfp4_4over6 0.28+). fp8 stores 1 "
+              "byte per element; per-token-head caches add fp32 K and V scales per token and head (int4 packs two "
+              "values a byte), nvfp4 packs fp4 data with an fp8 scale per 16 elements. `auto` on a ModelOpt "
+              "checkpoint with an fp8 (0.14+) or nvfp4 (0.20+) `kv_cache_quant_algo` is that dtype, as in vLLM.",
+              _choice(KV_CACHE_DTYPES)),
     DropField("quantization", "string | null", None,
               "Quantization method override (vLLM's --quantization); null = from the model config.", _quantization),
     DropField("tensor_parallel_size", "integer 1–64", 1,
@@ -816,6 +824,14 @@ def parse_drop(text: str | bytes, path: str) -> Drop:
         sub = _validate_mapping(raw_section, section, [f.name.split(".", 1)[1] for f in fields], path)
         sections[section] = sub
     top = {k: v for k, v in values.items() if k not in _SECTIONS}
+    if top.get("kv_cache_dtype") not in (None, "auto"):  # the names of the drop's own release
+        from tuner.vllm_names import kv_cache_dtypes
+
+        release = parse_version(top.get("engine_version") or "0.19.0")
+        if top["kv_cache_dtype"] not in kv_cache_dtypes(release):
+            from tuner.engine_checks import check_kv_cache_dtype
+
+            check_kv_cache_dtype(top["kv_cache_dtype"], version=release, path=path)
     return Drop(
         **top,
         candidates=Candidates(**sections["candidates"]),

@@ -147,19 +147,19 @@ _COMPATIBLE = {
 
 
 def quantization_methods(version: Any) -> tuple[str, ...]:
-    """The ``--quantization`` names a release accepts: 0.19.x's own list, else the union of the
-    lists ctx-tuner has read (:data:`OTHER_RELEASES_QUANTIZATION_METHODS`)."""
-    if (0, 19, 0) <= version < (0, 20, 0):  # a VllmVersion or a (major, minor, patch) tuple
-        return VLLM_019_QUANTIZATION_METHODS
-    return VLLM_019_QUANTIZATION_METHODS + OTHER_RELEASES_QUANTIZATION_METHODS
+    """The ``--quantization`` names a release accepts: its own ``QuantizationMethods`` list
+    (:func:`tuner.vllm_names.quantization_methods`, read from each release's wheel)."""
+    from tuner.vllm_names import quantization_methods as by_release
+
+    return by_release(version)
 
 
 def check_quantization(override: str | None, quantization_config: dict | None, *, version: Any,
                        path: str | None) -> list[str]:
     """The drop's ``quantization`` against the release and the checkpoint.
 
-    - a name the release does not know → vLLM's "Unknown quantization method" (0.19.x: its exact
-      list; other releases: the union of known lists);
+    - a name the release does not know → vLLM's "Unknown quantization method" (the release's own
+      list, :mod:`tuner.vllm_names`);
     - a quantized checkpoint whose ``quant_method`` differs → vLLM's mismatch error, except the
       overrides vLLM converts (GPTQ/AWQ → their Marlin kernels or ``moe_wna16``) and ModelOpt /
       auto-round checkpoints (vLLM replaces the argument with the checkpoint's method);
@@ -186,14 +186,15 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
         # inc) becomes "inc" before vLLM looks the name up.
         return []
     if q not in known:
-        if known is VLLM_019_QUANTIZATION_METHODS:
-            msg = f"Unknown quantization method: {q}. Must be one of {list(known)}."
-        else:
-            msg = (f"Unknown quantization method: {q}. No vLLM release ctx-tuner knows accepts it (known: "
-                   f"{', '.join(sorted(known))}).")
-        raise DropError(msg, path=path, field="quantization")
+        from tuner.vllm_names import first_release_accepting
+
+        first = first_release_accepting("quantization", q)
+        hint = (f" (vLLM {_release(version)} does not know it; first accepted in {'.'.join(map(str, first))})"
+                if first else "")
+        raise DropError(f"Unknown quantization method: {q}. Must be one of {list(known)}.{hint}", path=path,
+                        field="quantization")
     warnings = []
-    if known is VLLM_019_QUANTIZATION_METHODS and q in VLLM_019_DEPRECATED:
+    if (0, 19, 0) <= _key(version) < (0, 20, 0) and q in VLLM_019_DEPRECATED:
         warnings.append(f"vLLM 0.19 deprecates quantization {q!r}: the engine refuses it unless started with "
                         "--allow-deprecated-quantization (added to the proposed arguments)")
     if ckpt:
@@ -214,3 +215,43 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
                                f"by ctx-tuner (modelled: {', '.join(MODELLED_ONLINE_METHODS)})",
                                where=f"{path}:quantization" if path else "quantization")
     return warnings
+
+
+def _key(version: Any) -> tuple[int, int, int]:
+    from tuner.vllm_names import _key as key
+
+    return key(version)
+
+
+def _release(version: Any) -> str:
+    return ".".join(map(str, _key(version)))
+
+
+#: ``kv_cache_dtype`` names vLLM accepts whose cache layout ctx-tuner does not model: the
+#: TurboQuant / Octave / UltraQuant caches (their backends' own packed slots, 0.20+ / 0.32+ /
+#: 0.33) and the NVFP4 DeepSeek MLA cache (0.30+).
+UNMODELLED_KV_CACHE_DTYPE_PREFIXES = ("turboquant_", "octave_", "ultraquant_", "nvfp4_ds_mla")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str | None, *, version: Any, path: str | None) -> None:
+    """The drop's ``kv_cache_dtype`` against the release's ``CacheDType`` names
+    (:func:`tuner.vllm_names.kv_cache_dtypes`).
+
+    Raises:
+        DropError: a name the release does not accept (vLLM's argparse "invalid choice"), ``field``
+            ``kv_cache_dtype``.
+        ModelConfigError: a name the release accepts whose layout is not modelled
+            (:data:`UNMODELLED_KV_CACHE_DTYPE_PREFIXES`).
+    """
+    from tuner.vllm_names import first_release_accepting, kv_cache_dtypes
+
+    kv = str(kv_cache_dtype or "auto").lower()
+    known = kv_cache_dtypes(version)
+    if kv not in known:
+        first = first_release_accepting("kv_cache_dtype", kv)
+        hint = f"; first accepted in vLLM {'.'.join(map(str, first))}" if first else ""
+        raise DropError(f"argument --kv-cache-dtype: invalid choice: {kv!r} for vLLM {_release(version)} (choose from "
+                        f"{', '.join(repr(k) for k in known)}){hint}", path=path, field="kv_cache_dtype")
+    if kv.startswith(UNMODELLED_KV_CACHE_DTYPE_PREFIXES):
+        raise ModelConfigError(f"kv_cache_dtype {kv!r} is valid for vLLM {_release(version)} but its cache layout is "
+                               "not modelled by ctx-tuner", where=f"{path}:kv_cache_dtype" if path else "kv_cache_dtype")

@@ -19,8 +19,9 @@ from tuner.budget import profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_parallel_layout, check_quantization,
-                                 check_unchunked_lengths, quantization_methods, VLLM_019_QUANTIZATION_METHODS)
+                                 check_unchunked_lengths)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
+from tuner.kvcache import with_kv_quant_mode
 from tuner.plugin import RankSettings, load_registry
 from tuner.kvcache import dtype_bytes_for as _kv_dtype_bytes
 from tuner.search import Layout, derived_max_model_len, evaluate, propose
@@ -42,8 +43,7 @@ def _extra_args(d: dict) -> str:
     if d.get("quantization"):
         parts.append(f"--quantization {d['quantization']}")
         version = _version_tuple(d.get("engine_version"))
-        if (version and quantization_methods(version) is VLLM_019_QUANTIZATION_METHODS
-                and d["quantization"] in VLLM_019_DEPRECATED):
+        if version and (0, 19, 0) <= version < (0, 20, 0) and d["quantization"] in VLLM_019_DEPRECATED:
             parts.append("--allow-deprecated-quantization")
     for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
         if d.get(key) is not None:
@@ -277,6 +277,26 @@ def topology_for(device: dict, drop: dict):
                     disable_custom_all_reduce=bool(drop.get("disable_custom_all_reduce")))
 
 
+def _kv_cache_dtype(d: dict, spec, era, drop_path, warnings: list) -> str:
+    """The cache dtype the release runs: the drop's name checked against the release's names
+    (:func:`tuner.engine_checks.check_kv_cache_dtype`), ``auto`` resolved from a ModelOpt
+    checkpoint's ``kv_cache_quant_algo`` (:func:`tuner.kvcache.resolve_kv_cache_dtype`)."""
+    from tuner.engine_checks import check_kv_cache_dtype
+    from tuner.kvcache import resolve_kv_cache_dtype
+
+    asked = str(d.get("kv_cache_dtype") or "auto").lower()
+    check_kv_cache_dtype(asked, version=era.version, path=drop_path)
+    qc = spec.quantization_config or {}
+    kv = resolve_kv_cache_dtype(asked, qc, era.version)
+    if kv != asked:
+        warnings.append(f"kv_cache_dtype auto is {kv}: the checkpoint's ModelOpt kv_cache_quant_algo, as vLLM "
+                        f"{era.version} resolves it")
+    elif asked == "auto" and isinstance(qc.get("kv_cache_scheme"), dict):
+        warnings.append("the checkpoint's kv_cache_scheme only carries KV scales: with kv_cache_dtype auto vLLM keeps "
+                        "the cache in the model dtype (set kv_cache_dtype fp8 to use them)")
+    return kv
+
+
 def run_job(request: dict[str, Any]) -> dict[str, Any]:
     """Execute one job.
 
@@ -333,9 +353,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     warnings.extend(check_quantization(d.get("quantization"), spec.quantization_config, version=era.version,
                                        path=drop_path))
     dtype = resolve_dtype(d.get("dtype", "auto"), spec.torch_dtype)
+    kv_dtype = _kv_cache_dtype(d, spec, era, drop_path, warnings)
     tp, pp = int(d.get("tensor_parallel_size", 1)), int(d.get("pipeline_parallel_size", 1))
     stage_settings = [
-        RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=d.get("kv_cache_dtype", "auto"),
+        RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
                      block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"),
                      compute_capability=_compute_capability(device),
@@ -358,7 +379,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         if engine_use.weights and warn in warnings:  # the engine, not the generic fallback, serves it
             warnings.remove(warn)
         warnings.extend(engine_use.warnings)
-    kv_specs = tuple(plugin.kv_cache_spec(spec, s) for s in stage_settings)
+    kv_specs = tuple(with_kv_quant_mode(plugin.kv_cache_spec(spec, s), kv_dtype) for s in stage_settings)
     if engine_use is not None and engine_use.kv_specs is not None:
         kv_specs = (dict(engine_use.kv_specs),)
     spec_cfg = d.get("speculative_config") or {}

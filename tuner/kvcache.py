@@ -73,6 +73,7 @@ __all__ = [
     "auto_fit_max_model_len", "max_concurrency", "max_in_flight_tokens", "kv_cache_tokens", "kv_cache_groups_tp_replicas",
     "v0_cache_block_size", "v0_num_gpu_blocks", "v0_max_concurrency",
     "dtype_bytes_for", "kv_heads_per_rank", "layers_per_pp_rank", "cdiv",
+    "kv_quant_mode_for", "kv_content_bytes", "nvfp4_full_dim", "with_kv_quant_mode", "resolve_kv_cache_dtype",
 ]
 
 
@@ -95,6 +96,68 @@ def cdiv(a: int, b: int) -> int:
 
 def _ver(version: str | VllmVersion) -> VllmVersion:
     return parse_version(version)
+
+
+# --------------------------------------------------------------------------- KV quantization
+
+#: ``KVQuantMode`` names whose page is not ``(head_size + head_size_v) · dtype`` per token and head.
+PER_TOKEN_HEAD_MODES = ("INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "INT4_PER_TOKEN_HEAD")
+
+
+def kv_quant_mode_for(kv_cache_dtype: str | None) -> str | None:
+    """vLLM's ``get_kv_quant_mode`` (vllm/v1/kv_cache_interface.py, 0.20–0.33): the
+    ``KVQuantMode`` name of a ``kv_cache_dtype`` string, or None for an unquantized cache.
+
+    ``int8_per_token_head`` / ``fp8_per_token_head`` (0.20+), ``int4_per_token_head`` (0.25+),
+    ``nvfp4`` (0.20+) and ``nvfp4_*`` (0.28+: ``startswith("nvfp4")``), ``turboquant_*``
+    (``TURBOQUANT_<NAME>``), any other ``fp8*`` → ``FP8_PER_TENSOR``.
+    """
+    kv = str(kv_cache_dtype or "auto").lower()
+    if kv in ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head"):
+        return kv.upper()
+    if kv.startswith("nvfp4"):
+        return "NVFP4"
+    if kv.startswith("turboquant_"):
+        return kv.upper()
+    if kv.startswith("fp8"):
+        return "FP8_PER_TENSOR"
+    return None
+
+
+def nvfp4_full_dim(head_size: int) -> int:
+    """``nvfp4_kv_cache_full_dim`` (vllm/utils/torch_utils.py, 0.20+): packed fp4 data (2 values
+    a byte) plus one fp8 block scale per 16 elements."""
+    return head_size // 2 + head_size // 16
+
+
+def kv_content_bytes(kv_quant_mode, head_size: int, head_size_v: int, dtype_bytes: int) -> int:
+    """Bytes one token's K and V take in one KV head of a page, by ``KVQuantMode``.
+
+    * none / ``FP8_PER_TENSOR``: ``(d + dv) · dtype``;
+    * ``INT8_PER_TOKEN_HEAD`` / ``FP8_PER_TOKEN_HEAD``: ``(d + dv) · dtype + 2 · 4`` — an fp32
+      scale for K and one for V per token and head (0.20–0.27 ``AttentionSpec.page_size_bytes``
+      adds ``2 · bs · h · 4``; 0.28+ ``TritonAttentionBackend.customize_spec`` packs the same
+      bytes inline);
+    * ``INT4_PER_TOKEN_HEAD`` (0.25+): ``(d/2 + dv/2) · dtype + 2 · 4`` (two values a byte);
+    * ``NVFP4`` (0.20+): ``(full(d) + full(dv)) · dtype`` with :func:`nvfp4_full_dim` (0.28+
+      ``FlashInferBackend.customize_spec``: ``2 · h`` slots of ``full(d)``, the same bytes).
+
+    ``kv_quant_mode`` is a mode name (any case), a vLLM ``KVQuantMode`` member or None.
+
+    Raises:
+        UnsupportedKVCacheError: a mode whose page ctx-tuner does not model (TurboQuant).
+    """
+    mode = str(getattr(kv_quant_mode, "name", kv_quant_mode) or "NONE").upper()
+    if mode in ("NONE", "FP8_PER_TENSOR"):
+        return (head_size + head_size_v) * dtype_bytes
+    if mode in ("INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD"):
+        return (head_size + head_size_v) * dtype_bytes + 2 * 4
+    if mode == "INT4_PER_TOKEN_HEAD":
+        return (head_size // 2 + head_size_v // 2) * dtype_bytes + 2 * 4
+    if mode == "NVFP4":
+        return (nvfp4_full_dim(head_size) + nvfp4_full_dim(head_size_v)) * dtype_bytes
+    raise UnsupportedKVCacheError(f"KV cache quantization mode {mode} is not modelled (its page layout is the "
+                                  "attention backend's own)")
 
 
 # --------------------------------------------------------------------------- spec classes
@@ -153,8 +216,9 @@ class FullAttentionSpec(_Spec):
     """Full attention (MHA/GQA/MQA) per rank. ``kv_cache_interface.FullAttentionSpec``.
 
     page = ``block_size · num_kv_heads · (head_size + head_size_v) · dtype_bytes``
-    (= ``2·bs·h·d·dt`` when K and V heads agree; 0.33 generalised to ``head_size_v``) plus, with
-    ``kv_quant_mode="FP8_PER_TOKEN_HEAD"`` (0.33), 4-byte K and V scales per token and head;
+    (= ``2·bs·h·d·dt`` when K and V heads agree; 0.33 generalised to ``head_size_v``); a
+    ``kv_quant_mode`` (0.20+, :func:`kv_quant_mode_for`) changes the bytes per token and head as
+    :func:`kv_content_bytes` says (per-token-head scales, packed int4 / NVFP4);
     ``page_size_padded`` wins when set. Max memory for one request: ``cdiv(M', bs)·page`` with
     ``M' = cdiv(M, dcp·pcp)`` when context parallel shards the tokens (and ``dcp_sharded``).
     ``sliding_window``/``attention_chunk_size`` are only recorded (hybrid manager disabled).
@@ -178,10 +242,8 @@ class FullAttentionSpec(_Spec):
 
     @property
     def unpadded_page_size_bytes(self) -> int:
-        base = self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v) * self.dtype_bytes
-        if self.kv_quant_mode and self.kv_quant_mode.upper() == "FP8_PER_TOKEN_HEAD":
-            base += 2 * self.block_size * self.num_kv_heads * 4
-        return base
+        return self.block_size * self.num_kv_heads * kv_content_bytes(self.kv_quant_mode, self.head_size,
+                                                                      self.head_size_v, self.dtype_bytes)
 
     @property
     def page_size_bytes(self) -> int:
@@ -260,12 +322,14 @@ class SlidingWindowSpec(_Spec):
     page_size_padded: int | None = None
     max_tp_shards: int | None = None
     dcp_sharded: bool = True
+    kv_quant_mode: str | None = None
 
     attention_chunk_size = None
 
     @property
     def unpadded_page_size_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        return self.block_size * self.num_kv_heads * kv_content_bytes(self.kv_quant_mode, self.head_size,
+                                                                      self.head_size, self.dtype_bytes)
 
     @property
     def page_size_bytes(self) -> int:
@@ -304,12 +368,14 @@ class ChunkedLocalAttentionSpec(_Spec):
     page_size_padded: int | None = None
     max_tp_shards: int | None = None
     dcp_sharded: bool = True
+    kv_quant_mode: str | None = None
 
     sliding_window = None
 
     @property
     def unpadded_page_size_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        return self.block_size * self.num_kv_heads * kv_content_bytes(self.kv_quant_mode, self.head_size,
+                                                                      self.head_size, self.dtype_bytes)
 
     @property
     def page_size_bytes(self) -> int:
@@ -1259,17 +1325,86 @@ _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "h
 
 def dtype_bytes_for(kv_cache_dtype: str, model_dtype: str) -> int:
     """Bytes per KV element: ``auto`` → the model dtype; ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``,
-    ``fp8_inc`` (any ``fp8*``) → 1; bfloat16/float16 → 2; float32 → 4."""
+    ``fp8_inc`` (any ``fp8*``), ``*_per_token_head`` and ``nvfp4*`` (uint8 / int8 storage,
+    vllm/utils/torch_utils.py ``STR_DTYPE_TO_TORCH_DTYPE``) → 1; bfloat16/float16 → 2;
+    float32 → 4. The packing and scales of the quantized modes are :func:`kv_content_bytes`'s."""
     kv = (kv_cache_dtype or "auto").lower().replace("torch.", "")
     if kv == "auto":
         kv = (model_dtype or "bfloat16").lower().replace("torch.", "")
         if kv == "auto":
             kv = "bfloat16"
-    if kv.startswith("fp8") or kv.startswith("float8"):
-        return 1
+    if kv.startswith("fp8") or kv.startswith("float8") or kv.startswith("nvfp4") or kv.endswith("_per_token_head"):
+        return 1  # STR_DTYPE_TO_TORCH_DTYPE: uint8 / int8 / float8 storage
     if kv in _DTYPE_BYTES:
         return _DTYPE_BYTES[kv]
     raise KVCacheError(f"unknown KV cache dtype {kv_cache_dtype!r} (model dtype {model_dtype!r})")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | None, quantization_config: dict | None,
+                           version: str | VllmVersion) -> str:
+    """The cache dtype vLLM runs for ``--kv-cache-dtype`` and the checkpoint's quantization config.
+
+    ``resolve_kv_cache_dtype_string`` / ``get_kv_cache_quant_algo_string``
+    (vllm/utils/torch_utils.py, 0.14+; 0.12 and 0.13 have neither): ``auto`` with a ModelOpt
+    checkpoint (``quant_method`` starting ``modelopt``) takes its ``kv_cache_scheme`` or
+    ``kv_cache_quant_algo`` (in ``quantization`` or at the top): ``FP8`` or a scheme
+    ``{num_bits: 8, type: float, dynamic: false}`` → ``fp8_e4m3``; from 0.20 also ``NVFP4`` or
+    ``{num_bits: 4, type: float}`` → ``nvfp4``; anything else stays ``auto``. Other checkpoints'
+    ``kv_cache_scheme`` (compressed-tensors) only carries scales: their cache stays in the model
+    dtype unless ``--kv-cache-dtype`` says otherwise. An explicit dtype always wins.
+    """
+    kv = str(kv_cache_dtype or "auto").lower()
+    v = _ver(version)
+    qc = quantization_config or {}
+    if kv != "auto" or v < (0, 14, 0) or not str(qc.get("quant_method") or "").lower().startswith("modelopt"):
+        return kv
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = (inner.get("kv_cache_scheme") or qc.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo")
+            or qc.get("kv_cache_quant_algo"))
+    nvfp4 = v >= (0, 20, 0)
+    if isinstance(algo, dict):
+        if algo.get("dynamic") is False and algo.get("num_bits") == 8 and algo.get("type") == "float":
+            algo = "fp8"
+        elif nvfp4 and algo.get("num_bits") == 4 and algo.get("type") == "float":
+            algo = "nvfp4"
+        else:
+            return "auto"
+    if isinstance(algo, str):
+        mapped = {"fp8": "fp8_e4m3", **({"nvfp4": "nvfp4"} if nvfp4 else {})}
+        return mapped.get(algo.lower(), "auto")
+    return "auto"
+
+
+def with_kv_quant_mode(specs: dict, kv_cache_dtype: str | None) -> dict:
+    """The per-layer specs of a plugin with the ``KVQuantMode`` of ``kv_cache_dtype`` applied.
+
+    vLLM's ``Attention.get_kv_cache_spec`` (0.20+) passes ``get_kv_quant_mode(kv_cache_dtype)``
+    into every attention spec; plugins build specs from the element size only
+    (:func:`dtype_bytes_for`), so the per-token-head and NVFP4 layouts are applied here to full,
+    sliding-window and chunked-local attention layers. Per-tensor fp8 and unquantized caches are
+    returned unchanged (same object).
+
+    Raises:
+        UnsupportedKVCacheError: TurboQuant modes (layout of its own backend), or a per-token-head
+            / NVFP4 mode on MLA layers (vLLM's MLA backends take ``fp8`` / ``fp8_ds_mla`` only).
+    """
+    mode = kv_quant_mode_for(kv_cache_dtype)
+    if mode is None or mode == "FP8_PER_TENSOR":
+        return specs
+    if mode.startswith("TURBOQUANT"):
+        raise UnsupportedKVCacheError(f"kv_cache_dtype {kv_cache_dtype!r} (TurboQuant) is accepted by vLLM but its "
+                                      "page layout is not modelled")
+    out = {}
+    for name, spec in specs.items():
+        if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)) \
+                and not isinstance(spec, SlidingWindowMLASpec):
+            out[name] = replace(spec, kv_quant_mode=mode)
+        elif isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            raise UnsupportedKVCacheError(f"kv_cache_dtype {kv_cache_dtype!r} on MLA layer {name}: vLLM's MLA "
+                                          "backends do not take per-token-head or NVFP4 caches")
+        else:
+            out[name] = spec
+    return out
 
 
 def kv_heads_per_rank(total_kv_heads: int, tensor_parallel_size: int) -> int:
