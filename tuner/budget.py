@@ -339,34 +339,58 @@ def runner_persistent_bytes(
 
 def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int, *,
                             num_speculative_tokens: int = 0, cudagraph_capture_sizes: list[int] | None = None,
-                            max_cudagraph_capture_size: int | None = None) -> list[int]:
+                            max_cudagraph_capture_size: int | None = None,
+                            compute_capability: str | None = None) -> list[int]:
     """CUDA-graph capture sizes (tokens) as the release derives them.
 
-    ≥0.12 (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``, 0.19 and 0.24 read):
-    ``max = min(max_num_seqs × (1 + num_speculative_tokens) × 2, 512)`` unless
-    ``max_cudagraph_capture_size`` is given, then ``min(max, max_num_batched_tokens)``; sizes
-    ``[1, 2, 4]`` (those ≤ max) + ``range(8, min(max + 1, 256), 8)`` + ``range(256, max + 1, 16)``;
-    from 0.24 also ``max_num_batched_tokens`` itself when it is ≤ max (0.19 lacks that step;
-    0.20–0.23 taken as 0.19). A user ``cudagraph_capture_sizes`` list replaces the derived one
-    (deduplicated, sizes above N dropped). ≤0.11 (vllm/config/__init__.py, 0.10.1):
-    ``[1, 2, 4] + range(8, max + 1, 8)`` with ``max = min(2·max_num_seqs, 512)``, capped at N.
+    ≥0.12 (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``; 0.19–0.33 read): with
+    ``q = 1 + num_speculative_tokens``, ``max = min(max_num_seqs × q × 2, D)`` unless
+    ``max_cudagraph_capture_size`` is given, then ``min(max, max_num_batched_tokens)``; ``D`` is
+    512, and from 0.28 1024 on data-centre Blackwell (compute capability 10.x,
+    ``is_device_capability_family(100)``); sizes ``[1, 2, 4]`` (those ≤ max) +
+    ``range(8, min(max + 1, 256), 8)`` + ``range(256, max + 1, 16)``; from 0.20.1 also
+    ``max_num_batched_tokens`` itself when it is ≤ max (0.20.0 lacks that step); from 0.29
+    with spec decode (``q > 1``) the uniform decode sizes ``c × q`` for the request counts
+    ``c`` of the same grid up to ``min(max_num_seqs, D)`` (and ``max_num_seqs`` itself) where
+    ``c × q`` ≤ the uncapped max, from 0.31 without spec decode ``max_num_seqs`` when ≤ it —
+    each kept when ≤ ``max_num_batched_tokens``. A user ``cudagraph_capture_sizes`` list
+    replaces the derived one (deduplicated, sizes above N dropped). Not modelled: the
+    ``interactivity`` performance mode, sequence-parallel rounding, dynamic spec-decode tiers.
+    ≤0.11 (vllm/config/__init__.py, 0.10.1): ``[1, 2, 4] + range(8, max + 1, 8)`` with
+    ``max = min(2·max_num_seqs, 512)``, capped at N.
     """
     n = int(max_num_batched_tokens)
+    v = era.version
     if cudagraph_capture_sizes:
         return sorted({int(x) for x in cudagraph_capture_sizes if int(x) <= n})
-    if era.version < (0, 12, 0):
+    if v < (0, 12, 0):
         max_graph = min(2 * max_num_seqs, 512)
         sizes = [1, 2, 4] + list(range(8, max_graph + 1, 8))
         return [x for x in sizes if x <= n]
-    max_graph = max_cudagraph_capture_size or min(max_num_seqs * (1 + int(num_speculative_tokens)) * 2, 512)
+    q = 1 + int(num_speculative_tokens)
+    uniform: list[int] = []
+    if max_cudagraph_capture_size:
+        max_graph = int(max_cudagraph_capture_size)
+    else:
+        blackwell = bool(compute_capability) and str(compute_capability).split(".")[0] == "10"
+        default = 1024 if v >= (0, 28, 0) and blackwell else 512
+        max_graph = min(max_num_seqs * q * 2, default)
+        if v >= (0, 29, 0) and q > 1:
+            reqs = min(max_num_seqs, default)
+            counts = [c for c in (1, 2, 4) if c <= reqs] + list(range(8, min(reqs + 1, 256), 8)) \
+                + list(range(256, reqs + 1, 16)) + [reqs]
+            uniform = sorted({c * q for c in counts if c * q <= max_graph})
+        elif v >= (0, 31, 0) and max_num_seqs <= max_graph:
+            uniform = [max_num_seqs]
     max_graph = min(n, max_graph)
     sizes = [x for x in (1, 2, 4) if x <= max_graph]
     if max_graph >= 8:
         sizes += list(range(8, min(max_graph + 1, 256), 8))
     if max_graph >= 256:
         sizes += list(range(256, max_graph + 1, 16))
-    if era.version >= (0, 24, 0) and n <= max_graph:
+    if v >= (0, 20, 1) and n <= max_graph:
         sizes.append(n)
+    sizes += [x for x in uniform if x <= n]
     return sorted(set(sizes))
 
 
@@ -378,6 +402,7 @@ CUDAGRAPH_ANCHOR_SIZES = 51
 def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
+    compute_capability: str | None = None,
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -405,7 +430,8 @@ def cudagraph_estimate_bytes(
     else:
         est = at_anchor + 1.507e-6 * GiB * (x - anchor)
     sizes = capture_sizes if capture_sizes is not None else cudagraph_capture_sizes(
-        era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens)
+        era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
+        compute_capability=compute_capability)
     return int(est * len(sizes) / CUDAGRAPH_ANCHOR_SIZES)
 
 

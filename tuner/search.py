@@ -215,7 +215,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                                           hidden_size=layout.hidden_size,
-                                          num_speculative_tokens=layout.num_speculative_tokens)
+                                          num_speculative_tokens=layout.num_speculative_tokens,
+                                          compute_capability=getattr(layout.topology, "compute_capability", None))
         drafter_act = layout.drafter_activation_bytes_per_token * n if stage == len(passes) - 1 else 0
         act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1] + drafter_act
         drafter_acts.append(drafter_act)
