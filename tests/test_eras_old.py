@@ -103,6 +103,18 @@ def test_flashinfer_sampler_buffers_by_release():
     assert _sampler_peak("0.10.1", r, v, h) == base + 2 * r * v * 4 + argmax
 
 
+def test_flashinfer_sampler_opt_in_from_0_11_1():
+    """vllm/v1/sample/ops/topk_topp_sampler.py: 0.9.0–0.11.0 take ``forward_cuda`` (FlashInfer)
+    unless ``VLLM_USE_FLASHINFER_SAMPLER=0``; 0.11.0→0.11.1 turns it into an opt-in
+    (``if envs.VLLM_USE_FLASHINFER_SAMPLER:``), so 0.11.1 and 0.11.2 profile the PyTorch sort path
+    that 0.12 keeps (same ``apply_top_k_top_p``)."""
+    assert sampler_family(era_for("0.11.0")) == "v1_flashinfer"
+    assert sampler_family(era_for("0.11.1")) == sampler_family(era_for("0.11.2")) == "v1_sort"
+    r, v, h = 8, 1024, 64
+    assert _sampler_peak("0.11.1", r, v, h) == _sampler_peak("0.12.0", r, v, h)
+    assert _sampler_peak("0.11.1", r, v, h) != _sampler_peak("0.11.0", r, v, h)
+
+
 def test_v0_sampler_peak_is_32_bytes_per_logit():
     """V0 0.6.4 sampler (vllm/model_executor/layers/sampler.py): bf16 logits 2 + fp32 copy 4 +
     ``_apply_top_k_top_p`` sorted 4, int64 idx 8, top-k mask 1, softmax 4, cumsum 4, top-p mask 1,

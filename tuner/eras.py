@@ -313,8 +313,8 @@ def profile_batch(
 SAMPLER_V0_SORT = "v0_sort"  # V0: fp32 upcast, sort-based top-k/top-p, probs + logprobs
 SAMPLER_V1_ALL_LOGITS = "v1_all_logits"  # V1 0.7.0–0.7.2: logits for all N tokens, no sampler
 SAMPLER_V1_LOGITS_ONLY = "v1_logits_only"  # V1 0.7.3: logits for R rows, no sampler
-SAMPLER_V1_FLASHINFER = "v1_flashinfer"  # V1 0.8–0.11: FlashInfer sampler is the CUDA default
-SAMPLER_V1_SORT = "v1_sort"  # V1 0.12–0.16: PyTorch sort path (FlashInfer opt-in)
+SAMPLER_V1_FLASHINFER = "v1_flashinfer"  # V1 0.8–0.11.0: FlashInfer sampler is the CUDA default
+SAMPLER_V1_SORT = "v1_sort"  # V1 0.11.1–0.16: PyTorch sort path (FlashInfer opt-in from 0.11.1)
 SAMPLER_V1_TRITON = "v1_triton"  # V1 0.17+: Triton top-k/top-p in place for batches ≥ 8
 SAMPLER_V2_LOGITS = "v2_logits"  # Model Runner V2 0.22–0.32: default params, model-dtype logits only
 SAMPLER_V2_FP32_PASS = "v2_fp32_pass"  # Model Runner V2 0.33: + warm-up pass on fp32 logits (FlashInfer)
@@ -338,7 +338,7 @@ def sampler_family(era: Era, *, model_runner_v2: bool = False) -> str:
         return SAMPLER_V1_ALL_LOGITS
     if v < (0, 8, 0):
         return SAMPLER_V1_LOGITS_ONLY
-    if v < (0, 12, 0):
+    if v < (0, 11, 1):  # 0.11.1 makes FlashInfer opt-in (VLLM_USE_FLASHINFER_SAMPLER=1)
         return SAMPLER_V1_FLASHINFER
     if v < (0, 17, 0):
         return SAMPLER_V1_SORT
