@@ -104,6 +104,8 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
                                 torch.empty(n, spec.hidden_size, dtype=p.dtype))
             out = model(input_ids, positions, intermediate)
             forward_peak = tracker.peak_bytes
+            if settings.dtype in ("float32", "float") and era.engine == "V1" and era.compiled:
+                forward_peak += int(forward_peak * FP32_COMPILED_FORWARD_EXTRA)
             before_sampler = tracker.live_bytes
             tracker.reset_peak()
             if last:
@@ -125,6 +127,16 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
+
+#: A fit, not derived: a float32 model's compiled V1 forward holds this fraction more than the
+#: memory-equivalent module (whose float32 peak is exactly twice its 16-bit one). Fitted on the one
+#: visible float32 start-up (vLLM 0.19.0, H100, Llama-3.1-8B, N 8192: torch peak increase 2.21 GiB
+#: where the module's forward gives 1.81 + 0.03 cuBLAS workspace; its bf16 / fp16 twins match within
+#: 0.01 GiB). Reading 0.19 found no float32-only buffer in the profile run (attention is skipped,
+#: TRITON_ATTN being the backend that takes float32; the sampler's ``logits.to(float32)`` is a
+#: no-op), so the extra is taken to be the compiled graph's (inductor buffers of the float32 graph)
+#: and scaled with the forward. Applies to V1 compiled runs only (not ``enforce_eager``, not V0).
+FP32_COMPILED_FORWARD_EXTRA = 0.205
 
 #: The :class:`~tuner.plugin.RankSettings` fields that change from one pass of a job to the next
 #: (the profile batch); a module whose build never reads them is reused across those passes.
