@@ -55,6 +55,10 @@ EXPECTED = {
         "id", "host_id", "watch_dir", "pid", "tool_version", "gpus", "started_at", "last_seen_at",
         "lease_expires_at",
     ],
+    "pass_memo": [
+        "id", "memo_key", "kind", "model_config_sha256", "tool_version", "method", "device_name", "era", "value",
+        "created_at",
+    ],
     "calibrations": [
         "id", "profile_run_id", "model", "model_config_sha256", "device_name", "era",
         "tensor_parallel_size", "pipeline_parallel_size", "dtype", "quantization",
