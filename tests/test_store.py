@@ -313,7 +313,7 @@ def test_readonly_open_cannot_write(store, tmp_path):
     finally:
         ro.close()
     assert _counts(url) == {"drops": 1, "profile_runs": 0, "candidates": 0, "proposals": 1, "jobs": 0,
-                            "calibrations": 0, "hosts": 0}
+                            "calibrations": 0, "hosts": 0, "pass_memo": 0}
     assert store.latest_proposals(drop_id)[0]["drop_id"] == drop_id
 
 

@@ -70,6 +70,7 @@ from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
 from tuner.store import Store, drops_table, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
+from tuner import passmemo
 from tuner.worker import run_in_worker
 
 log = logging.getLogger("tuner.daemon")
@@ -950,12 +951,15 @@ class Daemon:
                 # the memory limit covers simulate passes (CPU only); a cuda/vllm worker maps device
                 # memory and is bounded by the unit's MemoryMax= and its oom_score_adj instead
                 limit = s.worker_memory_limit if request.get("method") == "simulate" else None
-                result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                                     python=s.python_for(drop.engine_version), popen=self._popen,
-                                     memory_max_bytes=limit)
+                # the pass memo first (answered here, no worker, no torch: tuner.passmemo), else the worker
+                run = passmemo.memo_worker(s.db_url, self.worker, enabled=getattr(s, "pass_memo", True), write=False)
+                result = run(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
+                             python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
+                memo_entries = result.pop(passmemo.ENTRIES, None) or []
                 outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                          content=job.content)
                 outcome.result_sha256 = key
+                outcome.memo_entries = memo_entries
         except TunerError as exc:
             outcome = exc
         except Exception as exc:  # a bug or a broken injected worker: the job fails, the daemon lives
@@ -996,8 +1000,13 @@ class Daemon:
         job, outcome, started = self._unsaved
         try:
             drop_row, runs, cands, props = self._rows(outcome, started)
-            drop_id = self.store.save_result(
-                drop_row, runs, cands, props, also=lambda conn, did: self.queue.complete_in(conn, job.id, did))
+            memo_entries = getattr(outcome, "memo_entries", None) or []
+
+            def also(conn, did: int) -> None:
+                self.queue.complete_in(conn, job.id, did)
+                self.store.put_memo(memo_entries, conn)  # the worker's new passes, for every later drop
+
+            drop_id = self.store.save_result(drop_row, runs, cands, props, also=also)
         except JobNotRunning as exc:
             self._unsaved = None
             log.warning("drop %s: %s", job.path, exc)

@@ -307,9 +307,13 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
     runs the worker (its entries are still stored: the memo is refreshed, not bypassed forever).
     """
 
-    def worker(request: dict, *, job: str, timeout_s: float | None = None, **kw: Any) -> dict:
+    def worker(request: dict, *, job: str, timeout_s: float | None = None,
+               on_progress: Callable[[str], None] | None = None, **kw: Any) -> dict:
         req = request
-        if enabled and memo_applies(request, kw.get("python")):
+        if on_progress is not None:  # a progress sink only where one is given (fake workers may lack it)
+            kw["on_progress"] = on_progress
+        python = kw.get("python") or (getattr(inner, "keywords", None) or {}).get("python")  # a partial's
+        if enabled and memo_applies(request, python):
             entries = _entries_from_store(db_url, request)
             if entries:
                 result, hits = answer_from_memo(request, entries)

@@ -203,6 +203,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_listen", None,
             "Prometheus metrics endpoint: `127.0.0.1:PORT` (a loopback address) or `unix:/run/ctx-tuner/metrics.sock` "
             "(what the shipped unit allows); null = no metrics. `ctx-tuner status` probes it.", _listen),
+    Setting("pass_memo", True,
+            "Answer a drop whose model spec and profile passes are already in the store's pass memo (any drop, "
+            "any host of a fleet; keyed by content hash) in the daemon's own process, without a worker; false = "
+            "always run a worker (the memo is still filled).", _bool),
     Setting("allow_hub_download", False,
             "Fetch `config.json` (and the small quantization / processor JSON files, never weights) of an HF id "
             "that is not in the local HF cache through `huggingface_hub` (honours HF_ENDPOINT, HF_TOKEN, "
@@ -235,6 +239,7 @@ class Settings:
     lease_s: float = 60.0
     engine_pythons: dict = field(default_factory=dict)
     metrics_listen: str | None = None
+    pass_memo: bool = True
     allow_hub_download: bool = False
     #: the file these settings came from (None = defaults).
     source: str | None = None

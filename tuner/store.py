@@ -529,7 +529,55 @@ def store_exists(url: str | None = None, *, default_path: str = DEFAULT_PATH) ->
     return not _is_file_sqlite(u) or Path(u.database).exists()
 
 
+def script_head() -> str | None:
+    """The head revision of the migration scripts, read from their ``revision`` /
+    ``down_revision`` lines without importing Alembic; None when that is not one clear head (then
+    Alembic decides)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("tuner.migrations")
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    except (ImportError, ValueError):
+        return None
+    revs, downs = set(), set()
+    pat = re.compile(r'^(revision|down_revision)\s*(?::[^=]*)?=\s*(.+?)\s*$', re.M)
+    for root in roots:
+        for f in sorted((Path(root) / "versions").glob("*.py")):
+            found = dict((k, v) for k, v in pat.findall(f.read_text(encoding="utf-8")))
+            rev = found.get("revision", "").strip("'\"")
+            if not rev:
+                continue
+            revs.add(rev)
+            down = found.get("down_revision", "None")
+            if down != "None":
+                if not re.fullmatch(r'["\'][\w]+["\']', down):
+                    return None  # a merge point or anything unusual: ask Alembic
+                downs.add(down.strip("'\""))
+    heads = revs - downs
+    return heads.pop() if len(heads) == 1 else None
+
+
+def _at_head(u: URL, busy_timeout_s: float) -> bool:
+    """The store's ``alembic_version`` is the scripts' head already (:func:`script_head`): opening
+    it needs no Alembic (which costs a cold CLI about 0.1–0.2 s to import)."""
+    head = script_head()
+    if head is None:
+        return False
+    eng = make_engine(u, busy_timeout_s=busy_timeout_s)
+    try:
+        with eng.connect() as conn:
+            rows = conn.execute(sa.text("SELECT version_num FROM alembic_version")).all()
+    except sa.exc.SQLAlchemyError:
+        return False
+    finally:
+        eng.dispose()
+    return [r[0] for r in rows] == [head]
+
+
 def _upgrade(u: URL, busy_timeout_s: float) -> None:
+    if _at_head(u, busy_timeout_s):
+        return
     from alembic import command
 
     mig = make_engine(u, foreign_keys=False, busy_timeout_s=busy_timeout_s)
