@@ -248,3 +248,43 @@ def test_builtin_plugins_never_read_settings_max_model_len():
     assert len(files) > 10
     readers = [f.name for f in files if "max_model_len" in _code_names(f)]
     assert readers == []
+
+
+def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_path, tiny_config):
+    """A second drop file (another name and u: another result key) of a model whose passes the
+    daemon stored is answered in the daemon's process: the worker is not called, the proposal file
+    is written and holds what a fresh computation proposes."""
+    import yaml
+
+    from tests._daemon_helpers import drop_text, poll, settings_for
+    from tuner.daemon import Daemon
+    from tuner.notify import Notifier
+
+    calls = []
+
+    def inner(request, **kw):
+        calls.append(request["drop"]["name"])
+        return _worker_run(request)
+
+    s = settings_for(tmp_path, worker_python=None)
+    conf, proposals = Path(s.watch_dir), Path(s.state_dir) / "proposals"
+    d = Daemon(s, notifier=Notifier({}), worker=inner)
+    d.start()
+    try:
+        (conf / "a.yaml").write_text(drop_text("a", tiny_config, gmu=(0.5,)))
+        poll(lambda: (proposals / "a.yaml").exists(), 120, step=lambda: d.step(max_wait_s=0.05), what="a's proposal")
+        assert calls == ["a"]
+        (conf / "b.yaml").write_text(drop_text("b", tiny_config, gmu=(0.3, 0.7)))
+        poll(lambda: (proposals / "b.yaml").exists(), 60, step=lambda: d.step(max_wait_s=0.05), what="b's proposal")
+        assert calls == ["a"]  # no worker for b
+        doc = yaml.safe_load((proposals / "b.yaml").read_text())
+    finally:
+        d.shutdown()
+    from tuner.app import prepare_request
+    from tuner.drop import load_drop
+
+    fresh = _fresh(prepare_request(load_drop(conf / "b.yaml"), download=False)[0])
+    text = json.dumps(doc)
+    for p in fresh["proposals"]:
+        assert p["vllm_args"] in text
+    assert [p["gpu_memory_utilization"] for p in fresh["proposals"]] == [0.3, 0.7]
