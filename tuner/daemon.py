@@ -41,6 +41,7 @@ loop goes on.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -71,6 +72,7 @@ from tuner.snapshot import write_snapshot
 from tuner.store import Store, drops_table, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
 from tuner import passmemo
+from tuner.warmworker import WarmWorker
 from tuner.worker import run_in_worker
 
 log = logging.getLogger("tuner.daemon")
@@ -270,6 +272,8 @@ class Daemon:
         self.observer_factory = observer_factory
         self._popen_fn = popen
         self.killpg = killpg
+        #: the warm worker (tuner.warmworker): one worker process for successive simulate jobs
+        self.warm = WarmWorker(killpg=killpg)
         self.nvml = nvml
         self.store: Store | None = None
         self.queue: JobQueue | None = None
@@ -889,6 +893,15 @@ class Daemon:
         self.waker.wake()
         return proc
 
+    def _attach(self, proc: subprocess.Popen) -> None:  # job thread: the warm worker takes this job
+        with self._lock:
+            r = self._running
+            if self.stop_requested or r is None:
+                raise WorkerError("daemon is stopping; worker not started")
+            r.proc = proc
+        self.events.put(("pid", r.job.id, proc.pid))
+        self.waker.wake()
+
     def _lookups(self, request: dict, s: Settings) -> tuple[dict | None, str | None, int | None]:  # job thread
         """Read-only look-ups before a pass, through a read-only store of their own (the main loop
         owns every write; SQLite ``mode=ro`` or read-only server sessions): the corrections from
@@ -952,7 +965,12 @@ class Daemon:
                 # memory and is bounded by the unit's MemoryMax= and its oom_score_adj instead
                 limit = s.worker_memory_limit if request.get("method") == "simulate" else None
                 # the pass memo first (answered here, no worker, no torch: tuner.passmemo), else the worker
-                run = passmemo.memo_worker(s.db_url, self.worker, enabled=getattr(s, "pass_memo", True), write=False)
+                inner = self.worker
+                if inner is run_in_worker and request.get("method") == "simulate" and s.worker_max_jobs > 1:
+                    # one warm worker for successive simulate jobs (cuda/vllm measure from a fresh process)
+                    inner = functools.partial(self.warm.run, max_jobs=s.worker_max_jobs,
+                                              max_rss_bytes=s.worker_max_rss_bytes, attach=self._attach)
+                run = passmemo.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
                 result = run(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
                              python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
                 memo_entries = result.pop(passmemo.ENTRIES, None) or []
@@ -1175,6 +1193,7 @@ class Daemon:
         work = self._work_thread
         try:
             self._kill_running()
+            self.warm.kill()  # the warm worker between jobs, too
             if work is None:
                 self._stop_work()
             else:
