@@ -966,8 +966,10 @@ class Daemon:
                 limit = s.worker_memory_limit if request.get("method") == "simulate" else None
                 # the pass memo first (answered here, no worker, no torch: tuner.passmemo), else the worker
                 inner = self.worker
-                if inner is run_in_worker and request.get("method") == "simulate" and s.worker_max_jobs > 1:
-                    # one warm worker for successive simulate jobs (cuda/vllm measure from a fresh process)
+                if (inner is run_in_worker and request.get("method") == "simulate" and s.worker_max_jobs > 1
+                        and s.python_for(drop.engine_version) == s.worker_python):
+                    # one warm worker for successive simulate jobs (cuda/vllm measure from a fresh process;
+                    # an engine_pythons venv gets a fresh worker per job)
                     inner = functools.partial(self.warm.run, max_jobs=s.worker_max_jobs,
                                               max_rss_bytes=s.worker_max_rss_bytes, attach=self._attach)
                 run = passmemo.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
