@@ -569,12 +569,17 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
                                              gpu_memory_utilization=u, max_model_len=m,
                                              min_concurrency=min_conc).to_dict()
             candidates.append(c)
-        if request.get("progress"):  # one line per u on stderr; the parent relays it (tuner.worker)
+        if request.get("progress") or (pass_memo is not None and pass_memo.progress is not None):
+            # one line per u on stderr; the parent relays it (tuner.worker); from the memo, kept for the caller
             from tuner.worker import PROGRESS_PREFIX
 
             done = len(proposals) or len({x["gpu_memory_utilization"] for x in candidates})
-            print(f"{PROGRESS_PREFIX}gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
-                  f"{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+            line = (f"gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
+                    f"{time.perf_counter() - t_start:.1f} s")
+            if pass_memo is not None:
+                pass_memo.progress.append(line)
+            else:
+                print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
     if engine_use is not None and engine_use.session is not None:
         from tuner.engine.use import verify_proposals
 

@@ -192,6 +192,8 @@ class MemoSource:
         self.entries = entries
         self.hits: dict[str, dict] = {}
         self.versions: dict | None = None
+        #: progress lines of the job (a list when the caller wants them, else None)
+        self.progress: list[str] | None = None
 
     def spec(self, key: str) -> Any:
         value = self.entries.get(key)
@@ -253,7 +255,8 @@ def lookup_entries(store: Any, request: dict) -> dict[str, dict]:
     return store.memo_entries(config_hash(read_top(request["config_path"])), __version__)
 
 
-def answer_from_memo(request: dict, entries: dict[str, dict]) -> tuple[dict | None, dict]:
+def answer_from_memo(request: dict, entries: dict[str, dict],
+                     on_progress: Callable[[str], None] | None = None) -> tuple[dict | None, dict]:
     """Run the job in this process from memo ``entries``: ``(result, hits)``, the result exactly
     as a worker returns it (a JSON round trip), or ``(None, hits)`` when something is missing
     (``hits``: the pass rows that were found, for the worker).
@@ -264,6 +267,8 @@ def answer_from_memo(request: dict, entries: dict[str, dict]) -> tuple[dict | No
     from tuner.job import run_job
 
     src = MemoSource(entries)
+    if on_progress is not None:
+        src.progress = []
     req = {k: v for k, v in request.items() if k not in ("progress", KNOWN_PASSES)}
     try:
         result = run_job(req, pass_memo=src)
@@ -272,6 +277,11 @@ def answer_from_memo(request: dict, entries: dict[str, dict]) -> tuple[dict | No
     except Exception:  # noqa: BLE001 - any error: the worker runs the job and reports it as it always does
         return None, {}
     result.pop(ENTRIES, None)
+    for line in src.progress or ():  # the lines a worker would have relayed, once the answer stands
+        try:
+            on_progress(line)
+        except Exception:  # noqa: BLE001 - a broken progress sink must not break the job
+            pass
     return json.loads(json.dumps(result)), src.hits
 
 
@@ -316,7 +326,7 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
         if enabled and memo_applies(request, python):
             entries = _entries_from_store(db_url, request)
             if entries:
-                result, hits = answer_from_memo(request, entries)
+                result, hits = answer_from_memo(request, entries, on_progress)
                 if result is not None:
                     return result
                 if hits:
