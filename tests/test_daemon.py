@@ -188,7 +188,9 @@ def _shell_fake(tmp_path: Path, model: Path) -> Path:
 def test_200_drops_written_at_once_are_each_profiled_exactly_once(tmp_path, tiny_config):
     base = fast_tmp(tmp_path)  # tmpfs: this test counts jobs; fsync latency would only slow it down
     h = Harness(base, tiny_config)
-    h.settings = h.settings.__class__(**{**h.settings.__dict__, "worker_python": str(_shell_fake(base, tiny_config))})
+    # the /bin/sh stand-in speaks the one-request protocol only: a fresh worker per job (worker_max_jobs 1)
+    h.settings = h.settings.__class__(**{**h.settings.__dict__, "worker_python": str(_shell_fake(base, tiny_config)),
+                                         "worker_max_jobs": 1})
     d = h.start()
     for i in range(200):  # distinct settings: none is answered from another's stored result
         (h.conf / f"d{i:03d}.yaml").write_text(drop_text(f"d{i:03d}", h.model, max_num_seqs=i + 1))

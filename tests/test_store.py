@@ -55,6 +55,10 @@ EXPECTED = {
         "id", "host_id", "watch_dir", "pid", "tool_version", "gpus", "started_at", "last_seen_at",
         "lease_expires_at",
     ],
+    "pass_memo": [
+        "id", "memo_key", "kind", "model_config_sha256", "tool_version", "method", "device_name", "era", "value",
+        "created_at",
+    ],
     "calibrations": [
         "id", "profile_run_id", "model", "model_config_sha256", "device_name", "era",
         "tensor_parallel_size", "pipeline_parallel_size", "dtype", "quantization",
@@ -309,7 +313,7 @@ def test_readonly_open_cannot_write(store, tmp_path):
     finally:
         ro.close()
     assert _counts(url) == {"drops": 1, "profile_runs": 0, "candidates": 0, "proposals": 1, "jobs": 0,
-                            "calibrations": 0, "hosts": 0}
+                            "calibrations": 0, "hosts": 0, "pass_memo": 0}
     assert store.latest_proposals(drop_id)[0]["drop_id"] == drop_id
 
 

@@ -250,7 +250,7 @@ def lookup_calibration(request: dict, store: Store) -> dict | None:
 
 def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             store_factory: Callable[..., Store] = open_store, worker: Callable[..., dict] = run_in_worker,
-            nvml: Any = None, calibrate: bool = True) -> ProfileOutcome:
+            nvml: Any = None, calibrate: bool = True, cache: bool = True) -> ProfileOutcome:
     """Run the main job for one drop file and store everything in one transaction.
 
     With ``calibrate`` (default) and an existing store, a simulate run applies the corrections
@@ -258,6 +258,11 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     (:func:`lookup_calibration`); the result then carries ``calibration`` and, per candidate and
     proposal, ``uncalibrated``. A store that does not exist yet is not created before the job
     succeeds.
+
+    With ``cache`` (default) a job whose model spec and passes are in the store's pass memo is
+    answered from them in this process, with no worker and no torch (:mod:`tuner.passmemo`);
+    ``cache=False`` (``--no-cache``) runs the worker. A worker's new memo entries are stored with
+    the result, in the same transaction.
 
     Raises:
         DropError: the drop is invalid (names file and field), or its method cannot run here.
@@ -275,12 +280,22 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         if cal is not None:
             request["calibration"] = cal
     started = utc_text()
-    result = worker(request, job=drop.name, timeout_s=timeout_s)
+    from tuner.passmemo import ENTRIES, memo_worker
+
+    result = memo_worker(db_url, worker, enabled=cache, write=False)(request, job=drop.name, timeout_s=timeout_s)
+    memo_entries = result.pop(ENTRIES, None) or []
     outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])))
     store = store_factory(db_url)
     try:
         rows = rows_for_store(outcome, started_at=started)
-        outcome.drop_id = store.save_result(*rows, also=_vllm_residuals(outcome, rows[1], store))
+        residuals = _vllm_residuals(outcome, rows[1], store)
+
+        def also(conn, drop_id: int) -> None:
+            if residuals is not None:
+                residuals(conn, drop_id)
+            store.put_memo(memo_entries, conn)
+
+        outcome.drop_id = store.save_result(*rows, also=also)
     finally:
         store.close()
     return outcome

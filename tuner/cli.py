@@ -79,23 +79,47 @@ COMMANDS: tuple[str, ...] = (
 )
 
 
-def _modules():
-    return [importlib.import_module(name) for name in COMMANDS]
+def _modules(only: str | None = None):
+    return [importlib.import_module(name) for name in COMMANDS if only is None or name == only]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_module(argv: list[str]) -> str | None:
+    """The module of the sub-command ``argv`` names (the first word after the global options),
+    or None (no command, ``--help``, a typo: then every command's parser is built, so help and
+    errors list them all). Building only the one parser keeps a cold ``ctx-tuner profile`` from
+    importing every other command's modules."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--log-level":
+            i += 2
+            continue
+        if a.startswith("--log-level="):
+            i += 1
+            continue
+        if a.startswith("-"):
+            return None
+        name = "tuner.commands." + a.replace("-", "_")
+        return name if name in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``argv``, only the parser of the command it names (see
+    :func:`_command_module`)."""
     p = argparse.ArgumentParser(prog="ctx-tuner", description="Predict the largest vLLM max_model_len that fits.")
     p.add_argument("--version", action="version", version=f"ctx-tuner {__version__}")
     p.add_argument("--log-level", type=_log_level, default="WARNING", metavar="LEVEL",
                    help=f"logging level: {', '.join(LOG_LEVELS)} (case-insensitive; default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
-    for mod in _modules():
+    for mod in _modules(_command_module(argv) if argv is not None else None):
         mod.add_parser(sub).set_defaults(_run=mod.run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     in_main_thread = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None

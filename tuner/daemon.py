@@ -41,6 +41,7 @@ loop goes on.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -70,6 +71,8 @@ from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
 from tuner.store import Store, drops_table, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
+from tuner import passmemo
+from tuner.warmworker import WarmWorker
 from tuner.worker import run_in_worker
 
 log = logging.getLogger("tuner.daemon")
@@ -269,6 +272,8 @@ class Daemon:
         self.observer_factory = observer_factory
         self._popen_fn = popen
         self.killpg = killpg
+        #: the warm worker (tuner.warmworker): one worker process for successive simulate jobs
+        self.warm = WarmWorker(killpg=killpg)
         self.nvml = nvml
         self.store: Store | None = None
         self.queue: JobQueue | None = None
@@ -888,6 +893,15 @@ class Daemon:
         self.waker.wake()
         return proc
 
+    def _attach(self, proc: subprocess.Popen) -> None:  # job thread: the warm worker takes this job
+        with self._lock:
+            r = self._running
+            if self.stop_requested or r is None:
+                raise WorkerError("daemon is stopping; worker not started")
+            r.proc = proc
+        self.events.put(("pid", r.job.id, proc.pid))
+        self.waker.wake()
+
     def _lookups(self, request: dict, s: Settings) -> tuple[dict | None, str | None, int | None]:  # job thread
         """Read-only look-ups before a pass, through a read-only store of their own (the main loop
         owns every write; SQLite ``mode=ro`` or read-only server sessions): the corrections from
@@ -950,12 +964,22 @@ class Daemon:
                 # the memory limit covers simulate passes (CPU only); a cuda/vllm worker maps device
                 # memory and is bounded by the unit's MemoryMax= and its oom_score_adj instead
                 limit = s.worker_memory_limit if request.get("method") == "simulate" else None
-                result = self.worker(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                                     python=s.python_for(drop.engine_version), popen=self._popen,
-                                     memory_max_bytes=limit)
+                # the pass memo first (answered here, no worker, no torch: tuner.passmemo), else the worker
+                inner = self.worker
+                if (inner is run_in_worker and request.get("method") == "simulate" and s.worker_max_jobs > 1
+                        and s.python_for(drop.engine_version) == s.worker_python):
+                    # one warm worker for successive simulate jobs (cuda/vllm measure from a fresh process;
+                    # an engine_pythons venv gets a fresh worker per job)
+                    inner = functools.partial(self.warm.run, max_jobs=s.worker_max_jobs,
+                                              max_rss_bytes=s.worker_max_rss_bytes, attach=self._attach)
+                run = passmemo.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
+                result = run(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
+                             python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
+                memo_entries = result.pop(passmemo.ENTRIES, None) or []
                 outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                          content=job.content)
                 outcome.result_sha256 = key
+                outcome.memo_entries = memo_entries
         except TunerError as exc:
             outcome = exc
         except Exception as exc:  # a bug or a broken injected worker: the job fails, the daemon lives
@@ -996,8 +1020,13 @@ class Daemon:
         job, outcome, started = self._unsaved
         try:
             drop_row, runs, cands, props = self._rows(outcome, started)
-            drop_id = self.store.save_result(
-                drop_row, runs, cands, props, also=lambda conn, did: self.queue.complete_in(conn, job.id, did))
+            memo_entries = getattr(outcome, "memo_entries", None) or []
+
+            def also(conn, did: int) -> None:
+                self.queue.complete_in(conn, job.id, did)
+                self.store.put_memo(memo_entries, conn)  # the worker's new passes, for every later drop
+
+            drop_id = self.store.save_result(drop_row, runs, cands, props, also=also)
         except JobNotRunning as exc:
             self._unsaved = None
             log.warning("drop %s: %s", job.path, exc)
@@ -1166,6 +1195,7 @@ class Daemon:
         work = self._work_thread
         try:
             self._kill_running()
+            self.warm.kill()  # the warm worker between jobs, too
             if work is None:
                 self._stop_work()
             else:

@@ -622,7 +622,8 @@ def _calibration_note(cand: dict, cal: dict) -> dict:
 def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Progress | None = None, variants: bool = True, nvml: Any = None,
-                 db_url: str | None = None, calibrate: bool = True, drop: Drop | None = None) -> dict:
+                 db_url: str | None = None, calibrate: bool = True, drop: Drop | None = None,
+                 cache: bool = True) -> dict:
     """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
 
     Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
@@ -634,6 +635,10 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     Raises:
         DropError / DeviceError / EraError: invalid drop or option; WorkerError / TunerError: the job failed.
     """
+    if worker is None:  # the store's pass memo first (tuner.passmemo; cache=False: --no-cache)
+        from tuner.passmemo import memo_worker
+
+        worker = memo_worker(db_url, _default_worker(), enabled=cache)
     from tuner.app import serve_model
 
     job = prepare(drop_path, nvml=nvml, drop=drop)

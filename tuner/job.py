@@ -297,8 +297,15 @@ def _kv_cache_dtype(d: dict, spec, era, drop_path, warnings: list) -> str:
     return kv
 
 
-def run_job(request: dict[str, Any]) -> dict[str, Any]:
+def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]:
     """Execute one job.
+
+    ``pass_memo`` (a :class:`tuner.passmemo.MemoSource`): answer from stored entries in this
+    process, without torch or transformers — the model spec and every pass come from it, and the
+    first one it lacks raises :class:`tuner.passmemo.MemoMiss`. Without it (the worker) the
+    result also carries the new memo entries under ``memo_entries`` (simulate with fake tensors,
+    no engine adapter), and ``request["known_passes"]`` (``{memo_key: row}``) supplies passes
+    the parent already had.
 
     Request keys: ``drop`` (``Drop.to_dict()``), ``config_path`` (the model's config.json),
     ``device`` (``{name, total_memory_bytes}``), ``fake`` (default True), ``search`` (default
@@ -326,11 +333,16 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
             naming the drop file (``request["drop"]["path"]``) and the key.
         TunerError subclasses for bad configs, plugins or settings.
     """
-    import torch
+    from tuner import passmemo
 
-    from tuner.transformers_lean import import_transformers
+    if pass_memo is None:
+        import torch
 
-    transformers = import_transformers()  # without the scan of every model's source
+        from tuner.transformers_lean import import_transformers
+
+        transformers = import_transformers()  # without the scan of every model's source
+    memo_entries: list[dict] = []
+    known_passes = dict(request.get(passmemo.KNOWN_PASSES) or {})
     t_start = time.perf_counter()
     d = request["drop"]
     device = request["device"]
@@ -344,7 +356,16 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         warnings.append(warn)
     top = read_top(request["config_path"])
     defaults = plugin.config_defaults(without_nulls(top))  # a null key gets the default a missing one gets
-    spec, _hf = load_model_spec(request["config_path"], defaults=defaults)
+    spec_memo_key = passmemo.spec_key(request["config_path"], top, plugin, defaults)
+    if pass_memo is not None:
+        spec = pass_memo.spec(spec_memo_key)
+    else:
+        spec, _hf = load_model_spec(request["config_path"], defaults=defaults)
+        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version()}
+        value = passmemo.spec_to_value(spec, versions)
+        if value is not None:
+            memo_entries.append(passmemo.entry(passmemo.SPEC, spec_memo_key, value, spec=spec))
     config_name = Path(request["config_path"]).name
     for key, value in defaults_applied(top, defaults).items():  # partial configs: say what was assumed
         warnings.append(f"{config_name} lacks {key}; using {value!r} (default of plugin {plugin.name})")
@@ -373,6 +394,12 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=drop_path)
     # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
     # cross-check of the plugin's KV specs, vLLM's own argument checks; no silent fallback.
+    if pass_memo is not None:
+        from tuner.engine import vllm_importable
+
+        if str(request.get("engine") or __import__("os").environ.get("CTX_TUNER_ENGINE") or "auto") != "off" \
+                and vllm_importable():
+            raise passmemo.MemoMiss("an installed engine takes part")
     engine_use = _engine_use(request, d, spec, plugin, warn is not None, top, era, stage_settings, total, pp)
     if engine_use is not None:
         plugin = engine_use.plugin or plugin
@@ -419,7 +446,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
     calibration = request.get("calibration") or {}
     method = request.get("method") or "simulate"
-    if method == "cuda" and not torch.cuda.is_available():
+    if method == "cuda" and (pass_memo is not None or not torch.cuda.is_available()):
         if request.get("method_requested") != "auto":
             from tuner.errors import MeasureError
 
@@ -470,10 +497,14 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
         return batch
 
-    from tuner.simulate.profile import ModelCache, run_pass
+    memoizable = method == "simulate" and request.get("fake", True) and engine_use is None
+    if pass_memo is not None and not memoizable:
+        raise passmemo.MemoMiss(f"method {method} is not memoized")
+    if pass_memo is None:
+        from tuner.simulate.profile import ModelCache, run_pass
 
+        models = ModelCache()  # V0 runs one pass per length: each rank's module is built once
     memo: dict[tuple, list] = {}
-    models = ModelCache()  # V0 runs one pass per length: each rank's module is built once
     runs: list[dict] = []
 
     def passes_for(batch):
@@ -484,7 +515,15 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
             for s in stage_settings:
                 s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
                                         max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
-                if method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
+                pkey = (passmemo.pass_key(spec=spec, plugin=plugin, settings=s, era=era, batch=batch, fake=True,
+                                          model_runner_v2=runner_v2, device_name=device["name"])
+                        if memoizable else None)
+                if pkey is not None and (pass_memo is not None or pkey in known_passes):
+                    # a stored pass: only the runner's persistent buffers depend on this job's max_model_len
+                    stored = pass_memo.pass_row(pkey) if pass_memo is not None else known_passes[pkey]
+                    row = passmemo.with_persistent(stored, passmemo.persistent_bytes(era, spec, s, batch, runner_v2))
+                    r = row
+                elif method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
                     from tuner.measure.cuda import measured_pass
 
                     r = measured_pass(plugin, spec, s, era, batch)
@@ -493,6 +532,9 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True),
                                  model_runner_v2=runner_v2, models=models)
                     row = {**r.to_dict(), "method": "simulate"}
+                    if pkey is not None:
+                        memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec,
+                                                           device_name=device["name"], era=era.name))
                 results.append(r)
                 runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
                              "max_num_seqs": batch.max_num_seqs})
@@ -548,12 +590,17 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                                              gpu_memory_utilization=u, max_model_len=m,
                                              min_concurrency=min_conc).to_dict()
             candidates.append(c)
-        if request.get("progress"):  # one line per u on stderr; the parent relays it (tuner.worker)
+        if request.get("progress") or (pass_memo is not None and pass_memo.progress is not None):
+            # one line per u on stderr; the parent relays it (tuner.worker); from the memo, kept for the caller
             from tuner.worker import PROGRESS_PREFIX
 
             done = len(proposals) or len({x["gpu_memory_utilization"] for x in candidates})
-            print(f"{PROGRESS_PREFIX}gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
-                  f"{time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+            line = (f"gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
+                    f"{time.perf_counter() - t_start:.1f} s")
+            if pass_memo is not None:
+                pass_memo.progress.append(line)
+            else:
+                print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
     if engine_use is not None and engine_use.session is not None:
         from tuner.engine.use import verify_proposals
 
@@ -600,7 +647,12 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                 if (c["gpu_memory_utilization"], c["max_model_len"]) == (mr["gpu_memory_utilization"],
                                                                          mr["max_model_len"]):
                     c["measured"] = {k: v for k, v in mr.items() if k not in ("source",)}
-    return {
+    if pass_memo is not None:
+        versions = {**(pass_memo.versions or {}), "python": platform.python_version()}
+    else:
+        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version()}
+    out = {
         "method": method,
         "calibration": ({k: int(v) for k, v in calibration.items() if k.endswith("_delta_bytes")}
                         | {"runs": int(calibration.get("runs", 0))}) if layout.corrections else None,
@@ -619,8 +671,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         "runs": runs,
         "candidates": candidates,
         "proposals": proposals,
-        "versions": {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
+        "versions": versions,
         "elapsed_s": round(time.perf_counter() - t_start, 3),
         "total_memory_gib": round(total / GiB, 2),
     }
+    if pass_memo is None and memoizable and memo_entries:
+        out[passmemo.ENTRIES] = memo_entries
+    return out

@@ -179,6 +179,10 @@ SETTINGS: tuple[Setting, ...] = (
             "pass that needs more fails as a run failure instead of waking the host's OOM killer (cuda/vllm "
             "workers are bounded by the unit's `MemoryMax=`). null = half of the host's physical memory; 0 = "
             "no limit.", _opt_bytes),
+    Setting("worker_max_jobs", 50,
+            'Jobs one warm worker runs before it is replaced: the daemon keeps one worker process (`-m tuner.worker_main --serve`, own process group, killed and replaced on a timeout, a crash fails its job as before) for successive jobs, so torch and transformers are imported once; 1 = a fresh worker for every job.', _int(1, 100000)),
+    Setting("worker_max_rss_bytes", 2147483648,
+            'Resident memory of the warm worker after a job above which it is replaced (bytes); 0 = no check (`worker_max_jobs` still applies).', _opt_bytes),
     Setting("log_level", "INFO", "Logging level of the daemon's stderr log.", _choice(LOG_LEVELS, upper=True)),
     Setting("allow_trust_remote_code", False,
             "Allow model code from the model directory (HF `trust_remote_code`). Drops can never set it.",
@@ -203,6 +207,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_listen", None,
             "Prometheus metrics endpoint: `127.0.0.1:PORT` (a loopback address) or `unix:/run/ctx-tuner/metrics.sock` "
             "(what the shipped unit allows); null = no metrics. `ctx-tuner status` probes it.", _listen),
+    Setting("pass_memo", True,
+            "Answer a drop whose model spec and profile passes are already in the store's pass memo (any drop, "
+            "any host of a fleet; keyed by content hash) in the daemon's own process, without a worker; false = "
+            "always run a worker (the memo is still filled).", _bool),
     Setting("allow_hub_download", False,
             "Fetch `config.json` (and the small quantization / processor JSON files, never weights) of an HF id "
             "that is not in the local HF cache through `huggingface_hub` (honours HF_ENDPOINT, HF_TOKEN, "
@@ -227,6 +235,8 @@ class Settings:
     retry_backoff_s: float = 30.0
     retry_backoff_max_s: float = 3600.0
     worker_memory_max_bytes: int | None = None
+    worker_max_jobs: int = 50
+    worker_max_rss_bytes: int | None = 2147483648
     log_level: str = "INFO"
     allow_trust_remote_code: bool = False
     default_method: str = "simulate"
@@ -235,6 +245,7 @@ class Settings:
     lease_s: float = 60.0
     engine_pythons: dict = field(default_factory=dict)
     metrics_listen: str | None = None
+    pass_memo: bool = True
     allow_hub_download: bool = False
     #: the file these settings came from (None = defaults).
     source: str | None = None

@@ -10,6 +10,8 @@ Tables (a public interface — users write SQL against them):
 * ``calibrations`` — per measured run, the simulate prediction's residual per memory term.
 * ``jobs`` — the daemon's durable queue: one row per drop file version it has seen (status,
   attempts, typed error, the resulting ``drops.id``).
+* ``pass_memo`` — revision 0008: profile passes and model specs by content hash
+  (:mod:`tuner.passmemo`), so a repeated question is answered without a worker.
 * ``hosts`` — revision 0007 (fleet): one row per daemon identity (host id + watch directory) with
   its lease; ``jobs.owner_id`` / ``drops.owner_id`` refer to it (:mod:`tuner.fleet`).
 
@@ -277,6 +279,24 @@ calibrations_table = sa.Table(
     sa.Column("created_at", _TS, nullable=False),
 )
 
+#: Revision 0008 (issue 13): the pass memo (:mod:`tuner.passmemo`). One row per entry, keyed by
+#: the SHA-256 of what it was computed from; ``kind`` ``spec`` (a model spec) or ``pass`` (one
+#: rank's profile pass); ``value`` is the entry as JSON text. Rows are only ever inserted.
+pass_memo_table = sa.Table(
+    "pass_memo",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("memo_key", sa.String(64), nullable=False, unique=True),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("model_config_sha256", sa.String(64), nullable=False, index=True),
+    sa.Column("tool_version", sa.Text, nullable=False),
+    sa.Column("method", sa.Text, nullable=False),
+    sa.Column("device_name", sa.Text, nullable=True),
+    sa.Column("era", sa.Text, nullable=True),
+    sa.Column("value", sa.Text, nullable=False),
+    sa.Column("created_at", _TS, nullable=False),
+)
+
 # ---------------------------------------------------------------------------------------------
 # Engines
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +529,55 @@ def store_exists(url: str | None = None, *, default_path: str = DEFAULT_PATH) ->
     return not _is_file_sqlite(u) or Path(u.database).exists()
 
 
+def script_head() -> str | None:
+    """The head revision of the migration scripts, read from their ``revision`` /
+    ``down_revision`` lines without importing Alembic; None when that is not one clear head (then
+    Alembic decides)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("tuner.migrations")
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    except (ImportError, ValueError):
+        return None
+    revs, downs = set(), set()
+    pat = re.compile(r'^(revision|down_revision)\s*(?::[^=]*)?=\s*(.+?)\s*$', re.M)
+    for root in roots:
+        for f in sorted((Path(root) / "versions").glob("*.py")):
+            found = dict((k, v) for k, v in pat.findall(f.read_text(encoding="utf-8")))
+            rev = found.get("revision", "").strip("'\"")
+            if not rev:
+                continue
+            revs.add(rev)
+            down = found.get("down_revision", "None")
+            if down != "None":
+                if not re.fullmatch(r'["\'][\w]+["\']', down):
+                    return None  # a merge point or anything unusual: ask Alembic
+                downs.add(down.strip("'\""))
+    heads = revs - downs
+    return heads.pop() if len(heads) == 1 else None
+
+
+def _at_head(u: URL, busy_timeout_s: float) -> bool:
+    """The store's ``alembic_version`` is the scripts' head already (:func:`script_head`): opening
+    it needs no Alembic (which costs a cold CLI about 0.1–0.2 s to import)."""
+    head = script_head()
+    if head is None:
+        return False
+    eng = make_engine(u, busy_timeout_s=busy_timeout_s)
+    try:
+        with eng.connect() as conn:
+            rows = conn.execute(sa.text("SELECT version_num FROM alembic_version")).all()
+    except sa.exc.SQLAlchemyError:
+        return False
+    finally:
+        eng.dispose()
+    return [r[0] for r in rows] == [head]
+
+
 def _upgrade(u: URL, busy_timeout_s: float) -> None:
+    if _at_head(u, busy_timeout_s):
+        return
     from alembic import command
 
     mig = make_engine(u, foreign_keys=False, busy_timeout_s=busy_timeout_s)
@@ -681,6 +749,74 @@ class Store:
         )
         rows = self._rows(stmt)
         return rows[0] if rows else None
+
+    def memo_entries(self, model_config_sha256: str, tool_version: str) -> dict[str, dict]:
+        """The pass memo's entries (:mod:`tuner.passmemo`) of one model config hash and tool
+        version: ``{memo_key: value}`` (the value parsed from its JSON text). A store without
+        the ``pass_memo`` table (a read-only store not yet migrated to 0008) has none."""
+        import json
+
+        t = pass_memo_table
+        stmt = sa.select(t.c.memo_key, t.c.value).where(t.c.model_config_sha256 == model_config_sha256,
+                                                         t.c.tool_version == tool_version)
+        try:
+            with self._reader.connect() as conn:
+                rows = conn.execute(stmt).all()
+        except sa.exc.OperationalError as e:
+            if "pass_memo" in str(e.orig or e):  # no such table (SQLite) / undefined table (PostgreSQL)
+                return {}
+            raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
+        except sa.exc.ProgrammingError as e:
+            if "pass_memo" in str(e.orig or e):
+                return {}
+            raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
+        except sa.exc.SQLAlchemyError as e:
+            raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
+        out = {}
+        for key, value in rows:
+            try:
+                out[key] = json.loads(value)
+            except ValueError:  # a damaged row is a miss, never an answer
+                continue
+        return out
+
+    def put_memo(self, entries: list[dict], conn: Connection | None = None) -> int:
+        """Insert pass-memo entries (dicts with ``memo_key``, ``kind``, ``model_config_sha256``,
+        ``tool_version``, ``method``, ``device_name``, ``era``, ``value``); a key already stored
+        is left as it is (``ON CONFLICT DO NOTHING`` on SQLite and PostgreSQL, so two hosts
+        storing the same pass never fail). ``conn``: insert inside the caller's transaction.
+        Returns how many entries were given."""
+        if not entries:
+            return 0
+        if conn is None:
+            try:
+                with self.engine.begin() as c:
+                    return self.put_memo(entries, c)
+            except StoreError:
+                raise
+            except sa.exc.SQLAlchemyError as e:
+                raise StoreError(f"storing the pass memo failed: {error_text(e.orig or e)}", where=self.where) from e
+        import json
+
+        now = utc_text()
+        entries = list({e["memo_key"]: e for e in entries}.values())  # one row per key
+        cols = ("memo_key", "kind", "model_config_sha256", "tool_version", "method", "device_name", "era")
+        rows = [{**{k: e.get(k) for k in cols}, "created_at": now,
+                 "value": e["value"] if isinstance(e["value"], str) else json.dumps(e["value"], sort_keys=True)}
+                for e in entries]
+        name = conn.dialect.name
+        if name in ("sqlite", "postgresql"):
+            from importlib import import_module
+
+            insert = import_module(f"sqlalchemy.dialects.{name}").insert
+            conn.execute(insert(pass_memo_table).on_conflict_do_nothing(index_elements=["memo_key"]), rows)
+        else:  # other backends: skip the keys already there
+            have = {r[0] for r in conn.execute(sa.select(pass_memo_table.c.memo_key).where(
+                pass_memo_table.c.memo_key.in_([r["memo_key"] for r in rows])))}
+            fresh = [r for r in rows if r["memo_key"] not in have]
+            if fresh:
+                conn.execute(sa.insert(pass_memo_table), fresh)
+        return len(rows)
 
     def save_calibration(self, row: dict) -> int:
         """Insert one ``calibrations`` row (column names as keys; ``created_at`` set here).

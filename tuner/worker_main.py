@@ -5,7 +5,9 @@ Reads one JSON request on stdin, runs :func:`tuner.job.run_job` (or, for ``"kind
 ``{"ok": true, "result": …}`` or ``{"ok": false, "error_type": …, "error_bases": […], "error": …,
 "message": …, "where": …, "path": …, "field": …}`` on stdout (see :func:`error_reply`; the parent
 re-raises the same class, :func:`tuner.worker.error_from_reply`).
-Typed errors are replies; anything else is a crash with a traceback on stderr.
+Typed errors are replies; anything else is a crash with a traceback on stderr. With ``--serve``
+(the daemon's warm worker, :mod:`tuner.warmworker`) it answers one request per line until stdin
+closes (:func:`serve`).
 """
 
 from __future__ import annotations
@@ -59,16 +61,8 @@ def _calibrate(request: dict) -> None:
         request["calibration"] = cal
 
 
-def main() -> int:
-    from tuner.worker_guard import install
-
-    install()  # die with the parent, own deadline, memory limit: before anything big is imported
-    request = json.loads(sys.stdin.read())
-    # The reply owns stdout: anything else written there (vLLM's logger and C++ prints, when the
-    # engine adapter imports vLLM) goes to stderr instead.
-    reply_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+def handle(request: dict) -> dict:
+    """One request → its reply (``{"ok": true, "result": …}`` or an error reply)."""
     from tuner.errors import TunerError, WorkerError
 
     try:
@@ -85,9 +79,7 @@ def main() -> int:
         if extra and isinstance(result, dict):
             result["warnings"] = list(result.get("warnings") or []) + extra
     except TunerError as exc:
-        json.dump(error_reply(exc), reply_out)
-        reply_out.flush()
-        return 0
+        return error_reply(exc)
     except MemoryError:
         from tuner.worker_guard import ENV_MEMORY
 
@@ -95,13 +87,60 @@ def main() -> int:
         exc = WorkerError("the profile pass ran out of memory" + (
             f" (worker memory limit {int(limit):,} bytes, setting worker_memory_max_bytes)" if limit else ""),
             where=str((request.get("drop") or {}).get("name") or "worker"))
-        json.dump(error_reply(exc), reply_out)
-        reply_out.flush()
-        return 0
-    json.dump({"ok": True, "result": result}, reply_out)
+        return error_reply(exc)
+    return {"ok": True, "result": result}
+
+
+def _reply_channel():
+    """The reply owns stdout: anything else written there (vLLM's logger and C++ prints, when the
+    engine adapter imports vLLM) goes to stderr instead."""
+    reply_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return reply_out
+
+
+def main() -> int:
+    from tuner.worker_guard import install
+
+    install()  # die with the parent, own deadline, memory limit: before anything big is imported
+    request = json.loads(sys.stdin.read())
+    reply_out = _reply_channel()
+    json.dump(handle(request), reply_out)
     reply_out.flush()
     return 0
 
 
+def serve() -> int:
+    """``--serve``: the daemon's warm worker (:mod:`tuner.warmworker`): one JSON request per line
+    on stdin, one reply per line on stdout, until stdin closes. Each request's ``deadline_s``
+    arms this process's own deadline for that job. The parent is watched by ``getppid`` only
+    (``PR_SET_PDEATHSIG`` would fire when the parent's job thread ends)."""
+    import threading
+
+    from tuner.worker_guard import install, kill_own_group
+
+    install(pdeathsig=lambda _sig: True)
+    reply_out = _reply_channel()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        deadline = float(request.pop("deadline_s", 0) or 0)
+        timer = threading.Timer(deadline, kill_own_group) if deadline > 0 else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            reply = handle(request)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        reply_out.write(json.dumps(reply) + "\n")
+        reply_out.flush()
+        sys.stderr.flush()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve() if "--serve" in sys.argv[1:] else main())

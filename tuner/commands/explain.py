@@ -73,6 +73,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-calibration", action="store_true",
                    help="explain the plain simulation even where measured runs could calibrate it")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON (bytes as integers)")
+    from tuner.commands.profile import add_cache_option
+
+    add_cache_option(p)
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit per job in seconds (default 600)")
     add_progress_options(p)
     return p
@@ -98,7 +101,7 @@ def run(args) -> int:
             doc = explain_drop(args.drop, gpu_memory_utilization=args.gpu_memory_utilization,
                                max_model_len=args.max_model_len, timeout_s=args.timeout,
                                progress=progress_printer(args), variants=not args.no_variants,
-                               db_url=args.db, calibrate=not args.no_calibration)
+                               db_url=args.db, calibrate=not args.no_calibration, cache=not args.no_cache)
     except ExplainInputError as exc:
         print(f"ctx-tuner: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -51,6 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="extra concurrency lines (default 2 4; 1 and the drop's min_concurrency are always drawn)")
     p.add_argument("--db", default=None, help="store for measured points / --model (default var/ctx-tuner.sqlite)")
     p.add_argument("--json", action="store_true", help="print the plotted series as JSON")
+    from tuner.commands.profile import add_cache_option
+
+    add_cache_option(p)
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit per job in seconds (default 600)")
     add_progress_options(p)
     return p
@@ -81,8 +84,11 @@ def run(args) -> int:
             # sqlite:/// URL) simply has none
             if store_exists(db):
                 store = open_for_read(db)
+            from tuner.passmemo import memo_worker
+
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
-                                      store=store, timeout_s=args.timeout, progress=progress_printer(args))
+                                      store=store, timeout_s=args.timeout, progress=progress_printer(args),
+                                      worker=memo_worker(args.db, None, enabled=not args.no_cache))
         series = render_png(data, args.output)
     except TunerError as exc:
         return job_error_exit(exc)

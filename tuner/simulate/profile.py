@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tuner.budget import runner_persistent_bytes
+from tuner.passmemo import persistent_bytes
 from tuner.eras import Era, ProfileBatch, sampler_family
 from tuner.plugin import RankSettings
 from tuner.simulate.sampler import run_dummy_sampler
@@ -116,17 +116,13 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
         peak = max(forward_peak, before_sampler + sampler_peak)
     del model, input_ids, positions, intermediate
     cache.give_back(built)
-    persistent = runner_persistent_bytes(
-        era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n,
-        max_num_seqs=settings.max_num_seqs or batch.max_num_seqs,
-        max_model_len=settings.max_model_len or n, hidden_size=int(spec.hidden_size),
-        vocab_size=int(spec.vocab_size), dtype_bytes=_DTYPE_BYTES.get(settings.dtype, 2),
-        block_size=settings.block_size or 16)
+    # the one term that depends on max_model_len; the pass memo recomputes it the same way
+    persistent = persistent_bytes(era, spec, settings, batch, model_runner_v2)
     return PassResult(n, r, settings.pp_rank, weights, int(peak) + persistent, int(forward_peak), int(sampler_peak),
                       round(time.perf_counter() - t0, 4), persistent, bool(model_runner_v2))
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
+from tuner.passmemo import DTYPE_BYTES as _DTYPE_BYTES  # noqa: E402  (one table for both)
 
 #: A fit, not derived: a float32 model's compiled V1 forward holds this fraction more than the
 #: memory-equivalent module (whose float32 peak is exactly twice its 16-bit one). Fitted on the one

@@ -1,0 +1,290 @@
+"""The pass memo (issue 13): a job whose model spec and passes are stored is answered in the
+parent process — no worker, no torch — with the same document a worker returns; anything that
+changes a pass (tool version, config, settings) misses; ``--no-cache`` runs the worker."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from tuner import passmemo
+from tuner.store import open_store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _strip(obj):
+    """A job result without its timings (``elapsed_s``) — the only fields a memo answer may change."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k != "elapsed_s"}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def _request(name: str) -> dict:
+    from tuner.app import prepare_request
+    from tuner.drop import load_drop
+
+    return prepare_request(load_drop(REPO / "configs" / "examples" / name), download=False)[0]
+
+
+def _worker_run(request: dict) -> dict:
+    """What a worker returns (run_job in this process, through JSON as the pipe does)."""
+    from tuner.job import run_job
+
+    return json.loads(json.dumps(run_job(copy.deepcopy(request))))
+
+
+def _entries(result: dict) -> dict:
+    return {e["memo_key"]: e["value"] for e in result[passmemo.ENTRIES]}
+
+
+def _with(request: dict, **cand) -> dict:
+    r = copy.deepcopy(request)
+    r["drop"]["candidates"] = {**r["drop"]["candidates"], **cand}
+    return r
+
+
+def _fresh(request: dict) -> dict:
+    out = _worker_run(request)
+    out.pop(passmemo.ENTRIES, None)
+    return out
+
+
+@pytest.mark.parametrize("model,release", [(None, "0.19.0"), ("mistralai--Mixtral-8x7B-Instruct-v0.1", "0.27.0")])
+def test_memo_answer_equals_fresh_computation_v1_other_gmu_and_length(model, release, request):
+    """V1: one pass serves every max_model_len and gpu_memory_utilization; a new u and a new length
+    grid are arithmetic. 0.27 with a MoE model (the V1 runner) charges the runner's block table,
+    which depends on max_model_len: the memo recomputes that term, so the answer still equals a
+    fresh run."""
+    base = _request("llama-3.1-8b-h100.yaml")
+    base["drop"]["engine_version"] = release
+    if model is not None:
+        base["config_path"] = str(request.getfixturevalue("shared_dir") / "models" / model / "config.json")
+    first = _worker_run(_with(base, gpu_memory_utilization=[0.9]))
+    entries = _entries(first)
+    assert sorted(v.get("spec") is not None for v in entries.values()) == [False, True]  # 1 spec, 1 pass
+    asked = _with(base, gpu_memory_utilization=[0.8, 0.85], max_model_len=[4096, 16384, 24576])
+    answer, hits = passmemo.answer_from_memo(asked, entries)
+    assert answer is not None and len(hits) == 1
+    fresh = _fresh(asked)
+    assert _strip(answer) == _strip(fresh)
+    assert [p["gpu_memory_utilization"] for p in answer["proposals"]] == [0.8, 0.85]
+    assert [c["max_model_len"] for c in answer["candidates"]][:3] == [4096, 16384, 24576]
+    if model is not None:  # the block table term really moved with the grid's largest length
+        assert 0 < fresh["runs"][0]["persistent_bytes"] != first["runs"][0]["persistent_bytes"]
+
+
+def test_memo_answer_equals_fresh_computation_v0():
+    """V0 without chunked prefill: one pass per length probed. The same drop again is all memo;
+    another u probes other lengths: the worker gets the passes already known and the answer is
+    the same as a fresh run."""
+    base = _request("llama-3.1-8b-rtx3090-v0.yaml")
+    first = _worker_run(base)
+    entries = _entries(first)
+    assert sum(1 for v in entries.values() if "spec" not in v) == 15
+    again, _ = passmemo.answer_from_memo(base, entries)
+    assert again is not None and _strip(again) == _strip({k: v for k, v in first.items() if k != passmemo.ENTRIES})
+
+    asked = _with(base, gpu_memory_utilization=[0.85])
+    answer, hits = passmemo.answer_from_memo(asked, entries)
+    fresh = _fresh(asked)
+    if answer is None:  # some lengths this u probes are new: the worker computes only those
+        assert hits
+        topped_up = _worker_run({**asked, passmemo.KNOWN_PASSES: hits})
+        new = topped_up.pop(passmemo.ENTRIES, [])
+        assert len([e for e in new if e["kind"] == "pass"]) == len(fresh["runs"]) - len(
+            {k for k in hits if k in {e["memo_key"] for e in first[passmemo.ENTRIES]}})
+        answer = topped_up
+    assert _strip(answer) == _strip(fresh)
+    assert [p["max_model_len"] for p in fresh["proposals"]] != [p["max_model_len"] for p in first["proposals"]]
+
+
+def test_pass_from_an_older_tool_version_misses(monkeypatch, tmp_path):
+    base = _request("llama-3.1-8b-h100.yaml")
+    first = _worker_run(base)
+    assert passmemo.answer_from_memo(base, _entries(first))[0] is not None
+    monkeypatch.setattr(passmemo, "__version__", "99.0.0")
+    assert passmemo.answer_from_memo(base, _entries(first)) == (None, {})
+    # and the store hands out only the entries of the tool version asking
+    store = open_store(f"sqlite:///{tmp_path / 's.sqlite'}")
+    try:
+        store.put_memo(first[passmemo.ENTRIES])
+        cfg = first["model"]["config_sha256"]
+        assert len(store.memo_entries(cfg, first["versions"]["tool"])) == 2
+        assert store.memo_entries(cfg, "99.0.0") == {}
+    finally:
+        store.close()
+
+
+def test_pass_of_a_different_config_or_setting_misses(tmp_path):
+    base = _request("llama-3.1-8b-h100.yaml")
+    entries = _entries(_worker_run(base))
+    # another config.json (one layer fewer) in another directory: no spec, no pass
+    src = Path(base["config_path"])
+    other = tmp_path / "llama-30"
+    other.mkdir()
+    cfg = json.loads(src.read_text())
+    cfg["num_hidden_layers"] = 30
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert passmemo.answer_from_memo({**base, "config_path": str(other / "config.json")}, entries) == (None, {})
+    # the same model with another max_num_batched_tokens or kv_cache_dtype: the spec hits, the pass misses
+    for key, value in (("max_num_batched_tokens", 4096), ("dtype", "float16")):
+        changed = copy.deepcopy(base)
+        changed["drop"][key] = value
+        assert passmemo.answer_from_memo(changed, entries) == (None, {})
+
+
+def test_put_memo_twice_keeps_one_row_per_key(db_url):
+    entries = [passmemo.entry(passmemo.PASS, "a" * 64, {"weights_bytes": 1}, spec=_Spec(), era="e"),
+               passmemo.entry(passmemo.PASS, "a" * 64, {"weights_bytes": 1}, spec=_Spec(), era="e"),
+               passmemo.entry(passmemo.SPEC, "b" * 64, {"spec": {"x": [1, 2]}}, spec=_Spec())]
+    store = open_store(db_url)
+    try:
+        store.put_memo(entries)
+        store.put_memo(entries[:1])  # a second host storing the same pass
+        got = store.memo_entries("c" * 64, passmemo.__version__)
+        assert got == {"a" * 64: {"weights_bytes": 1}, "b" * 64: {"spec": {"x": [1, 2]}}}
+        import sqlalchemy as sa
+
+        with store.engine.connect() as c:
+            assert c.execute(sa.text("SELECT count(*) FROM pass_memo")).scalar() == 2
+    finally:
+        store.close()
+
+
+class _Spec:
+    config_sha256 = "c" * 64
+
+
+def _tiny_drop(tmp_path: Path, tiny_config: Path, gmu=(0.9,), name="tiny") -> Path:
+    d = tmp_path / f"{name}.yaml"
+    d.write_text(f"name: {name}\nmodel: {tiny_config}\ndevice: H100-80GB\nengine_version: \"0.19.0\"\n"
+                 f"max_num_batched_tokens: 2048\nmax_num_seqs: 64\n"
+                 f"candidates:\n  gpu_memory_utilization: {list(gmu)}\n  max_model_len: [1024, 4096]\n")
+    return d
+
+
+def test_no_cache_runs_the_worker_and_a_repeated_question_does_not(tmp_path, tiny_config):
+    from tuner.app import profile
+
+    calls = []
+
+    def inner(request, **kw):
+        calls.append(request)
+        return _worker_run(request)
+
+    db = str(tmp_path / "store.sqlite")
+    first = profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=db, worker=inner)
+    assert len(calls) == 1
+    second = profile(str(_tiny_drop(tmp_path, tiny_config, gmu=(0.5, 0.7), name="tiny2")), db_url=db, worker=inner)
+    assert len(calls) == 1  # answered from the memo
+    forced = profile(str(_tiny_drop(tmp_path, tiny_config, gmu=(0.5, 0.7), name="tiny3")), db_url=db,
+                     worker=inner, cache=False)
+    assert len(calls) == 2
+    assert _strip(second.result) == _strip(forced.result)
+    assert [p["gpu_memory_utilization"] for p in second.result["proposals"]] == [0.5, 0.7]
+    assert first.result["proposals"][0]["max_model_len"] == 4096
+    assert passmemo.ENTRIES not in second.result and passmemo.ENTRIES not in forced.result
+
+
+def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
+    """A fresh ``ctx-tuner profile`` process asked a known model at another u: answered from the
+    memo with no worker (the worker function is replaced by one that fails) and without torch or
+    transformers in ``sys.modules``; the printed document is what ``--no-cache`` prints."""
+    db = str(tmp_path / "store.sqlite")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CTX_TUNER_WORKER_PYTHON", None)
+    subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(_tiny_drop(tmp_path, tiny_config)),
+                    "--db", db], check=True, capture_output=True, env=env, cwd=tmp_path, timeout=600)
+    drop2 = _tiny_drop(tmp_path, tiny_config, gmu=(0.5, 0.7), name="tiny2")
+    script = (
+        "import json, sys\n"
+        "import tuner.worker\n"
+        "def no_worker(*a, **k):\n"
+        "    raise SystemExit('a worker was started')\n"
+        "tuner.worker.run_in_worker = no_worker\n"
+        "from tuner.cli import main\n"
+        "import contextlib, io\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    rc = main(['profile', {str(drop2)!r}, '--db', {db!r}, '--json'])\n"
+        "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules,"
+        " 'doc': json.loads(out.getvalue())}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert (got["rc"], got["torch"], got["transformers"]) == (0, False, False)
+    fresh = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(drop2), "--db", db, "--json",
+                            "--no-cache"], check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=600)
+    doc, forced = got["doc"], json.loads(fresh.stdout)
+    assert doc.pop("drop_id") != forced.pop("drop_id")
+    assert _strip(doc) == _strip(forced)
+    assert [p["gpu_memory_utilization"] for p in doc["proposals"]] == [0.5, 0.7]
+
+
+def _code_names(path: Path) -> list[str]:
+    """Attribute names used in a module's code (strings and comments left out)."""
+    toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+    return [b.string for a, b in zip(toks, toks[1:]) if a.string == "." and b.type == tokenize.NAME]
+
+
+def test_builtin_plugins_never_read_settings_max_model_len():
+    """The pass key of a built-in plugin leaves ``max_model_len`` out (:func:`tuner.passmemo.pass_key`):
+    no built-in plugin or simulator module reads it (the runner's persistent buffers, the one term
+    that depends on it, are recomputed by :func:`tuner.passmemo.persistent_bytes`)."""
+    files = sorted((REPO / "plugins").glob("*.py")) + sorted((REPO / "tuner" / "simulate").rglob("*.py"))
+    assert len(files) > 10
+    readers = [f.name for f in files if "max_model_len" in _code_names(f)]
+    assert readers == []
+
+
+def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_path, tiny_config):
+    """A second drop file (another name and u: another result key) of a model whose passes the
+    daemon stored is answered in the daemon's process: the worker is not called, the proposal file
+    is written and holds what a fresh computation proposes."""
+    import yaml
+
+    from tests._daemon_helpers import drop_text, poll, settings_for
+    from tuner.daemon import Daemon
+    from tuner.notify import Notifier
+
+    calls = []
+
+    def inner(request, **kw):
+        calls.append(request["drop"]["name"])
+        return _worker_run(request)
+
+    s = settings_for(tmp_path, worker_python=None)
+    conf, proposals = Path(s.watch_dir), Path(s.state_dir) / "proposals"
+    d = Daemon(s, notifier=Notifier({}), worker=inner)
+    d.start()
+    try:
+        (conf / "a.yaml").write_text(drop_text("a", tiny_config, gmu=(0.5,)))
+        poll(lambda: (proposals / "a.yaml").exists(), 120, step=lambda: d.step(max_wait_s=0.05), what="a's proposal")
+        assert calls == ["a"]
+        (conf / "b.yaml").write_text(drop_text("b", tiny_config, gmu=(0.3, 0.7)))
+        poll(lambda: (proposals / "b.yaml").exists(), 60, step=lambda: d.step(max_wait_s=0.05), what="b's proposal")
+        assert calls == ["a"]  # no worker for b
+        doc = yaml.safe_load((proposals / "b.yaml").read_text())
+    finally:
+        d.shutdown()
+    from tuner.app import prepare_request
+    from tuner.drop import load_drop
+
+    fresh = _fresh(prepare_request(load_drop(conf / "b.yaml"), download=False)[0])
+    text = json.dumps(doc)
+    for p in fresh["proposals"]:
+        assert p["vllm_args"] in text
+    assert [p["gpu_memory_utilization"] for p in fresh["proposals"]] == [0.3, 0.7]

@@ -1,0 +1,136 @@
+"""The daemon's warm worker (issue 13, :mod:`tuner.warmworker`): one worker process for successive
+jobs, with the isolation of a fresh one — own process group, a timeout kills and replaces it, a
+crash fails its job, recycled after ``max_jobs`` jobs or on RSS growth. Driven with the fast fake
+worker (tests/_fake_worker.py, its ``--serve`` mode), whose log names the pid of every job."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests._daemon_helpers import fake_python, group_alive
+from tuner.errors import PluginError, WorkerError, WorkerTimeout
+from tuner.warmworker import WarmWorker, read_rss_bytes
+
+
+def _request(name: str, gmu: float = 0.5) -> dict:
+    return {"drop": {"name": name, "content_sha256": "0" * 64,
+                     "candidates": {"gpu_memory_utilization": [gmu], "max_model_len": [1024]}},
+            "device": {"name": "H100-80GB", "total_memory_bytes": 85_030_076_416}, "method": "simulate"}
+
+
+@pytest.fixture
+def warm(tmp_path, monkeypatch):
+    log = tmp_path / "worker.log"
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(log))
+    w = WarmWorker()
+    w.python = str(fake_python(tmp_path))
+    w.log = log
+    yield w
+    w.close()
+
+
+def _pids(log: Path) -> list[int]:
+    return [int(line.split()[0]) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_successive_jobs_share_one_worker_process(warm):
+    results = [warm.run(_request(f"a{i}", round(0.1 * (i + 1), 2)), job=f"a{i}", timeout_s=20, python=warm.python)
+               for i in range(4)]
+    assert [r["proposals"][0]["gpu_memory_utilization"] for r in results] == [0.1, 0.2, 0.3, 0.4]
+    assert len(set(_pids(warm.log))) == 1 and warm.spawned == 1
+    assert group_alive(warm.pid)  # idle between jobs, in its own group
+    pid = warm.pid
+    warm.close()
+    assert warm.pid is None and not group_alive(pid)
+
+
+def test_worker_is_recycled_after_max_jobs(warm):
+    for i in range(5):
+        warm.run(_request(f"b{i}"), job="b", timeout_s=20, python=warm.python, max_jobs=2)
+    pids = _pids(warm.log)
+    assert [pids.count(p) for p in dict.fromkeys(pids)] == [2, 2, 1]
+    assert warm.spawned == 3
+
+
+def test_worker_is_recycled_when_its_rss_grows_above_the_limit(warm):
+    seen = []
+    warm.rss = lambda pid: seen.append(pid) or (3 << 30 if len(seen) == 2 else 100 << 20)
+    for i in range(4):
+        warm.run(_request(f"c{i}"), job="c", timeout_s=20, python=warm.python, max_rss_bytes=2 << 30)
+    pids = _pids(warm.log)
+    assert [pids.count(p) for p in dict.fromkeys(pids)] == [2, 2]  # replaced after the 2nd job's 3 GiB
+
+
+def test_crash_fails_the_job_with_the_stderr_tail_and_the_next_job_gets_a_new_worker(warm):
+    warm.run(_request("ok1"), job="ok1", timeout_s=20, python=warm.python)
+    with pytest.raises(WorkerError, match=r"worker crashed \(killed by signal 9\): CUDA out of memory") as err:
+        warm.run(_request("crash-1"), job="crash-1", timeout_s=20, python=warm.python)
+    assert err.value.where == "crash-1"
+    warm.run(_request("ok2"), job="ok2", timeout_s=20, python=warm.python)
+    pids = _pids(warm.log)
+    assert pids[0] == pids[1] != pids[2]
+
+
+def test_timeout_kills_the_whole_group_and_replaces_the_worker(warm):
+    warm.run(_request("ok1"), job="ok1", timeout_s=20, python=warm.python)
+    pid = warm.pid
+    with pytest.raises(WorkerTimeout, match="exceeded 1 s; worker process group killed"):
+        warm.run(_request("hang-1"), job="hang-1", timeout_s=1, python=warm.python)
+    assert not group_alive(pid)  # the worker and the child it started
+    warm.run(_request("ok2"), job="ok2", timeout_s=20, python=warm.python)
+    assert warm.pid != pid and warm.spawned == 2
+
+
+def test_typed_error_is_a_reply_and_the_worker_stays(warm):
+    warm.run(_request("ok1"), job="ok1", timeout_s=20, python=warm.python)
+    with pytest.raises(PluginError, match="no architecture"):
+        warm.run(_request("typed-1"), job="typed-1", timeout_s=20, python=warm.python)
+    warm.run(_request("ok2"), job="ok2", timeout_s=20, python=warm.python)
+    assert len(set(_pids(warm.log))) == 1
+
+
+def test_another_memory_limit_or_interpreter_starts_a_new_worker(warm, tmp_path):
+    warm.run(_request("m1"), job="m1", timeout_s=20, python=warm.python, memory_max_bytes=8 << 30)
+    warm.run(_request("m2"), job="m2", timeout_s=20, python=warm.python, memory_max_bytes=4 << 30)
+    other = tmp_path / "other"
+    other.mkdir()
+    warm.run(_request("m3"), job="m3", timeout_s=20, python=str(fake_python(other)), memory_max_bytes=4 << 30)
+    assert len(set(_pids(warm.log))) == 3
+
+
+def test_read_rss_bytes_reads_this_process():
+    rss = read_rss_bytes(os.getpid())
+    assert rss is not None and 10 << 20 < rss < 64 << 30
+    assert read_rss_bytes(2 ** 31 - 1) is None
+
+
+def test_daemon_runs_successive_drops_in_one_warm_worker_and_stops_it_on_shutdown(tmp_path, tiny_config,
+                                                                                  monkeypatch):
+    from tests._daemon_helpers import own_drop_text, poll, settings_for
+    from tuner.daemon import Daemon
+    from tuner.notify import Notifier
+
+    log = tmp_path / "worker.log"
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(log))
+    s = settings_for(tmp_path)
+    conf, props = Path(s.watch_dir), Path(s.state_dir) / "proposals"
+    d = Daemon(s, notifier=Notifier({}))
+    d.start()
+    try:
+        for name in ("w1", "w2", "w3"):
+            (conf / f"{name}.yaml").write_text(own_drop_text(name, tiny_config))
+            poll(lambda: (props / f"{name}.yaml").exists(), 30, step=lambda: d.step(max_wait_s=0.05),
+                 what=f"{name}'s proposal")
+        pids = _pids(log)
+        assert len(pids) == 3 and len(set(pids)) == 1
+        assert group_alive(pids[0])
+        from tests._daemon_helpers import db_rows
+
+        rows = db_rows(Path(s.state_dir) / "ctx-tuner.sqlite", "SELECT DISTINCT worker_pid FROM jobs")
+        assert rows == [(pids[0],)]  # every job records the worker that ran it (orphan kill at restart)
+    finally:
+        d.shutdown()
+    assert not group_alive(pids[0])
