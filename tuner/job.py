@@ -489,9 +489,10 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
 
                     r = measured_pass(plugin, spec, s, era, batch)
                     row = {**r, "method": "cuda"}
-                else:
-                    r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True),
-                                 model_runner_v2=runner_v2, models=models)
+                else:  # an unserved architecture: vLLM's own profile run traced (tuner.engine.use)
+                    run = engine_use.run_pass if engine_use is not None and engine_use.trace_activation else run_pass
+                    r = run(plugin, spec, s, era, batch, fake=request.get("fake", True),
+                            model_runner_v2=runner_v2, models=models)
                     row = {**r.to_dict(), "method": "simulate"}
                 results.append(r)
                 runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
@@ -570,11 +571,15 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                 warnings.append(f"gmu {v['gpu_memory_utilization']:g}, max_model_len {v['max_model_len']}: vLLM's "
                                 f"kv_cache_utils gives {v['engine'].get('num_gpu_blocks')} blocks, ctx-tuner "
                                 f"{v['ctx_tuner_num_gpu_blocks']}")
+    if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
+        warnings.extend(w for w in engine_use.warnings if w not in warnings)
     from tuner.engine.crosscheck import term_sources
 
     sources = term_sources(plugin=plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
                            engine_weights=bool(engine_use and engine_use.weights),
                            approximate_activation=bool(engine_use and engine_use.approximate_activation),
+                           traced_activation=bool(engine_use and engine_use.traced),
+                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
                            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
                            engine_defaults=False, method=method)
     measured: list[dict] = []
