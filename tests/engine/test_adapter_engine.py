@@ -112,9 +112,14 @@ def test_adapter_unserved_architecture_end_to_end(monkeypatch):
                  "device": {"name": dev.name, "total_memory_bytes": dev.total_memory_bytes}})
     assert r["plugin"] == "engine"
     ts = r["term_sources"]
-    assert (ts["kv_cache_spec"], ts["weights"], ts["activation_peak"]) == ("engine", "engine",
-                                                                         "plugin(generic, approximate)")
+    assert (ts["kv_cache_spec"], ts["weights"], ts["activation_peak"]) == ("engine", "engine", "engine-trace")
+    assert "fused MoE" in ts["activation_approximate"]  # cpu_fused_moe met: its margin is added
     chk = r["engine_check"]
+    (tr,) = chk["trace"]
+    assert "_C::cpu_fused_moe" in tr["ops"] and tr["margin_bytes"] == int(tr["forward_peak_bytes"] * 0.10)
+    run = r["runs"][0]
+    assert run["forward_peak_bytes"] == tr["forward_peak_bytes"] > 0
+    assert run["activation_peak_bytes"] == tr["activation_peak_bytes"] + tr["margin_bytes"] + tr["persistent_bytes"]
     assert chk["decision"] == "engine (no plugin)" and chk["releases_match"] is True
     # 4 layers x 8 KV heads x 64 x 2 (K, V) x bf16 x 16 tokens
     assert chk["check"]["engine"]["specs"] == [
