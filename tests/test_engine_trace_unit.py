@@ -92,3 +92,17 @@ def test_trace_that_cannot_run_falls_back_to_the_plugin_with_a_warning(monkeypat
     # later passes go straight to the plugin
     use.run_pass("plugin", spec, settings, era, batch, model_runner_v2=False)
     assert len(seen) == 2 and len(use.warnings) == 1
+
+
+def test_explain_shows_the_trace_and_a_trace_that_did_not_run():
+    from tuner.explain import engine_check_lines
+
+    rep = {"release": "0.32.0", "releases_match": True, "decision": "engine (no plugin)",
+           "trace": [{"release": "0.32.0", "max_num_batched_tokens": 8192, "num_reqs": 256,
+                      "forward_peak_bytes": 973185024, "sampler_peak_bytes": 790113280,
+                      "activation_peak_bytes": 973185024, "margin_bytes": 0, "persistent_bytes": 67944448,
+                      "approximate": [SAMPLER_PART]},
+                     {"error": "op _C::foo has no fake kernel"}]}
+    text = "\n".join(engine_check_lines(rep))
+    assert "engine-trace (vLLM 0.32.0 _dummy_run + _dummy_sampler_run, N 8192, R 256): forward peak 973185024 B" in text
+    assert "approximate: top-k/top-p sampler" in text and "engine-trace not run: op _C::foo" in text

@@ -1008,6 +1008,14 @@ def engine_check_lines(check: dict | None) -> list[str]:
                    f"({_gib(w['bytes'])} GiB), " + ", ".join(f"{k} {v}" for k, v in w.get("by_dtype", {}).items())
                    + (f"; the run's weights {w['job_bytes']} B ({w['job_bytes'] - w['bytes']:+d})"
                       if w.get("job_bytes") is not None else ""))
+    for t in check.get("trace") or []:
+        if t.get("error"):
+            out.append(f"  engine-trace not run: {t['error']}")
+            continue
+        out.append(f"  engine-trace (vLLM {t.get('release')} _dummy_run + _dummy_sampler_run, N {t['max_num_batched_tokens']}, "
+                   f"R {t['num_reqs']}): forward peak {t['forward_peak_bytes']} B, sampler {t['sampler_peak_bytes']} B, "
+                   f"activation {t['activation_peak_bytes']} B + margin {t.get('margin_bytes', 0)} B + runner buffers "
+                   f"{t.get('persistent_bytes', 0)} B; approximate: {', '.join(t.get('approximate') or []) or 'none'}")
     for v in check.get("proposals") or []:
         e = v["engine"]
         got = e.get("num_gpu_blocks") if e.get("starts") else f"refuses ({(e.get('error') or '')[:120]})"
