@@ -106,3 +106,58 @@ def test_explain_shows_the_trace_and_a_trace_that_did_not_run():
     text = "\n".join(engine_check_lines(rep))
     assert "engine-trace (vLLM 0.32.0 _dummy_run + _dummy_sampler_run, N 8192, R 256): forward peak 973185024 B" in text
     assert "approximate: top-k/top-p sampler" in text and "engine-trace not run: op _C::foo" in text
+
+
+class _DefaultsSession:
+    version = "0.32.0"
+
+    def __init__(self, n: int, s: int) -> None:
+        self.n, self.s, self.asked = n, s, []
+
+    def batch_defaults(self, *, device_name, total_memory_bytes, entry_point):
+        self.asked.append((device_name, total_memory_bytes, entry_point))
+        return {"max_num_batched_tokens": self.n, "max_num_seqs": self.s, "enable_chunked_prefill": True,
+                "block_size": 16, "source": "test"}
+
+
+def test_engine_defaults_recorded_and_applied_only_when_the_releases_match():
+    from tuner.engine.use import reconcile_defaults
+
+    era_batch = ProfileBatch(8192, 1024, 1024, True)
+    dev = {"name": "H100-80GB", "total_memory_bytes": 80 << 30}
+    # same values: recorded, nothing to apply
+    use = EngineUse(session=_DefaultsSession(8192, 1024), report={"releases_match": True})
+    assert reconcile_defaults(use, era_batch=era_batch, block_size=16, d={"entry_point": "serve"}, device=dev) == {}
+    assert use.report["defaults"]["engine"]["max_num_batched_tokens"] == 8192
+    assert use.report["defaults"]["differences"] == [] and use.session.asked == [("H100-80GB", 80 << 30, "serve")]
+    # the engine differs, same release: its value is used, and the difference is printed
+    use = EngineUse(session=_DefaultsSession(16384, 1024), report={"releases_match": True})
+    got = reconcile_defaults(use, era_batch=era_batch, block_size=16, d={}, device=dev)
+    assert got == {"max_num_batched_tokens": 16384}
+    assert use.report["defaults"]["differences"] == ["max_num_batched_tokens: engine 16384, era rule 8192"]
+    assert any("the engine's is used" in w for w in use.warnings)
+    # another release: printed, the era rule stays
+    use = EngineUse(session=_DefaultsSession(16384, 1024), report={"releases_match": False})
+    assert reconcile_defaults(use, era_batch=era_batch, block_size=16, d={"engine_version": "0.19.0"}, device=dev) == {}
+    assert use.report["defaults"]["differences"] and "era rules for 0.19.0" in use.report["defaults"]["rule"]
+    assert any("the era rule's is used" in w for w in use.warnings)
+    # a key the drop sets is never compared nor replaced
+    use = EngineUse(session=_DefaultsSession(16384, 1024), report={"releases_match": True})
+    assert reconcile_defaults(use, era_batch=era_batch, block_size=16, d={"max_num_batched_tokens": 8192},
+                              device=dev) == {}
+    assert use.report["defaults"]["differences"] == []
+
+
+def test_explain_shows_engine_defaults_next_to_the_era_rules():
+    from tuner.explain import engine_check_lines
+
+    rep = {"release": "0.32.0", "releases_match": True, "decision": "plugin (engine agrees)",
+           "defaults": {"engine": {"max_num_batched_tokens": 16384, "max_num_seqs": 1024, "enable_chunked_prefill": True,
+                                   "block_size": 16},
+                        "ctx_tuner": {"max_num_batched_tokens": 8192, "max_num_seqs": 1024,
+                                      "enable_chunked_prefill": True, "block_size": 16},
+                        "differences": ["max_num_batched_tokens: engine 16384, era rule 8192"],
+                        "applied": {"max_num_batched_tokens": 16384}, "rule": "the engine's (same release as the drop)"}}
+    text = "\n".join(engine_check_lines(rep))
+    assert "scheduler defaults (engine / era rule): max_num_batched_tokens 16384 / 8192, max_num_seqs 1024 / 1024" in text
+    assert "default differs: max_num_batched_tokens: engine 16384, era rule 8192 (engine's applied)" in text

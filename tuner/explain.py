@@ -1002,6 +1002,17 @@ def engine_check_lines(check: dict | None) -> list[str]:
         out.append(f"  engine config ({cfg.get('platform')}): max_model_len {cfg.get('max_model_len')}, "
                    f"max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, max_num_seqs {cfg.get('max_num_seqs')}, "
                    f"block_size {cfg.get('block_size')}, quantization {cfg.get('quantization')}")
+    dfl = check.get("defaults") or {}
+    if dfl.get("engine"):
+        e, c = dfl["engine"], dfl.get("ctx_tuner") or {}
+        out.append("  scheduler defaults (engine / era rule): " + ", ".join(
+            f"{k} {e.get(k)} / {c.get(k)}" for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+                                                    "block_size")) + f"; used: {dfl.get('rule')}")
+        for dline in dfl.get("differences") or []:
+            out.append(f"  default differs: {dline}" + (" (engine's applied)" if dline.split(":")[0] in
+                                                         (dfl.get("applied") or {}) else ""))
+    elif dfl.get("error"):
+        out.append(f"  scheduler defaults not asked: {dfl['error']}")
     w = check.get("weights")
     if w:
         out.append(f"  engine weights (meta model, before process_weights_after_loading): {w['bytes']} B "

@@ -455,10 +455,14 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
         is_quantized=bool(spec.quantization_config or d.get("quantization")))
     layout = dataclasses.replace(layout, model_runner_v2=runner_v2)
 
+    engine_batch: dict = {}  # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
+
     def batch_for(m: int):
         batch = profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"),
                               device_name=device["name"], total_memory_bytes=total,
-                              max_num_batched_tokens=d.get("max_num_batched_tokens"), max_num_seqs=d.get("max_num_seqs"),
+                              max_num_batched_tokens=d.get("max_num_batched_tokens")
+                              or engine_batch.get("max_num_batched_tokens"),
+                              max_num_seqs=d.get("max_num_seqs") or engine_batch.get("max_num_seqs"),
                               enable_chunked_prefill=d.get("enable_chunked_prefill"),
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
@@ -470,6 +474,12 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                     user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
         return batch
 
+    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
+        from tuner.engine.use import reconcile_defaults
+
+        grid = (d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]
+        engine_batch.update(reconcile_defaults(engine_use, era_batch=batch_for(max(grid)), block_size=block_size,
+                                               d=d, device=device))
     from tuner.simulate.profile import ModelCache, run_pass
 
     memo: dict[tuple, list] = {}
@@ -581,7 +591,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                            traced_activation=bool(engine_use and engine_use.traced),
                            approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
                            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-                           engine_defaults=False, method=method)
+                           engine_defaults=bool(engine_batch), method=method)
     measured: list[dict] = []
     if method == "cuda" and runs:  # vLLM's refusal when free memory < total × u (tuner.measure.cuda)
         from tuner.measure.cuda import refuse_below_free_memory

@@ -125,5 +125,10 @@ def test_adapter_unserved_architecture_end_to_end(monkeypatch):
     assert chk["check"]["engine"]["specs"] == [
         {"kind": "FullAttentionSpec", "block_size": 16, "page_size_bytes": 16 * 8 * 128 * 2, "layers": 4}]
     assert r["runs"][0]["weights_bytes"] == chk["weights"]["bytes"] > 0
+    # the engine's scheduler defaults for an H100 serve (vLLM's get_batch_defaults) equal the era rule's
+    dfl = chk["defaults"]
+    assert dfl["engine"] == {"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "enable_chunked_prefill": True,
+                             "block_size": 16}
+    assert dfl["ctx_tuner"]["max_num_batched_tokens"] == 8192 and dfl["differences"] == [] and dfl["applied"] == {}
     (p,) = chk["proposals"]
     assert p["agree"] and p["engine"]["num_gpu_blocks"] == r["proposals"][0]["num_gpu_blocks"]

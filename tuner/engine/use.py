@@ -290,3 +290,47 @@ def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, 
                       int(tr["activation_peak_bytes"]) + margin + persistent, int(tr["forward_peak_bytes"]),
                       int(tr["sampler_peak_bytes"]), round(time.perf_counter() - t0, 4), persistent,
                       bool(model_runner_v2))
+
+
+#: The scheduler defaults compared between the engine and ctx-tuner's era rules.
+DEFAULT_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "block_size")
+#: Of those, the ones a job takes from the engine when the releases match (the block size is the KV
+#: cross-check's; chunked prefill is on in every V1 release unless the drop turns it off).
+APPLIED_KEYS = ("max_num_batched_tokens", "max_num_seqs")
+
+
+def reconcile_defaults(use: EngineUse, *, era_batch: Any, block_size: int, d: dict, device: dict) -> dict:
+    """The engine's scheduler defaults for the drop's device (``EngineSession.batch_defaults``)
+    next to ctx-tuner's era rules (``era_batch``: :func:`tuner.eras.profile_batch` for the
+    drop; ``block_size``: the job's), recorded in ``use.report["defaults"]`` with every
+    difference for a key the drop leaves unset (also a warning). When the installed release
+    is the drop's, the engine's :data:`APPLIED_KEYS` the drop leaves unset are returned, to be
+    used instead of the era rule's; else ``{}`` (the era rules stay: defaults change between
+    releases)."""
+    if use.session is None or not hasattr(use.session, "batch_defaults"):
+        return {}
+    try:
+        eng = use.session.batch_defaults(device_name=str(device.get("name", "")),
+                                         total_memory_bytes=int(device["total_memory_bytes"]),
+                                         entry_point=str(d.get("entry_point") or "serve"))
+    except Exception as exc:  # a release whose defaults cannot be asked: say so, keep the era rules
+        use.report["defaults"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return {}
+    mine = {"max_num_batched_tokens": int(era_batch.max_num_batched_tokens), "max_num_seqs": int(era_batch.max_num_seqs),
+            "enable_chunked_prefill": bool(era_batch.chunked_prefill), "block_size": int(block_size)}
+    engine = {k: eng.get(k) for k in DEFAULT_KEYS}
+    free = [k for k in DEFAULT_KEYS if d.get(k) is None]
+    diffs = [f"{k}: engine {engine[k]}, era rule {mine[k]}" for k in free
+             if engine[k] is not None and engine[k] != mine[k]]
+    same = bool(use.report.get("releases_match"))
+    applied = {k: engine[k] for k in APPLIED_KEYS if k in free and engine[k] is not None and engine[k] != mine[k]} \
+        if same and era_batch.chunked_prefill else {}
+    use.report["defaults"] = {"engine": engine, "ctx_tuner": mine, "source": eng.get("source"), "differences": diffs,
+                              "applied": applied,
+                              "rule": "the engine's (same release as the drop)" if same else
+                                      f"ctx-tuner's era rules for {d.get('engine_version')} (installed "
+                                      f"{use.session.version}: defaults change between releases)"}
+    for line in diffs:
+        use.warnings.append(f"scheduler default differs from vLLM {use.session.version}'s: {line}; "
+                            + ("the engine's is used" if line.split(":")[0] in applied else "the era rule's is used"))
+    return applied
