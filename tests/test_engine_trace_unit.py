@@ -28,6 +28,10 @@ def test_margin_counts_kernel_parts_but_not_the_sampler():
     assert approximate_margin_bytes(fwd, ["fused MoE", SAMPLER_PART]) == int(fwd * MARGIN_PER_PART)
     assert approximate_margin_bytes(fwd, ["fused MoE", "quantized GEMM"]) == 2 * int(fwd * MARGIN_PER_PART)
     assert approximate_margin_bytes(fwd, ["Model Runner V2 sampler (the V1 runner's traced)"]) == 0
+    # a known Triton MoE workspace replaces the fraction for the fused MoE, not for the others
+    assert approximate_margin_bytes(fwd, ["fused MoE", SAMPLER_PART], moe_workspace_bytes=335_544_320) == 335_544_320
+    assert approximate_margin_bytes(fwd, ["fused MoE", "MLA prefill"], moe_workspace_bytes=5) == 5 + int(
+        fwd * MARGIN_PER_PART)
 
 
 def test_term_sources_of_a_traced_run():

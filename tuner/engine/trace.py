@@ -59,11 +59,52 @@ MARGIN_PARTS = frozenset({"fused MoE", "MoE routing", "quantized GEMM", "SSM / l
                           "sparse attention top-k"})
 
 
-def approximate_margin_bytes(forward_peak_bytes: int, parts: list[str]) -> int:
-    """Margin for the kernel-dependent ``parts`` a trace met: :data:`MARGIN_PER_PART` of the
-    traced forward peak for each of :data:`MARGIN_PARTS` met (bytes)."""
-    n = len(set(parts) & MARGIN_PARTS)
-    return int(forward_peak_bytes * MARGIN_PER_PART * n)
+def approximate_margin_bytes(forward_peak_bytes: int, parts: list[str], *, moe_workspace_bytes: int | None = None) -> int:
+    """Margin for the kernel-dependent ``parts`` a trace met (bytes): for ``fused MoE``, the GPU
+    Triton experts' workspace where it is known (``moe_workspace_bytes``,
+    :func:`moe_gpu_workspace_bytes`), else :data:`MARGIN_PER_PART` of the traced forward peak;
+    :data:`MARGIN_PER_PART` of it for each other part of :data:`MARGIN_PARTS` met."""
+    met = set(parts) & MARGIN_PARTS
+    total = 0
+    if "fused MoE" in met and moe_workspace_bytes is not None:
+        total += int(moe_workspace_bytes)
+        met.discard("fused MoE")
+    return total + int(forward_peak_bytes * MARGIN_PER_PART * len(met))
+
+
+def moe_gpu_workspace_bytes(model: Any, num_tokens: int) -> int | None:
+    """The workspace a CUDA build's Triton fused-MoE experts allocate for ``num_tokens`` tokens in
+    the largest MoE layer, beyond the output buffer the CPU build also allocates: vLLM's own
+    ``TritonExperts.workspace_shapes`` (vllm/model_executor/layers/fused_moe/experts/triton_moe.py)
+    as ``FusedMoEKernel._allocate_buffers`` (modular_kernel.py) lays them out — workspace13 shared
+    with the output, plus workspace2 — in the activation dtype, each rounded like the allocator.
+    None where the release or the layers do not expose it (the fraction rule then applies)."""
+    from math import prod
+
+    from tuner.simulate.tracker import round_allocation
+
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    except ImportError:
+        return None
+    best = None
+    for m in model.modules():
+        w13, topk, act = getattr(m, "w13_weight", None), getattr(m, "top_k", None), getattr(m, "activation", None)
+        if w13 is None or topk is None or act is None or getattr(w13, "dim", lambda: 0)() != 3:
+            continue
+        e_local, n, k = (int(x) for x in w13.shape)
+        dtype_bytes = int(getattr(m, "moe_config", None).in_dtype.itemsize) if getattr(
+            getattr(m, "moe_config", None), "in_dtype", None) is not None else 2
+        try:
+            ws13, ws2, out = TritonExperts.workspace_shapes(TritonExperts, int(num_tokens), n, k, int(topk),
+                                                            e_local, e_local, None, act)
+        except Exception:
+            return None
+        common = max(prod(ws13), prod(out))
+        extra = round_allocation(common * dtype_bytes) - round_allocation(prod(out) * dtype_bytes) \
+            + round_allocation(prod(ws2) * dtype_bytes)
+        best = extra if best is None else max(best, extra)
+    return best
 
 
 class _Ops:
@@ -212,6 +253,7 @@ def trace_profile_run(session: Any, *, max_num_batched_tokens: int, max_num_seqs
                 model = initialize_model(vllm_config=vc, model_config=mc)
             timings["build_s"] = round(time.perf_counter() - t0, 3)
             gemms = _prepare_model(model)
+            moe_ws = moe_gpu_workspace_bytes(model, n)
             acts = _gpu_activation_path(model)
             from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -251,5 +293,5 @@ def trace_profile_run(session: Any, *, max_num_batched_tokens: int, max_num_seqs
     return {"max_num_batched_tokens": n, "num_reqs": num_reqs, "forward_peak_bytes": int(forward_peak),
             "sampler_peak_bytes": int(sampler_peak),
             "activation_peak_bytes": int(max(forward_peak, before + sampler_peak)),
-            "ops": sorted(ops.ops), "approximate": parts, "fake_kernels": len(fakes), "notes": notes,
+            "ops": sorted(ops.ops), "approximate": parts, "moe_workspace_bytes": moe_ws, "fake_kernels": len(fakes), "notes": notes,
             "timings": timings}

@@ -278,7 +278,7 @@ def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, 
     parts = list(tr["approximate"])
     if model_runner_v2:  # the CPU build has no Model Runner V2 (it needs Triton): V1's sampler traced
         parts.append("Model Runner V2 sampler (the V1 runner's traced)")
-    margin = approximate_margin_bytes(tr["forward_peak_bytes"], parts)
+    margin = approximate_margin_bytes(tr["forward_peak_bytes"], parts, moe_workspace_bytes=tr.get("moe_workspace_bytes"))
     persistent = runner_persistent_bytes(
         era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n, max_num_seqs=settings.max_num_seqs or r,
         max_model_len=settings.max_model_len or n, hidden_size=int(spec.hidden_size), vocab_size=int(spec.vocab_size),
