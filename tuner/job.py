@@ -591,7 +591,9 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
                            traced_activation=bool(engine_use and engine_use.traced),
                            approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
                            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-                           engine_defaults=bool(engine_batch), method=method)
+                           engine_defaults=bool(engine_batch) or bool(
+                               engine_use and engine_use.report.get("releases_match")
+                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
     measured: list[dict] = []
     if method == "cuda" and runs:  # vLLM's refusal when free memory < total × u (tuner.measure.cuda)
         from tuner.measure.cuda import refuse_below_free_memory

@@ -134,5 +134,6 @@ def test_adapter_unserved_architecture_end_to_end(monkeypatch):
     assert dfl["engine"] == {"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "enable_chunked_prefill": True,
                              "block_size": 16}
     assert dfl["ctx_tuner"]["max_num_batched_tokens"] == 8192 and dfl["differences"] == [] and dfl["applied"] == {}
+    assert ts["scheduler_defaults"] == "engine"  # the same release: the engine's values are the ones used
     (p,) = chk["proposals"]
     assert p["agree"] and p["engine"]["num_gpu_blocks"] == r["proposals"][0]["num_gpu_blocks"]
