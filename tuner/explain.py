@@ -1007,12 +1007,31 @@ def engine_check_lines(check: dict | None) -> list[str]:
         out.append(f"  engine config ({cfg.get('platform')}): max_model_len {cfg.get('max_model_len')}, "
                    f"max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, max_num_seqs {cfg.get('max_num_seqs')}, "
                    f"block_size {cfg.get('block_size')}, quantization {cfg.get('quantization')}")
+    dfl = check.get("defaults") or {}
+    if dfl.get("engine"):
+        e, c = dfl["engine"], dfl.get("ctx_tuner") or {}
+        out.append("  scheduler defaults (engine / era rule): " + ", ".join(
+            f"{k} {e.get(k)} / {c.get(k)}" for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+                                                    "block_size")) + f"; used: {dfl.get('rule')}")
+        for dline in dfl.get("differences") or []:
+            out.append(f"  default differs: {dline}" + (" (engine's applied)" if dline.split(":")[0] in
+                                                         (dfl.get("applied") or {}) else ""))
+    elif dfl.get("error"):
+        out.append(f"  scheduler defaults not asked: {dfl['error']}")
     w = check.get("weights")
     if w:
         out.append(f"  engine weights (meta model, before process_weights_after_loading): {w['bytes']} B "
                    f"({_gib(w['bytes'])} GiB), " + ", ".join(f"{k} {v}" for k, v in w.get("by_dtype", {}).items())
                    + (f"; the run's weights {w['job_bytes']} B ({w['job_bytes'] - w['bytes']:+d})"
                       if w.get("job_bytes") is not None else ""))
+    for t in check.get("trace") or []:
+        if t.get("error"):
+            out.append(f"  engine-trace not run: {t['error']}")
+            continue
+        out.append(f"  engine-trace (vLLM {t.get('release')} _dummy_run + _dummy_sampler_run, N {t['max_num_batched_tokens']}, "
+                   f"R {t['num_reqs']}): forward peak {t['forward_peak_bytes']} B, sampler {t['sampler_peak_bytes']} B, "
+                   f"activation {t['activation_peak_bytes']} B + margin {t.get('margin_bytes', 0)} B + runner buffers "
+                   f"{t.get('persistent_bytes', 0)} B; approximate: {', '.join(t.get('approximate') or []) or 'none'}")
     for v in check.get("proposals") or []:
         e = v["engine"]
         got = e.get("num_gpu_blocks") if e.get("starts") else f"refuses ({(e.get('error') or '')[:120]})"

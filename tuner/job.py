@@ -482,10 +482,14 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         is_quantized=bool(spec.quantization_config or d.get("quantization")))
     layout = dataclasses.replace(layout, model_runner_v2=runner_v2)
 
+    engine_batch: dict = {}  # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
+
     def batch_for(m: int):
         batch = profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"),
                               device_name=device["name"], total_memory_bytes=total,
-                              max_num_batched_tokens=d.get("max_num_batched_tokens"), max_num_seqs=d.get("max_num_seqs"),
+                              max_num_batched_tokens=d.get("max_num_batched_tokens")
+                              or engine_batch.get("max_num_batched_tokens"),
+                              max_num_seqs=d.get("max_num_seqs") or engine_batch.get("max_num_seqs"),
                               enable_chunked_prefill=d.get("enable_chunked_prefill"),
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
@@ -497,6 +501,12 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
                     user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
         return batch
 
+    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
+        from tuner.engine.use import reconcile_defaults
+
+        grid = (d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]
+        engine_batch.update(reconcile_defaults(engine_use, era_batch=batch_for(max(grid)), block_size=block_size,
+                                               d=d, device=device))
     memoizable = method == "simulate" and request.get("fake", True) and engine_use is None
     if pass_memo is not None and not memoizable:
         raise passmemo.MemoMiss(f"method {method} is not memoized")
@@ -528,9 +538,10 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
 
                     r = measured_pass(plugin, spec, s, era, batch)
                     row = {**r, "method": "cuda"}
-                else:
-                    r = run_pass(plugin, spec, s, era, batch, fake=request.get("fake", True),
-                                 model_runner_v2=runner_v2, models=models)
+                else:  # an unserved architecture: vLLM's own profile run traced (tuner.engine.use)
+                    run = engine_use.run_pass if engine_use is not None and engine_use.trace_activation else run_pass
+                    r = run(plugin, spec, s, era, batch, fake=request.get("fake", True),
+                            model_runner_v2=runner_v2, models=models)
                     row = {**r.to_dict(), "method": "simulate"}
                     if pkey is not None:
                         memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec,
@@ -617,13 +628,19 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
                 warnings.append(f"gmu {v['gpu_memory_utilization']:g}, max_model_len {v['max_model_len']}: vLLM's "
                                 f"kv_cache_utils gives {v['engine'].get('num_gpu_blocks')} blocks, ctx-tuner "
                                 f"{v['ctx_tuner_num_gpu_blocks']}")
+    if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
+        warnings.extend(w for w in engine_use.warnings if w not in warnings)
     from tuner.engine.crosscheck import term_sources
 
     sources = term_sources(plugin=plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
                            engine_weights=bool(engine_use and engine_use.weights),
                            approximate_activation=bool(engine_use and engine_use.approximate_activation),
+                           traced_activation=bool(engine_use and engine_use.traced),
+                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
                            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-                           engine_defaults=False, method=method)
+                           engine_defaults=bool(engine_batch) or bool(
+                               engine_use and engine_use.report.get("releases_match")
+                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
     measured: list[dict] = []
     if method == "cuda" and runs:  # vLLM's refusal when free memory < total × u (tuner.measure.cuda)
         from tuner.measure.cuda import refuse_below_free_memory

@@ -112,13 +112,28 @@ def test_adapter_unserved_architecture_end_to_end(monkeypatch):
                  "device": {"name": dev.name, "total_memory_bytes": dev.total_memory_bytes}})
     assert r["plugin"] == "engine"
     ts = r["term_sources"]
-    assert (ts["kv_cache_spec"], ts["weights"], ts["activation_peak"]) == ("engine", "engine",
-                                                                         "plugin(generic, approximate)")
+    assert (ts["kv_cache_spec"], ts["weights"], ts["activation_peak"]) == ("engine", "engine", "engine-trace")
+    assert "fused MoE" in ts["activation_approximate"]  # cpu_fused_moe met: its margin is added
     chk = r["engine_check"]
+    (tr,) = chk["trace"]
+    # the margin of the fused MoE is the CUDA Triton experts' workspace (vLLM's workspace_shapes):
+    # tiny OLMoE, N 8192, top-k 2, w13 2 x 256, hidden 512, bf16: workspace13 [8192, 2, 512] shared with
+    # the output [8192, 512] (counted by the trace) + workspace2 [8192, 2, 512]
+    assert "_C::cpu_fused_moe" in tr["ops"]
+    assert tr["margin_bytes"] == tr["moe_workspace_bytes"] == (8192 * 2 * 512 - 8192 * 512 + 8192 * 2 * 512) * 2
+    run = r["runs"][0]
+    assert run["forward_peak_bytes"] == tr["forward_peak_bytes"] > 0
+    assert run["activation_peak_bytes"] == tr["activation_peak_bytes"] + tr["margin_bytes"] + tr["persistent_bytes"]
     assert chk["decision"] == "engine (no plugin)" and chk["releases_match"] is True
     # 4 layers x 8 KV heads x 64 x 2 (K, V) x bf16 x 16 tokens
     assert chk["check"]["engine"]["specs"] == [
         {"kind": "FullAttentionSpec", "block_size": 16, "page_size_bytes": 16 * 8 * 128 * 2, "layers": 4}]
     assert r["runs"][0]["weights_bytes"] == chk["weights"]["bytes"] > 0
+    # the engine's scheduler defaults for an H100 serve (vLLM's get_batch_defaults) equal the era rule's
+    dfl = chk["defaults"]
+    assert dfl["engine"] == {"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "enable_chunked_prefill": True,
+                             "block_size": 16}
+    assert dfl["ctx_tuner"]["max_num_batched_tokens"] == 8192 and dfl["differences"] == [] and dfl["applied"] == {}
+    assert ts["scheduler_defaults"] == "engine"  # the same release: the engine's values are the ones used
     (p,) = chk["proposals"]
     assert p["agree"] and p["engine"]["num_gpu_blocks"] == r["proposals"][0]["num_gpu_blocks"]

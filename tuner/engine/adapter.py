@@ -140,6 +140,48 @@ class EngineSession:
             "is_hybrid": bool(getattr(mc, "is_hybrid", False)),
         }
 
+    def batch_defaults(self, *, device_name: str, total_memory_bytes: int, entry_point: str = "serve") -> dict:
+        """The release's own defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` for the
+        drop's GPU: ``EngineArgs.get_batch_defaults`` (vllm/engine/arg_utils.py) asked as on a
+        CUDA platform with that device's name and total memory (the CPU build would otherwise
+        answer its own platform's defaults), for the usage context of the entry point
+        (``serve`` → OPENAI_API_SERVER, ``offline`` → LLM_CLASS); ``block_size`` and
+        ``enable_chunked_prefill`` are the engine config's (after the backend's block alignment).
+        Where the release has no such classmethod (older layouts) the batch keys are None."""
+        from unittest import mock
+
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        vc = self.vllm_config
+        out: dict = {"max_num_batched_tokens": None, "max_num_seqs": None,
+                     "enable_chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
+                     "block_size": int(vc.cache_config.block_size),
+                     "source": "vllm/engine/arg_utils.py EngineArgs.get_batch_defaults"}
+        getter = getattr(EngineArgs, "get_batch_defaults", None)
+        if getter is None:
+            out["source"] = "not available in this release"
+            return out
+        from vllm.usage.usage_lib import UsageContext
+
+        world = int(self.settings.tensor_parallel_size)
+        patches = [mock.patch.object(type(current_platform), "get_device_total_memory",
+                                     classmethod(lambda cls, device_id=0: int(total_memory_bytes))),
+                   mock.patch.object(type(current_platform), "get_device_name",
+                                     classmethod(lambda cls, device_id=0: str(device_name))),
+                   mock.patch.object(type(current_platform), "is_cpu", lambda self=None: False),
+                   mock.patch.object(type(current_platform), "is_tpu", lambda self=None: False)]
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            n_by, s_by = getter(world)
+        ctx = UsageContext.LLM_CLASS if entry_point == "offline" else UsageContext.OPENAI_API_SERVER
+        from vllm.config import SchedulerConfig
+
+        out["max_num_batched_tokens"] = int(n_by.get(ctx, getattr(SchedulerConfig, "DEFAULT_MAX_NUM_BATCHED_TOKENS", 0)))
+        out["max_num_seqs"] = int(s_by.get(ctx, getattr(SchedulerConfig, "DEFAULT_MAX_NUM_SEQS", 0)))
+        return out
+
     # -- (2) the model on meta, its KV specs and weights -----------------------------------------
 
     def _build(self) -> None:

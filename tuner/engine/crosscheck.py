@@ -9,7 +9,8 @@ Sources of a run's terms (``term_sources``; stored on every ``profile_runs`` row
   activation peak; ``plugin(generic, approximate)`` for a standard-decoder approximation);
 - ``engine``: the installed vLLM (:mod:`tuner.engine.adapter`): KV specs, weights of the model
   built on ``meta``, ``kv_cache_utils`` sizing, engine-config defaults;
-- ``engine-trace``: vLLM's own profile run traced under fake tensors (not built: see README);
+- ``engine-trace``: vLLM's own profile run (``_dummy_run`` + ``_dummy_sampler_run``) traced under
+  fake tensors (:mod:`tuner.engine.trace`; the activation peak of an architecture no plugin serves);
 - ``catalog``: ctx-tuner's built-in tables — the device catalog, the era rules (defaults, budget
   formula, non-torch and CUDA-graph models) and its port of vLLM's KV arithmetic;
 - ``calibration``: corrections learned from stored measured runs of the same model and device.
@@ -134,10 +135,15 @@ def _fmt(summary: list[dict]) -> str:
 
 
 def term_sources(*, plugin: str | None, engine_kv: bool, engine_weights: bool, approximate_activation: bool,
-                 calibrated: bool, device_from_catalog: bool, engine_defaults: bool, method: str) -> dict:
-    """Which source gave each term of a run (see the module docstring for the names)."""
+                 calibrated: bool, device_from_catalog: bool, engine_defaults: bool, method: str,
+                 traced_activation: bool = False, approximate_parts: Any = ()) -> dict:
+    """Which source gave each term of a run (see the module docstring for the names).
+
+    ``traced_activation``: the activation peak is ``engine-trace``; ``approximate_parts`` (its
+    kernel-dependent parts, :mod:`tuner.engine.fakes`) then go to ``activation_approximate``."""
     measured = method in ("cuda", "vllm")
-    act = "plugin(generic, approximate)" if approximate_activation else "plugin"
+    act = "plugin(generic, approximate)" if approximate_activation else ("engine-trace" if traced_activation
+                                                                         else "plugin")
     return {
         "total_memory": "catalog" if device_from_catalog else "drop",
         "scheduler_defaults": "engine" if engine_defaults else "catalog",
@@ -148,5 +154,6 @@ def term_sources(*, plugin: str | None, engine_kv: bool, engine_weights: bool, a
         "non_torch": "calibration" if calibrated else ("cuda" if measured else "catalog"),
         "cuda_graphs": "calibration" if calibrated else "catalog",
         "budget_formula": "catalog",
+        **({"activation_approximate": ", ".join(approximate_parts)} if traced_activation and approximate_parts else {}),
         **({"plugin": plugin} if plugin else {}),
     }

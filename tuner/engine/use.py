@@ -4,8 +4,10 @@
 Three uses, decided per job by :func:`engine_for_job`:
 
 (a) an architecture no plugin serves: KV specs and weights come from the engine (the model built
-    on ``meta``), the activation peak from the generic plugin's simulated decoder, marked
-    ``plugin(generic, approximate)`` (vLLM's own ``_dummy_run`` is not traced);
+    on ``meta``), the activation peak from vLLM's own ``_dummy_run`` + ``_dummy_sampler_run``
+    traced under fake tensors (:mod:`tuner.engine.trace`, source ``engine-trace``); where the
+    trace cannot run, from the generic plugin's simulated decoder, marked
+    ``plugin(generic, approximate)``, with a warning naming why;
 (b) every architecture: the plugin's KV specs are checked against the engine's — at the drop's
     release when the installed one matches it, else the plugin at the installed release (a
     difference the plugin explains by a version rule is not a disagreement); where they disagree
@@ -40,6 +42,36 @@ class EngineUse:
     approximate_activation: bool = False
     warnings: list = field(default_factory=list)
     session: Any = None
+    #: the activation peak is traced from vLLM's own profile run (:meth:`run_pass`)
+    trace_activation: bool = False
+    #: a trace ran (and gave the activation of at least one pass)
+    traced: bool = False
+
+    def approximate_parts(self) -> list:
+        """The kernel-dependent parts every trace of the job met (sorted, unique)."""
+        return sorted({p for t in self.report.get("trace", []) for p in t.get("approximate", [])})
+
+    def run_pass(self, plugin: Any, spec: Any, settings: Any, era: Any, batch: Any, **kw: Any) -> Any:
+        """One profile pass with :func:`tuner.simulate.profile.run_pass`'s signature and result:
+        vLLM's own profile run traced (:func:`tuner.engine.trace.trace_profile_run`) for the
+        batch, the engine's weights, the era's persistent runner buffers (as a simulated pass
+        adds them) and the margin of the kernel-dependent parts met; where the trace cannot run,
+        the plugin's simulated pass, with a warning (once) and ``plugin(generic, approximate)``."""
+        from tuner.simulate.profile import run_pass
+
+        if not self.trace_activation or self.session is None:
+            return run_pass(plugin, spec, settings, era, batch, **kw)
+        from tuner.engine.trace import EngineTraceUnavailable
+
+        try:
+            return traced_pass(self, spec, settings, era, batch, model_runner_v2=bool(kw.get("model_runner_v2")))
+        except EngineTraceUnavailable as exc:
+            self.trace_activation = False
+            self.approximate_activation = True
+            self.report.setdefault("trace", []).append({"error": str(exc)})
+            self.warnings.append(f"engine-trace not run ({exc}); activation peak approximated by the generic "
+                                 "decoder's simulated forward (approximate)")
+            return run_pass(plugin, spec, settings, era, batch, **kw)
 
 
 class EnginePlugin:
@@ -168,12 +200,11 @@ def engine_for_job(*, d: dict, model_dir: str, spec: Any, plugin: Any, unserved:
                                           block_size=bs, max_num_batched_tokens=n)
         use.kv_specs = eng
         use.weights = True
-        use.approximate_activation = True
+        use.trace_activation = True
         tp = int(d.get("tensor_parallel_size", 1))
         use.plugin = EnginePlugin(plugin, eng, weights["bytes"], tp, tuple(spec.architectures))
         use.warnings.append(f"no plugin serves {', '.join(spec.architectures)}: KV specs and weights from vLLM "
-                            f"{session.version}; activation peak approximated by the generic decoder's simulated "
-                            "forward (approximate)")
+                            f"{session.version}; activation peak traced from vLLM's own profile run (engine-trace)")
         rep["decision"] = "engine (no plugin)"
     else:
         against = plugin_specs if same else plugin_specs_at(session.version)
@@ -226,3 +257,80 @@ def verify_proposals(use: EngineUse, proposals: list[dict], available_at: Any) -
                     "available_kv_cache_bytes": int(avail), "ctx_tuner_num_gpu_blocks": p.get("num_gpu_blocks"),
                     "engine": e, "agree": e.get("num_gpu_blocks") == p.get("num_gpu_blocks")})
     use.report["proposals"] = out
+
+
+def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, *, model_runner_v2: bool) -> Any:
+    """A :class:`tuner.simulate.profile.PassResult` from vLLM's traced profile run (see
+    :meth:`EngineUse.run_pass`); the trace's details go to ``use.report["trace"]``.
+
+    Raises:
+        EngineTraceUnavailable: the trace cannot run here.
+    """
+    import time
+
+    from tuner.budget import runner_persistent_bytes
+    from tuner.engine.trace import approximate_margin_bytes, trace_profile_run
+    from tuner.simulate.profile import _DTYPE_BYTES, PassResult
+
+    t0 = time.perf_counter()
+    n, r = int(batch.max_num_batched_tokens), int(batch.max_num_seqs)
+    tr = trace_profile_run(use.session, max_num_batched_tokens=n, max_num_seqs=r)
+    parts = list(tr["approximate"])
+    if model_runner_v2:  # the CPU build has no Model Runner V2 (it needs Triton): V1's sampler traced
+        parts.append("Model Runner V2 sampler (the V1 runner's traced)")
+    margin = approximate_margin_bytes(tr["forward_peak_bytes"], parts, moe_workspace_bytes=tr.get("moe_workspace_bytes"))
+    persistent = runner_persistent_bytes(
+        era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n, max_num_seqs=settings.max_num_seqs or r,
+        max_model_len=settings.max_model_len or n, hidden_size=int(spec.hidden_size), vocab_size=int(spec.vocab_size),
+        dtype_bytes=_DTYPE_BYTES.get(settings.dtype, 2), block_size=settings.block_size or 16)
+    use.traced = True
+    use.report.setdefault("trace", []).append({**tr, "approximate": parts, "margin_bytes": margin,
+                                               "persistent_bytes": persistent, "release": use.session.version})
+    return PassResult(n, tr["num_reqs"], settings.pp_rank, int(use.plugin.weights_bytes(spec, settings, None)),
+                      int(tr["activation_peak_bytes"]) + margin + persistent, int(tr["forward_peak_bytes"]),
+                      int(tr["sampler_peak_bytes"]), round(time.perf_counter() - t0, 4), persistent,
+                      bool(model_runner_v2))
+
+
+#: The scheduler defaults compared between the engine and ctx-tuner's era rules.
+DEFAULT_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "block_size")
+#: Of those, the ones a job takes from the engine when the releases match (the block size is the KV
+#: cross-check's; chunked prefill is on in every V1 release unless the drop turns it off).
+APPLIED_KEYS = ("max_num_batched_tokens", "max_num_seqs")
+
+
+def reconcile_defaults(use: EngineUse, *, era_batch: Any, block_size: int, d: dict, device: dict) -> dict:
+    """The engine's scheduler defaults for the drop's device (``EngineSession.batch_defaults``)
+    next to ctx-tuner's era rules (``era_batch``: :func:`tuner.eras.profile_batch` for the
+    drop; ``block_size``: the job's), recorded in ``use.report["defaults"]`` with every
+    difference for a key the drop leaves unset (also a warning). When the installed release
+    is the drop's, the engine's :data:`APPLIED_KEYS` the drop leaves unset are returned, to be
+    used instead of the era rule's; else ``{}`` (the era rules stay: defaults change between
+    releases)."""
+    if use.session is None or not hasattr(use.session, "batch_defaults"):
+        return {}
+    try:
+        eng = use.session.batch_defaults(device_name=str(device.get("name", "")),
+                                         total_memory_bytes=int(device["total_memory_bytes"]),
+                                         entry_point=str(d.get("entry_point") or "serve"))
+    except Exception as exc:  # a release whose defaults cannot be asked: say so, keep the era rules
+        use.report["defaults"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return {}
+    mine = {"max_num_batched_tokens": int(era_batch.max_num_batched_tokens), "max_num_seqs": int(era_batch.max_num_seqs),
+            "enable_chunked_prefill": bool(era_batch.chunked_prefill), "block_size": int(block_size)}
+    engine = {k: eng.get(k) for k in DEFAULT_KEYS}
+    free = [k for k in DEFAULT_KEYS if d.get(k) is None]
+    diffs = [f"{k}: engine {engine[k]}, era rule {mine[k]}" for k in free
+             if engine[k] is not None and engine[k] != mine[k]]
+    same = bool(use.report.get("releases_match"))
+    applied = {k: engine[k] for k in APPLIED_KEYS if k in free and engine[k] is not None and engine[k] != mine[k]} \
+        if same and era_batch.chunked_prefill else {}
+    use.report["defaults"] = {"engine": engine, "ctx_tuner": mine, "source": eng.get("source"), "differences": diffs,
+                              "applied": applied,
+                              "rule": "the engine's (same release as the drop)" if same else
+                                      f"ctx-tuner's era rules for {d.get('engine_version')} (installed "
+                                      f"{use.session.version}: defaults change between releases)"}
+    for line in diffs:
+        use.warnings.append(f"scheduler default differs from vLLM {use.session.version}'s: {line}; "
+                            + ("the engine's is used" if line.split(":")[0] in applied else "the era rule's is used"))
+    return applied
