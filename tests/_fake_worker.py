@@ -84,4 +84,4 @@ result = {"model": {"config_sha256": "f" * 64, "architectures": ["LlamaForCausal
                        if name.startswith("warn") else []), "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
           "versions": {"tool": "0.1.0", "torch": None, "transformers": None},
           "runs": [run], "candidates": cands, "proposals": props}
-json.dump({"ok": True, "result": result}, sys.stdout)
+json.dump({"ok": True, "protocol": 1, "result": result}, sys.stdout)  # tuner.protocol.PROTOCOL_VERSION

@@ -1,8 +1,10 @@
 """Worker subprocess entry point: ``python -m tuner.worker_main`` (imports torch).
 
-Reads one JSON request on stdin, runs :func:`tuner.job.run_job` (or, for ``"kind": "validate"``,
-:func:`tuner.validate.run_validate_request`), writes
-``{"ok": true, "result": …}`` or ``{"ok": false, "error_type": …, "error_bases": […], "error": …,
+Reads one JSON request on stdin (:mod:`tuner.protocol`: a :class:`~tuner.protocol.JobRequest`, or a
+:class:`~tuner.protocol.ValidateRequest` for ``"kind": "validate"``; another protocol version is
+refused with a typed :class:`~tuner.errors.ProtocolError` reply), runs :func:`tuner.job.run_job`
+(or :func:`tuner.validate.run_validate_request`), writes
+``{"ok": true, "protocol": 1, "result": …}`` or ``{"ok": false, "error_type": …, "error_bases": […], "error": …,
 "message": …, "where": …, "path": …, "field": …}`` on stdout (see :func:`error_reply`; the parent
 re-raises the same class, :func:`tuner.worker.error_from_reply`).
 Typed errors are replies; anything else is a crash with a traceback on stderr.
@@ -30,13 +32,15 @@ def error_reply(exc: BaseException) -> dict:
     return reply
 
 
-def _calibrate(request: dict) -> None:
-    """``calibration_db`` in a request (the daemon): look the corrections up here, in the worker,
-    so the daemon never reads the model's config.json itself (:func:`tuner.app.lookup_calibration`
-    through a read-only store). A lookup that fails is a warning, not an error."""
-    url = request.pop("calibration_db", None)
-    if not url or request.get("calibration") or request.get("method", "simulate") != "simulate":
-        return
+def _calibrate(request):
+    """``calibration_db`` in a job request (the daemon): look the corrections up here, in the
+    worker, so the daemon never reads the model's config.json itself
+    (:func:`tuner.app.lookup_calibration` through a read-only store). A lookup that fails is a
+    warning, not an error. Returns the request to run (``calibration_db`` consumed)."""
+    url = request.calibration_db
+    request = request.replace(calibration_db=None)
+    if not url or request.calibration or request.method != "simulate":
+        return request
     from tuner.app import lookup_calibration
     from tuner.errors import ModelConfigError, TunerError
     from tuner.store import open_store
@@ -44,26 +48,23 @@ def _calibrate(request: dict) -> None:
     try:
         store = open_store(url, readonly=True)
     except TunerError as exc:
-        request.setdefault("_warnings", []).append(f"calibration skipped: {exc}")
-        return
+        return request.replace(warnings=(*request.warnings, f"calibration skipped: {exc}"))
     try:
         cal = lookup_calibration(request, store)
     except ModelConfigError:
         raise  # the job itself reports the unreadable config
     except TunerError as exc:
-        request.setdefault("_warnings", []).append(f"calibration skipped: {exc}")
-        return
+        return request.replace(warnings=(*request.warnings, f"calibration skipped: {exc}"))
     finally:
         store.close()
-    if cal is not None:
-        request["calibration"] = cal
+    return request.replace(calibration=cal) if cal is not None else request
 
 
 def main() -> int:
     from tuner.worker_guard import install
 
     install()  # die with the parent, own deadline, memory limit: before anything big is imported
-    request = json.loads(sys.stdin.read())
+    data = json.loads(sys.stdin.read())
     # The reply owns stdout: anything else written there (vLLM's logger and C++ prints, when the
     # engine adapter imports vLLM) goes to stderr instead.
     reply_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
@@ -71,19 +72,21 @@ def main() -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     from tuner.errors import TunerError, WorkerError
 
+    from tuner.protocol import KIND_VALIDATE, ok_reply, request_from_wire
+
+    where = "worker"
     try:
-        _calibrate(request)
-        extra = request.pop("_warnings", [])
-        if request.get("kind") == "validate":
+        request = request_from_wire(data)
+        where = request.name
+        if request.kind == KIND_VALIDATE:
             from tuner.validate import run_validate_request
 
             result = run_validate_request(request)
         else:
             from tuner.job import run_job
 
+            request = _calibrate(request)
             result = run_job(request)
-        if extra and isinstance(result, dict):
-            result["warnings"] = list(result.get("warnings") or []) + extra
     except TunerError as exc:
         json.dump(error_reply(exc), reply_out)
         reply_out.flush()
@@ -94,11 +97,11 @@ def main() -> int:
         limit = os.environ.get(ENV_MEMORY)
         exc = WorkerError("the profile pass ran out of memory" + (
             f" (worker memory limit {int(limit):,} bytes, setting worker_memory_max_bytes)" if limit else ""),
-            where=str((request.get("drop") or {}).get("name") or "worker"))
+            where=where)
         json.dump(error_reply(exc), reply_out)
         reply_out.flush()
         return 0
-    json.dump({"ok": True, "result": result}, reply_out)
+    json.dump(ok_reply(result), reply_out)
     reply_out.flush()
     return 0
 
