@@ -84,7 +84,7 @@ def answer(req):
                            if name.startswith("warn") else []), "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
               "versions": {"tool": "0.1.0", "torch": None, "transformers": None},
               "runs": [run], "candidates": cands, "proposals": props}
-    return {"ok": True, "result": result}
+    return {"ok": True, "protocol": 1, "result": result}  # tuner.protocol.PROTOCOL_VERSION
 
 
 if "--serve" in sys.argv[1:]:  # the daemon's warm worker: one request per line, per-job deadline

@@ -236,10 +236,10 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
     assert cal is not None and cal["runs"] == 2 and cal["activation_peak_delta_bytes"] > 0.2 * GIB
     assert len(key) == 64 and source is None
     # issue 15: the worker can look the corrections up itself (``calibration_db``), with the same result
+    from tuner.protocol import JobRequest
     from tuner.worker_main import _calibrate
 
-    in_worker = {**request, "calibration_db": s.db_url}
-    _calibrate(in_worker)
-    assert in_worker["calibration"] == cal and "calibration_db" not in in_worker
+    in_worker = _calibrate(JobRequest.from_wire({**request, "calibration_db": s.db_url}))
+    assert in_worker.calibration == cal and in_worker.calibration_db is None
     other = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "empty"))
     assert Daemon(other)._lookups(dict(request), other)[::2] == (None, None)  # no store: nothing, no error

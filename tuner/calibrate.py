@@ -272,9 +272,9 @@ def calibration_for(store, model: str | None, device_name: str, era: str, *, mod
     return {**cal, "runs": len(rows)}
 
 
-def lookup_kwargs(request: dict) -> dict:
-    """The :func:`calibration_for` keyword arguments for a worker request (``drop``,
-    ``config_path``, ``device``), computed parent-side without torch the way the worker and
+def lookup_kwargs(request) -> dict:
+    """The :func:`calibration_for` keyword arguments for a worker request (a
+    :class:`tuner.protocol.JobRequest` or its wire object: ``drop``, ``config_path``, ``device``), computed parent-side without torch the way the worker and
     :func:`tuner.importlog.run_row` key a run: the config's canonical hash (:func:`tuner.modelspec.config_hash`), catalog device
     name, era name, TP, PP, the dtype vLLM runs and the quantization.
 
@@ -286,134 +286,20 @@ def lookup_kwargs(request: dict) -> dict:
     from tuner.devices import lookup
     from tuner.eras import resolve_dtype
     from tuner.modelspec import config_hash, read_top
+    from tuner.protocol import as_job_request
 
-    d = request["drop"]
-    path = Path(request["config_path"])
+    request = as_job_request(request)
+    d = request.drop
+    path = Path(request.config_path)
     top = read_top(path)  # ModelConfigError naming the file: unreadable, not JSON, not an object
     tc = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
     config_dtype = str((tc or {}).get("torch_dtype") or (tc or {}).get("dtype") or top.get("torch_dtype")
                        or "float16").replace("torch.", "")
-    era = era_for(str(d["engine_version"]), d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
-    name = str(request["device"]["name"])
+    era = era_for(str(d.engine_version), request.engine_kind, enforce_eager=bool(d.enforce_eager))
+    name = str(request.device["name"])
     known = lookup(name)
-    return {"model": d.get("model"), "device_name": known.name if known else name, "era": era.name,
+    return {"model": d.model or None, "device_name": known.name if known else name, "era": era.name,
             "model_config_sha256": config_hash(top),
-            "tensor_parallel_size": int(d.get("tensor_parallel_size") or 1),
-            "pipeline_parallel_size": int(d.get("pipeline_parallel_size") or 1),
-            "dtype": resolve_dtype(str(d.get("dtype") or "auto"), config_dtype), "quantization": d.get("quantization")}
-
-
-# ---------------------------------------------------------------------------------------------
-# Leave-one-out over a case file (worker side: runs the simulate job)
-# ---------------------------------------------------------------------------------------------
-
-
-def measured_from_case(case: dict, models_dir) -> dict:
-    """The ``profile_runs`` row ``ctx-tuner import-log`` stores for a case's ``raw_lines``, with the
-    case's settings as the command-line options (no database), plus ``quantization`` and
-    ``total_known`` (the log printed the device total) for grouping and :func:`residual`.
-
-    Raises:
-        LogParseError: the raw lines carry no memory figure; DropError / ModelConfigError as
-            :func:`tuner.importlog.resolve_settings`.
-    """
-    import hashlib
-    import json
-
-    from tuner import validate
-    from tuner.errors import LogParseError
-    from tuner.importlog import _read_config, config_path_for, resolve_settings, run_row
-    from tuner.logparse import parse_lines
-
-    parsed = parse_lines(case.get("raw_lines") or [], source=f"case:{case['id']}")
-    if not parsed.has_memory_lines:
-        raise LogParseError("no vLLM memory lines", where=f"case {case['id']}")
-    version, engine = validate.infer_version(case)
-    s = case.get("settings") or {}
-    dtype = validate._DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
-    options = {"gpu_memory_utilization": s.get("gpu_memory_utilization"), "max_model_len": s.get("max_model_len"),
-               "tensor_parallel_size": case.get("tensor_parallel_size") or 1,
-               "pipeline_parallel_size": case.get("pipeline_parallel_size") or 1, "dtype": dtype,
-               "kv_cache_dtype": case.get("kv_cache_dtype") or "auto", "quantization": case.get("quantization"),
-               "max_num_seqs": s.get("max_num_seqs"), "max_num_batched_tokens": s.get("max_num_batched_tokens"),
-               "block_size": s.get("block_size"), "enable_chunked_prefill": s.get("enable_chunked_prefill"),
-               "enforce_eager": bool(s.get("enforce_eager"))}
-    device: Any = str(case["gpu"])
-    if case.get("gpu_total_gib"):
-        from tuner.devices import lookup
-
-        known = lookup(str(case["gpu"]))
-        device = {"name": known.name if known else str(case["gpu"]),
-                  "total_memory_bytes": int(round(float(case["gpu_total_gib"]) * GIB))}
-    cfg_path = config_path_for(str(case["model"]), models_dir=models_dir)
-    config, sha = _read_config(cfg_path)
-    drop, extra = resolve_settings(parsed, model=str(case["model"]), device=device, engine_version=version,
-                                   engine=engine, options=options, config=config, source=f"case-{case['id']}")
-    log_sha = hashlib.sha256(json.dumps(case.get("raw_lines")).encode()).hexdigest()
-    row = run_row(parsed, drop, extra, config=config, config_sha256=sha, log_sha256=log_sha)
-    return {**row, "quantization": drop.quantization, "total_known": parsed.total_memory_bytes is not None}
-
-
-def leave_one_out(cases: list[dict], models_dir, *, run: Callable[[dict], dict] | None = None,
-                  predict_all: bool = True) -> dict:
-    """Validate every case before and after calibration, calibrating each case only from the
-    *other* cases' imported observations of its group (:func:`group_key`).
-
-    Args:
-        run: the job runner (default :func:`tuner.job.run_job`, in this process).
-        predict_all: also predict the cases alone in their group (they cannot be calibrated, so
-            their rows are the same before and after); False skips them (their rows are absent).
-
-    Returns:
-        ``{"before": rows, "after": rows, "calibrations": {case id: corrections}, "worse": [ids],
-        "better": [ids], "summary_before": …, "summary_after": …}`` with rows as
-        :func:`tuner.validate.compare` makes them (``after`` re-runs only the calibrated cases).
-    """
-    from tuner import validate
-
-    if run is None:
-        from tuner.job import run_job as run
-    measured: dict[str, dict] = {}
-    for c in cases:
-        try:
-            measured[c["id"]] = measured_from_case(c, models_dir)
-        except Exception:  # noqa: BLE001 - a case without a usable log calibrates nothing
-            pass
-    groups: dict[tuple, list[str]] = {}
-    for cid, m in measured.items():
-        groups.setdefault(group_key(m, m["quantization"]), []).append(cid)
-    grouped = {cid for members in groups.values() if len(members) > 1 for cid in members}
-    selected = [c for c in cases if predict_all or c["id"] in grouped]
-    results: dict[str, dict] = {}
-    for c in selected:
-        try:
-            results[c["id"]] = run(validate.case_request(c, models_dir))
-        except Exception:  # noqa: BLE001 - reported as "could not run" below
-            pass
-    calibrations: dict[str, dict] = {}
-    for cid, m in measured.items():
-        others = [o for o in groups[group_key(m, m["quantization"])] if o != cid and o in results]
-        if not others or cid not in results:
-            continue
-        cal = fit([measured[o] for o in others], [results[o]["candidates"][0] for o in others],
-                  total_known=[measured[o]["total_known"] for o in others])
-        if any(cal.values()):
-            calibrations[cid] = cal
-    before = [validate.compare(c, results[c["id"]]) if c["id"] in results else
-              validate.predict_cases([c], models_dir, run=run)[0] for c in selected]
-    after = []
-    for c, b in zip(selected, before):
-        if c["id"] in calibrations and b["status"] == "ok":
-            after.append(validate.predict_cases([c], models_dir, calibrations=calibrations, run=run)[0])
-        else:
-            after.append(b)
-    worse, better = [], []
-    for b, a in zip(before, after):
-        if b.get("error_pct") is None or a.get("error_pct") is None:
-            continue
-        if abs(a["error_pct"]) > abs(b["error_pct"]) + 1e-9:
-            worse.append(b["id"])
-        elif abs(a["error_pct"]) < abs(b["error_pct"]) - 1e-9:
-            better.append(b["id"])
-    return {"before": before, "after": after, "calibrations": calibrations, "worse": worse, "better": better,
-            "summary_before": validate.summarize(before), "summary_after": validate.summarize(after)}
+            "tensor_parallel_size": int(d.tensor_parallel_size or 1),
+            "pipeline_parallel_size": int(d.pipeline_parallel_size or 1),
+            "dtype": resolve_dtype(str(d.dtype or "auto"), config_dtype), "quantization": d.quantization}

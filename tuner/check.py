@@ -135,20 +135,21 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
                           (e["as_written"] or e["flag"]) for e in unmodelled)
         raise CheckInputError(f"ctx-tuner does not model {names}: the verdict would be a guess "
                               "(--allow-unmodelled checks without them)", where="command line")
-    u = sa.values.get("gpu_memory_utilization")
+    from tuner.protocol import point_of
+
+    u, m = point_of(sa.values)
     if u is None:
         from tuner.eras import era_for
 
         u = era_for(engine_version).default_gpu_memory_utilization
     d["candidates"] = {"gpu_memory_utilization": [u]}
-    m = sa.values.get("max_model_len")
     if m == AUTO and version < AUTO_FIT_SINCE:
         raise CheckInputError(f"invalid int value: 'auto' (vLLM {engine_version} has no auto-fit; it came in "
-                              f"{'.'.join(map(str, AUTO_FIT_SINCE))})", where=sa.spelled.get("max_model_len"))
+                              f"{'.'.join(map(str, AUTO_FIT_SINCE))})", where=point_of(sa.spelled).max_model_len)
     if isinstance(m, int) and m not in (AUTO,):
         if m <= 0:
-            raise CheckInputError(f"max_model_len must be positive, not {m}", where=sa.spelled.get("max_model_len"))
-        d["candidates"]["max_model_len"] = [m]
+            raise CheckInputError(f"max_model_len must be positive, not {m}", where=point_of(sa.spelled).max_model_len)
+        d["candidates"].update(max_model_len=[m])
     return d, unmodelled
 
 
@@ -216,12 +217,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
 
     job = prepare(None, nvml=nvml, drop=drop)
     derived, derived_key = derived_max(job.config_path)
-    m_arg = sa.values.get("max_model_len")
+    from tuner.protocol import point_of
+
+    m_arg = point_of(sa.values).max_model_len
     auto = m_arg == AUTO
     m = int(m_arg) if isinstance(m_arg, int) and m_arg != AUTO else derived
     u = drop.candidates.gpu_memory_utilization[0]
     if "max_model_len" not in d["candidates"]:
-        d["candidates"]["max_model_len"] = [m]
+        d["candidates"].update(max_model_len=[m])
         drop = build_drop(sa, d, label=config_file or "vllm serve")
     try:
         doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
@@ -247,8 +250,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                          f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
         elif e.get("max_len_refused"):
             picked, starts, auto_note = None, False, None
-        elif largest.get("max_model_len"):
-            picked, reason, starts = int(largest["max_model_len"]), None, True
+        elif point_of(largest).max_model_len:
+            picked, reason, starts = int(point_of(largest).max_model_len), None, True
             numbers.update(kv_cache_tokens=largest.get("kv_cache_tokens"), max_concurrency=largest.get("max_concurrency"),
                            num_gpu_blocks=largest.get("num_gpu_blocks") or numbers["num_gpu_blocks"])
             auto_note = (f"Auto-fit max_model_len: reduced from {m} to {picked} to fit in available KV cache memory "
@@ -297,14 +300,17 @@ def nearest_settings(e: dict, *, model: str, values: dict) -> list[dict]:
     with the setting changed and the full ``vllm serve`` line."""
     rem = e.get("remedies") or {}
     out: list[dict] = []
+    from tuner.protocol import point_of
+
     largest = rem.get("largest_max_model_len") or {}
-    if largest.get("max_model_len"):
-        v = {**values, "max_model_len": int(largest["max_model_len"])}
-        out.append({"change": f"--max-model-len {largest['max_model_len']}", "setting": "max_model_len",
-                    "value": int(largest["max_model_len"]), "num_gpu_blocks": largest.get("num_gpu_blocks"),
+    longest = point_of(largest).max_model_len
+    if longest:
+        v = {**values, "max_model_len": int(longest)}
+        out.append({"change": f"--max-model-len {longest}", "setting": "max_model_len",
+                    "value": int(longest), "num_gpu_blocks": largest.get("num_gpu_blocks"),
                     "kv_cache_tokens": largest.get("kv_cache_tokens"),
                     "max_concurrency": largest.get("max_concurrency"), "command": serve_line(model, v)})
-    un = rem.get("gpu_memory_utilization") or {}
+    un = point_of(rem).gpu_memory_utilization or {}
     if un.get("possible") and un.get("value") is not None:
         ver = un.get("verified") or {}
         if ver.get("fits", True) is not False and not ver.get("error"):
@@ -348,9 +354,12 @@ def render(res: CheckResult) -> str:
         lines.append(f"note: {w}")
     lines.append("")
     asked = d["max_model_len_requested"]
-    at = (f"max_model_len {d['max_model_len']}" + (" (auto)" if asked == "auto" else
-                                                    " (the model's derived maximum)" if asked is None else "")
-          + f" at gpu_memory_utilization {d['gpu_memory_utilization']:g}")
+    from tuner.protocol import point_of
+
+    checked = point_of(d)
+    at = (f"max_model_len {checked.max_model_len}" + (" (auto)" if asked == "auto" else
+                                                       " (the model's derived maximum)" if asked is None else "")
+          + f" at gpu_memory_utilization {checked.gpu_memory_utilization:g}")
     if d["starts"]:
         lines.append(f"STARTS: {at}: {n['num_gpu_blocks']} blocks, {n['kv_cache_tokens']} KV tokens, "
                      f"{n['max_concurrency']:.2f}x concurrency")

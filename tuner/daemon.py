@@ -42,6 +42,7 @@ loop goes on.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -60,8 +61,10 @@ from typing import Any, Callable
 import sqlalchemy as sa
 import yaml
 
-from tuner.app import ProfileOutcome, prepare_request, rows_for_store
-from tuner.drop import Drop, parse_drop
+from tuner import records
+from tuner.app import ProfileOutcome, prepare_request
+from tuner.records import rows_for_store
+from tuner.drop import Drop, parse_drop, parse_drop_keys  # noqa: F401  (parse_drop: the daemon's name, kept)
 from tuner import fleet
 from tuner.errors import DropError, SettingsError, StoreError, TunerError, WorkerError
 from tuner.jobqueue import Job, JobNotRunning, JobQueue, failure_kind
@@ -69,7 +72,7 @@ from tuner.notify import NOTIFY_ENV, Notifier
 from tuner.proposals import proposal_document, proposal_path, remove_proposal_file, write_proposal_file
 from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
-from tuner.store import Store, drops_table, open_store, utc_text
+from tuner.store import Store, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
 from tuner import passmemo
 from tuner.warmworker import WarmWorker
@@ -234,11 +237,13 @@ def clean_temporaries(settings: Settings) -> list[str]:
 
 
 def _proposal_summary(props: list[dict]) -> str:
+    from tuner.protocol import ProposalResult
+
     return "; ".join(
-        f"gmu {p['gpu_memory_utilization']:.2f} → max_model_len {p['max_model_len']}"
-        + (f" ({p['num_gpu_blocks']} blocks, {p['kv_cache_tokens']} KV tokens)" if p["max_model_len"] else
-           f" (nothing fits: {p['reason']})")
-        for p in props) or "no proposals"
+        f"gmu {p.gpu_memory_utilization:.2f} → max_model_len {p.max_model_len}"
+        + (f" ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)" if p.max_model_len else
+           f" (nothing fits: {p.reason})")
+        for p in map(ProposalResult.from_wire, props)) or "no proposals"
 
 
 class Daemon:
@@ -306,6 +311,7 @@ class Daemon:
         self._old_wakeup_fd: int | None = None
         #: path → (content sha256, drop name or None) from the last reconcile; duplicate names warned
         self._names: dict[str, tuple[str, str | None]] = {}
+        self._parsed_drops: dict[tuple[str, str], Any] = {}  # see _parsed
         self._dup_warned: dict[str, tuple[str, ...]] = {}
         #: name → (drop id, inode, mtime_ns, size) of the proposal file last written or checked
         self._written: dict[str, tuple[int, int, int, int]] = {}
@@ -717,10 +723,9 @@ class Daemon:
                     break
         return moves
 
-    @staticmethod
-    def _model_key(path: str, raw: bytes) -> str | None:
+    def _model_key(self, path: str, raw: bytes) -> str | None:
         try:
-            model = str(parse_drop(raw, path).model)
+            model = str(self._parsed(path, raw)[0].model)
         except DropError:
             return None
         if os.path.isabs(model):
@@ -803,7 +808,7 @@ class Daemon:
                 names[path] = cached
                 continue
             try:
-                name: str | None = parse_drop(state.raw, path).name
+                name: str | None = self._parsed(path, state.raw)[0].name
             except DropError:
                 name = None
             names[path] = (state.sha256, name)
@@ -819,18 +824,45 @@ class Daemon:
                             "(the last job to finish wins); give each a distinct name", " and ".join(paths), name)
         self._dup_warned = dups
 
+    #: Parsed drops kept (path and content hash → the drop and its stated keys, or its error).
+    _PARSED_MAX = 4096
+
+    def _parsed(self, path: str, raw: bytes) -> tuple[Drop, frozenset]:
+        """:func:`tuner.drop.parse_drop_keys` of one file's bytes, once per (path, content): the
+        duplicate-name check, the move detection, admission and the job's start all read the
+        same parse (a new drop's bytes are parsed once).
+
+        Raises:
+            DropError: the drop is invalid (the same error each time it is asked).
+        """
+        key = (path, hashlib.sha256(raw).hexdigest())
+        cache = self._parsed_drops
+        hit = cache.get(key)
+        if hit is None:
+            try:
+                hit = parse_drop_keys(raw, path)
+            except DropError as exc:
+                hit = exc
+            if len(cache) >= self._PARSED_MAX:
+                cache.clear()
+            cache[key] = hit
+        if isinstance(hit, DropError):
+            raise hit
+        return hit
+
     def _parse(self, path: str, raw: bytes) -> Drop:
-        drop = parse_drop(raw, path)
-        if self._method_defaulted(raw):
+        drop, keys = self._parsed(path, raw)
+        if "method" not in keys:
             drop = replace(drop, method=self.settings.default_method)
         return drop
 
-    @staticmethod
-    def _method_defaulted(raw: bytes) -> bool:
+    def _method_defaulted(self, raw: bytes, path: str = "") -> bool:
         """True when the drop sets no ``method`` (the settings' ``default_method`` applies).
         Only called on bytes :func:`parse_drop` accepted (bounded, safe YAML mapping)."""
-        data = yaml.load(raw, Loader=_LOADER)
-        return not isinstance(data, dict) or "method" not in data
+        try:
+            return "method" not in self._parsed(path, raw)[1]
+        except DropError:
+            return True
 
     def _admit(self, path: str, state: FileState, *, changed: bool) -> None:
         self._status_dirty = self._snapshot_dirty = True
@@ -869,7 +901,7 @@ class Daemon:
             self.queue.fail(job.id, err)
             log.error("invalid drop %s (job %d failed)", err, job.id)
             return
-        defaulted = self._method_defaulted((job.content or "").encode("utf-8"))
+        defaulted = self._method_defaulted((job.content or "").encode("utf-8"), job.path)
         thread = threading.Thread(target=self._execute, args=(job, drop, self.settings, defaulted),
                                   name=f"ctx-tuner-job-{job.id}", daemon=True)
         self._running = _Running(job, drop, thread, self.clock())
@@ -1061,8 +1093,7 @@ class Daemon:
             runs, cands, props = fleet.shared_rows(self.store, outcome.source_drop_id)
             runs = [{**r, "model": outcome.drop.model} for r in runs]  # this drop's model spelling
             outcome.result = {"proposals": props}
-            src = self.store._rows(sa.select(drops_table.c.warnings).where(drops_table.c.id == outcome.source_drop_id))
-            warnings = src[0]["warnings"] if src else None
+            warnings = records.drop_warnings(self.store, outcome.source_drop_id)
             try:
                 outcome.warnings = [str(w) for w in json.loads(warnings)] if warnings else []
             except (ValueError, TypeError):

@@ -788,7 +788,13 @@ def load_drop(path: str | os.PathLike) -> Drop:
 
 
 def parse_drop(text: str | bytes, path: str) -> Drop:
-    """Validate a drop's text. ``path`` is the drop file (for errors and relative model paths).
+    """Validate a drop's text (:func:`parse_drop_keys` without the keys)."""
+    return parse_drop_keys(text, path)[0]
+
+
+def parse_drop_keys(text: str | bytes, path: str) -> tuple[Drop, frozenset[str]]:
+    """Validate a drop's text; also return the top-level keys it states (the daemon's
+    ``default_method`` applies where ``method`` is not among them), from the same single parse. ``path`` is the drop file (for errors and relative model paths).
 
     ``text`` may be the raw bytes (then :attr:`Drop.content_sha256` hashes exactly those bytes) or
     a str (hashed as UTF-8).
@@ -838,7 +844,7 @@ def parse_drop(text: str | bytes, path: str) -> Drop:
         constraints=Constraints(**sections["constraints"]),
         path=path,
         content_sha256=hashlib.sha256(raw).hexdigest(),
-    )
+    ), frozenset(data)
 
 
 def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) -> dict[str, Any]:

@@ -85,3 +85,8 @@ class UnsupportedArchitectureError(ModelConfigError):
 class EngineError(TunerError):
     """The installed vLLM engine (:mod:`tuner.engine.adapter`) failed on something other than the
     drop's settings (an import failure, a model it cannot build); ``where`` names the engine."""
+
+
+class ProtocolError(TunerError):
+    """A message across the worker seam (:mod:`tuner.protocol`) is of an unknown or newer protocol
+    version, or not shaped as the contract says; ``where`` names the job."""

@@ -21,18 +21,20 @@ the same point with an fp8 KV cache and with twice the tensor parallelism (worke
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tuner.budget import requested_memory_bytes
 from tuner.drop import Drop, load_drop
 from tuner.eras import (GiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V1_CONSUMED, V1_PROFILING, V1_WHOLE_GPU,
                         Era, era_for)
 from tuner.errors import TunerError
+from tuner.protocol import BudgetTerm, CandidateResult, JobRequest, JobResult, point_of
 from tuner.worker import DEFAULT_TIMEOUT_S
 
 __all__ = ["ExplainInputError", "PreparedJob", "prepare", "run_jobs", "explain_drop", "explain_point",
@@ -89,39 +91,47 @@ class PreparedJob:
     drop: Drop
     device: dict
     config_path: str
-    base_request: dict | None = None
+    #: the request :func:`tuner.app.prepare_job` built (method, calibration, …); None = simulate.
+    base: JobRequest | None = None
+
+    @property
+    def base_request(self) -> JobRequest:
+        """The job's request as prepared (the drop as given)."""
+        return self.base if self.base is not None else JobRequest(self.drop, self.config_path, dict(self.device))
 
     def request(self, *, gpu_memory_utilization: list[float] | None = None, max_model_len: list[int] | None = None,
                 min_concurrency: float | None = None, **settings: Any) -> dict:
-        """A worker request for this drop with some settings replaced (``kv_cache_dtype``,
-        ``tensor_parallel_size``, …; the candidate lists; ``constraints.min_concurrency``)."""
-        d = self.drop.to_dict()
-        d.update(settings)
-        cand = dict(d.get("candidates") or {})
+        """A worker request (its wire object) for this drop with some settings replaced
+        (``kv_cache_dtype``, ``tensor_parallel_size``, …; the candidate lists;
+        ``constraints.min_concurrency``)."""
+        d = dataclasses.replace(self.drop, **settings)
+        cand = d.candidates
         if gpu_memory_utilization is not None:
-            cand["gpu_memory_utilization"] = sorted(set(float(u) for u in gpu_memory_utilization))
+            cand = dataclasses.replace(cand, gpu_memory_utilization=tuple(sorted(set(float(u)
+                                                                                   for u in gpu_memory_utilization))))
         if max_model_len is not None:
-            cand["max_model_len"] = sorted(set(int(m) for m in max_model_len))
-        d["candidates"] = cand
+            cand = dataclasses.replace(cand, max_model_len=tuple(sorted(set(int(m) for m in max_model_len))))
+        d = dataclasses.replace(d, candidates=cand)
         if min_concurrency is not None:
-            d["constraints"] = {**(d.get("constraints") or {}), "min_concurrency": float(min_concurrency)}
-        return {**(self.base_request or {}), "drop": d, "config_path": self.config_path, "device": dict(self.device)}
+            d = dataclasses.replace(d, constraints=dataclasses.replace(d.constraints,
+                                                                       min_concurrency=float(min_concurrency)))
+        return self.base_request.replace(drop=d, config_path=self.config_path, device=dict(self.device)).to_wire()
 
 
 def prepare(drop_path: str | None, *, nvml: Any = None, drop: Drop | None = None) -> PreparedJob:
-    """Load and check a drop as ``profile`` does (:func:`tuner.app.prepare_request`: simulate only,
+    """Load and check a drop as ``profile`` does (:func:`tuner.app.prepare_job`: simulate only,
     device resolved, model config found offline). ``drop``: an already validated drop (``check``
     builds one from a ``vllm serve`` line) instead of the file ``drop_path``.
 
     Raises:
         DropError / DeviceError / EraError: invalid drop (names file and field).
     """
-    from tuner.app import prepare_request
+    from tuner.app import prepare_job
 
     drop = drop if drop is not None else load_drop(drop_path)
     era_for(drop.engine_version, enforce_eager=drop.enforce_eager)  # EraError early, naming the version
-    request, dev = prepare_request(drop, nvml=nvml)
-    return PreparedJob(drop, dev, request["config_path"], request)
+    request, dev = prepare_job(drop, nvml=nvml)
+    return PreparedJob(drop, dev, request.config_path, request)
 
 
 def run_jobs(jobs: list[tuple[str, dict]], *, job_name: str, worker: Callable[..., dict] | None = None,
@@ -171,7 +181,7 @@ def is_non_monotone(points: list[dict]) -> bool:
     from tuner.search import candidate_starts
 
     seen_fail = False
-    for p in sorted(points, key=lambda p: p["max_model_len"]):
+    for p in sorted(points, key=lambda p: point_of(p).max_model_len):
         if not candidate_starts(p):
             seen_fail = True
         elif seen_fail:
@@ -181,13 +191,13 @@ def is_non_monotone(points: list[dict]) -> bool:
 
 def surface_at(candidates: list[dict], u: float) -> list[dict]:
     """The recorded fit surface at one u: one row per max_model_len, ascending."""
-    rows = [c for c in candidates if _same_u(c["gpu_memory_utilization"], u)]
+    rows = [c for c in candidates if _same_u(point_of(c).gpu_memory_utilization, u)]
     from tuner.search import candidate_starts
 
     keys = ("max_model_len", "max_num_batched_tokens", "fits", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
             "reason")
     return [{**{k: c.get(k) for k in keys}, "starts": candidate_starts(c)}
-            for c in sorted(rows, key=lambda c: c["max_model_len"])]
+            for c in sorted(rows, key=lambda c: point_of(c).max_model_len)]
 
 
 def blocks_needed(era: Era, max_model_len: int, block_size: int, min_concurrency: float = 1.0) -> int:
@@ -327,15 +337,82 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
     return out
 
 
+def _info_steps(era: Era, drop: dict, device: dict, model: dict | None, cand: dict, n: int, tp: int,
+                drafter_w: int = 0) -> list[dict]:
+    """The ``info`` steps of a point (shown, not subtracted): co-tenants at start, data / expert
+    parallelism, speculative decoding."""
+    steps: list[dict] = []
+    from tuner.job import other_processes_bytes
+
+    others = other_processes_bytes(device, drop)
+    if others:
+        from tuner.budget import co_tenant_non_torch_bytes
+
+        charged = co_tenant_non_torch_bytes(era, others)
+        steps.append({"name": "other_processes", "op": "info", "bytes": others,
+                      "text": "memory other processes hold at start: "
+                              + ("counted in the non-torch step (this era's budget is whole-GPU)" if charged else
+                                 "outside this instance's budget; vLLM refuses to start when total minus it is below "
+                                 "the requested memory" if era.engine == "V1" and era.version >= (0, 9, 1) else
+                                 "outside this instance's budget (no free-memory check in this era)")})
+    dp, ep = int(drop.get("data_parallel_size") or 1), bool(drop.get("enable_expert_parallel"))
+    if dp > 1 or ep:
+        from tuner.budget import moe_rank_shape
+        from tuner.eras import NUM_EXPERTS_KEYS
+
+        raw = {}
+        try:  # the experts come from the model's config.json (parent side: JSON only)
+            from tuner.modelspec import read_top
+
+            top = read_top((model or {}).get("path") or "")
+            raw = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+        except Exception:  # noqa: BLE001 - an explanation never fails on this info step
+            raw = {}
+        e = next((int(raw[k]) for k in NUM_EXPERTS_KEYS if isinstance(raw.get(k), int) and raw[k] > 0), 0)
+        if e:
+            here, _i = moe_rank_shape(e, 1 << 20, tensor_parallel_size=tp, data_parallel_size=dp,
+                                      enable_expert_parallel=ep)
+            how = (f"{here} of {e} experts per MoE layer, whole" if ep and dp * tp > 1
+                   else f"all {e} experts, each 1/{dp * tp} of its intermediate size")
+        else:
+            how = "no MoE layers: every DP rank holds the TP shard of the whole model"
+        steps.append({"name": "data_expert_parallel", "op": "info", "bytes": 0,
+                      "text": f"data_parallel_size {dp}, expert parallel {'on' if ep else 'off'}: {how} on this "
+                              "rank (in the weights step); dense layers TP-sharded, replicated per DP rank"})
+    spec = drop.get("speculative_config") or {}
+    if spec:
+        from tuner.budget import cudagraph_capture_sizes
+        from tuner.job import num_speculative_tokens
+
+        k = num_speculative_tokens(drop, era)
+        sizes = cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k)
+        steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
+                      "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
+                              f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
+                              f"sizes up to {max(sizes) if sizes else 0} ("
+                              + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
+                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their weights "
+                                 "in the drafter weights step" if spec.get("method") == "mtp" else
+                                 f"the drafter {spec.get('model')}: its KV layers are in the blocks, its weights in "
+                                 "the drafter weights step" if drafter_w else
+                                 "the drafter's weights, KV layers and profile run are not modelled") + ")"})
+    return steps
+
+
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
                   block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
                   surface: list[dict] | None = None, proposal: dict | None = None,
-                  min_concurrency: float = 1.0, measured: bool = False, serve_model: str | None = None) -> dict:
+                  min_concurrency: float = 1.0, measured: bool = False, serve_model: str | None = None,
+                  budget: Sequence[BudgetTerm] | None = None, term_sources: dict | None = None) -> dict:
     """One point's budget as data: the terms in bytes, the ``steps`` (name, op, bytes or value,
     text; ``-``/``+`` steps add up from ``requested`` to ``available_kv`` exactly, ``info`` steps
     are shown and not subtracted), the fit surface at this u and, when it does not start,
     ``remedies`` to fill in.
+
+    The terms are the ledger it is given (``budget``: the candidate's itemised terms from the job
+    result, :class:`tuner.protocol.BudgetTerm`; else the candidate's own, with ``term_sources``):
+    each step of a ledger term carries that term's ``source``.
 
     A simulated point splits the activation term into the simulated profile run, the cuBLAS
     workspace, the safety reserve (``reserve_bytes``) and calibration corrections; ``measured``
@@ -345,11 +422,13 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     from tuner.budget import unexplained_bytes
     from tuner.search import candidate_starts
 
-    u, m = float(cand["gpu_memory_utilization"]), int(cand["max_model_len"])
+    point = CandidateResult.from_wire(cand, term_sources)
+    ledger = {t.name: t for t in (budget if budget is not None else point.budget)}
+    u, m = point.gpu_memory_utilization, point.max_model_len
     total = int(device["total_memory_bytes"])
     tp = int(drop.get("tensor_parallel_size") or 1)
-    req, w, act = cand["requested_memory_bytes"], cand["weights_bytes"], cand["activation_peak_bytes"]
-    nt, g, avail = cand["non_torch_bytes"], cand["cuda_graph_bytes"] or 0, cand["available_kv_cache_bytes"]
+    req, w, act = (ledger[k].bytes for k in ("requested", "weights", "activation_peak"))
+    nt, g, avail = (ledger[k].bytes for k in ("non_torch", "cuda_graphs", "available_kv"))
     blocks, tokens, conc = cand["num_gpu_blocks"], cand["kv_cache_tokens"], cand["max_concurrency"]
     n = cand["max_num_batched_tokens"]
     starts = candidate_starts(cand)
@@ -412,60 +491,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                   "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
-    from tuner.job import other_processes_bytes
-
-    others = other_processes_bytes(device, drop)
-    if others:
-        from tuner.budget import co_tenant_non_torch_bytes
-
-        charged = co_tenant_non_torch_bytes(era, others)
-        steps.append({"name": "other_processes", "op": "info", "bytes": others,
-                      "text": "memory other processes hold at start: "
-                              + ("counted in the non-torch step (this era's budget is whole-GPU)" if charged else
-                                 "outside this instance's budget; vLLM refuses to start when total minus it is below "
-                                 "the requested memory" if era.engine == "V1" and era.version >= (0, 9, 1) else
-                                 "outside this instance's budget (no free-memory check in this era)")})
-    dp, ep = int(drop.get("data_parallel_size") or 1), bool(drop.get("enable_expert_parallel"))
-    if dp > 1 or ep:
-        from tuner.budget import moe_rank_shape
-        from tuner.eras import NUM_EXPERTS_KEYS
-
-        raw = {}
-        try:  # the experts come from the model's config.json (parent side: JSON only)
-            from tuner.modelspec import read_top
-
-            top = read_top((model or {}).get("path") or "")
-            raw = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
-        except Exception:  # noqa: BLE001 - an explanation never fails on this info step
-            raw = {}
-        e = next((int(raw[k]) for k in NUM_EXPERTS_KEYS if isinstance(raw.get(k), int) and raw[k] > 0), 0)
-        if e:
-            here, _i = moe_rank_shape(e, 1 << 20, tensor_parallel_size=tp, data_parallel_size=dp,
-                                      enable_expert_parallel=ep)
-            how = (f"{here} of {e} experts per MoE layer, whole" if ep and dp * tp > 1
-                   else f"all {e} experts, each 1/{dp * tp} of its intermediate size")
-        else:
-            how = "no MoE layers: every DP rank holds the TP shard of the whole model"
-        steps.append({"name": "data_expert_parallel", "op": "info", "bytes": 0,
-                      "text": f"data_parallel_size {dp}, expert parallel {'on' if ep else 'off'}: {how} on this "
-                              "rank (in the weights step); dense layers TP-sharded, replicated per DP rank"})
-    spec = drop.get("speculative_config") or {}
-    if spec:
-        from tuner.budget import cudagraph_capture_sizes
-        from tuner.job import num_speculative_tokens
-
-        k = num_speculative_tokens(drop, era)
-        sizes = cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k)
-        steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
-                      "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
-                              f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
-                              f"sizes up to {max(sizes) if sizes else 0} ("
-                              + ("no drafter model" if spec.get("method") in ("ngram", "suffix") else
-                                 "the checkpoint's MTP layers: their KV layers are in the blocks, their weights "
-                                 "in the drafter weights step" if spec.get("method") == "mtp" else
-                                 f"the drafter {spec.get('model')}: its KV layers are in the blocks, its weights in "
-                                 "the drafter weights step" if drafter_w else
-                                 "the drafter's weights, KV layers and profile run are not modelled") + ")"})
+    steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w))
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:
@@ -516,6 +542,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         conc_how = f"as the engine logged it ({conc_how})"
     steps.append({"name": "concurrency", "op": "->", "value": conc,
                   "text": f"full-length requests that fit = {conc_how}"})
+    for step in steps:  # each ledger term's step names where its bytes came from
+        term = ledger.get(step["name"])
+        if term is not None and step["op"] in ("=", "-", "info"):
+            step["source"] = term.source
     surf = surface or []
     refused_len = str(cand.get("reason") or "").startswith(MAX_LEN_REFUSAL)
     out = {
@@ -539,7 +569,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         "max_len_refused": refused_len,
         "surface": surf, "non_monotone": is_non_monotone(surf), "notes": [], "remedies": None,
     }
-    if serve_model and proposal and proposal.get("vllm_args") and proposal.get("max_model_len") == m and out["fits"]:
+    if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     if not out["fits"]:
         rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
@@ -550,10 +580,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
             rem["max_len_refused"] = True
         elif block_bytes:
             fixed = w + act + nt + (g if subtracts_graphs else 0)
-            rem["gpu_memory_utilization"] = {
+            rem.update(gpu_memory_utilization={
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
                            blocks=blocks_needed(era, m, block_size, min_concurrency)),
-                "approximate": not block_bytes_exact, "verified": None}
+                "approximate": not block_bytes_exact, "verified": None})
         out["remedies"] = rem
     return out
 
@@ -565,7 +595,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
 
 def _find(cands: list[dict], u: float, m: int) -> dict | None:
     for c in cands:
-        if _same_u(c["gpu_memory_utilization"], u) and c["max_model_len"] == m:
+        if _same_u(point_of(c).gpu_memory_utilization, u) and point_of(c).max_model_len == m:
             return c
     return None
 
@@ -586,11 +616,11 @@ def _variant_summary(result: dict | TunerError | None, u: float, m: int) -> dict
     if isinstance(result, TunerError):
         return {"error": str(result)}
     c = _find(result["candidates"], u, m)
-    prop = next((p for p in result["proposals"] if _same_u(p["gpu_memory_utilization"], u)), None)
+    prop = next((p for p in result["proposals"] if _same_u(point_of(p).gpu_memory_utilization, u)), None)
     return {"fits": None if c is None else bool(c["fits"]), "num_gpu_blocks": c and c["num_gpu_blocks"],
             "kv_cache_tokens": c and c["kv_cache_tokens"], "max_concurrency": c and c["max_concurrency"],
             "available_kv_cache_bytes": c and c["available_kv_cache_bytes"], "reason": c and c["reason"],
-            "largest_max_model_len": prop and prop["max_model_len"]}
+            "largest_max_model_len": prop and point_of(prop).max_model_len}
 
 
 def calibration_for_job(job: PreparedJob, db_url: str | None) -> dict | None:
@@ -599,7 +629,7 @@ def calibration_for_job(job: PreparedJob, db_url: str | None) -> dict | None:
     from tuner.app import lookup_calibration
     from tuner.store import open_store, store_exists
 
-    if (job.base_request or {}).get("method", "simulate") != "simulate" or not store_exists(db_url):
+    if job.base_request.method != "simulate" or not store_exists(db_url):
         return None
     store = open_store(db_url, readonly=True)
     try:
@@ -650,7 +680,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     except TunerError as exc:  # an unreadable store never stops an explanation
         cal, cal_warning = None, f"calibration skipped: {exc}"
     if cal is not None:  # measured runs of this model/device/era correct the simulation
-        job.base_request = {**job.base_request, "calibration": cal}
+        job.base = job.base_request.replace(calibration=cal)
     us = [gpu_memory_utilization] if gpu_memory_utilization is not None else None
     grid = None
     if max_model_len is not None:
@@ -665,9 +695,9 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     dd = {**d.to_dict(), "model": model_dir}
     targets = []
     for prop in base["proposals"]:
-        u = prop["gpu_memory_utilization"]
+        u = point_of(prop).gpu_memory_utilization
         m = max_model_len if max_model_len is not None else (
-            prop["max_model_len"] or (grid or d.candidates.max_model_len or [base["block_size"]])[0])
+            point_of(prop).max_model_len or (grid or d.candidates.max_model_len or [base["block_size"]])[0])
         targets.append((prop, u, m))
     missing = [(u, m) for _, u, m in targets if _find(base["candidates"], u, m) is None]
     extra: dict = {"candidates": [], "runs": []}
@@ -683,7 +713,9 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         cand, src = _find(base["candidates"], u, m), base
         if cand is None:
             cand, src = _find(extra["candidates"], u, m), extra
+        point = JobResult.from_wire(src).candidate(u, m)
         explanations.append(explain_point(
+            budget=point.budget if point is not None else None, term_sources=src.get("term_sources"),
             drop=dd, device=job.device, era=era, cand=cand, run=_run_for(src, cand), model=base["model"],
             plugin=base["plugin"], dtype=base["dtype"], block_size=base["block_size"],
             block_bytes=_stage_block_bytes(base.get("kv_block_bytes"), cand), surface=surface_at(base["candidates"], u),
@@ -704,8 +736,8 @@ def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw:
     if not failing:
         return
     d = job.drop
-    us = sorted({e["gpu_memory_utilization"] for e in failing})
-    ms = sorted({e["max_model_len"] for e in failing})
+    us = sorted({point_of(e).gpu_memory_utilization for e in failing})
+    ms = sorted({point_of(e).max_model_len for e in failing})
     jobs: list[tuple[str, dict]] = []
     if d.kv_cache_dtype == "auto":
         jobs.append(("fp8_kv_cache", job.request(gpu_memory_utilization=us, max_model_len=ms, kv_cache_dtype="fp8")))
@@ -715,13 +747,13 @@ def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw:
     if tp_ok:
         jobs.append(("tensor_parallel", job.request(gpu_memory_utilization=us, max_model_len=ms,
                                                     tensor_parallel_size=tp2)))
-    checks = sorted({e["remedies"]["gpu_memory_utilization"]["value"] for e in failing
-                     if e["remedies"]["gpu_memory_utilization"] and e["remedies"]["gpu_memory_utilization"]["possible"]})
+    u_remedies = [point_of(e["remedies"]).gpu_memory_utilization for e in failing]
+    checks = sorted({r["value"] for r in u_remedies if r and r["possible"]})
     if checks:
         jobs.append(("u_check", {**job.request(gpu_memory_utilization=checks, max_model_len=ms), "search": False}))
     res = run_jobs(jobs, job_name=d.name, progress=kw.get("progress"), worker=kw["worker"], timeout_s=kw["timeout_s"])
     for e in failing:
-        u, m, rem = e["gpu_memory_utilization"], e["max_model_len"], e["remedies"]
+        u, m, rem = point_of(e).gpu_memory_utilization, point_of(e).max_model_len, e["remedies"]
         rem["fp8_kv_cache"] = (_variant_summary(res.get("fp8_kv_cache"), u, m) if d.kv_cache_dtype == "auto"
                                else {"error": f"kv_cache_dtype is already {d.kv_cache_dtype}"})
         if rem["fp8_kv_cache"] is not None:
@@ -731,7 +763,7 @@ def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw:
         else:
             rem["tensor_parallel"] = {"tensor_parallel_size": tp2,
                                       "error": f"{heads} attention heads do not split over {tp2} GPUs"}
-        un = rem["gpu_memory_utilization"]
+        un = point_of(rem).gpu_memory_utilization
         if un and un["possible"] and "u_check" in res:
             un["verified"] = _variant_summary(res["u_check"], un["value"], m)
 
@@ -764,52 +796,49 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     Raises:
         ExplainInputError: no run with that id, or no candidate at the given u / M.
     """
-    import sqlalchemy as sa
+    from tuner import records
 
-    from tuner.store import candidates_table, drops_table, profile_runs_table, proposals_table
-
-    runs = store._rows(sa.select(profile_runs_table).where(profile_runs_table.c.id == int(run_id)))
-    if not runs:
+    stored = records.run(store, run_id)
+    if stored is None:
         raise ExplainInputError(f"no profile run with id {run_id}", where=store.where)
-    run = runs[0]
-    drop_rows = store._rows(sa.select(drops_table).where(drops_table.c.id == run["drop_id"]))
-    drop_row = drop_rows[0] if drop_rows else {}
-    era = era_for(run["engine_version"])
-    total = int(run["device_total_memory_bytes"] or 0)
-    device = {"name": run["device_name"], "total_memory_bytes": total}
-    model_dir = _stored_model_dir(run["model"], drop_row.get("path"))
-    dd = {"name": drop_row.get("name"), "model": model_dir, "kv_cache_dtype": run["kv_cache_dtype"],
-          "tensor_parallel_size": run["tensor_parallel_size"], "pipeline_parallel_size": run["pipeline_parallel_size"]}
-    run_d = {**run, "num_reqs": run.get("num_sampled_rows")}
-    if run["method"] == "simulate":
-        t = candidates_table
-        cands = store._rows(sa.select(t).where(t.c.profile_run_id == run["id"]).order_by(t.c.id))
-        all_drop = store._rows(sa.select(t).where(t.c.drop_id == run["drop_id"]).order_by(t.c.id))
+    run = stored.as_dict()
+    drop_rec = records.drop(store, stored.drop_id)
+    drop_row = drop_rec.as_dict() if drop_rec is not None else {}
+    era = era_for(stored.engine_version)
+    total = int(stored.device_total_memory_bytes or 0)
+    device = {"name": stored.device_name, "total_memory_bytes": total}
+    model_dir = _stored_model_dir(stored.model, drop_row.get("path"))
+    dd = {"name": drop_row.get("name"), "model": model_dir, "kv_cache_dtype": stored.kv_cache_dtype,
+          "tensor_parallel_size": stored.tensor_parallel_size, "pipeline_parallel_size": stored.pipeline_parallel_size}
+    run_d = {**run, "num_reqs": stored.num_sampled_rows}
+    if stored.method == "simulate":
+        cands = [c.as_dict() for c in records.candidates_of_run(store, stored.id)]
+        all_drop = [c.as_dict() for c in records.candidates_of_drop(store, stored.drop_id)]
     else:
-        u0 = run["gpu_memory_utilization"]
+        u0 = stored.gpu_memory_utilization
         if u0 is None or not total:
-            raise ExplainInputError(f"profile run {run_id} ({run['method']}) has no gpu_memory_utilization or device "
+            raise ExplainInputError(f"profile run {run_id} ({stored.method}) has no gpu_memory_utilization or device "
                                     "total memory to explain", where=store.where)
-        fits = run["status"] == "ok" and not run.get("error_message")
+        fits = stored.status == "ok" and not stored.error_message
         cands = [{
-            "gpu_memory_utilization": u0, "max_model_len": run["max_model_len"] or 0,
-            "max_num_batched_tokens": run["max_num_batched_tokens"], "fits": fits, "starts": fits,
-            "reason": run.get("error_message") or run.get("error"),
-            "requested_memory_bytes": requested_memory_bytes(era, total, u0), "weights_bytes": run["weights_bytes"] or 0,
-            "activation_peak_bytes": run["activation_peak_bytes"] or 0, "non_torch_bytes": run["non_torch_bytes"] or 0,
-            "cuda_graph_bytes": run["cuda_graph_bytes"] or 0,
-            "available_kv_cache_bytes": run["available_kv_cache_bytes"] or 0,
-            "num_gpu_blocks": run["num_gpu_blocks"] or 0, "kv_cache_tokens": run["kv_cache_tokens"] or 0,
-            "max_concurrency": run["max_concurrency"] or 0.0}]
+            "gpu_memory_utilization": u0, "max_model_len": stored.max_model_len or 0,
+            "max_num_batched_tokens": stored.max_num_batched_tokens, "fits": fits, "starts": fits,
+            "reason": stored.error_message or stored.error,
+            "requested_memory_bytes": requested_memory_bytes(era, total, u0), "weights_bytes": stored.weights_bytes or 0,
+            "activation_peak_bytes": stored.activation_peak_bytes or 0, "non_torch_bytes": stored.non_torch_bytes or 0,
+            "cuda_graph_bytes": stored.cuda_graph_bytes or 0,
+            "available_kv_cache_bytes": stored.available_kv_cache_bytes or 0,
+            "num_gpu_blocks": stored.num_gpu_blocks or 0, "kv_cache_tokens": stored.kv_cache_tokens or 0,
+            "max_concurrency": stored.max_concurrency or 0.0}]
         all_drop = cands
     if gpu_memory_utilization is not None:
-        cands = [c for c in cands if _same_u(c["gpu_memory_utilization"], gpu_memory_utilization)]
+        cands = [c for c in cands if _same_u(point_of(c).gpu_memory_utilization, gpu_memory_utilization)]
     if max_model_len is not None:
-        cands = [c for c in cands if c["max_model_len"] == max_model_len]
+        cands = [c for c in cands if point_of(c).max_model_len == max_model_len]
     if not cands:
         raise ExplainInputError(f"profile run {run_id} has no candidate at gpu_memory_utilization "
                                 f"{gpu_memory_utilization}, max_model_len {max_model_len}", where=store.where)
-    props = store._rows(sa.select(proposals_table).where(proposals_table.c.drop_id == run["drop_id"]))
+    props = [p.as_dict() for p in records.proposals_of_drop(store, stored.drop_id)]
     block_size = int(run.get("block_size") or 16)
     # every candidate of the drop shares one block size: the tightest available // blocks bounds it
     bounds = [x["available_kv_cache_bytes"] // x["num_gpu_blocks"] for x in all_drop
@@ -829,10 +858,12 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
             reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0), int(run["activation_peak_bytes"] or 0) + ws)
             c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve,
                  "activation_correction_bytes": c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve}
-        prop = next((p for p in props if _same_u(p["gpu_memory_utilization"], c["gpu_memory_utilization"])), None)
-        e = explain_point(drop=dd, device=device, era=era, cand=c, run=run_d, dtype=run["dtype"],
+        u_c = point_of(c).gpu_memory_utilization
+        prop = next((p for p in props if _same_u(point_of(p).gpu_memory_utilization, u_c)), None)
+        e = explain_point(term_sources=records.json_column(stored.term_sources),
+                          drop=dd, device=device, era=era, cand=c, run=run_d, dtype=run["dtype"],
                           block_size=block_size, block_bytes=bb, block_bytes_exact=False,
-                          surface=surface_at(all_drop, c["gpu_memory_utilization"]), proposal=prop,
+                          surface=surface_at(all_drop, point_of(c).gpu_memory_utilization), proposal=prop,
                           measured=run["method"] != "simulate")
         e["run_id"] = run["id"]
         e["method"] = run["method"]
@@ -877,7 +908,7 @@ def verdict_text(e: dict) -> str:
 
 def render_point(e: dict) -> str:
     """One explanation as numbered plain-text steps."""
-    u, m = e["gpu_memory_utilization"], e["max_model_len"]
+    u, m = point_of(e).gpu_memory_utilization, point_of(e).max_model_len
     verdict = verdict_text(e)
     src = f" (stored run {e['run_id']}, {e['method']})" if e.get("run_id") else ""
     lines = [f"gpu_memory_utilization {u:g}, max_model_len {m}: {verdict}{src}"]
@@ -912,8 +943,8 @@ def render_point(e: dict) -> str:
                   f"    {'max_model_len':>13} {'N':>7} {'starts':>6} {'ok':>3} {'blocks':>7} {'KV tokens':>10} "
                   f"{'conc.':>7}"]
         for p in surf:
-            mark = "  <- explained" if p["max_model_len"] == m else ""
-            lines.append(f"    {p['max_model_len']:>13} {p['max_num_batched_tokens']:>7} "
+            mark = "  <- explained" if point_of(p).max_model_len == m else ""
+            lines.append(f"    {point_of(p).max_model_len:>13} {p['max_num_batched_tokens']:>7} "
                          f"{'yes' if p.get('starts', p['fits']) else 'NO':>6} {'yes' if p['fits'] else 'NO':>3} "
                          f"{p['num_gpu_blocks']:>7} {p['kv_cache_tokens']:>10} {p['max_concurrency']:>7.2f}{mark}")
         if e["non_monotone"]:
@@ -928,19 +959,19 @@ def render_point(e: dict) -> str:
                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 overrides the check at the model's own risk: positions "
                          "beyond it give NaNs or out-of-bounds errors)")
         lm = rem.get("largest_max_model_len")
-        if lm and lm.get("max_model_len"):
+        if lm and point_of(lm).max_model_len:
             longer = (" -- longer than the one asked for: the fit is not monotone here"
-                      if lm["max_model_len"] > m else "")
+                      if point_of(lm).max_model_len > m else "")
             mc = e.get("min_concurrency") or 1
             cond = f"starts with at least {mc:g} full-length requests" if mc != 1 else "starts"
-            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g} is {lm['max_model_len']} "
+            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g} is {point_of(lm).max_model_len} "
                          f"({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV tokens){longer}")
-            shorter = [p["max_model_len"] for p in surf if p["fits"] and p["max_model_len"] < m]
+            shorter = [point_of(p).max_model_len for p in surf if p["fits"] and point_of(p).max_model_len < m]
             if shorter:
                 lines.append(f"    - a shorter one from the grid: {max(shorter)} starts")
         elif lm is not None:
             lines.append(f"    - no max_model_len starts at gpu_memory_utilization {u:g}")
-        un = rem.get("gpu_memory_utilization")
+        un = point_of(rem).gpu_memory_utilization
         if un:
             approx = " (approximate: bytes per block inferred)" if un.get("approximate") else ""
             if un["possible"]:
@@ -1004,7 +1035,7 @@ def engine_check_lines(check: dict | None) -> list[str]:
         out.append(f"  difference: {dline}")
     cfg = check.get("config") or {}
     if cfg:
-        out.append(f"  engine config ({cfg.get('platform')}): max_model_len {cfg.get('max_model_len')}, "
+        out.append(f"  engine config ({cfg.get('platform')}): max_model_len {point_of(cfg).max_model_len}, "
                    f"max_num_batched_tokens {cfg.get('max_num_batched_tokens')}, max_num_seqs {cfg.get('max_num_seqs')}, "
                    f"block_size {cfg.get('block_size')}, quantization {cfg.get('quantization')}")
     dfl = check.get("defaults") or {}
@@ -1035,7 +1066,7 @@ def engine_check_lines(check: dict | None) -> list[str]:
     for v in check.get("proposals") or []:
         e = v["engine"]
         got = e.get("num_gpu_blocks") if e.get("starts") else f"refuses ({(e.get('error') or '')[:120]})"
-        out.append(f"  gmu {v['gpu_memory_utilization']:g} max_model_len {v['max_model_len']}: vLLM kv_cache_utils "
+        out.append(f"  gmu {point_of(v).gpu_memory_utilization:g} max_model_len {point_of(v).max_model_len}: vLLM kv_cache_utils "
                    f"{got} blocks, ctx-tuner {v['ctx_tuner_num_gpu_blocks']}"
                    + ("" if v["agree"] else "  <- differ"))
     t = check.get("timings")

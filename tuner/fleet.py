@@ -162,7 +162,7 @@ def end_lease(store: Store, owner_id: int, *, wall_clock: Callable[[], float] | 
 
 def hosts(store: Store) -> list[dict]:
     """All ``hosts`` rows, ``gpus`` decoded, ordered by host id and watch dir."""
-    rows = store._rows(sa.select(H).order_by(H.c.host_id, H.c.watch_dir))
+    rows = store.select(sa.select(H).order_by(H.c.host_id, H.c.watch_dir))
     for r in rows:
         try:
             r["gpus"] = json.loads(r["gpus"] or "[]")
@@ -209,7 +209,7 @@ def find_shared_result(store: Store, key: str) -> int | None:
     """The newest drop (any owner, retired or not) that a worker computed with result key ``key``,
     or None. Drops that were themselves answered from the store are not sources."""
     d = drops_table
-    rows = store._rows(sa.select(d.c.id).where(d.c.result_sha256 == key, d.c.answered_from_drop_id.is_(None))
+    rows = store.select(sa.select(d.c.id).where(d.c.result_sha256 == key, d.c.answered_from_drop_id.is_(None))
                        .order_by(d.c.id.desc()).limit(1))
     return rows[0]["id"] if rows else None
 
@@ -224,13 +224,13 @@ def shared_rows(store: Store, source_drop_id: int) -> tuple[list[dict], list[dic
     form (run ``key`` = the original run id, candidates' ``run_key`` pointing at it), to be stored
     under a new drop row."""
     runs = [{**{k: v for k, v in r.items() if k not in _RUN_SKIP}, "key": r["id"]}
-            for r in store._rows(sa.select(profile_runs_table).where(profile_runs_table.c.drop_id == source_drop_id)
+            for r in store.select(sa.select(profile_runs_table).where(profile_runs_table.c.drop_id == source_drop_id)
                                  .order_by(profile_runs_table.c.id))]
     cands = [{**{k: v for k, v in c.items() if k not in _CAND_SKIP}, "run_key": c["profile_run_id"]}
-             for c in store._rows(sa.select(candidates_table).where(candidates_table.c.drop_id == source_drop_id)
+             for c in store.select(sa.select(candidates_table).where(candidates_table.c.drop_id == source_drop_id)
                                   .order_by(candidates_table.c.id))]
     props = [{k: v for k, v in p.items() if k not in _PROP_SKIP}
-             for p in store._rows(sa.select(proposals_table).where(proposals_table.c.drop_id == source_drop_id)
+             for p in store.select(sa.select(proposals_table).where(proposals_table.c.drop_id == source_drop_id)
                                   .order_by(proposals_table.c.id))]
     return runs, cands, props
 

@@ -66,7 +66,7 @@ def config_path_for(model: str, *, models_dir: str | Path | None = None, base_di
     return resolve_model_path(model, base_dir)
 
 
-def _read_config(path: Path) -> tuple[dict, str]:
+def read_config(path: Path) -> tuple[dict, str]:
     try:
         raw = path.read_bytes()
         top = json.loads(raw)
@@ -231,10 +231,11 @@ def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_
 
 def prediction_request(drop: Drop, extra: dict, config_path: Path) -> dict:
     """The simulate worker request for the same settings as the imported run (uncalibrated)."""
-    d = drop.to_dict()
-    d["engine"] = extra["engine"]
-    return {"drop": d, "config_path": str(config_path), "search": False,
-            "device": {"name": extra["device_name"], "total_memory_bytes": extra["total_memory_bytes"]}}
+    from tuner.protocol import JobRequest
+
+    return JobRequest(drop=drop, config_path=str(config_path), search=False, engine_kind=extra["engine"],
+                      device={"name": extra["device_name"], "total_memory_bytes": extra["total_memory_bytes"]},
+                      ).to_wire()
 
 
 def import_log(path: str | Path, *, model: str, device: Any, store: Store, engine_version: str | None = None,
@@ -274,7 +275,7 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
     except OSError as exc:
         raise LogParseError(f"cannot read log: {exc}", where=str(path)) from exc
     config_path = config_path_for(model, models_dir=models_dir)
-    config, config_sha = _read_config(config_path)
+    config, config_sha = read_config(config_path)
     drop, extra = resolve_settings(parsed, model=model, device=device, engine_version=engine_version,
                                    engine=engine, options=options, config=config, source=str(path))
     row = run_row(parsed, drop, extra, config=config, config_sha256=config_sha, log_sha256=log_sha)

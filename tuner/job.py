@@ -1,8 +1,9 @@
 """One profile job, worker side: model spec → plugin → profile passes → candidates → proposals.
 
 Runs inside the worker subprocess (imports torch through the plugin and the simulator). Input
-and output are plain JSON-able dicts so the parent never needs torch. Passes are memoized per
-(max_num_batched_tokens, num_reqs, stage): under V1 one pass serves every candidate.
+and output are the contract of :mod:`tuner.protocol` (a :class:`~tuner.protocol.JobRequest`, a
+:class:`~tuner.protocol.JobResult`'s wire object) so the parent never needs torch. Passes are
+memoized per (max_num_batched_tokens, num_reqs, stage): under V1 one pass serves every candidate.
 """
 
 from __future__ import annotations
@@ -12,71 +13,86 @@ import platform
 from pathlib import Path
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tuner import __version__
+from tuner.drop import Drop
 from tuner.budget import profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import v0_uses_sliding_window
-from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_parallel_layout, check_quantization,
-                                 check_unchunked_lengths)
+from tuner.engine_checks import VLLM_019_DEPRECATED, check_batch, check_parallel_layout, check_quantization
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
 from tuner.kvcache import with_kv_quant_mode
 from tuner.plugin import RankSettings, load_registry
 from tuner.kvcache import dtype_bytes_for as _kv_dtype_bytes
-from tuner.search import Layout, derived_max_model_len, evaluate, propose
+from tuner.protocol import point_of
+from tuner.search import V0_CHUNKED_PREFILL_THRESHOLD, Layout, derived_max_model_len, evaluate, propose, search_regions
 
-#: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
-#: (vllm/engine/arg_utils.py, 0.5.4+): the fit surface can jump at this boundary.
-V0_CHUNKED_PREFILL_THRESHOLD = 32768
+if TYPE_CHECKING:
+    from tuner.protocol import JobRequest
+
+# V0_CHUNKED_PREFILL_THRESHOLD (tuner.search) stays importable from here.
 
 
-def _extra_args(d: dict) -> str:
+def _typed(drop: Any) -> Drop:
+    """A :class:`Drop` for a drop given as one or as its wire mapping (older callers)."""
+    if isinstance(drop, Drop):
+        return drop
+    from tuner.protocol import drop_from_wire
+
+    return drop_from_wire(drop, strict=False)
+
+
+def _extra_args(drop: Drop | dict) -> str:
+    """The ``vllm serve`` arguments besides ``--max-model-len`` / ``--gpu-memory-utilization``
+    that reproduce the drop's settings."""
+    d = _typed(drop)
     parts = []
-    for key, flag in (("tensor_parallel_size", "--tensor-parallel-size"), ("pipeline_parallel_size", "--pipeline-parallel-size")):
-        if d.get(key, 1) != 1:
-            parts.append(f"{flag} {d[key]}")
-    if d.get("kv_cache_dtype", "auto") != "auto":
-        parts.append(f"--kv-cache-dtype {d['kv_cache_dtype']}")
-    if d.get("dtype", "auto") != "auto":
-        parts.append(f"--dtype {d['dtype']}")
-    if d.get("quantization"):
-        parts.append(f"--quantization {d['quantization']}")
-        version = _version_tuple(d.get("engine_version"))
-        if version and (0, 19, 0) <= version < (0, 20, 0) and d["quantization"] in VLLM_019_DEPRECATED:
+    for flag, value in (("--tensor-parallel-size", d.tensor_parallel_size),
+                        ("--pipeline-parallel-size", d.pipeline_parallel_size)):
+        if value != 1:
+            parts.append(f"{flag} {value}")
+    if d.kv_cache_dtype != "auto":
+        parts.append(f"--kv-cache-dtype {d.kv_cache_dtype}")
+    if d.dtype != "auto":
+        parts.append(f"--dtype {d.dtype}")
+    if d.quantization:
+        parts.append(f"--quantization {d.quantization}")
+        version = _version_tuple(d.engine_version)
+        if version and (0, 19, 0) <= version < (0, 20, 0) and d.quantization in VLLM_019_DEPRECATED:
             parts.append("--allow-deprecated-quantization")
     for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"):
-        if d.get(key) is not None:
-            parts.append(f"--{key.replace('_', '-')} {d[key]}")
-    if d.get("enable_chunked_prefill") is not None:
-        parts.append("--enable-chunked-prefill" if d["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
-    if d.get("enable_prefix_caching") is not None:
-        parts.append("--enable-prefix-caching" if d["enable_prefix_caching"] else "--no-enable-prefix-caching")
-    if d.get("speculative_config"):
+        if getattr(d, key) is not None:
+            parts.append(f"--{key.replace('_', '-')} {getattr(d, key)}")
+    if d.enable_chunked_prefill is not None:
+        parts.append("--enable-chunked-prefill" if d.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    if d.enable_prefix_caching is not None:
+        parts.append("--enable-prefix-caching" if d.enable_prefix_caching else "--no-enable-prefix-caching")
+    if d.speculative_config:
         import json
 
-        parts.append(f"--speculative-config '{json.dumps(d['speculative_config'], sort_keys=True)}'")
-    if int(d.get("data_parallel_size") or 1) > 1:
-        parts.append(f"--data-parallel-size {d['data_parallel_size']}")
-    if d.get("enable_expert_parallel"):
+        parts.append(f"--speculative-config '{json.dumps(d.speculative_config, sort_keys=True)}'")
+    if int(d.data_parallel_size or 1) > 1:
+        parts.append(f"--data-parallel-size {d.data_parallel_size}")
+    if d.enable_expert_parallel:
         parts.append("--enable-expert-parallel")
-    if d.get("disable_custom_all_reduce"):
+    if d.disable_custom_all_reduce:
         parts.append("--disable-custom-all-reduce")
-    if d.get("enforce_eager"):
+    if d.enforce_eager:
         parts.append("--enforce-eager")
     return " ".join(parts)
 
 
-def _kv_cache_memory_bytes(d: dict, era) -> int | None:
+def _kv_cache_memory_bytes(d: Drop, era) -> int | None:
     """The drop's ``kv_cache_memory_bytes``, refused where the release has no such setting
     (V0, V1 before 0.10.2)."""
-    v = d.get("kv_cache_memory_bytes")
+    v = d.kv_cache_memory_bytes
     if v is None:
         return None
     if era.engine != "V1" or era.version < (0, 10, 2):
         from tuner.errors import DropError
 
-        raise DropError(f"vLLM {era.version} has no --kv-cache-memory-bytes (V1 0.10.2+)", path=d.get("path"),
+        raise DropError(f"vLLM {era.version} has no --kv-cache-memory-bytes (V1 0.10.2+)", path=d.path or None,
                         field="kv_cache_memory_bytes")
     return int(v)
 
@@ -143,7 +159,7 @@ def _compute_capability(device: dict) -> str | None:
     return dev.compute_capability if dev is not None else None
 
 
-def _engine_use(request: dict, d: dict, spec: Any, plugin: Any, unserved: bool, top: dict, era: Any,
+def _engine_use(req: "JobRequest", spec: Any, plugin: Any, unserved: bool, top: dict, era: Any,
                 stage_settings: list, total: int, pp: int) -> Any:
     """The job's use of an installed vLLM (:mod:`tuner.engine.use`), or None where none is
     importable or ``engine`` is ``off`` (request key, else env ``CTX_TUNER_ENGINE``).
@@ -157,11 +173,11 @@ def _engine_use(request: dict, d: dict, spec: Any, plugin: Any, unserved: bool, 
     from tuner.engine import vllm_importable
     from tuner.engine.fallback import non_standard_features, refuse_unserved
 
-    mode = str(request.get("engine") or os.environ.get("CTX_TUNER_ENGINE") or "auto")
+    mode = str(req.engine or os.environ.get("CTX_TUNER_ENGINE") or "auto")
     available = mode != "off" and vllm_importable()
     features = non_standard_features(top) if unserved else []
     if features and not available:
-        refuse_unserved(list(spec.architectures), features, path=request["config_path"])
+        refuse_unserved(list(spec.architectures), features, path=req.config_path)
     if not available:
         return None
     from tuner.engine.use import EngineUse, engine_for_job
@@ -173,7 +189,7 @@ def _engine_use(request: dict, d: dict, spec: Any, plugin: Any, unserved: bool, 
 
             raise UnsupportedArchitectureError(f"no plugin serves {', '.join(spec.architectures)} and the engine "
                                                f"adapter does not serve {why}; write a plugin",
-                                               where=request["config_path"])
+                                               where=req.config_path)
         return EngineUse(report={"skipped": f"engine adapter not used for {why}"},
                          warnings=[f"engine cross-check skipped for {why}"])
     plugin_specs = None if unserved else plugin.kv_cache_spec(spec, stage_settings[0])
@@ -181,16 +197,18 @@ def _engine_use(request: dict, d: dict, spec: Any, plugin: Any, unserved: bool, 
     def specs_at(version: str) -> dict:
         return plugin.kv_cache_spec(spec, dataclasses.replace(stage_settings[0], engine_version=version))
 
-    return engine_for_job(d=d, model_dir=str(Path(request["config_path"]).parent), spec=spec, plugin=plugin,
+    return engine_for_job(d=req.to_wire()["drop"], model_dir=str(Path(req.config_path).parent), spec=spec,
+                          plugin=plugin,
                           unserved=unserved, era=era, plugin_specs=plugin_specs, plugin_specs_at=specs_at,
-                          reference_bytes=total // 2, trust_remote_code=bool(request.get("trust_remote_code")))
+                          reference_bytes=total // 2, trust_remote_code=bool(req.trust_remote_code))
 
 
-def other_processes_bytes(device: dict, drop: dict) -> int:
+def other_processes_bytes(device: dict, drop: Drop | dict) -> int:
     """Co-tenant memory at start (bytes): the drop's ``other_processes_memory_gib``, else what the
     request's device says NVML saw in use (``device: auto``), else 0."""
-    if drop.get("other_processes_memory_gib") is not None:
-        return int(round(float(drop["other_processes_memory_gib"]) * GiB))
+    gib = _typed(drop).other_processes_memory_gib
+    if gib is not None:
+        return int(round(float(gib) * GiB))
     return max(0, int(device.get("other_processes_bytes") or 0))
 
 
@@ -202,7 +220,7 @@ CHECKPOINT_DRAFTERS = ("draft_model", "eagle", "eagle3", "dflash")
 MAMBA_CACHE_MODE_SINCE = (0, 19, 0)
 
 
-def mamba_cache_mode(drop: dict, era, plugin, warnings: list[str]) -> str | None:
+def mamba_cache_mode(drop: Drop | dict, era, plugin, warnings: list[str]) -> str | None:
     """vLLM's ``mamba_cache_mode`` for a hybrid model: with ``enable_prefix_caching`` (off by
     default for hybrid models, ``ModelConfig.is_prefix_caching_supported``, 0.19–0.24 read) a
     model without ``SupportsMambaPrefixCaching`` gets ``"align"`` (the plugin's
@@ -210,7 +228,7 @@ def mamba_cache_mode(drop: dict, era, plugin, warnings: list[str]) -> str | None
     (``MambaSpec.max_memory_usage_bytes``: ``page · (2 + num_speculative_blocks)``). ``"all"``
     (Mamba-2 models that support it) aligns the block size to the SSM chunk and is not modelled
     (a warning says so); so are releases before :data:`MAMBA_CACHE_MODE_SINCE`. None = ``"none"``."""
-    if not drop.get("enable_prefix_caching") or era.engine != "V1":
+    if not _typed(drop).enable_prefix_caching or era.engine != "V1":
         return None
     mode = getattr(plugin, "mamba_prefix_caching_mode", None)
     if mode is None:
@@ -222,10 +240,10 @@ def mamba_cache_mode(drop: dict, era, plugin, warnings: list[str]) -> str | None
     return mode
 
 
-def _checkpoint_drafter(request: dict, spec_cfg: dict, spec, last_stage_specs: dict, tp: int, dtype: str,
-                        drop: dict) -> tuple[int, dict, int, str | None]:
+def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_specs: dict, tp: int,
+                        dtype: str) -> tuple[int, dict, int, str | None]:
     """``(weights bytes, KV specs, aux hidden-state layers, None)`` of another checkpoint's drafter from the request's
-    ``draft_config_path`` (resolved by the parent: :func:`tuner.app.prepare_request`, validate's
+    ``draft_config_path`` (resolved by the parent: :func:`tuner.app.prepare_job`, validate's
     models directory), or ``(0, {}, 0, warning)`` when its config is not at hand or not usable. The
     weights are weighed in the target's dtype (a quantized drafter checkpoint holds less)."""
     from tuner.errors import TunerError
@@ -234,9 +252,9 @@ def _checkpoint_drafter(request: dict, spec_cfg: dict, spec, last_stage_specs: d
     from tuner.specdecode import aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_weights_bytes
 
     method, model = spec_cfg["method"], spec_cfg.get("model")
-    path = request.get("draft_config_path")
+    path = req.draft_config_path
     if not path:
-        why = request.get("draft_config_error") or "its config.json was not found"
+        why = req.draft_config_error or "its config.json was not found"
         return 0, {}, 0, (f"speculative_config.model {model!r}: {why}; the {method} drafter's weights and KV "
                           "layers are not modelled; expect fewer KV blocks than predicted")
     try:
@@ -244,24 +262,24 @@ def _checkpoint_drafter(request: dict, spec_cfg: dict, spec, last_stage_specs: d
         weights = checkpoint_drafter_weights_bytes(method, cfg, spec.top, tensor_parallel_size=tp,
                                                    dtype_bytes=dtype_bytes_for("auto", dtype))
         kv = checkpoint_drafter_kv_specs(cfg, last_stage_specs, tensor_parallel_size=tp,
-                                         kv_dtype_bytes=dtype_bytes_for(drop.get("kv_cache_dtype", "auto"), dtype),
+                                         kv_dtype_bytes=dtype_bytes_for(req.drop.kv_cache_dtype, dtype),
                                          first_layer_index=spec.num_hidden_layers)
     except (ValueError, TunerError) as exc:
         return 0, {}, 0, f"speculative_config.model {model!r} ({path}): {exc}; the drafter is not modelled"
     return weights, kv, aux_hidden_state_layers(method, cfg), None
 
 
-def num_speculative_tokens(drop: dict, era) -> int:
+def num_speculative_tokens(drop: Drop | dict, era) -> int:
     """Draft tokens per request that size the CUDA-graph captures (``VllmConfig.num_speculative_tokens``,
     vllm/config/vllm.py): the drop's ``speculative_config.num_speculative_tokens`` on V1; 0 without
     speculative decoding and on V0 (no capture-size rule there)."""
-    sc = drop.get("speculative_config") or {}
+    sc = _typed(drop).speculative_config or {}
     if era.engine != "V1" or not sc:
         return 0
     return int(sc.get("num_speculative_tokens") or 0)
 
 
-def topology_for(device: dict, drop: dict):
+def topology_for(device: dict, drop: Drop | dict):
     """The TP group's :class:`tuner.budget.Topology`: the device's ``interconnect`` / ``p2p`` as the
     request states them, else the catalog's for its name (and total), else the calibration centre
     (NVSwitch, P2P); ``disable_custom_all_reduce`` from the drop."""
@@ -274,17 +292,17 @@ def topology_for(device: dict, drop: dict):
     if p2p is None:
         p2p = known.p2p if known is not None and known.p2p is not None else True
     return Topology(interconnect=ic, p2p=bool(p2p), compute_capability=_compute_capability(device),
-                    disable_custom_all_reduce=bool(drop.get("disable_custom_all_reduce")))
+                    disable_custom_all_reduce=bool(_typed(drop).disable_custom_all_reduce))
 
 
-def _kv_cache_dtype(d: dict, spec, era, drop_path, warnings: list) -> str:
+def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:
     """The cache dtype the release runs: the drop's name checked against the release's names
     (:func:`tuner.engine_checks.check_kv_cache_dtype`), ``auto`` resolved from a ModelOpt
     checkpoint's ``kv_cache_quant_algo`` (:func:`tuner.kvcache.resolve_kv_cache_dtype`)."""
     from tuner.engine_checks import check_kv_cache_dtype
     from tuner.kvcache import resolve_kv_cache_dtype
 
-    asked = str(d.get("kv_cache_dtype") or "auto").lower()
+    asked = str(_typed(drop).kv_cache_dtype or "auto").lower()
     check_kv_cache_dtype(asked, version=era.version, path=drop_path)
     qc = spec.quantization_config or {}
     kv = resolve_kv_cache_dtype(asked, qc, era.version)
@@ -297,20 +315,14 @@ def _kv_cache_dtype(d: dict, spec, era, drop_path, warnings: list) -> str:
     return kv
 
 
-def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]:
+def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) -> dict[str, Any]:
     """Execute one job.
 
-    ``pass_memo`` (a :class:`tuner.passmemo.MemoSource`): answer from stored entries in this
-    process, without torch or transformers — the model spec and every pass come from it, and the
-    first one it lacks raises :class:`tuner.passmemo.MemoMiss`. Without it (the worker) the
-    result also carries the new memo entries under ``memo_entries`` (simulate with fake tensors,
-    no engine adapter), and ``request["known_passes"]`` (``{memo_key: row}``) supplies passes
-    the parent already had.
-
-    Request keys: ``drop`` (``Drop.to_dict()``), ``config_path`` (the model's config.json),
-    ``device`` (``{name, total_memory_bytes}``), ``fake`` (default True), ``search`` (default
-    True; False evaluates only the drop's ``max_model_len`` grid, no proposal search),
-    ``calibration`` (optional byte corrections, see :class:`tuner.search.Layout`), ``method``
+    ``request``: a :class:`tuner.protocol.JobRequest` (or its wire object): ``drop`` (the validated
+    drop), ``config_path`` (the model's config.json), ``device`` (``{name, total_memory_bytes}``),
+    ``fake`` (default True), ``search`` (default True; False evaluates only the drop's
+    ``max_model_len`` grid, no proposal search), ``calibration`` (optional byte corrections, see
+    :class:`tuner.search.Layout`), ``method``
     (``simulate`` default; ``cuda`` measures each pass on GPU 0 with :mod:`tuner.measure.cuda`;
     ``vllm`` simulates, then starts the installed engine for the needed candidates with
     :mod:`tuner.measure.vllm_engine`) and ``method_requested`` (``auto``: a ``cuda`` pick falls
@@ -320,8 +332,23 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
     candidates and proposals then carry ``uncalibrated``: the same numbers without them) and
     ``measured`` (``vllm``: one dict per engine start-up).
 
-    Returns a dict with ``model``, ``plugin``, ``warnings``, ``era``, ``runs`` (one per pass),
-    ``candidates`` and ``proposals`` (see :mod:`tuner.search`), and ``versions``.
+    Returns the wire object of a :class:`tuner.protocol.JobResult`: ``model``, ``plugin``,
+    ``warnings``, ``era``, ``runs`` (one per pass), ``candidates`` and ``proposals`` (see
+    :mod:`tuner.search`; each with its ``budget`` ledger), and ``versions``.
+
+    ``pass_memo`` (a :class:`tuner.passmemo.MemoSource`): answer from stored entries in this
+    process, without torch or transformers — the model spec and every pass come from it, and the
+    first one it lacks raises :class:`tuner.passmemo.MemoMiss`. Without it (the worker) the
+    result also carries the new memo entries under ``memo_entries`` (simulate with fake tensors,
+    no engine adapter), and the request's ``known_passes`` (``{memo_key: row}``) supplies passes
+    the parent already had.
+
+    The stages, in the design's order (DESIGN §2), one function each: :func:`load_model` (config →
+    plugin → spec), :func:`rank_settings` (era, dtype, per-stage settings, vLLM's refusals),
+    :func:`_engine_use` (the installed engine), :func:`kv_specs_for` (KV specs, drafter),
+    :func:`method_for` (what runs), :func:`layout_for` (the budget's facts), :class:`Passes` (the
+    profile passes, memoized), :func:`search_points` (candidates and proposals),
+    :func:`verify_with_engine`, :func:`measure` (cuda / vllm) and :func:`job_result`.
 
     Warnings (``warnings``) include each plugin default used for a key the model's config.json
     lacks (:func:`tuner.modelspec.defaults_applied`).
@@ -334,6 +361,7 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         TunerError subclasses for bad configs, plugins or settings.
     """
     from tuner import passmemo
+    from tuner.protocol import JobRequest
 
     if pass_memo is None:
         import torch
@@ -341,75 +369,192 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         from tuner.transformers_lean import import_transformers
 
         transformers = import_transformers()  # without the scan of every model's source
+        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version()}
+    req = request if isinstance(request, JobRequest) else JobRequest.from_wire(request, required=False)
     memo_entries: list[dict] = []
-    known_passes = dict(request.get(passmemo.KNOWN_PASSES) or {})
     t_start = time.perf_counter()
-    d = request["drop"]
-    device = request["device"]
+    drop, device = req.drop, req.device
     total = int(device["total_memory_bytes"])
     warnings: list[str] = []
+    model = load_model(req.config_path, warnings, pass_memo=pass_memo,
+                       memo_entries=memo_entries, versions=versions if pass_memo is None else None)
+    era = era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager))
+    ranks = rank_settings(drop, model, era, device, warnings)
+    if pass_memo is not None:
+        import os
+
+        from tuner.engine import vllm_importable
+
+        if str(req.engine or os.environ.get("CTX_TUNER_ENGINE") or "auto") != "off" and vllm_importable():
+            raise passmemo.MemoMiss("an installed engine takes part")
+    # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
+    # cross-check of the plugin's KV specs, vLLM's own argument checks; no silent fallback.
+    engine_use = _engine_use(req, model.spec, model.plugin, model.unserved is not None, model.top, era,
+                             ranks.stages, total, ranks.pp)
+    if engine_use is not None:
+        model = dataclasses.replace(model, plugin=engine_use.plugin or model.plugin)
+        if engine_use.weights and model.unserved in warnings:  # the engine, not the generic fallback, serves it
+            warnings.remove(model.unserved)
+        warnings.extend(engine_use.warnings)
+    kv = kv_specs_for(req, model, era, ranks, engine_use, warnings)
+    method, calibration = method_for(req, (lambda: False) if pass_memo is not None else torch.cuda.is_available,
+                                     warnings)
+    layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
+    memoizable = method == "simulate" and req.fake and engine_use is None
+    if pass_memo is not None and not memoizable:
+        raise passmemo.MemoMiss(f"method {method} is not memoized")
+    passes = Passes(req, model, era, ranks, layout, method, engine_use=engine_use, pass_memo=pass_memo,
+                    memo_entries=memo_entries if memoizable else None)
+    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
+        # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
+        from tuner.engine.use import reconcile_defaults
+
+        grid = drop.candidates.max_model_len or [model.spec.max_position_embeddings]
+        passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
+                                                      block_size=kv.block_size, d=drop.to_dict(), device=device))
+    candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
+    if engine_use is not None and engine_use.session is not None:
+        verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
+    if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
+        warnings.extend(w for w in engine_use.warnings if w not in warnings)
+    from tuner.engine.crosscheck import term_sources
+
+    sources = term_sources(plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
+                           engine_weights=bool(engine_use and engine_use.weights),
+                           approximate_activation=bool(engine_use and engine_use.approximate_activation),
+                           traced_activation=bool(engine_use and engine_use.traced),
+                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
+                           calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
+                           engine_defaults=bool(passes.engine_batch) or bool(
+                               engine_use and engine_use.report.get("releases_match")
+                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+    measured = measure(req, era, method, passes, candidates, proposals, total, warnings)
+    warnings.extend(req.warnings)  # what the worker saw before the job (a calibration lookup that failed)
+    if pass_memo is not None:
+        versions = {**(pass_memo.versions or {}), "python": platform.python_version()}
+    out = job_result(
+        method=method, calibration=calibration, layout=layout, measured=measured, model=model, warnings=warnings,
+        sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
+        candidates=candidates, proposals=proposals, versions=versions,
+        elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
+    if pass_memo is None and memoizable and memo_entries:
+        out[passmemo.ENTRIES] = memo_entries
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The stages of a job, in order
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """The model's config read, its plugin chosen and its spec built (stage 1)."""
+
+    plugin: Any
+    spec: Any
+    top: dict
+    #: the registry's warning that no plugin serves the architecture (the generic one does), or None.
+    unserved: str | None
+
+
+def load_model(config_path: str, warnings: list[str], *, pass_memo: Any = None, memo_entries: list | None = None,
+               versions: dict | None = None) -> LoadedModel:
+    """Stage 1: the plugin for the config's architectures and the model spec, with the plugin's
+    defaults for keys a partial config lacks (each one a warning,
+    :func:`tuner.modelspec.defaults_applied`); every plugin that failed to load is a warning.
+
+    With ``pass_memo`` the spec comes from the memo (:class:`tuner.passmemo.MemoMiss` when it is
+    not there); else it is built with transformers and, where it survives the JSON round trip,
+    its memo entry is added to ``memo_entries`` (``versions``: the worker's)."""
+    from tuner import passmemo
+
     registry = load_registry()
     for err in registry.errors:
         warnings.append(str(err))
-    plugin, warn = registry.for_architectures(read_architectures(request["config_path"]))
+    plugin, warn = registry.for_architectures(read_architectures(config_path))
     if warn:
         warnings.append(warn)
-    top = read_top(request["config_path"])
+    top = read_top(config_path)
     defaults = plugin.config_defaults(without_nulls(top))  # a null key gets the default a missing one gets
-    spec_memo_key = passmemo.spec_key(request["config_path"], top, plugin, defaults)
+    spec_memo_key = passmemo.spec_key(config_path, top, plugin, defaults)
     if pass_memo is not None:
         spec = pass_memo.spec(spec_memo_key)
     else:
-        spec, _hf = load_model_spec(request["config_path"], defaults=defaults)
-        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version()}
-        value = passmemo.spec_to_value(spec, versions)
-        if value is not None:
+        spec, _hf = load_model_spec(config_path, defaults=defaults)
+        value = passmemo.spec_to_value(spec, dict(versions or {}))
+        if value is not None and memo_entries is not None:
             memo_entries.append(passmemo.entry(passmemo.SPEC, spec_memo_key, value, spec=spec))
-    config_name = Path(request["config_path"]).name
+    config_name = Path(config_path).name
     for key, value in defaults_applied(top, defaults).items():  # partial configs: say what was assumed
         warnings.append(f"{config_name} lacks {key}; using {value!r} (default of plugin {plugin.name})")
-    era = era_for(d["engine_version"], d.get("engine"), enforce_eager=bool(d.get("enforce_eager")))
-    drop_path = d.get("path")
-    warnings.extend(check_quantization(d.get("quantization"), spec.quantization_config, version=era.version,
-                                       path=drop_path))
-    dtype = resolve_dtype(d.get("dtype", "auto"), spec.torch_dtype)
-    kv_dtype = _kv_cache_dtype(d, spec, era, drop_path, warnings)
-    tp, pp = int(d.get("tensor_parallel_size", 1)), int(d.get("pipeline_parallel_size", 1))
-    stage_settings = [
+    return LoadedModel(plugin, spec, top, warn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The dtype vLLM runs, the KV cache dtype and one :class:`RankSettings` per pipeline stage (stage 2)."""
+
+    dtype: str
+    stages: list
+    tp: int
+    pp: int
+    #: the cache dtype the release runs (:func:`_kv_cache_dtype`: ``auto`` resolved from a ModelOpt checkpoint).
+    kv_cache_dtype: str = "auto"
+
+
+def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnings: list[str]) -> Ranks:
+    """Stage 2: the quantization check, the dtype, one :class:`RankSettings` per pipeline stage,
+    and what vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers
+    vs PP."""
+    spec, plugin, path = model.spec, model.plugin, drop.path or None
+    warnings.extend(check_quantization(drop.quantization, spec.quantization_config, version=era.version, path=path))
+    dtype = resolve_dtype(drop.dtype, spec.torch_dtype)
+    kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
+    tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
+    stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
-                     block_size=d.get("block_size"), tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
-                     compiled=era.compiled, runs_attention=era.engine == "V0", quantization=d.get("quantization"),
+                     block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
+                     compiled=era.compiled, runs_attention=era.engine == "V0", quantization=drop.quantization,
                      compute_capability=_compute_capability(device),
-                     data_parallel_size=int(d.get("data_parallel_size") or 1),
-                     enable_expert_parallel=bool(d.get("enable_expert_parallel")),
-                     max_model_len=max((d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]),
-                     num_speculative_tokens=num_speculative_tokens(d, era),
-                     mamba_cache_mode=mamba_cache_mode(d, era, plugin, warnings))
+                     data_parallel_size=int(drop.data_parallel_size or 1),
+                     enable_expert_parallel=bool(drop.enable_expert_parallel),
+                     max_model_len=max(drop.candidates.max_model_len or [spec.max_position_embeddings]),
+                     num_speculative_tokens=num_speculative_tokens(drop, era),
+                     mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings))
         for r in range(pp)
     ]
-    # What vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers vs PP.
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
-                          kv_heads=per_head_kv_totals(plugin, spec, stage_settings[0]) if tp > 1 else (),
-                          tensor_parallel_size=tp, pipeline_parallel_size=pp, path=drop_path)
-    # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
-    # cross-check of the plugin's KV specs, vLLM's own argument checks; no silent fallback.
-    if pass_memo is not None:
-        from tuner.engine import vllm_importable
+                          kv_heads=per_head_kv_totals(plugin, spec, stages[0]) if tp > 1 else (),
+                          tensor_parallel_size=tp, pipeline_parallel_size=pp, path=path)
+    return Ranks(dtype, stages, tp, pp, kv_dtype)
 
-        if str(request.get("engine") or __import__("os").environ.get("CTX_TUNER_ENGINE") or "auto") != "off" \
-                and vllm_importable():
-            raise passmemo.MemoMiss("an installed engine takes part")
-    engine_use = _engine_use(request, d, spec, plugin, warn is not None, top, era, stage_settings, total, pp)
-    if engine_use is not None:
-        plugin = engine_use.plugin or plugin
-        if engine_use.weights and warn in warnings:  # the engine, not the generic fallback, serves it
-            warnings.remove(warn)
-        warnings.extend(engine_use.warnings)
-    kv_specs = tuple(with_kv_quant_mode(plugin.kv_cache_spec(spec, s), kv_dtype) for s in stage_settings)
+
+@dataclasses.dataclass(frozen=True)
+class KvLayout:
+    """Each pipeline stage's KV specs, the block size and the drafter's weights (stage 4)."""
+
+    specs: tuple
+    block_size: int
+    drafter_weights_bytes: int
+    #: the target's auxiliary hidden states a checkpoint drafter reads, bytes per token.
+    drafter_activation_bytes_per_token: int = 0
+    #: the drafter's weights, KV layers and profile run are modelled (else a warning says so).
+    drafter_modelled: bool = True
+
+
+def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, engine_use: Any,
+                 warnings: list[str]) -> KvLayout:
+    """Stage 4: the plugin's KV specs per stage (the engine's where it gave them), speculative
+    decoding's state blocks, MTP layers and another checkpoint's drafter (:mod:`tuner.specdecode`),
+    the block size."""
+    drop = req.drop
+    spec, plugin = model.spec, model.plugin
+    kv_specs = tuple(with_kv_quant_mode(plugin.kv_cache_spec(spec, s), ranks.kv_cache_dtype) for s in ranks.stages)
     if engine_use is not None and engine_use.kv_specs is not None:
         kv_specs = (dict(engine_use.kv_specs),)
-    spec_cfg = d.get("speculative_config") or {}
+    spec_cfg = drop.speculative_config or {}
     if spec_cfg and era.engine == "V1":
         from tuner.specdecode import with_speculative_state_blocks
 
@@ -426,28 +571,35 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
             from tuner.specdecode import mtp_moe_layer_weights_bytes
 
             drafter_weights = mtp_moe_layer_weights_bytes(
-                spec.raw, tensor_parallel_size=tp, data_parallel_size=int(d.get("data_parallel_size") or 1),
-                enable_expert_parallel=bool(d.get("enable_expert_parallel")),
-                dtype_bytes=_kv_dtype_bytes("auto", dtype), quantization_config=spec.quantization_config)
+                spec.raw, tensor_parallel_size=ranks.tp, data_parallel_size=int(drop.data_parallel_size or 1),
+                enable_expert_parallel=bool(drop.enable_expert_parallel),
+                dtype_bytes=_kv_dtype_bytes("auto", ranks.dtype), quantization_config=spec.quantization_config)
         else:
-            drafter_weights = mtp_dense_layer_weights_bytes(spec.raw, tensor_parallel_size=tp)
+            drafter_weights = mtp_dense_layer_weights_bytes(spec.raw, tensor_parallel_size=ranks.tp)
     drafter_modelled = spec_cfg.get("method") in ("ngram", "suffix", "mtp")
     drafter_act_per_token = 0
     if spec_cfg.get("method") in CHECKPOINT_DRAFTERS and era.engine == "V1":
         # another checkpoint's drafter, from its config.json (tuner.specdecode)
-        drafter_weights, extra, n_aux, note = _checkpoint_drafter(request, spec_cfg, spec, kv_specs[-1], tp, dtype, d)
+        drafter_weights, extra, n_aux, note = _checkpoint_drafter(req, spec_cfg, spec, kv_specs[-1], ranks.tp,
+                                                                  ranks.dtype)
         if note:
             warnings.append(note)
         else:
             drafter_modelled = True
             kv_specs = kv_specs[:-1] + ({**kv_specs[-1], **extra},)
-            drafter_act_per_token = n_aux * spec.hidden_size * _kv_dtype_bytes("auto", dtype)
+            drafter_act_per_token = n_aux * spec.hidden_size * _kv_dtype_bytes("auto", ranks.dtype)
     first_spec = next(iter(kv_specs[0].values()), None)
-    block_size = d.get("block_size") or (first_spec.block_size if first_spec is not None else 16)
-    calibration = request.get("calibration") or {}
-    method = request.get("method") or "simulate"
-    if method == "cuda" and (pass_memo is not None or not torch.cuda.is_available()):
-        if request.get("method_requested") != "auto":
+    block_size = drop.block_size or (first_spec.block_size if first_spec is not None else 16)
+    return KvLayout(kv_specs, block_size, drafter_weights, drafter_act_per_token, drafter_modelled)
+
+
+def method_for(req: "JobRequest", cuda_available: Any, warnings: list[str]) -> tuple[str, dict]:
+    """Stage 5: the method that runs (``cuda`` without a CUDA torch is refused, or under ``auto``
+    simulated with a warning) and the calibration that applies (simulate only)."""
+    calibration = dict(req.calibration or {})
+    method = req.method or "simulate"
+    if method == "cuda" and not cuda_available():
+        if req.method_requested != "auto":
             from tuner.errors import MeasureError
 
             raise MeasureError("torch sees no CUDA device in the worker (method 'cuda' needs a GPU and a CUDA "
@@ -456,193 +608,219 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         method = "simulate"
     if method != "simulate":
         calibration = {}  # corrections are learned for the simulate terms only
+    return method, calibration
+
+
+def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLayout, device: dict, method: str,
+               calibration: dict, warnings: list[str]) -> Layout:
+    """Stage 6: the facts the budget and the search need besides the passes (:class:`tuner.search.Layout`)."""
+    spec = model.spec
+    total = int(device["total_memory_bytes"])
     derived_max, derived_key = derived_max_model_len(spec.raw, model_type=spec.model_type)
-    layout = Layout(total, block_size, tp, pp, spec.num_hidden_layers, spec.max_position_embeddings, kv_specs,
+    overhead = 0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device), era)
+    layout = Layout(total, kv.block_size, ranks.tp, ranks.pp, spec.num_hidden_layers, spec.max_position_embeddings,
+                    kv.specs,
                     corrections=tuple(sorted((k, int(v)) for k, v in calibration.items() if k.endswith("_delta_bytes"))),
-                    activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device),
-                                                                                                 era),
+                    activation_overhead_bytes=overhead,
                     hidden_size=spec.hidden_size, derived_max_model_len=derived_max, derived_max_len_key=derived_key,
-                    model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, d),
-                    num_speculative_tokens=num_speculative_tokens(d, era), drafter_weights_bytes=drafter_weights,
-                    drafter_activation_bytes_per_token=drafter_act_per_token,
-                    other_processes_bytes=other_processes_bytes(device, d),
-                    kv_cache_memory_bytes=_kv_cache_memory_bytes(d, era))
-    if spec_cfg and not drafter_modelled:
+                    model_max_length=spec.raw.get("model_max_length"), topology=topology_for(device, drop),
+                    num_speculative_tokens=num_speculative_tokens(drop, era),
+                    drafter_weights_bytes=kv.drafter_weights_bytes,
+                    drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
+                    other_processes_bytes=other_processes_bytes(device, drop),
+                    kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era))
+    spec_cfg = drop.speculative_config or {}
+    if spec_cfg and not kv.drafter_modelled:
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
                         "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "
                         "than predicted")
-    is_mm = "text_config" in spec.top
     from tuner.kvcache import MambaSpec
 
     # Model Runner V2 or V1 runner (vllm/config/vllm.py use_v2_model_runner, 0.22+).
     runner_v2 = uses_model_runner_v2(
         era, spec.architectures, is_moe=config_is_moe(spec.raw) or config_is_moe(spec.top),
-        is_hybrid=any(isinstance(x, MambaSpec) for specs in kv_specs for x in specs.values()),
-        is_attention_free=not any(kv_specs_i for kv_specs_i in kv_specs),
-        is_quantized=bool(spec.quantization_config or d.get("quantization")))
-    layout = dataclasses.replace(layout, model_runner_v2=runner_v2)
+        is_hybrid=any(isinstance(x, MambaSpec) for specs in kv.specs for x in specs.values()),
+        is_attention_free=not any(kv_specs_i for kv_specs_i in kv.specs),
+        is_quantized=bool(spec.quantization_config or drop.quantization))
+    return dataclasses.replace(layout, model_runner_v2=runner_v2)
 
-    engine_batch: dict = {}  # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
 
-    def batch_for(m: int):
-        batch = profile_batch(era, max_model_len=m, entry_point=d.get("entry_point", "serve"),
-                              device_name=device["name"], total_memory_bytes=total,
-                              max_num_batched_tokens=d.get("max_num_batched_tokens")
-                              or engine_batch.get("max_num_batched_tokens"),
-                              max_num_seqs=d.get("max_num_seqs") or engine_batch.get("max_num_seqs"),
-                              enable_chunked_prefill=d.get("enable_chunked_prefill"),
+class Passes:
+    """Stage 7: the era's profile batch for a ``max_model_len`` and the profile passes for a batch
+    (one per pipeline stage), memoized per (N, R): under V1 one pass serves every candidate.
+    ``runs`` lists every pass run, in order.
+
+    A pass comes from the pass memo where it is known (``pass_memo``, the parent answering in
+    process, or the request's ``known_passes``, handed to the worker); else it is run (an
+    unserved architecture: vLLM's own profile run traced, ``engine_use.run_pass``) and, with
+    ``memo_entries`` (a memoizable job), recorded there. ``engine_batch``: the engine's scheduler
+    defaults the batch uses for what the drop leaves unset (:func:`tuner.engine.use.reconcile_defaults`)."""
+
+    def __init__(self, req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, layout: Layout,
+                 method: str, *, engine_use: Any = None, pass_memo: Any = None,
+                 memo_entries: list | None = None) -> None:
+        self.req, self.model, self.era, self.ranks, self.layout, self.method = req, model, era, ranks, layout, method
+        self.engine_use, self.pass_memo, self.memo_entries = engine_use, pass_memo, memo_entries
+        self.known_passes = dict(req.known_passes or {})
+        self.engine_batch: dict = {}
+        self.memo: dict[tuple, list] = {}
+        self.models = None
+        if pass_memo is None:
+            from tuner.simulate.profile import ModelCache
+
+            self.models = ModelCache()  # V0 runs one pass per length: each rank's module is built once
+        self.runs: list[dict] = []
+        self.is_multimodal = "text_config" in model.spec.top
+
+    def batch_for(self, m: int):
+        d, spec, era, device = self.req.drop, self.model.spec, self.era, self.req.device
+        batch = profile_batch(era, max_model_len=m, entry_point=d.entry_point,
+                              device_name=device["name"], total_memory_bytes=int(device["total_memory_bytes"]),
+                              max_num_batched_tokens=d.max_num_batched_tokens
+                              or self.engine_batch.get("max_num_batched_tokens"),
+                              max_num_seqs=d.max_num_seqs or self.engine_batch.get("max_num_seqs"),
+                              enable_chunked_prefill=d.enable_chunked_prefill,
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
-                              is_multimodal=is_mm)
+                              is_multimodal=self.is_multimodal)
         # vLLM's SchedulerConfig: N >= S once the era's defaults are applied.
         check_batch(engine=era.engine, max_num_batched_tokens=batch.max_num_batched_tokens,
                     max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,
-                    user_max_num_batched_tokens=d.get("max_num_batched_tokens"),
-                    user_max_num_seqs=d.get("max_num_seqs"), path=drop_path)
+                    user_max_num_batched_tokens=d.max_num_batched_tokens,
+                    user_max_num_seqs=d.max_num_seqs, path=d.path or None)
         return batch
 
-    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
-        from tuner.engine.use import reconcile_defaults
-
-        grid = (d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]
-        engine_batch.update(reconcile_defaults(engine_use, era_batch=batch_for(max(grid)), block_size=block_size,
-                                               d=d, device=device))
-    memoizable = method == "simulate" and request.get("fake", True) and engine_use is None
-    if pass_memo is not None and not memoizable:
-        raise passmemo.MemoMiss(f"method {method} is not memoized")
-    if pass_memo is None:
-        from tuner.simulate.profile import ModelCache, run_pass
-
-        models = ModelCache()  # V0 runs one pass per length: each rank's module is built once
-    memo: dict[tuple, list] = {}
-    runs: list[dict] = []
-
-    def passes_for(batch):
+    def passes_for(self, batch):
         key = (batch.max_num_batched_tokens, batch.num_reqs)
-        if key not in memo:
+        if key not in self.memo:
+            from tuner import passmemo
+
+            spec, plugin, era = self.model.spec, self.model.plugin, self.era
+            runner_v2, memo, known = self.layout.model_runner_v2, self.pass_memo, self.known_passes
+            memoizable = memo is not None or self.memo_entries is not None
             results = []
-            grid = (d.get("candidates") or {}).get("max_model_len") or [spec.max_position_embeddings]
-            for s in stage_settings:
+            grid = self.req.drop.candidates.max_model_len or [spec.max_position_embeddings]
+            for s in self.ranks.stages:
                 s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
                                         max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
                 pkey = (passmemo.pass_key(spec=spec, plugin=plugin, settings=s, era=era, batch=batch, fake=True,
-                                          model_runner_v2=runner_v2, device_name=device["name"])
+                                          model_runner_v2=runner_v2, device_name=self.req.device["name"])
                         if memoizable else None)
-                if pkey is not None and (pass_memo is not None or pkey in known_passes):
+                if pkey is not None and (memo is not None or pkey in known):
                     # a stored pass: only the runner's persistent buffers depend on this job's max_model_len
-                    stored = pass_memo.pass_row(pkey) if pass_memo is not None else known_passes[pkey]
+                    stored = memo.pass_row(pkey) if memo is not None else known[pkey]
                     row = passmemo.with_persistent(stored, passmemo.persistent_bytes(era, spec, s, batch, runner_v2))
                     r = row
-                elif method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
+                elif self.method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
                     from tuner.measure.cuda import measured_pass
 
                     r = measured_pass(plugin, spec, s, era, batch)
                     row = {**r, "method": "cuda"}
                 else:  # an unserved architecture: vLLM's own profile run traced (tuner.engine.use)
-                    run = engine_use.run_pass if engine_use is not None and engine_use.trace_activation else run_pass
-                    r = run(plugin, spec, s, era, batch, fake=request.get("fake", True),
-                            model_runner_v2=runner_v2, models=models)
+                    from tuner.simulate.profile import run_pass
+
+                    eu = self.engine_use
+                    run = eu.run_pass if eu is not None and eu.trace_activation else run_pass
+                    r = run(plugin, spec, s, era, batch, fake=self.req.fake, model_runner_v2=runner_v2,
+                            models=self.models)
                     row = {**r.to_dict(), "method": "simulate"}
                     if pkey is not None:
-                        memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec,
-                                                           device_name=device["name"], era=era.name))
+                        self.memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec,
+                                                                device_name=self.req.device["name"], era=era.name))
                 results.append(r)
-                runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
-                             "max_num_seqs": batch.max_num_seqs})
-            memo[key] = results
-        return memo[key]
+                self.runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
+                                  "max_num_seqs": batch.max_num_seqs})
+            self.memo[key] = results
+        return self.memo[key]
 
-    regions = [(1, spec.max_position_embeddings)]
-    if (era.engine == "V0" and d.get("enable_chunked_prefill") is None and d.get("max_num_batched_tokens") is None
-            and era.version >= (0, 5, 4)):
-        regions = [(1, V0_CHUNKED_PREFILL_THRESHOLD), (V0_CHUNKED_PREFILL_THRESHOLD + 1, spec.max_position_embeddings)]
-    cons = d.get("constraints") or {}
-    min_conc = float(cons.get("min_concurrency") or 1.0)
-    cap = cons.get("max_model_len_cap")
-    grid_m = (d.get("candidates") or {}).get("max_model_len")
-    if d.get("enable_chunked_prefill") is False and d.get("max_num_batched_tokens") is not None:
-        # Chunked prefill off: vLLM refuses any max_model_len above max_num_batched_tokens.
-        n_user = int(d["max_num_batched_tokens"])
-        check_unchunked_lengths(max_num_batched_tokens=n_user, max_model_lens=grid_m or (), path=drop_path)
-        cap = min(cap, n_user) if cap else n_user
-    elif (era.engine == "V0" and d.get("enable_chunked_prefill") is None and d.get("max_num_batched_tokens") is not None):
-        # V0 keeps chunked prefill off up to 32768 tokens (0.5.4+; always before): those lengths must
-        # fit one batch of the drop's max_num_batched_tokens, longer ones are chunked.
-        n_user = int(d["max_num_batched_tokens"])
-        limit = V0_CHUNKED_PREFILL_THRESHOLD if era.version >= (0, 5, 4) else None
-        check_unchunked_lengths(max_num_batched_tokens=n_user, path=drop_path,
-                                max_model_lens=[m for m in (grid_m or ()) if limit is None or m <= limit])
-        if limit is None:
-            cap = min(cap, n_user) if cap else n_user
-        elif n_user < limit:
-            regions = [(1, n_user), (limit + 1, spec.max_position_embeddings)]
+    def evaluate(self, layout: Layout, u: float, m: int, min_concurrency: float):
+        """The candidate at one point (through the memoized passes)."""
+        batch = self.batch_for(m)
+        return evaluate(self.era, layout, batch, self.passes_for(batch), gpu_memory_utilization=u, max_model_len=m,
+                        min_concurrency=min_concurrency)
+
+
+def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
+                  t_start: float, *, pass_memo: Any = None) -> tuple[list[dict], list[dict]]:
+    """Stage 8: per ``gpu_memory_utilization``, the proposal (:func:`tuner.search.propose` over the
+    regions :func:`tuner.search.search_regions` gives; with a calibration also ``uncalibrated``)
+    and the candidates: the drop's grid, else every length the search evaluated. One progress line
+    per u with ``progress`` (answered from the pass memo: kept in ``pass_memo.progress`` for the
+    caller, where it wants them)."""
+    d = req.drop
+    spec = passes.model.spec
+    min_conc = float(d.constraints.min_concurrency or 1.0)
+    grid_m = d.candidates.max_model_len
+    regions, cap = search_regions(era, max_position_embeddings=spec.max_position_embeddings,
+                                  enable_chunked_prefill=d.enable_chunked_prefill,
+                                  max_num_batched_tokens=d.max_num_batched_tokens,
+                                  max_model_len_cap=d.constraints.max_model_len_cap, grid=grid_m, path=d.path or None)
     candidates, proposals = [], []
-    search = request.get("search", True)
-    us = (d.get("candidates") or {}).get("gpu_memory_utilization") or [era.default_gpu_memory_utilization]
+    us = d.candidates.gpu_memory_utilization or [era.default_gpu_memory_utilization]
+    uncalibrated = dataclasses.replace(layout, corrections=())
     for u in us:
         searched = []
-        if search or not grid_m:
-            prop, searched = propose(era, layout, gpu_memory_utilization=u, batch_for=batch_for, passes_for=passes_for,
-                                     min_concurrency=min_conc, max_model_len_cap=cap, regions=regions,
-                                     extra_args=_extra_args(d))
+        if req.search or not grid_m:
+            kw = dict(gpu_memory_utilization=u, batch_for=passes.batch_for, passes_for=passes.passes_for,
+                      min_concurrency=min_conc, max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d))
+            prop, searched = propose(era, layout, **kw)
             proposals.append(prop.to_dict())
             if layout.corrections:
-                prop0, _ = propose(era, dataclasses.replace(layout, corrections=()), gpu_memory_utilization=u,
-                                   batch_for=batch_for, passes_for=passes_for, min_concurrency=min_conc,
-                                   max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d))
+                prop0, _ = propose(era, uncalibrated, **kw)
                 proposals[-1]["uncalibrated"] = prop0.to_dict()
         for m in (grid_m or sorted({c.max_model_len for c in searched})):
-            batch = batch_for(m)
-            c = evaluate(era, layout, batch, passes_for(batch), gpu_memory_utilization=u, max_model_len=m,
-                         min_concurrency=min_conc).to_dict()
+            batch = passes.batch_for(m)
+            c = passes.evaluate(layout, u, m, min_conc).to_dict()
             c["run_key"] = f"{batch.max_num_batched_tokens}x{batch.num_reqs}@0"
             if layout.corrections:
-                c["uncalibrated"] = evaluate(era, dataclasses.replace(layout, corrections=()), batch, passes_for(batch),
-                                             gpu_memory_utilization=u, max_model_len=m,
-                                             min_concurrency=min_conc).to_dict()
+                c["uncalibrated"] = passes.evaluate(uncalibrated, u, m, min_conc).to_dict()
             candidates.append(c)
-        if request.get("progress") or (pass_memo is not None and pass_memo.progress is not None):
+        if req.progress or (pass_memo is not None and pass_memo.progress is not None):
             # one line per u on stderr; the parent relays it (tuner.worker); from the memo, kept for the caller
             from tuner.worker import PROGRESS_PREFIX
 
-            done = len(proposals) or len({x["gpu_memory_utilization"] for x in candidates})
-            line = (f"gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(runs)} passes, "
+            done = len(proposals) or len({point_of(x).gpu_memory_utilization for x in candidates})
+            line = (f"gpu_memory_utilization {u:g} done ({done}/{len(us)}), {len(passes.runs)} passes, "
                     f"{time.perf_counter() - t_start:.1f} s")
             if pass_memo is not None:
                 pass_memo.progress.append(line)
             else:
                 print(f"{PROGRESS_PREFIX}{line}", file=sys.stderr, flush=True)
-    if engine_use is not None and engine_use.session is not None:
-        from tuner.engine.use import verify_proposals
+    return candidates, proposals
 
-        def available_at(u: float, m: int) -> int | None:
-            b = batch_for(m)
-            return evaluate(era, layout, b, passes_for(b), gpu_memory_utilization=u, max_model_len=m,
-                            min_concurrency=min_conc).available_kv_cache_bytes
 
-        verify_proposals(engine_use, proposals, available_at)
-        if engine_use.report.get("weights") and runs and pp == 1:
-            engine_use.report["weights"]["job_bytes"] = int(runs[0]["weights_bytes"])  # what the budget used
-        for v in engine_use.report.get("proposals", []):
-            if not v["agree"] and engine_use.report.get("releases_match", False):
-                warnings.append(f"gmu {v['gpu_memory_utilization']:g}, max_model_len {v['max_model_len']}: vLLM's "
-                                f"kv_cache_utils gives {v['engine'].get('num_gpu_blocks')} blocks, ctx-tuner "
-                                f"{v['ctx_tuner_num_gpu_blocks']}")
-    if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
-        warnings.extend(w for w in engine_use.warnings if w not in warnings)
-    from tuner.engine.crosscheck import term_sources
+def verify_with_engine(engine_use: Any, era: Any, layout: Layout, passes: Passes, proposals: list[dict], pp: int,
+                       warnings: list[str]) -> None:
+    """Stage 9: the proposals checked against vLLM's own ``kv_cache_utils`` (installed engine);
+    a disagreement on the same release is a warning."""
+    from tuner.engine.use import verify_proposals
 
-    sources = term_sources(plugin=plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
-                           engine_weights=bool(engine_use and engine_use.weights),
-                           approximate_activation=bool(engine_use and engine_use.approximate_activation),
-                           traced_activation=bool(engine_use and engine_use.traced),
-                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
-                           calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-                           engine_defaults=bool(engine_batch) or bool(
-                               engine_use and engine_use.report.get("releases_match")
-                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+    min_conc = float(passes.req.drop.constraints.min_concurrency or 1.0)
+
+    def available_at(u: float, m: int) -> int | None:
+        return passes.evaluate(layout, u, m, min_conc).available_kv_cache_bytes
+
+    verify_proposals(engine_use, proposals, available_at)
+    runs = passes.runs
+    if engine_use.report.get("weights") and runs and pp == 1:
+        engine_use.report["weights"]["job_bytes"] = int(runs[0]["weights_bytes"])  # what the budget used
+    for v in engine_use.report.get("proposals", []):
+        if not v["agree"] and engine_use.report.get("releases_match", False):
+            u, m = point_of(v)
+            warnings.append(f"gmu {u:g}, max_model_len {m}: vLLM's "
+                            f"kv_cache_utils gives {v['engine'].get('num_gpu_blocks')} blocks, ctx-tuner "
+                            f"{v['ctx_tuner_num_gpu_blocks']}")
+
+
+def measure(req: "JobRequest", era: Any, method: str, passes: Passes, candidates: list[dict], proposals: list[dict],
+            total: int, warnings: list[str]) -> list[dict]:
+    """Stage 10: ``cuda``: vLLM's refusal where free memory < total × u
+    (:func:`tuner.measure.cuda.refuse_below_free_memory`); ``vllm``: the engine itself, with dummy
+    weights, started for each needed candidate (one dict per start-up, also set as the matching
+    candidate's ``measured``)."""
+    runs = passes.runs
     measured: list[dict] = []
-    if method == "cuda" and runs:  # vLLM's refusal when free memory < total × u (tuner.measure.cuda)
+    if method == "cuda" and runs:
         from tuner.measure.cuda import refuse_below_free_memory
 
         refuse_below_free_memory(era, candidates, proposals=proposals,
@@ -651,47 +829,52 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         if abs(runs[0]["total_memory_bytes"] - total) > total // 100:
             warnings.append(f"method cuda ran on a GPU of {runs[0]['total_memory_bytes'] / GiB:.2f} GiB; the budget "
                             f"uses the drop's device total ({total / GiB:.2f} GiB)")
-    if method == "vllm":  # the engine itself, with dummy weights, for each needed candidate
+    if method == "vllm":
         from tuner.measure.vllm_engine import measure_candidates, needed_candidates
 
-        model_dir = str(Path(request["config_path"]).parent)
+        d = req.to_wire()["drop"]
+        model_dir = str(Path(req.config_path).parent)
         measured = measure_candidates(model_dir, d, needed_candidates(d, proposals),
-                                      timeout_s=float(request.get("engine_timeout_s", 900.0)))
+                                      timeout_s=float(req.engine_timeout_s or 900.0))
         for mr in measured:
-            b = batch_for(mr["max_model_len"])
+            at = point_of(mr)
+            b = passes.batch_for(at.max_model_len)
             mr.update(max_num_batched_tokens=b.max_num_batched_tokens, max_num_seqs=b.max_num_seqs, num_reqs=b.num_reqs)
             for c in candidates:
-                if (c["gpu_memory_utilization"], c["max_model_len"]) == (mr["gpu_memory_utilization"],
-                                                                         mr["max_model_len"]):
+                if point_of(c) == at:
                     c["measured"] = {k: v for k, v in mr.items() if k not in ("source",)}
-    if pass_memo is not None:
-        versions = {**(pass_memo.versions or {}), "python": platform.python_version()}
-    else:
-        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version()}
-    out = {
+    return measured
+
+
+def job_result(*, method: str, calibration: dict, layout: Layout, measured: list, model: LoadedModel,
+               warnings: list[str], sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
+               candidates: list[dict], proposals: list[dict], versions: dict, elapsed_s: float,
+               total: int) -> dict[str, Any]:
+    """Stage 11: the job's :class:`tuner.protocol.JobResult`, as its wire object (each candidate and
+    proposal with its ``budget`` ledger, sources from ``term_sources``)."""
+    from tuner.protocol import JobResult
+
+    data = {
         "method": method,
         "calibration": ({k: int(v) for k, v in calibration.items() if k.endswith("_delta_bytes")}
                         | {"runs": int(calibration.get("runs", 0))}) if layout.corrections else None,
         "measured": measured,
-        "model": spec.to_dict(),
-        "plugin": plugin.name,
+        "model": model.spec.to_dict(),
+        "plugin": model.plugin.name,
         "warnings": warnings,
         "term_sources": sources,
         "engine_check": engine_use.report if engine_use is not None else None,
         "era": era.name,
         "engine": era.engine,
         "dtype": dtype,
-        "block_size": block_size,
-        "model_runner_v2": runner_v2,
-        "kv_block_bytes": kv_block_bytes(era, kv_specs, block_size),
+        "block_size": kv.block_size,
+        "model_runner_v2": layout.model_runner_v2,
+        "kv_block_bytes": kv_block_bytes(era, kv.specs, kv.block_size),
         "runs": runs,
         "candidates": candidates,
         "proposals": proposals,
         "versions": versions,
-        "elapsed_s": round(time.perf_counter() - t_start, 3),
+        "elapsed_s": elapsed_s,
         "total_memory_gib": round(total / GiB, 2),
     }
-    if pass_memo is None and memoizable and memo_entries:
-        out[passmemo.ENTRIES] = memo_entries
-    return out
+    return JobResult.from_wire(data).to_wire()

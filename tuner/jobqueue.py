@@ -172,7 +172,7 @@ class JobQueue:
             raise StoreError(f"job queue write failed: {e.orig or e}", where=self.store.where) from e
 
     def _read(self, stmt: sa.Executable) -> list[Job]:
-        return [Job.from_row(r) for r in self.store._rows(stmt)]
+        return [Job.from_row(r) for r in self.store.select(stmt)]
 
     def get(self, job_id: int) -> Job | None:
         """The job with id ``job_id``, or None."""
@@ -192,7 +192,7 @@ class JobQueue:
         """Number of this owner's jobs per status (every status present, zero included)."""
         out = dict.fromkeys(("pending", "running", "done", "failed", "cancelled"), 0)
         try:
-            with self.store._reader.connect() as conn:
+            with self.store.reader.connect() as conn:
                 for status, n in conn.execute(sa.select(J.c.status, sa.func.count())
                                               .where(J.c.owner_id == self.owner_id).group_by(J.c.status)):
                     out[status] = n
@@ -382,7 +382,7 @@ class JobQueue:
         return self._write(fn)
 
     def _expired_owner_ids(self, now: str) -> list[int]:
-        rows = self.store._rows(sa.select(H.c.id).where(H.c.lease_expires_at < now, H.c.id != self.owner_id))
+        rows = self.store.select(sa.select(H.c.id).where(H.c.lease_expires_at < now, H.c.id != self.owner_id))
         return [r["id"] for r in rows]
 
     def recover(self, max_attempts: int = 0, *, backoff_base_s: float = 0.0, backoff_max_s: float = 3600.0,
@@ -452,7 +452,7 @@ class JobQueue:
 
     def next_retry_at(self) -> str | None:
         """The earliest ``retry_at`` of this owner's pending jobs (UTC text), or None."""
-        rows = self.store._rows(sa.select(sa.func.min(J.c.retry_at).label("t"))
+        rows = self.store.select(sa.select(sa.func.min(J.c.retry_at).label("t"))
                                 .where(J.c.status == "pending", J.c.owner_id == self.owner_id))
         return rows[0]["t"] if rows else None
 
@@ -474,7 +474,7 @@ class JobQueue:
 
     def drop_names_for_path(self, path: str) -> list[str]:
         """Names of every drop row this owner ever stored for the file at ``path``."""
-        rows = self.store._rows(sa.select(D.c.name).where(D.c.path == path, D.c.owner_id == self.owner_id).distinct())
+        rows = self.store.select(sa.select(D.c.name).where(D.c.path == path, D.c.owner_id == self.owner_id).distinct())
         return [r["name"] for r in rows]
 
     def active_drop_ids(self, names: Iterable[str]) -> dict[str, int]:
@@ -486,7 +486,7 @@ class JobQueue:
         stmt = (sa.select(D.c.name, sa.func.max(D.c.id)).where(D.c.name.in_(names), D.c.retired_at.is_(None),
                                                                D.c.owner_id == self.owner_id).group_by(D.c.name))
         try:
-            with self.store._reader.connect() as conn:
+            with self.store.reader.connect() as conn:
                 return {n: i for n, i in conn.execute(stmt)}
         except sa.exc.SQLAlchemyError as e:
             raise StoreError(f"query failed: {e.orig or e}", where=self.store.where) from e
@@ -497,7 +497,7 @@ class JobQueue:
         stmt = (sa.select(D.c.name, sa.func.max(D.c.id)).where(D.c.retired_at.is_(None), D.c.owner_id == self.owner_id)
                 .group_by(D.c.name))
         try:
-            with self.store._reader.connect() as conn:
+            with self.store.reader.connect() as conn:
                 return {n: i for n, i in conn.execute(stmt)}
         except sa.exc.SQLAlchemyError as e:
             raise StoreError(f"query failed: {e.orig or e}", where=self.store.where) from e
@@ -508,7 +508,7 @@ class JobQueue:
         due = utc_text(_utc(now))
         stmt = sa.select(J.c.id).where(J.c.status == "pending", J.c.owner_id == self.owner_id,
                                        sa.or_(J.c.retry_at.is_(None), J.c.retry_at <= due)).limit(1)
-        return bool(self.store._rows(stmt))
+        return bool(self.store.select(stmt))
 
     def move_path(self, old: str, new: str) -> list[str]:
         """The drop file at ``old`` moved to ``new`` with the same bytes: its jobs and unretired

@@ -418,10 +418,13 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
             setattr(out, fld, min(vals + [getattr(out, fld)]))
     if v1 != v0:
         out.engine = "V1" if v1 else "V0"
-    if out.max_model_len is None and isinstance(out.settings.get("max_model_len"), int):
-        out.max_model_len = out.settings["max_model_len"]
-    if out.gpu_memory_utilization is None and isinstance(out.settings.get("gpu_memory_utilization"), (int, float)):
-        out.gpu_memory_utilization = float(out.settings["gpu_memory_utilization"])
+    from tuner.protocol import point_of
+
+    stated = point_of(out.settings)
+    if out.max_model_len is None and isinstance(stated.max_model_len, int):
+        out.max_model_len = stated.max_model_len
+    if out.gpu_memory_utilization is None and isinstance(stated.gpu_memory_utilization, (int, float)):
+        out.gpu_memory_utilization = float(stated.gpu_memory_utilization)
     return out
 
 

@@ -135,16 +135,15 @@ class StoreCollector:
         hist = HistogramMetricFamily("ctx_tuner_job_duration_seconds", "Wall time of finished jobs (started to "
                                      "finished)", buckets=counts, sum_value=sum(durations))
         yield hist
-        fams = {k: GaugeMetricFamily(f"ctx_tuner_proposal_{k}", help_, labels=["drop", "gpu_memory_utilization"])
+        fams = [GaugeMetricFamily(f"ctx_tuner_proposal_{k}", help_, labels=["drop", "gpu_memory_utilization"])
                 for k, help_ in (("max_model_len", "Latest proposed max_model_len per drop (0: nothing starts)"),
                                  ("kv_cache_tokens", "KV cache tokens of the latest proposal"),
-                                 ("num_gpu_blocks", "KV cache blocks of the latest proposal"))}
-        for name, u, mml, tok, blocks in props:
+                                 ("num_gpu_blocks", "KV cache blocks of the latest proposal"))]
+        for name, u, *values in props:  # max_model_len, kv_cache_tokens, num_gpu_blocks: the families' order
             labels = [str(name), f"{u:g}"]
-            fams["max_model_len"].add_metric(labels, int(mml or 0))
-            fams["kv_cache_tokens"].add_metric(labels, int(tok or 0))
-            fams["num_gpu_blocks"].add_metric(labels, int(blocks or 0))
-        yield from fams.values()
+            for fam, value in zip(fams, values):
+                fam.add_metric(labels, int(value or 0))
+        yield from fams
         res = GaugeMetricFamily("ctx_tuner_kv_residual_bytes", "Measured minus predicted available KV cache bytes "
                                 "(newest measured/imported run per model, device kind and method)",
                                 labels=["model", "device", "method"])

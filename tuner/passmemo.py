@@ -222,20 +222,38 @@ def entry(kind: str, key: str, value: dict, *, spec: Any, device_name: str | Non
 # ---------------------------------------------------------------------------------------------
 
 
-def memo_applies(request: dict, python: str | None = None) -> bool:
-    """Whether the parent may answer ``request`` from the memo: a simulate job with fake tensors
-    (not ``validate``), run by a worker in this interpreter (``python`` and
-    ``$CTX_TUNER_WORKER_PYTHON`` unset or this one), where no vLLM is importable or the engine
-    adapter is off (``engine`` / ``$CTX_TUNER_ENGINE``)."""
-    if request.get("kind") or request.get("method", "simulate") != "simulate" or not request.get("fake", True):
+def job_request(request: Any) -> Any:
+    """The :class:`tuner.protocol.JobRequest` of a profile job given as one or as its wire object
+    (:func:`tuner.protocol.as_job_request`); None for a ``validate`` request or one the contract
+    refuses (the worker then reports it as it always does)."""
+    from tuner.errors import TunerError
+    from tuner.protocol import KIND_JOB, JobRequest, as_job_request
+
+    if isinstance(request, JobRequest):
+        return request
+    if not isinstance(request, dict) or request.get("kind", KIND_JOB) != KIND_JOB:
+        return None
+    try:
+        return as_job_request(request)
+    except TunerError:
+        return None
+
+
+def memo_applies(request: Any, python: str | None = None) -> bool:
+    """Whether the parent may answer ``request`` (a :class:`~tuner.protocol.JobRequest` or its
+    wire object) from the memo: a simulate job with fake tensors (not ``validate``), run by a
+    worker in this interpreter (``python`` and ``$CTX_TUNER_WORKER_PYTHON`` unset or this one),
+    where no vLLM is importable or the engine adapter is off (``engine`` / ``$CTX_TUNER_ENGINE``)."""
+    job = job_request(request)
+    if job is None or (job.method or "simulate") != "simulate" or not job.fake:
         return False
-    if request.get("calibration_db"):
+    if job.calibration_db:
         return False
     from tuner.worker import worker_python
 
     if os.path.realpath(worker_python(python)) != os.path.realpath(sys.executable):
         return False
-    mode = str(request.get("engine") or os.environ.get("CTX_TUNER_ENGINE") or "auto")
+    mode = str(job.engine or os.environ.get("CTX_TUNER_ENGINE") or "auto")
     if mode != "off":
         from tuner.engine import vllm_importable
 
@@ -244,18 +262,20 @@ def memo_applies(request: dict, python: str | None = None) -> bool:
     return True
 
 
-def lookup_entries(store: Any, request: dict) -> dict[str, dict]:
+def lookup_entries(store: Any, request: Any) -> dict[str, dict]:
     """The store's memo entries for the request's model config and this tool version.
 
     Raises:
         ModelConfigError: the config cannot be read; StoreError: the query failed.
     """
     from tuner.modelspec import config_hash, read_top
+    from tuner.protocol import JobRequest
 
-    return store.memo_entries(config_hash(read_top(request["config_path"])), __version__)
+    path = request.config_path if isinstance(request, JobRequest) else request["config_path"]
+    return store.memo_entries(config_hash(read_top(path)), __version__)
 
 
-def answer_from_memo(request: dict, entries: dict[str, dict],
+def answer_from_memo(request: Any, entries: dict[str, dict],
                      on_progress: Callable[[str], None] | None = None) -> tuple[dict | None, dict]:
     """Run the job in this process from memo ``entries``: ``(result, hits)``, the result exactly
     as a worker returns it (a JSON round trip), or ``(None, hits)`` when something is missing
@@ -266,12 +286,14 @@ def answer_from_memo(request: dict, entries: dict[str, dict],
     """
     from tuner.job import run_job
 
+    job = job_request(request)
+    if job is None:
+        return None, {}
     src = MemoSource(entries)
     if on_progress is not None:
         src.progress = []
-    req = {k: v for k, v in request.items() if k not in ("progress", KNOWN_PASSES)}
     try:
-        result = run_job(req, pass_memo=src)
+        result = run_job(job.replace(progress=False, known_passes=None), pass_memo=src)
     except MemoMiss:
         return None, src.hits
     except Exception:  # noqa: BLE001 - any error: the worker runs the job and reports it as it always does
@@ -285,7 +307,7 @@ def answer_from_memo(request: dict, entries: dict[str, dict],
     return json.loads(json.dumps(result)), src.hits
 
 
-def _entries_from_store(db_url: str | None, request: dict) -> dict[str, dict]:
+def _entries_from_store(db_url: str | None, request: Any) -> dict[str, dict]:
     """Memo entries for ``request`` from an existing store (read-only); {} when there is none or
     it cannot be read (the job then simply runs)."""
     from tuner.errors import TunerError
@@ -317,7 +339,7 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
     runs the worker (its entries are still stored: the memo is refreshed, not bypassed forever).
     """
 
-    def worker(request: dict, *, job: str, timeout_s: float | None = None,
+    def worker(request: Any, *, job: str, timeout_s: float | None = None,
                on_progress: Callable[[str], None] | None = None, **kw: Any) -> dict:
         req = request
         if on_progress is not None:  # a progress sink only where one is given (fake workers may lack it)
@@ -329,8 +351,11 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
                 result, hits = answer_from_memo(request, entries, on_progress)
                 if result is not None:
                     return result
-                if hits:
-                    req = {**request, KNOWN_PASSES: hits}
+                if hits:  # the request as the caller gave it (a JobRequest or its wire object), topped up
+                    from tuner.protocol import JobRequest
+
+                    req = (request.replace(known_passes=hits) if isinstance(request, JobRequest)
+                           else {**request, KNOWN_PASSES: hits})
         if inner is None:
             from tuner.worker import run_in_worker as run
         else:
@@ -366,5 +391,5 @@ def save_entries(db_url: str | None, entries: list[dict]) -> None:
 
 
 __all__ = ["ENTRIES", "KNOWN_PASSES", "MEMO_VERSION", "MemoMiss", "MemoSource", "answer_from_memo", "digest",
-           "env_versions", "lookup_entries", "memo_applies", "memo_worker", "pass_key", "persistent_bytes",
+           "env_versions", "job_request", "lookup_entries", "memo_applies", "memo_worker", "pass_key", "persistent_bytes",
            "save_entries", "spec_key"]

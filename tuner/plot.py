@@ -18,10 +18,12 @@ from typing import Any, Callable
 import sqlalchemy as sa
 import yaml
 
+from tuner import records
 from tuner.errors import TunerError
 from tuner.explain import Progress, prepare, run_jobs
-from tuner.results import MEASURED_METHODS, latest_drops, non_monotone, rows
-from tuner.store import Store, candidates_table, profile_runs_table, proposals_table
+from tuner.protocol import JobResult, point_of
+from tuner.results import MEASURED_METHODS, latest_drops, non_monotone
+from tuner.store import Store, profile_runs_table
 from tuner.worker import DEFAULT_TIMEOUT_S
 
 #: gpu_memory_utilization values swept when the drop lists fewer than three.
@@ -37,8 +39,8 @@ def _same_u(a: float, b: float) -> bool:
 
 
 def _non_monotone_us(surface: list[dict]) -> list[float]:
-    us = sorted({p["gpu_memory_utilization"] for p in surface})
-    return [u for u in us if non_monotone([p for p in surface if _same_u(p["gpu_memory_utilization"], u)])]
+    us = sorted({point_of(p).gpu_memory_utilization for p in surface})
+    return [u for u in us if non_monotone([p for p in surface if _same_u(point_of(p).gpu_memory_utilization, u)])]
 
 
 def _measured(store: Store | None, **match: Any) -> list[dict]:
@@ -57,11 +59,10 @@ def _measured(store: Store | None, **match: Any) -> list[dict]:
     if match.get("model") or match.get("config_sha256"):
         cond.append(sa.or_(r.c.model == match.get("model"), r.c.model_config_sha256 == match.get("config_sha256")))
     out = []
-    for x in rows(store, sa.select(r).where(*cond).order_by(r.c.id)):
-        out.append({"run_id": x["id"], "method": x["method"], "gpu_memory_utilization": x["gpu_memory_utilization"],
-                    "max_model_len": x["max_model_len"], "num_gpu_blocks": x["num_gpu_blocks"],
-                    "kv_cache_tokens": x["kv_cache_tokens"],
-                    "fits": x["status"] == "ok" and not x.get("error_message")})
+    for x in records.select(store, sa.select(r).where(*cond).order_by(r.c.id), records.StoredRun):
+        out.append({"run_id": x.id, "method": x.method, "gpu_memory_utilization": x.gpu_memory_utilization,
+                    "max_model_len": x.max_model_len, "num_gpu_blocks": x.num_gpu_blocks,
+                    "kv_cache_tokens": x.kv_cache_tokens, "fits": x.status == "ok" and not x.error_message})
     return out
 
 
@@ -89,12 +90,13 @@ def frontier_from_drop(drop_path: str, *, gpu_memory_utilization: list[float] | 
     base = res["concurrency 1"]
     frontiers = []
     for c in cs:
-        r = res[f"concurrency {c:g}"]
+        r = JobResult.from_wire(res[f"concurrency {c:g}"])
         frontiers.append({"label": f"largest max_model_len, >= {c:g} full-length request{'s' if c != 1 else ''}",
                           "min_concurrency": c,
-                          "points": [[p["gpu_memory_utilization"], p["max_model_len"]] for p in r["proposals"]]})
-    surface = [{k: c[k] for k in ("gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "fits",
-                                  "kv_cache_tokens")} for c in base["candidates"]]
+                          "points": [[p.gpu_memory_utilization, p.max_model_len] for p in r.proposals]})
+    surface = [{"gpu_memory_utilization": c.gpu_memory_utilization, "max_model_len": c.max_model_len,
+                "max_num_batched_tokens": c.get("max_num_batched_tokens"), "fits": c.get("fits"),
+                "kv_cache_tokens": c.get("kv_cache_tokens")} for c in JobResult.from_wire(base).candidates]
     measured = _measured(store, device_name=job.device["name"], engine_version=d.engine_version,
                          tensor_parallel_size=d.tensor_parallel_size, pipeline_parallel_size=d.pipeline_parallel_size,
                          kv_cache_dtype=d.kv_cache_dtype, model=d.model, config_sha256=base["model"]["config_sha256"])
@@ -119,24 +121,23 @@ def frontier_from_store(store: Store, *, model: str, device: str | None = None,
             min_c = float(((yaml.safe_load(dr["content"]) or {}).get("constraints") or {}).get("min_concurrency") or 1)
         except yaml.YAMLError:
             min_c = 1.0
-        props = rows(store, sa.select(proposals_table).where(proposals_table.c.drop_id == dr["id"])
-                     .order_by(proposals_table.c.gpu_memory_utilization))
+        props = records.proposals_of_drop(store, dr["id"], by_utilization=True)
         frontiers.append({"label": f"{dr['name']}: proposals (>= {min_c:g} requests)", "min_concurrency": min_c,
                           "drop": dr["name"],
-                          "points": [[p["gpu_memory_utilization"], p["max_model_len"]] for p in props]})
-        cands = rows(store, sa.select(candidates_table).where(candidates_table.c.drop_id == dr["id"]))
+                          "points": [[p.gpu_memory_utilization, p.max_model_len] for p in props]})
+        cands = records.candidates_of_drop(store, dr["id"])
         for c in cands:
-            surface.append({"drop": dr["name"], **{k: c[k] for k in ("gpu_memory_utilization", "max_model_len",
-                                                                     "max_num_batched_tokens", "fits",
-                                                                     "kv_cache_tokens")}})
-        us = sorted({c["gpu_memory_utilization"] for c in cands})
+            surface.append({"drop": dr["name"], "gpu_memory_utilization": c.gpu_memory_utilization,
+                            "max_model_len": c.max_model_len, "max_num_batched_tokens": c.max_num_batched_tokens,
+                            "fits": c.fits, "kv_cache_tokens": c.kv_cache_tokens})
+        us = sorted({c.gpu_memory_utilization for c in cands})
         for k in cs:
             pts = []
             for u in us:
                 # starts as far as memory goes (a min_concurrency refusal is not a start-up failure)
-                ok = [c["max_model_len"] for c in cands if _same_u(c["gpu_memory_utilization"], u)
-                      and (c["fits"] or (c["reason"] or "").startswith("only "))
-                      and (c["max_concurrency"] or 0) >= k]
+                ok = [c.max_model_len for c in cands if _same_u(c.gpu_memory_utilization, u)
+                      and (c.fits or (c.reason or "").startswith("only "))
+                      and (c.max_concurrency or 0) >= k]
                 pts.append([u, max(ok) if ok else None])
             frontiers.append({"label": f"{dr['name']}: grid, >= {k:g} requests", "min_concurrency": k,
                               "drop": dr["name"], "points": pts})
@@ -173,15 +174,15 @@ def render_png(data: dict, out: str | Path) -> dict:
             if pts:
                 ax.plot([u for u, _ in pts], [m for _, m in pts], marker="o", markersize=3, linewidth=1.5,
                         label=f["label"])
-        sf = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["surface"] if p["fits"]]
-        sn = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["surface"] if not p["fits"]]
+        sf = [tuple(point_of(p)) for p in data["surface"] if p["fits"]]
+        sn = [tuple(point_of(p)) for p in data["surface"] if not p["fits"]]
         if sf:
             ax.scatter(*zip(*sf), marker="o", facecolors="none", edgecolors="tab:green", s=36,
                        label="simulated grid point: starts")
         if sn:
             ax.scatter(*zip(*sn), marker="x", color="tab:red", s=40, label="simulated grid point: does not start")
-        mf = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["measured"] if p["fits"]]
-        mn = [(p["gpu_memory_utilization"], p["max_model_len"]) for p in data["measured"] if not p["fits"]]
+        mf = [tuple(point_of(p)) for p in data["measured"] if p["fits"]]
+        mn = [tuple(point_of(p)) for p in data["measured"] if not p["fits"]]
         if mf:
             ax.scatter(*zip(*mf), marker="s", color="black", s=50, label="measured: started")
         if mn:

@@ -15,11 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
 import yaml
 
 from tuner.errors import StoreError
-from tuner.store import Store, candidates_table, drops_table, profile_runs_table, proposals_table
+from tuner.store import Store
 
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _NUMBERS = ("requested_memory_bytes", "weights_bytes", "activation_peak_bytes", "non_torch_bytes",
@@ -27,69 +26,71 @@ _NUMBERS = ("requested_memory_bytes", "weights_bytes", "activation_peak_bytes", 
 
 
 
-def _serve_model(drop: dict) -> str:
-    """``vllm serve``'s model argument for a stored drop: the absolute model directory when the
-    drop's ``model`` is a local path (relative to the drop file), else the HF id unchanged."""
-    from pathlib import Path
+def _serve_model(drop) -> str:
+    """``vllm serve``'s model argument for a stored drop (:class:`tuner.records.StoredDrop`): the
+    absolute model directory when the drop's ``model`` is a local path (relative to the drop
+    file), else the HF id unchanged."""
+    if isinstance(drop, dict):
+        from tuner.records import StoredDrop
 
-    model = str(drop["model"])
-    base = Path(drop["path"]).parent if drop.get("path") else Path.cwd()
+        drop = StoredDrop.from_row(drop)
+    model = str(drop.model)
+    base = Path(drop.path).parent if drop.path else Path.cwd()
     p = Path(model) if Path(model).is_absolute() else base / model
     if not p.exists():
         return model
     return str((p.parent if p.is_file() else p).resolve())
 
 def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) -> dict[str, Any]:
-    """The proposal file's content for drop row ``drop_id``.
+    """The proposal file's content for drop row ``drop_id`` (read through :mod:`tuner.records`).
 
     Raises:
         StoreError: no such drop, or a database error.
     """
-    d, p, c, r = drops_table, proposals_table, candidates_table, profile_runs_table
-    drops = store._rows(sa.select(d).where(d.c.id == drop_id))
-    if not drops:
+    from tuner import records
+
+    drop = records.drop(store, drop_id)
+    if drop is None:
         raise StoreError(f"no drop with id {drop_id}", where=store.where)
-    drop = drops[0]
-    props = store._rows(sa.select(p).where(p.c.drop_id == drop_id).order_by(p.c.gpu_memory_utilization, p.c.id))
-    cands = store._rows(sa.select(c).where(c.c.drop_id == drop_id))
-    runs = store._rows(sa.select(r.c.era, r.c.plugin, r.c.dtype, r.c.tool_version).where(r.c.drop_id == drop_id)
-                       .order_by(r.c.id).limit(1))
+    props = records.proposals_of_drop(store, drop_id, by_utilization=True)
+    cands = records.candidates_of_drop(store, drop_id)
+    runs = records.runs_of_drop(store, drop_id, limit=1)
+    model = _serve_model(drop)
     out_props = []
     for prop in props:
         entry: dict[str, Any] = {
-            "gpu_memory_utilization": prop["gpu_memory_utilization"],
-            "max_model_len": prop["max_model_len"],
-            "num_gpu_blocks": prop["num_gpu_blocks"],
-            "kv_cache_tokens": prop["kv_cache_tokens"],
-            "max_concurrency": prop["max_concurrency"],
-            "vllm_args": prop["vllm_args"],
-            "command": f"vllm serve {_serve_model(drop)} {prop['vllm_args']}" if prop["vllm_args"] else None,
-            "reason": prop["reason"],
+            "gpu_memory_utilization": prop.gpu_memory_utilization,
+            "max_model_len": prop.max_model_len,
+            "num_gpu_blocks": prop.num_gpu_blocks,
+            "kv_cache_tokens": prop.kv_cache_tokens,
+            "max_concurrency": prop.max_concurrency,
+            "vllm_args": prop.vllm_args,
+            "command": f"vllm serve {model} {prop.vllm_args}" if prop.vllm_args else None,
+            "reason": prop.reason,
         }
-        cand = _numbers_for(cands, prop["gpu_memory_utilization"], prop["max_model_len"])
+        cand = _numbers_for(cands, prop.gpu_memory_utilization, prop.max_model_len)
         if cand is not None:
-            entry["numbers"] = {k: cand[k] for k in _NUMBERS}
-            entry["numbers"]["from_candidate_max_model_len"] = cand["max_model_len"]
-        add_vllm_forms(entry, _serve_model(drop), drop["engine_version"],
-                       cand["available_kv_cache_bytes"] if cand is not None else None)
+            entry["numbers"] = {k: getattr(cand, k) for k in _NUMBERS}
+            entry["numbers"]["from_candidate_max_model_len"] = cand.max_model_len
+        add_vllm_forms(entry, model, drop.engine_version,
+                       cand.available_kv_cache_bytes if cand is not None else None)
         out_props.append(entry)
     doc: dict[str, Any] = {
-        "drop": drop["name"],
-        "source": drop["path"],
-        "content_sha256": drop["content_sha256"],
+        "drop": drop.name,
+        "source": drop.path,
+        "content_sha256": drop.content_sha256,
         "drop_id": drop_id,
-        "model": drop["model"],
-        "device": drop["device_name"],
-        "engine_version": drop["engine_version"],
-        "method": drop["method"],
-        "created_at": drop["created_at"],
+        "model": drop.model,
+        "device": drop.device_name,
+        "engine_version": drop.engine_version,
+        "method": drop.method,
+        "created_at": drop.created_at,
     }
     if job_id is not None:
         doc["job_id"] = job_id
     if runs:
-        doc.update(era=runs[0]["era"], plugin=runs[0]["plugin"], dtype=runs[0]["dtype"],
-                   tool_version=runs[0]["tool_version"])
-    doc["warnings"] = _warnings(drop.get("warnings"))
+        doc.update(era=runs[0].era, plugin=runs[0].plugin, dtype=runs[0].dtype, tool_version=runs[0].tool_version)
+    doc["warnings"] = _warnings(drop.warnings)
     doc["proposals"] = out_props
     return doc
 
@@ -113,23 +114,25 @@ def add_vllm_forms(entry: dict[str, Any], model: str, engine_version: str, kv_ca
     from tuner.vllm_forms import proposal_configs
 
     forms = proposal_configs(model, entry, engine_version=engine_version, kv_cache_bytes=kv_cache_bytes)
-    entry["vllm_config"] = forms["gpu_memory_utilization"]
+    from tuner.protocol import point_of
+
+    entry["vllm_config"] = point_of(forms).gpu_memory_utilization  # the --gpu-memory-utilization form
     entry["vllm_args_kv_cache_memory_bytes"] = forms["vllm_args_kv_cache_memory_bytes"]
     entry["vllm_config_kv_cache_memory_bytes"] = forms["kv_cache_memory_bytes"]
 
 
-def _numbers_for(cands: list[dict], gmu: float, mml: int | None) -> dict | None:
+def _numbers_for(cands: list, gmu: float, mml: int | None):
     """The grid candidate whose memory terms stand behind a proposal: same utilization, the same
     ``max_model_len`` if it was on the grid, else the largest one below it (the terms depend on the
     utilization and the profile batch, not on the length itself, within a region)."""
-    same = [c for c in cands if c["gpu_memory_utilization"] == gmu]
+    same = [c for c in cands if c.gpu_memory_utilization == gmu]
     if not same:
         return None
     if mml is not None:
-        below = [c for c in same if c["max_model_len"] <= mml]
+        below = [c for c in same if c.max_model_len <= mml]
         if below:
-            return max(below, key=lambda c: c["max_model_len"])
-    return min(same, key=lambda c: c["max_model_len"])
+            return max(below, key=lambda c: c.max_model_len)
+    return min(same, key=lambda c: c.max_model_len)
 
 
 def proposal_path(directory: str | os.PathLike, name: str) -> Path:

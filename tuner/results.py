@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from tuner.errors import StoreError
+from tuner.protocol import point_of
 from tuner.store import (DEFAULT_PATH, Store, candidates_table, drops_table, hosts_table, open_store,
                          profile_runs_table, proposals_table)
 
@@ -55,8 +56,10 @@ def open_for_read(db_url: str | None) -> Store:
 
 
 def rows(store: Store, stmt: sa.Executable) -> list[dict]:
-    """Run a read query on ``store``; ``StoreError`` on failure."""
-    return store._rows(stmt)
+    """Run a read query on ``store`` (:func:`tuner.records.select`); ``StoreError`` on failure."""
+    from tuner import records
+
+    return records.select(store, stmt)
 
 
 def _like(col, text: str | None):
@@ -93,7 +96,7 @@ def latest_drops(store: Store, *, model: str | None = None, device: str | None =
 def non_monotone(points: list[dict]) -> bool:
     """True when some max_model_len fits above one that does not."""
     failed = False
-    for p in sorted(points, key=lambda p: p["max_model_len"]):
+    for p in sorted(points, key=lambda p: point_of(p).max_model_len):
         if not p["fits"]:
             failed = True
         elif failed:
@@ -112,7 +115,7 @@ def query(store: Store, *, model: str | None = None, device: str | None = None, 
     p, c, r = proposals_table, candidates_table, profile_runs_table
     order = {i: n for n, i in enumerate(ids)}  # drops' order: name, then host
     props = sorted(rows(store, sa.select(p).where(p.c.drop_id.in_(ids))),
-                   key=lambda x: (order[x["drop_id"]], x["gpu_memory_utilization"]))
+                   key=lambda x: (order[x["drop_id"]], point_of(x).gpu_memory_utilization))
     by_id = {d["id"]: d for d in drops}
     proposals = [{"drop_name": names[x["drop_id"]], "host_id": by_id[x["drop_id"]]["host_id"],
                   "model": by_id[x["drop_id"]]["model"],
@@ -123,9 +126,9 @@ def query(store: Store, *, model: str | None = None, device: str | None = None, 
     candidates = [{"drop_name": names[x["drop_id"]], **x} for x in cands]
     surfaces: dict[tuple, dict] = {}
     for x in candidates:
-        s = surfaces.setdefault((x["drop_id"], x["gpu_memory_utilization"]), {
-            "drop_id": x["drop_id"], "drop_name": x["drop_name"], "gpu_memory_utilization": x["gpu_memory_utilization"],
-            "points": []})
+        u = point_of(x).gpu_memory_utilization
+        s = surfaces.setdefault((x["drop_id"], u), {
+            "drop_id": x["drop_id"], "drop_name": x["drop_name"], "gpu_memory_utilization": u, "points": []})
         s["points"].append({k: x[k] for k in ("max_model_len", "max_num_batched_tokens", "fits", "num_gpu_blocks",
                                               "kv_cache_tokens", "max_concurrency")})
     for s in surfaces.values():
@@ -162,18 +165,19 @@ def render(doc: dict) -> str:
     if doc["proposals"]:
         lines.append(head)
     for p in doc["proposals"]:
-        mml = "none" if p["max_model_len"] is None else p["max_model_len"]
+        u, mml = point_of(p)
+        mml = "none" if mml is None else mml
         name = p["drop_name"] + (f"@{p['host_id']}" if p.get("host_id") else "")
         lines.append(f"  {name:<28} {p['device_name']:<12} {p['engine_version']:<7} "
-                     f"{p['gpu_memory_utilization']:>5.2f} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
+                     f"{u:>5.2f} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
                      f"{p['kv_cache_tokens'] or '-':>10} {p['max_concurrency'] or 0:>7.2f}")
     lines += ["", "fit surfaces (max_model_len:fits at each gpu_memory_utilization):"]
     if not doc["surfaces"]:
         lines.append("  (none)")
     for s in doc["surfaces"]:
-        pts = " ".join(f"{q['max_model_len']}:{'yes' if q['fits'] else 'NO'}" for q in s["points"])
+        pts = " ".join(f"{point_of(q).max_model_len}:{'yes' if q['fits'] else 'NO'}" for q in s["points"])
         flag = "  <- NOT monotone: a longer length starts where a shorter one fails" if s["non_monotone"] else ""
-        lines.append(f"  {s['drop_name']:<28} gmu {s['gpu_memory_utilization']:.2f}  {pts}{flag}")
+        lines.append(f"  {s['drop_name']:<28} gmu {point_of(s).gpu_memory_utilization:.2f}  {pts}{flag}")
     lines += ["", "runs (profile passes and measured start-ups, GiB):"]
     if not doc["runs"]:
         lines.append("  (none)")
@@ -181,11 +185,12 @@ def render(doc: dict) -> str:
         lines.append(f"  {'id':>5} {'method':<8} {'device':<12} {'vLLM':<7} {'N':>7} {'R':>5} {'gmu':>5} {'M':>7} "
                      f"{'weights':>8} {'act.peak':>8} {'non-torch':>9} {'KV':>7} {'blocks':>7}  status")
     for x in doc["runs"]:
-        u = "-" if x["gpu_memory_utilization"] is None else f"{x['gpu_memory_utilization']:.2f}"
+        at = point_of(x)
+        u = "-" if at.gpu_memory_utilization is None else f"{at.gpu_memory_utilization:.2f}"
         status = x["status"] + (f": {x['error_message']}" if x.get("error_message") else "")
         lines.append(f"  {x['id']:>5} {x['method']:<8} {x['device_name']:<12} {x['engine_version']:<7} "
                      f"{x['max_num_batched_tokens']:>7} {x['num_sampled_rows'] or '-':>5} {u:>5} "
-                     f"{x['max_model_len'] or '-':>7} {_gib(x['weights_bytes']):>8} {_gib(x['activation_peak_bytes']):>8} "
+                     f"{at.max_model_len or '-':>7} {_gib(x['weights_bytes']):>8} {_gib(x['activation_peak_bytes']):>8} "
                      f"{_gib(x['non_torch_bytes']):>9} {_gib(x['available_kv_cache_bytes']):>7} "
                      f"{x['num_gpu_blocks'] or '-':>7}  {status}")
     return "\n".join(lines)

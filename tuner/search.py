@@ -324,6 +324,53 @@ class Proposal:
         return asdict(self)
 
 
+#: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
+#: (vllm/engine/arg_utils.py, 0.5.4+): the fit surface can jump at this boundary.
+V0_CHUNKED_PREFILL_THRESHOLD = 32768
+
+
+def search_regions(era: Era, *, max_position_embeddings: int, enable_chunked_prefill: bool | None,
+                   max_num_batched_tokens: int | None, max_model_len_cap: int | None,
+                   grid: Sequence[int] | None = None, path: str | None = None) -> tuple[list[tuple[int, int]], int | None]:
+    """The token ranges :func:`propose` searches one by one (inside each the profile batch keeps
+    its shape, so the fit is monotone) and the cap on ``max_model_len`` the batch settings add.
+
+    V0 (0.5.4+) with chunked prefill and N left to the era: two regions split at
+    :data:`V0_CHUNKED_PREFILL_THRESHOLD`. Chunked prefill off with the drop's N: vLLM refuses any
+    length above N (the cap). V0 with the drop's N and chunked prefill left to the era: the
+    lengths V0 runs unchunked (up to the threshold; every length before 0.5.4) must fit one batch
+    of N, longer ones are chunked.
+
+    Raises:
+        DropError: a grid length (``grid``: the drop's ``candidates.max_model_len``) vLLM refuses
+            unchunked (:func:`tuner.engine_checks.check_unchunked_lengths`), naming ``path``.
+    """
+    from tuner.engine_checks import check_unchunked_lengths
+
+    regions = [(1, max_position_embeddings)]
+    cap = max_model_len_cap
+    if (era.engine == "V0" and enable_chunked_prefill is None and max_num_batched_tokens is None
+            and era.version >= (0, 5, 4)):
+        regions = [(1, V0_CHUNKED_PREFILL_THRESHOLD), (V0_CHUNKED_PREFILL_THRESHOLD + 1, max_position_embeddings)]
+    if enable_chunked_prefill is False and max_num_batched_tokens is not None:
+        # Chunked prefill off: vLLM refuses any max_model_len above max_num_batched_tokens.
+        n_user = int(max_num_batched_tokens)
+        check_unchunked_lengths(max_num_batched_tokens=n_user, max_model_lens=grid or (), path=path)
+        cap = min(cap, n_user) if cap else n_user
+    elif era.engine == "V0" and enable_chunked_prefill is None and max_num_batched_tokens is not None:
+        # V0 keeps chunked prefill off up to 32768 tokens (0.5.4+; always before): those lengths must
+        # fit one batch of the drop's max_num_batched_tokens, longer ones are chunked.
+        n_user = int(max_num_batched_tokens)
+        limit = V0_CHUNKED_PREFILL_THRESHOLD if era.version >= (0, 5, 4) else None
+        check_unchunked_lengths(max_num_batched_tokens=n_user, path=path,
+                                max_model_lens=[m for m in (grid or ()) if limit is None or m <= limit])
+        if limit is None:
+            cap = min(cap, n_user) if cap else n_user
+        elif n_user < limit:
+            regions = [(1, n_user), (limit + 1, max_position_embeddings)]
+    return regions, cap
+
+
 def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
     """Largest k in [lo, hi] with fits(k), given fits is monotone non-increasing; None if none."""
     if lo > hi or not fits(lo):

@@ -704,12 +704,25 @@ class Store:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def _rows(self, stmt: sa.Executable) -> list[dict]:
+    @property
+    def reader(self) -> Engine:
+        """The engine for reads: a deferred ``BEGIN`` that takes no lock (``connect()`` it for
+        several reads in one connection)."""
+        return self._reader
+
+    def select(self, stmt: sa.Executable) -> list[dict]:
+        """Run a read query; each row as a dict of its column labels.
+
+        Raises:
+            StoreError: the query failed (``where`` = the URL).
+        """
         try:
             with self._reader.connect() as conn:
                 return [dict(r) for r in conn.execute(stmt).mappings()]
         except sa.exc.SQLAlchemyError as e:
             raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
+
+    _rows = select  # the name the store's own methods use
 
     def latest_proposals(self, drop_id: int | None = None) -> list[dict]:
         """Proposals as dicts (proposal columns plus ``drop_name``), ordered by drop name, id.

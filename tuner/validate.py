@@ -140,47 +140,44 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     s = case.get("settings") or {}
     version, engine = infer_version(case)
     config_path = config_path_for(case, models_dir)
-    max_model_len = s.get("max_model_len") or derived_max_model_len(config_path)
+    from tuner.protocol import point_of
+
+    stated = point_of(s)
+    max_model_len = stated.max_model_len or derived_max_model_len(config_path)
     dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
     kv = case.get("kv_cache_dtype") or "auto"
-    u = s.get("gpu_memory_utilization")
-    drop = {
-        "engine_version": version,
-        "engine": engine,
-        "dtype": dtype,
-        "kv_cache_dtype": kv,
-        "quantization": case.get("quantization"),
-        "tensor_parallel_size": int(case.get("tensor_parallel_size") or 1),
-        "pipeline_parallel_size": int(case.get("pipeline_parallel_size") or 1),
-        "max_num_seqs": s.get("max_num_seqs"),
-        "max_num_batched_tokens": s.get("max_num_batched_tokens"),
-        "block_size": s.get("block_size"),
-        "enable_chunked_prefill": s.get("enable_chunked_prefill"),
-        "enable_prefix_caching": s.get("enable_prefix_caching"),
-        "enforce_eager": bool(s.get("enforce_eager")),
-        "disable_custom_all_reduce": bool(s.get("disable_custom_all_reduce")),
-        "data_parallel_size": int(s.get("data_parallel_size") or 1),
-        "enable_expert_parallel": bool(s.get("enable_expert_parallel")),
-        "speculative_config": _speculative(s.get("speculative_config")),
-        "entry_point": "serve",
-        "candidates": {"gpu_memory_utilization": [u] if u else None, "max_model_len": [max_model_len]},
-        "constraints": {},
-    }
-    import os
+    u = stated.gpu_memory_utilization
+    from tuner.drop import Candidates, Drop
+    from tuner.protocol import JobRequest
 
-    # the engine adapter costs seconds per case: validate leaves it off unless CTX_TUNER_ENGINE says so
-    req = {"drop": drop, "config_path": str(config_path), "device": _device(case),
-           "fake": True, "search": False, "engine": os.environ.get("CTX_TUNER_ENGINE") or "off"}
-    spec = drop["speculative_config"] or {}
+    drop = Drop(name="", model="", device="", engine_version=version, dtype=dtype, kv_cache_dtype=kv,
+                quantization=case.get("quantization"),
+                tensor_parallel_size=int(case.get("tensor_parallel_size") or 1),
+                pipeline_parallel_size=int(case.get("pipeline_parallel_size") or 1),
+                max_num_seqs=s.get("max_num_seqs"), max_num_batched_tokens=s.get("max_num_batched_tokens"),
+                block_size=s.get("block_size"), enable_chunked_prefill=s.get("enable_chunked_prefill"),
+                enable_prefix_caching=s.get("enable_prefix_caching"),
+                enforce_eager=bool(s.get("enforce_eager")),
+                disable_custom_all_reduce=bool(s.get("disable_custom_all_reduce")),
+                data_parallel_size=int(s.get("data_parallel_size") or 1),
+                enable_expert_parallel=bool(s.get("enable_expert_parallel")),
+                speculative_config=_speculative(s.get("speculative_config")), entry_point="serve",
+                candidates=Candidates(gpu_memory_utilization=(u,) if u else (), max_model_len=(max_model_len,)))
+    draft_path = draft_error = None
+    spec = drop.speculative_config or {}
     if spec.get("model"):  # a drafter checkpoint: its config beside the target's in the models directory
         draft = Path(models_dir) / _model_dir_name(str(spec["model"])) / "config.json"
         if draft.is_file():
-            req["draft_config_path"] = str(draft)
+            draft_path = str(draft)
         else:
-            req["draft_config_error"] = f"no config.json at {draft}"
-    if calibration:
-        req["calibration"] = dict(calibration)
-    return req
+            draft_error = f"no config.json at {draft}"
+    import os
+
+    # the engine adapter costs seconds per case: validate leaves it off unless CTX_TUNER_ENGINE says so
+    return JobRequest(drop=drop, config_path=str(config_path), device=_device(case), fake=True, search=False,
+                      engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
+                      calibration=dict(calibration) if calibration else None,
+                      draft_config_path=draft_path, draft_config_error=draft_error).to_wire()
 
 
 def _pct(pred: float | None, obs: float | None) -> float | None:
@@ -358,20 +355,24 @@ CALIBRATED_FIELDS = ("predicted_num_gpu_blocks", "predicted_kv_cache_gib", "pred
                      "predicted_fits", "error_pct", "unsafe")
 
 
-def run_validate_request(request: dict) -> dict:
-    """Worker entry: ``{"kind": "validate", "cases": [...], "models_dir": str, "calibrations"?,
-    "calibrate"?}`` → ``{"cases": rows, "summary": {...}}``.
+def run_validate_request(request) -> dict:
+    """Worker entry: a :class:`tuner.protocol.ValidateRequest` (or its wire object ``{"kind":
+    "validate", "cases": [...], "models_dir": str, "calibrations"?, "calibrate"?}``) →
+    ``{"cases": rows, "summary": {...}}``.
 
     With ``"calibrate": true`` every case is also predicted after calibrating it leave-one-out
-    from the *other* cases' logs of its group (:func:`tuner.calibrate.leave_one_out`): each row
+    from the *other* cases' logs of its group (:func:`leave_one_out`): each row
     gains ``calibrated_<field>`` for :data:`CALIBRATED_FIELDS` and ``calibration`` (the corrections,
     bytes, or None when the case could not be calibrated — its calibrated fields then equal the
     uncalibrated ones), and the report gains ``summary_calibrated``, ``calibration_worse`` and
     ``calibration_better`` (case ids)."""
-    if request.get("calibrate"):
-        from tuner.calibrate import leave_one_out
+    from tuner.protocol import ValidateRequest
 
-        loo = leave_one_out(request["cases"], request["models_dir"], predict_all=True)
+    if not isinstance(request, ValidateRequest):
+        request = ValidateRequest.from_wire({"kind": "validate", **request}, required=False)
+    cases = list(request.cases)
+    if request.calibrate:
+        loo = leave_one_out(cases, request.models_dir, predict_all=True)
         rows = []
         for b, a in zip(loo["before"], loo["after"]):
             row = dict(b)
@@ -381,7 +382,7 @@ def run_validate_request(request: dict) -> dict:
             rows.append(row)
         return {"cases": rows, "summary": summarize(rows), "summary_calibrated": loo["summary_after"],
                 "calibration_worse": loo["worse"], "calibration_better": loo["better"]}
-    rows = predict_cases(request["cases"], request["models_dir"], calibrations=request.get("calibrations"))
+    rows = predict_cases(cases, request.models_dir, calibrations=request.calibrations)
     return {"cases": rows, "summary": summarize(rows)}
 
 
@@ -402,3 +403,121 @@ def _main() -> None:  # pragma: no cover - developer convenience: python -m tune
 
 if __name__ == "__main__":  # pragma: no cover
     _main()
+
+
+# ---------------------------------------------------------------------------------------------
+# Leave-one-out over a case file (worker side: runs the simulate job)
+# ---------------------------------------------------------------------------------------------
+
+
+def measured_from_case(case: dict, models_dir) -> dict:
+    """The ``profile_runs`` row ``ctx-tuner import-log`` stores for a case's ``raw_lines``, with the
+    case's settings as the command-line options (no database), plus ``quantization`` and
+    ``total_known`` (the log printed the device total) for grouping and :func:`residual`.
+
+    Raises:
+        LogParseError: the raw lines carry no memory figure; DropError / ModelConfigError as
+            :func:`tuner.importlog.resolve_settings`.
+    """
+    import hashlib
+    import json
+
+    from tuner.calibrate import GIB
+    from tuner.errors import LogParseError
+    from tuner.importlog import config_path_for, read_config, resolve_settings, run_row
+    from tuner.logparse import parse_lines
+
+    parsed = parse_lines(case.get("raw_lines") or [], source=f"case:{case['id']}")
+    if not parsed.has_memory_lines:
+        raise LogParseError("no vLLM memory lines", where=f"case {case['id']}")
+    version, engine = infer_version(case)
+    s = case.get("settings") or {}
+    dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
+    from tuner.protocol import point_of
+
+    options = {**point_of(s)._asdict(),
+               "tensor_parallel_size": case.get("tensor_parallel_size") or 1,
+               "pipeline_parallel_size": case.get("pipeline_parallel_size") or 1, "dtype": dtype,
+               "kv_cache_dtype": case.get("kv_cache_dtype") or "auto", "quantization": case.get("quantization"),
+               "max_num_seqs": s.get("max_num_seqs"), "max_num_batched_tokens": s.get("max_num_batched_tokens"),
+               "block_size": s.get("block_size"), "enable_chunked_prefill": s.get("enable_chunked_prefill"),
+               "enforce_eager": bool(s.get("enforce_eager"))}
+    device: Any = str(case["gpu"])
+    if case.get("gpu_total_gib"):
+        from tuner.devices import lookup
+
+        known = lookup(str(case["gpu"]))
+        device = {"name": known.name if known else str(case["gpu"]),
+                  "total_memory_bytes": int(round(float(case["gpu_total_gib"]) * GIB))}
+    cfg_path = config_path_for(str(case["model"]), models_dir=models_dir)
+    config, sha = read_config(cfg_path)
+    drop, extra = resolve_settings(parsed, model=str(case["model"]), device=device, engine_version=version,
+                                   engine=engine, options=options, config=config, source=f"case-{case['id']}")
+    log_sha = hashlib.sha256(json.dumps(case.get("raw_lines")).encode()).hexdigest()
+    row = run_row(parsed, drop, extra, config=config, config_sha256=sha, log_sha256=log_sha)
+    return {**row, "quantization": drop.quantization, "total_known": parsed.total_memory_bytes is not None}
+
+
+def leave_one_out(cases: list[dict], models_dir, *, run: Callable[[dict], dict] | None = None,
+                  predict_all: bool = True) -> dict:
+    """Validate every case before and after calibration, calibrating each case only from the
+    *other* cases' imported observations of its group (:func:`group_key`).
+
+    Args:
+        run: the job runner (default :func:`tuner.job.run_job`, in this process).
+        predict_all: also predict the cases alone in their group (they cannot be calibrated, so
+            their rows are the same before and after); False skips them (their rows are absent).
+
+    Returns:
+        ``{"before": rows, "after": rows, "calibrations": {case id: corrections}, "worse": [ids],
+        "better": [ids], "summary_before": …, "summary_after": …}`` with rows as
+        :func:`tuner.compare` makes them (``after`` re-runs only the calibrated cases).
+    """
+    from tuner.calibrate import fit, group_key
+
+    if run is None:
+        from tuner.job import run_job as run
+    measured: dict[str, dict] = {}
+    for c in cases:
+        try:
+            measured[c["id"]] = measured_from_case(c, models_dir)
+        except Exception:  # noqa: BLE001 - a case without a usable log calibrates nothing
+            pass
+    groups: dict[tuple, list[str]] = {}
+    for cid, m in measured.items():
+        groups.setdefault(group_key(m, m["quantization"]), []).append(cid)
+    grouped = {cid for members in groups.values() if len(members) > 1 for cid in members}
+    selected = [c for c in cases if predict_all or c["id"] in grouped]
+    results: dict[str, dict] = {}
+    for c in selected:
+        try:
+            results[c["id"]] = run(case_request(c, models_dir))
+        except Exception:  # noqa: BLE001 - reported as "could not run" below
+            pass
+    calibrations: dict[str, dict] = {}
+    for cid, m in measured.items():
+        others = [o for o in groups[group_key(m, m["quantization"])] if o != cid and o in results]
+        if not others or cid not in results:
+            continue
+        cal = fit([measured[o] for o in others], [results[o]["candidates"][0] for o in others],
+                  total_known=[measured[o]["total_known"] for o in others])
+        if any(cal.values()):
+            calibrations[cid] = cal
+    before = [compare(c, results[c["id"]]) if c["id"] in results else
+              predict_cases([c], models_dir, run=run)[0] for c in selected]
+    after = []
+    for c, b in zip(selected, before):
+        if c["id"] in calibrations and b["status"] == "ok":
+            after.append(predict_cases([c], models_dir, calibrations=calibrations, run=run)[0])
+        else:
+            after.append(b)
+    worse, better = [], []
+    for b, a in zip(before, after):
+        if b.get("error_pct") is None or a.get("error_pct") is None:
+            continue
+        if abs(a["error_pct"]) > abs(b["error_pct"]) + 1e-9:
+            worse.append(b["id"])
+        elif abs(a["error_pct"]) < abs(b["error_pct"]) - 1e-9:
+            better.append(b["id"])
+    return {"before": before, "after": after, "calibrations": calibrations, "worse": worse, "better": better,
+            "summary_before": summarize(before), "summary_after": summarize(after)}

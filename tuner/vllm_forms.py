@@ -120,10 +120,13 @@ def proposal_documents(model: str, engine_version: str, entries: list[dict]) -> 
     """``(file name, YAML text)`` of every config form of a drop's proposals; ``entries`` are
     proposal-file entries carrying ``vllm_config`` / ``vllm_config_kv_cache_memory_bytes``."""
     out = []
+    from tuner.protocol import ProposalResult
+
     for e in entries:
-        u = e["gpu_memory_utilization"]
+        p = ProposalResult.from_wire(e)
+        u = p.gpu_memory_utilization
         by_u, by_kv = config_file_names(u)
-        head = (f"ctx-tuner proposal for {model}: max_model_len {e['max_model_len']} at gpu_memory_utilization {u:g}, "
+        head = (f"ctx-tuner proposal for {model}: max_model_len {p.max_model_len} at gpu_memory_utilization {u:g}, "
                 f"{e.get('num_gpu_blocks')} blocks, {e.get('kv_cache_tokens')} KV tokens (vLLM {engine_version})\n"
                 "use: vllm serve --config THIS_FILE")
         if e.get("vllm_config"):

@@ -35,7 +35,7 @@ import threading
 from typing import Any, Callable
 
 from tuner.errors import WorkerError, WorkerTimeout
-from tuner.worker import (_RUNNING, DEADLINE_GRACE_S, DEFAULT_TIMEOUT_S, PROGRESS_PREFIX, error_from_reply,
+from tuner.worker import (_RUNNING, DEADLINE_GRACE_S, DEFAULT_TIMEOUT_S, PROGRESS_PREFIX, _wire, error_from_reply,
                           worker_python)
 
 #: Jobs one warm worker runs before it is replaced (setting ``worker_max_jobs``).
@@ -120,7 +120,7 @@ class WarmWorker:
         #: workers started so far (tests and the log read it)
         self.spawned = 0
 
-    def run(self, request: dict[str, Any], *, job: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def run(self, request: Any, *, job: str, timeout_s: float = DEFAULT_TIMEOUT_S,
             python: str | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
             on_progress: Callable[[str], None] | None = None, memory_max_bytes: int | None = None,
             max_jobs: int = DEFAULT_MAX_JOBS, max_rss_bytes: int | None = DEFAULT_MAX_RSS_BYTES,
@@ -140,7 +140,8 @@ class WarmWorker:
             attach(w.proc)
         w.err = []
         w.on_progress = on_progress
-        req = {**request, "deadline_s": float(timeout_s) + DEADLINE_GRACE_S}
+        # the request through the contract (tuner.protocol: versioned), plus this job's deadline
+        req = {**_wire(request), "deadline_s": float(timeout_s) + DEADLINE_GRACE_S}
         if on_progress is not None:
             req["progress"] = True
         _RUNNING[w.proc.pid] = self.killpg
@@ -158,7 +159,9 @@ class WarmWorker:
             self.close()
         if not reply.get("ok"):
             raise error_from_reply(reply, job=job)
-        return reply["result"]
+        from tuner.protocol import reply_result
+
+        return reply_result(reply, job=job)
 
     def _spawn(self, key: tuple, popen: Callable[..., subprocess.Popen]) -> _Proc:
         from tuner.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT

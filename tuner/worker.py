@@ -1,7 +1,8 @@
 """Run a profile job in a worker subprocess (parent side; never imports torch).
 
 The child is ``python -m tuner.worker_main``: it reads one JSON request on stdin and writes one
-JSON reply on stdout. It runs in its own process group (``start_new_session``) so a timeout kills
+JSON reply on stdout, both in the versioned contract of :mod:`tuner.protocol` (a reply of another
+version is a :class:`~tuner.errors.ProtocolError`). It runs in its own process group (``start_new_session``) so a timeout kills
 the whole group; a crash, a signal or unreadable output becomes a :class:`WorkerError` carrying
 the job name and the tail of the child's stderr.
 
@@ -18,9 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tuner.errors import TunerError, WorkerError, WorkerTimeout
+
+if TYPE_CHECKING:
+    from tuner.protocol import JobRequest, ValidateRequest
 
 #: Worker processes this process is waiting for, from any thread: ``pid`` (= its process group)
 #: → the ``killpg`` to use. Read by :func:`kill_running_workers` from signal handlers, so a plain
@@ -38,7 +42,7 @@ DEADLINE_GRACE_S = 5.0
 PROGRESS_PREFIX = "ctx-tuner-progress: "
 
 
-def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, job: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                   python: str | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
                   killpg: Callable[[int, int], None] = os.killpg,
                   on_progress: Callable[[str], None] | None = None,
@@ -46,7 +50,8 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     """Run one job in a fresh worker process and return its result dict.
 
     Args:
-        request: the job (see :func:`tuner.job.run_job`).
+        request: the job: a :class:`tuner.protocol.JobRequest` / ``ValidateRequest`` (sent as its
+            wire object), or a wire object already (sent as is, stamped with the protocol version).
         job: a name for errors and logs (the drop name).
         timeout_s: wall-clock limit in seconds; on expiry the process group gets SIGKILL.
         python, popen, killpg: injectable for tests.
@@ -57,12 +62,14 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
     Raises:
         WorkerTimeout: the limit expired (the group was killed).
         WorkerError: the child crashed, was killed, or wrote no valid reply.
+        ProtocolError: the child answered in another protocol version (another ctx-tuner).
         TunerError: the child reported a typed error (bad config, plugin failure, …), re-raised
             as the same class of :mod:`tuner.errors` with the same ``where`` / ``path`` / ``field``
             (:func:`error_from_reply`).
         KeyboardInterrupt, SystemExit, …: anything raised while waiting kills the worker's
             process group first, then propagates.
     """
+    request = _wire(request)
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -82,6 +89,15 @@ def run_in_worker(request: dict[str, Any], *, job: str, timeout_s: float = DEFAU
         return _wait_for_reply(proc, request, job=job, timeout_s=timeout_s, killpg=killpg, on_progress=on_progress)
     finally:
         _RUNNING.pop(proc.pid, None)
+
+
+def _wire(request: Any) -> dict[str, Any]:
+    """The JSON object sent to the worker (:mod:`tuner.protocol`)."""
+    if hasattr(request, "to_wire"):
+        return request.to_wire()
+    from tuner.protocol import PROTOCOL_VERSION
+
+    return {"protocol": PROTOCOL_VERSION, **request}
 
 
 #: Environment variable naming the worker's Python (e.g. a venv with a vLLM build for the engine
@@ -141,9 +157,13 @@ def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str
         reply = json.loads(out.decode())
     except ValueError as exc:
         raise WorkerError(f"worker wrote no valid JSON reply: {tail or out[-200:]!r}", where=job) from exc
+    if not isinstance(reply, dict):
+        raise WorkerError(f"worker wrote no valid JSON reply: {tail or out[-200:]!r}", where=job)
     if not reply.get("ok"):
         raise error_from_reply(reply, job=job)
-    return reply["result"]
+    from tuner.protocol import reply_result
+
+    return reply_result(reply, job=job)
 
 
 def _kill_group(proc: subprocess.Popen, killpg: Callable[[int, int], None]) -> None:

@@ -1,8 +1,10 @@
 """Worker subprocess entry point: ``python -m tuner.worker_main`` (imports torch).
 
-Reads one JSON request on stdin, runs :func:`tuner.job.run_job` (or, for ``"kind": "validate"``,
-:func:`tuner.validate.run_validate_request`), writes
-``{"ok": true, "result": …}`` or ``{"ok": false, "error_type": …, "error_bases": […], "error": …,
+Reads one JSON request on stdin (:mod:`tuner.protocol`: a :class:`~tuner.protocol.JobRequest`, or a
+:class:`~tuner.protocol.ValidateRequest` for ``"kind": "validate"``; another protocol version is
+refused with a typed :class:`~tuner.errors.ProtocolError` reply), runs :func:`tuner.job.run_job`
+(or :func:`tuner.validate.run_validate_request`), writes
+``{"ok": true, "protocol": 1, "result": …}`` or ``{"ok": false, "error_type": …, "error_bases": […], "error": …,
 "message": …, "where": …, "path": …, "field": …}`` on stdout (see :func:`error_reply`; the parent
 re-raises the same class, :func:`tuner.worker.error_from_reply`).
 Typed errors are replies; anything else is a crash with a traceback on stderr. With ``--serve``
@@ -32,13 +34,15 @@ def error_reply(exc: BaseException) -> dict:
     return reply
 
 
-def _calibrate(request: dict) -> None:
-    """``calibration_db`` in a request (the daemon): look the corrections up here, in the worker,
-    so the daemon never reads the model's config.json itself (:func:`tuner.app.lookup_calibration`
-    through a read-only store). A lookup that fails is a warning, not an error."""
-    url = request.pop("calibration_db", None)
-    if not url or request.get("calibration") or request.get("method", "simulate") != "simulate":
-        return
+def _calibrate(request):
+    """``calibration_db`` in a job request (the daemon): look the corrections up here, in the
+    worker, so the daemon never reads the model's config.json itself
+    (:func:`tuner.app.lookup_calibration` through a read-only store). A lookup that fails is a
+    warning, not an error. Returns the request to run (``calibration_db`` consumed)."""
+    url = request.calibration_db
+    request = request.replace(calibration_db=None)
+    if not url or request.calibration or request.method != "simulate":
+        return request
     from tuner.app import lookup_calibration
     from tuner.errors import ModelConfigError, TunerError
     from tuner.store import open_store
@@ -46,38 +50,38 @@ def _calibrate(request: dict) -> None:
     try:
         store = open_store(url, readonly=True)
     except TunerError as exc:
-        request.setdefault("_warnings", []).append(f"calibration skipped: {exc}")
-        return
+        return request.replace(warnings=(*request.warnings, f"calibration skipped: {exc}"))
     try:
         cal = lookup_calibration(request, store)
     except ModelConfigError:
         raise  # the job itself reports the unreadable config
     except TunerError as exc:
-        request.setdefault("_warnings", []).append(f"calibration skipped: {exc}")
-        return
+        return request.replace(warnings=(*request.warnings, f"calibration skipped: {exc}"))
     finally:
         store.close()
-    if cal is not None:
-        request["calibration"] = cal
+    return request.replace(calibration=cal) if cal is not None else request
 
 
-def handle(request: dict) -> dict:
-    """One request → its reply (``{"ok": true, "result": …}`` or an error reply)."""
+def handle(data: dict) -> dict:
+    """One request's wire object → its reply (:func:`tuner.protocol.ok_reply` or an error reply).
+    The request is read through the contract (:func:`tuner.protocol.request_from_wire`): another
+    protocol version is a typed :class:`~tuner.errors.ProtocolError` reply."""
     from tuner.errors import TunerError, WorkerError
+    from tuner.protocol import KIND_VALIDATE, ok_reply, request_from_wire
 
+    where = "worker"
     try:
-        _calibrate(request)
-        extra = request.pop("_warnings", [])
-        if request.get("kind") == "validate":
+        request = request_from_wire(data)
+        where = request.name
+        if request.kind == KIND_VALIDATE:
             from tuner.validate import run_validate_request
 
             result = run_validate_request(request)
         else:
             from tuner.job import run_job
 
+            request = _calibrate(request)
             result = run_job(request)
-        if extra and isinstance(result, dict):
-            result["warnings"] = list(result.get("warnings") or []) + extra
     except TunerError as exc:
         return error_reply(exc)
     except MemoryError:
@@ -86,9 +90,9 @@ def handle(request: dict) -> dict:
         limit = os.environ.get(ENV_MEMORY)
         exc = WorkerError("the profile pass ran out of memory" + (
             f" (worker memory limit {int(limit):,} bytes, setting worker_memory_max_bytes)" if limit else ""),
-            where=str((request.get("drop") or {}).get("name") or "worker"))
+            where=where)
         return error_reply(exc)
-    return {"ok": True, "result": result}
+    return ok_reply(result)
 
 
 def _reply_channel():
@@ -104,9 +108,9 @@ def main() -> int:
     from tuner.worker_guard import install
 
     install()  # die with the parent, own deadline, memory limit: before anything big is imported
-    request = json.loads(sys.stdin.read())
+    data = json.loads(sys.stdin.read())
     reply_out = _reply_channel()
-    json.dump(handle(request), reply_out)
+    json.dump(handle(data), reply_out)
     reply_out.flush()
     return 0
 

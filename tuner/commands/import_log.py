@@ -116,11 +116,14 @@ def run(args) -> int:
                           "predicted": out.predicted, "calibration": out.calibration, "warnings": out.warnings},
                          indent=2, default=str))
         return EXIT_OK
+    from tuner.records import StoredRun
+
     r = run_row
+    run = StoredRun.from_row(run_row)
     head = "already imported as" if out.already else "stored as"
-    print(f"{args.log}: {head} drop id {out.drop_id} ({r['era']}, {r['device_name']}, "
-          f"TP {r['tensor_parallel_size']} PP {r['pipeline_parallel_size']}, gmu {r['gpu_memory_utilization']}, "
-          f"max_model_len {r['max_model_len']})")
+    print(f"{args.log}: {head} drop id {out.drop_id} ({run.era}, {run.device_name}, "
+          f"TP {run.tensor_parallel_size} PP {run.pipeline_parallel_size}, gmu {run.gpu_memory_utilization}, "
+          f"max_model_len {run.max_model_len})")
     print(f"  weights {_gib(r['weights_bytes'])}, activation peak {_gib(r['activation_peak_bytes'])}, "
           f"non-torch {_gib(r['non_torch_bytes'])}, CUDA graphs {_gib(r['cuda_graph_bytes'])}")
     print(f"  available KV {_gib(r['available_kv_cache_bytes'])}, blocks {r['num_gpu_blocks'] or '-'}, "

@@ -50,16 +50,20 @@ def render_table(outcome) -> str:
     head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'act.peak':>8} " \
            f"{'non-torch':>9} {'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
     lines += [head, "-" * len(head)]
-    for c in r["candidates"]:
+    from tuner.protocol import JobResult
+
+    res = JobResult.from_wire(r)
+    for t in res.candidates:
+        c = t.data
         lines.append(
-            f"{c['gpu_memory_utilization']:>5.2f} {c['max_model_len']:>13} {c['max_num_batched_tokens']:>6} "
-            f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if c['fits'] else 'NO':>3} "
+            f"{t.gpu_memory_utilization:>5.2f} {t.max_model_len:>13} {c['max_num_batched_tokens']:>6} "
+            f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if t.fits else 'NO':>3} "
             f"{_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
             f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}")
-    rows = sorted(r["candidates"], key=lambda c: (c["gpu_memory_utilization"], c["max_model_len"]))
-    if any(a["gpu_memory_utilization"] == b["gpu_memory_utilization"] and not candidate_starts(a)
-           and candidate_starts(b) and a["max_num_batched_tokens"] != b["max_num_batched_tokens"]
+    rows = sorted(res.candidates, key=lambda c: (c.gpu_memory_utilization, c.max_model_len))
+    if any(a.gpu_memory_utilization == b.gpu_memory_utilization and not candidate_starts(a.data)
+           and candidate_starts(b.data) and a.get("max_num_batched_tokens") != b.get("max_num_batched_tokens")
            for a, b in zip(rows, rows[1:])):
         lines.append("note: the fit is not monotone in max_model_len (the era changes the profile batch with it)")
     mc = d.constraints.min_concurrency
@@ -68,15 +72,15 @@ def render_table(outcome) -> str:
                      "requests fit")
     with_conc = f", with at least {mc:g} full-length requests" if mc != 1 else ""
     lines += ["", f"proposals (largest max_model_len that starts{with_conc}):"]
-    for p in r["proposals"]:
-        if p["max_model_len"] is None:
-            lines.append(f"  gmu {p['gpu_memory_utilization']:.2f}: nothing fits: {p['reason']}")
+    for p in res.proposals:
+        if p.max_model_len is None:
+            lines.append(f"  gmu {p.gpu_memory_utilization:.2f}: nothing fits: {p.reason}")
         else:
-            extra = f" ({p['reason']})" if p["reason"] else ""
-            lines.append(f"  gmu {p['gpu_memory_utilization']:.2f}: max_model_len {p['max_model_len']}, "
-                         f"{p['num_gpu_blocks']} blocks, {p['kv_cache_tokens']} KV tokens, "
-                         f"{p['max_concurrency']:.2f}x concurrency{extra}")
-            lines.append(f"      vllm serve {model} {p['vllm_args']}")
+            extra = f" ({p.reason})" if p.reason else ""
+            lines.append(f"  gmu {p.gpu_memory_utilization:.2f}: max_model_len {p.max_model_len}, "
+                         f"{p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens, "
+                         f"{p.max_concurrency:.2f}x concurrency{extra}")
+            lines.append(f"      vllm serve {model} {p.vllm_args}")
     if outcome.drop_id is not None:
         lines.append(f"\nstored as drop id {outcome.drop_id}")
     return "\n".join(lines)
@@ -118,14 +122,16 @@ def vllm_form_entries(outcome) -> list[dict]:
     args and config; :func:`tuner.proposals.add_vllm_forms`)."""
     from tuner.app import serve_model
     from tuner.proposals import _numbers_for, add_vllm_forms
+    from tuner.protocol import JobResult
 
     model = serve_model(outcome.drop)
+    res = JobResult.from_wire(outcome.result)
     out = []
-    for p in outcome.result["proposals"]:
-        entry = dict(p)
-        cand = _numbers_for(outcome.result["candidates"], p["gpu_memory_utilization"], p["max_model_len"])
+    for p, wire in zip(res.proposals, outcome.result["proposals"]):
+        entry = dict(wire)
+        cand = _numbers_for(res.candidates, p.gpu_memory_utilization, p.max_model_len)
         add_vllm_forms(entry, model, outcome.drop.engine_version,
-                       cand["available_kv_cache_bytes"] if cand is not None else None)
+                       cand.available_kv_cache_bytes if cand is not None else None)
         out.append(entry)
     return out
 

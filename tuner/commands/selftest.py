@@ -69,11 +69,14 @@ def engine_version() -> str:
 
 def request_for(method: str, config_path: Path, device: dict, version: str) -> dict:
     """The worker request of one method: the tiny model, one candidate, no search."""
-    drop = {"name": f"selftest-{method}", "model": str(config_path.parent), "engine_version": version,
-            "max_num_batched_tokens": 2048, "max_num_seqs": 64,
-            "candidates": {"gpu_memory_utilization": [GMU], "max_model_len": [MAX_MODEL_LEN]}, "constraints": {}}
-    return {"drop": drop, "config_path": str(config_path), "device": dict(device), "method": method,
-            "method_requested": method, "search": False}
+    from tuner.drop import Candidates, Drop
+    from tuner.protocol import JobRequest
+
+    drop = Drop(name=f"selftest-{method}", model=str(config_path.parent), device=dict(device), engine_version=version,
+                max_num_batched_tokens=2048, max_num_seqs=64,
+                candidates=Candidates(gpu_memory_utilization=(GMU,), max_model_len=(MAX_MODEL_LEN,)))
+    return JobRequest(drop=drop, config_path=str(config_path), device=dict(device), method=method,
+                      method_requested=method, search=False).to_wire()
 
 
 def row_of(method: str, result: dict) -> dict:

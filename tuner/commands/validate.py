@@ -51,6 +51,7 @@ def default_models_dir(cases_path: str) -> Path:
 
 def run(args) -> int:
     from tuner.validate import load_cases, render, select
+    from tuner.protocol import ValidateRequest
     from tuner.worker import run_in_worker
 
     try:
@@ -63,8 +64,9 @@ def run(args) -> int:
         print(f"ctx-tuner: {models_dir}: models directory not found (use --models-dir)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        report = run_in_worker({"kind": "validate", "cases": cases, "models_dir": str(models_dir),
-                                "calibrate": bool(getattr(args, "calibrate", False))},
+        request = ValidateRequest(cases=tuple(cases), models_dir=str(models_dir),
+                                  calibrate=bool(getattr(args, "calibrate", False)))
+        report = run_in_worker(request,
                                job=f"validate {args.cases}", timeout_s=args.timeout)
     except TunerError as exc:
         print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -101,8 +101,10 @@ class EnginePlugin:
 def engine_settings(d: dict, *, block_size: int, multimodal: bool, trust_remote_code: bool):
     from tuner.engine.adapter import EngineSettings
 
+    from tuner.protocol import drop_from_wire
+
     unchunked = d.get("enable_chunked_prefill") is False
-    grid = (d.get("candidates") or {}).get("max_model_len") or []
+    grid = drop_from_wire(d, strict=False).candidates.max_model_len or []
     return EngineSettings(
         dtype=d.get("dtype", "auto"), kv_cache_dtype=d.get("kv_cache_dtype", "auto"), quantization=d.get("quantization"),
         tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
@@ -244,18 +246,20 @@ def verify_proposals(use: EngineUse, proposals: list[dict], available_at: Any) -
     than the installed one, a difference is that release's rule, not a disagreement)."""
     if use.session is None or "check" not in use.report:
         return
+    from tuner.protocol import ProposalResult
+
     out = []
-    for p in proposals:
-        m = p.get("max_model_len")
+    for p in map(ProposalResult.from_wire, proposals):
+        m = p.max_model_len
         if not m:
             continue
-        avail = available_at(p["gpu_memory_utilization"], int(m))
+        avail = available_at(p.gpu_memory_utilization, int(m))
         if avail is None:
             continue
         e = use.session.kv_sizing(int(avail), int(m))
-        out.append({"gpu_memory_utilization": p["gpu_memory_utilization"], "max_model_len": int(m),
-                    "available_kv_cache_bytes": int(avail), "ctx_tuner_num_gpu_blocks": p.get("num_gpu_blocks"),
-                    "engine": e, "agree": e.get("num_gpu_blocks") == p.get("num_gpu_blocks")})
+        out.append({"gpu_memory_utilization": p.gpu_memory_utilization, "max_model_len": int(m),
+                    "available_kv_cache_bytes": int(avail), "ctx_tuner_num_gpu_blocks": p.num_gpu_blocks,
+                    "engine": e, "agree": e.get("num_gpu_blocks") == p.num_gpu_blocks})
     use.report["proposals"] = out
 
 

@@ -139,6 +139,8 @@ def refuse_below_free_memory(era, candidates: list[dict], *, free_memory_bytes: 
     check. Returns how many candidates were marked. Pure (no torch)."""
     if not (era.engine == "V1" and era.version >= (0, 9, 1)):
         return 0
+    from tuner.protocol import point_of
+
     gib = lambda b: round(b / (1 << 30), 2)  # noqa: E731 - vLLM's format_gib
     marked = 0
     for c in candidates:
@@ -146,11 +148,12 @@ def refuse_below_free_memory(era, candidates: list[dict], *, free_memory_bytes: 
             c["fits"] = False
             c["reason"] = (f"Free memory on device cuda:{device_index} ({gib(free_memory_bytes)}/"
                            f"{gib(total_memory_bytes)} GiB) on startup is less than desired GPU memory utilization "
-                           f"({c['gpu_memory_utilization']}, {gib(c['requested_memory_bytes'])} GiB). Decrease GPU "
+                           f"({point_of(c).gpu_memory_utilization}, "
+                           f"{gib(c['requested_memory_bytes'])} GiB). Decrease GPU "
                            "memory utilization or reduce GPU memory used by other processes.")
             marked += 1
     for p in proposals:
-        raw = total_memory_bytes * p["gpu_memory_utilization"]
+        raw = total_memory_bytes * point_of(p).gpu_memory_utilization
         requested = math.ceil(raw) if era.requested_rounds_up else int(raw)
         if requested > free_memory_bytes:
             p.update(max_model_len=None, num_gpu_blocks=None, kv_cache_tokens=None, max_concurrency=None,

@@ -160,11 +160,14 @@ def needed_candidates(drop: dict, proposals: list[dict]) -> list[tuple[float, in
     """The (gpu_memory_utilization, max_model_len) points a ``vllm`` job starts the engine for:
     the drop's explicit grid when it lists ``candidates.max_model_len``, else each proposal's
     length (the answer to check); at most :data:`MAX_STARTS`, in order."""
-    cand = drop.get("candidates") or {}
-    us = cand.get("gpu_memory_utilization") or []
-    grid = cand.get("max_model_len")
+    from tuner.protocol import ProposalResult, drop_from_wire
+
+    cand = drop_from_wire(drop, strict=False).candidates
+    us = cand.gpu_memory_utilization or []
+    grid = cand.max_model_len
     points = [(float(u), int(m)) for u in us for m in grid] if grid else \
-        [(float(p["gpu_memory_utilization"]), int(p["max_model_len"])) for p in proposals if p.get("max_model_len")]
+        [(p.gpu_memory_utilization, int(p.max_model_len)) for p in map(ProposalResult.from_wire, proposals)
+         if p.max_model_len]
     return points[:MAX_STARTS]
 
 
