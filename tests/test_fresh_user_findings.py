@@ -52,3 +52,53 @@ def test_profile_db_in_missing_directory_was_created_silently(tmp_path, tiny_con
     assert not (tmp_path / "no").exists()
     assert main(["profile", str(drop), "--db", f"sqlite:///{db}"]) == 2  # the URL form too
     assert not (tmp_path / "no").exists()
+
+
+@pytest.fixture
+def two_hosts(tmp_path, tiny_config, monkeypatch):
+    """Two daemons (host-a, host-b) sharing one SQLite store, each with a done drop ``x``."""
+    from pathlib import Path
+
+    from tests._daemon_helpers import drop_text, poll
+    from tests.test_daemon_fleet import Fleet
+
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
+    f = Fleet(tmp_path, f"sqlite:///{tmp_path / 'fleet.sqlite'}", tiny_config)
+    a, b = f.start("a"), f.start("b")
+    for d, gmu in ((a, 0.5), (b, 0.6)):
+        (Path(d.settings.watch_dir) / "x.yaml").write_text(drop_text("x", f.model, gmu=(gmu,)))
+    (Path(b.settings.watch_dir) / "bad.yaml").write_text("name: bad\nmodel: [1]\n")
+    poll(lambda: len(f.rows("SELECT 1 FROM jobs WHERE status IN ('done', 'failed')")) == 3, 20,
+         step=lambda: (a.step(max_wait_s=0.05), b.step(max_wait_s=0.05)), what="jobs finished")
+    yield f, a, b
+    f.close()
+
+
+def test_status_counted_the_whole_fleet_store_instead_of_this_hosts_jobs(two_hosts):
+    from tuner.commands.status import check_health
+
+    f, a, b = two_hosts
+    ha, hb = check_health(a.settings), check_health(b.settings)
+    assert (ha["jobs_scope"], ha["jobs"]) == ("host host-a", {"done": 1})
+    assert (hb["jobs_scope"], hb["jobs"]) == ("host host-b", {"done": 1, "failed": 1})
+    assert check_health(a.settings, fleet=True)["jobs"] == {"done": 2, "failed": 1}
+    assert ha["healthy"] and hb["healthy"]
+
+
+def test_plot_had_no_host_filter_nor_label_in_a_fleet_store(two_hosts):
+    from tuner.plot import frontier_from_store
+    from tuner.results import open_for_read
+
+    f, a, b = two_hosts
+    ro = open_for_read(f.url)
+    try:
+        both = frontier_from_store(ro, model="tiny")
+        only_b = frontier_from_store(ro, model="tiny", host="host-b")
+        with pytest.raises(Exception, match="on host 'host-c'"):
+            frontier_from_store(ro, model="tiny", host="host-c")
+    finally:
+        ro.close()
+    assert {s["drop"] for s in both["frontiers"]} == {"x@host-a", "x@host-b"}
+    assert {s["drop"] for s in only_b["frontiers"]} == {"x@host-b"}
+    [props] = [s for s in only_b["frontiers"] if "proposals" in s["label"]]
+    assert props["label"].startswith("x@host-b: proposals") and [p[0] for p in props["points"]] == [0.6]
