@@ -348,7 +348,9 @@ def render(res: CheckResult) -> str:
              f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
-        f" (vLLM's own, in {info['python']})" if info.get("name") == "vllm" else
+        f" (vLLM's own, in {info['python']}"
+        + (f"; import {info['import_s']:.1f} s)" if isinstance(info.get("import_s"), (int, float)) else ")")
+        if info.get("name") == "vllm" else
         f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
         lines.append("read: " + "; ".join(f"{w} -> {k} {read['values'][k]!r}" for k, w in read["spelled"].items()))

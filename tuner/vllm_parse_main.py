@@ -144,13 +144,13 @@ def main(argv):
     t0 = time.perf_counter()
     try:
         if importlib.util.find_spec("vllm") is None:
-            print(json.dumps({"unavailable": f"no vllm package in {sys.executable}"}))
+            print(json.dumps({"unavailable": "no vllm package importable"}))
             return EXIT_UNAVAILABLE
         with contextlib.redirect_stdout(sys.stderr):
             import vllm  # noqa: F401 - its version, and the import cost measured once
             from vllm.entrypoints.cli.serve import ServeSubcommand  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - a broken install: the caller falls back and says why
-        print(json.dumps({"unavailable": f"import vllm failed in {sys.executable}: {type(exc).__name__}: {exc}"}))
+        print(json.dumps({"unavailable": f"import vllm failed: {type(exc).__name__}: {exc}"}))
         return EXIT_UNAVAILABLE
     import_s = round(time.perf_counter() - t0, 3)
     version = getattr(vllm, "__version__", None)

@@ -112,9 +112,6 @@ def to_serve_args(res: dict, argv: Sequence[str], config_file: str | None, *, py
                  "note": note}
         (out.unmodelled if role == UNMODELLED else out.ignored).append(entry)
     out.notes += list(res.get("config_notes") or [])
-    imp = res.get("import_s")
-    out.notes.insert(0, f"parsed by vLLM {version}'s own `vllm serve` parser in {python}"
-                        + (f" (import {imp:.1f} s)" if isinstance(imp, (int, float)) else ""))
     return out
 
 
@@ -195,7 +192,6 @@ class AutoServeParser:
         except VllmParserUnavailable as exc:
             sa = BUILTIN.parse(argv, config_file)
             sa.parser_info = {"name": "built-in", "fallback_reason": str(exc), "python": self.vllm.python}
-            sa.notes.insert(0, f"parsed by ctx-tuner's built-in parser (vLLM 0.32's rules): {exc}")
             self.name = BUILTIN.name
             return sa
         self.name = self.vllm.name
