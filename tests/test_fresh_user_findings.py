@@ -102,3 +102,39 @@ def test_plot_had_no_host_filter_nor_label_in_a_fleet_store(two_hosts):
     assert {s["drop"] for s in only_b["frontiers"]} == {"x@host-b"}
     [props] = [s for s in only_b["frontiers"] if "proposals" in s["label"]]
     assert props["label"].startswith("x@host-b: proposals") and [p[0] for p in props["points"]] == [0.6]
+
+
+def _readme_sample(command: str) -> list[str]:
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    block = text.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
+    return [ln.rstrip().replace("/src/ctx-tuner", str(REPO)) for ln in block.splitlines()]
+
+
+@pytest.mark.slow
+def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
+    """The README's profile and explain samples are the commands' real output (header lines of
+    explain: its remedies run more jobs), the ``sources:`` line included."""
+    import json
+    import os
+
+    from tests.conftest import REPO
+    from tuner.cli import main
+    from tuner.job import run_job
+
+    monkeypatch.setattr("tuner.worker.run_in_worker",
+                        lambda request, *, job, timeout_s=600.0, on_progress=None, **kw: json.loads(
+                            json.dumps(run_job(request))))
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
+    drop = "configs/examples/llama-3.1-8b-rtx3090-v0.yaml"
+    db = str(tmp_path / "r.sqlite")
+    assert main(["profile", drop, "--db", db]) == 0
+    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
+    assert out == _readme_sample(f"ctx-tuner profile {drop}")
+    assert out[2].startswith("sources: total_memory catalog")
+    main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"])
+    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
+    assert out[:3] == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")[:3]
+    assert os.path.isfile(db)
