@@ -116,12 +116,25 @@ def parse_one(argv):
         return EXIT_REFUSED, {"error": [_error_text(err.getvalue())], "error_type": "ArgumentError"}
     except Exception as exc:  # noqa: BLE001 - whatever vLLM raises is its refusal, reported as such
         return EXIT_REFUSED, {"error": [str(exc) or type(exc).__name__], "error_type": type(exc).__name__}
-    # the same line again with every default unset: what is set now was given (line or config file)
+    # the same line again with every default unset: what is set now was given (line or config file).
+    # Actions that build on their default (append, count, extend) keep it: set = differs from it.
+    import argparse
+
     parser2, serve2, _ = _build()
-    serve2.set_defaults(**{a.dest: _UNSET for a in serve2._actions if a.dest not in ("help",)})
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        ns2 = parser2.parse_args(list(argv))
-    explicit = {k: _jsonable(v) for k, v in vars(ns2).items() if v is not _UNSET and k not in _PLUMBING}
+    accumulating = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
+                    getattr(argparse, "_ExtendAction", argparse._AppendAction))
+    kept = {a.dest: a.default for a in serve2._actions if isinstance(a, accumulating)}
+    serve2.set_defaults(**{a.dest: _UNSET for a in serve2._actions if a.dest not in ("help",) and a.dest not in kept})
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            ns2 = parser2.parse_args(list(argv))
+    except (Exception, SystemExit):  # noqa: BLE001 - a custom action that needs its default: compare instead
+        defaults = {a.dest: a.default for a in serve._actions}
+        ns2 = argparse.Namespace(**{k: (v if k not in defaults or v != defaults[k] else _UNSET)
+                                    for k, v in vars(ns).items()})
+        kept = {}
+    explicit = {k: _jsonable(v) for k, v in vars(ns2).items()
+                if v is not _UNSET and k not in _PLUMBING and not (k in kept and v == kept[k])}
     options = {a.dest: list(a.option_strings) for a in serve2._actions if a.dest in explicit}
     out = {k: _jsonable(getattr(ns, k, None)) for k in DESTS}
     if getattr(ns, "model_tag", None):
