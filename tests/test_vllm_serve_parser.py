@@ -117,3 +117,23 @@ def test_builtin_parser_does_not_read_config_equals_form(tmp_path):
     sa = parse_serve(["vllm", "serve", "m", f"--config={cfg}", "-tp", "2"])
     assert sa.values == {"tensor_parallel_size": 2}  # vLLM stores --config=FILE and never opens it
     assert any("file is NOT read" in n for n in sa.notes)
+
+
+def test_check_worker_python_from_settings_engine_pythons(tmp_path):
+    from types import SimpleNamespace
+
+    from tuner.commands.check import _python
+
+    pys = {}
+    for name in ("py019", "pyother"):
+        p = tmp_path / name
+        p.write_text("#!/bin/sh\n")
+        p.chmod(0o755)
+        pys[name] = str(p)
+    st = tmp_path / "tuner.yaml"
+    st.write_text(f"worker_python: {pys['pyother']}\nengine_pythons: {{'0.19.0': {pys['py019']}}}\n")
+    args = lambda **kw: SimpleNamespace(**{"worker_python": None, "settings": str(st), "engine_version": None, **kw})
+    assert _python(args(engine_version="0.19.0")) == pys["py019"]
+    assert _python(args(engine_version="0.6.4")) == pys["pyother"]
+    assert _python(args(worker_python=pys["pyother"], engine_version="0.19.0")) == pys["pyother"]
+    assert _python(args(settings=None)) is None
