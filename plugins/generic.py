@@ -81,6 +81,14 @@ def qwen2_defaults(text: dict) -> dict:
     return out
 
 
+#: Architectures whose vLLM MLP keeps the ``gate_up`` output in a named local across
+#: ``down_proj`` (``Qwen2MLP``, which qwen3.py imports as ``Qwen3MLP``; ``GraniteMLP``;
+#: ``InternLM2MLP``; vllm/model_executor/models/*.py 0.6.4, 0.7.3, 0.8.4, 0.9.2, 0.10.1.1 read).
+#: ``LlamaMLP`` (Llama, Mistral, Yi) rebinds ``x`` and frees it. Matters for eager profiles only
+#: (:class:`tuner.simulate.layers.GatedMLP` ``holds_gate_up``).
+MLP_HOLDS_GATE_UP = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM"})
+
+
 class GenericDecoderPlugin(ModelPlugin):
     """Dense decoder (Llama family and look-alikes)."""
 
@@ -144,6 +152,7 @@ class GenericDecoderPlugin(ModelPlugin):
         kv = kv_heads_per_rank(spec.num_key_value_heads, tp)
         inter = spec.intermediate_size // tp
         rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
+        holds = bool(set(spec.architectures or ()) & MLP_HOLDS_GATE_UP)
         layers = []
         for i in stage_layers(spec, settings):
             attn = L.Attention(h, heads, kv, spec.head_dim, dtype, rope, qkv_bias=self.qkv_bias(spec),
@@ -153,7 +162,7 @@ class GenericDecoderPlugin(ModelPlugin):
                 attn.q_norm = L.RMSNorm(spec.head_dim, dtype)
                 attn.k_norm = L.RMSNorm(spec.head_dim, dtype)
             mlp = L.GatedMLP(h, inter, dtype, compiled=settings.compiled, bias=bool(spec.raw.get("mlp_bias")),
-                             quant=quant, prefix=f"model.layers.{i}.mlp")
+                             quant=quant, prefix=f"model.layers.{i}.mlp", holds_gate_up=holds)
             layers.append(L.DecoderLayer(attn, mlp, h, dtype))
         first, last = rank == 0, rank == pp - 1
         embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and spec.tie_word_embeddings)) else None
