@@ -89,6 +89,26 @@ def qwen2_defaults(text: dict) -> dict:
 MLP_HOLDS_GATE_UP = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM"})
 
 
+def rope_cache_rows(spec) -> int:
+    """Rows of vLLM's ``cos_sin_cache`` (vllm/model_executor/layers/rotary_embedding.py ``get_rope``,
+    0.6.4 / 0.8.4 read): ``yarn`` → ``original_max_position_embeddings × factor``
+    (``YaRNScalingRotaryEmbedding``); ``linear`` and ``dynamic`` → ``max_position × factor``
+    (``LinearScalingRotaryEmbedding``, ``DynamicNTKScalingRotaryEmbedding``); the default and
+    ``llama3`` → ``max_position_embeddings``."""
+    rp = spec.raw.get("rope_scaling") or spec.raw.get("rope_parameters") or {}
+    kind = (rp.get("rope_type") or rp.get("type") or "default") if isinstance(rp, dict) else "default"
+    try:
+        factor = float(rp.get("factor") or 1.0)
+    except (TypeError, ValueError, AttributeError):
+        factor = 1.0
+    if kind == "yarn":
+        base = int(rp.get("original_max_position_embeddings") or spec.max_position_embeddings)
+        return int(base * factor)
+    if kind in ("linear", "dynamic"):
+        return int(spec.max_position_embeddings * factor)
+    return spec.max_position_embeddings
+
+
 class GenericDecoderPlugin(ModelPlugin):
     """Dense decoder (Llama family and look-alikes)."""
 
@@ -151,7 +171,7 @@ class GenericDecoderPlugin(ModelPlugin):
         heads = spec.num_attention_heads // tp
         kv = kv_heads_per_rank(spec.num_key_value_heads, tp)
         inter = spec.intermediate_size // tp
-        rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
+        rope = L.RotaryEmbedding(rope_cache_rows(spec), spec.rotary_dim, dtype)
         holds = bool(set(spec.architectures or ()) & MLP_HOLDS_GATE_UP)
         layers = []
         for i in stage_layers(spec, settings):

@@ -85,3 +85,77 @@ def test_v0_tp4_activation_peak_counts_the_out_of_place_all_reduce(shared_dir):
     n, h, i = 131072, 5120 * BF16, 27648 // 4 * BF16
     assert abs(row["predicted_activation_peak_gib"] * (1 << 30) - n * (5 * h + 3 * i)) < 0.02 * (1 << 30)
     assert abs(row["predicted_activation_peak_gib"] - 11.32) < 0.02
+
+
+# -- the CUDA caching allocator's blocks (torch c10/core/AllocatorConfig.h, CUDACachingAllocator.cpp)
+
+def test_allocator_keeps_the_rounded_segment_when_at_most_1_mib_remains():
+    from tuner.allocator import fresh_segment_block_bytes, round_request
+
+    MiB = 1 << 20
+    assert round_request(1) == 512 and round_request(0) == 0
+    assert fresh_segment_block_bytes(9 * MiB + 1) == 9 * MiB + 512  # 1-10 MiB: split out of a 20 MiB segment
+    assert fresh_segment_block_bytes(int(17.5 * MiB)) == 18 * MiB  # 0.5 MiB left: not split
+    assert fresh_segment_block_bytes(135 * MiB) == 136 * MiB  # exactly 1 MiB left: not split (> kSmallSize)
+    assert fresh_segment_block_bytes(int(134.5 * MiB)) == int(134.5 * MiB)  # 1.5 MiB left: split
+    assert fresh_segment_block_bytes(48 * MiB) == 48 * MiB
+
+
+def test_allocator_rounding_of_qwen25_32b_tp4_weights():
+    """Per layer at TP4: qkv [1792, 5120] 17.5 MiB → 18, o [5120, 1280] 12.5 → split (1.5 MiB left),
+    gate_up [13824, 5120] 135 → 136, down [5120, 6912] 67.5 → 68: +2 MiB; Llama-3.1-8B's sizes are
+    all 2 MiB multiples."""
+    from tuner.allocator import weights_rounding_bytes
+
+    MiB = 1 << 20
+    dtype = torch.bfloat16
+    with torch.device("meta"):
+        qwen = L.GatedMLP(5120, 6912, dtype)
+        attn = L.Attention(5120, 10, 2, 128, dtype, None, qkv_bias=True)
+        llama = L.GatedMLP(4096, 14336, dtype)
+    assert weights_rounding_bytes(qwen) == int(1.5 * MiB)
+    # qkv weight 17.5 MiB -> 18; o 12.5 MiB is split from its 14 MiB segment; the 3.5 KiB bias is exact
+    assert weights_rounding_bytes(attn) == MiB // 2
+    assert weights_rounding_bytes(llama) == 0
+
+
+def test_rope_cache_rows_follow_get_rope():
+    from types import SimpleNamespace
+
+    from plugins.generic import rope_cache_rows
+
+    def spec(rp):
+        return SimpleNamespace(raw={"rope_scaling": rp} if rp else {}, max_position_embeddings=32768)
+
+    assert rope_cache_rows(spec(None)) == 32768
+    assert rope_cache_rows(spec({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})) == 131072
+    assert rope_cache_rows(spec({"type": "linear", "factor": 2.0})) == 65536
+    assert rope_cache_rows(spec({"rope_type": "llama3", "factor": 8.0})) == 32768
+
+
+def test_hf_overrides_drop_field_and_config(shared_dir):
+    import pytest
+
+    from tuner.drop import parse_drop
+    from tuner.errors import DropError
+    from tuner.modelspec import load_model_spec
+    from tuner.search import derived_max_model_len
+
+    drop = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates:\n  gpu_memory_utilization: [0.9]\n"
+            "hf_overrides: {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}\n")
+    d = parse_drop(drop, "x.yaml")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert d.hf_overrides == {"rope_scaling": yarn} and d.to_dict()["hf_overrides"] == {"rope_scaling": yarn}
+    with pytest.raises(DropError) as e:
+        parse_drop(drop.replace("hf_overrides: {rope_scaling: {", "hf_overrides: {max_position_embeddings: null, x: {"),
+                   "x.yaml")
+    assert e.value.field == "hf_overrides.max_position_embeddings" and e.value.path == "x.yaml"
+    with pytest.raises(DropError) as e:
+        parse_drop(drop.split("hf_overrides")[0] + "hf_overrides: [1]\n", "x.yaml")
+    assert e.value.field == "hf_overrides"
+    path = shared_dir / "models" / "Qwen--Qwen2.5-Coder-32B-Instruct" / "config.json"
+    plain, _ = load_model_spec(path)
+    spec, _ = load_model_spec(path, overrides={"rope_scaling": yarn})
+    assert derived_max_model_len(plain.raw)[0] == 32768
+    assert derived_max_model_len(spec.raw)[0] == 131072  # vLLM's factor rule sees the override
+    assert spec.config_sha256 != plain.config_sha256

@@ -356,11 +356,14 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         warnings.append(warn)
     top = read_top(request["config_path"])
     defaults = plugin.config_defaults(without_nulls(top))  # a null key gets the default a missing one gets
-    spec_memo_key = passmemo.spec_key(request["config_path"], top, plugin, defaults)
+    hf_overrides = d.get("hf_overrides") or None
+    # the drop's hf_overrides change the spec: part of its memo key (pass keys follow config_sha256)
+    spec_memo_key = passmemo.spec_key(request["config_path"], top, plugin,
+                                      {**defaults, "hf_overrides": hf_overrides} if hf_overrides else defaults)
     if pass_memo is not None:
         spec = pass_memo.spec(spec_memo_key)
     else:
-        spec, _hf = load_model_spec(request["config_path"], defaults=defaults)
+        spec, _hf = load_model_spec(request["config_path"], defaults=defaults, overrides=hf_overrides)
         versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version()}
         value = passmemo.spec_to_value(spec, versions)
