@@ -159,3 +159,11 @@ def test_hf_overrides_drop_field_and_config(shared_dir):
     assert derived_max_model_len(plain.raw)[0] == 32768
     assert derived_max_model_len(spec.raw)[0] == 131072  # vLLM's factor rule sees the override
     assert spec.config_sha256 != plain.config_sha256
+
+
+def test_hf_overrides_flag_is_read_from_a_serve_command():
+    from tuner.serve_args import parse_serve
+
+    a = parse_serve(["vllm", "serve", "m", "--hf-overrides", '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'])
+    assert a.values["hf_overrides"] == {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert not a.unmodelled and not a.unknown
