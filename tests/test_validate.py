@@ -142,11 +142,11 @@ def test_validate_cli_json_on_the_visible_cases(shared_dir, tmp_path):
     assert llama["observed_num_gpu_blocks"] == 29751 and abs(llama["error_pct"]) < 0.5 and not llama["unsafe"]
     v0 = by_id["vllm-10517-rtx3090-llama31-8b-29k"]
     assert v0["predicted_fits"] is False and v0["observed_fits"] is False
-    # Issue 7's gate on the visible set; issue 16's median target (≤ 0.5 %) is met, its p90 (≤ 2 %) and
-    # unsafe (≤ 1) targets are not yet: the unsafe cases are pinned to the known, unmodelled mechanisms
-    # (README "Accuracy") so that no new one slips in.
+    # Issue 7's gate on the visible set; issue 16's median (≤ 0.5 %) and p90 (≤ 2 %: 1.90 since the V0 TP4
+    # activation is modelled) targets are met, its unsafe target (≤ 1) is not yet: the unsafe cases are
+    # pinned to the known, unmodelled mechanisms (README "Accuracy") so that no new one slips in.
     assert s["median_abs_error_pct"] <= 0.5, s
-    assert s["p90_abs_error_pct"] <= 5.0, s
+    assert s["p90_abs_error_pct"] <= 2.0, s
     known_unsafe = {
         "club3090-46-2x4090-tp2-qwen36-27b-autoround-dflash-180k-v0201rc1",  # DFlash drafter, not in the settings
         "vllm-pr51590-8x-rtxpro4500-gptoss120b-tp8-v0280",  # MXFP4 experts off Hopper: weights 8.65 vs 9.98 GiB
