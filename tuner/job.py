@@ -143,6 +143,16 @@ def _compute_capability(device: dict) -> str | None:
     return dev.compute_capability if dev is not None else None
 
 
+def _free_memory_from_host(device: dict, era: Any) -> bool:
+    """:func:`tuner.budget.free_memory_from_host` for the request's device (catalog ``integrated``)."""
+    from tuner.budget import free_memory_from_host
+    from tuner.devices import lookup
+
+    dev = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
+    integrated = device.get("integrated", dev.integrated if dev is not None else None)
+    return free_memory_from_host(era, compute_capability=_compute_capability(device), integrated=integrated)
+
+
 def _engine_use(request: dict, d: dict, spec: Any, plugin: Any, unserved: bool, top: dict, era: Any,
                 stage_settings: list, total: int, pp: int) -> Any:
     """The job's use of an installed vLLM (:mod:`tuner.engine.use`), or None where none is
@@ -356,11 +366,14 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
         warnings.append(warn)
     top = read_top(request["config_path"])
     defaults = plugin.config_defaults(without_nulls(top))  # a null key gets the default a missing one gets
-    spec_memo_key = passmemo.spec_key(request["config_path"], top, plugin, defaults)
+    hf_overrides = d.get("hf_overrides") or None
+    # the drop's hf_overrides change the spec: part of its memo key (pass keys follow config_sha256)
+    spec_memo_key = passmemo.spec_key(request["config_path"], top, plugin,
+                                      {**defaults, "hf_overrides": hf_overrides} if hf_overrides else defaults)
     if pass_memo is not None:
         spec = pass_memo.spec(spec_memo_key)
     else:
-        spec, _hf = load_model_spec(request["config_path"], defaults=defaults)
+        spec, _hf = load_model_spec(request["config_path"], defaults=defaults, overrides=hf_overrides)
         versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version()}
         value = passmemo.spec_to_value(spec, versions)
@@ -467,6 +480,10 @@ def run_job(request: dict[str, Any], *, pass_memo: Any = None) -> dict[str, Any]
                     drafter_activation_bytes_per_token=drafter_act_per_token,
                     other_processes_bytes=other_processes_bytes(device, d),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(d, era))
+    if _free_memory_from_host(device, era):
+        warnings.append(f"vLLM {era.version} reads free memory on this unified-memory device ({device.get('name')}) "
+                        "from the host's available memory, not cudaMemGetInfo: RAM that other host processes use is "
+                        "co-tenant memory to its start-up check (give it as other_processes_memory_gib)")
     if spec_cfg and not drafter_modelled:
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "
                         "profile run are not modelled (only its CUDA-graph capture sizes); expect fewer KV blocks "

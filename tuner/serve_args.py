@@ -236,7 +236,7 @@ FLAGS: tuple[Flag, ...] = (
     # change start-up memory in ways ctx-tuner does not model
     _u("cpu_offload_gb", ["--cpu-offload-gb"], note="weights offloaded to the CPU"),
     _u("num_gpu_blocks_override", ["--num-gpu-blocks-override"], note="replaces the block count"),
-    _u("hf_overrides", ["--hf-overrides"], note="changes the model config"),
+    _m("hf_overrides", ["--hf-overrides"], _json_or_str, note="merged into the model config before it is sized"),
     _u("enable_lora", ["--enable-lora"], "bool", note="LoRA buffers"),
     _u("max_loras", ["--max-loras"]), _u("max_lora_rank", ["--max-lora-rank"]),
     _u("limit_mm_per_prompt", ["--limit-mm-per-prompt"], note="changes the multimodal profile run"),
