@@ -81,6 +81,34 @@ def qwen2_defaults(text: dict) -> dict:
     return out
 
 
+#: Architectures whose vLLM MLP keeps the ``gate_up`` output in a named local across
+#: ``down_proj`` (``Qwen2MLP``, which qwen3.py imports as ``Qwen3MLP``; ``GraniteMLP``;
+#: ``InternLM2MLP``; vllm/model_executor/models/*.py 0.6.4, 0.7.3, 0.8.4, 0.9.2, 0.10.1.1 read).
+#: ``LlamaMLP`` (Llama, Mistral, Yi) rebinds ``x`` and frees it. Matters for eager profiles only
+#: (:class:`tuner.simulate.layers.GatedMLP` ``holds_gate_up``).
+MLP_HOLDS_GATE_UP = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM"})
+
+
+def rope_cache_rows(spec) -> int:
+    """Rows of vLLM's ``cos_sin_cache`` (vllm/model_executor/layers/rotary_embedding.py ``get_rope``,
+    0.6.4 / 0.8.4 read): ``yarn`` → ``original_max_position_embeddings × factor``
+    (``YaRNScalingRotaryEmbedding``); ``linear`` and ``dynamic`` → ``max_position × factor``
+    (``LinearScalingRotaryEmbedding``, ``DynamicNTKScalingRotaryEmbedding``); the default and
+    ``llama3`` → ``max_position_embeddings``."""
+    rp = spec.raw.get("rope_scaling") or spec.raw.get("rope_parameters") or {}
+    kind = (rp.get("rope_type") or rp.get("type") or "default") if isinstance(rp, dict) else "default"
+    try:
+        factor = float(rp.get("factor") or 1.0)
+    except (TypeError, ValueError, AttributeError):
+        factor = 1.0
+    if kind == "yarn":
+        base = int(rp.get("original_max_position_embeddings") or spec.max_position_embeddings)
+        return int(base * factor)
+    if kind in ("linear", "dynamic"):
+        return int(spec.max_position_embeddings * factor)
+    return spec.max_position_embeddings
+
+
 class GenericDecoderPlugin(ModelPlugin):
     """Dense decoder (Llama family and look-alikes)."""
 
@@ -143,7 +171,8 @@ class GenericDecoderPlugin(ModelPlugin):
         heads = spec.num_attention_heads // tp
         kv = kv_heads_per_rank(spec.num_key_value_heads, tp)
         inter = spec.intermediate_size // tp
-        rope = L.RotaryEmbedding(spec.max_position_embeddings, spec.rotary_dim, dtype)
+        rope = L.RotaryEmbedding(rope_cache_rows(spec), spec.rotary_dim, dtype)
+        holds = bool(set(spec.architectures or ()) & MLP_HOLDS_GATE_UP)
         layers = []
         for i in stage_layers(spec, settings):
             attn = L.Attention(h, heads, kv, spec.head_dim, dtype, rope, qkv_bias=self.qkv_bias(spec),
@@ -153,7 +182,7 @@ class GenericDecoderPlugin(ModelPlugin):
                 attn.q_norm = L.RMSNorm(spec.head_dim, dtype)
                 attn.k_norm = L.RMSNorm(spec.head_dim, dtype)
             mlp = L.GatedMLP(h, inter, dtype, compiled=settings.compiled, bias=bool(spec.raw.get("mlp_bias")),
-                             quant=quant, prefix=f"model.layers.{i}.mlp")
+                             quant=quant, prefix=f"model.layers.{i}.mlp", holds_gate_up=holds)
             layers.append(L.DecoderLayer(attn, mlp, h, dtype))
         first, last = rank == 0, rank == pp - 1
         embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and spec.tie_word_embeddings)) else None

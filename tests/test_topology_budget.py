@@ -268,3 +268,33 @@ def test_co_tenant_drop_field_refuses_what_the_free_memory_check_refuses(tmp_pat
     c = evaluate(era_for("0.19.0"), layout, ProfileBatch(8192, 256, 256, True), [p], gpu_memory_utilization=0.85,
                  max_model_len=8192)
     assert c.starts
+
+
+def test_free_memory_from_host_on_unified_memory_by_release():
+    """vllm/utils/mem_utils.py ``MemorySnapshot.measure``: none in 0.11.0; by capability in 0.19
+    (Orin 8.7, Thor 11.0, Spark 12.1); by the ``is_integrated`` property in 0.26 / 0.28."""
+    from tuner.budget import free_memory_from_host
+
+    spark = lookup("NVIDIA GB10")
+    assert spark is not None and spark.integrated is True and spark.compute_capability == "12.1"
+    gh200 = lookup("NVIDIA GH200 480GB")
+    assert gh200 is not None and not gh200.integrated  # own HBM: cudaMemGetInfo
+    for version, cc, integrated, expected in [("0.11.0", "12.1", True, False), ("0.19.0", "12.1", None, True),
+                                              ("0.19.0", "9.0", None, False), ("0.19.0", "8.7", None, True),
+                                              ("0.26.0", "12.1", False, False), ("0.28.0", "12.1", True, True),
+                                              ("0.28.0", "9.0", False, False)]:
+        assert free_memory_from_host(era_for(version), compute_capability=cc, integrated=integrated) is expected, version
+    assert free_memory_from_host(era_for("0.8.4", "V0"), compute_capability="12.1", integrated=True) is False
+
+
+def test_unified_memory_device_warns_that_host_ram_is_co_tenant_memory(shared_dir):
+    from tuner.job import run_job
+    from tuner.validate import case_request
+
+    case = {"id": "spark", "model": "Qwen/Qwen3-0.6B", "vllm_version": "0.28.0", "engine": "V1", "gpu": "NVIDIA GB10",
+            "gpu_total_gib": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "dtype": "bfloat16",
+            "settings": {"gpu_memory_utilization": 0.5, "max_model_len": 4096}, "observed": {}}
+    warned = [w for w in run_job(case_request(case, shared_dir / "models"))["warnings"] if "unified-memory" in w]
+    assert len(warned) == 1 and "other_processes_memory_gib" in warned[0]
+    case.update(gpu="NVIDIA H100 80GB")
+    assert not [w for w in run_job(case_request(case, shared_dir / "models"))["warnings"] if "unified-memory" in w]

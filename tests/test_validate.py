@@ -142,14 +142,12 @@ def test_validate_cli_json_on_the_visible_cases(shared_dir, tmp_path):
     assert llama["observed_num_gpu_blocks"] == 29751 and abs(llama["error_pct"]) < 0.5 and not llama["unsafe"]
     v0 = by_id["vllm-10517-rtx3090-llama31-8b-29k"]
     assert v0["predicted_fits"] is False and v0["observed_fits"] is False
-    # Issue 7's gate on the visible set; issue 16's median target (≤ 0.5 %) is met, its p90 (≤ 2 %) and
-    # unsafe (≤ 1) targets are not yet: the unsafe cases are pinned to the known, unmodelled mechanisms
-    # (README "Accuracy") so that no new one slips in.
+    # Issue 7's gate on the visible set; issue 16's median (≤ 0.5 %) and p90 (≤ 2 %: 1.90 since the V0 TP4
+    # activation is modelled) targets are met, its unsafe target (≤ 1) is not yet: the unsafe cases are
+    # pinned to the known, unmodelled mechanisms (README "Accuracy") so that no new one slips in.
     assert s["median_abs_error_pct"] <= 0.5, s
-    assert s["p90_abs_error_pct"] <= 5.0, s
+    assert s["p90_abs_error_pct"] <= 2.0, s
     known_unsafe = {
-        # V0 0.8.0 from its [worker.py:267] line: TP4 activation at 131072 tokens 8.82 vs 11.32 GiB logged
-        "vllm-16883-4xl40-tp4-qwen25-coder-32b-ngram-v0-131k",
         "club3090-46-2x4090-tp2-qwen36-27b-autoround-dflash-180k-v0201rc1",  # DFlash drafter, not in the settings
         "vllm-pr51590-8x-rtxpro4500-gptoss120b-tp8-v0280",  # MXFP4 experts off Hopper: weights 8.65 vs 9.98 GiB
         "vllm-42058-a100-80gb-qwen3-8b-v0260-eager-kv-auto",  # settings not stated (lower confidence)
@@ -163,6 +161,12 @@ def test_validate_cli_json_on_the_visible_cases(shared_dir, tmp_path):
     # (it was -20 % with the flat 2.13 GiB of the H100 logs); with its MTP layer's KV the tokens are safe
     pcie = by_id["club3090-584-4x3090-tp4-qwen36-27b-autoround-mtp3-fp8e5m2-v024"]
     assert abs(pcie["error_pct"]) < 10 and pcie["predicted_non_torch_gib"] == 0.25 and not pcie["unsafe"]
+    # V0 0.8.x TP4 on PCIe L40s at 131072 tokens (was +20.75 %, unsafe): the out-of-place all-reduce and
+    # Qwen2MLP's gate_up (activation 11.32 GiB as logged), the allocator's rounding of the weights and the
+    # CLI's YaRN rope_scaling (hf_overrides: rotary cache, allowed length) meet the log
+    tp4 = by_id["vllm-16883-4xl40-tp4-qwen25-coder-32b-ngram-v0-131k"]
+    assert abs(tp4["error_pct"]) < 0.5 and not tp4["unsafe"] and tp4["predicted_fits"] is True
+    assert abs(tp4["predicted_activation_peak_gib"] - 11.32) < 0.02 and abs(tp4["predicted_weights_gib"] - 15.41) < 0.02
     # the safety reserve proportional to what it covers: the 3 GiB cache of Qwen2.5-72B at TP2 within 2 %
     assert abs(by_id["llmd-v019-qwen-qwen2-5-72b-instruc-tp2pp1dp1--8192"]["error_pct"]) < 2.0
 

@@ -285,6 +285,27 @@ def co_tenant_non_torch_bytes(era: Era, other_processes_bytes: int) -> int:
     return 0
 
 
+#: Compute capabilities vLLM 0.19 treats as unified memory (vllm/utils/mem_utils.py
+#: ``MemorySnapshot.measure`` ``shared_sysmem_device_mem_sms``: Orin 8.7, Thor 11.0, Spark 12.1).
+UMA_CAPABILITIES_0_19 = ("8.7", "11.0", "12.1")
+
+
+def free_memory_from_host(era: Era, *, compute_capability: str | None, integrated: bool | None) -> bool:
+    """Whether the release reads a device's free memory from the host's available memory
+    (``psutil.virtual_memory().available``) instead of ``cudaMemGetInfo`` — so that RAM other host
+    processes use is co-tenant memory to its free-memory check and its ``total − free`` snapshots.
+
+    vllm/utils/mem_utils.py ``MemorySnapshot.measure``: 0.9.2–0.11.0 read (never; V0 likewise);
+    0.19 read: by compute capability (:data:`UMA_CAPABILITIES_0_19`; 0.12–0.18 and 0.20–0.25 not
+    read, taken as 0.19); 0.26 and 0.28 read: the device's ``is_integrated`` property
+    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``)."""
+    if era.engine != "V1" or era.version < (0, 12, 0):
+        return False
+    if era.version < (0, 26, 0):
+        return str(compute_capability or "") in UMA_CAPABILITIES_0_19
+    return bool(integrated)
+
+
 def free_memory_refusal(era: Era, *, total_memory_bytes: int, other_processes_bytes: int,
                         gpu_memory_utilization: float, requested_memory_bytes: int) -> str | None:
     """vLLM's start-up refusal when free memory is below the request (V1 0.9.1+,

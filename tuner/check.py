@@ -202,6 +202,15 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
 
     sa = parse_serve(argv, config_file, parser=parser)
     warnings: list[str] = []
+    parsed_by = sa.parser_info.get("vllm_version") if sa.parser_info.get("name") == "vllm" else None
+    release = re.match(r"\d+\.\d+(?:\.\d+)?", str(parsed_by or ""))
+    if engine_version is None and release:  # the release whose parser read the line
+        engine_version = release.group(0)
+        warnings.append(f"--engine-version not given: checked against vLLM {parsed_by}, whose parser read the line "
+                        f"({sa.parser_info.get('python')})")
+    elif engine_version is not None and parsed_by and not str(parsed_by).startswith(str(engine_version)):
+        warnings.append(f"the line was parsed by vLLM {parsed_by}'s parser; the memory rules are vLLM "
+                        f"{engine_version}'s (--engine-version)")
     if engine_version is None:
         engine_version, why = default_engine_version()
         if engine_version is None:
@@ -287,6 +296,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "command": serve_line(model, checked_values),
         "numbers": numbers,
         "nearest": nearest,
+        "parser": sa.parser,
         "read": sa.to_dict(),
         "not_modelled": unmodelled,
         "drop": {k: v for k, v in d.items()},
@@ -342,6 +352,12 @@ def render(res: CheckResult) -> str:
     lines = [f"check: {d['command']}",
              f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
              f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+    info = read.get("parser_info") or {}
+    lines.append(f"parser: {read.get('parser', 'built-in')}" + (
+        f" (vLLM's own, in {info['python']}"
+        + (f"; import {info['import_s']:.1f} s)" if isinstance(info.get("import_s"), (int, float)) else ")")
+        if info.get("name") == "vllm" else
+        f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
         lines.append("read: " + "; ".join(f"{w} -> {k} {read['values'][k]!r}" for k, w in read["spelled"].items()))
     for e in read["ignored"]:

@@ -864,11 +864,26 @@ class Daemon:
         except DropError:
             return True
 
+    @staticmethod
+    def _invalid_drop_name(path: str, raw: bytes | None) -> str:
+        """The name an invalid drop's job is stored under (``jobs.name``, what ``retry`` and
+        ``results`` find it by): the YAML mapping's ``name`` when the bytes load as one with a
+        string name, else the file stem."""
+        stem = os.path.splitext(os.path.basename(path))[0] or path
+        if raw is None:
+            return stem
+        try:
+            data = yaml.load(raw, Loader=_LOADER)
+        except (yaml.YAMLError, ValueError, RecursionError):
+            return stem
+        name = data.get("name") if isinstance(data, dict) else None
+        return name.strip()[:128] if isinstance(name, str) and name.strip() else stem
+
     def _admit(self, path: str, state: FileState, *, changed: bool) -> None:
         self._status_dirty = self._snapshot_dirty = True
         if state.error is not None:
             err = DropError(state.error, path=path)
-            job = self.queue.record_invalid(path, state.sha256, None, err)
+            job = self.queue.record_invalid(path, state.sha256, None, err, name=self._invalid_drop_name(path, None))
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
             return
         assert state.raw is not None
@@ -876,7 +891,8 @@ class Daemon:
         try:
             drop = self._parse(path, state.raw)
         except DropError as err:
-            job = self.queue.record_invalid(path, state.sha256, text, err)
+            job = self.queue.record_invalid(path, state.sha256, text, err,
+                                            name=self._invalid_drop_name(path, state.raw))
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
             return
         job = self.queue.enqueue(path, state.sha256, text, name=drop.name)

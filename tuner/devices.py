@@ -75,6 +75,9 @@ class Device:
     interconnect: str | None = None
     #: CUDA peer-to-peer access between two such cards (None: unknown, taken as available).
     p2p: bool | None = None
+    #: CUDA's ``is_integrated`` device property: GPU and CPU share one physical memory (DGX Spark
+    #: GB10, Jetson); None when unknown. GH200/GB200 have their own HBM and are not integrated.
+    integrated: bool | None = None
 
     @property
     def total_memory_gib(self) -> float:
@@ -122,7 +125,7 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         if not isinstance(entry, dict):
             raise DeviceError(f"entry {i} is not a mapping", where=where)
         unknown = set(entry) - {"name", "total_memory_bytes", "compute_capability", "source", "aliases",
-                                "interconnect", "p2p"}
+                                "interconnect", "p2p", "integrated"}
         if unknown:
             raise DeviceError(f"entry {i}: unknown keys {sorted(unknown)}", where=where)
         name, total = entry.get("name"), entry.get("total_memory_bytes")
@@ -142,8 +145,11 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         p2p = entry.get("p2p")
         if p2p is not None and not isinstance(p2p, bool):
             raise DeviceError(f"{name}: 'p2p' must be true or false", where=where)
+        integrated = entry.get("integrated")
+        if integrated is not None and not isinstance(integrated, bool):
+            raise DeviceError(f"{name}: 'integrated' must be true or false", where=where)
         dev = Device(name=name, total_memory_bytes=total, source=str(entry.get("source") or "typical"),
-                     compute_capability=cc, interconnect=ic, p2p=p2p)
+                     compute_capability=cc, interconnect=ic, p2p=p2p, integrated=integrated)
         devices.append(dev)
         for alias in [name, *aliases]:
             for k in _keys(alias):
@@ -366,7 +372,7 @@ def _resolve_mapping(value: Mapping) -> Device:
         ic = ic if ic is not None else known.interconnect
         p2p = p2p if p2p is not None else known.p2p
     return Device(name=name.strip(), total_memory_bytes=total, source=_SOURCE_DROP, compute_capability=cc,
-                  interconnect=ic, p2p=p2p)
+                  interconnect=ic, p2p=p2p, integrated=known.integrated if known is not None else None)
 
 
 def _text(v: Any) -> str:
@@ -442,7 +448,7 @@ def _resolve_auto(nvml: Any) -> Device:
         source = _SOURCE_NVML
     return Device(name=known.name, total_memory_bytes=total, source=source,
                   compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free,
-                  interconnect=known.interconnect, p2p=known.p2p)
+                  interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated)
 
 
 @dataclass(frozen=True)

@@ -328,6 +328,26 @@ _SPEC_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", 
               "draft_tensor_parallel_size")
 
 
+def _hf_overrides(v: Any) -> dict | None:
+    """vLLM's ``--hf-overrides`` as a mapping of config keys (strings) to JSON values, merged into
+    the model's (text) config before anything is sized; a key set to null is refused (vLLM would
+    set the attribute to None, which no size survives)."""
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise _Invalid(f"must be a mapping of config keys to values or null, not {_type_name(v)} {v!r}")
+    out: dict[str, Any] = {}
+    for k, val in v.items():
+        if not isinstance(k, str) or not k.strip():
+            raise _Invalid(f"keys must be non-empty strings, not {k!r}")
+        if val is None:
+            raise _Invalid("must not be null (drop the key to keep the checkpoint's value)", sub=f".{k}")
+        if not isinstance(val, (str, int, float, bool, list, Mapping)):
+            raise _Invalid(f"must be a JSON value, not {_type_name(val)}", sub=f".{k}")
+        out[k.strip()] = dict(val) if isinstance(val, Mapping) else val
+    return out
+
+
 def _speculative_config(v: Any) -> dict | None:
     """vLLM's ``--speculative-config`` as a mapping: ``method`` (one of :data:`SPEC_METHODS`),
     ``num_speculative_tokens`` (1–1024), optional ``model``, ``prompt_lookup_min`` /
@@ -485,6 +505,11 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "profile run, from the drafter's config.json (`model`: a local path, relative to the drop, or an HF id "
               "found like the drop's `model`; `validate` looks in its models directory); a drafter whose config is "
               "not found, and medusa / mlp_speculator, are not modelled (a warning says so).", _speculative_config),
+    DropField("hf_overrides", "mapping | null", None,
+              "As vLLM's --hf-overrides: config keys merged into the model's (text) config.json before it is sized, "
+              "e.g. `{rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}` for a "
+              "long-context Qwen2.5 (the allowed max_model_len and the rotary cache follow it). null = the "
+              "checkpoint's config as is.", _hf_overrides),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("entry_point", "serve | offline", "serve",
@@ -580,6 +605,7 @@ class Drop:
     other_processes_memory_gib: float | None = None
     disable_custom_all_reduce: bool = False
     speculative_config: dict | None = field(default=None, hash=False)
+    hf_overrides: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False
     entry_point: str = "serve"
     #: HF revision of an HF id ``model`` (None = the default branch).

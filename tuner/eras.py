@@ -414,6 +414,20 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
     return listed or not is_moe
 
 
+def tp_all_reduce_out_of_place(version: str | VllmVersion) -> bool:
+    """Whether the release's tensor-parallel all-reduce of an ``[N, H]`` profile activation
+    returns a new tensor (vllm/distributed/parallel_state.py ``GroupCoordinator.all_reduce``).
+
+    0.6.5+ (0.6.5, 0.6.6, 0.7.0, 0.7.3, 0.8.0, 0.8.4, 0.19 read): always out of place —
+    ``torch.ops.vllm.all_reduce`` → ``_all_reduce_out_place``: custom all-reduce, else pynccl
+    ``out_tensor = torch.empty_like(in_tensor)`` (0.7.3+ through ``CudaCommunicator.all_reduce``;
+    later also symmetric memory and FlashInfer, all out of place). 0.6.4: out of place only
+    through custom all-reduce when ``should_custom_ar`` (inputs under its 8 MiB ``max_size``),
+    else ``inplace_all_reduce`` (pynccl / torch.distributed in place), so every profile-sized
+    activation is reduced in place."""
+    return VllmVersion.parse(version) >= (0, 6, 5)
+
+
 def resolve_dtype(requested: str, config_dtype: str) -> str:
     """The model dtype vLLM runs (``ModelConfig.dtype``): ``auto`` → bfloat16 for bf16
     checkpoints, float16 for fp16 and fp32 checkpoints; an explicit dtype wins."""

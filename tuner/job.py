@@ -159,6 +159,16 @@ def _compute_capability(device: dict) -> str | None:
     return dev.compute_capability if dev is not None else None
 
 
+def _free_memory_from_host(device: dict, era: Any) -> bool:
+    """:func:`tuner.budget.free_memory_from_host` for the request's device (catalog ``integrated``)."""
+    from tuner.budget import free_memory_from_host
+    from tuner.devices import lookup
+
+    dev = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
+    integrated = device.get("integrated", dev.integrated if dev is not None else None)
+    return free_memory_from_host(era, compute_capability=_compute_capability(device), integrated=integrated)
+
+
 def _engine_use(req: "JobRequest", spec: Any, plugin: Any, unserved: bool, top: dict, era: Any,
                 stage_settings: list, total: int, pp: int) -> Any:
     """The job's use of an installed vLLM (:mod:`tuner.engine.use`), or None where none is
@@ -377,7 +387,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     drop, device = req.drop, req.device
     total = int(device["total_memory_bytes"])
     warnings: list[str] = []
-    model = load_model(req.config_path, warnings, pass_memo=pass_memo,
+    model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
     era = era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager))
     ranks = rank_settings(drop, model, era, device, warnings)
@@ -459,11 +469,12 @@ class LoadedModel:
     unserved: str | None
 
 
-def load_model(config_path: str, warnings: list[str], *, pass_memo: Any = None, memo_entries: list | None = None,
-               versions: dict | None = None) -> LoadedModel:
+def load_model(config_path: str, warnings: list[str], *, hf_overrides: Any = None, pass_memo: Any = None,
+               memo_entries: list | None = None, versions: dict | None = None) -> LoadedModel:
     """Stage 1: the plugin for the config's architectures and the model spec, with the plugin's
     defaults for keys a partial config lacks (each one a warning,
-    :func:`tuner.modelspec.defaults_applied`); every plugin that failed to load is a warning.
+    :func:`tuner.modelspec.defaults_applied`) and the drop's ``hf_overrides`` (vLLM
+    ``--hf-overrides``); every plugin that failed to load is a warning.
 
     With ``pass_memo`` the spec comes from the memo (:class:`tuner.passmemo.MemoMiss` when it is
     not there); else it is built with transformers and, where it survives the JSON round trip,
@@ -478,11 +489,14 @@ def load_model(config_path: str, warnings: list[str], *, pass_memo: Any = None, 
         warnings.append(warn)
     top = read_top(config_path)
     defaults = plugin.config_defaults(without_nulls(top))  # a null key gets the default a missing one gets
-    spec_memo_key = passmemo.spec_key(config_path, top, plugin, defaults)
+    hf_overrides = dict(hf_overrides) if hf_overrides else None
+    # the drop's hf_overrides change the spec: part of its memo key (pass keys follow config_sha256)
+    spec_memo_key = passmemo.spec_key(config_path, top, plugin,
+                                      {**defaults, "hf_overrides": hf_overrides} if hf_overrides else defaults)
     if pass_memo is not None:
         spec = pass_memo.spec(spec_memo_key)
     else:
-        spec, _hf = load_model_spec(config_path, defaults=defaults)
+        spec, _hf = load_model_spec(config_path, defaults=defaults, overrides=hf_overrides)
         value = passmemo.spec_to_value(spec, dict(versions or {}))
         if value is not None and memo_entries is not None:
             memo_entries.append(passmemo.entry(passmemo.SPEC, spec_memo_key, value, spec=spec))
@@ -629,6 +643,10 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
                     other_processes_bytes=other_processes_bytes(device, drop),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era))
+    if _free_memory_from_host(device, era):
+        warnings.append(f"vLLM {era.version} reads free memory on this unified-memory device ({device.get('name')}) "
+                        "from the host's available memory, not cudaMemGetInfo: RAM that other host processes use is "
+                        "co-tenant memory to its start-up check (give it as other_processes_memory_gib)")
     spec_cfg = drop.speculative_config or {}
     if spec_cfg and not kv.drafter_modelled:
         warnings.append(f"speculative_config method {spec_cfg['method']!r}: the drafter's weights, KV layers and "

@@ -258,12 +258,15 @@ def _dtype_name(value: Any) -> str:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(s, s)
 
 
-def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None) -> tuple[ModelSpec, Any]:
+def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None,
+                    overrides: dict | None = None) -> tuple[ModelSpec, Any]:
     """Read ``config_path`` with ``transformers.AutoConfig`` (offline, no remote code).
 
     Args:
         defaults: values for text-config keys the file lacks (a plugin's family defaults for
             partial configs, :meth:`tuner.plugin.ModelPlugin.config_defaults`); the file wins.
+        overrides: the drop's ``hf_overrides`` (vLLM ``--hf-overrides``): text-config keys that win
+            over the file and the defaults; ``config_sha256`` hashes the config with them applied.
 
     Returns:
         ``(spec, hf_config)``: the :class:`ModelSpec` and the transformers config object.
@@ -329,6 +332,33 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
                 return d
 
         text_cfg = _WithDefaults()
+
+    overrides = dict(overrides or {})
+    if overrides:
+        inner = text_cfg
+
+        class _WithOverrides:
+            """vLLM's ``--hf-overrides``: the drop's keys win over the file and every default."""
+
+            def __getattr__(self, name: str) -> Any:
+                return overrides[name] if name in overrides else _first(inner, name)
+
+            def to_dict(self) -> dict:
+                d = {**inner.to_dict(), **overrides}
+                if isinstance(overrides.get("rope_scaling"), dict) and isinstance(d.get("rope_parameters"), dict) \
+                        and "rope_parameters" not in overrides:
+                    # transformers ≥ 5 keeps RoPE in ``rope_parameters`` (rope_theta inside): an
+                    # overridden ``rope_scaling`` is what that dict then holds, as vLLM reads it
+                    d["rope_parameters"] = {**d["rope_parameters"], **overrides["rope_scaling"]}
+                return d
+
+        text_cfg = _WithOverrides()
+        top = dict(top)
+        if text_json is not None:
+            text_json = {**text_json, **overrides}
+            top["text_config"] = text_json
+        else:
+            top.update(overrides)
 
     def pick(*names: str) -> tuple[str, Any]:
         """(the dotted field name that supplied a value, the value); the first name and None

@@ -106,17 +106,22 @@ def frontier_from_drop(drop_path: str, *, gpu_memory_utilization: list[float] | 
 
 
 def frontier_from_store(store: Store, *, model: str, device: str | None = None,
-                        concurrency: list[float] | None = None) -> dict:
+                        concurrency: list[float] | None = None, host: str | None = None) -> dict:
     """The same picture from stored results: the latest drops whose model (and device) contain the
     given text — their proposals, grid points and the concurrency lines the grid supports — and
-    the measured runs of that model."""
+    the measured runs of that model. In a fleet store each series is labelled ``NAME@HOST`` (as
+    ``results`` labels proposals); ``host`` keeps only that ``host_id``'s drops."""
     drops = latest_drops(store, model=model, device=device)
+    if host is not None:
+        drops = [dr for dr in drops if dr.get("host_id") == host]
     if not drops:
         raise TunerError(f"no stored drop whose model contains {model!r}"
-                         + (f" and device contains {device!r}" if device else ""), where=store.where)
+                         + (f" and device contains {device!r}" if device else "")
+                         + (f" on host {host!r}" if host is not None else ""), where=store.where)
     cs = sorted({1.0, *(float(c) for c in (concurrency or (2, 4)))})
     frontiers, surface = [], []
     for dr in drops:
+        dr = {**dr, "name": dr["name"] + (f"@{dr['host_id']}" if dr.get("host_id") else "")}
         try:
             min_c = float(((yaml.safe_load(dr["content"]) or {}).get("constraints") or {}).get("min_concurrency") or 1)
         except yaml.YAMLError:
@@ -142,7 +147,8 @@ def frontier_from_store(store: Store, *, model: str, device: str | None = None,
             frontiers.append({"label": f"{dr['name']}: grid, >= {k:g} requests", "min_concurrency": k,
                               "drop": dr["name"], "points": pts})
     measured = _measured(store, model_like=model, device_like=device)
-    title = f"stored results for model ~ {model!r}" + (f", device ~ {device!r}" if device else "")
+    title = (f"stored results for model ~ {model!r}" + (f", device ~ {device!r}" if device else "")
+             + (f", host {host}" if host is not None else ""))
     return {"title": title, "source": "store", "frontiers": frontiers, "surface": surface, "measured": measured,
             "non_monotone_at": _non_monotone_us(surface)}
 

@@ -22,7 +22,8 @@ The rules follow vLLM 0.32's ``vllm/utils/argparse_utils.py`` (``FlexibleArgumen
 - lengths and token counts (``--max-model-len``, ``--max-num-batched-tokens``,
   ``--kv-cache-memory-bytes``): ``25.6k`` = 25600, ``32k`` = 32000 (decimal ``k m g t``), ``32K`` =
   32768 (binary ``K M G T``, no decimals); ``--max-model-len auto`` or ``-1`` = auto-fit (0.14+).
-- a config file (``--config FILE``, ``.yaml``/``.yml``): each key becomes ``--key``; ``true`` →
+- a config file (``--config FILE``, ``.yaml``/``.yml``; ``--config=FILE`` is stored and not read,
+  as vLLM's ``"--config" in args`` test misses it): each key becomes ``--key``; ``true`` →
   ``--key``; ``false`` is dropped (``vllm serve`` looks for ``--no-key`` among the top-level
   parser's options, where it never is: reported; ``no-key: true`` is the spelling that works); a
   list → ``--key item …``; a mapping → JSON. Config arguments come after the model and before the remaining
@@ -235,7 +236,7 @@ FLAGS: tuple[Flag, ...] = (
     # change start-up memory in ways ctx-tuner does not model
     _u("cpu_offload_gb", ["--cpu-offload-gb"], note="weights offloaded to the CPU"),
     _u("num_gpu_blocks_override", ["--num-gpu-blocks-override"], note="replaces the block count"),
-    _u("hf_overrides", ["--hf-overrides"], note="changes the model config"),
+    _m("hf_overrides", ["--hf-overrides"], _json_or_str, note="merged into the model config before it is sized"),
     _u("enable_lora", ["--enable-lora"], "bool", note="LoRA buffers"),
     _u("max_loras", ["--max-loras"]), _u("max_lora_rank", ["--max-lora-rank"]),
     _u("limit_mm_per_prompt", ["--limit-mm-per-prompt"], note="changes the multimodal profile run"),
@@ -294,11 +295,15 @@ class ServeArgs:
     notes: list[str] = field(default_factory=list)
     config_file: str | None = None
     parser: str = "built-in"
+    #: which parser read the line: ``name`` (``vllm``/``built-in``), ``vllm_version``, ``python``,
+    #: ``import_s``, or ``fallback_reason`` when vLLM's could not be used
+    parser_info: dict = field(default_factory=lambda: {"name": "built-in"})
 
     def to_dict(self) -> dict:
         return {"model": self.model, "values": dict(self.values), "spelled": dict(self.spelled),
                 "ignored": list(self.ignored), "not_modelled": list(self.unmodelled), "unknown": list(self.unknown),
-                "notes": list(self.notes), "config_file": self.config_file, "parser": self.parser}
+                "notes": list(self.notes), "config_file": self.config_file, "parser": self.parser,
+                "parser_info": dict(self.parser_info)}
 
 
 class ServeParser(Protocol):
@@ -436,7 +441,13 @@ class BuiltinServeParser:
                 notes.append("--model moved to the positional model, as `vllm serve` does (vLLM warns that the "
                              "option will be removed)")
                 break
-        configs = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
+        # vLLM reads a config file only for the exact word `--config` (``"--config" in args``); the
+        # serve parser then stores `--config=FILE` as an option and never opens the file
+        for a in [a for a in args if a.startswith("--config=")]:
+            args = [x for x in args if x != a]
+            notes.append(f"{a}: vLLM reads a config file only as `--config FILE` (two words); this spelling is "
+                         "stored and the file is NOT read")
+        configs = [i for i, a in enumerate(args) if a == "--config"]
         if configs and config_file:
             raise ServeArgsError("More than one config file specified!", where="--config")
         if len(configs) > 1:
@@ -449,8 +460,6 @@ class BuiltinServeParser:
                     raise ServeArgsError("No config file specified! Please check your command-line arguments.",
                                          where="--config")
                 config_file, args = args[i + 1], args[:i] + args[i + 2:]
-            else:
-                config_file, args = args[i].removeprefix("--config="), args[:i] + args[i + 1:]
         if config_file:
             config_args, cnotes = load_config_file(config_file)
             notes += cnotes

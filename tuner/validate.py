@@ -129,6 +129,16 @@ def _speculative(value: Any) -> dict | None:
     return out
 
 
+def _hf_overrides(settings: dict) -> dict | None:
+    """A case's config overrides as the drop's ``hf_overrides``: its ``hf_overrides`` and a
+    ``rope_scaling`` given on vLLM's command line (``--rope-scaling``, 0.4–0.9; later through
+    ``--hf-overrides``)."""
+    out = dict(settings.get("hf_overrides") or {})
+    if isinstance(settings.get("rope_scaling"), dict):
+        out["rope_scaling"] = dict(settings["rope_scaling"])
+    return out or None
+
+
 def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None = None) -> dict:
     """The job request (:func:`tuner.job.run_job`) that reproduces one case: its release, engine,
     device total, dtype, KV dtype, quantization, TP/PP and settings, one candidate
@@ -161,7 +171,8 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
                 disable_custom_all_reduce=bool(s.get("disable_custom_all_reduce")),
                 data_parallel_size=int(s.get("data_parallel_size") or 1),
                 enable_expert_parallel=bool(s.get("enable_expert_parallel")),
-                speculative_config=_speculative(s.get("speculative_config")), entry_point="serve",
+                speculative_config=_speculative(s.get("speculative_config")), hf_overrides=_hf_overrides(s),
+                entry_point="serve",
                 candidates=Candidates(gpu_memory_utilization=(u,) if u else (), max_model_len=(max_model_len,)))
     draft_path = draft_error = None
     spec = drop.speculative_config or {}

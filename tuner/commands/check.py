@@ -40,6 +40,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
                    help="do not search the nearest settings that start (fp8 KV cache, more GPUs)")
+    p.add_argument("--parser", choices=("auto", "vllm", "built-in"), default="auto",
+                   help="who parses the line: auto (default: the installed vLLM's own parser when vLLM is importable "
+                        "in the worker Python, else ctx-tuner's built-in one), vllm (vLLM's or exit 2), built-in")
+    p.add_argument("--worker-python", metavar="PATH", default=None,
+                   help="Python with vLLM (the engine adapter's interpreter) for the parser and the worker job; "
+                        "default: the settings' engine_pythons/worker_python (--settings), $CTX_TUNER_WORKER_PYTHON, "
+                        "else this interpreter")
+    p.add_argument("--settings", default=None, metavar="FILE",
+                   help="daemon settings whose engine_pythons (by --engine-version) / worker_python choose the "
+                        "worker Python")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds")
     return p
@@ -58,8 +68,26 @@ def run(args) -> int:
               "or --config vllm.yaml", file=sys.stderr)
         return EXIT_INVALID
     try:
+        python = _python(args)
+    except TunerError as exc:
+        _fail(args, "invalid input", exc)
+        return EXIT_INVALID
+    from tuner.vllm_serve_parser import VllmParserUnavailable, make_parser
+
+    kw = {}
+    if python is not None:
+        import functools
+
+        from tuner.worker import run_in_worker
+
+        kw["worker"] = functools.partial(run_in_worker, python=python)
+    try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
-                        timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled)
+                        timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
+                        parser=make_parser(args.parser, python), **kw)
+    except VllmParserUnavailable as exc:
+        _fail(args, "invalid input", exc)
+        return EXIT_INVALID
     except (ServeArgsError, CheckInputError) as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID
@@ -74,6 +102,32 @@ def run(args) -> int:
     else:
         print(render(res))
     return res.exit_code
+
+
+def _python(args) -> str | None:
+    """The worker Python: ``--worker-python``, else the settings' ``engine_pythons`` entry for
+    ``--engine-version`` / ``worker_python`` (``--settings``), else None (the environment's or this one).
+
+    Raises:
+        TunerError: not an executable; SettingsError: unreadable settings.
+    """
+    import os
+    import shutil
+
+    from tuner.errors import TunerError
+
+    wp, where = args.worker_python, "--worker-python"
+    if wp is None and args.settings:
+        from tuner.settings import load_settings
+
+        wp, where = load_settings(args.settings).python_for(args.engine_version), args.settings
+    if wp is None:
+        return None
+    path = os.path.expanduser(wp)
+    if not ((os.sep in path and os.path.isfile(path) and os.access(path, os.X_OK))
+            or (os.sep not in path and shutil.which(path))):
+        raise TunerError(f"{wp}: not an executable Python", where=where)
+    return path
 
 
 def _fail(args, kind: str, exc: Exception) -> None:

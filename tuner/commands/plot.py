@@ -43,6 +43,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("drop", nargs="?", help="drop YAML file to sweep (simulated now), or use --model")
     p.add_argument("--model", help="plot stored results of models whose name contains this text")
     p.add_argument("--device", help="with --model: only devices whose name contains this text")
+    p.add_argument("--host", default=None,
+                   help="with --model, in a fleet store: only this host_id's drops (series are labelled NAME@HOST)")
     p.add_argument("-o", "--output", required=True, help="image file to write, format by extension (png, svg, pdf, …; the plotted series go to "
                         "NAME.json for a png, NAME.EXT.json for other formats)")
     p.add_argument("--gmu", type=_gmu, nargs="+", metavar="U",
@@ -63,6 +65,9 @@ def run(args) -> int:
     from tuner.plot import _import_pyplot, frontier_from_drop, frontier_from_store, render_png, sidecar_path
     from tuner.results import open_for_read
 
+    if args.host is not None and args.model is None:
+        print("ctx-tuner plot: --host filters stored results: give it with --model TEXT", file=sys.stderr)
+        return EXIT_USAGE
     if (args.drop is None) == (args.model is None):
         print("ctx-tuner plot: give a drop file or --model TEXT (one of them)", file=sys.stderr)
         return EXIT_USAGE
@@ -75,7 +80,8 @@ def run(args) -> int:
             return EXIT_USAGE
         if args.model is not None:
             store = open_for_read(args.db)
-            data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency)
+            data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency,
+                                       host=args.host)
         else:
             from tuner.store import store_exists
 

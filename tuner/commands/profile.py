@@ -174,6 +174,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return prof
 
 
+def _missing_db_parent(db: str | None) -> str | None:
+    """The parent directory of an explicit ``--db`` SQLite file when it does not exist (a typo in
+    a path must not silently create a directory tree), else None. Server URLs and the default
+    store (``db`` None) are not checked."""
+    import os
+
+    from tuner.errors import StoreError
+    from tuner.store import _is_file_sqlite, _resolve_url
+
+    if not db:
+        return None
+    try:
+        u = _resolve_url(db, "")
+    except StoreError:
+        return None  # the store reports a bad URL itself
+    if not _is_file_sqlite(u) or str(u.database).startswith("file:"):
+        return None
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(str(u.database))))
+    return None if os.path.isdir(parent) else parent
+
+
 def run(args) -> int:
     from tuner.app import profile
     from tuner.commands.explain import progress_printer
@@ -194,6 +215,11 @@ def run(args) -> int:
             print(f"ctx-tuner: --worker-python {wp}: not an executable Python", file=sys.stderr)
             return EXIT_USAGE
         kw["worker"] = functools.partial(run_in_worker, python=path)
+    missing = _missing_db_parent(args.db)
+    if missing is not None:
+        print(f"ctx-tuner profile: --db {args.db}: directory {missing} does not exist (create it first; only the "
+              "default var/ctx-tuner.sqlite gets its directory made)", file=sys.stderr)
+        return EXIT_USAGE
     show = progress_printer(args)
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
         kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)

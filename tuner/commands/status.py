@@ -1,4 +1,4 @@
-"""``ctx-tuner status [--settings FILE] [--json]``: is the daemon healthy? For probes (Kubernetes
+"""``ctx-tuner status [--settings FILE] [--fleet] [--json]``: is the daemon healthy? For probes (Kubernetes
 liveness, systemd, monitoring). Exit codes: 0 healthy; 1 unhealthy (the store cannot be read, or
 ``metrics_listen`` is set and the daemon's endpoint does not answer); 2 invalid settings."""
 
@@ -16,27 +16,52 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="health of the daemon's store and metrics endpoint (exit 0 healthy)")
     p.add_argument("--settings", default=DEFAULT_SETTINGS_PATH, help=f"daemon settings (default {DEFAULT_SETTINGS_PATH})")
+    p.add_argument("--fleet", action="store_true",
+                   help="count the jobs of every host in a shared store (default: this daemon's, by host_id and "
+                        "watch_dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
-def check_health(settings) -> dict:
-    """``{"healthy", "store", "jobs", "metrics", "problems"}`` for a daemon's settings (store opened
-    read-only; the metrics endpoint scraped when configured)."""
+def _owner_id(conn, settings) -> tuple[int | None, bool]:
+    """This daemon's ``hosts.id`` (host_id + watch_dir) and whether the store has owners at all
+    (revision 0007); ``(None, True)``: a fleet store where this daemon has no row yet."""
+    import sqlalchemy as sa
+
+    if "hosts" not in sa.inspect(conn).get_table_names():
+        return None, False
+    row = conn.execute(sa.text("SELECT id FROM hosts WHERE host_id = :h AND watch_dir = :w"),
+                       {"h": settings.host, "w": str(settings.watch_dir)}).first()
+    return (int(row[0]) if row else None), True
+
+
+def check_health(settings, *, fleet: bool = False) -> dict:
+    """``{"healthy", "store", "jobs", "jobs_scope", "metrics", "problems"}`` for a daemon's settings
+    (store opened read-only; the metrics endpoint scraped when configured). ``jobs`` counts this
+    daemon's jobs (its ``hosts`` row: ``host_id`` + ``watch_dir``) in a fleet store, every job with
+    ``fleet`` or in a store without owners; ``jobs_scope`` says which (``host HOST`` / ``fleet``)."""
     import sqlalchemy as sa
 
     from tuner.errors import TunerError
     from tuner.store import open_store, store_exists
 
-    out: dict = {"store": settings.db_url, "jobs": None, "metrics": None, "problems": []}
+    out: dict = {"store": settings.db_url, "jobs": None, "jobs_scope": None, "metrics": None, "problems": []}
     try:
         if not store_exists(settings.db_url):
             raise TunerError("the store does not exist yet (has the daemon started?)", where=settings.db_url)
         store = open_store(settings.db_url, readonly=True)
         try:
             with store.engine.connect() as conn:
-                out["jobs"] = {k: int(v) for k, v in conn.execute(
-                    sa.text("SELECT status, COUNT(*) FROM jobs GROUP BY status")).all()}
+                owner, owned = (None, False) if fleet else _owner_id(conn, settings)
+                if owned:
+                    out["jobs_scope"] = f"host {settings.host}"
+                    out["jobs"] = {k: int(v) for k, v in conn.execute(
+                        sa.text("SELECT status, COUNT(*) FROM jobs WHERE owner_id = :o GROUP BY status"),
+                        {"o": owner}).all()} if owner is not None else {}
+                else:
+                    out["jobs_scope"] = "fleet"
+                    out["jobs"] = {k: int(v) for k, v in conn.execute(
+                        sa.text("SELECT status, COUNT(*) FROM jobs GROUP BY status")).all()}
         finally:
             store.close()
     except Exception as exc:  # any failure to read the store is unhealthy
@@ -65,12 +90,12 @@ def run(args) -> int:
     except SettingsError as exc:
         print(f"ctx-tuner status: invalid settings: {exc}", file=sys.stderr)
         return 2
-    h = check_health(settings)
+    h = check_health(settings, fleet=args.fleet)
     if args.json:
         print(json.dumps(h, indent=2))
     else:
         print(f"{'healthy' if h['healthy'] else 'UNHEALTHY'}: store {h['store']}"
-              + (f", jobs {h['jobs']}" if h["jobs"] is not None else "")
+              + (f", jobs ({h['jobs_scope']}) {h['jobs']}" if h["jobs"] is not None else "")
               + (f", metrics {h['metrics']['listen']}" if h["metrics"] else ""))
         for p in h["problems"]:
             print(f"  {p}")

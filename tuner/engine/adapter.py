@@ -106,6 +106,8 @@ class EngineSettings:
     block_size: int = 16
     trust_remote_code: bool = False
     multimodal: bool = False
+    #: the drop's ``hf_overrides`` (vLLM ``EngineArgs.hf_overrides``), None = none
+    hf_overrides: dict | None = None
 
 
 @dataclass
@@ -377,6 +379,8 @@ def open_session(model_dir: str, settings: EngineSettings, *, path: str | None =
                               kv_cache_memory_bytes=1 << 30, distributed_executor_backend="uni")
     if settings.multimodal:
         kw["language_model_only"] = True
+    if settings.hf_overrides:
+        kw["hf_overrides"] = dict(settings.hf_overrides)
     t1 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(sys.stderr):

@@ -111,7 +111,7 @@ def engine_settings(d: dict, *, block_size: int, multimodal: bool, trust_remote_
         max_model_len=max(grid) if (unchunked and grid) else None,
         max_num_batched_tokens=d.get("max_num_batched_tokens"), max_num_seqs=d.get("max_num_seqs"),
         enable_chunked_prefill=d.get("enable_chunked_prefill"), block_size=int(block_size), multimodal=multimodal,
-        trust_remote_code=trust_remote_code)
+        trust_remote_code=trust_remote_code, hf_overrides=d.get("hf_overrides") or None)
 
 
 def gpu_block_size(d: dict, plugin_specs: dict | None) -> int:

@@ -47,8 +47,19 @@ class Linear(nn.Module):
             self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.out_dtype = dtype
+        #: set by :func:`mark_tp_all_reduce` on a row-parallel layer whose output the release
+        #: all-reduces out of place (a new tensor while the partial sum is still alive).
+        self.all_reduce_out_of_place = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        if self.all_reduce_out_of_place:
+            reduced = torch.empty_like(out)  # tensor_model_parallel_all_reduce(output_parallel)
+            del out
+            return reduced
+        return out
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         w = getattr(self, "weight", None)
         if w is None or w.dtype != x.dtype or w.shape != (self.out_features, self.in_features):
             aq = getattr(self, "input_quant", None)  # W8A8: (dtype name, scale columns), see quant.py
@@ -140,23 +151,31 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``gate_up_proj`` → ``silu_and_mul`` → ``down_proj`` (vLLM ``LlamaMLP``)."""
+    """``gate_up_proj`` → ``silu_and_mul`` → ``down_proj`` (vLLM ``LlamaMLP``).
+
+    ``holds_gate_up``: the vLLM class keeps the ``gate_up`` output in a named local across
+    ``down_proj`` (``gate_up, _ = self.gate_up_proj(x); x = self.act_fn(gate_up); x, _ =
+    self.down_proj(x)``: ``Qwen2MLP`` — also Qwen3's —, ``GraniteMLP``, ``InternLM2MLP``,
+    ``Gemma2MLP``, vllm/model_executor/models/*.py 0.6.4–0.10.1 read), which matters only where the
+    profile runs eagerly; ``LlamaMLP`` rebinds ``x`` and frees it (the default)."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *, compiled: bool = True, bias: bool = False,
-                 quant=None, prefix: str = "") -> None:
+                 quant=None, prefix: str = "", holds_gate_up: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, dtype, bias=bias, quant=quant, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = Linear(intermediate, hidden, dtype, bias=bias, quant=quant, prefix=f"{prefix}.down_proj")
         self.compiled = compiled
+        self.holds_gate_up = holds_gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         act = gate_up.new_empty(gate_up.shape[0], self.intermediate)  # silu_and_mul output
-        if not self.compiled:
-            # Calibrated, not derived: V0 start-ups (RTX 3090, Llama-3.1-8B, N = 20000 and 29000)
-            # grow by ~110 KB/token = 3·[N, H] + gate_up + act, i.e. gate_up is gone before
-            # down_proj allocates; V1's compiled graphs hold it (CodeLlama-7B, 0.19: ~101 KB/token).
+        if not self.compiled and not self.holds_gate_up:
+            # Eager LlamaMLP (``x, _ = self.gate_up_proj(x); x = self.act_fn(x)``) drops gate_up
+            # before down_proj allocates: V0 start-ups (RTX 3090, Llama-3.1-8B, N = 20000 and 29000)
+            # grow by ~110 KB/token = 3·[N, H] + gate_up + act; V1's compiled graphs hold it
+            # (CodeLlama-7B, 0.19: ~101 KB/token).
             del gate_up
         out = self.down_proj(act)
         return out
@@ -200,6 +219,32 @@ class DecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
+
+
+def mark_tp_all_reduce(model: nn.Module) -> int:
+    """Make the row-parallel projections of every :class:`DecoderLayer` all-reduce out of place:
+    the attention's ``o_proj`` and the dense MLP's ``down_proj`` / ``fc2`` (MoE blocks and MLA
+    model their own reduce; a shared expert under an MoE block is not the layer's ``mlp`` and
+    is left alone). vLLM ``RowParallelLinear.forward`` (vllm/model_executor/layers/linear.py)
+    returns ``tensor_model_parallel_all_reduce(output_parallel)`` while ``output_parallel`` is still
+    a live local; from 0.6.5 that all-reduce always returns a new tensor (custom all-reduce, pynccl
+    ``out_tensor = torch.empty_like(in_tensor)``, symmetric memory), so both are alive at once.
+    Returns the number of layers marked."""
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, DecoderLayer):
+            continue
+        targets = []
+        if isinstance(m.self_attn, Attention):
+            targets.append(m.self_attn.o_proj)
+        if isinstance(m.mlp, GatedMLP):
+            targets.append(m.mlp.down_proj)
+        elif isinstance(m.mlp, PlainMLP):
+            targets.append(m.mlp.fc2)
+        for lin in targets:
+            lin.all_reduce_out_of_place = True
+            n += 1
+    return n
 
 
 class VocabEmbedding(nn.Module):

@@ -222,13 +222,21 @@ class ModelCache:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
         recorder = _BatchReads.wrap(settings) if dataclasses.is_dataclass(settings) else settings
         built = BuiltModel((), backend, mode, None, 0, True, ())
+        from tuner.allocator import weights_rounding_bytes
+        from tuner.eras import tp_all_reduce_out_of_place
+        from tuner.simulate.layers import mark_tp_all_reduce
         from tuner.simulate.moe import expert_layout
 
         with torch.no_grad(), built.context():
             with expert_layout(settings.tensor_parallel_size, getattr(settings, "data_parallel_size", 1),
                                getattr(settings, "enable_expert_parallel", False)):
                 model = plugin.build_model(spec, recorder)
+            if settings.tensor_parallel_size > 1 and tp_all_reduce_out_of_place(settings.engine_version):
+                mark_tp_all_reduce(model)
             weights = int(plugin.weights_bytes(spec, recorder, model))
+            if settings.runs_attention:
+                # V0 (no calibrated reserve there): the caching allocator's rounding of the weights
+                weights += weights_rounding_bytes(model)
         batch = recorder is settings or _BatchReads.seen()
         self.builds += 1
         return BuiltModel(self._key(plugin, spec, settings, backend, batch), backend, mode, model, weights, batch,

@@ -1,0 +1,140 @@
+"""Small failures found by a fresh-user test (issue 17 follow-up), one regression test each."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_daemon import Harness
+
+
+@pytest.fixture
+def h(tmp_path, tiny_config):
+    harness = Harness(tmp_path, tiny_config)
+    yield harness
+    harness.close()
+
+
+def test_invalid_drop_job_stored_with_null_name(h):
+    d = h.start()
+    (h.conf / "bad.yaml").write_text("name: bad-name\nmodel: [1, 2]\n")  # YAML mapping, invalid drop
+    (h.conf / "garbage.yaml").write_text("name: [unclosed\n")  # not YAML at all
+    (h.conf / "listy.yaml").write_text("- name: x\n")  # YAML, not a mapping
+    h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(3,)], what="3 failed")
+    rows = dict(h.rows("SELECT path, name FROM jobs"))
+    assert rows == {str(h.conf / "bad.yaml"): "bad-name", str(h.conf / "garbage.yaml"): "garbage",
+                    str(h.conf / "listy.yaml"): "listy"}
+
+
+def test_devices_command_missing_from_readme_commands():
+    """Every subcommand of the CLI is named in the README's "Commands" section."""
+    import argparse
+
+    from tests.conftest import REPO
+    from tuner.cli import build_parser
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [name for name in sub.choices if f"`{name}`" not in section and f"ctx-tuner {name}" not in section]
+    assert missing == []
+    assert "ctx-tuner devices [--json]" in section
+
+
+def test_profile_db_in_missing_directory_was_created_silently(tmp_path, tiny_config, capsys):
+    from tuner.cli import main
+
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\n")
+    db = tmp_path / "no" / "such" / "dir" / "r.sqlite"
+    assert main(["profile", str(drop), "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert f"directory {db.parent} does not exist" in err
+    assert not (tmp_path / "no").exists()
+    assert main(["profile", str(drop), "--db", f"sqlite:///{db}"]) == 2  # the URL form too
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.fixture
+def two_hosts(tmp_path, tiny_config, monkeypatch):
+    """Two daemons (host-a, host-b) sharing one SQLite store, each with a done drop ``x``."""
+    from pathlib import Path
+
+    from tests._daemon_helpers import drop_text, poll
+    from tests.test_daemon_fleet import Fleet
+
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
+    f = Fleet(tmp_path, f"sqlite:///{tmp_path / 'fleet.sqlite'}", tiny_config)
+    a, b = f.start("a"), f.start("b")
+    for d, gmu in ((a, 0.5), (b, 0.6)):
+        (Path(d.settings.watch_dir) / "x.yaml").write_text(drop_text("x", f.model, gmu=(gmu,)))
+    (Path(b.settings.watch_dir) / "bad.yaml").write_text("name: bad\nmodel: [1]\n")
+    poll(lambda: len(f.rows("SELECT 1 FROM jobs WHERE status IN ('done', 'failed')")) == 3, 20,
+         step=lambda: (a.step(max_wait_s=0.05), b.step(max_wait_s=0.05)), what="jobs finished")
+    yield f, a, b
+    f.close()
+
+
+def test_status_counted_the_whole_fleet_store_instead_of_this_hosts_jobs(two_hosts):
+    from tuner.commands.status import check_health
+
+    f, a, b = two_hosts
+    ha, hb = check_health(a.settings), check_health(b.settings)
+    assert (ha["jobs_scope"], ha["jobs"]) == ("host host-a", {"done": 1})
+    assert (hb["jobs_scope"], hb["jobs"]) == ("host host-b", {"done": 1, "failed": 1})
+    assert check_health(a.settings, fleet=True)["jobs"] == {"done": 2, "failed": 1}
+    assert ha["healthy"] and hb["healthy"]
+
+
+def test_plot_had_no_host_filter_nor_label_in_a_fleet_store(two_hosts):
+    from tuner.plot import frontier_from_store
+    from tuner.results import open_for_read
+
+    f, a, b = two_hosts
+    ro = open_for_read(f.url)
+    try:
+        both = frontier_from_store(ro, model="tiny")
+        only_b = frontier_from_store(ro, model="tiny", host="host-b")
+        with pytest.raises(Exception, match="on host 'host-c'"):
+            frontier_from_store(ro, model="tiny", host="host-c")
+    finally:
+        ro.close()
+    assert {s["drop"] for s in both["frontiers"]} == {"x@host-a", "x@host-b"}
+    assert {s["drop"] for s in only_b["frontiers"]} == {"x@host-b"}
+    [props] = [s for s in only_b["frontiers"] if "proposals" in s["label"]]
+    assert props["label"].startswith("x@host-b: proposals") and [p[0] for p in props["points"]] == [0.6]
+
+
+def _readme_sample(command: str) -> list[str]:
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    block = text.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
+    return [ln.rstrip().replace("/src/ctx-tuner", str(REPO)) for ln in block.splitlines()]
+
+
+@pytest.mark.slow
+def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
+    """The README's profile and explain samples are the commands' real output (header lines of
+    explain: its remedies run more jobs), the ``sources:`` line included."""
+    import json
+    import os
+
+    from tests.conftest import REPO
+    from tuner.cli import main
+    from tuner.job import run_job
+
+    monkeypatch.setattr("tuner.worker.run_in_worker",
+                        lambda request, *, job, timeout_s=600.0, on_progress=None, **kw: json.loads(
+                            json.dumps(run_job(request))))
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
+    drop = "configs/examples/llama-3.1-8b-rtx3090-v0.yaml"
+    db = str(tmp_path / "r.sqlite")
+    assert main(["profile", drop, "--db", db]) == 0
+    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
+    assert out == _readme_sample(f"ctx-tuner profile {drop}")
+    assert out[2].startswith("sources: total_memory catalog")
+    main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"])
+    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
+    assert out[:3] == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")[:3]
+    assert os.path.isfile(db)
