@@ -152,11 +152,12 @@ def run_fleet(url: str, base: Path, *, hosts: int = 3, drops_per_host: int = 20,
 def _count(eng: sa.Engine, base: Path, hosts: int, drops_per_host: int) -> dict:
     with eng.connect() as c:
         owner = {h: i for i, h in c.exec_driver_sql("SELECT id, host_id FROM hosts")}
-        jobs = c.exec_driver_sql("SELECT owner_id, path, status, attempts FROM jobs").all()
+        jobs = c.exec_driver_sql("SELECT owner_id, path, status, attempts, interruptions FROM jobs").all()
         drops = c.exec_driver_sql("SELECT name, path, owner_id, retired_at, answered_from_drop_id FROM drops").all()
         migrations = c.exec_driver_sql("SELECT count(*) FROM alembic_version").scalar()
-    done = Counter((o, p) for o, p, s, _a in jobs if s == "done")
-    attempts = {(o, p): a for o, p, s, a in jobs if s == "done"}
+    done = Counter((o, p) for o, p, s, _a, _i in jobs if s == "done")
+    # an attempt a kill -9 interrupted is not counted in attempts but in interruptions (tuner.jobqueue)
+    attempts = {(o, p): a + (i or 0) for o, p, s, a, i in jobs if s == "done"}
     files = {(owner[f"host-{i}"], str(base / f"h{i}" / "conf.d" / f"d{j:03d}.yaml"))
              for i in range(hosts) for j in range(drops_per_host)}
     lost = sum(1 for f in files if done[f] == 0)

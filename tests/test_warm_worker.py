@@ -116,7 +116,7 @@ def test_daemon_runs_successive_drops_in_one_warm_worker_and_stops_it_on_shutdow
 
     log = tmp_path / "worker.log"
     monkeypatch.setenv("FAKE_WORKER_LOG", str(log))
-    s = settings_for(tmp_path)
+    s = settings_for(tmp_path, worker_max_jobs=50)
     conf, props = Path(s.watch_dir), Path(s.state_dir) / "proposals"
     d = Daemon(s, notifier=Notifier({}))
     d.start()

@@ -35,7 +35,7 @@ run's prediction worse:
   (:func:`_guard`): a term can be right while errors elsewhere compensate it.
 
 Pure functions except :func:`store_residual` / :func:`calibration_for` (database) and
-:func:`leave_one_out` (runs the simulate job; worker side, imports torch).
+:func:`tuner.validate.leave_one_out` (runs the simulate job; worker side, imports torch).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ NOISE_BYTES = 16 * MIB
 #: The correction keys (bytes), in the order they are reported.
 TERMS = ("activation_peak_delta_bytes", "non_torch_delta_bytes", "cuda_graph_delta_bytes")
 
-__all__ = ["residual", "consistency", "fit", "aggregate", "calibration_for", "store_residual", "group_key", "leave_one_out",
+__all__ = ["residual", "consistency", "fit", "aggregate", "calibration_for", "store_residual", "group_key",
            "lookup_kwargs", "TERMS", "NOISE_BYTES"]
 
 
