@@ -251,7 +251,7 @@ def test_yaml_anchors_within_limits_are_fine():
         (MINIMAL + "engine_version: 0.10\n", "engine_version", "quoted string"),
         # enums
         (MINIMAL + "dtype: int8\n", "dtype", "must be one of"),
-        (MINIMAL + "kv_cache_dtype: int4\n", "kv_cache_dtype", "must be one of"),
+        (MINIMAL + "kv_cache_dtype: int4\n", "kv_cache_dtype", "invalid choice"),
         (MINIMAL + "method: guess\n", "method", "must be one of"),
         (MINIMAL + "entry_point: api\n", "entry_point", "must be one of"),
         (MINIMAL + "block_size: 24\n", "block_size", "must be one of"),

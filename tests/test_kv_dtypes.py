@@ -107,6 +107,21 @@ def test_drop_kv_cache_dtype_checked_against_its_engine_version():
     assert exc.value.field == "kv_cache_dtype"
 
 
+def test_unknown_kv_cache_dtype_listed_every_releases_names():
+    """A name no release accepts was refused with the union of all releases' names (turboquant,
+    nvfp4_4over6 … for a 0.19 drop); it is refused with the drop's own release's names."""
+    with pytest.raises(DropError) as exc:
+        parse_drop(textwrap.dedent(DROP.format(v="0.19.0", kv="fp9")), "/d/t.yaml")
+    msg = str(exc.value)
+    assert exc.value.field == "kv_cache_dtype" and "for vLLM 0.19.0" in msg
+    for name in kv_cache_dtypes((0, 19, 0)):
+        assert repr(name) in msg
+    assert "nvfp4" not in msg and "turboquant" not in msg
+    with pytest.raises(DropError) as exc:
+        parse_drop(textwrap.dedent(DROP.format(v="0.19.0", kv="3")), "/d/t.yaml")
+    assert exc.value.field == "kv_cache_dtype"
+
+
 # --- page sizes ---------------------------------------------------------------------------------
 
 

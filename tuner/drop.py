@@ -251,6 +251,15 @@ def _engine_version(v: Any) -> str:
     return v.strip()
 
 
+def _kv_cache_dtype_name(v: Any) -> str:
+    """A ``kv_cache_dtype`` string, lower-cased; whether the drop's release accepts it is checked
+    after parsing, against that release's own names (:func:`tuner.engine_checks.check_kv_cache_dtype`),
+    so a refusal lists the release's names rather than every release's."""
+    if not isinstance(v, str) or not v.strip():
+        raise _Invalid(f"must be a vLLM --kv-cache-dtype name such as 'auto' or 'fp8', not {_type_name(v)} {v!r}")
+    return v.strip().lower()
+
+
 def _quantization(v: Any) -> str | None:
     if v is None:
         return None
@@ -451,7 +460,7 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "byte per element; per-token-head caches add fp32 K and V scales per token and head (int4 packs two "
               "values a byte), nvfp4 packs fp4 data with an fp8 scale per 16 elements. `auto` on a ModelOpt "
               "checkpoint with an fp8 (0.14+) or nvfp4 (0.20+) `kv_cache_quant_algo` is that dtype, as in vLLM.",
-              _choice(KV_CACHE_DTYPES)),
+              _kv_cache_dtype_name),
     DropField("quantization", "string | null", None,
               "Quantization method override (vLLM's --quantization); null = from the model config.", _quantization),
     DropField("tensor_parallel_size", "integer 1–64", 1,
