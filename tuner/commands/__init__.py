@@ -36,3 +36,9 @@ def job_error_exit(exc: Exception) -> int:
         return 2
     print(f"ctx-tuner: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1
+
+
+def add_cache_option(p: argparse.ArgumentParser) -> None:
+    """``--no-cache``: run every pass in a worker even where the store's pass memo holds it."""
+    p.add_argument("--no-cache", action="store_true",
+                   help="run the profile passes in a worker even where the store's pass memo already holds them")

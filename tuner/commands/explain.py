@@ -73,7 +73,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-calibration", action="store_true",
                    help="explain the plain simulation even where measured runs could calibrate it")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON (bytes as integers)")
-    from tuner.commands.profile import add_cache_option
+    from tuner.commands import add_cache_option
 
     add_cache_option(p)
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit per job in seconds (default 600)")

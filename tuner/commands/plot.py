@@ -53,7 +53,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="extra concurrency lines (default 2 4; 1 and the drop's min_concurrency are always drawn)")
     p.add_argument("--db", default=None, help="store for measured points / --model (default var/ctx-tuner.sqlite)")
     p.add_argument("--json", action="store_true", help="print the plotted series as JSON")
-    from tuner.commands.profile import add_cache_option
+    from tuner.commands import add_cache_option
 
     add_cache_option(p)
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit per job in seconds (default 600)")

@@ -3,7 +3,7 @@ results stored and printed. Exit codes: 0 done, 1 job failed, 2 invalid drop or 
 
 from __future__ import annotations
 
-from tuner.commands import job_error_exit, timeout_seconds
+from tuner.commands import add_cache_option, job_error_exit, timeout_seconds
 
 import argparse
 import json
@@ -146,12 +146,6 @@ def render_vllm_config(outcome) -> str:
     if not docs:
         return "# nothing starts at any gpu_memory_utilization of the drop: no vLLM config to propose"
     return "\n---\n".join(f"# file: {name}\n{text}".rstrip("\n") for name, text in docs)
-
-
-def add_cache_option(p: argparse.ArgumentParser) -> None:
-    """``--no-cache``: run every pass in a worker even where the store's pass memo holds it."""
-    p.add_argument("--no-cache", action="store_true",
-                   help="run the profile passes in a worker even where the store's pass memo already holds them")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
