@@ -82,6 +82,19 @@ def prepare_job(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False
     # the topology a drop's device mapping states travels with the request (tuner.budget.Topology)
     extra = {k: getattr(device, k) for k in ("compute_capability", "interconnect", "p2p")
              if isinstance(drop.device, dict) and k in drop.device}
+    if isinstance(drop.device, list):  # one card per pipeline stage (tuner.job.stage_devices)
+        stages = stage_device_dicts(drop)
+        extra = {k: v for k, v in stages[0].items() if k not in dev}
+        extra["stages"] = stages
+        if len({(s["name"], s["total_memory_bytes"]) for s in stages}) > 1:
+            dev = {"name": " | ".join(s["name"] for s in stages),
+                   "total_memory_bytes": min(s["total_memory_bytes"] for s in stages)}
+        dev["stages"] = stages
+        if method == "cuda" and drop.method == "auto":
+            method = "simulate"
+        elif method == "cuda":
+            raise DropError("method 'cuda' measures GPU 0 only: a device list (one card per pipeline stage) is "
+                            "simulated; use 'simulate' or 'vllm'", path=drop.path, field="method")
     if drop.device == "auto" and device.free_memory_bytes is not None:
         # co-tenants as vLLM's free-memory check sees them: the engine's total minus NVML's free memory
         # at job time (on an idle card NVML's free is about the CUDA total: ~0)
@@ -94,10 +107,28 @@ def prepare_job(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False
             draft_path = str(resolve_model_path(sc["model"], drop.base_dir, download=download))
         except ModelConfigError as exc:
             draft_error = exc.message
-    request = JobRequest(drop=drop, config_path=str(config_path), device={**dev, **extra}, method=method,
+    first = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
+    request = JobRequest(drop=drop, config_path=str(config_path), device={**first, **extra}, method=method,
                          method_requested=drop.method, trust_remote_code=bool(trust_remote_code),
                          draft_config_path=draft_path, draft_config_error=draft_error)
     return request, dev
+
+
+def stage_device_dicts(drop: Drop) -> list[dict]:
+    """The request's ``device["stages"]``: each pipeline stage's card of a device list as
+    ``{name, total_memory_bytes}`` plus what its mapping states (``compute_capability``,
+    ``interconnect``, ``p2p``).
+
+    Raises:
+        DeviceError: an entry that does not resolve (``FILE:device[I]``)."""
+    out = []
+    entries = drop.device if isinstance(drop.device, list) else [drop.device]
+    for raw, d in zip(entries, drop.resolve_devices()):
+        s = {"name": d.name, "total_memory_bytes": int(d.total_memory_bytes)}
+        s.update({k: getattr(d, k) for k in ("compute_capability", "interconnect", "p2p")
+                  if isinstance(raw, dict) and k in raw})
+        out.append(s)
+    return out
 
 
 def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False,

@@ -116,6 +116,48 @@ def custom_all_reduce_buffer_bytes(era: Era, world_size: int, topology: Topology
     return CUSTOM_ALL_REDUCE_META_SIZE + 2 * max_size
 
 
+#: vllm/distributed/device_communicators/all_reduce_utils.py ``SYMM_MEM_ALL_REDUCE_MAX_SIZES``:
+#: the torch symmetric-memory all-reduce buffer per capability and TP world size (bytes), with the
+#: release each capability first appears in (read: 0.10.2 and 0.11.0 "9.0"/"10.0"; 0.20.1–0.26 add
+#: "10.3"; 0.28–0.32 add "10.7"; the same sizes in every wheel read).
+SYMM_MEM_ALL_REDUCE_MAX_SIZES = {
+    "9.0": {2: 64 * MiB, 4: 32 * MiB, 6: 64 * MiB, 8: 64 * MiB},
+    "10.0": {2: 8 * MiB, 4: 32 * MiB, 6: 128 * MiB, 8: 128 * MiB},
+    "10.3": {2: 4 * MiB, 4: 32 * MiB, 6: 32 * MiB, 8: 64 * MiB},
+    "10.7": {2: 4 * MiB, 4: 32 * MiB, 6: 32 * MiB, 8: 64 * MiB},
+}
+SYMM_MEM_CAPABILITY_SINCE = {"9.0": (0, 10, 2), "10.0": (0, 10, 2), "10.3": (0, 20, 0), "10.7": (0, 28, 0)}
+#: ``VLLM_ALLREDUCE_USE_SYMM_MEM`` defaults to 1 from 0.11.0 (vllm/envs.py; "0" in 0.10.2, whose
+#: symm_mem.py is the first); ``VLLM_USE_NCCL_SYMM_MEM`` (NCCL window-registered pool,
+#: pynccl_allocator.py) defaults to 0 in every release read (0.11–0.32): nothing by default.
+SYMM_MEM_DEFAULT_ON_SINCE = (0, 11, 0)
+#: torch's signal pad after each symmetric buffer: ``symm_max_nblocks (32) × max_cuda_p2p_domain_size
+#: (72) × sizeof(uint32_t)`` (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryTypes.hpp,
+#: torch 2.13 headers); the block is rounded up to the cuMem allocation granularity (2 MiB on NVIDIA
+#: GPUs, ``CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`` in CUDASymmetricMemory.cu ``allocate``).
+TORCH_SYMM_SIGNAL_PAD_BYTES = 32 * 72 * 4
+CUMEM_GRANULARITY_BYTES = 2 * MiB
+
+
+def symm_mem_buffer_bytes(era: Era, world_size: int, topology: Topology) -> int:
+    """Device memory vLLM's torch symmetric-memory all-reduce allocates per rank of a TP group by
+    default (bytes; 0 where it does not): vllm/distributed/device_communicators/symm_mem.py
+    ``SymmMemCommunicator.__init__`` (0.10.2–0.32) allocates ``torch_symm_mem.empty(max_size)``
+    with ``max_size = SYMM_MEM_ALL_REDUCE_MAX_SIZES[capability][world]`` for the ``tp`` group on
+    CUDA when ``VLLM_ALLREDUCE_USE_SYMM_MEM`` is on (default from 0.11), before it checks
+    multicast (the buffer stays allocated when multicast is unsupported, e.g. over PCIe); torch
+    allocates it through cuMem (outside the caching allocator: non-torch memory) with its signal
+    pad, rounded to the granularity. Independent of ``disable_custom_all_reduce``."""
+    if era.engine != "V1" or world_size <= 1 or era.version < SYMM_MEM_DEFAULT_ON_SINCE:
+        return 0
+    cap = str(topology.compute_capability or "")
+    since = SYMM_MEM_CAPABILITY_SINCE.get(cap)
+    if since is None or era.version < since or world_size not in SYMM_MEM_ALL_REDUCE_MAX_SIZES[cap]:
+        return 0
+    size = -(-SYMM_MEM_ALL_REDUCE_MAX_SIZES[cap][world_size] // 16) * 16 + TORCH_SYMM_SIGNAL_PAD_BYTES
+    return -(-size // CUMEM_GRANULARITY_BYTES) * CUMEM_GRANULARITY_BYTES
+
+
 #: NCCL buffers an NVSwitch fabric of Hopper or newer adds during the profile of a TP ≥ 2 group
 #: (GiB at world size 2, and per doubling): NVLink SHARP (NVLS) buffers, which NCCL ≥ 2.22
 #: allocates at the first collective that uses the algorithm (``NCCL_RUNTIME_CONNECT``), i.e.
@@ -169,7 +211,8 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
       0.19 (0.24–0.26 over 14 cases; 0.13 with 0.11.0); 0.07 GiB on pipeline stages without TP.
     - TP ≥ 2 (V0 0.7+ and V1 0.9.1+) adds the TP group's communication memory by topology
       (:class:`Topology`): :func:`nccl_profile_bytes` and, where the snapshot precedes the
-      distributed init (V0, V1 ≤ 0.10), :func:`custom_all_reduce_buffer_bytes`.
+      distributed init (V0, V1 ≤ 0.10), :func:`custom_all_reduce_buffer_bytes` and
+      :func:`symm_mem_buffer_bytes` (0 there by default; from 0.11 both are baseline).
     The TP1 terms are calibrated constants, not a per-model lookup.
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
@@ -192,9 +235,12 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
     else:
         base = int(0.25 * GiB)
     if tp > 1:
+        # buffers the distributed init allocates are charged only where the snapshot precedes it
+        # (V0, V1 ≤ 0.10); symmetric memory is 0 there by default (symm_mem_buffer_bytes)
         charged_ar = era.engine == "V0" or v < (0, 11, 0)
         return (base + nccl_profile_bytes(era, tp, topo)
-                + (custom_all_reduce_buffer_bytes(era, tp, topo) if charged_ar else 0))
+                + (custom_all_reduce_buffer_bytes(era, tp, topo) + symm_mem_buffer_bytes(era, tp, topo)
+                   if charged_ar else 0))
     if pp > 1:
         return int(0.07 * GiB)
     return base

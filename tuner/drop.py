@@ -209,8 +209,30 @@ def _revision(v: Any) -> str | None:
     return v
 
 
+#: Most entries a device list may have (the ``pipeline_parallel_size`` bound).
+MAX_DEVICE_LIST = 64
+
+
 def _device(v: Any) -> Any:
-    """Keep the raw value ('auto' normalised to lower case); check it resolves unless 'auto'."""
+    """Keep the raw value ('auto' normalised to lower case); check it resolves unless 'auto'.
+    A list names one card per pipeline stage (each entry a name/alias or a mapping, never
+    ``auto``; its length is checked against ``pipeline_parallel_size`` by :func:`parse_drop`)."""
+    if isinstance(v, list):
+        if not v or len(v) > MAX_DEVICE_LIST:
+            raise _Invalid(f"a device list names one card per pipeline stage: 1–{MAX_DEVICE_LIST} entries, "
+                           f"not {len(v)}")
+        out = []
+        for i, entry in enumerate(v):
+            if isinstance(entry, str) and entry.strip().lower() == "auto":
+                raise _Invalid("'auto' reads GPU 0 only: in a device list name each stage's card (or give "
+                               "{name, total_memory_gib})", sub=f"[{i}]")
+            if isinstance(entry, list):
+                raise _Invalid(f"a device list entry is a name or a mapping, not a list {entry!r}", sub=f"[{i}]")
+            try:
+                out.append(_device(entry))
+            except _Invalid as exc:
+                raise _Invalid(exc.message, sub=f"[{i}]{exc.sub}") from None
+        return out
     if isinstance(v, str):
         if v.strip().lower() == "auto":
             return "auto"
@@ -441,10 +463,12 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("revision", "string | null", None,
               "HF revision (branch, tag or commit) of an HF id `model` whose config.json is read; null = main.",
               _revision),
-    DropField("device", "string | {name, total_memory_gib | total_memory_bytes}", REQUIRED,
+    DropField("device", "string | {name, total_memory_gib | total_memory_bytes} | list of them", REQUIRED,
               "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
               "machine running the job, via NVML), or a mapping with the total memory the engine sees "
-              "(GiB = 2^30 bytes).", _device),
+              "(GiB = 2^30 bytes). A list names one card per pipeline stage (length = "
+              "`pipeline_parallel_size`, no `auto`): each stage is sized on its own card and the engine "
+              "takes the fewest blocks over the stages.", _device),
     DropField("engine_version", "string", "0.19.0",
               "vLLM version whose memory rules and defaults apply (0.4 – 0.33); quote it.", _engine_version),
     DropField("method", "simulate | cuda | vllm | auto", "simulate",
@@ -592,8 +616,9 @@ class Drop:
     name: str
     model: str
     #: raw device value: a catalog name/alias as written, ``"auto"``, or a mapping
-    #: ``{name, total_memory_gib | total_memory_bytes[, compute_capability]}``. See :meth:`resolve_device`.
-    device: str | dict = field(hash=False)
+    #: ``{name, total_memory_gib | total_memory_bytes[, compute_capability]}``; or a list of names /
+    #: mappings, one per pipeline stage. See :meth:`resolve_device`, :meth:`resolve_devices`.
+    device: str | dict | list = field(hash=False)
     candidates: Candidates
     constraints: Constraints = Constraints()
     engine_version: str = "0.19.0"
@@ -652,15 +677,32 @@ class Drop:
             DeviceError: see :func:`tuner.devices.resolve_device`; ``where`` is
                 ``FILE:device`` (or ``FILE:device.KEY``), so the message starts with the drop file.
         """
-        try:
-            return devices.resolve_device(self.device, nvml=nvml)
-        except DeviceError as exc:
-            where, message, fld = exc.where or "device", exc.message, "device"
-            if where.startswith("device."):
-                fld = where
-            elif where != "device":  # e.g. "device auto": keep what was being resolved in the text
-                message = f"{where[len('device '):] if where.startswith('device ') else where}: {message}"
-            raise DeviceError(message, where=f"{self.path}:{fld}" if self.path else fld) from exc
+        return self.resolve_devices(nvml=nvml)[0]
+
+    def resolve_devices(self, nvml: Any = None) -> list[devices.Device]:
+        """One resolved device per pipeline stage: the device list's entries, or the one device
+        repeated ``pipeline_parallel_size`` times.
+
+        Raises:
+            DeviceError: as :meth:`resolve_device`; a list entry's ``where`` is ``FILE:device[I]``
+                (or ``FILE:device[I].KEY``).
+        """
+        entries = self.device if isinstance(self.device, list) else [self.device]
+        out = []
+        for i, value in enumerate(entries):
+            prefix = f"device[{i}]" if isinstance(self.device, list) else "device"
+            try:
+                out.append(devices.resolve_device(value, nvml=nvml))
+            except DeviceError as exc:
+                where, message, fld = exc.where or "device", exc.message, prefix
+                if where.startswith("device."):
+                    fld = prefix + where[len("device"):]
+                elif where != "device":  # e.g. "device auto": keep what was being resolved in the text
+                    message = f"{where[len('device '):] if where.startswith('device ') else where}: {message}"
+                raise DeviceError(message, where=f"{self.path}:{fld}" if self.path else fld) from exc
+        if not isinstance(self.device, list):
+            out = out * max(1, int(self.pipeline_parallel_size or 1))
+        return out
 
     @property
     def max_model_len_values(self) -> tuple[int, ...] | None:
@@ -680,7 +722,9 @@ class Drop:
                 out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
             else:
                 value = getattr(self, f.name)
-                out[f.name] = dict(value) if isinstance(value, dict) else value
+                out[f.name] = (dict(value) if isinstance(value, dict)
+                               else [dict(x) if isinstance(x, dict) else x for x in value] if isinstance(value, list)
+                               else value)
         out["path"] = self.path
         out["content_sha256"] = self.content_sha256
         return out
@@ -865,6 +909,10 @@ def parse_drop_keys(text: str | bytes, path: str) -> tuple[Drop, frozenset[str]]
         sub = _validate_mapping(raw_section, section, [f.name.split(".", 1)[1] for f in fields], path)
         sections[section] = sub
     top = {k: v for k, v in values.items() if k not in _SECTIONS}
+    if isinstance(top.get("device"), list) and len(top["device"]) != int(top.get("pipeline_parallel_size") or 1):
+        raise DropError(f"a device list names one card per pipeline stage: {len(top['device'])} entries for "
+                        f"pipeline_parallel_size {int(top.get('pipeline_parallel_size') or 1)}", path=path,
+                        field="device")
     if top.get("kv_cache_dtype") not in (None, "auto"):  # the names of the drop's own release
         from tuner.vllm_names import kv_cache_dtypes
 

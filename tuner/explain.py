@@ -311,7 +311,8 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
     """The TP group's share of the non-torch term as its own steps (bytes; empty at TP 1): NCCL
     (NVLS on NVSwitch, the communicator where the era charges it) and custom all-reduce's IPC
     buffers, with whether custom all-reduce is on and why (:mod:`tuner.budget`)."""
-    from tuner.budget import custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes
+    from tuner.budget import (custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes,
+                              symm_mem_buffer_bytes)
     from tuner.eras import V0_PROFILING, V1_CONSUMED, V1_PROFILING
     from tuner.job import topology_for
 
@@ -325,7 +326,8 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
     on, why = custom_all_reduce_enabled(tp, topo)
     charged = era.engine == "V0" or era.version < (0, 11, 0)
     ar = custom_all_reduce_buffer_bytes(era, tp, topo) if charged else 0
-    if nccl + ar > non_torch:
+    symm = symm_mem_buffer_bytes(era, tp, topo)
+    if nccl + ar + (symm if charged else 0) > non_torch:
         return []
     out = [{"name": "nccl", "op": "-", "bytes": nccl,
             "text": f"NCCL buffers of the TP{tp} group ({topo.interconnect}"
@@ -334,6 +336,12 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
     out.append({"name": "custom_all_reduce", "op": "-", "bytes": ar,
                 "text": f"custom all-reduce IPC buffers ({state}"
                         f"{'' if charged or not on else '; allocated before the start-up snapshot, not charged'})"})
+    if symm:
+        out.append({"name": "symmetric_memory", "op": "-" if charged else "info", "bytes": symm,
+                    "text": f"torch symmetric-memory all-reduce buffer (capability {topo.compute_capability}, TP{tp}; "
+                            "VLLM_ALLREDUCE_USE_SYMM_MEM on by default"
+                            + (")" if charged else "; allocated at the distributed init, before the start-up "
+                                                   "snapshot: not charged)")})
     return out
 
 
@@ -399,6 +407,32 @@ def _info_steps(era: Era, drop: dict, device: dict, model: dict | None, cand: di
     return steps
 
 
+def _stage_steps(stages: list[dict], limiting: int, u: float) -> list[dict]:
+    """One ``info`` step per pipeline stage (PP > 1): its card, layers and terms, and its own
+    blocks; the limiting one named (vLLM sizes every worker to the fewest blocks:
+    vllm/v1/core/kv_cache_utils.py ``get_kv_cache_configs``, V0 ``determine_num_available_blocks``
+    min over workers). The point's other steps are the limiting stage's."""
+    out = []
+    for st in stages:
+        r = int(st.get("pp_rank") or 0)
+        lay = st.get("decoder_layers") or []
+        card = st.get("device_name") or "the drop's device"
+        own = st.get("num_gpu_blocks")
+        text = (f"pipeline stage {r} on {card} ({_gib(st.get('total_memory_bytes'))} GiB x {u:g} = "
+                f"{_gib(st.get('requested_memory_bytes'))} GiB)"
+                + (f", decoder layers {lay[0]}-{lay[1] - 1}" if len(lay) == 2 and lay[1] > lay[0] else "")
+                + f", {st.get('kv_layers', 0)} KV layers: weights {_gib(st.get('weights_bytes'))}, activation "
+                f"{_gib(st.get('activation_peak_bytes'))}, non-torch {_gib(st.get('non_torch_bytes'))}, graphs "
+                f"{_gib(st.get('cuda_graph_bytes'))} GiB -> KV {_gib(st.get('available_kv_cache_bytes'))} GiB"
+                + (f", {own} blocks of its own" if own is not None else ""))
+        if r == limiting:
+            text += ("; the limiting stage: vLLM gives every stage its block count (the minimum over workers); "
+                     "the steps above are this stage's")
+        out.append({"name": f"stage_{r}", "op": "info", "bytes": int(st.get("available_kv_cache_bytes") or 0),
+                    "text": text, "limiting": r == limiting})
+    return out
+
+
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
                   block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
@@ -426,6 +460,13 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     ledger = {t.name: t for t in (budget if budget is not None else point.budget)}
     u, m = point.gpu_memory_utilization, point.max_model_len
     total = int(device["total_memory_bytes"])
+    pp_stages = list(cand.get("stages") or [])
+    limiting = int(cand.get("limiting_stage") or 0)
+    if pp_stages and limiting < len(pp_stages):  # the terms are the limiting stage's, on its own card
+        total = int(pp_stages[limiting].get("total_memory_bytes") or total)
+        cards = (device.get("stages") or [])
+        if len(cards) == len(pp_stages):
+            device = {**{k: v for k, v in device.items() if k != "stages"}, **cards[limiting]}
     tp = int(drop.get("tensor_parallel_size") or 1)
     req, w, act = (ledger[k].bytes for k in ("requested", "weights", "activation_peak"))
     nt, g, avail = (ledger[k].bytes for k in ("non_torch", "cuda_graphs", "available_kv"))
@@ -492,6 +533,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
     steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w))
+    steps.extend(_stage_steps(pp_stages, limiting, u))
     if subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:
@@ -603,6 +645,9 @@ def _find(cands: list[dict], u: float, m: int) -> dict | None:
 def _stage_block_bytes(per_stage: list | None, cand: dict) -> int | None:
     """Bytes per block of the pipeline stage the candidate's numbers come from (the one whose
     ``available // bytes per block`` gives its blocks; stage 0 when none does)."""
+    lim = cand.get("limiting_stage")
+    if lim is not None and per_stage and int(lim) < len(per_stage) and per_stage[int(lim)]:
+        return per_stage[int(lim)]  # the stage the engine's minimum comes from
     stages = [b for b in (per_stage or []) if b]
     for b in stages:
         if cand["available_kv_cache_bytes"] > 0 and cand["available_kv_cache_bytes"] // b == cand["num_gpu_blocks"]:

@@ -193,7 +193,9 @@ def _engine_use(req: "JobRequest", spec: Any, plugin: Any, unserved: bool, top: 
     from tuner.engine.use import EngineUse, engine_for_job
 
     if era.engine == "V0" or pp > 1:
-        why = "a V0 release" if era.engine == "V0" else "pipeline_parallel_size > 1"
+        why = ("a V0 release" if era.engine == "V0" else
+               "pipeline stages on different GPUs (a device list)" if req.device.get("stages") else
+               "pipeline_parallel_size > 1")
         if features:
             from tuner.errors import UnsupportedArchitectureError
 
@@ -211,6 +213,17 @@ def _engine_use(req: "JobRequest", spec: Any, plugin: Any, unserved: bool, top: 
                           plugin=plugin,
                           unserved=unserved, era=era, plugin_specs=plugin_specs, plugin_specs_at=specs_at,
                           reference_bytes=total // 2, trust_remote_code=bool(req.trust_remote_code))
+
+
+def stage_devices(device: dict, pp: int) -> list[dict]:
+    """Each pipeline stage's card: the request's ``device["stages"]`` (a drop's device list,
+    :func:`tuner.app.stage_device_dicts`) when it has one entry per stage, else ``device`` itself
+    for every stage."""
+    stages = device.get("stages") or []
+    if len(stages) == int(pp) and int(pp) > 0:
+        return [dict(s) for s in stages]
+    base = {k: v for k, v in device.items() if k != "stages"}
+    return [base] * max(1, int(pp))
 
 
 def other_processes_bytes(device: dict, drop: Drop | dict) -> int:
@@ -527,11 +540,12 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     dtype = resolve_dtype(drop.dtype, spec.torch_dtype)
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
+    cards = stage_devices(device, pp)
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
                      block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=drop.quantization,
-                     compute_capability=_compute_capability(device),
+                     compute_capability=_compute_capability(cards[r]),
                      data_parallel_size=int(drop.data_parallel_size or 1),
                      enable_expert_parallel=bool(drop.enable_expert_parallel),
                      max_model_len=max(drop.candidates.max_model_len or [spec.max_position_embeddings]),
@@ -643,6 +657,17 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
                     other_processes_bytes=other_processes_bytes(device, drop),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era))
+    cards = stage_devices(device, ranks.pp)
+    if len({tuple(sorted((k, str(v)) for k, v in c.items())) for c in cards}) > 1:
+        # a device list: each stage sized on its own card (tuner.search.evaluate, StageCard)
+        from tuner.search import StageCard
+
+        layout = dataclasses.replace(layout, stage_cards=tuple(
+            StageCard(name=str(c["name"]), total_memory_bytes=int(c["total_memory_bytes"]),
+                      topology=topology_for(c, drop),
+                      activation_overhead_bytes=0 if method == "cuda" else profile_overhead_bytes(
+                          _compute_capability(c), era))
+            for c in cards))
     if _free_memory_from_host(device, era):
         warnings.append(f"vLLM {era.version} reads free memory on this unified-memory device ({device.get('name')}) "
                         "from the host's available memory, not cudaMemGetInfo: RAM that other host processes use is "
@@ -691,7 +716,8 @@ class Passes:
         self.is_multimodal = "text_config" in model.spec.top
 
     def batch_for(self, m: int):
-        d, spec, era, device = self.req.drop, self.model.spec, self.era, self.req.device
+        d, spec, era = self.req.drop, self.model.spec, self.era
+        device = stage_devices(self.req.device, self.ranks.pp)[0]  # the engine's defaults read GPU 0
         batch = profile_batch(era, max_model_len=m, entry_point=d.entry_point,
                               device_name=device["name"], total_memory_bytes=int(device["total_memory_bytes"]),
                               max_num_batched_tokens=d.max_num_batched_tokens
@@ -718,11 +744,13 @@ class Passes:
             memoizable = memo is not None or self.memo_entries is not None
             results = []
             grid = self.req.drop.candidates.max_model_len or [spec.max_position_embeddings]
+            cards = stage_devices(self.req.device, self.ranks.pp)
             for s in self.ranks.stages:
                 s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
                                         max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
+                card = cards[s.pp_rank]["name"]
                 pkey = (passmemo.pass_key(spec=spec, plugin=plugin, settings=s, era=era, batch=batch, fake=True,
-                                          model_runner_v2=runner_v2, device_name=self.req.device["name"])
+                                          model_runner_v2=runner_v2, device_name=card)
                         if memoizable else None)
                 if pkey is not None and (memo is not None or pkey in known):
                     # a stored pass: only the runner's persistent buffers depend on this job's max_model_len
@@ -744,7 +772,7 @@ class Passes:
                     row = {**r.to_dict(), "method": "simulate"}
                     if pkey is not None:
                         self.memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec,
-                                                                device_name=self.req.device["name"], era=era.name))
+                                                                device_name=card, era=era.name))
                 results.append(r)
                 self.runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
                                   "max_num_seqs": batch.max_num_seqs})
@@ -789,7 +817,7 @@ def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
         for m in (grid_m or sorted({c.max_model_len for c in searched})):
             batch = passes.batch_for(m)
             c = passes.evaluate(layout, u, m, min_conc).to_dict()
-            c["run_key"] = f"{batch.max_num_batched_tokens}x{batch.num_reqs}@0"
+            c["run_key"] = f"{batch.max_num_batched_tokens}x{batch.num_reqs}@{int(c.get('limiting_stage') or 0)}"
             if layout.corrections:
                 c["uncalibrated"] = passes.evaluate(uncalibrated, u, m, min_conc).to_dict()
             candidates.append(c)

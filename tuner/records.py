@@ -123,12 +123,16 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
                 "model": serve_model(d), "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
                 "warnings": json.dumps([str(w) for w in outcome.warnings]) if outcome.warnings else None}
     runs = []
+    stages = dev.get("stages") or []
     for run in r["runs"]:
+        # a device list: each stage's pass is recorded on its own card
+        run_dev = stages[int(run.get("pp_rank") or 0)] if len(stages) == d.pipeline_parallel_size else dev
         runs.append({
-            "key": run["key"], "pass_sha256": _pass_sha256(r, run, d, dev), "status": "ok", "error": None,
+            "key": run["key"], "pass_sha256": _pass_sha256(r, run, d, run_dev), "status": "ok", "error": None,
             "method": outcome.method, "engine_version": d.engine_version, "era": r["era"], "model": d.model,
             "model_config_sha256": r["model"]["config_sha256"], "architecture": ",".join(r["model"]["architectures"]),
-            "plugin": r["plugin"], "device_name": dev["name"], "device_total_memory_bytes": dev["total_memory_bytes"],
+            "plugin": r["plugin"], "device_name": run_dev["name"],
+            "device_total_memory_bytes": run_dev["total_memory_bytes"],
             "dtype": r["dtype"], "kv_cache_dtype": d.kv_cache_dtype, "tensor_parallel_size": d.tensor_parallel_size,
             "pipeline_parallel_size": d.pipeline_parallel_size, "max_num_batched_tokens": run["max_num_batched_tokens"],
             "max_num_seqs": run["max_num_seqs"], "num_sampled_rows": run["num_reqs"],

@@ -23,6 +23,19 @@ from tuner.errors import KVCacheError, TunerError
 
 
 @dataclass(frozen=True)
+class StageCard:
+    """The card one pipeline stage runs on, where a drop's device list gives each stage its own
+    (:attr:`Layout.stage_cards`): its name, the total memory the engine sees (bytes, times
+    ``gpu_memory_utilization`` on that card), its TP group's topology and the cuBLAS workspace of
+    its compute capability (:func:`tuner.budget.profile_overhead_bytes`)."""
+
+    name: str
+    total_memory_bytes: int
+    topology: object = None
+    activation_overhead_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Layout:
     """What the search needs besides passes (per-rank facts, bytes as ints)."""
 
@@ -73,6 +86,15 @@ class Layout:
     #: The release runs Model Runner V2 for this model (:func:`tuner.eras.uses_model_runner_v2`):
     #: with async scheduling it keeps pp + 1 batches in flight (:func:`tuner.kvcache.max_in_flight_tokens`).
     model_runner_v2: bool = False
+    #: One :class:`StageCard` per pipeline stage when the stages run on different cards (a drop's
+    #: device list); empty = every stage on ``total_memory_bytes`` / ``topology``.
+    stage_cards: tuple = ()
+
+    def card(self, stage: int) -> StageCard:
+        """The card ``stage`` runs on (the layout's own device when no device list gives one)."""
+        if self.stage_cards:
+            return self.stage_cards[stage]
+        return StageCard("", self.total_memory_bytes, self.topology, self.activation_overhead_bytes)
 
     @property
     def max_model_len_limit(self) -> int:
@@ -165,10 +187,23 @@ class Candidate:
     drafter_weights_bytes: int = 0
     #: The part of ``activation_peak_bytes`` that is a drafter's (the aux hidden states), bytes.
     drafter_activation_bytes: int = 0
+    #: The pipeline stage whose numbers these are: the one with the fewest blocks of its own
+    #: (vLLM sizes every worker to the minimum, ``get_kv_cache_configs``).
+    limiting_stage: int = 0
+    #: Each stage's own terms and blocks before the minimum (PP > 1 only; dicts, bytes):
+    #: ``pp_rank``, ``device_name``, ``total_memory_bytes``, ``requested_memory_bytes``,
+    #: ``weights_bytes``, ``activation_peak_bytes``, ``non_torch_bytes``, ``cuda_graph_bytes``,
+    #: ``available_kv_cache_bytes``, ``num_gpu_blocks``.
+    stages: tuple = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         out = {}
+        if not d["stages"]:  # one stage: the single-GPU shape is unchanged
+            d.pop("stages")
+            d.pop("limiting_stage")
+        else:
+            d["stages"] = [dict(x) for x in d["stages"]]
         for k, v in d.items():  # ``starts`` next to ``fits``
             if k == "starts":
                 continue
@@ -210,25 +245,26 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets, reserves, corrs, drafter_acts = [], [], [], []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
+        card = layout.card(stage)
         reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")),
-                                          int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes))
+                                          int(_get(p, "activation_peak_bytes")) + card.activation_overhead_bytes))
         graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                                           hidden_size=layout.hidden_size,
                                           num_speculative_tokens=layout.num_speculative_tokens,
-                                          compute_capability=getattr(layout.topology, "compute_capability", None))
+                                          compute_capability=getattr(card.topology, "compute_capability", None))
         drafter_act = layout.drafter_activation_bytes_per_token * n if stage == len(passes) - 1 else 0
-        act0 = int(_get(p, "activation_peak_bytes")) + layout.activation_overhead_bytes + reserves[-1] + drafter_act
+        act0 = int(_get(p, "activation_peak_bytes")) + card.activation_overhead_bytes + reserves[-1] + drafter_act
         drafter_acts.append(drafter_act)
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                              pipeline_parallel_size=layout.pipeline_parallel_size, topology=layout.topology) \
+                              pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
             + co_tenant_non_torch_bytes(era, layout.other_processes_bytes)
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
         budgets.append(kv_budget(
             era,
-            total_memory_bytes=layout.total_memory_bytes,
+            total_memory_bytes=card.total_memory_bytes,
             gpu_memory_utilization=u,
             weights_bytes=int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes
                                                             if stage == len(passes) - 1 else 0),
@@ -244,6 +280,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     reason = None
     blocks, tokens, conc = 0, 0, 0.0
     worst = min(range(len(budgets)), key=lambda i: budgets[i].available_kv_cache_bytes)
+    own_blocks: list = [None] * len(budgets)  # each stage's blocks before the minimum
     if any(b.available_kv_cache_bytes <= 0 for b in budgets):
         reason = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
                   "when initializing the engine.")
@@ -254,6 +291,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             per_stage.append(kvcache.v0_num_gpu_blocks(b.available_kv_cache_bytes, cache_block))
         blocks = min(per_stage)
         worst = per_stage.index(blocks)
+        own_blocks = per_stage
         tokens = blocks * layout.block_size
         conc = kvcache.v0_max_concurrency(blocks, layout.block_size, m)
         if blocks <= 0:
@@ -278,6 +316,14 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         try:
             if configs is None:  # still report the blocks the engine would have found
                 configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=layout.block_size, **kw)
+            if len(configs) > 1:
+                # vLLM sizes every worker to the fewest blocks (get_kv_cache_configs: min over
+                # workers): the limiting stage is the one whose own bytes give the fewest.
+                bpb = [int(c.bytes_per_block) for c in configs]
+                own_blocks = [max(0, a // b) if b > 0 else None for (_s, a), b in zip(workers, bpb)]
+                known = [i for i, x in enumerate(own_blocks) if x is not None]
+                if known:
+                    worst = min(known, key=lambda i: (own_blocks[i], budgets[i].available_kv_cache_bytes))
             cfg = configs[worst]
             blocks = int(cfg.num_blocks)
             tokens = int(kvcache.kv_cache_tokens(era.version, cfg, m, max_num_batched_tokens=n,
@@ -286,11 +332,13 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                                                  max_in_flight_tokens=kw["max_in_flight_tokens"]))
         except TunerError as exc:
             reason = reason or exc.message
-    refusal = free_memory_refusal(era, total_memory_bytes=layout.total_memory_bytes,
-                                  other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
-                                  requested_memory_bytes=budgets[0].requested_memory_bytes)
-    if refusal:  # vLLM checks free memory in init_device, before it loads anything
-        reason = refusal
+    for i, b in enumerate(budgets):  # every card checks its own free memory in init_device
+        refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
+                                      other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
+                                      requested_memory_bytes=b.requested_memory_bytes)
+        if refusal:  # vLLM checks free memory in init_device, before it loads anything
+            reason = refusal
+            break
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
@@ -299,13 +347,28 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
     b = budgets[worst]
     ca, cn, cg = corrs[worst]
+    stages = ()
+    if len(budgets) > 1:
+        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets)) \
+            if layout.num_layers >= len(budgets) else [0] * len(budgets)
+        starts_at = [sum(counts[:i]) for i in range(len(budgets))]
+        stages = tuple({"pp_rank": i, "device_name": layout.card(i).name or None,
+                        "decoder_layers": [starts_at[i], starts_at[i] + counts[i]],
+                        "kv_layers": len(layout.kv_specs[i]) if i < len(layout.kv_specs) else 0,
+                        "total_memory_bytes": int(layout.card(i).total_memory_bytes),
+                        "requested_memory_bytes": int(x.requested_memory_bytes), "weights_bytes": int(x.weights_bytes),
+                        "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
+                        "cuda_graph_bytes": int(x.cuda_graph_bytes),
+                        "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
+                        "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
+                       for i, x in enumerate(budgets))
     return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
                      b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
                      blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
-                     workspace_bytes=layout.activation_overhead_bytes, activation_correction_bytes=ca,
+                     workspace_bytes=layout.card(worst).activation_overhead_bytes, activation_correction_bytes=ca,
                      non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
                      drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
-                     drafter_activation_bytes=drafter_acts[worst])
+                     drafter_activation_bytes=drafter_acts[worst], limiting_stage=worst, stages=stages)
 
 
 @dataclass(frozen=True)

@@ -81,9 +81,29 @@ def render_table(outcome) -> str:
                          f"{p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens, "
                          f"{p.max_concurrency:.2f}x concurrency{extra}")
             lines.append(f"      vllm serve {model} {p.vllm_args}")
+            lines += stage_lines(res.candidate(p.gpu_memory_utilization, p.max_model_len))
     if outcome.drop_id is not None:
         lines.append(f"\nstored as drop id {outcome.drop_id}")
     return "\n".join(lines)
+
+
+def stage_lines(cand) -> list[str]:
+    """Each pipeline stage's own figures under a proposal (PP > 1: the candidate's ``stages``),
+    the limiting one marked: vLLM gives every stage the fewest blocks any stage has."""
+    stages = list((cand.get("stages") if cand is not None else None) or [])
+    if not stages:
+        return []
+    lim = int(cand.get("limiting_stage") or 0)
+    out = []
+    for st in stages:
+        lay = st.get("decoder_layers") or [0, 0]
+        mark = "  <- limiting: every stage gets its blocks" if int(st["pp_rank"]) == lim else ""
+        out.append(f"      stage {st['pp_rank']} on {st.get('device_name') or 'the device'} "
+                   f"({_gib(st['total_memory_bytes'])} GiB), layers {lay[0]}-{lay[1] - 1}: weights "
+                   f"{_gib(st['weights_bytes'])}, act. {_gib(st['activation_peak_bytes'])}, non-torch "
+                   f"{_gib(st['non_torch_bytes'])}, graphs {_gib(st['cuda_graph_bytes'])}, KV "
+                   f"{_gib(st['available_kv_cache_bytes'])} GiB, {st.get('num_gpu_blocks')} blocks{mark}")
+    return out
 
 
 def to_json(outcome) -> dict:
