@@ -244,7 +244,9 @@ def test_yaml_anchors_within_limits_are_fine():
         (MINIMAL.replace("H100-80GB", "{name: x, total_memory_gib: -1}"), "device.total_memory_gib", "outside"),
         (MINIMAL.replace("H100-80GB", "{name: x, total_memory_bytes: 1.5}"), "device.total_memory_bytes", "integer"),
         (MINIMAL.replace("H100-80GB", "{name: x, total_memory_gib: 8, vram: 8}"), "device.vram", "unknown key"),
-        (MINIMAL.replace("H100-80GB", "[H100-80GB]"), "device", "device name"),
+        (MINIMAL.replace("H100-80GB", "[H100-80GB, A100-40GB]"), "device", "one card per pipeline stage"),
+        (MINIMAL.replace("H100-80GB", "[]"), "device", "1–64 entries"),
+        (MINIMAL.replace("H100-80GB", "[H100-80GB, 3]"), "device[1]", "device name"),
         # engine_version
         (MINIMAL + "engine_version: '0.2.0'\n", "engine_version", "outside"),
         (MINIMAL + "engine_version: banana\n", "engine_version", "cannot parse"),

@@ -178,8 +178,10 @@ def test_explain_shows_nccl_and_custom_all_reduce_as_their_own_steps():
     nt = non_torch_bytes(v19, tensor_parallel_size=4)
     steps = _communication_steps(v19, {"tensor_parallel_size": 4}, {"name": "H100-80GB",
                                                                      "total_memory_bytes": 85030076416}, nt)
-    assert [s["name"] for s in steps] == ["nccl", "custom_all_reduce"]
+    assert [s["name"] for s in steps] == ["nccl", "custom_all_reduce", "symmetric_memory"]
     assert steps[0]["bytes"] == int(1.88 * GiB) and "NVLS" in steps[0]["text"]
+    # Hopper TP4: the 32 MiB torch symmetric-memory buffer, baseline in 0.19 (an info step)
+    assert steps[2]["op"] == "info" and steps[2]["bytes"] == 34 * (1 << 20)
     # 0.19 allocates custom all-reduce before the start-up snapshot: shown, not charged
     assert steps[1]["bytes"] == 0 and "on" in steps[1]["text"] and "not charged" in steps[1]["text"]
     l40 = {"name": "NVIDIA L40", "total_memory_bytes": int(44.32 * GiB)}
