@@ -156,6 +156,14 @@ def test_device_list_is_stored_per_stage(tmp_path, shared_dir):
     c = out.result["candidates"][0]
     assert blocks == c["num_gpu_blocks"] == c["stages"][1]["num_gpu_blocks"]
     assert avail == c["stages"][1]["available_kv_cache_bytes"]
+    from tuner.commands.profile import render_table, to_json
+
+    text = render_table(out)
+    assert "stage 0 on H100-80GB (79.19 GiB), layers 0-15" in text
+    assert f"{c['stages'][1]['num_gpu_blocks']} blocks  <- limiting" in text
+    doc = to_json(out)
+    assert doc["device"]["stages"][1]["name"] == "A100-40GB"
+    assert doc["candidates"][0]["limiting_stage"] == 1
 
 
 def test_explain_shows_each_stage_and_names_the_limiting_one(tmp_path, shared_dir):
@@ -250,3 +258,16 @@ def test_explain_shows_the_symm_mem_buffer_as_not_charged():
     symm = [s for s in steps if s["name"] == "symmetric_memory"]
     assert symm and symm[0]["op"] == "info" and symm[0]["bytes"] == 66 * MiB
     assert "not charged" in symm[0]["text"]
+
+
+def test_v0_device_list_takes_the_min_blocks_over_workers(tmp_path, shared_dir):
+    # V0: executor_base.determine_num_available_blocks takes min over the workers' own blocks
+    p = _drop(tmp_path, shared_dir / "models" / LLAMA, engine_version="0.8.4", max_num_seqs=256,
+              enable_chunked_prefill=True)
+    request, _dev = prepare_job(load_drop(p))
+    r = run_job(request.replace(search=False))
+    c = r["candidates"][0]
+    own = [s["available_kv_cache_bytes"] // b for s, b in zip(c["stages"], r["kv_block_bytes"])]
+    assert [s["num_gpu_blocks"] for s in c["stages"]] == own
+    assert c["num_gpu_blocks"] == min(own) == own[1] and c["limiting_stage"] == 1
+    assert c["stages"][1]["total_memory_bytes"] == load_drop(p).resolve_devices()[1].total_memory_bytes

@@ -382,9 +382,19 @@ class Proposal:
     max_concurrency: float | None
     reason: str | None
     vllm_args: str | None
+    #: The proposed candidate's limiting pipeline stage and each stage's figures (PP > 1 only;
+    #: :attr:`Candidate.stages`).
+    limiting_stage: int = 0
+    stages: tuple = ()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["stages"]:
+            d.pop("stages")
+            d.pop("limiting_stage")
+        else:
+            d["stages"] = [dict(x) for x in d["stages"]]
+        return d
 
 
 #: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
@@ -489,4 +499,5 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
         args += " " + extra_args
     why = "model's max_position_embeddings" if best == layout.max_position_embeddings // bs * bs and best + bs > cap else None
     return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
-                    f"capped by the {why}" if why else None, args), list(seen.values())
+                    f"capped by the {why}" if why else None, args, limiting_stage=c.limiting_stage,
+                    stages=c.stages), list(seen.values())

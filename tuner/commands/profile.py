@@ -81,14 +81,14 @@ def render_table(outcome) -> str:
                          f"{p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens, "
                          f"{p.max_concurrency:.2f}x concurrency{extra}")
             lines.append(f"      vllm serve {model} {p.vllm_args}")
-            lines += stage_lines(res.candidate(p.gpu_memory_utilization, p.max_model_len))
+            lines += stage_lines(p)
     if outcome.drop_id is not None:
         lines.append(f"\nstored as drop id {outcome.drop_id}")
     return "\n".join(lines)
 
 
-def stage_lines(cand) -> list[str]:
-    """Each pipeline stage's own figures under a proposal (PP > 1: the candidate's ``stages``),
+def stage_lines(cand) -> list[str]:  # a ProposalResult, CandidateResult or their wire dict
+    """Each pipeline stage's own figures under a proposal (PP > 1: the proposal's ``stages``),
     the limiting one marked: vLLM gives every stage the fewest blocks any stage has."""
     stages = list((cand.get("stages") if cand is not None else None) or [])
     if not stages:
