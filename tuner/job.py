@@ -142,8 +142,12 @@ def kv_block_bytes(era, kv_specs: tuple, block_size: int) -> list[int | None]:
 
 
 def _device_from_catalog(device: dict) -> bool:
-    """The device total is the catalog's entry for its name (not a drop-given or NVML total)."""
+    """The device total is the catalog's entry for its name (not a drop-given or NVML total); for
+    a device list, every stage's card."""
     from tuner.devices import lookup
+
+    if device.get("stages"):
+        return all(_device_from_catalog({k: v for k, v in s.items() if k != "stages"}) for s in device["stages"])
 
     dev = lookup(str(device.get("name", "")))
     return dev is not None and int(dev.total_memory_bytes) == int(device["total_memory_bytes"])
