@@ -164,6 +164,19 @@ def test_device_list_is_stored_per_stage(tmp_path, shared_dir):
     doc = to_json(out)
     assert doc["device"]["stages"][1]["name"] == "A100-40GB"
     assert doc["candidates"][0]["limiting_stage"] == 1
+    # explain --run of the limiting stage's pass: the stored candidate, on the A100's own total
+    from tuner.explain import explain_stored
+    from tuner.store import open_store
+
+    run_id = con.execute("select id from profile_runs where device_name = 'A100-40GB' and "
+                         "max_num_batched_tokens = 8192").fetchone()[0]
+    store = open_store(f"sqlite:///{db}")
+    try:
+        e = explain_stored(store, run_id, max_model_len=8192)["explanations"][0]
+    finally:
+        store.close()
+    assert e["total_memory_bytes"] == cards[1].total_memory_bytes
+    assert e["num_gpu_blocks"] == c["num_gpu_blocks"]
 
 
 def test_explain_shows_each_stage_and_names_the_limiting_one(tmp_path, shared_dir):
