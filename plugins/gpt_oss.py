@@ -91,13 +91,15 @@ class GptOssPlugin(ModelPlugin):
         top_k = int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4)
         mx = is_mxfp4(spec, settings) and quant is not None
         rope = L.RotaryEmbedding(rope_cache_len(spec), spec.head_dim, torch.float32)
+        # the MXFP4 backend's profile path (Marlin: the modular kernel's workspace; Triton: matmul_ogs)
+        kernel = getattr(quant.expert_format, "kernel", "oai_triton") if mx else "triton"
 
         def mlp(i: int, prefix: str):
             p = f"{prefix}.mlp"
             router = L.Linear(h, experts, dtype, bias=True, prefix=f"{p}.router")
             moe = FusedMoE(h, spec.intermediate_size // tp, experts, top_k, dtype, quant=quant, prefix=f"{p}.experts",
                            compiled=settings.compiled, has_bias=True, engine_version=settings.engine_version,
-                           tensor_parallel_size=tp, reduce_results=True, kernel="oai_triton" if mx else "triton")
+                           tensor_parallel_size=tp, reduce_results=True, kernel=kernel)
             return SparseMoeBlock(router, moe, tensor_parallel_size=tp)
 
         return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,

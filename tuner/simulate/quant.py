@@ -330,34 +330,108 @@ class Fp4Format:
         return lay
 
 
+#: First release whose Triton MXFP4 path frees the loaded block scales after swizzling
+#: (fused_moe/oracle/mxfp4.py ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``: ``del
+#: layer.w13_weight_scale`` / ``w2_weight_scale`` in 0.25.0, 0.26.0, 0.27.0, 0.28.0; not in 0.19.0,
+#: 0.22.0, 0.24.0, which keep them registered next to the swizzled copy).
+MXFP4_TRITON_FREES_SCALES_FROM = (0, 25, 0)
+#: First release whose FlashInfer TRT-LLM MXFP4 backend rounds the per-rank intermediate size up to
+#: 128 instead of 256 (``mxfp4_round_up_hidden_size_and_intermediate_size``: 256 in 0.19.0, 0.22.0,
+#: 0.24.0, 0.25.0, 0.26.0; 128 in 0.27.0, 0.28.0; the hidden size to 256 in all of them).
+MXFP4_TRTLLM_I128_FROM = (0, 27, 0)
+
+
+def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...]) -> str:
+    """The MXFP4 MoE backend vLLM picks for gpt-oss on a CUDA GPU of compute capability ``cc``
+    (no ``moe_backend`` / ``VLLM_USE_FLASHINFER_MOE_MXFP4_*`` override).
+
+    vLLM 0.19.0 ``_get_priority_backends`` and 0.22.0–0.28.0 ``_get_priority_backends_for_gpt_oss``
+    (fused_moe/oracle/mxfp4.py) try, in order, FlashInfer TRT-LLM BF16, (ROCm AITER / CK), Triton,
+    FlashInfer CUTLASS BF16, Marlin, and take the first whose experts class supports the device:
+
+    - TRT-LLM (experts/trtllm_mxfp4_moe.py): ``is_device_capability_family(100)`` with FlashInfer
+      (a hard dependency of the CUDA wheels: flashinfer-python 0.6.6 in 0.19, 0.6.16 in 0.28) ->
+      ``flashinfer_trtllm`` on 10.x (B200/GB200 10.0, B300 10.3);
+    - Triton (experts/gpt_oss_triton_kernels_moe.py): ``(9, 0) <= cc < (11, 0)`` -> Hopper 9.x
+      (``triton_strided`` up to 0.11.0, ``triton_swizzle`` after);
+    - CUTLASS BF16 (experts/flashinfer_cutlass_moe.py): W-MXFP4 x A-BF16 only on
+      ``is_device_capability(90)``, already taken by Triton;
+    - Marlin (experts/marlin_moe.py, ``has_device_capability(75)``) -> everything else: Ampere /
+      Ada 8.x, Thor 11.0, the RTX Blackwell family 12.x (RTX 50xx, RTX PRO).
+
+    Releases before 0.19 are assumed to pick the same way (their wheels were not read for
+    Blackwell; the Hopper branches are the ones checked against the visible H100 start-ups).
+    """
+    if (10, 0) <= cc < (11, 0):
+        return "flashinfer_trtllm"
+    if (9, 0) <= cc < (10, 0):
+        return "triton_strided" if version[:3] <= (0, 11, 0) else "triton_swizzle"
+    return "marlin"
+
+
+def mxfp4_alignment(backend: str, version: tuple[int, ...]) -> tuple[int, int]:
+    """``(hidden, intermediate)`` multiples the backend pads the per-rank expert sizes to
+    (``mxfp4_round_up_hidden_size_and_intermediate_size``, fused_moe/oracle/mxfp4.py, 0.19-0.28):
+    Triton I to 64 (H as is: 1); Marlin H to 256 and I to 128; TRT-LLM H to 256 and I to 256
+    (128 from :data:`MXFP4_TRTLLM_I128_FROM`)."""
+    if backend == "marlin":
+        return 256, 128
+    if backend == "flashinfer_trtllm":
+        return 256, (128 if tuple(version[:3]) >= MXFP4_TRTLLM_I128_FROM else 256)
+    return 1, 64
+
+
 @dataclass(frozen=True)
 class Mxfp4ExpertsFormat:
-    """gpt-oss MXFP4 experts (``Mxfp4MoEMethod``), one projection ``[E, out, in]``: loaded as
-    ``uint8 [E, out, in/2]`` + e8m0 scales ``uint8 [E, out, in/32]``.
+    """gpt-oss MXFP4 experts (``Mxfp4MoEMethod`` / ``GptOssMxfp4MoEMethod``), one projection
+    ``[E, out, in]``: created as ``uint8 [E, out, in/2]`` + e8m0 scales ``uint8 [E, out, in/32]``
+    at the backend's padded sizes (``sizes``), biases bf16; then converted in
+    ``process_weights_after_loading`` (fused_moe/oracle/mxfp4.py
+    ``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format``). ``backend`` (:func:`mxfp4_backend`):
 
-    ``backend``:
     - ``triton_swizzle`` (Hopper, vLLM >= 0.11.1, torch >= 2.8.1; mxfp4_utils ``_swizzle_mxfp4``):
       the transposed values ``[E, in/2, out]`` go through ``HopperMXValueLayout`` (both dims pre-
-      padded to 64 in the triton_kernels vendored by 0.17-0.19, ``prepad``; then ``out`` to 16 and
-      ``in/2`` to 32) and the loaded values are freed; the loaded scales **stay registered**
-      (``layer.w13_weight_scale``) next to a ``HopperMXScaleLayout`` copy ``[E, round_up(out, 256),
-      round_up(in/32, 2)]`` (8 warps).
+      padded to 64 in the triton_kernels vendored by 0.17-0.32, ``prepad``; then ``out`` to 16 and
+      ``in/2`` to 32) and the loaded values are freed; a ``HopperMXScaleLayout`` copy of the scales
+      ``[E, round_up(out, 256), round_up(in/32, 2)]`` (8 warps); the loaded scales **stay
+      registered** (``layer.w13_weight_scale``) unless ``scales_freed`` (0.25+ deletes them);
+      biases fp32.
     - ``triton_strided`` (vLLM 0.11.0, torch 2.8.0: ``StridedLayout``): values as loaded, the
       scales twice (calibrated, not derived: the visible 0.11.0 H100 start-up, 13.47 GiB, is met
-      within 0.3 % only with the copy; triton_kernels of that image was not read).
-    - ``marlin`` (CUDA GPUs below Hopper / above Blackwell-family Triton support): repacked at the
-      same size (UNVERIFIED against a start-up).
-    ``sizes``: per-rank ``(H, I)`` after ``mxfp4_round_up_hidden_size_and_intermediate_size``
-    (fused_moe/oracle/mxfp4.py): Triton rounds I up to 64; Marlin I to 128 and H to 256.
+      within 0.3 % only with the copy; triton_kernels of that image was not read); biases fp32.
+    - ``marlin`` (marlin_utils_fp4.py ``prepare_moe_mxfp4_layer_for_marlin``): values repacked
+      per expert at the same size (``gptq_marlin_repack``: ``[in/16, out·2]`` int32), scales
+      permuted through the model dtype and back to e8m0 (same size), biases permuted in the model
+      dtype; ``replace_parameter`` drops the loaded tensors.
+    - ``flashinfer_trtllm`` (Blackwell 10.x): rows shuffled for the transposed MMA
+      (``get_w2_permute_indices_with_cache``), scales interleaved (``nvfp4_block_scale_interleave``,
+      reshaped back to ``[E, out, in/32]``), biases fp32; the loaded tensors are replaced.
+
+    ``align``: ``(hidden, intermediate)`` multiples of :func:`mxfp4_alignment`.
     """
 
     backend: str = "triton_swizzle"
     prepad: bool = True
+    scales_freed: bool = False
+    align: tuple[int, int] = (1, 64)
+
+    @property
+    def bias_dtype_fp32(self) -> bool:
+        return self.backend != "marlin"
+
+    @property
+    def kernel(self) -> str:
+        """The fused-MoE profile path (:class:`tuner.simulate.moe.FusedMoE` ``kernel``): Triton
+        backends run triton_kernels ``matmul_ogs`` (``oai_triton``); ``MarlinExperts`` runs through
+        the modular kernel with ``TritonExperts``' workspace shapes (experts/marlin_moe.py
+        ``workspace_shapes``: ``(M·k, max(I, H))`` and ``(M·k·max(2I, H),)``, output ``(M, H)``
+        sharing the first), i.e. ``triton`` with the persistent workspace; TRT-LLM (monolithic,
+        buffers inside FlashInfer) is modelled like ``oai_triton`` (UNVERIFIED: not traced)."""
+        return "triton" if self.backend == "marlin" else "oai_triton"
 
     def sizes(self, h: int, n: int) -> tuple[int, int]:
-        if self.backend == "marlin":
-            return _round_up(h, 256), _round_up(n, 128)
-        return h, _round_up(n, 64)
+        ah, an = self.align
+        return _round_up(h, ah), _round_up(n, an)
 
     def bank(self, e: int, i: int, o: int, dtype: str) -> Layout:
         loaded_scale = ("weight_scale", (e, o, _cdiv(i, 32)), "uint8")
@@ -365,8 +439,10 @@ class Mxfp4ExpertsFormat:
             m, k = i // 2, o
             if self.prepad:
                 m, k = _round_up(m, 64), _round_up(k, 64)
-            return [("weight", (e, _round_up(k, 16), _round_up(m, 32)), "uint8"), loaded_scale,
-                    ("weight_scale_swizzled", (e, _round_up(o, 256), _round_up(_cdiv(i, 32), 2)), "uint8")]
+            lay = [("weight", (e, _round_up(k, 16), _round_up(m, 32)), "uint8")]
+            if not self.scales_freed:
+                lay.append(loaded_scale)
+            return lay + [("weight_scale_swizzled", (e, _round_up(o, 256), _round_up(_cdiv(i, 32), 2)), "uint8")]
         if self.backend == "triton_strided":
             return [("weight", (e, o, i // 2), "uint8"), loaded_scale,
                     ("weight_scale_copy", (e, o, _cdiv(i, 32)), "uint8")]
@@ -469,7 +545,7 @@ class QuantScheme:
         lay = [(f"w13_{name}", shape, dt) for name, shape, dt in fmt.bank(num_experts, h, 2 * n, dtype)]
         lay += [(f"w2_{name}", shape, dt) for name, shape, dt in fmt.bank(num_experts, n, h, dtype)]
         if has_bias:
-            bias_dt = "float32" if getattr(fmt, "backend", "").startswith("triton") else dtype
+            bias_dt = "float32" if getattr(fmt, "bias_dtype_fp32", False) else dtype
             lay += [("w13_bias", (num_experts, 2 * n), bias_dt), ("w2_bias", (num_experts, h), bias_dt)]
         return lay
 
@@ -738,15 +814,13 @@ def scheme_for(spec, settings) -> QuantScheme | None:
         return QuantScheme("auto-round", linear_format=f, expert_format=f, per_layer=per_layer,
                            only_under=list(blocks) if blocks else None)
     if method == "mxfp4":
-        if (9, 0) <= cc < (11, 0):
-            backend = "triton_strided" if ver[:3] <= (0, 11, 0) else "triton_swizzle"
-        else:
-            backend = "marlin"
+        backend = mxfp4_backend(cc, ver)
         # HopperMXValueLayout pre-pad to 64: in the triton_kernels vendored by 0.17.0-0.19.0, not in
         # 0.13.0 / 0.15.0 / 0.33.0 (read by the gpt-oss plugin work); 0.20-0.32 assumed like 0.19.
         prepad = (0, 17, 0) <= ver[:3] < (0, 33, 0)
-        return QuantScheme("mxfp4", expert_format=Mxfp4ExpertsFormat(backend=backend, prepad=prepad),
-                           ignore=list(qc.get("modules_to_not_convert") or []))
+        fmt = Mxfp4ExpertsFormat(backend=backend, prepad=prepad, align=mxfp4_alignment(backend, ver),
+                                 scales_freed=backend == "triton_swizzle" and ver[:3] >= MXFP4_TRITON_FREES_SCALES_FROM)
+        return QuantScheme("mxfp4", expert_format=fmt, ignore=list(qc.get("modules_to_not_convert") or []))
     if method in ("modelopt", "modelopt-fp4", "modelopt-mixed"):
         return _modelopt(qc)
     if method == "bitsandbytes":
