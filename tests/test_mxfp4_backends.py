@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from tuner.plugin import RankSettings
-from tuner.simulate.quant import (MXFP4_TRITON_FREES_SCALES_FROM, MXFP4_TRTLLM_I128_FROM, Mxfp4ExpertsFormat,
+from tuner.simulate.quant import (MXFP4_HOPPER_SCALE_PAD4_FROM, MXFP4_TRITON_FREES_SCALES_FROM, MXFP4_TRTLLM_I128_FROM, Mxfp4ExpertsFormat,
                                   layout_bytes, mxfp4_alignment, mxfp4_backend, scheme_for)
 
 GiB = 2**30
@@ -141,3 +141,17 @@ def test_marlin_profile_keeps_the_modular_workspace():
     ws = workspace_bytes(m, k, 384, 3072, 2)
     assert ws == 64 * 4 * 3072 * 2 * 2
     assert live == ws + m * 3072 * 2  # the [M, 3072] output (sliced to 2880 as a view)
+
+
+def test_hopper_swizzled_scales_pad_groups_to_4_from_0_26():
+    """0.26+ ``_swizzle_mxfp4`` pads K = in/32 to a multiple of 4 on 9.0 before HopperMXScaleLayout:
+    gpt-oss-20b layer (32 experts, TP1): w13 [32, 5888, 90 -> 92], w2 [32, 3072, 90 -> 92]; TP2's
+    w2 K = 1472/32 = 46 -> 48 (its w13 rows 2 x 1472 = 2944 -> 3072)."""
+    e = 32
+    b25 = layout_bytes(_scheme("9.0", "0.25.0").expert_layout(e, H, I, "bfloat16", "x.experts"))
+    b26 = layout_bytes(_scheme("9.0", "0.26.0").expert_layout(e, H, I, "bfloat16", "x.experts"))
+    assert MXFP4_HOPPER_SCALE_PAD4_FROM == (0, 26, 0)
+    assert b26 - b25 == e * 5888 * 2 + e * 3072 * 2 == 573_440
+    lay = dict((n, shape) for n, shape, _ in _scheme("9.0", "0.28.0").expert_layout(e, H, I // 2, "bfloat16", "x"))
+    assert lay["w2_weight_scale_swizzled"] == (e, 3072, 48) and lay["w13_weight_scale_swizzled"] == (e, 3072, 92)
+    assert "w13_weight_scale" not in lay  # freed since 0.25

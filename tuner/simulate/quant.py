@@ -339,6 +339,10 @@ MXFP4_TRITON_FREES_SCALES_FROM = (0, 25, 0)
 #: 128 instead of 256 (``mxfp4_round_up_hidden_size_and_intermediate_size``: 256 in 0.19.0, 0.22.0,
 #: 0.24.0, 0.25.0, 0.26.0; 128 in 0.27.0, 0.28.0; the hidden size to 256 in all of them).
 MXFP4_TRTLLM_I128_FROM = (0, 27, 0)
+#: First release that pads the scale groups (K = in/32) to a multiple of 4 before the Hopper swizzle
+#: (quantization/utils/mxfp4_utils.py ``_swizzle_mxfp4``, "Patches #47303", on compute capability
+#: 9.0: in 0.26.0, 0.27.0, 0.28.0; not in 0.19.0, 0.22.0, 0.24.0, 0.25.0).
+MXFP4_HOPPER_SCALE_PAD4_FROM = (0, 26, 0)
 
 
 def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...]) -> str:
@@ -395,7 +399,7 @@ class Mxfp4ExpertsFormat:
       ``in/2`` to 32) and the loaded values are freed; a ``HopperMXScaleLayout`` copy of the scales
       ``[E, round_up(out, 256), round_up(in/32, 2)]`` (8 warps); the loaded scales **stay
       registered** (``layer.w13_weight_scale``) unless ``scales_freed`` (0.25+ deletes them);
-      biases fp32.
+      the swizzled copy's ``in/32`` is first padded to ``scale_k_pad`` (4 from 0.26); biases fp32.
     - ``triton_strided`` (vLLM 0.11.0, torch 2.8.0: ``StridedLayout``): values as loaded, the
       scales twice (calibrated, not derived: the visible 0.11.0 H100 start-up, 13.47 GiB, is met
       within 0.3 % only with the copy; triton_kernels of that image was not read); biases fp32.
@@ -414,6 +418,7 @@ class Mxfp4ExpertsFormat:
     prepad: bool = True
     scales_freed: bool = False
     align: tuple[int, int] = (1, 64)
+    scale_k_pad: int = 1
 
     @property
     def bias_dtype_fp32(self) -> bool:
@@ -442,7 +447,8 @@ class Mxfp4ExpertsFormat:
             lay = [("weight", (e, _round_up(k, 16), _round_up(m, 32)), "uint8")]
             if not self.scales_freed:
                 lay.append(loaded_scale)
-            return lay + [("weight_scale_swizzled", (e, _round_up(o, 256), _round_up(_cdiv(i, 32), 2)), "uint8")]
+            kg = _round_up(_cdiv(i, 32), self.scale_k_pad)
+            return lay + [("weight_scale_swizzled", (e, _round_up(o, 256), _round_up(kg, 2)), "uint8")]
         if self.backend == "triton_strided":
             return [("weight", (e, o, i // 2), "uint8"), loaded_scale,
                     ("weight_scale_copy", (e, o, _cdiv(i, 32)), "uint8")]
@@ -818,8 +824,10 @@ def scheme_for(spec, settings) -> QuantScheme | None:
         # HopperMXValueLayout pre-pad to 64: in the triton_kernels vendored by 0.17.0-0.19.0, not in
         # 0.13.0 / 0.15.0 / 0.33.0 (read by the gpt-oss plugin work); 0.20-0.32 assumed like 0.19.
         prepad = (0, 17, 0) <= ver[:3] < (0, 33, 0)
+        swizzle = backend == "triton_swizzle"
         fmt = Mxfp4ExpertsFormat(backend=backend, prepad=prepad, align=mxfp4_alignment(backend, ver),
-                                 scales_freed=backend == "triton_swizzle" and ver[:3] >= MXFP4_TRITON_FREES_SCALES_FROM)
+                                 scales_freed=swizzle and ver[:3] >= MXFP4_TRITON_FREES_SCALES_FROM,
+                                 scale_k_pad=4 if swizzle and ver[:3] >= MXFP4_HOPPER_SCALE_PAD4_FROM else 1)
         return QuantScheme("mxfp4", expert_format=fmt, ignore=list(qc.get("modules_to_not_convert") or []))
     if method in ("modelopt", "modelopt-fp4", "modelopt-mixed"):
         return _modelopt(qc)
