@@ -15,13 +15,21 @@ hopper_value.py, hopper_scale.py). Per rank:
   (131072 × 64 × 4 B = 32 MiB), shared by all layers;
 - MLP ``model.layers.<i>.mlp``: ``router`` = replicated ``Linear [E, H]`` with bias (16-bit, listed
   in ``modules_to_not_convert``) and :class:`tuner.simulate.moe.FusedMoE` with biases, SwiGLU-OAI
-  activation, ``I_rank = round_up(I / tp, 64)`` for MXFP4 (``mxfp4_round_up_hidden_size_and_intermediate_size``,
-  Triton backend), run through triton_kernels ``matmul_ogs`` (``kernel="oai_triton"``).
+  activation, ``I_rank = round_up(I / tp, 64)`` for MXFP4 on Hopper (``mxfp4_round_up_hidden_size_and_intermediate_size``,
+  Triton backend; other backends below), run through triton_kernels ``matmul_ogs`` (``kernel="oai_triton"``).
 
-MXFP4 expert bytes come from :func:`tuner.simulate.quant.scheme_for` (``Mxfp4ExpertsFormat``): on
+MXFP4 expert bytes come from :func:`tuner.simulate.quant.scheme_for` (``Mxfp4ExpertsFormat``), in the
+layout of the backend vLLM picks for the GPU's compute capability and the release
+(:func:`tuner.simulate.quant.mxfp4_backend`, fused_moe/oracle/mxfp4.py 0.19–0.28): Triton on Hopper 9.x,
+FlashInfer TRT-LLM on Blackwell 10.x, Marlin elsewhere (8.x, 11.0, the RTX Blackwell family 12.x), each
+padding ``(H, I / tp)`` its own way (Marlin: H to 256, I to 128; gpt-oss-120b TP8 on an RTX PRO 4500:
+``(3072, 384)``). Marlin experts run through the modular kernel, whose persistent workspace
+(``TritonExperts``' shapes at the padded sizes) is still alive while the dummy sampler runs
+(``kernel="triton"``); Triton and TRT-LLM are profiled as matmul_ogs (``kernel="oai_triton"``). On
 Hopper (Triton backend) the loaded ``weight [E, out, in/2]`` uint8 is swizzled (HopperMXValueLayout)
 and freed, the loaded ``weight_scale [E, out, in/32]`` **stays registered** next to a swizzled copy
-``[E, round_up(out, 256), round_up(in/32, 2)]`` (HopperMXScaleLayout, 8 warps), biases become fp32
+``[E, round_up(out, 256), round_up(in/32, 2)]`` (HopperMXScaleLayout, 8 warps; the loaded scales
+are freed from 0.25 and the groups padded to 4 from 0.26), biases become fp32
 ``[E, out]``; ``I / tp`` is padded to 64 (the scheme's ``expert_sizes``). Checked against the visible
 start-ups (H100): 0.19.0 13.634 GiB predicted / 13.64 printed (TP1), 6.989 / 7.01 (TP2). The
 vendored triton_kernels pre-pad the swizzled values to multiples of 64 in vLLM 0.17–0.19 only

@@ -38,9 +38,12 @@ unless a branch says otherwise:
   dtype tensors; Marlin (other GPUs) frees unused ``g_idx``/``qzeros`` and keeps a
   ``int32 [num_sms]`` workspace per layer.
 - ``mxfp4`` (mxfp4.py + fused_moe/oracle/mxfp4.py): experts only, ``uint8`` blocks (2 values per
-  byte) + e8m0 scales per 32. On Hopper the Triton backend swizzles (vLLM >= 0.11.1, torch >= 2.8.1:
-  values padded to multiples of 64, a swizzled scale copy padded to 256 rows next to the loaded
-  scales) and keeps biases in fp32; 0.11.0 (torch 2.8.0) keeps a strided copy of the scales.
+  byte) + e8m0 scales per 32, in the layout of the backend the GPU gets (:func:`mxfp4_backend`). On
+  Hopper the Triton backend swizzles (vLLM >= 0.11.1, torch >= 2.8.1: values padded to multiples of
+  64, a swizzled scale copy padded to 256 rows next to the loaded scales until 0.24) and keeps biases
+  in fp32; 0.11.0 (torch 2.8.0) keeps a strided copy of the scales. Blackwell 10.x: FlashInfer
+  TRT-LLM (same bytes at H/I padded to 256/256, 256/128 from 0.27, fp32 biases); other GPUs: Marlin
+  (same bytes at 256/128, model-dtype biases).
 - ``modelopt`` (modelopt.py): NVFP4 ``uint8 [out, in/2]`` + fp8 scale per 16 + fp32 global scales;
   FP8 per-tensor; ``MIXED_PRECISION`` per ``quantized_layers``; ``ignore`` / ``exclude_modules``
   wildcards (ancestor and substring matches as vLLM's ``is_layer_excluded``).
