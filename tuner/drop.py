@@ -237,10 +237,7 @@ def _device(v: Any) -> Any:
         if v.strip().lower() == "auto":
             return "auto"
         if devices.lookup(v) is None:
-            raise _Invalid(
-                f"unknown device {v!r}; known devices: {', '.join(devices.known_names())} "
-                "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})"
-            )
+            raise _Invalid(devices.unknown_message(v))
         return v.strip()
     if isinstance(v, Mapping):
         for k in v:
