@@ -138,3 +138,23 @@ def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
     assert out[:3] == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")[:3]
     assert os.path.isfile(db)
+
+
+def test_top_level_usage_listed_only_the_one_command_built(capsys):
+    """`ctx-tuner profile x.yaml --bogus` printed "usage: ctx-tuner … {profile} ...": the lean
+    parser builds only the named command's sub-parser, and argparse's usage listed only it."""
+    import argparse
+
+    from tuner.cli import build_parser, main
+
+    every = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = list(every.choices)
+    assert len(names) == 12 and names[:2] == ["profile", "check"]
+    for argv in (["profile", "x.yaml", "--bogus"], ["--log-level", "BAD", "profile", "x.yaml"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        usage = " ".join(capsys.readouterr().err.split())
+        assert "{" + ",".join(names) + "}" in usage
+    lean = build_parser(["profile"])
+    assert [n for a in lean._actions if isinstance(a, argparse._SubParsersAction) for n in a.choices] == ["profile"]
