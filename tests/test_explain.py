@@ -40,7 +40,7 @@ def _jobs_once():
 def v0_29k():
     """explain of the seed failure: Llama-3.1-8B, RTX 3090, vLLM 0.6.4, gmu 0.9, max_model_len 29000."""
     rc, out, err = _cli("explain", str(V0_DROP), "--max-model-len", "29000", "--json", "--progress")
-    assert rc == 0, err
+    assert rc == 3, err  # does NOT start: check's exit code
     assert "[1/" in err  # progress lines on stderr
     doc = json.loads(out)
     assert len(doc["explanations"]) == 1
@@ -171,7 +171,7 @@ def test_explain_stored_run_without_rerunning(v0_29k):
     measured_id, = con.execute("SELECT id FROM profile_runs WHERE method = 'import'").fetchone()
     con.close()
     rc, out, err = _cli("explain", "--run", str(run_id), "-m", "29000", "--db", str(db), "--json")
-    assert rc == 0, err
+    assert rc == 3, err
     e = json.loads(out)["explanations"][0]
     assert (e["requested_memory_bytes"], e["available_kv_cache_bytes"], e["num_gpu_blocks"], e["kv_cache_tokens"]) == cand
     assert e["run_id"] == run_id and e["fits"] is False
@@ -182,8 +182,18 @@ def test_explain_stored_run_without_rerunning(v0_29k):
     assert abs(e["kv_block_bytes"] - LLAMA8B_BLOCK_BYTES) / LLAMA8B_BLOCK_BYTES < 0.001
     # a measured (imported) start-up is explained from its own columns
     rc, out, err = _cli("explain", "--run", str(measured_id), "--db", str(db))
-    assert rc == 0, err
+    assert rc == 3, err
     assert "does NOT start (stored run" in out and "= 1478" in out and "23648" in out
+
+
+def test_explain_exited_0_when_its_verdict_was_does_not_start():
+    """explain's exit code is check's: 0 every explained point starts, 3 one does not (it was 0)."""
+    rc, out, err = _cli("explain", str(V0_DROP), "--max-model-len", "29000", "--no-variants", "--quiet")
+    assert rc == 3, err
+    assert "max_model_len 29000: does NOT start" in out
+    rc, out, err = _cli("explain", str(V0_DROP), "--max-model-len", "20000", "--no-variants", "--quiet")
+    assert rc == 0, err
+    assert "max_model_len 20000: starts" in out
 
 
 @pytest.mark.parametrize("argv, code", [

@@ -134,7 +134,7 @@ def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
     assert out == _readme_sample(f"ctx-tuner profile {drop}")
     assert out[2].startswith("sources: total_memory catalog")
-    main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"])
+    assert main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"]) == 3
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
     assert out[:3] == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")[:3]
     assert os.path.isfile(db)
