@@ -158,3 +158,19 @@ def test_top_level_usage_listed_only_the_one_command_built(capsys):
         assert "{" + ",".join(names) + "}" in usage
     lean = build_parser(["profile"])
     assert [n for a in lean._actions if isinstance(a, argparse._SubParsersAction) for n in a.choices] == ["profile"]
+
+
+def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypatch):
+    """The hint to fill the HF cache said `huggingface-cli download …`; huggingface_hub 1.0 removed
+    that command (the installed 2.x has only `hf`): name the CLI the installed hub ships."""
+    import huggingface_hub
+
+    from tuner.errors import ModelConfigError
+    from tuner.modelspec import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for version, cli in (("2.4.0", "hf"), ("0.34.1", "hf"), ("0.33.2", "huggingface-cli")):
+        monkeypatch.setattr(huggingface_hub, "__version__", version)
+        with pytest.raises(ModelConfigError) as err:
+            resolve_model_path("no-such-org/no-such-model")
+        assert f"with `{cli} download no-such-org/no-such-model config.json`" in str(err.value), version
