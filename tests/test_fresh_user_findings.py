@@ -174,3 +174,25 @@ def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypa
         with pytest.raises(ModelConfigError) as err:
             resolve_model_path("no-such-org/no-such-model")
         assert f"with `{cli} download no-such-org/no-such-model config.json`" in str(err.value), version
+
+
+@pytest.mark.parametrize(("text", "field", "meant"), [
+    ("max_model_len: 8192\n", "max_model_len", "candidates.max_model_len"),
+    ("candidates: {gpu_memory_utilization: [0.9], min_concurrency: 2}\n", "candidates.min_concurrency",
+     "constraints.min_concurrency")])
+def test_top_level_max_model_len_was_refused_without_saying_where_it_goes(tmp_path, tiny_config, text, field, meant):
+    """A fresh user wrote `max_model_len: 8192` at the top of a drop: "unknown key" listed 27 keys
+    but not the one of that name under `candidates`."""
+    from tuner.drop import load_drop
+    from tuner.errors import DropError
+
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\n" + (
+        "" if text.startswith("candidates") else "candidates: {gpu_memory_utilization: [0.9]}\n") + text)
+    with pytest.raises(DropError) as exc:
+        load_drop(drop)
+    assert exc.value.field == field
+    assert f"unknown key {field.rsplit('.', 1)[-1]!r} (did you mean {meant}?); allowed here: " in str(exc.value)
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\nfoo: 1\n")
+    with pytest.raises(DropError, match=r"unknown key 'foo'; allowed here: name, model"):
+        load_drop(drop)
