@@ -334,6 +334,20 @@ def test_cli_unmodelled_flag_is_exit_2_naming_it():
     assert "NOT MODELLED (ignored for this check): --cpu-offload-gb 10" in out
 
 
+def test_check_without_device_on_a_gpu_less_host_did_not_say_to_give_one(monkeypatch):
+    import pynvml
+
+    def no_gpu():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_gpu)
+    rc, _, err = _cli("check", "--engine-version", "0.19.0", "--", "vllm", "serve", str(L8B))
+    assert rc == 2 and "device: auto: no NVIDIA GPU / NVML not available" in err
+    assert "name it where there is none: --device H100-80GB (a catalog name) or --device NAME:GIB" in err
+    rc, _, err = _cli("check", "--device", "auto", "--engine-version", "0.19.0", "--", "vllm", "serve", str(L8B))
+    assert rc == 2 and "no NVIDIA GPU" in err and "--device NAME:GIB" not in err  # asked for auto itself
+
+
 def test_cli_invalid_input_is_exit_2():
     base = ("check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--")
     rc, _, err = _cli(*base, "vllm", "serve", str(L8B), "--max-model-len", "1.5K")
