@@ -196,6 +196,32 @@ def test_explain_exited_0_when_its_verdict_was_does_not_start():
     assert "max_model_len 20000: starts" in out
 
 
+def test_explain_kv_cache_memory_bytes_showed_a_difference_not_attributed_to_a_term(tmp_path):
+    """With kv_cache_memory_bytes the KV cache is the given bytes (gpu_worker.py
+    determine_available_memory): explain subtracted a 34 GiB "difference not attributed to a term"
+    from total x u and offered a gpu_memory_utilization that changes nothing."""
+    from tests.conftest import REPO
+
+    model = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
+    drop = tmp_path / "kv.yaml"
+    drop.write_text(f"name: kv\nmodel: {model}\ndevice: H100-80GB\nkv_cache_memory_bytes: 1G\n"
+                    "candidates: {gpu_memory_utilization: [0.9]}\n")
+    rc, out, err = _cli("explain", str(drop), "-m", "32k", "--no-variants", "--quiet", "--json",
+                        "--db", str(tmp_path / "r.sqlite"))
+    assert rc == 3, err
+    e = json.loads(out)["explanations"][0]
+    assert e["available_kv_cache_bytes"] == 1 << 30 and e["num_gpu_blocks"] == (1 << 30) // LLAMA8B_BLOCK_BYTES == 512
+    assert e["formula_text"].startswith("kv_cache_memory_bytes: the KV cache is the given bytes")
+    names = [s["name"] for s in e["steps"]]
+    assert "rounding" not in names and "kv_cache_memory_bytes" in names
+    assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
+    assert e["remedies"]["gpu_memory_utilization"] is None
+    text = render(json.loads(out))
+    assert "difference not attributed to a term" not in text and "gpu_memory_utilization >=" not in text
+    assert "the rest of total x u, not used: kv_cache_memory_bytes fixes the KV cache" in text
+    assert "KV cache bytes (kv_cache_memory_bytes, as given)" in text
+
+
 @pytest.mark.parametrize("argv, code", [
     (["explain"], 2),
     (["explain", "x.yaml", "--run", "1"], 2),
