@@ -284,6 +284,10 @@ def test_kv_cache_memory_bytes_check_printed_a_budget_subtraction_and_an_ignored
                   "--kv-cache-memory-bytes", "2G")
     assert given.starts and "--gpu-memory-utilization 0.8" in given.doc["command"]
     assert "ignores gpu_memory_utilization" in render(given)
+    assert "more than the GPU's" not in render(given)
+    huge = render(check("vllm", "serve", str(L8B), "--max-model-len", "16k", "--kv-cache-memory-bytes", "70G"))
+    assert ("weights + non-torch + --kv-cache-memory-bytes = 85.24 GiB, more than the GPU's 79.19 GiB: vLLM does "
+            "not check") in huge
     # without it the budget arithmetic is printed as before
     plain = render(check("vllm", "serve", str(L8B), "--max-model-len", "32k"))
     assert "  requested 71.27 GiB - weights 14.99 GiB" in plain and "--gpu-memory-utilization 0.9" in plain

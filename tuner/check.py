@@ -273,6 +273,12 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if kv_bytes is not None:
         warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
                         "sizing it from the memory profile and ignores gpu_memory_utilization")
+        weights_nt = int(numbers["weights_bytes"] or 0) + int(numbers["non_torch_bytes"] or 0)
+        if weights_nt + int(kv_bytes) > int(numbers["total_memory_bytes"] or 0):
+            warnings.append(f"weights + non-torch + --kv-cache-memory-bytes = {(weights_nt + kv_bytes) / GiB:.2f} GiB, "
+                            f"more than the GPU's {int(numbers['total_memory_bytes']) / GiB:.2f} GiB: vLLM does not "
+                            "check the setting against the GPU, and allocating the cache would run out of device "
+                            "memory (the verdict below does not model that)")
     # With --kv-cache-memory-bytes vLLM ignores gpu_memory_utilization: echo it only where the line has it.
     u_echo = {} if kv_bytes is not None and "gpu_memory_utilization" not in values else {"gpu_memory_utilization": u}
     nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo})
