@@ -59,7 +59,8 @@ def progress_printer(args):
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("explain", help="explain the KV-cache budget of one point step by step, and what would make it fit")
+    p = sub.add_parser("explain", help="explain the KV-cache budget of one point step by step, and what would make it "
+                                       "fit (exit 0 starts, 3 does not)")
     p.add_argument("drop", nargs="?", help="path to a drop YAML file (or use --run)")
     p.add_argument("--run", type=int, metavar="ID", help="explain a stored profile run (profile_runs.id) without re-running")
     p.add_argument("--gpu-memory-utilization", "-u", type=_gmu, metavar="U",
