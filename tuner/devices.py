@@ -272,8 +272,7 @@ def size_words(name: str) -> tuple[float, ...]:
     text = name.lower()
     out = [float(m.group(1)) for m in re.finditer(r"\(\s*(\d+(?:\.\d+)?)\s*(?:g|gb|gib)?\s*\)", text)]
     for w in _key(_MEM_SUFFIX_RE.sub(" ", text)).split(" "):
-        m = _SIZE_WORD_RE.match(w)
-        if m:
+        if _SIZE_WORD_RE.match(w):
             out.append(float(re.match(r"\d+(?:\.\d+)?", w).group(0)))
     return tuple(out)
 
