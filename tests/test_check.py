@@ -258,6 +258,41 @@ def test_kv_cache_memory_bytes_line_matches_drop(tmp_path):
     assert rc == 2 and "--kv-cache-memory-bytes" in err
 
 
+def test_kv_cache_memory_bytes_check_printed_a_budget_subtraction_and_an_ignored_gmu_flag():
+    """With --kv-cache-memory-bytes vLLM returns the given bytes as the KV cache (gpu_worker.py
+    determine_available_memory) and ignores gpu_memory_utilization: the answer printed
+    "requested 71.27 GiB - weights … = KV cache 2.00 GiB" and echoed --gpu-memory-utilization 0.9."""
+    from tuner.check import render
+
+    res = check("vllm", "serve", str(L8B), "--max-model-len", "32k", "--kv-cache-memory-bytes", "2G")
+    text = render(res)
+    n = res.doc["numbers"]
+    assert res.doc["kv_cache_memory_bytes"] == 2 << 30
+    assert "requested" not in text and "--gpu-memory-utilization" not in text
+    assert "at gpu_memory_utilization" not in text
+    assert "DOES NOT START: max_model_len 32000 with kv_cache_memory_bytes 2,147,483,648" in text
+    assert ("  KV cache 2.00 GiB (2,147,483,648 bytes) = --kv-cache-memory-bytes as given (vLLM runs the profile "
+            "pass but does not size the cache from it, nor from gpu_memory_utilization)") in text
+    used = sum(n[k] for k in ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes")) + (2 << 30)
+    assert f"= {used / (1 << 30):.2f} GiB of 79.19 GiB total (vLLM does not check this sum)" in text
+    assert "  2,147,483,648 // 2,097,152 bytes per block = 1024 blocks of 16 tokens" in text
+    assert res.doc["command"].endswith("--max-model-len 32000 --kv-cache-memory-bytes 2147483648")
+    assert [s["command"].split(str(L8B))[1] for s in res.doc["nearest"]] == [
+        " --max-model-len 16384 --kv-cache-memory-bytes 2147483648"]
+    # a gpu_memory_utilization the line gives is echoed as written (vLLM ignores it, the note says so)
+    given = check("vllm", "serve", str(L8B), "--max-model-len", "16k", "--gpu-memory-utilization", "0.8",
+                  "--kv-cache-memory-bytes", "2G")
+    assert given.starts and "--gpu-memory-utilization 0.8" in given.doc["command"]
+    assert "ignores gpu_memory_utilization" in render(given)
+    assert "more than the GPU's" not in render(given)
+    huge = render(check("vllm", "serve", str(L8B), "--max-model-len", "16k", "--kv-cache-memory-bytes", "70G"))
+    assert ("weights + non-torch + --kv-cache-memory-bytes = 85.24 GiB, more than the GPU's 79.19 GiB: vLLM does "
+            "not check") in huge
+    # without it the budget arithmetic is printed as before
+    plain = render(check("vllm", "serve", str(L8B), "--max-model-len", "32k"))
+    assert "  requested 71.27 GiB - weights 14.99 GiB" in plain and "--gpu-memory-utilization 0.9" in plain
+
+
 # ------------------------------------------------------------------------------------------------
 # The CLI: exit codes, unknown and unmodelled flags named
 # ------------------------------------------------------------------------------------------------
@@ -301,6 +336,20 @@ def test_cli_unmodelled_flag_is_exit_2_naming_it():
                         "--no-variants", "--", "vllm", "serve", str(L8B), "--cpu-offload-gb", "10", "--max-model-len", "4k")
     assert rc == 0, err
     assert "NOT MODELLED (ignored for this check): --cpu-offload-gb 10" in out
+
+
+def test_check_without_device_on_a_gpu_less_host_did_not_say_to_give_one(monkeypatch):
+    import pynvml
+
+    def no_gpu():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_gpu)
+    rc, _, err = _cli("check", "--engine-version", "0.19.0", "--", "vllm", "serve", str(L8B))
+    assert rc == 2 and "device: auto: no NVIDIA GPU / NVML not available" in err
+    assert "name it where there is none: --device H100-80GB (a catalog name) or --device NAME:GIB" in err
+    rc, _, err = _cli("check", "--device", "auto", "--engine-version", "0.19.0", "--", "vllm", "serve", str(L8B))
+    assert rc == 2 and "no NVIDIA GPU" in err and "--device NAME:GIB" not in err  # asked for auto itself
 
 
 def test_cli_invalid_input_is_exit_2():

@@ -249,3 +249,31 @@ def test_import_pulls_in_neither_torch_nor_pynvml():
             "bad = [m for m in ('torch', 'transformers', 'pynvml') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["H200-999GB", "NVIDIA H100 40GB", "RTX 5060 Ti 8GB", "A100 50GB"])
+def test_size_word_contradicting_the_catalog_was_accepted_silently(name, tmp_path, tiny_config):
+    """A memory size in the name that no catalog card of that model has names no card (it used to
+    pick the model's only card, e.g. 'H200-999GB' -> H200 139.80 GiB); the drop error names the
+    file and the field."""
+    from tuner.drop import load_drop
+    from tuner.errors import DropError
+
+    assert lookup(name) is None
+    with pytest.raises(DeviceError, match=r"its memory size \d+ GB matches no card of that model") as exc:
+        resolve_device(name)
+    assert exc.value.where == "device"
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: {name}\n")
+    with pytest.raises(DropError, match="matches no card of that model") as exc2:
+        load_drop(drop)
+    assert f"{drop}:device" in str(exc2.value)
+
+
+@pytest.mark.parametrize(("name", "canonical"), [
+    ("H20 96GB", "H20"), ("H20 141GB", "H20-141GB"), ("GH200 96GB", "GH200"), ("GH200 144GB", "GH200-144GB"),
+    ("NVIDIA A100 40GB PCIe", "A100-40GB"), ("NVIDIA A100 80GB PCIe", "A100-80GB"), ("H100-SXM5-80GB", "H100-80GB"),
+    ("A10G 24GB", "A10G"), ("NVIDIA GeForce RTX 4090 (24G)", "RTX-4090"), ("NVIDIA H100 NVL 94GB", "H100-NVL")])
+def test_size_word_selects_among_a_models_cards(name, canonical):
+    assert lookup(name).name == canonical
+    assert devices.size_words("A10G") == () and devices.size_words("RTX 4090 (24G)") == (24.0,)

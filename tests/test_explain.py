@@ -40,7 +40,7 @@ def _jobs_once():
 def v0_29k():
     """explain of the seed failure: Llama-3.1-8B, RTX 3090, vLLM 0.6.4, gmu 0.9, max_model_len 29000."""
     rc, out, err = _cli("explain", str(V0_DROP), "--max-model-len", "29000", "--json", "--progress")
-    assert rc == 0, err
+    assert rc == 3, err  # does NOT start: check's exit code
     assert "[1/" in err  # progress lines on stderr
     doc = json.loads(out)
     assert len(doc["explanations"]) == 1
@@ -171,7 +171,7 @@ def test_explain_stored_run_without_rerunning(v0_29k):
     measured_id, = con.execute("SELECT id FROM profile_runs WHERE method = 'import'").fetchone()
     con.close()
     rc, out, err = _cli("explain", "--run", str(run_id), "-m", "29000", "--db", str(db), "--json")
-    assert rc == 0, err
+    assert rc == 3, err
     e = json.loads(out)["explanations"][0]
     assert (e["requested_memory_bytes"], e["available_kv_cache_bytes"], e["num_gpu_blocks"], e["kv_cache_tokens"]) == cand
     assert e["run_id"] == run_id and e["fits"] is False
@@ -182,8 +182,44 @@ def test_explain_stored_run_without_rerunning(v0_29k):
     assert abs(e["kv_block_bytes"] - LLAMA8B_BLOCK_BYTES) / LLAMA8B_BLOCK_BYTES < 0.001
     # a measured (imported) start-up is explained from its own columns
     rc, out, err = _cli("explain", "--run", str(measured_id), "--db", str(db))
-    assert rc == 0, err
+    assert rc == 3, err
     assert "does NOT start (stored run" in out and "= 1478" in out and "23648" in out
+
+
+def test_explain_exited_0_when_its_verdict_was_does_not_start():
+    """explain's exit code is check's: 0 every explained point starts, 3 one does not (it was 0)."""
+    rc, out, err = _cli("explain", str(V0_DROP), "--max-model-len", "29000", "--no-variants", "--quiet")
+    assert rc == 3, err
+    assert "max_model_len 29000: does NOT start" in out
+    rc, out, err = _cli("explain", str(V0_DROP), "--max-model-len", "20000", "--no-variants", "--quiet")
+    assert rc == 0, err
+    assert "max_model_len 20000: starts" in out
+
+
+def test_explain_kv_cache_memory_bytes_showed_a_difference_not_attributed_to_a_term(tmp_path):
+    """With kv_cache_memory_bytes the KV cache is the given bytes (gpu_worker.py
+    determine_available_memory): explain subtracted a 34 GiB "difference not attributed to a term"
+    from total x u and offered a gpu_memory_utilization that changes nothing."""
+    from tests.conftest import REPO
+
+    model = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
+    drop = tmp_path / "kv.yaml"
+    drop.write_text(f"name: kv\nmodel: {model}\ndevice: H100-80GB\nkv_cache_memory_bytes: 1G\n"
+                    "candidates: {gpu_memory_utilization: [0.9]}\n")
+    rc, out, err = _cli("explain", str(drop), "-m", "32k", "--no-variants", "--quiet", "--json",
+                        "--db", str(tmp_path / "r.sqlite"))
+    assert rc == 3, err
+    e = json.loads(out)["explanations"][0]
+    assert e["available_kv_cache_bytes"] == 1 << 30 and e["num_gpu_blocks"] == (1 << 30) // LLAMA8B_BLOCK_BYTES == 512
+    assert e["formula_text"].startswith("kv_cache_memory_bytes: the KV cache is the given bytes")
+    names = [s["name"] for s in e["steps"]]
+    assert "rounding" not in names and "kv_cache_memory_bytes" in names
+    assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
+    assert e["remedies"]["gpu_memory_utilization"] is None
+    text = render(json.loads(out))
+    assert "difference not attributed to a term" not in text and "gpu_memory_utilization >=" not in text
+    assert "the rest of total x u, not used: kv_cache_memory_bytes fixes the KV cache" in text
+    assert "KV cache bytes (kv_cache_memory_bytes, as given)" in text
 
 
 @pytest.mark.parametrize("argv, code", [

@@ -134,7 +134,65 @@ def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
     assert out == _readme_sample(f"ctx-tuner profile {drop}")
     assert out[2].startswith("sources: total_memory catalog")
-    main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"])
+    assert main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"]) == 3
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
     assert out[:3] == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")[:3]
     assert os.path.isfile(db)
+
+
+def test_top_level_usage_listed_only_the_one_command_built(capsys):
+    """`ctx-tuner profile x.yaml --bogus` printed "usage: ctx-tuner … {profile} ...": the lean
+    parser builds only the named command's sub-parser, and argparse's usage listed only it."""
+    import argparse
+
+    from tuner.cli import build_parser, main
+
+    every = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = list(every.choices)
+    assert len(names) == 12 and names[:2] == ["profile", "check"]
+    for argv in (["profile", "x.yaml", "--bogus"], ["--log-level", "BAD", "profile", "x.yaml"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        usage = " ".join(capsys.readouterr().err.split())
+        assert "{" + ",".join(names) + "}" in usage
+    lean = build_parser(["profile"])
+    assert [n for a in lean._actions if isinstance(a, argparse._SubParsersAction) for n in a.choices] == ["profile"]
+
+
+def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypatch):
+    """The hint to fill the HF cache said `huggingface-cli download …`; huggingface_hub 1.0 removed
+    that command (the installed 2.x has only `hf`): name the CLI the installed hub ships."""
+    import huggingface_hub
+
+    from tuner.errors import ModelConfigError
+    from tuner.modelspec import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for version, cli in (("2.4.0", "hf"), ("0.34.1", "hf"), ("0.33.2", "huggingface-cli")):
+        monkeypatch.setattr(huggingface_hub, "__version__", version)
+        with pytest.raises(ModelConfigError) as err:
+            resolve_model_path("no-such-org/no-such-model")
+        assert f"with `{cli} download no-such-org/no-such-model config.json`" in str(err.value), version
+
+
+@pytest.mark.parametrize(("text", "field", "meant"), [
+    ("max_model_len: 8192\n", "max_model_len", "candidates.max_model_len"),
+    ("candidates: {gpu_memory_utilization: [0.9], min_concurrency: 2}\n", "candidates.min_concurrency",
+     "constraints.min_concurrency")])
+def test_top_level_max_model_len_was_refused_without_saying_where_it_goes(tmp_path, tiny_config, text, field, meant):
+    """A fresh user wrote `max_model_len: 8192` at the top of a drop: "unknown key" listed 27 keys
+    but not the one of that name under `candidates`."""
+    from tuner.drop import load_drop
+    from tuner.errors import DropError
+
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\n" + (
+        "" if text.startswith("candidates") else "candidates: {gpu_memory_utilization: [0.9]}\n") + text)
+    with pytest.raises(DropError) as exc:
+        load_drop(drop)
+    assert exc.value.field == field
+    assert f"unknown key {field.rsplit('.', 1)[-1]!r} (did you mean {meant}?); allowed here: " in str(exc.value)
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\nfoo: 1\n")
+    with pytest.raises(DropError, match=r"unknown key 'foo'; allowed here: name, model"):
+        load_drop(drop)

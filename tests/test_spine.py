@@ -117,6 +117,33 @@ def test_job_result_itemises_each_budget_with_bytes_and_source():
         JobResult.from_wire({"candidates": []})
 
 
+def test_proposal_fields_were_declared_twice_in_search_and_protocol():
+    """search.Proposal and protocol.ProposalResult declared the same seven fields apart; now the
+    search's proposal is the protocol's Proposal and a ProposalResult is one, with its ledger."""
+    import dataclasses
+
+    from tuner import search
+    from tuner.protocol import Proposal, ProposalResult
+
+    assert search.Proposal is Proposal and issubclass(ProposalResult, Proposal)
+    own = [f.name for f in dataclasses.fields(Proposal)]
+    assert own == ["gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens",
+                   "max_concurrency", "reason", "vllm_args", "limiting_stage", "stages"]
+    assert [f.name for f in dataclasses.fields(ProposalResult)] == own + ["budget", "data"]
+    prop = Proposal(0.9, 8192, 3, 48, 0.0059, None, "--max-model-len 8192 --gpu-memory-utilization 0.9")
+    assert prop.to_dict() == dict(zip(own, (0.9, 8192, 3, 48, 0.0059, None,  # one stage: no stage fields
+                                            "--max-model-len 8192 --gpu-memory-utilization 0.9")))
+    res = ProposalResult.from_wire({**prop.to_dict(), "command": "vllm serve m"})
+    assert res.to_dict() == prop.to_dict() and res.get("command") == "vllm serve m"
+    assert res.to_wire() == {**prop.to_dict(), "command": "vllm serve m", "budget": []}
+    staged = Proposal(0.9, 8192, 3, 48, 0.0059, None, None, limiting_stage=1,
+                      stages=({"pp_rank": 0, "num_gpu_blocks": 5}, {"pp_rank": 1, "num_gpu_blocks": 3}))
+    wire = staged.to_dict()
+    assert wire["limiting_stage"] == 1 and wire["stages"][1] == {"pp_rank": 1, "num_gpu_blocks": 3}
+    back = ProposalResult.from_wire(wire)
+    assert (back.limiting_stage, back.stages, back.to_dict()) == (1, staged.stages, wire)
+
+
 def test_stored_result_reads_back_what_was_profiled(tmp_path):
     """records: a profile's rows back as typed records and as a JobResult with the same points."""
     from tests._results_db import profiled_db

@@ -273,11 +273,18 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if kv_bytes is not None:
         warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
                         "sizing it from the memory profile and ignores gpu_memory_utilization")
-    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m,
-                                                                          "gpu_memory_utilization": u})
+        weights_nt = int(numbers["weights_bytes"] or 0) + int(numbers["non_torch_bytes"] or 0)
+        if weights_nt + int(kv_bytes) > int(numbers["total_memory_bytes"] or 0):
+            warnings.append(f"weights + non-torch + --kv-cache-memory-bytes = {(weights_nt + kv_bytes) / GiB:.2f} GiB, "
+                            f"more than the GPU's {int(numbers['total_memory_bytes']) / GiB:.2f} GiB: vLLM does not "
+                            "check the setting against the GPU, and allocating the cache would run out of device "
+                            "memory (the verdict below does not model that)")
+    # With --kv-cache-memory-bytes vLLM ignores gpu_memory_utilization: echo it only where the line has it.
+    u_echo = {} if kv_bytes is not None and "gpu_memory_utilization" not in values else {"gpu_memory_utilization": u}
+    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo})
     if kv_bytes is not None:
         nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
-    checked_values = {**values, "gpu_memory_utilization": u, "max_model_len": picked if picked is not None else m}
+    checked_values = {**values, **u_echo, "max_model_len": picked if picked is not None else m}
     out = {
         "verdict": "starts" if starts else "does not start",
         "starts": starts,
@@ -289,6 +296,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "era": doc["era"],
         "plugin": doc["plugin"],
         "gpu_memory_utilization": u,
+        "kv_cache_memory_bytes": kv_bytes,
         "max_model_len": picked if picked is not None else m,
         "max_model_len_requested": "auto" if auto else (m_arg if m_arg is not None else None),
         "derived_max_model_len": derived,
@@ -373,19 +381,32 @@ def render(res: CheckResult) -> str:
     from tuner.protocol import point_of
 
     checked = point_of(d)
+    kv_fixed = d.get("kv_cache_memory_bytes")
     at = (f"max_model_len {checked.max_model_len}" + (" (auto)" if asked == "auto" else
                                                        " (the model's derived maximum)" if asked is None else "")
-          + f" at gpu_memory_utilization {checked.gpu_memory_utilization:g}")
+          + (f" with kv_cache_memory_bytes {kv_fixed:,}" if kv_fixed is not None else
+             f" at gpu_memory_utilization {checked.gpu_memory_utilization:g}"))
     if d["starts"]:
         lines.append(f"STARTS: {at}: {n['num_gpu_blocks']} blocks, {n['kv_cache_tokens']} KV tokens, "
                      f"{n['max_concurrency']:.2f}x concurrency")
     else:
         lines.append(f"DOES NOT START: {at}")
         lines.append(f"  vLLM: {d['engine_error']}")
-    lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
-                 f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
-                 f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
-                 f"({n['available_kv_cache_bytes']:,} bytes)")
+    if kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
+        used = sum(int(n[k] or 0) for k in ("weights_bytes", "activation_peak_bytes", "non_torch_bytes",
+                                             "cuda_graph_bytes", "available_kv_cache_bytes"))
+        lines.append(f"  KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes) = "
+                     "--kv-cache-memory-bytes as given (vLLM runs the profile pass but does not size the cache "
+                     "from it, nor from gpu_memory_utilization)")
+        lines.append(f"  in use: weights {_gib(n['weights_bytes'])} + activation peak {_gib(n['activation_peak_bytes'])}"
+                     f" + non-torch {_gib(n['non_torch_bytes'])} + CUDA graphs {_gib(n['cuda_graph_bytes'])} + KV cache "
+                     f"{_gib(n['available_kv_cache_bytes'])} = {_gib(used)} of {_gib(n['total_memory_bytes'])} total "
+                     "(vLLM does not check this sum)")
+    else:
+        lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
+                     f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
+                     f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
+                     f"({n['available_kv_cache_bytes']:,} bytes)")
     if n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")

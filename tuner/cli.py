@@ -111,7 +111,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ctx-tuner {__version__}")
     p.add_argument("--log-level", type=_log_level, default="WARNING", metavar="LEVEL",
                    help=f"logging level: {', '.join(LOG_LEVELS)} (case-insensitive; default WARNING)")
-    sub = p.add_subparsers(dest="command", required=True)
+    # every command in the usage line, also when only one command's parser is built
+    sub = p.add_subparsers(dest="command", required=True, metavar="{%s}" % ",".join(
+        name.rsplit(".", 1)[1].replace("_", "-") for name in COMMANDS))
     for mod in _modules(_command_module(argv) if argv is not None else None):
         mod.add_parser(sub).set_defaults(_run=mod.run)
     return p

@@ -45,7 +45,7 @@ MAX_TOTAL_BYTES = 4096 * GIB
 _SOURCE_DROP = "given in drop"
 _SOURCE_NVML = "nvml"
 
-__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "GIB"]
+__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "unknown_message", "size_words", "GIB"]
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,11 @@ def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None
     the spellings NVML and vLLM print (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA GeForce RTX 4090
     (24G)"``, ``"... Server Edition"``) by the card's model name (:func:`_base_key`). A name that fits
     several cards (``"NVIDIA A100"``, ``"H20"``) is resolved by ``total_memory_bytes`` when given (the
-    card within :data:`TOTAL_MATCH_TOLERANCE`, nearest first), else by an exact memory size in the
-    name; otherwise it stays ambiguous (None)."""
+    card within :data:`TOTAL_MATCH_TOLERANCE`, nearest first). Without a total, a memory size the
+    name spells (``"H20 96GB"``, :func:`size_words`) selects among the model's cards and must match
+    one (:data:`SIZE_WORD_TOLERANCE`): ``"NVIDIA H100 40GB"`` or ``"H200-999GB"`` names no catalog
+    card (None; :func:`unknown_message` says why), never the card of another size. A name that still
+    fits several cards stays ambiguous (None)."""
     if not isinstance(name, str):
         return None
     exact = _load_catalog()[1].get(_key(name))
@@ -250,21 +253,51 @@ def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None
         return exact if exact is not None else (family[0] if len(family) == 1 else None)
     if exact is not None:
         return exact
-    found = family
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        return None
-    size = re.search(r"(\d+)\s*(?:g|gb|gib)\b", name.lower())
-    if size:
-        gb = int(size.group(1))
-        near = [d for d in found if abs(d.total_memory_bytes / 1e9 - gb) <= 0.12 * gb]
-        if len(near) == 1:
-            return near[0]
-    return None
+    sizes = size_words(name)
+    found = tuple(d for d in family if _size_fits(d, sizes)) if sizes else family
+    return found[0] if len(found) == 1 else None
+
+
+#: How far a memory size written in a device name (``"80GB"``, ``"(24G)"``) may be from a catalog
+#: card's total, read as decimal GB (fraction): the engine's total of an "80GB" H100 is 85.03 GB
+#: (79.19 GiB), of a "24G" RTX 4090 25.27 GB; a card with another memory size differs by ≥ 20 %
+#: (A100 40/80, H20 96/141, RTX 5060 Ti 8/16).
+SIZE_WORD_TOLERANCE = 0.12
+
+
+def size_words(name: str) -> tuple[float, ...]:
+    """The memory sizes (GB) a device name spells as whole words or a parenthesised suffix:
+    ``"NVIDIA H100 40GB"`` → ``(40.0,)``, ``"RTX 4090 (24G)"`` → ``(24.0,)``; ``"A10G"`` → ``()``
+    (a model name, not a size)."""
+    text = name.lower()
+    out = [float(m.group(1)) for m in re.finditer(r"\(\s*(\d+(?:\.\d+)?)\s*(?:g|gb|gib)?\s*\)", text)]
+    for w in _key(_MEM_SUFFIX_RE.sub(" ", text)).split(" "):
+        if _SIZE_WORD_RE.match(w):
+            out.append(float(re.match(r"\d+(?:\.\d+)?", w).group(0)))
+    return tuple(out)
+
+
+def _size_fits(dev: Device, sizes: tuple[float, ...]) -> bool:
+    """Every size word is within :data:`SIZE_WORD_TOLERANCE` of ``dev``'s total (decimal GB)."""
+    gb = dev.total_memory_bytes / 1e9
+    return all(abs(gb - s) <= SIZE_WORD_TOLERANCE * s for s in sizes)
+
+
+def unknown_message(value: object) -> str:
+    """Why :func:`lookup` found no card for ``value``: a memory size in the name that no card of
+    that model has, several cards the name may mean, or an unknown name (with the known ones)."""
+    return _unknown(value).message
 
 
 def _unknown(value: object) -> DeviceError:
+    family = _families().get(_base_key(value), ()) if isinstance(value, str) else ()
+    sizes = size_words(value) if isinstance(value, str) and family else ()
+    if sizes and not any(_size_fits(d, sizes) for d in family):
+        cards = ", ".join(f"{d.name} {d.total_memory_bytes / GIB:.2f} GiB" for d in family)
+        return DeviceError(
+            f"device {value!r}: its memory size {', '.join(f'{s:g} GB' for s in sizes)} matches no card of "
+            f"that model in the catalog ({cards}); name the card as the catalog does, or give "
+            "{name: ..., total_memory_gib: ...} for a card the catalog lacks", where="device")
     several = candidates_for(value) if isinstance(value, str) else ()
     if len(several) > 1:
         return DeviceError(

@@ -237,10 +237,7 @@ def _device(v: Any) -> Any:
         if v.strip().lower() == "auto":
             return "auto"
         if devices.lookup(v) is None:
-            raise _Invalid(
-                f"unknown device {v!r}; known devices: {', '.join(devices.known_names())} "
-                "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})"
-            )
+            raise _Invalid(devices.unknown_message(v))
         return v.strip()
     if isinstance(v, Mapping):
         for k in v:
@@ -939,7 +936,9 @@ def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) ->
         if key in _FORBIDDEN:
             raise DropError(_FORBIDDEN[key], path=path, field=_join(prefix, key))
         if key not in allowed:
-            raise DropError(f"unknown key {key!r}; allowed here: {', '.join(allowed)}", path=path,
+            elsewhere = [f for f in _FIELDS_BY_NAME if f.rsplit(".", 1)[-1] == key and f != _join(prefix, key)]
+            hint = f" (did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
+            raise DropError(f"unknown key {key!r}{hint}; allowed here: {', '.join(allowed)}", path=path,
                             field=_join(prefix, key))
     out: dict[str, Any] = {}
     for key in allowed:

@@ -545,11 +545,18 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                           (("activation", act_corr), ("non-torch", nt_corr), ("graphs", g_corr)) if v)
         steps.append(_signed("calibration", corr, f"calibration corrections from measured runs ({parts})"))
     gap = steps_add_up(steps + [{"name": "available_kv"}]) - avail
-    if gap:  # a measured run's terms are logged in GiB with 2 decimals
+    # --kv-cache-memory-bytes: vLLM returns the given bytes (gpu_worker.py determine_available_memory)
+    kv_fixed = None if measured else drop.get("kv_cache_memory_bytes")
+    if gap and kv_fixed is not None:
+        steps.append(_signed("kv_cache_memory_bytes", gap, (
+            "the rest of total x u, not used" if gap > 0 else "beyond total x u") + ": kv_cache_memory_bytes "
+            "fixes the KV cache and vLLM ignores gpu_memory_utilization"))
+    elif gap:  # a measured run's terms are logged in GiB with 2 decimals
         steps.append(_signed("rounding", gap, "difference to the engine's KV bytes (its log prints GiB with 2 "
                                               "decimals)" if measured else "difference not attributed to a term"))
     steps.append({"name": "available_kv", "op": "=", "bytes": avail,
-                  "text": "KV cache bytes" + (" (as the engine logged it)" if measured else "")})
+                  "text": "KV cache bytes" + (" (as the engine logged it)" if measured else
+                                              " (kv_cache_memory_bytes, as given)" if kv_fixed is not None else "")})
     note = _batch_note(era, n, m)
     if note:
         steps[2]["detail"] = [note] + steps[2]["detail"]
@@ -592,7 +599,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     refused_len = str(cand.get("reason") or "").startswith(MAX_LEN_REFUSAL)
     out = {
         "drop": drop.get("name"), "model": drop.get("model"), "device": dict(device), "era": era.name,
-        "engine": era.engine, "budget_formula": era.budget_formula, "formula_text": FORMULA_TEXT.get(era.budget_formula),
+        "engine": era.engine, "budget_formula": era.budget_formula,
+        "formula_text": FORMULA_TEXT.get(era.budget_formula) if kv_fixed is None else (
+            "kv_cache_memory_bytes: the KV cache is the given bytes; the profile run still runs, gpu_memory_utilization "
+            "is not used (vllm/v1/worker/gpu_worker.py determine_available_memory)"),
         "dtype": dtype, "kv_cache_dtype": drop.get("kv_cache_dtype", "auto"), "tensor_parallel_size": tp,
         "pipeline_parallel_size": int(drop.get("pipeline_parallel_size") or 1), "block_size": block_size,
         "gpu_memory_utilization": u, "max_model_len": m, "total_memory_bytes": total,
@@ -620,7 +630,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                             ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
-        elif block_bytes:
+        elif block_bytes and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
             fixed = w + act + nt + (g if subtracts_graphs else 0)
             rem.update(gpu_memory_utilization={
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,

@@ -61,14 +61,18 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
                                                          "hub downloads are off (daemon setting allow_hub_download)"))
     hint = ""
     if model.count("/") == 1 and not model.startswith(("/", ".")):
+        cli = "hf"  # huggingface_hub 0.34+; `huggingface-cli` before (removed in 1.0)
         try:
+            import huggingface_hub
             from huggingface_hub import constants
 
             cache = constants.HF_HUB_CACHE
+            if tuple(int(x) for x in huggingface_hub.__version__.split(".")[:2]) < (0, 34):
+                cli = "huggingface-cli"
         except Exception:  # pragma: no cover - depends on the local hub install
             cache = os.environ.get("HF_HUB_CACHE") or "~/.cache/huggingface/hub"
         hint = (f"; the HF cache is {cache} (HF_HOME / HF_HUB_CACHE move it): fill it on a host with network "
-                f"with `huggingface-cli download {model} config.json`, or give a local directory holding config.json")
+                f"with `{cli} download {model} config.json`, or give a local directory holding config.json")
     raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)}){hint}", where=model)
 
 

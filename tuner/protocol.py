@@ -360,9 +360,10 @@ class CandidateResult:
 
 
 @dataclass(frozen=True)
-class ProposalResult:
-    """The largest ``max_model_len`` that starts at one ``gpu_memory_utilization`` (None if none),
-    the ``vllm`` arguments, and the ledger of the candidate it proposes (empty when nothing fits)."""
+class Proposal:
+    """The largest ``max_model_len`` that starts at one ``gpu_memory_utilization`` (None if none)
+    and the ``vllm`` arguments: what :func:`tuner.search.propose` answers (``tuner.search.Proposal``
+    is this class) and the wire object's typed fields (:class:`ProposalResult`)."""
 
     gpu_memory_utilization: float
     max_model_len: int | None
@@ -371,6 +372,28 @@ class ProposalResult:
     max_concurrency: float | None
     reason: str | None
     vllm_args: str | None
+    #: The proposed candidate's limiting pipeline stage and each stage's figures (PP > 1 only;
+    #: :attr:`tuner.search.Candidate.stages`).
+    limiting_stage: int = 0
+    stages: tuple = ()
+
+    def to_dict(self) -> dict:
+        """The proposal's own fields (a :class:`ProposalResult`'s ledger and wire object left out;
+        ``stages`` and ``limiting_stage`` only where there are stages)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(Proposal)}
+        if not d["stages"]:
+            d.pop("stages")
+            d.pop("limiting_stage")
+        else:
+            d["stages"] = [dict(x) for x in d["stages"]]
+        return d
+
+
+@dataclass(frozen=True)
+class ProposalResult(Proposal):
+    """A :class:`Proposal` as the worker answered it: with the ledger of the candidate it proposes
+    (empty when nothing fits) and the whole wire object (``data``)."""
+
     budget: tuple[BudgetTerm, ...] = ()
     data: Mapping[str, Any] = field(default_factory=dict, hash=False, repr=False)
 
@@ -380,7 +403,8 @@ class ProposalResult:
             budget = [BudgetTerm.from_wire(t) for t in data["budget"]]
         return cls(float(data["gpu_memory_utilization"]), data.get("max_model_len"), data.get("num_gpu_blocks"),
                    data.get("kv_cache_tokens"), data.get("max_concurrency"), data.get("reason"), data.get("vllm_args"),
-                   tuple(budget), dict(data))
+                   limiting_stage=int(data.get("limiting_stage") or 0), stages=tuple(data.get("stages") or ()),
+                   budget=tuple(budget), data=dict(data))
 
     def to_wire(self) -> dict[str, Any]:
         return {**self.data, "budget": [t.to_wire() for t in self.budget]}

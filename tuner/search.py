@@ -20,6 +20,7 @@ from tuner.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, f
                           non_torch_bytes, unexplained_bytes)
 from tuner.eras import Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
+from tuner.protocol import Proposal  # noqa: F401 - the one definition (the wire's typed fields too)
 
 
 @dataclass(frozen=True)
@@ -369,32 +370,6 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
                      drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
                      drafter_activation_bytes=drafter_acts[worst], limiting_stage=worst, stages=stages)
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """The largest ``max_model_len`` that starts at one ``gpu_memory_utilization`` (None if none)."""
-
-    gpu_memory_utilization: float
-    max_model_len: int | None
-    num_gpu_blocks: int | None
-    kv_cache_tokens: int | None
-    max_concurrency: float | None
-    reason: str | None
-    vllm_args: str | None
-    #: The proposed candidate's limiting pipeline stage and each stage's figures (PP > 1 only;
-    #: :attr:`Candidate.stages`).
-    limiting_stage: int = 0
-    stages: tuple = ()
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        if not d["stages"]:
-            d.pop("stages")
-            d.pop("limiting_stage")
-        else:
-            d["stages"] = [dict(x) for x in d["stages"]]
-        return d
 
 
 #: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default

@@ -1,6 +1,7 @@
 """``ctx-tuner explain DROP.yaml [--gpu-memory-utilization U] [--max-model-len M]`` or
 ``ctx-tuner explain --run ID``: the KV-cache budget step by step, and what would make a point start.
-Exit codes: 0 done, 1 job or database failed, 2 invalid drop, model config, option or run id."""
+Exit codes as ``check``'s: 0 every point explained starts, 3 one does not start (vLLM would refuse it),
+1 job or database failed, 2 invalid drop, model config, option or run id."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 from tuner.errors import TunerError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DOES_NOT_START = 0, 1, 2, 3
 NAME = "explain"
 
 
@@ -58,7 +59,8 @@ def progress_printer(args):
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("explain", help="explain the KV-cache budget of one point step by step, and what would make it fit")
+    p = sub.add_parser("explain", help="explain the KV-cache budget of one point step by step, and what would make it "
+                                       "fit (exit 0 starts, 3 does not)")
     p.add_argument("drop", nargs="?", help="path to a drop YAML file (or use --run)")
     p.add_argument("--run", type=int, metavar="ID", help="explain a stored profile run (profile_runs.id) without re-running")
     p.add_argument("--gpu-memory-utilization", "-u", type=_gmu, metavar="U",
@@ -108,4 +110,6 @@ def run(args) -> int:
     except TunerError as exc:
         return job_error_exit(exc)
     print(json.dumps(doc, indent=2) if args.json else render(doc))
-    return EXIT_OK
+    # vLLM's verdict, as check's exit code: "starts, but fewer than min_concurrency" still starts
+    starts = all(e.get("starts", e.get("fits")) for e in doc["explanations"])
+    return EXIT_OK if starts else EXIT_DOES_NOT_START
