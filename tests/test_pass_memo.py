@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tuner import passmemo
+from tuner import memoanswer, passmemo
 from tuner.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _strip(obj):
-    """A job result without its timings (``elapsed_s``) — the only fields a memo answer may change."""
+    """A job result without its timings (``elapsed_s``) and without where its passes came from
+    (``pass_source``: memo or worker) — the only fields a memo answer may change."""
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k != "elapsed_s"}
+        return {k: _strip(v) for k, v in obj.items() if k not in ("elapsed_s", "pass_source")}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj
@@ -74,7 +75,7 @@ def test_memo_answer_equals_fresh_computation_v1_other_gmu_and_length(model, rel
     entries = _entries(first)
     assert sorted(v.get("spec") is not None for v in entries.values()) == [False, True]  # 1 spec, 1 pass
     asked = _with(base, gpu_memory_utilization=[0.8, 0.85], max_model_len=[4096, 16384, 24576])
-    answer, hits = passmemo.answer_from_memo(asked, entries)
+    answer, hits = memoanswer.answer_from_memo(asked, entries)
     assert answer is not None and len(hits) == 1
     fresh = _fresh(asked)
     assert _strip(answer) == _strip(fresh)
@@ -92,11 +93,11 @@ def test_memo_answer_equals_fresh_computation_v0():
     first = _worker_run(base)
     entries = _entries(first)
     assert sum(1 for v in entries.values() if "spec" not in v) == 15
-    again, _ = passmemo.answer_from_memo(base, entries)
+    again, _ = memoanswer.answer_from_memo(base, entries)
     assert again is not None and _strip(again) == _strip({k: v for k, v in first.items() if k != passmemo.ENTRIES})
 
     asked = _with(base, gpu_memory_utilization=[0.85])
-    answer, hits = passmemo.answer_from_memo(asked, entries)
+    answer, hits = memoanswer.answer_from_memo(asked, entries)
     fresh = _fresh(asked)
     if answer is None:  # some lengths this u probes are new: the worker computes only those
         assert hits
@@ -112,9 +113,9 @@ def test_memo_answer_equals_fresh_computation_v0():
 def test_pass_from_an_older_tool_version_misses(monkeypatch, tmp_path):
     base = _request("llama-3.1-8b-h100.yaml")
     first = _worker_run(base)
-    assert passmemo.answer_from_memo(base, _entries(first))[0] is not None
+    assert memoanswer.answer_from_memo(base, _entries(first))[0] is not None
     monkeypatch.setattr(passmemo, "__version__", "99.0.0")
-    assert passmemo.answer_from_memo(base, _entries(first)) == (None, {})
+    assert memoanswer.answer_from_memo(base, _entries(first)) == (None, {})
     # and the store hands out only the entries of the tool version asking
     store = open_store(f"sqlite:///{tmp_path / 's.sqlite'}")
     try:
@@ -136,12 +137,12 @@ def test_pass_of_a_different_config_or_setting_misses(tmp_path):
     cfg = json.loads(src.read_text())
     cfg["num_hidden_layers"] = 30
     (other / "config.json").write_text(json.dumps(cfg))
-    assert passmemo.answer_from_memo({**base, "config_path": str(other / "config.json")}, entries) == (None, {})
+    assert memoanswer.answer_from_memo({**base, "config_path": str(other / "config.json")}, entries) == (None, {})
     # the same model with another max_num_batched_tokens or kv_cache_dtype: the spec hits, the pass misses
     for key, value in (("max_num_batched_tokens", 4096), ("dtype", "float16")):
         changed = copy.deepcopy(base)
         changed["drop"][key] = value
-        assert passmemo.answer_from_memo(changed, entries) == (None, {})
+        assert memoanswer.answer_from_memo(changed, entries) == (None, {})
 
 
 def test_put_memo_twice_keeps_one_row_per_key(db_url):
@@ -218,17 +219,27 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
         f"    rc = main(['profile', {str(drop2)!r}, '--db', {db!r}, '--json'])\n"
-        "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules,"
+        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy.orm', 'sqlalchemy.dialects.postgresql')\n"
+        "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules],"
         " 'doc': json.loads(out.getvalue())}))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    assert (got["rc"], got["torch"], got["transformers"]) == (0, False, False)
+    # no torch nor transformers (no worker); no Alembic (the store is at head: one query), no ORM
+    # (Core only) and no PostgreSQL dialect for a SQLite store (tuner.store._jobs_pending_index)
+    assert (got["rc"], got["loaded"]) == (0, [])
     fresh = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(drop2), "--db", db, "--json",
                             "--no-cache"], check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
                            timeout=600)
     doc, forced = got["doc"], json.loads(fresh.stdout)
+    # where the passes came from: the memo (naming the run that computed them), or a worker
+    n = len(doc["runs"])  # one pass per profile batch the two lengths need
+    assert n >= 1
+    assert doc["pass_source"] == {"source": "memo", "stored_passes": n, "computed_passes": 0, "first_run_id": 1,
+                                  "first_drop_id": 1}
+    assert forced["pass_source"] == {"source": "worker", "stored_passes": 0, "computed_passes": n,
+                                     "reason": "no-cache"}
     assert doc.pop("drop_id") != forced.pop("drop_id")
     assert _strip(doc) == _strip(forced)
     assert [p["gpu_memory_utilization"] for p in doc["proposals"]] == [0.5, 0.7]
