@@ -254,7 +254,7 @@ def _code_names(path: Path) -> list[str]:
 def test_builtin_plugins_never_read_settings_max_model_len():
     """The pass key of a built-in plugin leaves ``max_model_len`` out (:func:`tuner.passmemo.pass_key`):
     no built-in plugin or simulator module reads it (the runner's persistent buffers, the one term
-    that depends on it, are recomputed by :func:`tuner.passmemo.persistent_bytes`)."""
+    that depends on it, are recomputed by :func:`tuner.budget.persistent_bytes`)."""
     files = sorted((REPO / "plugins").glob("*.py")) + sorted((REPO / "tuner" / "simulate").rglob("*.py"))
     assert len(files) > 10
     readers = [f.name for f in files if "max_model_len" in _code_names(f)]
@@ -299,3 +299,60 @@ def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_pat
     for p in fresh["proposals"]:
         assert p["vllm_args"] in text
     assert [p["gpu_memory_utilization"] for p in fresh["proposals"]] == [0.3, 0.7]
+
+
+def test_env_versions_are_what_importlib_metadata_reports():
+    """The versions in every memo key are read from the packages' metadata headers only (no email
+    parse of transformers' README): the same strings ``importlib.metadata.version`` gives."""
+    from importlib import metadata
+
+    passmemo.env_versions.cache_clear()
+    got = passmemo.env_versions()
+    for name in ("torch", "transformers"):
+        try:
+            want = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            want = None
+        assert got[name] == want
+    assert passmemo._version_header("Metadata-Version: 2.1\nName: x\nVersion: 1.2.3\n\nVersion: 9\n") == "1.2.3"
+    assert passmemo._version_header("Name: x\n\nVersion: 9\n") is None  # a body line is not a header
+
+
+def test_pass_source_line_names_the_memo_or_the_worker():
+    from tuner.memoanswer import pass_source_line
+
+    assert pass_source_line({"source": "memo", "stored_passes": 2, "computed_passes": 0, "first_run_id": 7,
+                             "first_drop_id": 3}) == \
+        "passes: memo (2 stored passes, first computed in profile run 7 of drop 3; no worker, no torch)"
+    assert pass_source_line({"source": "memo", "stored_passes": 1, "computed_passes": 0}) == \
+        "passes: memo (1 stored pass; no worker, no torch)"
+    assert pass_source_line({"source": "worker", "stored_passes": 0, "computed_passes": 13, "reason": "no-cache"}) == \
+        "passes: worker (13 computed, 0 from the memo; --no-cache)"
+    assert pass_source_line(None) is None and pass_source_line({"source": "?"}) is None
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports (top level or inside functions)."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_import_circle_passmemo_job_simulate_stays_cut():
+    """The memo's vocabulary (tuner.passmemo) is used by tuner.job, so it never imports the job
+    (the parent side that runs jobs is tuner.memoanswer); the simulator takes the runner's buffers
+    from tuner.budget, not from the memo. Either import back would close the circle
+    job -> engine.use -> simulate.profile -> passmemo -> job again."""
+    assert not {m for m in _imported_modules(REPO / "tuner" / "passmemo.py") if m.startswith("tuner.job")
+                or m.startswith("tuner.memoanswer") or m.startswith("tuner.simulate")}
+    assert not {m for m in _imported_modules(REPO / "tuner" / "simulate" / "profile.py") if "passmemo" in m}
+    from tuner.budget import DTYPE_BYTES, persistent_bytes  # where the two names live now
+
+    assert DTYPE_BYTES["bfloat16"] == 2 and callable(persistent_bytes)
