@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tuner import passmemo
+from tuner import memoanswer, passmemo
 from tuner.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _strip(obj):
-    """A job result without its timings (``elapsed_s``) — the only fields a memo answer may change."""
+    """A job result without its timings (``elapsed_s``) and without where its passes came from
+    (``pass_source``: memo or worker) — the only fields a memo answer may change."""
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k != "elapsed_s"}
+        return {k: _strip(v) for k, v in obj.items() if k not in ("elapsed_s", "pass_source")}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj
@@ -74,7 +75,7 @@ def test_memo_answer_equals_fresh_computation_v1_other_gmu_and_length(model, rel
     entries = _entries(first)
     assert sorted(v.get("spec") is not None for v in entries.values()) == [False, True]  # 1 spec, 1 pass
     asked = _with(base, gpu_memory_utilization=[0.8, 0.85], max_model_len=[4096, 16384, 24576])
-    answer, hits = passmemo.answer_from_memo(asked, entries)
+    answer, hits = memoanswer.answer_from_memo(asked, entries)
     assert answer is not None and len(hits) == 1
     fresh = _fresh(asked)
     assert _strip(answer) == _strip(fresh)
@@ -92,11 +93,11 @@ def test_memo_answer_equals_fresh_computation_v0():
     first = _worker_run(base)
     entries = _entries(first)
     assert sum(1 for v in entries.values() if "spec" not in v) == 15
-    again, _ = passmemo.answer_from_memo(base, entries)
+    again, _ = memoanswer.answer_from_memo(base, entries)
     assert again is not None and _strip(again) == _strip({k: v for k, v in first.items() if k != passmemo.ENTRIES})
 
     asked = _with(base, gpu_memory_utilization=[0.85])
-    answer, hits = passmemo.answer_from_memo(asked, entries)
+    answer, hits = memoanswer.answer_from_memo(asked, entries)
     fresh = _fresh(asked)
     if answer is None:  # some lengths this u probes are new: the worker computes only those
         assert hits
@@ -112,9 +113,9 @@ def test_memo_answer_equals_fresh_computation_v0():
 def test_pass_from_an_older_tool_version_misses(monkeypatch, tmp_path):
     base = _request("llama-3.1-8b-h100.yaml")
     first = _worker_run(base)
-    assert passmemo.answer_from_memo(base, _entries(first))[0] is not None
+    assert memoanswer.answer_from_memo(base, _entries(first))[0] is not None
     monkeypatch.setattr(passmemo, "__version__", "99.0.0")
-    assert passmemo.answer_from_memo(base, _entries(first)) == (None, {})
+    assert memoanswer.answer_from_memo(base, _entries(first)) == (None, {})
     # and the store hands out only the entries of the tool version asking
     store = open_store(f"sqlite:///{tmp_path / 's.sqlite'}")
     try:
@@ -136,12 +137,12 @@ def test_pass_of_a_different_config_or_setting_misses(tmp_path):
     cfg = json.loads(src.read_text())
     cfg["num_hidden_layers"] = 30
     (other / "config.json").write_text(json.dumps(cfg))
-    assert passmemo.answer_from_memo({**base, "config_path": str(other / "config.json")}, entries) == (None, {})
+    assert memoanswer.answer_from_memo({**base, "config_path": str(other / "config.json")}, entries) == (None, {})
     # the same model with another max_num_batched_tokens or kv_cache_dtype: the spec hits, the pass misses
     for key, value in (("max_num_batched_tokens", 4096), ("dtype", "float16")):
         changed = copy.deepcopy(base)
         changed["drop"][key] = value
-        assert passmemo.answer_from_memo(changed, entries) == (None, {})
+        assert memoanswer.answer_from_memo(changed, entries) == (None, {})
 
 
 def test_put_memo_twice_keeps_one_row_per_key(db_url):
@@ -218,17 +219,27 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
         f"    rc = main(['profile', {str(drop2)!r}, '--db', {db!r}, '--json'])\n"
-        "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules, 'transformers': 'transformers' in sys.modules,"
+        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy.orm', 'sqlalchemy.dialects.postgresql')\n"
+        "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules],"
         " 'doc': json.loads(out.getvalue())}))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    assert (got["rc"], got["torch"], got["transformers"]) == (0, False, False)
+    # no torch nor transformers (no worker); no Alembic (the store is at head: one query), no ORM
+    # (Core only) and no PostgreSQL dialect for a SQLite store (tuner.store._jobs_pending_index)
+    assert (got["rc"], got["loaded"]) == (0, [])
     fresh = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(drop2), "--db", db, "--json",
                             "--no-cache"], check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
                            timeout=600)
     doc, forced = got["doc"], json.loads(fresh.stdout)
+    # where the passes came from: the memo (naming the run that computed them), or a worker
+    n = len(doc["runs"])  # one pass per profile batch the two lengths need
+    assert n >= 1
+    assert doc["pass_source"] == {"source": "memo", "stored_passes": n, "computed_passes": 0, "first_run_id": 1,
+                                  "first_drop_id": 1}
+    assert forced["pass_source"] == {"source": "worker", "stored_passes": 0, "computed_passes": n,
+                                     "reason": "no-cache"}
     assert doc.pop("drop_id") != forced.pop("drop_id")
     assert _strip(doc) == _strip(forced)
     assert [p["gpu_memory_utilization"] for p in doc["proposals"]] == [0.5, 0.7]
@@ -243,7 +254,7 @@ def _code_names(path: Path) -> list[str]:
 def test_builtin_plugins_never_read_settings_max_model_len():
     """The pass key of a built-in plugin leaves ``max_model_len`` out (:func:`tuner.passmemo.pass_key`):
     no built-in plugin or simulator module reads it (the runner's persistent buffers, the one term
-    that depends on it, are recomputed by :func:`tuner.passmemo.persistent_bytes`)."""
+    that depends on it, are recomputed by :func:`tuner.budget.persistent_bytes`)."""
     files = sorted((REPO / "plugins").glob("*.py")) + sorted((REPO / "tuner" / "simulate").rglob("*.py"))
     assert len(files) > 10
     readers = [f.name for f in files if "max_model_len" in _code_names(f)]
@@ -288,3 +299,60 @@ def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_pat
     for p in fresh["proposals"]:
         assert p["vllm_args"] in text
     assert [p["gpu_memory_utilization"] for p in fresh["proposals"]] == [0.3, 0.7]
+
+
+def test_env_versions_are_what_importlib_metadata_reports():
+    """The versions in every memo key are read from the packages' metadata headers only (no email
+    parse of transformers' README): the same strings ``importlib.metadata.version`` gives."""
+    from importlib import metadata
+
+    passmemo.env_versions.cache_clear()
+    got = passmemo.env_versions()
+    for name in ("torch", "transformers"):
+        try:
+            want = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            want = None
+        assert got[name] == want
+    assert passmemo._version_header("Metadata-Version: 2.1\nName: x\nVersion: 1.2.3\n\nVersion: 9\n") == "1.2.3"
+    assert passmemo._version_header("Name: x\n\nVersion: 9\n") is None  # a body line is not a header
+
+
+def test_pass_source_line_names_the_memo_or_the_worker():
+    from tuner.memoanswer import pass_source_line
+
+    assert pass_source_line({"source": "memo", "stored_passes": 2, "computed_passes": 0, "first_run_id": 7,
+                             "first_drop_id": 3}) == \
+        "passes: memo (2 stored passes, first computed in profile run 7 of drop 3; no worker, no torch)"
+    assert pass_source_line({"source": "memo", "stored_passes": 1, "computed_passes": 0}) == \
+        "passes: memo (1 stored pass; no worker, no torch)"
+    assert pass_source_line({"source": "worker", "stored_passes": 0, "computed_passes": 13, "reason": "no-cache"}) == \
+        "passes: worker (13 computed, 0 from the memo; --no-cache)"
+    assert pass_source_line(None) is None and pass_source_line({"source": "?"}) is None
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports (top level or inside functions)."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_import_circle_passmemo_job_simulate_stays_cut():
+    """The memo's vocabulary (tuner.passmemo) is used by tuner.job, so it never imports the job
+    (the parent side that runs jobs is tuner.memoanswer); the simulator takes the runner's buffers
+    from tuner.budget, not from the memo. Either import back would close the circle
+    job -> engine.use -> simulate.profile -> passmemo -> job again."""
+    assert not {m for m in _imported_modules(REPO / "tuner" / "passmemo.py") if m.startswith("tuner.job")
+                or m.startswith("tuner.memoanswer") or m.startswith("tuner.simulate")}
+    assert not {m for m in _imported_modules(REPO / "tuner" / "simulate" / "profile.py") if "passmemo" in m}
+    from tuner.budget import DTYPE_BYTES, persistent_bytes  # where the two names live now
+
+    assert DTYPE_BYTES["bfloat16"] == 2 and callable(persistent_bytes)

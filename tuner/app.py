@@ -178,25 +178,32 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     """
     drop = load_drop(drop_path)
     request, dev = prepare_job(drop, nvml=nvml)
-    if calibrate and request.method == "simulate" and store_exists(db_url):
-        store = store_factory(db_url)
-        try:
-            cal = lookup_calibration(request, store)
-        finally:
-            store.close()
-        if cal is not None:
-            request = request.replace(calibration=cal)
-    started = utc_text()
-    from tuner.passmemo import ENTRIES, memo_worker
-
-    result = memo_worker(db_url, worker, enabled=cache, write=False)(request.to_wire(), job=drop.name,
-                                                                     timeout_s=timeout_s)
-    memo_entries = result.pop(ENTRIES, None) or []
-    outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])))
-    store = store_factory(db_url)
+    # one store for the calibration, the memo and the result (a new one is made only once the job
+    # succeeded); a worker run meanwhile holds no transaction and no lock on it
+    store = store_factory(db_url) if store_exists(db_url) else None
     try:
+        if calibrate and request.method == "simulate" and store is not None:
+            cal = lookup_calibration(request, store)
+            if cal is not None:
+                request = request.replace(calibration=cal)
+        started = utc_text()
+        from tuner.memoanswer import PASS_SOURCE, memo_worker
+        from tuner.passmemo import ENTRIES
+
+        result = memo_worker(db_url, worker, enabled=cache, write=False, store=store)(
+            request.to_wire(), job=drop.name, timeout_s=timeout_s)
+        memo_entries = result.pop(ENTRIES, None) or []
+        outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])))
+        if store is None:
+            store = store_factory(db_url)
         rows = rows_for_store(outcome, started_at=started)
         residuals = _vllm_residuals(outcome, rows[1], store)
+        source = result.get(PASS_SOURCE)
+        if isinstance(source, dict) and source.get("source") == "memo":  # where the stored passes came from
+            first = store.first_runs([r["pass_sha256"] for r in rows[1]])
+            if first:
+                run_id, drop_id = min(first.values())
+                source.update(first_run_id=run_id, first_drop_id=drop_id)
 
         def also(conn, drop_id: int) -> None:
             if residuals is not None:
@@ -205,7 +212,8 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
 
         outcome.drop_id = store.save_result(*rows, also=also)
     finally:
-        store.close()
+        if store is not None:
+            store.close()
     return outcome
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from tuner.eras import GiB, MiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V1_CONSUMED, V1_WHOLE_GPU, Era
 
@@ -402,6 +403,26 @@ def runner_persistent_bytes(
     return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n) + _alloc(8 * n) + _alloc(n)
             + _alloc(8 * max(s + 1, n)) + _alloc(n * hidden_size * dtype_bytes)
             + _alloc(4 * s * blocks) + _alloc(8 * n))
+
+
+#: Bytes per element of the model dtypes a drop names (``dtype``), for the runner's ``[N, H]``
+#: embeddings buffer in :func:`runner_persistent_bytes` (torch's element sizes).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
+
+
+def persistent_bytes(era: Era, spec: Any, settings: Any, batch: Any, model_runner_v2: bool) -> int:
+    """The model runner's persistent buffers one profile pass charges (:func:`runner_persistent_bytes`)
+    for a model spec, a rank's settings and the era's profile batch — what
+    :func:`tuner.simulate.profile.run_pass` adds to a pass and the pass memo recomputes for the
+    job at hand (:mod:`tuner.passmemo`): the one term of a pass that depends on ``max_model_len``
+    (bytes)."""
+    n = batch.max_num_batched_tokens
+    return runner_persistent_bytes(
+        era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n,
+        max_num_seqs=settings.max_num_seqs or batch.max_num_seqs,
+        max_model_len=settings.max_model_len or n, hidden_size=int(spec.hidden_size),
+        vocab_size=int(spec.vocab_size), dtype_bytes=DTYPE_BYTES.get(settings.dtype, 2),
+        block_size=settings.block_size or 16)
 
 
 def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int, *,

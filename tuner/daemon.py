@@ -74,7 +74,7 @@ from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
 from tuner.store import Store, open_store, utc_text
 from tuner.watch import Debouncer, DropWatcher, FileState, scan
-from tuner import passmemo
+from tuner import memoanswer, passmemo
 from tuner.warmworker import WarmWorker
 from tuner.worker import run_in_worker
 
@@ -1020,7 +1020,7 @@ class Daemon:
                     # an engine_pythons venv gets a fresh worker per job)
                     inner = functools.partial(self.warm.run, max_jobs=s.worker_max_jobs,
                                               max_rss_bytes=s.worker_max_rss_bytes, attach=self._attach)
-                run = passmemo.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
+                run = memoanswer.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
                 result = run(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
                              python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
                 memo_entries = result.pop(passmemo.ENTRIES, None) or []

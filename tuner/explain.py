@@ -721,7 +721,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         DropError / DeviceError / EraError: invalid drop or option; WorkerError / TunerError: the job failed.
     """
     if worker is None:  # the store's pass memo first (tuner.passmemo; cache=False: --no-cache)
-        from tuner.passmemo import memo_worker
+        from tuner.memoanswer import memo_worker
 
         worker = memo_worker(db_url, _default_worker(), enabled=cache)
     from tuner.app import serve_model
@@ -782,7 +782,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
-            "explanations": explanations}
+            "pass_source": base.get("pass_source"), "explanations": explanations}
 
 
 def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw: Any) -> None:
@@ -1142,6 +1142,11 @@ def render(doc: dict) -> str:
         lines.append(f"warning: {w}")
     if doc.get("term_sources"):
         lines.append(term_sources_line(doc["term_sources"]))
+    from tuner.memoanswer import pass_source_line
+
+    passes = pass_source_line(doc.get("pass_source"))
+    if passes:  # the profile job's passes: from the pass memo or a worker
+        lines.append(passes)
     lines += engine_check_lines(doc.get("engine_check"))
     for e in doc["explanations"]:
         lines += ["", render_point(e)]

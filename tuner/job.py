@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tuner import __version__
 from tuner.drop import Drop
-from tuner.budget import profile_overhead_bytes
+from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import v0_uses_sliding_window
 from tuner.engine_checks import VLLM_019_DEPRECATED, check_batch, check_parallel_layout, check_quantization
@@ -759,7 +759,7 @@ class Passes:
                 if pkey is not None and (memo is not None or pkey in known):
                     # a stored pass: only the runner's persistent buffers depend on this job's max_model_len
                     stored = memo.pass_row(pkey) if memo is not None else known[pkey]
-                    row = passmemo.with_persistent(stored, passmemo.persistent_bytes(era, spec, s, batch, runner_v2))
+                    row = passmemo.with_persistent(stored, persistent_bytes(era, spec, s, batch, runner_v2))
                     r = row
                 elif self.method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
                     from tuner.measure.cuda import measured_pass

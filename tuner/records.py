@@ -211,10 +211,30 @@ def _record_class(name: str, table: sa.Table, doc: str) -> type:
     return cls
 
 
-StoredDrop = _record_class("StoredDrop", drops_table, "One ``drops`` row (a drop as it was profiled).")
-StoredRun = _record_class("StoredRun", profile_runs_table, "One ``profile_runs`` row (a pass or a measured start-up).")
-StoredCandidate = _record_class("StoredCandidate", candidates_table, "One ``candidates`` row (a grid point's verdict).")
-StoredProposal = _record_class("StoredProposal", proposals_table, "One ``proposals`` row (the largest length per u).")
+#: The record classes, by name: table and docstring (built on first use, :func:`_record`).
+_RECORDS = {
+    "StoredDrop": (drops_table, "One ``drops`` row (a drop as it was profiled)."),
+    "StoredRun": (profile_runs_table, "One ``profile_runs`` row (a pass or a measured start-up)."),
+    "StoredCandidate": (candidates_table, "One ``candidates`` row (a grid point's verdict)."),
+    "StoredProposal": (proposals_table, "One ``proposals`` row (the largest length per u)."),
+}
+_built: dict[str, type] = {}
+
+
+def _record(name: str) -> type:
+    """The record class ``name`` (:data:`_RECORDS`), built once: four frozen dataclasses of ~50
+    fields each cost a cold CLI ~10–30 ms to make, and writing a result (``profile``) needs none."""
+    cls = _built.get(name)
+    if cls is None:
+        cls = _built[name] = _record_class(name, *_RECORDS[name])
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    """``StoredDrop``, ``StoredRun``, ``StoredCandidate``, ``StoredProposal`` (see :func:`_record`)."""
+    if name in _RECORDS:
+        return _record(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def select(store: Store, stmt: sa.Executable, record: type | None = None) -> list:
@@ -225,7 +245,7 @@ def select(store: Store, stmt: sa.Executable, record: type | None = None) -> lis
 
 def drop(store: Store, drop_id: int) -> "StoredDrop | None":
     """The ``drops`` row ``drop_id``, or None."""
-    rows = select(store, sa.select(drops_table).where(drops_table.c.id == int(drop_id)), StoredDrop)
+    rows = select(store, sa.select(drops_table).where(drops_table.c.id == int(drop_id)), _record("StoredDrop"))
     return rows[0] if rows else None
 
 
@@ -238,7 +258,7 @@ def drop_warnings(store: Store, drop_id: int) -> str | None:
 def run(store: Store, run_id: int) -> "StoredRun | None":
     """The ``profile_runs`` row ``run_id``, or None."""
     t = profile_runs_table
-    rows = select(store, sa.select(t).where(t.c.id == int(run_id)), StoredRun)
+    rows = select(store, sa.select(t).where(t.c.id == int(run_id)), _record("StoredRun"))
     return rows[0] if rows else None
 
 
@@ -246,26 +266,26 @@ def runs_of_drop(store: Store, drop_id: int, *, limit: int | None = None) -> lis
     """A drop's ``profile_runs`` rows, in insertion order (the first ``limit`` ones)."""
     t = profile_runs_table
     stmt = sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(t.c.id)
-    return select(store, stmt.limit(limit) if limit else stmt, StoredRun)
+    return select(store, stmt.limit(limit) if limit else stmt, _record("StoredRun"))
 
 
 def candidates_of_run(store: Store, run_id: int) -> list:
     """The ``candidates`` rows evaluated on one pass, in insertion order."""
     t = candidates_table
-    return select(store, sa.select(t).where(t.c.profile_run_id == int(run_id)).order_by(t.c.id), StoredCandidate)
+    return select(store, sa.select(t).where(t.c.profile_run_id == int(run_id)).order_by(t.c.id), _record("StoredCandidate"))
 
 
 def candidates_of_drop(store: Store, drop_id: int) -> list:
     """A drop's ``candidates`` rows, in insertion order."""
     t = candidates_table
-    return select(store, sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(t.c.id), StoredCandidate)
+    return select(store, sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(t.c.id), _record("StoredCandidate"))
 
 
 def proposals_of_drop(store: Store, drop_id: int, *, by_utilization: bool = False) -> list:
     """A drop's ``proposals`` rows, in insertion order (or by ``gpu_memory_utilization``, then id)."""
     t = proposals_table
     order = (t.c.gpu_memory_utilization, t.c.id) if by_utilization else (t.c.id,)
-    return select(store, sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(*order), StoredProposal)
+    return select(store, sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(*order), _record("StoredProposal"))
 
 
 def json_column(text: str | None) -> Any:

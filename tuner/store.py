@@ -68,7 +68,9 @@ SCRIPT_LOCATION = "tuner.migrations:."
 # Schema (mirrors migrations/versions/0001_initial.py; tests check the two agree).
 # ---------------------------------------------------------------------------------------------
 
-metadata = sa.MetaData(
+#: The schema's tables; public as :data:`metadata` (see :func:`__getattr__`: the partial index of
+#: ``jobs`` joins it on first use).
+_metadata = sa.MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_name)s",
         "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -79,23 +81,29 @@ metadata = sa.MetaData(
 )
 
 _TS = sa.String(32)  # utc_text() output: 27 characters
+# One type object per kind, shared by the columns: SQLAlchemy adapts each type object to the
+# dialect once per process (type_api.TypeEngine.dialect_impl, constructor_copy); a type class per
+# column (sa.Column("x", sa.Integer)) is a new object each, and the first insert of a cold CLI
+# paid ~95 such adaptations (about 0.05–0.1 CPU s).
+_INT, _BIGINT, _TEXT, _FLOAT = sa.Integer(), sa.BigInteger(), sa.Text(), sa.Float()
+_SHA, _KIND = sa.String(64), sa.String(16)
 
 
 def _bytes(name: str, nullable: bool = True) -> sa.Column:
-    return sa.Column(name, sa.BigInteger, nullable=nullable)
+    return sa.Column(name, _BIGINT, nullable=nullable)
 
 
 #: Revision 0007 (fleet): one row per daemon identity (host id + watch directory) with its lease.
 #: ``gpus`` is JSON text (a list of ``{name, total_memory_bytes}``); times are UTC text.
 hosts_table = sa.Table(
     "hosts",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("host_id", sa.Text, nullable=False),
-    sa.Column("watch_dir", sa.Text, nullable=False),
-    sa.Column("pid", sa.Integer, nullable=True),
-    sa.Column("tool_version", sa.Text, nullable=True),
-    sa.Column("gpus", sa.Text, nullable=True),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("host_id", _TEXT, nullable=False),
+    sa.Column("watch_dir", _TEXT, nullable=False),
+    sa.Column("pid", _INT, nullable=True),
+    sa.Column("tool_version", _TEXT, nullable=True),
+    sa.Column("gpus", _TEXT, nullable=True),
     sa.Column("started_at", _TS, nullable=False),
     sa.Column("last_seen_at", _TS, nullable=False),
     sa.Column("lease_expires_at", _TS, nullable=False),
@@ -104,114 +112,114 @@ hosts_table = sa.Table(
 
 drops_table = sa.Table(
     "drops",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("name", sa.Text, nullable=False),
-    sa.Column("path", sa.Text, nullable=True),
-    sa.Column("content_sha256", sa.String(64), nullable=False, index=True),
-    sa.Column("content", sa.Text, nullable=False),
-    sa.Column("model", sa.Text, nullable=False),
-    sa.Column("device_name", sa.Text, nullable=False),
-    sa.Column("engine_version", sa.Text, nullable=False),
-    sa.Column("method", sa.Text, nullable=False),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("name", _TEXT, nullable=False),
+    sa.Column("path", _TEXT, nullable=True),
+    sa.Column("content_sha256", _SHA, nullable=False, index=True),
+    sa.Column("content", _TEXT, nullable=False),
+    sa.Column("model", _TEXT, nullable=False),
+    sa.Column("device_name", _TEXT, nullable=False),
+    sa.Column("engine_version", _TEXT, nullable=False),
+    sa.Column("method", _TEXT, nullable=False),
     sa.Column("created_at", _TS, nullable=False),
     sa.Column("retired_at", _TS, nullable=True),
     # revision 0007 (fleet): the daemon that owns the drop (null: `profile` / `import-log`), the
     # shared result key (tuner.fleet.result_key) and the drop whose stored result answered it.
-    sa.Column("owner_id", sa.Integer, sa.ForeignKey("hosts.id"), nullable=True, index=True),
-    sa.Column("result_sha256", sa.String(64), nullable=True, index=True),
-    sa.Column("answered_from_drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=True),
-    sa.Column("warnings", sa.Text, nullable=True),  # revision 0006: JSON list of the run's warnings
+    sa.Column("owner_id", _INT, sa.ForeignKey("hosts.id"), nullable=True, index=True),
+    sa.Column("result_sha256", _SHA, nullable=True, index=True),
+    sa.Column("answered_from_drop_id", _INT, sa.ForeignKey("drops.id"), nullable=True),
+    sa.Column("warnings", _TEXT, nullable=True),  # revision 0006: JSON list of the run's warnings
 )
 
 profile_runs_table = sa.Table(
     "profile_runs",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=False, index=True),
-    sa.Column("pass_sha256", sa.String(64), nullable=False, index=True),
-    sa.Column("status", sa.Text, nullable=False),
-    sa.Column("error", sa.Text, nullable=True),
-    sa.Column("method", sa.Text, nullable=False),
-    sa.Column("engine_version", sa.Text, nullable=False),
-    sa.Column("era", sa.Text, nullable=False),
-    sa.Column("model", sa.Text, nullable=False),
-    sa.Column("model_config_sha256", sa.String(64), nullable=True),
-    sa.Column("architecture", sa.Text, nullable=True),
-    sa.Column("plugin", sa.Text, nullable=True),
-    sa.Column("device_name", sa.Text, nullable=False),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("drop_id", _INT, sa.ForeignKey("drops.id"), nullable=False, index=True),
+    sa.Column("pass_sha256", _SHA, nullable=False, index=True),
+    sa.Column("status", _TEXT, nullable=False),
+    sa.Column("error", _TEXT, nullable=True),
+    sa.Column("method", _TEXT, nullable=False),
+    sa.Column("engine_version", _TEXT, nullable=False),
+    sa.Column("era", _TEXT, nullable=False),
+    sa.Column("model", _TEXT, nullable=False),
+    sa.Column("model_config_sha256", _SHA, nullable=True),
+    sa.Column("architecture", _TEXT, nullable=True),
+    sa.Column("plugin", _TEXT, nullable=True),
+    sa.Column("device_name", _TEXT, nullable=False),
     _bytes("device_total_memory_bytes"),
-    sa.Column("dtype", sa.Text, nullable=False),
-    sa.Column("kv_cache_dtype", sa.Text, nullable=False),
-    sa.Column("tensor_parallel_size", sa.Integer, nullable=False),
-    sa.Column("pipeline_parallel_size", sa.Integer, nullable=False),
-    sa.Column("max_num_batched_tokens", sa.Integer, nullable=False),
-    sa.Column("max_num_seqs", sa.Integer, nullable=False),
-    sa.Column("num_sampled_rows", sa.Integer, nullable=True),
+    sa.Column("dtype", _TEXT, nullable=False),
+    sa.Column("kv_cache_dtype", _TEXT, nullable=False),
+    sa.Column("tensor_parallel_size", _INT, nullable=False),
+    sa.Column("pipeline_parallel_size", _INT, nullable=False),
+    sa.Column("max_num_batched_tokens", _INT, nullable=False),
+    sa.Column("max_num_seqs", _INT, nullable=False),
+    sa.Column("num_sampled_rows", _INT, nullable=True),
     _bytes("weights_bytes"),
     _bytes("activation_peak_bytes"),
     _bytes("forward_peak_bytes"),
     _bytes("sampler_peak_bytes"),
-    sa.Column("tool_version", sa.Text, nullable=False),
-    sa.Column("torch_version", sa.Text, nullable=True),
-    sa.Column("transformers_version", sa.Text, nullable=True),
+    sa.Column("tool_version", _TEXT, nullable=False),
+    sa.Column("torch_version", _TEXT, nullable=True),
+    sa.Column("transformers_version", _TEXT, nullable=True),
     sa.Column("started_at", _TS, nullable=False),
-    sa.Column("elapsed_s", sa.Float, nullable=True),
+    sa.Column("elapsed_s", _FLOAT, nullable=True),
     # revision 0003: what a measured (cuda / vllm) or imported run observed; null for simulate.
-    sa.Column("gpu_memory_utilization", sa.Float, nullable=True),
-    sa.Column("max_model_len", sa.Integer, nullable=True),
-    sa.Column("block_size", sa.Integer, nullable=True),
+    sa.Column("gpu_memory_utilization", _FLOAT, nullable=True),
+    sa.Column("max_model_len", _INT, nullable=True),
+    sa.Column("block_size", _INT, nullable=True),
     _bytes("non_torch_bytes"),
     _bytes("cuda_graph_bytes"),
     _bytes("available_kv_cache_bytes"),
-    sa.Column("num_gpu_blocks", sa.Integer, nullable=True),
-    sa.Column("kv_cache_tokens", sa.BigInteger, nullable=True),
-    sa.Column("max_concurrency", sa.Float, nullable=True),
-    sa.Column("error_message", sa.Text, nullable=True),
-    sa.Column("source", sa.Text, nullable=True),
+    sa.Column("num_gpu_blocks", _INT, nullable=True),
+    sa.Column("kv_cache_tokens", _BIGINT, nullable=True),
+    sa.Column("max_concurrency", _FLOAT, nullable=True),
+    sa.Column("error_message", _TEXT, nullable=True),
+    sa.Column("source", _TEXT, nullable=True),
     # revision 0005: JSON text — which source gave each term; the engine adapter's cross-check.
-    sa.Column("term_sources", sa.Text, nullable=True),
-    sa.Column("engine_check", sa.Text, nullable=True),
+    sa.Column("term_sources", _TEXT, nullable=True),
+    sa.Column("engine_check", _TEXT, nullable=True),
     sa.CheckConstraint("status IN ('ok', 'failed')", name="status"),
     sa.CheckConstraint("method IN ('simulate', 'cuda', 'vllm', 'import')", name="method"),
 )
 
 candidates_table = sa.Table(
     "candidates",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=False, index=True),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("drop_id", _INT, sa.ForeignKey("drops.id"), nullable=False, index=True),
     sa.Column(
-        "profile_run_id", sa.Integer, sa.ForeignKey("profile_runs.id"), nullable=True, index=True
+        "profile_run_id", _INT, sa.ForeignKey("profile_runs.id"), nullable=True, index=True
     ),
-    sa.Column("gpu_memory_utilization", sa.Float, nullable=False),
-    sa.Column("max_model_len", sa.Integer, nullable=False),
-    sa.Column("max_num_batched_tokens", sa.Integer, nullable=False),
+    sa.Column("gpu_memory_utilization", _FLOAT, nullable=False),
+    sa.Column("max_model_len", _INT, nullable=False),
+    sa.Column("max_num_batched_tokens", _INT, nullable=False),
     sa.Column("fits", sa.Boolean, nullable=False),
-    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("reason", _TEXT, nullable=True),
     _bytes("requested_memory_bytes"),
     _bytes("weights_bytes"),
     _bytes("activation_peak_bytes"),
     _bytes("non_torch_bytes"),
     _bytes("cuda_graph_bytes"),
     _bytes("available_kv_cache_bytes"),
-    sa.Column("num_gpu_blocks", sa.Integer, nullable=True),
-    sa.Column("kv_cache_tokens", sa.BigInteger, nullable=True),
-    sa.Column("max_concurrency", sa.Float, nullable=True),
+    sa.Column("num_gpu_blocks", _INT, nullable=True),
+    sa.Column("kv_cache_tokens", _BIGINT, nullable=True),
+    sa.Column("max_concurrency", _FLOAT, nullable=True),
 )
 
 proposals_table = sa.Table(
     "proposals",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=False, index=True),
-    sa.Column("gpu_memory_utilization", sa.Float, nullable=False),
-    sa.Column("max_model_len", sa.Integer, nullable=True),
-    sa.Column("num_gpu_blocks", sa.Integer, nullable=True),
-    sa.Column("kv_cache_tokens", sa.BigInteger, nullable=True),
-    sa.Column("max_concurrency", sa.Float, nullable=True),
-    sa.Column("vllm_args", sa.Text, nullable=True),
-    sa.Column("reason", sa.Text, nullable=True),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("drop_id", _INT, sa.ForeignKey("drops.id"), nullable=False, index=True),
+    sa.Column("gpu_memory_utilization", _FLOAT, nullable=False),
+    sa.Column("max_model_len", _INT, nullable=True),
+    sa.Column("num_gpu_blocks", _INT, nullable=True),
+    sa.Column("kv_cache_tokens", _BIGINT, nullable=True),
+    sa.Column("max_concurrency", _FLOAT, nullable=True),
+    sa.Column("vllm_args", _TEXT, nullable=True),
+    sa.Column("reason", _TEXT, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
 )
 
@@ -220,50 +228,58 @@ proposals_table = sa.Table(
 JOB_STATES = ("pending", "running", "done", "failed", "cancelled")
 jobs_table = sa.Table(
     "jobs",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("path", sa.Text, nullable=False, index=True),
-    sa.Column("content_sha256", sa.String(64), nullable=False),
-    sa.Column("content", sa.Text, nullable=True),
-    sa.Column("status", sa.Text, nullable=False, index=True),
-    sa.Column("attempts", sa.Integer, nullable=False),
-    sa.Column("error_type", sa.Text, nullable=True),
-    sa.Column("error", sa.Text, nullable=True),
-    sa.Column("drop_id", sa.Integer, sa.ForeignKey("drops.id"), nullable=True),
-    sa.Column("worker_pid", sa.Integer, nullable=True),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("path", _TEXT, nullable=False, index=True),
+    sa.Column("content_sha256", _SHA, nullable=False),
+    sa.Column("content", _TEXT, nullable=True),
+    sa.Column("status", _TEXT, nullable=False, index=True),
+    sa.Column("attempts", _INT, nullable=False),
+    sa.Column("error_type", _TEXT, nullable=True),
+    sa.Column("error", _TEXT, nullable=True),
+    sa.Column("drop_id", _INT, sa.ForeignKey("drops.id"), nullable=True),
+    sa.Column("worker_pid", _INT, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
     sa.Column("started_at", _TS, nullable=True),
     sa.Column("finished_at", _TS, nullable=True),
     sa.Column("retired_at", _TS, nullable=True),
     # revision 0007: the daemon (hosts.id) whose watch directory holds the file; only it claims the job.
-    sa.Column("owner_id", sa.Integer, sa.ForeignKey("hosts.id"), nullable=True, index=True),
+    sa.Column("owner_id", _INT, sa.ForeignKey("hosts.id"), nullable=True, index=True),
     # revision 0006 (issue 15): drop identity, failure kinds, retries with backoff
-    sa.Column("name", sa.Text, nullable=True, index=True),
-    sa.Column("failure_kind", sa.Text, nullable=True),
+    sa.Column("name", _TEXT, nullable=True, index=True),
+    sa.Column("failure_kind", _TEXT, nullable=True),
     sa.Column("retry_at", _TS, nullable=True),
-    sa.Column("interruptions", sa.Integer, nullable=True),
-    sa.Column("history", sa.Text, nullable=True),
+    sa.Column("interruptions", _INT, nullable=True),
+    sa.Column("history", _TEXT, nullable=True),
     sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed', 'cancelled')", name="status"),
-    sa.Index("uq_jobs_pending_path", "owner_id", "path", unique=True,
-             sqlite_where=sa.text("status = 'pending'"), postgresql_where=sa.text("status = 'pending'")),
 )
+
+
+def _jobs_pending_index() -> sa.Index:
+    """``uq_jobs_pending_path`` (revision 0007): one pending job per (owner, path), a partial
+    unique index. Built on first use of :data:`metadata`, not at import: its ``sqlite_where`` /
+    ``postgresql_where`` make SQLAlchemy import both dialects to check those keywords, and the
+    PostgreSQL dialect (with its asyncpg driver module) costs a cold SQLite CLI about 0.1 CPU s;
+    no query needs the index declared (the database has it from the migration)."""
+    return sa.Index("uq_jobs_pending_path", jobs_table.c.owner_id, jobs_table.c.path, unique=True,
+                    sqlite_where=sa.text("status = 'pending'"), postgresql_where=sa.text("status = 'pending'"))
 
 #: Revision 0003: one row per measured/imported run that has a simulate prediction of the same
 #: settings — the predicted terms and the residual (measured − predicted, bytes) per term that
 #: :mod:`tuner.calibrate` aggregates per model, device kind, era and parallel layout.
 calibrations_table = sa.Table(
     "calibrations",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("profile_run_id", sa.Integer, sa.ForeignKey("profile_runs.id"), nullable=False, index=True),
-    sa.Column("model", sa.Text, nullable=False),
-    sa.Column("model_config_sha256", sa.String(64), nullable=True, index=True),
-    sa.Column("device_name", sa.Text, nullable=False),
-    sa.Column("era", sa.Text, nullable=False),
-    sa.Column("tensor_parallel_size", sa.Integer, nullable=False),
-    sa.Column("pipeline_parallel_size", sa.Integer, nullable=False),
-    sa.Column("dtype", sa.Text, nullable=False),
-    sa.Column("quantization", sa.Text, nullable=True),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("profile_run_id", _INT, sa.ForeignKey("profile_runs.id"), nullable=False, index=True),
+    sa.Column("model", _TEXT, nullable=False),
+    sa.Column("model_config_sha256", _SHA, nullable=True, index=True),
+    sa.Column("device_name", _TEXT, nullable=False),
+    sa.Column("era", _TEXT, nullable=False),
+    sa.Column("tensor_parallel_size", _INT, nullable=False),
+    sa.Column("pipeline_parallel_size", _INT, nullable=False),
+    sa.Column("dtype", _TEXT, nullable=False),
+    sa.Column("quantization", _TEXT, nullable=True),
     _bytes("predicted_activation_peak_bytes"),
     _bytes("predicted_non_torch_bytes"),
     _bytes("predicted_cuda_graph_bytes"),
@@ -273,9 +289,9 @@ calibrations_table = sa.Table(
     _bytes("cuda_graph_delta_bytes"),
     _bytes("total_delta_bytes"),
     _bytes("kv_error_bytes"),
-    sa.Column("predicted_num_gpu_blocks", sa.Integer, nullable=True),
+    sa.Column("predicted_num_gpu_blocks", _INT, nullable=True),
     sa.Column("usable", sa.Boolean, nullable=False),
-    sa.Column("note", sa.Text, nullable=True),
+    sa.Column("note", _TEXT, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
 )
 
@@ -284,18 +300,34 @@ calibrations_table = sa.Table(
 #: rank's profile pass); ``value`` is the entry as JSON text. Rows are only ever inserted.
 pass_memo_table = sa.Table(
     "pass_memo",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True),
-    sa.Column("memo_key", sa.String(64), nullable=False, unique=True),
-    sa.Column("kind", sa.String(16), nullable=False),
-    sa.Column("model_config_sha256", sa.String(64), nullable=False, index=True),
-    sa.Column("tool_version", sa.Text, nullable=False),
-    sa.Column("method", sa.Text, nullable=False),
-    sa.Column("device_name", sa.Text, nullable=True),
-    sa.Column("era", sa.Text, nullable=True),
-    sa.Column("value", sa.Text, nullable=False),
+    _metadata,
+    sa.Column("id", _INT, primary_key=True),
+    sa.Column("memo_key", _SHA, nullable=False, unique=True),
+    sa.Column("kind", _KIND, nullable=False),
+    sa.Column("model_config_sha256", _SHA, nullable=False, index=True),
+    sa.Column("tool_version", _TEXT, nullable=False),
+    sa.Column("method", _TEXT, nullable=False),
+    sa.Column("device_name", _TEXT, nullable=True),
+    sa.Column("era", _TEXT, nullable=True),
+    sa.Column("value", _TEXT, nullable=False),
     sa.Column("created_at", _TS, nullable=False),
 )
+
+_complete = False
+
+
+def __getattr__(name: str) -> Any:
+    """``tuner.store.metadata``: every table with every index (for Alembic's ``env.py``, metadata
+    comparisons, ``create_all``), the partial ``jobs`` index (:func:`_jobs_pending_index`) added
+    the first time it is asked for."""
+    global _complete
+    if name == "metadata":
+        if not _complete:
+            _jobs_pending_index()  # an Index on a table's columns joins that table (and its MetaData)
+            _complete = True
+        return _metadata
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ---------------------------------------------------------------------------------------------
 # Engines
@@ -509,7 +541,7 @@ def open_store(
             if version is None:
                 raise StoreError("store has no schema (never migrated)", where=where)
         else:
-            _upgrade(u, busy_timeout_s)
+            _upgrade(u, busy_timeout_s, engine)
     except StoreError:
         engine.dispose()
         raise
@@ -558,25 +590,23 @@ def script_head() -> str | None:
     return heads.pop() if len(heads) == 1 else None
 
 
-def _at_head(u: URL, busy_timeout_s: float) -> bool:
-    """The store's ``alembic_version`` is the scripts' head already (:func:`script_head`): opening
-    it needs no Alembic (which costs a cold CLI about 0.1–0.2 s to import)."""
+def _at_head(engine: Engine) -> bool:
+    """The store's ``alembic_version`` is the scripts' head already (:func:`script_head`; one
+    query on the store's own engine, whose connection the store then reuses): opening it needs no
+    Alembic (which costs a cold CLI about 0.1–0.2 s to import)."""
     head = script_head()
     if head is None:
         return False
-    eng = make_engine(u, busy_timeout_s=busy_timeout_s)
     try:
-        with eng.connect() as conn:
+        with engine.execution_options(tuner_begin="BEGIN").connect() as conn:  # deferred: takes no lock
             rows = conn.execute(sa.text("SELECT version_num FROM alembic_version")).all()
     except sa.exc.SQLAlchemyError:
         return False
-    finally:
-        eng.dispose()
     return [r[0] for r in rows] == [head]
 
 
-def _upgrade(u: URL, busy_timeout_s: float) -> None:
-    if _at_head(u, busy_timeout_s):
+def _upgrade(u: URL, busy_timeout_s: float, engine: Engine) -> None:
+    if _at_head(engine):
         return
     from alembic import command
 
@@ -762,6 +792,20 @@ class Store:
         )
         rows = self._rows(stmt)
         return rows[0] if rows else None
+
+    def first_runs(self, pass_sha256s: list[str]) -> dict[str, tuple[int, int]]:
+        """For each ``pass_sha256`` that has one, the first ``status='ok'`` simulate run stored
+        with it: ``{pass_sha256: (profile_runs.id, drops.id)}`` (one query; ``profile`` names the
+        run that first computed a memo answer's passes)."""
+        keys = sorted({k for k in pass_sha256s if k})
+        if not keys:
+            return {}
+        t = profile_runs_table
+        first = (sa.select(sa.func.min(t.c.id))
+                 .where(t.c.pass_sha256.in_(keys), t.c.status == "ok", t.c.method == "simulate")
+                 .group_by(t.c.pass_sha256))
+        rows = self._rows(sa.select(t.c.pass_sha256, t.c.id, t.c.drop_id).where(t.c.id.in_(first)))
+        return {r["pass_sha256"]: (r["id"], r["drop_id"]) for r in rows}
 
     def memo_entries(self, model_config_sha256: str, tool_version: str) -> dict[str, dict]:
         """The pass memo's entries (:mod:`tuner.passmemo`) of one model config hash and tool

@@ -1,19 +1,26 @@
 """Benchmark (on demand, not in the default test run): answers from the pass memo (issue 13).
 
-    .venv/bin/python tests/benchmarks/bench_memo.py [--runs N]
+    .venv/bin/python tests/benchmarks/bench_memo.py [--runs N] [--cli-only]
 
 1. Repeated question, cold CLI: the store holds the Llama-3.1-8B H100 example's passes (one
    ``profile`` run first); then N new processes run ``ctx-tuner profile`` for the same model and
-   settings at other ``gpu_memory_utilization`` values and lengths. Median wall seconds of the
-   whole process (answered from the memo: no worker, no torch). Target: ≤ 0.4 s. The same with
-   ``--no-cache`` (a worker per answer) is printed beside it.
+   settings at other ``gpu_memory_utilization`` values and lengths. Median wall and CPU seconds
+   (user + sys) of the whole process (answered from the memo: no worker, no torch). Target:
+   ≤ 0.4 s wall. Beside it: the same question to ``ctx-tuner explain`` (read-only), the same with
+   ``--no-cache`` (a worker per answer), and the floors no change to ctx-tuner moves — a bare
+   interpreter (``python -c pass``) and ``import sqlalchemy`` with its SQLite dialect (the store's
+   library; about half of a memo answer's CPU on a loaded 2-core host).
 2. Daemon, new drop file with memoized passes: an in-process daemon (real worker subprocesses)
    profiles one drop, then N drop files of the same model at other u values (each its own result
    key, so the fleet's shared-result copy does not apply) are written one at a time; seconds from
    the write to the proposal file, minus the debounce. Target: ≤ 0.2 s.
 
+ctx-tuner's modules are byte-compiled first (``compileall``): an installed package has its
+``.pyc`` files, and under ``PYTHONDONTWRITEBYTECODE=1`` an editable checkout would otherwise
+compile every module in every process (about 0.2 CPU s more).
+
 Exit status 0 when both medians meet their targets. Figures depend on the machine's load: quote
-them with it (``uptime``).
+them with it (printed first, and again at the end).
 """
 
 from __future__ import annotations
@@ -45,30 +52,44 @@ def _drop(tmp: Path, name: str, gmu: float, max_model_len: int = 32768) -> Path:
     return p
 
 
-def _cli(args: list[str], cwd: Path) -> tuple[float, float]:
+def _timed(cmd: list[str], cwd: Path) -> tuple[float, float]:
+    """Wall and CPU seconds (user + sys of the child) of one process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run([str(Path(sys.executable).parent / "ctx-tuner"), *args], check=True, cwd=cwd,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, cwd=cwd, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def _cli(args: list[str], cwd: Path) -> tuple[float, float]:
+    return _timed([str(Path(sys.executable).parent / "ctx-tuner"), *args], cwd)
+
+
+def _line(what: str, samples: list[tuple[float, float]], target: str = "") -> str:
+    walls, cpus = [w for w, _ in samples], [c for _, c in samples]
+    return (f"{what}: median {statistics.median(walls):.3f} s wall (min {min(walls):.3f}), "
+            f"{statistics.median(cpus):.3f} s CPU (min {min(cpus):.3f}) over {len(samples)} runs{target}")
 
 
 def bench_cli(runs: int) -> float:
     tmp = Path(tempfile.mkdtemp(prefix="bench-memo-"))
     db = str(tmp / "store.sqlite")
     _cli(["profile", str(_drop(tmp, "first", 0.9)), "--db", db], tmp)  # fills the memo
-    memo, fresh = [], []
+    memo, explain, fresh, bare, sqla = [], [], [], [], []
     for i in range(runs):
         drop = _drop(tmp, f"again{i}", round(0.5 + 0.04 * i, 2), 8192 * (i + 1))
         memo.append(_cli(["profile", str(drop), "--db", db], tmp))
+        explain.append(_cli(["explain", str(drop), "--db", db], tmp))
         fresh.append(_cli(["profile", str(drop), "--db", db, "--no-cache"], tmp))
+        bare.append(_timed([sys.executable, "-c", "pass"], tmp))
+        sqla.append(_timed([sys.executable, "-c", "import sqlalchemy, sqlalchemy.dialects.sqlite"], tmp))
     med = statistics.median(w for w, _ in memo)
-    print(f"1. repeated question, cold CLI (memo): median {med:.3f} s wall, "
-          f"{statistics.median(c for _, c in memo):.3f} s CPU over {runs} runs (target <= {CLI_TARGET_S} s)")
-    print(f"   same with --no-cache (worker): median {statistics.median(w for w, _ in fresh):.3f} s wall, "
-          f"{statistics.median(c for _, c in fresh):.3f} s CPU")
+    print(_line("1. repeated question, cold CLI `profile` (memo)", memo, f" (target <= {CLI_TARGET_S} s wall)"))
+    print(_line("   the same question, cold CLI `explain` (memo)", explain))
+    print(_line("   `profile --no-cache` (worker)", fresh))
+    print(_line("   floor: python -c pass", bare))
+    print(_line("   floor: import sqlalchemy + its SQLite dialect", sqla))
     return med
 
 
@@ -110,12 +131,18 @@ def bench_daemon(runs: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--cli-only", action="store_true", help="only the cold CLI figures (1.)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO))
+    import compileall
+
+    for d in ("tuner", "plugins", "migrations"):  # what an installed package has (see the docstring)
+        compileall.compile_dir(str(REPO / d), quiet=1)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     cli = bench_cli(args.runs)
-    daemon = bench_daemon(args.runs)
+    daemon = 0.0 if args.cli_only else bench_daemon(args.runs)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
     return 0 if cli <= CLI_TARGET_S and daemon <= DAEMON_TARGET_S else 1
 
 

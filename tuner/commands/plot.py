@@ -90,7 +90,7 @@ def run(args) -> int:
             # sqlite:/// URL) simply has none
             if store_exists(db):
                 store = open_for_read(db)
-            from tuner.passmemo import memo_worker
+            from tuner.memoanswer import memo_worker
 
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
                                       store=store, timeout_s=args.timeout, progress=progress_printer(args),

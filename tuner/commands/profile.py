@@ -45,6 +45,11 @@ def render_table(outcome) -> str:
 
     if r.get("term_sources"):
         lines.append(term_sources_line(r["term_sources"]))
+    from tuner.memoanswer import PASS_SOURCE, pass_source_line
+
+    passes = pass_source_line(r.get(PASS_SOURCE))
+    if passes:
+        lines.append(passes)
     lines += engine_check_lines(r.get("engine_check"))
     lines.append("")
     head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'act.peak':>8} " \
@@ -131,7 +136,7 @@ def to_json(outcome) -> dict:
         "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "model_path": model,
         "plugin": r["plugin"], "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
         "term_sources": r.get("term_sources"), "engine_check": r.get("engine_check"),
-        "candidates": cands, "proposals": props,
+        "pass_source": r.get("pass_source"), "candidates": cands, "proposals": props,
         "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
     }
 

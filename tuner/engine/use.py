@@ -272,9 +272,9 @@ def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, 
     """
     import time
 
-    from tuner.budget import runner_persistent_bytes
+    from tuner.budget import DTYPE_BYTES, runner_persistent_bytes
     from tuner.engine.trace import approximate_margin_bytes, trace_profile_run
-    from tuner.simulate.profile import _DTYPE_BYTES, PassResult
+    from tuner.simulate.profile import PassResult
 
     t0 = time.perf_counter()
     n, r = int(batch.max_num_batched_tokens), int(batch.max_num_seqs)
@@ -286,7 +286,7 @@ def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, 
     persistent = runner_persistent_bytes(
         era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n, max_num_seqs=settings.max_num_seqs or r,
         max_model_len=settings.max_model_len or n, hidden_size=int(spec.hidden_size), vocab_size=int(spec.vocab_size),
-        dtype_bytes=_DTYPE_BYTES.get(settings.dtype, 2), block_size=settings.block_size or 16)
+        dtype_bytes=DTYPE_BYTES.get(settings.dtype, 2), block_size=settings.block_size or 16)
     use.traced = True
     use.report.setdefault("trace", []).append({**tr, "approximate": parts, "margin_bytes": margin,
                                                "persistent_bytes": persistent, "release": use.session.version})

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tuner.passmemo import persistent_bytes
+from tuner.budget import persistent_bytes
 from tuner.eras import Era, ProfileBatch, sampler_family
 from tuner.plugin import RankSettings
 from tuner.simulate.sampler import run_dummy_sampler
@@ -121,8 +121,6 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
     return PassResult(n, r, settings.pp_rank, weights, int(peak) + persistent, int(forward_peak), int(sampler_peak),
                       round(time.perf_counter() - t0, 4), persistent, bool(model_runner_v2))
 
-
-from tuner.passmemo import DTYPE_BYTES as _DTYPE_BYTES  # noqa: E402  (one table for both)
 
 #: A fit, not derived: a float32 model's compiled V1 forward holds this fraction more than the
 #: memory-equivalent module (whose float32 peak is exactly twice its 16-bit one). Fitted on the one
