@@ -292,6 +292,8 @@ class Daemon:
         self._lock = threading.Lock()
         self._running: _Running | None = None
         self._unsaved: tuple[Job, ProfileOutcome, str] | None = None
+        #: a finished job's failure not yet written (the database was down): retried like _unsaved
+        self._unsaved_failure: tuple[Job, BaseException, str] | None = None
         self._retry_at = 0.0
         self._next_rescan = 0.0
         self._next_ping = 0.0
@@ -540,6 +542,8 @@ class Daemon:
             self._guard(self.reconcile)
         if self._unsaved is not None and self.clock() >= self._retry_at:
             self._guard(self._save_unsaved)
+        if self._unsaved_failure is not None and self.clock() >= self._retry_at:
+            self._guard(self._save_failure)
         if self.clock() >= self._next_beat:
             self._guard(self._renew_lease)
         self._guard(self._start_next)
@@ -569,7 +573,7 @@ class Daemon:
         d = self.debouncer.deadline()
         if d is not None:
             deadlines.append(d)
-        if self._unsaved is not None:
+        if self._unsaved is not None or self._unsaved_failure is not None:
             deadlines.append(self._retry_at)
         if self.notifier.watchdog_interval_s:
             deadlines.append(self._next_ping)
@@ -625,10 +629,22 @@ class Daemon:
         self._next_beat = self.clock() + s.lease_s / 3
         fleet.renew_lease(self.store, self.owner.id, lease_s=s.lease_s, wall_clock=self.wall_clock)
         requeued, failed = self.queue.recover(backoff_base_s=s.retry_backoff_s, backoff_max_s=s.retry_backoff_max_s,
-                                              now=self._utc_now(), include_own=False)
+                                              now=self._utc_now(), include_own=False, keep=self._held_job_ids())
         for job in requeued + failed:
+            if job.owner_id == self.owner.id:
+                log.warning("job %d (%s) was claimed but never started (the database connection was lost as the "
+                            "claim committed); queued again (not counted)", job.id, job.path)
+                self._next_job_poll = self.clock()
+                continue
             log.warning("job %d (%s) of host id %d was running when its lease expired: %s", job.id, job.path,
                         job.owner_id, "queued again for its successor" if job in requeued else "failed")
+
+    def _held_job_ids(self) -> set[int]:
+        """Ids of the jobs this daemon holds: the one running, the finished ones whose result or
+        failure waits to be written. Any other ``running`` job of this owner is stranded."""
+        held = {r.job.id for r in (self._running,) if r is not None}
+        held |= {u[0].id for u in (self._unsaved, self._unsaved_failure) if u is not None}
+        return held
 
     def reconcile(self) -> None:
         """Scan ``watch_dir`` and bring the jobs table in line with it by content hash.
@@ -901,7 +917,8 @@ class Daemon:
     # -- jobs ------------------------------------------------------------------------------------
 
     def _start_next(self) -> None:
-        if self._running is not None or self._unsaved is not None or self.stop_requested:
+        if (self._running is not None or self._unsaved is not None or self._unsaved_failure is not None
+                or self.stop_requested):
             return
         now = self.clock()
         self._next_job_poll = now + JOB_POLL_S
@@ -1044,24 +1061,37 @@ class Daemon:
         if isinstance(outcome, BaseException):
             if r is not None and r.killed:
                 return  # killed by shutdown(): requeued there
-            s = self.settings
-            row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
-                                  backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
-            what = f"{type(outcome).__name__}: {_one_line(outcome)}"
-            if row is not None and row.status == "pending":
-                log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,
-                            row.attempts, s.max_attempts, row.retry_at, what)
-                self._note_retry()
-            elif failure_kind(outcome) == "run":
-                log.error("drop %s: job %d failed: %s (run failure: gave up after %d attempts; "
-                          "`ctx-tuner retry %s` runs it again)", job.path, job.id, what,
-                          row.attempts if row else job.attempts, job.name or Path(job.path).stem)
-            else:
-                log.error("drop %s: job %d failed: %s (invalid input: final until the file changes)", job.path,
-                          job.id, what)
+            self._unsaved_failure = (job, outcome, started)
+            self._save_failure()
             return
         self._unsaved = (job, outcome, started)
         self._save_unsaved()
+
+    def _save_failure(self) -> None:
+        """Write a finished job's failure (kept in ``_unsaved_failure`` until it is written: with
+        the database down it is tried again every :data:`SAVE_RETRY_S`, as results are)."""
+        assert self._unsaved_failure is not None
+        job, outcome, _started = self._unsaved_failure
+        s = self.settings
+        try:
+            row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
+                                  backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
+        except StoreError:
+            self._retry_at = self.clock() + SAVE_RETRY_S
+            raise
+        self._unsaved_failure = None
+        what = f"{type(outcome).__name__}: {_one_line(outcome)}"
+        if row is not None and row.status == "pending":
+            log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,
+                        row.attempts, s.max_attempts, row.retry_at, what)
+            self._note_retry()
+        elif failure_kind(outcome) == "run":
+            log.error("drop %s: job %d failed: %s (run failure: gave up after %d attempts; "
+                      "`ctx-tuner retry %s` runs it again)", job.path, job.id, what,
+                      row.attempts if row else job.attempts, job.name or Path(job.path).stem)
+        else:
+            log.error("drop %s: job %d failed: %s (invalid input: final until the file changes)", job.path,
+                      job.id, what)
 
     def _save_unsaved(self) -> None:
         assert self._unsaved is not None
