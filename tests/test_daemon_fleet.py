@@ -245,3 +245,29 @@ def test_job_failure_while_the_database_was_down_was_dropped_and_the_job_left_ru
     fleet.until(d, lambda: fleet.rows("SELECT status, error_type FROM jobs") == [("failed", "PluginError")],
                 timeout_s=10, what="the failure written after the outage")
     assert fleet.rows("SELECT attempts, interruptions FROM jobs") == [(1, None)]
+
+
+def test_daemon_opened_two_read_only_stores_for_every_job(fleet, monkeypatch):
+    """Regression (issue 13's drop → proposal time): each job opened a read-only store for its
+    look-ups and another for the pass memo (an engine, a connection and a schema check each).
+    The job thread keeps one read-only store from its first job to shutdown."""
+    import tuner.daemon as daemon_mod
+
+    opened = []
+    real = daemon_mod.open_store
+
+    def counting(url, **kw):
+        store = real(url, **kw)
+        if kw.get("readonly"):
+            opened.append(store)
+        return store
+
+    monkeypatch.setattr(daemon_mod, "open_store", counting)
+    d = fleet.start("a")
+    conf = Path(d.settings.watch_dir)
+    for i in range(3):
+        (conf / f"r{i}.yaml").write_text(drop_text(f"r{i}", fleet.model, gmu=(0.5 + 0.1 * i,)))
+        fleet.until(d, lambda: len(fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'")) == i + 1, what=f"r{i} done")
+    assert len(opened) == 1 and d._ro_store is opened[0]
+    d.shutdown()
+    assert d._ro_store is None

@@ -179,3 +179,28 @@ def test_warm_worker_answer_differs_from_a_fresh_workers_after_other_jobs(tmp_pa
         w.close()
     assert _numbers(answers[-1]) == _numbers(fresh)
     assert _numbers(answers[0]) != _numbers(fresh)  # the comparison can fail: other jobs, other numbers
+
+
+def test_plugin_registry_rescanned_every_installed_distribution_for_every_job(tmp_path, monkeypatch):
+    """Regression (issue 13's daemon timings): every job — each memo answer in the daemon, each job
+    in the warm worker — called ``importlib.metadata.entry_points()`` again (tens of ms reading
+    every distribution's metadata). The registry is reused while ``sys.path`` and its directories
+    are unchanged, and a distribution installed since is still found."""
+    import tuner.plugin as plugin_mod
+    from tests.test_docs import _install_undocumented_plugin
+
+    scans = []
+    real = plugin_mod.entry_points
+    monkeypatch.setattr(plugin_mod, "entry_points", lambda **kw: scans.append(kw) or real(**kw))
+    monkeypatch.setattr(plugin_mod, "_REGISTRY_CACHE", {})
+    first = [p.name for p in plugin_mod.load_registry().plugins]
+    again = plugin_mod.load_registry()
+    assert len(scans) == 1 and [p.name for p in again.plugins] == first and "generic" in first
+    again.plugins.clear()  # a caller's copy: the cached registry is not changed through it
+    assert [p.name for p in plugin_mod.load_registry().plugins] == first and len(scans) == 1
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))  # a new sys.path entry: scanned again
+    assert "someone_elses_family" not in [p.name for p in plugin_mod.load_registry().plugins] and len(scans) == 2
+    _install_undocumented_plugin(site)  # installed into it later: its mtime changed
+    assert "someone_elses_family" in [p.name for p in plugin_mod.load_registry().plugins] and len(scans) == 3

@@ -294,6 +294,7 @@ class Daemon:
         self._unsaved: tuple[Job, ProfileOutcome, str] | None = None
         #: a finished job's failure not yet written (the database was down): retried like _unsaved
         self._unsaved_failure: tuple[Job, BaseException, str] | None = None
+        self._ro_store: Store | None = None  # the job thread's read-only store (_reader)
         self._retry_at = 0.0
         self._next_rescan = 0.0
         self._next_ping = 0.0
@@ -967,19 +968,51 @@ class Daemon:
         self.events.put(("pid", r.job.id, proc.pid))
         self.waker.wake()
 
-    def _lookups(self, request: dict, s: Settings) -> tuple[dict | None, str | None, int | None]:  # job thread
-        """Read-only look-ups before a pass, through a read-only store of their own (the main loop
-        owns every write; SQLite ``mode=ro`` or read-only server sessions): the corrections from
+    def _reader(self, s: Settings) -> Store:  # job thread
+        """The job thread's read-only store (SQLite ``mode=ro`` or read-only server sessions; the
+        main loop owns every write), opened at the first job and kept for the next ones (an open
+        costs an engine, a connection and a schema check: tens of ms a job). A daemon that was
+        not started (a tool, a test) opens one per call; the caller closes it then.
+
+        Raises:
+            StoreError: the store cannot be opened (tried again at the next job).
+        """
+        if not self.started:
+            return open_store(s.db_url, readonly=True)
+        with self._lock:
+            store = self._ro_store
+        if store is None:
+            store = open_store(s.db_url, readonly=True)
+            with self._lock:
+                if self._closed:
+                    store.close()
+                    raise StoreError("daemon is stopping", where=store.where)
+                self._ro_store = store
+        return store
+
+    def _close_reader(self) -> None:
+        with self._lock:
+            store, self._ro_store = self._ro_store, None
+        if store is not None:
+            store.close()
+
+    def _lookups(self, request: dict, s: Settings, memo: dict | None = None,
+                 python: str | None = None) -> tuple[dict | None, str | None, int | None]:  # job thread
+        """Read-only look-ups before a pass, through the job thread's read-only store
+        (:meth:`_reader`): the corrections from
         measured runs of the same model, device kind and era, whichever host stored them
         (:func:`tuner.app.lookup_calibration`; simulate only), then the shared result key
         (:func:`tuner.fleet.result_key`) and the drop that already holds that result, if any.
+        With a ``memo`` dict (setting ``pass_memo``) it is filled with the pass memo's entries for
+        the request (:func:`tuner.passmemo.lookup_entries`, where :func:`~tuner.passmemo.memo_applies`
+        for ``python``) from the same store.
         Returns (calibration, result key, source drop id); a store that cannot be read gives
         (None, key, None) — the pass runs."""
         from tuner.app import lookup_calibration
 
         cal = key = None
         try:
-            store = open_store(s.db_url, readonly=True)
+            store = self._reader(s)
         except TunerError as exc:
             log.warning("calibration and shared results skipped for %s: %s", request.get("config_path"), exc)
             store = None
@@ -999,13 +1032,36 @@ class Daemon:
             if store is None:
                 return cal, key, None
             try:
-                return cal, key, fleet.find_shared_result(store, key)
+                source = fleet.find_shared_result(store, key)
             except TunerError as exc:
                 log.warning("shared results skipped for %s: %s", request.get("config_path"), exc)
                 return cal, key, None
+            if source is None and memo is not None and passmemo.memo_applies(request, python):
+                try:
+                    memo.update(passmemo.lookup_entries(store, request))
+                except TunerError:
+                    pass  # no memo answer: the worker runs the job (and reports a bad config itself)
+            return cal, key, source
         finally:
-            if store is not None:
+            if store is not None and not self.started:
                 store.close()
+
+    @staticmethod
+    def _memo_first(entries: dict, inner: Callable[..., dict]) -> Callable[..., dict]:
+        """The worker call behind the pass memo (as :func:`tuner.passmemo.memo_worker` without
+        ``write``, from ``entries`` already read): a job whose passes are all in ``entries`` is
+        answered here, with no worker and no torch; else ``inner`` runs it, handed the passes found."""
+
+        def worker(request: dict, **kw: Any) -> dict:
+            if entries:
+                result, hits = passmemo.answer_from_memo(request, entries, kw.get("on_progress"))
+                if result is not None:
+                    return result
+                if hits:
+                    request = {**request, passmemo.KNOWN_PASSES: hits}
+            return inner(request, **kw)
+
+        return worker
 
     def _execute(self, job: Job, drop: Drop, s: Settings,
                  method_defaulted: bool = False) -> None:  # job thread: writes nothing
@@ -1022,7 +1078,10 @@ class Daemon:
                         f"but {exc.message}; set `method` in the drop or change default_method",
                         path=s.source or "settings", field="default_method") from exc
                 raise
-            _cal, key, source = self._lookups(request, s)  # calibration (read-only store) and shared result
+            python = s.python_for(drop.engine_version)
+            memo: dict | None = {} if getattr(s, "pass_memo", True) else None
+            # calibration, shared result and pass memo entries (the job thread's read-only store)
+            _cal, key, source = self._lookups(request, s, memo, python)
             if source is not None:
                 outcome: Any = SharedResult(drop, dev, source, key, job.content)
             else:
@@ -1037,9 +1096,9 @@ class Daemon:
                     # an engine_pythons venv gets a fresh worker per job)
                     inner = functools.partial(self.warm.run, max_jobs=s.worker_max_jobs,
                                               max_rss_bytes=s.worker_max_rss_bytes, attach=self._attach)
-                run = passmemo.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
+                run = self._memo_first(memo or {}, inner)
                 result = run(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                             python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
+                             python=python, popen=self._popen, memory_max_bytes=limit)
                 memo_entries = result.pop(passmemo.ENTRIES, None) or []
                 outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                          content=job.content)
@@ -1320,6 +1379,7 @@ class Daemon:
             r = self._running
             if r is not None:
                 r.thread.join(timeout=30)
+            self._close_reader()
             self._drain_finished_at_stop()
             if self.queue is not None:
                 for job in self.queue.jobs("running"):  # this owner's only
