@@ -30,14 +30,14 @@ from tests._daemon_helpers import drop_text, fake_python
 from tests.conftest import REPO
 
 
-def _settings(base: Path, i: int, url: str, lease_s: float) -> Path:
+def _settings(base: Path, i: int, url: str, lease_s: float, extra: dict | None = None) -> Path:
     host = base / f"h{i}"
     (host / "conf.d").mkdir(parents=True, exist_ok=True)
     p = host / "tuner.yaml"
     p.write_text(yaml.safe_dump({
         "watch_dir": str(host / "conf.d"), "state_dir": str(host / "state"), "database_url": url,
         "host_id": f"host-{i}", "debounce_s": 0.05, "rescan_interval_s": 2.0, "job_timeout_s": 60.0,
-        "worker_python": str(fake_python(host)), "log_level": "INFO", "lease_s": lease_s}))
+        "worker_python": str(fake_python(host)), "log_level": "INFO", "lease_s": lease_s, **(extra or {})}))
     return p
 
 
@@ -84,14 +84,15 @@ def _wait_registered(eng: sa.Engine, host: str, pid: int, timeout_s: float = 120
 
 def run_fleet(url: str, base: Path, *, hosts: int = 3, drops_per_host: int = 20, restart_db: Callable[[], None] | None,
               kill_host: int = 1, lease_s: float = 6.0, timeout_s: float = 240.0,
-              log: Callable[[str], None] = lambda m: None) -> dict:
-    """Run the fleet; returns the counts (see the module docstring) and timings."""
+              log: Callable[[str], None] = lambda m: None, settings: dict | None = None) -> dict:
+    """Run the fleet; returns the counts (see the module docstring) and timings. ``settings``:
+    more daemon settings for every host (e.g. ``{"worker_max_jobs": 1}``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "CTX_TUNER_DATABASE_URL",
                                                              "CREDENTIALS_DIRECTORY")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), FAKE_SLOW_S="0.4")
     model = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
     for i in range(hosts):
-        _settings(base, i, url, lease_s)
+        _settings(base, i, url, lease_s, settings)
     total = hosts * drops_per_host
     # drops: even j share one result key across hosts (same settings, other names); odd j are unique
     for i in range(hosts):

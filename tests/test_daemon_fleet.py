@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from tests._daemon_helpers import drop_text, poll, settings_for
 from tuner.daemon import DB_RETRY_S, Daemon
+from tuner.errors import StoreError
 from tuner.notify import Notifier
 
 
@@ -182,3 +183,91 @@ def test_finished_results_wait_for_the_database_and_are_saved_once(fleet):
     d._retry_at = d.clock()
     fleet.until(d, lambda: fleet.rows("SELECT status FROM jobs") == [("done",)], what="saved after the outage")
     assert fleet.rows("SELECT count(*) FROM drops") == [(1,)]
+
+
+def _lost_connection() -> StoreError:
+    """A StoreError as the store raises it when the server closes the connection."""
+    err = StoreError("job queue write failed: server closed the connection unexpectedly", where="test")
+    err.__cause__ = sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+    return err
+
+
+def test_claim_committed_as_the_database_restarted_left_the_job_running_forever(fleet, tmp_path, caplog):
+    """Regression (the PostgreSQL fleet test with the warm worker lost a drop: its job stayed
+    ``running`` with no worker until the end): the claim committed but the daemon got a
+    connection error back, so it never started the job and, its lease renewed, nobody requeued it.
+    The daemon's heartbeat now returns its own ``running`` jobs that it does not hold to the queue."""
+    caplog.set_level(logging.WARNING, logger="tuner.daemon")
+    d = fleet.start("a")
+    real = d.queue.claim_next
+    lost = []
+
+    def claim_then_lose_the_reply(now=None):
+        job = real(now=now)
+        if job is not None and not lost:
+            lost.append(job.id)
+            raise _lost_connection()  # committed; the reply never arrived
+        return job
+
+    d.queue.claim_next = claim_then_lose_the_reply
+    (Path(d.settings.watch_dir) / "x.yaml").write_text(drop_text("x", fleet.model))
+    fleet.until(d, lambda: lost, what="the claim")
+    for _ in range(5):
+        d.step(max_wait_s=0.01)
+    assert d._running is None and fleet.rows("SELECT status FROM jobs") == [("running",)]  # stranded
+    d._next_beat = d.clock()  # the heartbeat is due (no sleep)
+    fleet.until(d, lambda: fleet.rows("SELECT status FROM jobs") == [("done",)], what="the stranded job done")
+    assert fleet.rows("SELECT attempts, interruptions FROM jobs") == [(1, 1)]  # the lost claim not counted
+    assert len(_worker_calls(tmp_path)) == 1
+    assert (Path(d.settings.state_dir) / "proposals" / "x.yaml").is_file()
+    assert any("claimed but never started" in r.getMessage() for r in caplog.records)
+
+
+def test_job_failure_while_the_database_was_down_was_dropped_and_the_job_left_running(fleet):
+    """Regression: the failure of a job that ended while the database was unreachable was not
+    written and then forgotten (the finished-event consumed), leaving the job ``running``. It is
+    kept and written once the database answers, as finished results are."""
+    d = fleet.start("a")
+    (Path(d.settings.watch_dir) / "t.yaml").write_text(drop_text("typed-t", fleet.model))
+    fleet.until(d, lambda: d._running is not None, what="job running")
+    good = (d.store.engine, d.queue.engine)
+    dead_url = ("sqlite:///" + str(fleet.tmp / "no-such-dir" / "x.sqlite")
+                if good[0].dialect.name == "sqlite" else "postgresql+psycopg://tuner@127.0.0.1:9/none")
+    dead = sa.create_engine(dead_url)
+    d.store.engine = d.queue.engine = dead
+    try:
+        poll(lambda: d._running is None, 20, step=lambda: d.step(max_wait_s=0.05), what="the job finished")
+        d.step(max_wait_s=0.01)
+    finally:
+        d.store.engine, d.queue.engine = good
+        dead.dispose()
+    d._retry_at = d.clock()
+    fleet.until(d, lambda: fleet.rows("SELECT status, error_type FROM jobs") == [("failed", "PluginError")],
+                timeout_s=10, what="the failure written after the outage")
+    assert fleet.rows("SELECT attempts, interruptions FROM jobs") == [(1, None)]
+
+
+def test_daemon_opened_two_read_only_stores_for_every_job(fleet, monkeypatch):
+    """Regression (issue 13's drop → proposal time): each job opened a read-only store for its
+    look-ups and another for the pass memo (an engine, a connection and a schema check each).
+    The job thread keeps one read-only store from its first job to shutdown."""
+    import tuner.daemon as daemon_mod
+
+    opened = []
+    real = daemon_mod.open_store
+
+    def counting(url, **kw):
+        store = real(url, **kw)
+        if kw.get("readonly"):
+            opened.append(store)
+        return store
+
+    monkeypatch.setattr(daemon_mod, "open_store", counting)
+    d = fleet.start("a")
+    conf = Path(d.settings.watch_dir)
+    for i in range(3):
+        (conf / f"r{i}.yaml").write_text(drop_text(f"r{i}", fleet.model, gmu=(0.5 + 0.1 * i,)))
+        fleet.until(d, lambda: len(fleet.rows("SELECT 1 FROM jobs WHERE status = 'done'")) == i + 1, what=f"r{i} done")
+    assert len(opened) == 1 and d._ro_store is opened[0]
+    d.shutdown()
+    assert d._ro_store is None

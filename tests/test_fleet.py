@@ -3,6 +3,10 @@ CTX_TUNER_TEST_DATABASE_URL; the database restart also needs CTX_TUNER_PG_DIR fr
 3 daemons with 3 watch directories on one database, one killed with SIGKILL and restarted mid-run,
 the server restarted once → every drop stored exactly once (profiled once, or answered from the
 shared result of another host), 0 double claims, 0 jobs lost, no drop retired by another host.
+The daemons run with their default settings, so with the warm worker (``worker_max_jobs`` 50: one
+fake worker process per daemon); with it the test lost a drop in 1 of 5 runs before a claim
+whose commit the database restart cut off was requeued (tests/test_daemon_fleet.py,
+test_claim_committed_as_the_database_restarted_left_the_job_running_forever).
 The 300-drop soak is tests/benchmarks/bench_fleet.py."""
 
 from __future__ import annotations

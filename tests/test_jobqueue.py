@@ -187,6 +187,41 @@ def test_periodic_recovery_never_requeues_the_daemons_own_running_job(q):
     assert q.get(job.id).status == "running"
 
 
+def test_claim_read_back_after_its_commit_failed_and_stranded_the_job_running(q, monkeypatch):
+    """Regression (fleet kill -9 + database restart with the warm worker, job left ``running``
+    forever): the claim committed, then a second query read the row back; the database restarting
+    between the two raised StoreError, so the daemon never started a job the database had
+    running. The row is read back in the claim's own transaction now."""
+    from tuner.errors import StoreError
+
+    job = q.enqueue("/d/a.yaml", "1" * 64, "v1")
+
+    def gone(_job_id):
+        raise StoreError("query failed: server closed the connection unexpectedly", where="test")
+
+    monkeypatch.setattr(q, "get", gone)
+    claimed = q.claim_next()
+    assert (claimed.id, claimed.status, claimed.attempts, claimed.path) == (job.id, "running", 1, "/d/a.yaml")
+
+
+def test_claim_whose_commit_reply_was_lost_is_requeued_by_the_owners_sweep_not_the_held_one(q):
+    """Regression: a claim whose COMMIT reply the connection lost (the database restarted) left the
+    job ``running`` under a live owner: no job thread ran it, its lease kept being renewed, nobody
+    ever requeued it. ``recover(keep=held)`` (the daemon's heartbeat) returns such a job to the
+    queue at once, uncounted and without backoff, and leaves the jobs the daemon holds alone."""
+    held = q.enqueue("/d/held.yaml", "1" * 64, "v1")
+    q.claim_next()
+    stranded = q.enqueue("/d/lost.yaml", "2" * 64, "v2")
+    q.claim_next()  # its claimer "never heard back"
+    requeued, failed = q.recover(backoff_base_s=30.0, include_own=False, keep={held.id})
+    assert [j.id for j in requeued] == [stranded.id] and failed == []
+    row = q.get(stranded.id)
+    assert (row.status, row.attempts, row.interruptions) == ("pending", 0, 1)
+    assert row.retry_at <= utc_text() and "never started" in row.failures[-1]["reason"]
+    assert q.get(held.id).status == "running"
+    assert q.claim_next().id == stranded.id  # due now: no backoff for a drop that did nothing wrong
+
+
 def test_renewed_lease_keeps_running_jobs_owned_and_running(q):
     me = _owner(q.store, "host-a", "/a", lease_s=5, wall_clock=lambda: 1_000_000.0)
     a = JobQueue(q.store, me)

@@ -5,6 +5,7 @@ worker (tests/_fake_worker.py, its ``--serve`` mode), whose log names the pid of
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -135,3 +136,71 @@ def test_daemon_runs_successive_drops_in_one_warm_worker_and_stops_it_on_shutdow
     finally:
         d.shutdown()
     assert not group_alive(pids[0])
+
+
+def _drop_request(config: Path, name: str, gmu: float, **extra) -> dict:
+    from tests._daemon_helpers import drop_text
+    from tuner.app import prepare_request
+    from tuner.drop import parse_drop
+
+    text = drop_text(name, config, gmu=(gmu,), **extra)
+    return prepare_request(parse_drop(text.encode(), path=str(config.parent / f"{name}.yaml")), download=False)[0]
+
+
+def _numbers(result: dict) -> tuple:
+    """What a result says about memory (timings left out)."""
+    keys = ("gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens", "available_kv_cache_bytes",
+            "activation_peak_bytes", "weights_bytes", "non_torch_bytes", "cuda_graph_bytes", "fits")
+    return (tuple(tuple(c.get(k) for k in keys) for c in result["candidates"]),
+            tuple(tuple(p.get(k) for k in keys) for p in result["proposals"]),
+            tuple((r["weights_bytes"], r["activation_peak_bytes"], r["max_num_batched_tokens"]) for r in result["runs"]))
+
+
+def test_warm_worker_answer_differs_from_a_fresh_workers_after_other_jobs(tmp_path, tiny_config):
+    """Guard for the warm worker as the daemon's default: the real worker (``worker_main
+    --serve``, torch) answers a job after jobs of other models and settings exactly as a fresh
+    worker process does — nothing a job leaves in the process changes the next one's numbers."""
+    from tuner.worker import run_in_worker
+
+    other = tmp_path / "other-llama"
+    other.mkdir()
+    cfg = json.loads((tiny_config / "config.json").read_text())
+    cfg.update(hidden_size=128, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=352)
+    (other / "config.json").write_text(json.dumps(cfg))
+    first = _drop_request(tiny_config, "t1", 0.5)
+    fresh = run_in_worker(first, job="fresh", timeout_s=300)
+    w = WarmWorker()
+    try:
+        answers = [w.run(r, job=f"warm{i}", timeout_s=300) for i, r in enumerate(
+            (_drop_request(other, "o1", 0.9, max_num_seqs=7), _drop_request(tiny_config, "t2", 0.7, max_num_batched_tokens=4096),
+             first))]
+        assert w.spawned == 1 and w.pid is not None
+    finally:
+        w.close()
+    assert _numbers(answers[-1]) == _numbers(fresh)
+    assert _numbers(answers[0]) != _numbers(fresh)  # the comparison can fail: other jobs, other numbers
+
+
+def test_plugin_registry_rescanned_every_installed_distribution_for_every_job(tmp_path, monkeypatch):
+    """Regression (issue 13's daemon timings): every job — each memo answer in the daemon, each job
+    in the warm worker — called ``importlib.metadata.entry_points()`` again (tens of ms reading
+    every distribution's metadata). The registry is reused while ``sys.path`` and its directories
+    are unchanged, and a distribution installed since is still found."""
+    import tuner.plugin as plugin_mod
+    from tests.test_docs import _install_undocumented_plugin
+
+    scans = []
+    real = plugin_mod.entry_points
+    monkeypatch.setattr(plugin_mod, "entry_points", lambda **kw: scans.append(kw) or real(**kw))
+    monkeypatch.setattr(plugin_mod, "_REGISTRY_CACHE", {})
+    first = [p.name for p in plugin_mod.load_registry().plugins]
+    again = plugin_mod.load_registry()
+    assert len(scans) == 1 and [p.name for p in again.plugins] == first and "generic" in first
+    again.plugins.clear()  # a caller's copy: the cached registry is not changed through it
+    assert [p.name for p in plugin_mod.load_registry().plugins] == first and len(scans) == 1
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))  # a new sys.path entry: scanned again
+    assert "someone_elses_family" not in [p.name for p in plugin_mod.load_registry().plugins] and len(scans) == 2
+    _install_undocumented_plugin(site)  # installed into it later: its mtime changed
+    assert "someone_elses_family" in [p.name for p in plugin_mod.load_registry().plugins] and len(scans) == 3

@@ -292,6 +292,9 @@ class Daemon:
         self._lock = threading.Lock()
         self._running: _Running | None = None
         self._unsaved: tuple[Job, ProfileOutcome, str] | None = None
+        #: a finished job's failure not yet written (the database was down): retried like _unsaved
+        self._unsaved_failure: tuple[Job, BaseException, str] | None = None
+        self._ro_store: Store | None = None  # the job thread's read-only store (_reader)
         self._retry_at = 0.0
         self._next_rescan = 0.0
         self._next_ping = 0.0
@@ -540,6 +543,8 @@ class Daemon:
             self._guard(self.reconcile)
         if self._unsaved is not None and self.clock() >= self._retry_at:
             self._guard(self._save_unsaved)
+        if self._unsaved_failure is not None and self.clock() >= self._retry_at:
+            self._guard(self._save_failure)
         if self.clock() >= self._next_beat:
             self._guard(self._renew_lease)
         self._guard(self._start_next)
@@ -569,7 +574,7 @@ class Daemon:
         d = self.debouncer.deadline()
         if d is not None:
             deadlines.append(d)
-        if self._unsaved is not None:
+        if self._unsaved is not None or self._unsaved_failure is not None:
             deadlines.append(self._retry_at)
         if self.notifier.watchdog_interval_s:
             deadlines.append(self._next_ping)
@@ -625,10 +630,22 @@ class Daemon:
         self._next_beat = self.clock() + s.lease_s / 3
         fleet.renew_lease(self.store, self.owner.id, lease_s=s.lease_s, wall_clock=self.wall_clock)
         requeued, failed = self.queue.recover(backoff_base_s=s.retry_backoff_s, backoff_max_s=s.retry_backoff_max_s,
-                                              now=self._utc_now(), include_own=False)
+                                              now=self._utc_now(), include_own=False, keep=self._held_job_ids())
         for job in requeued + failed:
+            if job.owner_id == self.owner.id:
+                log.warning("job %d (%s) was claimed but never started (the database connection was lost as the "
+                            "claim committed); queued again (not counted)", job.id, job.path)
+                self._next_job_poll = self.clock()
+                continue
             log.warning("job %d (%s) of host id %d was running when its lease expired: %s", job.id, job.path,
                         job.owner_id, "queued again for its successor" if job in requeued else "failed")
+
+    def _held_job_ids(self) -> set[int]:
+        """Ids of the jobs this daemon holds: the one running, the finished ones whose result or
+        failure waits to be written. Any other ``running`` job of this owner is stranded."""
+        held = {r.job.id for r in (self._running,) if r is not None}
+        held |= {u[0].id for u in (self._unsaved, self._unsaved_failure) if u is not None}
+        return held
 
     def reconcile(self) -> None:
         """Scan ``watch_dir`` and bring the jobs table in line with it by content hash.
@@ -901,7 +918,8 @@ class Daemon:
     # -- jobs ------------------------------------------------------------------------------------
 
     def _start_next(self) -> None:
-        if self._running is not None or self._unsaved is not None or self.stop_requested:
+        if (self._running is not None or self._unsaved is not None or self._unsaved_failure is not None
+                or self.stop_requested):
             return
         now = self.clock()
         self._next_job_poll = now + JOB_POLL_S
@@ -950,19 +968,51 @@ class Daemon:
         self.events.put(("pid", r.job.id, proc.pid))
         self.waker.wake()
 
-    def _lookups(self, request: dict, s: Settings) -> tuple[dict | None, str | None, int | None]:  # job thread
-        """Read-only look-ups before a pass, through a read-only store of their own (the main loop
-        owns every write; SQLite ``mode=ro`` or read-only server sessions): the corrections from
+    def _reader(self, s: Settings) -> Store:  # job thread
+        """The job thread's read-only store (SQLite ``mode=ro`` or read-only server sessions; the
+        main loop owns every write), opened at the first job and kept for the next ones (an open
+        costs an engine, a connection and a schema check: tens of ms a job). A daemon that was
+        not started (a tool, a test) opens one per call; the caller closes it then.
+
+        Raises:
+            StoreError: the store cannot be opened (tried again at the next job).
+        """
+        if not self.started:
+            return open_store(s.db_url, readonly=True)
+        with self._lock:
+            store = self._ro_store
+        if store is None:
+            store = open_store(s.db_url, readonly=True)
+            with self._lock:
+                if self._closed:
+                    store.close()
+                    raise StoreError("daemon is stopping", where=store.where)
+                self._ro_store = store
+        return store
+
+    def _close_reader(self) -> None:
+        with self._lock:
+            store, self._ro_store = self._ro_store, None
+        if store is not None:
+            store.close()
+
+    def _lookups(self, request: dict, s: Settings, memo: dict | None = None,
+                 python: str | None = None) -> tuple[dict | None, str | None, int | None]:  # job thread
+        """Read-only look-ups before a pass, through the job thread's read-only store
+        (:meth:`_reader`): the corrections from
         measured runs of the same model, device kind and era, whichever host stored them
         (:func:`tuner.app.lookup_calibration`; simulate only), then the shared result key
         (:func:`tuner.fleet.result_key`) and the drop that already holds that result, if any.
+        With a ``memo`` dict (setting ``pass_memo``) it is filled with the pass memo's entries for
+        the request (:func:`tuner.memoanswer.lookup_entries`, where :func:`~tuner.memoanswer.memo_applies`
+        for ``python``) from the same store.
         Returns (calibration, result key, source drop id); a store that cannot be read gives
         (None, key, None) — the pass runs."""
         from tuner.app import lookup_calibration
 
         cal = key = None
         try:
-            store = open_store(s.db_url, readonly=True)
+            store = self._reader(s)
         except TunerError as exc:
             log.warning("calibration and shared results skipped for %s: %s", request.get("config_path"), exc)
             store = None
@@ -982,13 +1032,47 @@ class Daemon:
             if store is None:
                 return cal, key, None
             try:
-                return cal, key, fleet.find_shared_result(store, key)
+                source = fleet.find_shared_result(store, key)
             except TunerError as exc:
                 log.warning("shared results skipped for %s: %s", request.get("config_path"), exc)
                 return cal, key, None
+            if source is None and memo is not None and memoanswer.memo_applies(request, python):
+                try:
+                    memo.update(memoanswer.lookup_entries(store, request))
+                except TunerError:
+                    pass  # no memo answer: the worker runs the job (and reports a bad config itself)
+            return cal, key, source
         finally:
-            if store is not None:
+            if store is not None and not self.started:
                 store.close()
+
+    @staticmethod
+    def _memo_first(entries: dict, inner: Callable[..., dict]) -> Callable[..., dict]:
+        """The worker call behind the pass memo (as :func:`tuner.memoanswer.memo_worker` without
+        ``write``, from ``entries`` already read): a job whose passes are all in ``entries`` is
+        answered here, with no worker and no torch; else ``inner`` runs it, handed the passes found."""
+
+        def worker(request: dict, **kw: Any) -> dict:
+            hits: dict = {}
+            if entries:
+                result, hits = memoanswer.answer_from_memo(request, entries, kw.get("on_progress"))
+                if result is not None:
+                    result[memoanswer.PASS_SOURCE] = {"source": "memo", "stored_passes": len(hits),
+                                                      "computed_passes": 0}
+                    return result
+                if hits:
+                    request = {**request, passmemo.KNOWN_PASSES: hits}
+            result = inner(request, **kw)
+            if isinstance(result, dict):
+                new = result.get(passmemo.ENTRIES)
+                computed = (sum(1 for e in new if e.get("kind") == passmemo.PASS)
+                            if isinstance(new, list) else None)
+                result[memoanswer.PASS_SOURCE] = {"source": "worker", "stored_passes": len(hits),
+                                                  "computed_passes": computed,
+                                                  "reason": "missing"}
+            return result
+
+        return worker
 
     def _execute(self, job: Job, drop: Drop, s: Settings,
                  method_defaulted: bool = False) -> None:  # job thread: writes nothing
@@ -1005,7 +1089,10 @@ class Daemon:
                         f"but {exc.message}; set `method` in the drop or change default_method",
                         path=s.source or "settings", field="default_method") from exc
                 raise
-            _cal, key, source = self._lookups(request, s)  # calibration (read-only store) and shared result
+            python = s.python_for(drop.engine_version)
+            memo: dict | None = {} if getattr(s, "pass_memo", True) else None
+            # calibration, shared result and pass memo entries (the job thread's read-only store)
+            _cal, key, source = self._lookups(request, s, memo, python)
             if source is not None:
                 outcome: Any = SharedResult(drop, dev, source, key, job.content)
             else:
@@ -1020,9 +1107,9 @@ class Daemon:
                     # an engine_pythons venv gets a fresh worker per job)
                     inner = functools.partial(self.warm.run, max_jobs=s.worker_max_jobs,
                                               max_rss_bytes=s.worker_max_rss_bytes, attach=self._attach)
-                run = memoanswer.memo_worker(s.db_url, inner, enabled=getattr(s, "pass_memo", True), write=False)
+                run = self._memo_first(memo or {}, inner)
                 result = run(request, job=f"{drop.name} (job {job.id})", timeout_s=s.job_timeout_s,
-                             python=s.python_for(drop.engine_version), popen=self._popen, memory_max_bytes=limit)
+                             python=python, popen=self._popen, memory_max_bytes=limit)
                 memo_entries = result.pop(passmemo.ENTRIES, None) or []
                 outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])),
                                          content=job.content)
@@ -1044,24 +1131,37 @@ class Daemon:
         if isinstance(outcome, BaseException):
             if r is not None and r.killed:
                 return  # killed by shutdown(): requeued there
-            s = self.settings
-            row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
-                                  backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
-            what = f"{type(outcome).__name__}: {_one_line(outcome)}"
-            if row is not None and row.status == "pending":
-                log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,
-                            row.attempts, s.max_attempts, row.retry_at, what)
-                self._note_retry()
-            elif failure_kind(outcome) == "run":
-                log.error("drop %s: job %d failed: %s (run failure: gave up after %d attempts; "
-                          "`ctx-tuner retry %s` runs it again)", job.path, job.id, what,
-                          row.attempts if row else job.attempts, job.name or Path(job.path).stem)
-            else:
-                log.error("drop %s: job %d failed: %s (invalid input: final until the file changes)", job.path,
-                          job.id, what)
+            self._unsaved_failure = (job, outcome, started)
+            self._save_failure()
             return
         self._unsaved = (job, outcome, started)
         self._save_unsaved()
+
+    def _save_failure(self) -> None:
+        """Write a finished job's failure (kept in ``_unsaved_failure`` until it is written: with
+        the database down it is tried again every :data:`SAVE_RETRY_S`, as results are)."""
+        assert self._unsaved_failure is not None
+        job, outcome, _started = self._unsaved_failure
+        s = self.settings
+        try:
+            row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
+                                  backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
+        except StoreError:
+            self._retry_at = self.clock() + SAVE_RETRY_S
+            raise
+        self._unsaved_failure = None
+        what = f"{type(outcome).__name__}: {_one_line(outcome)}"
+        if row is not None and row.status == "pending":
+            log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,
+                        row.attempts, s.max_attempts, row.retry_at, what)
+            self._note_retry()
+        elif failure_kind(outcome) == "run":
+            log.error("drop %s: job %d failed: %s (run failure: gave up after %d attempts; "
+                      "`ctx-tuner retry %s` runs it again)", job.path, job.id, what,
+                      row.attempts if row else job.attempts, job.name or Path(job.path).stem)
+        else:
+            log.error("drop %s: job %d failed: %s (invalid input: final until the file changes)", job.path,
+                      job.id, what)
 
     def _save_unsaved(self) -> None:
         assert self._unsaved is not None
@@ -1290,6 +1390,7 @@ class Daemon:
             r = self._running
             if r is not None:
                 r.thread.join(timeout=30)
+            self._close_reader()
             self._drain_finished_at_stop()
             if self.queue is not None:
                 for job in self.queue.jobs("running"):  # this owner's only

@@ -253,10 +253,13 @@ class JobQueue:
         ``running`` (attempts + 1) and return it; None if idle. Exactly one claimer wins a job: the
         chosen row is locked ``FOR UPDATE SKIP LOCKED`` on PostgreSQL (a concurrent claimer takes
         the next row instead of waiting), and the update only applies while the row is still
-        ``pending`` — its row count says who won; a lost race tries the next job."""
+        ``pending`` — its row count says who won; a lost race tries the next job. The claimed row
+        is read back in the claim's own transaction: a connection lost after the commit cannot
+        leave a job ``running`` that its claimer never heard of (a lost COMMIT reply still can:
+        :meth:`recover` with ``keep`` returns such a job to the queue)."""
         due = utc_text(_utc(now))
 
-        def fn(conn: Connection) -> int | None | bool:
+        def fn(conn: Connection) -> Job | None | bool:
             stmt = (sa.select(J.c.id).where(J.c.status == "pending", J.c.owner_id == self.owner_id,
                                             sa.or_(J.c.retry_at.is_(None), J.c.retry_at <= due))
                     .order_by(J.c.id).limit(1))
@@ -267,13 +270,15 @@ class JobQueue:
                 return None
             res = conn.execute(J.update().where(J.c.id == job_id, J.c.status == "pending").values(
                 status="running", attempts=J.c.attempts + 1, started_at=utc_text(), worker_pid=None))
-            return job_id if res.rowcount == 1 else False
+            if res.rowcount != 1:
+                return False
+            return Job.from_row(conn.execute(sa.select(J).where(J.c.id == job_id)).mappings().one())
         for _ in range(CLAIM_TRIES):
-            job_id = self._write(fn)
-            if job_id is None:
+            job = self._write(fn)
+            if job is None:
                 return None
-            if job_id is not False:
-                return self.get(job_id)
+            if job is not False:
+                return job
         return None
 
     def set_worker_pid(self, job_id: int, pid: int) -> None:
@@ -386,7 +391,8 @@ class JobQueue:
         return [r["id"] for r in rows]
 
     def recover(self, max_attempts: int = 0, *, backoff_base_s: float = 0.0, backoff_max_s: float = 3600.0,
-                now: datetime | str | None = None, include_own: bool = True) -> tuple[list[Job], list[Job]]:
+                now: datetime | str | None = None, include_own: bool = True,
+                keep: Iterable[int] | None = None) -> tuple[list[Job], list[Job]]:
         """Jobs left ``running`` by a daemon crash — this owner's (unless ``include_own`` is false:
         the periodic check of a running daemon), and those of owners whose lease expired before
         ``now`` (UTC ``datetime`` or UTC text; default: the current time), never a live owner's —
@@ -397,13 +403,21 @@ class JobQueue:
         never stranded as failed. A newer queued version of the file cancels it instead.
         ``max_attempts`` is accepted for compatibility and ignored. Returns (requeued, failed) as
         they were before the change (``failed`` is always empty; ``worker_pid`` of this owner's
-        jobs tells the caller which orphaned worker group to kill)."""
+        jobs tells the caller which orphaned worker group to kill).
+
+        ``keep`` (the ids of the jobs this owner's live daemon holds): this owner's other
+        ``running`` jobs are stranded — claimed by a transaction whose COMMIT reply the connection
+        lost (a database restart), so no job thread runs them — and go back to ``pending`` too,
+        uncounted, without backoff (the drop did nothing wrong)."""
         del max_attempts
         t = _utc(now)
-        owners = ([self.owner_id] if include_own else []) + self._expired_owner_ids(utc_text(t))
+        sweep = keep is not None
+        owners = ([self.owner_id] if include_own or sweep else []) + self._expired_owner_ids(utc_text(t))
         if not owners:
             return [], []
-        stale = self._read(sa.select(J).where(J.c.status == "running", J.c.owner_id.in_(owners)).order_by(J.c.id))
+        held = set(keep or ())
+        stale = [j for j in self._read(sa.select(J).where(J.c.status == "running", J.c.owner_id.in_(owners))
+                                       .order_by(J.c.id)) if j.id not in held]
         requeued: list[Job] = []
 
         def fn(conn: Connection) -> None:
@@ -412,16 +426,19 @@ class JobQueue:
                 newer = conn.execute(sa.select(J.c.id).where(J.c.path == j.path, J.c.status == "pending",
                                                              J.c.owner_id == j.owner_id)).first()
                 n = (j.interruptions or 0) + 1
+                stranded = sweep and not include_own and j.owner_id == self.owner_id
                 entry = {"at": at, "attempt": j.attempts, "kind": "interrupted", "error_type": None,
-                         "reason": "the daemon stopped during the job (crash, kill -9, power loss); not counted"}
+                         "reason": ("claimed but never started: the database connection was lost as the claim "
+                                    "committed; not counted") if stranded else
+                         "the daemon stopped during the job (crash, kill -9, power loss); not counted"}
+                retry = at if stranded else utc_text(t + timedelta(seconds=backoff_s(n, backoff_base_s, backoff_max_s)))
                 if newer is not None:
                     conn.execute(J.update().where(J.c.id == j.id, J.c.status == "running").values(
                         status="cancelled", error="superseded by newer content", finished_at=at))
                 else:
                     conn.execute(J.update().where(J.c.id == j.id, J.c.status == "running").values(
                         status="pending", worker_pid=None, interruptions=n, history=_history(j.history, entry),
-                        attempts=sa.case((J.c.attempts > 0, J.c.attempts - 1), else_=0),
-                        retry_at=utc_text(t + timedelta(seconds=backoff_s(n, backoff_base_s, backoff_max_s)))))
+                        attempts=sa.case((J.c.attempts > 0, J.c.attempts - 1), else_=0), retry_at=retry))
                     requeued.append(j)
         if stale:
             self._write(fn)

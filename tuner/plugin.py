@@ -197,13 +197,48 @@ def builtin_entry_points(group: str = ENTRY_POINT_GROUP) -> list:
             if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION]
 
 
+def _installed_key() -> tuple:
+    """What the installed entry points depend on, cheaply: ``sys.path`` and each entry's mtime
+    (installing or removing a distribution adds or removes a ``*.dist-info`` directory there)."""
+    import os
+    import sys
+
+    key = []
+    for entry in sys.path:
+        try:
+            key.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            key.append((entry, None))
+    return tuple(key)
+
+
+#: group → (:func:`_installed_key`, Registry) of the last default load (one process, many jobs:
+#: the daemon's memo answers and the warm worker; ``entry_points()`` reads every distribution's
+#: metadata, tens of milliseconds a job)
+_REGISTRY_CACHE: dict[str, tuple[tuple, Registry]] = {}
+
+
 def load_registry(group: str = ENTRY_POINT_GROUP, *, loader: Callable[[str], Iterable] | None = None) -> Registry:
     """Load every plugin of the entry-point ``group``; collect, never raise, per-plugin failures.
+    Without ``loader`` the result is reused while ``sys.path`` and its directories' mtimes are
+    unchanged (a distribution installed or removed since is seen at the next call).
 
     Args:
         loader: injectable replacement for ``importlib.metadata.entry_points(group=...)``.
     """
-    eps = (loader or (lambda g: entry_points(group=g)))(group)
+    if loader is None:
+        key = _installed_key()
+        hit = _REGISTRY_CACHE.get(group)
+        if hit is not None and hit[0] == key:
+            return Registry(list(hit[1].plugins), list(hit[1].errors))
+        registry = _load_registry(group, lambda g: entry_points(group=g))
+        _REGISTRY_CACHE[group] = (key, registry)
+        return Registry(list(registry.plugins), list(registry.errors))
+    return _load_registry(group, loader)
+
+
+def _load_registry(group: str, loader: Callable[[str], Iterable]) -> Registry:
+    eps = loader(group)
     plugins, errors = [], []
     for ep in eps:
         origin = f"{group}:{getattr(ep, 'name', ep)}"

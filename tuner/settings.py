@@ -179,8 +179,8 @@ SETTINGS: tuple[Setting, ...] = (
             "pass that needs more fails as a run failure instead of waking the host's OOM killer (cuda/vllm "
             "workers are bounded by the unit's `MemoryMax=`). null = half of the host's physical memory; 0 = "
             "no limit.", _opt_bytes),
-    Setting("worker_max_jobs", 1,
-            'Jobs one warm worker runs before it is replaced (opt-in: default 1 = a fresh worker for every job, as before; the kill -9 fleet test lost a drop with a warm worker, see README): above 1 the daemon keeps one worker process (`-m tuner.worker_main --serve`, own process group, killed and replaced on a timeout, a crash fails its job as before) for successive jobs, so torch and transformers are imported once; 1 = a fresh worker for every job.', _int(1, 100000)),
+    Setting("worker_max_jobs", 50,
+            'Jobs one warm worker runs before it is replaced: the daemon keeps one worker process (`-m tuner.worker_main --serve`, own process group, killed and replaced on a timeout, a crash fails its job as before) for successive simulate jobs, so torch and transformers are imported once; 1 = a fresh worker for every job (the behaviour before the warm worker).', _int(1, 100000)),
     Setting("worker_max_rss_bytes", 2147483648,
             'Resident memory of the warm worker after a job above which it is replaced (bytes); 0 = no check (`worker_max_jobs` still applies).', _opt_bytes),
     Setting("log_level", "INFO", "Logging level of the daemon's stderr log.", _choice(LOG_LEVELS, upper=True)),
@@ -235,7 +235,7 @@ class Settings:
     retry_backoff_s: float = 30.0
     retry_backoff_max_s: float = 3600.0
     worker_memory_max_bytes: int | None = None
-    worker_max_jobs: int = 1
+    worker_max_jobs: int = 50
     worker_max_rss_bytes: int | None = 2147483648
     log_level: str = "INFO"
     allow_trust_remote_code: bool = False
