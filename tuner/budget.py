@@ -490,7 +490,7 @@ CUDAGRAPH_ANCHOR_SIZES = 51
 def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
-    compute_capability: str | None = None,
+    compute_capability: str | None = None, extra_layer_hidden: int = 0,
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -507,11 +507,13 @@ def cudagraph_estimate_bytes(
     0.3-0.9 GiB more (not modelled). Other capture-size counts (:func:`cudagraph_capture_sizes`:
     small ``max_num_seqs``, spec decode's ``1 + num_speculative_tokens`` tokens per request, a
     user list) scale it by ``n / 51``, vLLM's own extrapolation. ``always`` returns the estimate
-    even where the era does not subtract it (for reports).
+    even where the era does not subtract it (for reports). ``extra_layer_hidden``: a
+    speculative-decoding drafter's layers × hidden captured with the target's
+    (:func:`tuner.specdecode.drafter_graph_layer_hidden`), added to the residual stream.
     """
     if not (era.subtracts_cudagraph_estimate or always) or era.engine != "V1":
         return 0
-    x = num_layers * hidden_size
+    x = num_layers * hidden_size + int(extra_layer_hidden)
     anchor, at_anchor = 131072, 0.84 * GiB
     if x <= anchor:
         est = max(0.5 * GiB, at_anchor * x / anchor)

@@ -533,7 +533,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "weights, MoE experts per rank included); `draft_model`, `eagle`, `eagle3` and `dflash` add the drafter "
               "checkpoint's weights, KV layers and (EAGLE3 / DFlash) the target's auxiliary hidden states in the "
               "profile run, from the drafter's config.json (`model`: a local path, relative to the drop, or an HF id "
-              "found like the drop's `model`; `validate` looks in its models directory); a drafter whose config is "
+              "found like the drop's `model`; `validate` looks in its models directory); every drafter model adds "
+              "its own forward in the profile run and its CUDA-graph captures (0.20+) and, 0.27+, its proposer's "
+              "buffers; a drafter whose config is "
               "not found, and medusa / mlp_speculator, are not modelled (a warning says so).", _speculative_config),
     DropField("hf_overrides", "mapping | null", None,
               "As vLLM's --hf-overrides: config keys merged into the model's (text) config.json before it is sized, "

@@ -346,7 +346,7 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
 
 
 def _info_steps(era: Era, drop: dict, device: dict, model: dict | None, cand: dict, n: int, tp: int,
-                drafter_w: int = 0) -> list[dict]:
+                drafter_w: int = 0, run: dict | None = None) -> list[dict]:
     """The ``info`` steps of a point (shown, not subtracted): co-tenants at start, data / expert
     parallelism, speculative decoding."""
     steps: list[dict] = []
@@ -393,7 +393,11 @@ def _info_steps(era: Era, drop: dict, device: dict, model: dict | None, cand: di
         from tuner.job import num_speculative_tokens
 
         k = num_speculative_tokens(drop, era)
-        sizes = cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k)
+        from tuner.specdecode import spec_decode_capture_sizes
+
+        sizes = spec_decode_capture_sizes(
+            cudagraph_capture_sizes(era, int(cand.get("max_num_seqs") or 1), int(n), num_speculative_tokens=k),
+            version=era.version, num_speculative_tokens=k, model_runner_v2=bool((run or {}).get("model_runner_v2")))
         steps.append({"name": "speculative_decoding", "op": "info", "bytes": 0,
                       "text": f"speculative decoding {spec.get('method')} with {spec.get('num_speculative_tokens')} "
                               f"tokens: decode steps of {1 + k} tokens per request, {len(sizes)} CUDA-graph capture "
@@ -489,7 +493,8 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if measured:
         act_sim, rest = act, 0
     elif split:
-        act_sim, rest = act - ws - reserve - act_corr - int(cand.get("drafter_activation_bytes") or 0), 0
+        act_sim, rest = (act - ws - reserve - act_corr - int(cand.get("drafter_activation_bytes") or 0)
+                         - int(cand.get("drafter_forward_bytes") or 0) - int(cand.get("drafter_buffer_bytes") or 0)), 0
     elif sim is not None:  # stored simulate row: workspace and corrections are not stored apart
         act_sim, rest = sim, act - sim - reserve
     else:
@@ -510,6 +515,23 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         steps.append({"name": "drafter_activation", "op": "-", "bytes": drafter_act,
                       "text": f"the target's auxiliary hidden states the drafter reads, alive through the profile "
                               f"run ({n} tokens x hidden x dtype per aux layer)"})
+    drafter_fwd = int(cand.get("drafter_forward_bytes") or 0) if split else 0
+    if drafter_fwd:
+        steps.append({"name": "drafter_forward", "op": "-", "bytes": drafter_fwd,
+                      "text": f"the drafter's own forward in the profile run ({n} tokens, after the target's; "
+                              "what it adds above the target's peak with the target's output hidden states alive, "
+                              "tuner/specdecode.py)"})
+    elif split and int(cand.get("drafter_forward_peak_bytes") or 0):
+        steps.append({"name": "drafter_forward", "op": "info", "bytes": int(cand["drafter_forward_peak_bytes"]),
+                      "text": f"the drafter's own forward in the profile run ({n} tokens, after the target's, with "
+                              "the target's output hidden states alive) peaks below the target's: adds nothing "
+                              "(tuner/specdecode.py)"})
+    drafter_buf = int(cand.get("drafter_buffer_bytes") or 0) if split else 0
+    if drafter_buf:
+        steps.append({"name": "drafter_buffers", "op": "-", "bytes": drafter_buf,
+                      "text": f"the drafter's persistent input buffers ({n} tokens: hidden states and input "
+                              "embeddings, ids, positions, slot mapping), charged by this release's "
+                              "consumed-memory budget (tuner/specdecode.py)"})
     if drafter_w:
         sc = drop.get("speculative_config") or {}
         steps.append({"name": "drafter_weights", "op": "-", "bytes": drafter_w,
@@ -532,10 +554,16 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                   "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
-    steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w))
+    steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w, run=run))
     steps.extend(_stage_steps(pp_stages, limiting, u))
+    drafter_g = int(cand.get("drafter_cuda_graph_bytes") or 0) if subtracts_graphs else 0
     if subtracts_graphs:
-        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
+        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g,
+                      "text": "CUDA graph memory estimate"})
+        if drafter_g:
+            steps.append({"name": "drafter_cuda_graphs", "op": "-", "bytes": drafter_g,
+                          "text": "the drafter's PIECEWISE graphs, captured with the target's in the CUDA-graph "
+                                  "memory profile (tuner/specdecode.py)"})
     else:
         steps.append({"name": "cuda_graphs", "op": "info", "bytes": g,
                       "text": "CUDA graph memory (captured after the cache is sized in this era)"})

@@ -268,22 +268,23 @@ def mamba_cache_mode(drop: Drop | dict, era, plugin, warnings: list[str]) -> str
 
 
 def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_specs: dict, tp: int,
-                        dtype: str) -> tuple[int, dict, int, str | None]:
-    """``(weights bytes, KV specs, aux hidden-state layers, None)`` of another checkpoint's drafter from the request's
+                        dtype: str) -> tuple[int, dict, int, str | None, Any]:
+    """``(weights bytes, KV specs, aux hidden-state layers, None, its DrafterPass)`` of another checkpoint's drafter from the request's
     ``draft_config_path`` (resolved by the parent: :func:`tuner.app.prepare_job`, validate's
-    models directory), or ``(0, {}, 0, warning)`` when its config is not at hand or not usable. The
+    models directory), or ``(0, {}, 0, warning, None)`` when its config is not at hand or not usable. The
     weights are weighed in the target's dtype (a quantized drafter checkpoint holds less)."""
     from tuner.errors import TunerError
     from tuner.kvcache import dtype_bytes_for
     from tuner.modelspec import read_top
-    from tuner.specdecode import aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_weights_bytes
+    from tuner.specdecode import (aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_pass,
+                                  checkpoint_drafter_weights_bytes)
 
     method, model = spec_cfg["method"], spec_cfg.get("model")
     path = req.draft_config_path
     if not path:
         why = req.draft_config_error or "its config.json was not found"
         return 0, {}, 0, (f"speculative_config.model {model!r}: {why}; the {method} drafter's weights and KV "
-                          "layers are not modelled; expect fewer KV blocks than predicted")
+                          "layers are not modelled; expect fewer KV blocks than predicted"), None
     try:
         cfg = read_top(path)
         weights = checkpoint_drafter_weights_bytes(method, cfg, spec.top, tensor_parallel_size=tp,
@@ -291,9 +292,12 @@ def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_spec
         kv = checkpoint_drafter_kv_specs(cfg, last_stage_specs, tensor_parallel_size=tp,
                                          kv_dtype_bytes=dtype_bytes_for(req.drop.kv_cache_dtype, dtype),
                                          first_layer_index=spec.num_hidden_layers)
+        fwd = checkpoint_drafter_pass(method, cfg, spec.top, tensor_parallel_size=tp,
+                                      dtype_bytes=dtype_bytes_for("auto", dtype),
+                                      num_speculative_tokens=int(spec_cfg.get("num_speculative_tokens") or 0))
     except (ValueError, TunerError) as exc:
-        return 0, {}, 0, f"speculative_config.model {model!r} ({path}): {exc}; the drafter is not modelled"
-    return weights, kv, aux_hidden_state_layers(method, cfg), None
+        return 0, {}, 0, f"speculative_config.model {model!r} ({path}): {exc}; the drafter is not modelled", None
+    return weights, kv, aux_hidden_state_layers(method, cfg), None, fwd
 
 
 def num_speculative_tokens(drop: Drop | dict, era) -> int:
@@ -574,6 +578,8 @@ class KvLayout:
     drafter_activation_bytes_per_token: int = 0
     #: the drafter's weights, KV layers and profile run are modelled (else a warning says so).
     drafter_modelled: bool = True
+    #: the drafter's geometry for its own profile pass and graph captures (:class:`tuner.specdecode.DrafterPass`).
+    drafter_pass: Any = None
 
 
 def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, engine_use: Any,
@@ -591,7 +597,7 @@ def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, 
         from tuner.specdecode import with_speculative_state_blocks
 
         kv_specs = with_speculative_state_blocks(kv_specs, int(spec_cfg.get("num_speculative_tokens") or 0))
-    drafter_weights = 0
+    drafter_weights, drafter_pass = 0, None
     if spec_cfg.get("method") == "mtp" and era.engine == "V1":
         # the checkpoint's MTP layers: KV layers on the last stage, 16-bit weights (tuner.specdecode)
         from tuner.specdecode import drafter_kv_specs, mtp_dense_layer_weights_bytes, mtp_num_layers
@@ -599,6 +605,13 @@ def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, 
         n_mtp = mtp_num_layers(spec.raw)
         extra = drafter_kv_specs(kv_specs[-1], n_mtp, first_layer_index=spec.num_hidden_layers)
         kv_specs = kv_specs[:-1] + ({**kv_specs[-1], **extra},)
+        from tuner.specdecode import mtp_drafter_pass
+
+        drafter_pass = mtp_drafter_pass(spec.raw, tensor_parallel_size=ranks.tp, kv_layers=len(extra),
+                                        dtype_bytes=_kv_dtype_bytes("auto", ranks.dtype),
+                                        num_speculative_tokens=int(spec_cfg.get("num_speculative_tokens") or 0),
+                                        data_parallel_size=int(drop.data_parallel_size or 1),
+                                        enable_expert_parallel=bool(drop.enable_expert_parallel))
         if config_is_moe(spec.raw):
             from tuner.specdecode import mtp_moe_layer_weights_bytes
 
@@ -612,8 +625,8 @@ def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, 
     drafter_act_per_token = 0
     if spec_cfg.get("method") in CHECKPOINT_DRAFTERS and era.engine == "V1":
         # another checkpoint's drafter, from its config.json (tuner.specdecode)
-        drafter_weights, extra, n_aux, note = _checkpoint_drafter(req, spec_cfg, spec, kv_specs[-1], ranks.tp,
-                                                                  ranks.dtype)
+        drafter_weights, extra, n_aux, note, drafter_pass = _checkpoint_drafter(req, spec_cfg, spec, kv_specs[-1],
+                                                                                ranks.tp, ranks.dtype)
         if note:
             warnings.append(note)
         else:
@@ -622,7 +635,7 @@ def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, 
             drafter_act_per_token = n_aux * spec.hidden_size * _kv_dtype_bytes("auto", ranks.dtype)
     first_spec = next(iter(kv_specs[0].values()), None)
     block_size = drop.block_size or (first_spec.block_size if first_spec is not None else 16)
-    return KvLayout(kv_specs, block_size, drafter_weights, drafter_act_per_token, drafter_modelled)
+    return KvLayout(kv_specs, block_size, drafter_weights, drafter_act_per_token, drafter_modelled, drafter_pass)
 
 
 def method_for(req: "JobRequest", cuda_available: Any, warnings: list[str]) -> tuple[str, dict]:
@@ -659,6 +672,7 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     num_speculative_tokens=num_speculative_tokens(drop, era),
                     drafter_weights_bytes=kv.drafter_weights_bytes,
                     drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
+                    drafter_pass=kv.drafter_pass,
                     other_processes_bytes=other_processes_bytes(device, drop),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era))
     cards = stage_devices(device, ranks.pp)
@@ -736,6 +750,12 @@ class Passes:
                     max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,
                     user_max_num_batched_tokens=d.max_num_batched_tokens,
                     user_max_num_seqs=d.max_num_seqs, path=d.path or None)
+        if d.speculative_config:  # vLLM's _set_max_num_scheduled_tokens (tuner.specdecode)
+            from tuner.specdecode import check_drafting_slots
+
+            check_drafting_slots(d.speculative_config, version=era.version, engine=era.engine,
+                                 max_num_batched_tokens=batch.max_num_batched_tokens,
+                                 max_num_seqs=batch.max_num_seqs, path=d.path or None)
         return batch
 
     def passes_for(self, batch):

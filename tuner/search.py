@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from tuner import kvcache
 from tuner.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, free_memory_refusal, kv_budget,
                           non_torch_bytes, unexplained_bytes)
-from tuner.eras import Era, ProfileBatch
+from tuner.eras import V1_CONSUMED, Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
 from tuner.protocol import Proposal  # noqa: F401 - the one definition (the wire's typed fields too)
 
@@ -77,6 +77,9 @@ class Layout:
     #: auxiliary hidden states an EAGLE3 / DFlash drafter reads (:func:`tuner.specdecode.aux_hidden_state_layers`
     #: × hidden × dtype), alive through the forward and the drafter's dummy run.
     drafter_activation_bytes_per_token: int = 0
+    #: The drafter's geometry for its own forward in the profile run and its CUDA-graph captures
+    #: (:class:`tuner.specdecode.DrafterPass`, last stage); None = no drafter model.
+    drafter_pass: object = None
     #: GPU memory other processes hold at start (co-tenants), bytes (:func:`tuner.budget.free_memory_refusal`,
     #: :func:`tuner.budget.co_tenant_non_torch_bytes`).
     other_processes_bytes: int = 0
@@ -196,6 +199,19 @@ class Candidate:
     #: ``weights_bytes``, ``activation_peak_bytes``, ``non_torch_bytes``, ``cuda_graph_bytes``,
     #: ``available_kv_cache_bytes``, ``num_gpu_blocks``.
     stages: tuple = ()
+    #: The part of ``activation_peak_bytes`` the drafter's own forward adds above the target's
+    #: peak (:func:`tuner.specdecode.drafter_profile_extra_bytes`), bytes.
+    drafter_forward_bytes: int = 0
+    #: The drafter's forward peak in the profile run with the target's output hidden states
+    #: alive (:func:`tuner.specdecode.drafter_forward_peak_bytes` + ``N·H·d``), bytes; 0 = not run.
+    drafter_forward_peak_bytes: int = 0
+    #: The part of ``activation_peak_bytes`` that is the proposer's persistent buffers, charged
+    #: where the budget is ``total_consumed``-based (V1 0.27+,
+    #: :func:`tuner.specdecode.drafter_persistent_bytes`), bytes.
+    drafter_buffer_bytes: int = 0
+    #: The part of ``cuda_graph_bytes`` that is the drafter's captures
+    #: (:func:`tuner.specdecode.drafter_graph_layer_hidden`), bytes.
+    drafter_cuda_graph_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -243,20 +259,65 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     """
     u, m = gpu_memory_utilization, max_model_len
     n = batch.max_num_batched_tokens
-    budgets, reserves, corrs, drafter_acts = [], [], [], []
+    budgets, reserves, corrs, drafter_acts, drafter_fwds, drafter_graphs, drafter_peaks, drafter_bufs = (
+        [], [], [], [], [], [], [], [])
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
         card = layout.card(stage)
-        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")),
-                                          int(_get(p, "activation_peak_bytes")) + card.activation_overhead_bytes))
-        graphs = cudagraph_estimate_bytes(era, num_layers=len(layout.kv_specs[stage]) or layout.num_layers,
-                                          max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
-                                          hidden_size=layout.hidden_size,
-                                          num_speculative_tokens=layout.num_speculative_tokens,
-                                          compute_capability=getattr(card.topology, "compute_capability", None))
-        drafter_act = layout.drafter_activation_bytes_per_token * n if stage == len(passes) - 1 else 0
-        act0 = int(_get(p, "activation_peak_bytes")) + card.activation_overhead_bytes + reserves[-1] + drafter_act
+        peak = int(_get(p, "activation_peak_bytes"))
+        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")), peak + card.activation_overhead_bytes))
+        last = stage == len(passes) - 1
+        dp = layout.drafter_pass if last and era.engine == "V1" else None
+        cc = getattr(card.topology, "compute_capability", None)
+        # the target's layers (a drafter's KV layers are its own term), then the drafter's captures
+        n_layers = max(0, len(layout.kv_specs[stage]) - (getattr(dp, "kv_layers", 0) or 0)) or layout.num_layers
+        gkw = dict(num_layers=n_layers, max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
+                   hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
+                   compute_capability=cc)
+        sizes = None
+        if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
+            from tuner.budget import cudagraph_capture_sizes
+            from tuner.specdecode import spec_decode_capture_sizes
+
+            sizes = spec_decode_capture_sizes(
+                cudagraph_capture_sizes(era, batch.max_num_seqs, n, compute_capability=cc,
+                                        num_speculative_tokens=layout.num_speculative_tokens),
+                version=era.version, num_speculative_tokens=layout.num_speculative_tokens,
+                model_runner_v2=layout.model_runner_v2)
+            gkw["capture_sizes"] = sizes
+        graphs = cudagraph_estimate_bytes(era, **gkw)
+        drafter_g = 0
+        if dp is not None and graphs:
+            from tuner.specdecode import drafter_graph_layer_hidden
+
+            x = drafter_graph_layer_hidden(dp, version=era.version, largest_capture_size=max(sizes or [0]),
+                                           max_num_seqs=batch.max_num_seqs)
+            drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
+            graphs += drafter_g
+        drafter_graphs.append(drafter_g)
+        drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0
+        drafter_fwd, drafter_peak = 0, 0
+        if dp is not None:
+            from tuner.specdecode import drafter_profile_extra_bytes
+
+            # the pass's transient peak: 0.27+ passes include the runner's persistent buffers, alive
+            # through the drafter's forward too
+            persistent = int((p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", 0))
+                             or 0)
+            drafter_fwd = drafter_profile_extra_bytes(dp, target_peak_bytes=peak - persistent, n_tokens=n,
+                                                      max_num_seqs=batch.max_num_seqs, version=era.version)
+            drafter_peak = drafter_profile_extra_bytes(dp, target_peak_bytes=0, n_tokens=n,
+                                                       max_num_seqs=batch.max_num_seqs, version=era.version)
+        drafter_peaks.append(drafter_peak)
+        drafter_buf = 0
+        if dp is not None and era.budget_formula == V1_CONSUMED:  # the proposer's buffers (0.27+)
+            from tuner.specdecode import drafter_persistent_bytes
+
+            drafter_buf = drafter_persistent_bytes(dp, n_tokens=n, max_num_seqs=batch.max_num_seqs)
+        drafter_bufs.append(drafter_buf)
+        act0 = peak + card.activation_overhead_bytes + reserves[-1] + drafter_act + drafter_fwd + drafter_buf
         drafter_acts.append(drafter_act)
+        drafter_fwds.append(drafter_fwd)
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                               pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
             + co_tenant_non_torch_bytes(era, layout.other_processes_bytes)
@@ -369,7 +430,10 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      workspace_bytes=layout.card(worst).activation_overhead_bytes, activation_correction_bytes=ca,
                      non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
                      drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
-                     drafter_activation_bytes=drafter_acts[worst], limiting_stage=worst, stages=stages)
+                     drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
+                     drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
+                     drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
+                     limiting_stage=worst, stages=stages)
 
 
 #: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default

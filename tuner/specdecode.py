@@ -22,7 +22,7 @@ its own KV-cache group, vllm/v1/core/kv_cache_utils.py ``_get_kv_cache_groups_un
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 #: HF config keys for the number of MTP layers (vllm/config/speculative.py: ``n_predict`` from
 #: ``num_nextn_predict_layers`` (DeepSeek, GLM), ``mtp_num_hidden_layers`` (Qwen3-Next/3.5),
@@ -310,3 +310,306 @@ def mtp_moe_layer_weights_bytes(text_config: dict, *, tensor_parallel_size: int,
     fc = 2 * h * h // (1 if replicated_fc else tp)
     n = mtp_num_layers(t)
     return int(n * (experts + shared + attn * wq + router + fc * dtype_bytes))
+
+
+# --- the drafter's own profile pass and CUDA-graph captures ------------------------------------
+
+#: First V1 release whose profile run runs the drafter (vllm/v1/worker/gpu_model_runner.py
+#: ``_dummy_run``: after the target's forward, ``self.drafter.dummy_run(num_tokens)`` for
+#: ``use_eagle()`` methods: eagle, eagle3 and MTP from 0.9.0 (0.8.4 has none); the
+#: ``DraftModelProposer`` and ``DFlashProposer`` from 0.20.0, the first read that has them;
+#: Model Runner V2 (0.33 ``vllm/v1/worker/gpu/model_runner.py``) runs the speculator's
+#: ``propose(dummy_run=True)``, a draft prefill over the same tokens).
+DRAFTER_PROFILE_SINCE = {"eagle": (0, 9, 0), "eagle3": (0, 9, 0), "mtp": (0, 9, 0),
+                         "draft_model": (0, 20, 0), "dflash": (0, 20, 0)}
+
+#: First release read whose DFlash context-KV precompute frees the normed input and the flat
+#: projection before the K norm (vllm/model_executor/models/qwen3_dflash.py
+#: ``_project_context_kv``: 0.26 and 0.28 have it, 0.20.0–0.24 keep every buffer alive).
+DFLASH_SPLIT_PROJECTION_SINCE = (0, 26, 0)
+
+
+@dataclass(frozen=True)
+class DrafterPass:
+    """The drafter's geometry on one rank, as its profile pass and graph captures see it.
+
+    ``fc_input`` is the width the drafter's ``fc`` / ``eh_proj`` reads before its first layer
+    (``2H`` for EAGLE / MTP, 0 for a draft model; DFlash reads its context states without it in
+    the dummy run). ``kv_layers`` is the number of KV specs it adds on the last stage (not the
+    target's layers in the CUDA-graph fit). MoE MTP layers carry ``moe_topk`` and the rank's
+    expert width ``moe_intermediate``; ``shared_intermediate`` a shared expert's."""
+
+    method: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tensor_parallel_size: int = 1
+    dtype_bytes: int = 2
+    target_hidden: int = 0
+    fc_input: int = 0
+    q_mult: int = 1
+    kv_layers: int = 0
+    num_speculative_tokens: int = 0
+    moe_topk: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+
+
+def drafter_layer_peak_bytes(p: DrafterPass, n_tokens: int) -> int:
+    """One drafter decoder layer's transient peak over ``n_tokens`` (bytes, one rank): the
+    residual and hidden ``2·N·H`` alive through the layer, plus the larger of the attention
+    phase (``QKVParallelLinear`` output ``(q·g + 2·kv)·d``, the attention output ``q·d`` and
+    ``o_proj``'s ``H``; ``g`` 2 for a gated q) and the MLP phase (``gate_up`` ``2I``,
+    ``SiluAndMul`` ``I``, ``down_proj`` ``H``; a FusedMoE layer's ``intermediate_cache1..3``
+    ``topk·(2I + I + H)`` per token plus a shared expert's ``3I``), widths per rank
+    (vllm/model_executor/models/llama.py / qwen3.py / qwen2_moe.py,
+    layers/fused_moe/fused_moe.py)."""
+    tp = max(1, p.tensor_parallel_size)
+    h, hd = p.hidden, p.head_dim
+    q = p.heads // tp * hd
+    kv = max(1, p.kv_heads // tp) * hd
+    attn = q * p.q_mult + 2 * kv + q + h
+    if p.moe_topk:
+        mlp = p.moe_topk * (3 * p.moe_intermediate + h) + 3 * p.shared_intermediate // tp
+    else:
+        mlp = 3 * p.intermediate // tp + h
+    return int(n_tokens) * p.dtype_bytes * (2 * h + max(attn, mlp))
+
+
+def dflash_context_kv_peak_bytes(p: DrafterPass, n_tokens: int, version: tuple) -> int:
+    """DFlash's context-KV precompute over ``n_tokens`` context states (bytes, one rank):
+    ``precompute_and_store_context_kv`` (vllm/model_executor/models/qwen3_dflash.py) norms the
+    states (``N·H``), runs one fused K/V GEMM for every layer (``F = N·L·2·kv·d``), copies it
+    layer-major (``.contiguous()``, another ``F``), norms K (``F / 2``) and repeats the
+    positions ``L`` times (int64). Before :data:`DFLASH_SPLIT_PROJECTION_SINCE` all are alive
+    together; from it ``_project_context_kv`` returns K/V only, so the peak is the larger of
+    ``N·H + 2F`` and ``F + F/2`` + positions."""
+    tp = max(1, p.tensor_parallel_size)
+    n, d = int(n_tokens), p.dtype_bytes
+    f = n * p.layers * 2 * max(1, p.kv_heads // tp) * p.head_dim * d
+    normed, k_normed, positions = n * p.hidden * d, f // 2, 8 * n * p.layers
+    if version >= DFLASH_SPLIT_PROJECTION_SINCE:
+        return max(normed + 2 * f, f + k_normed + positions)
+    return normed + 2 * f + k_normed + positions
+
+
+def drafter_runs_in_profile(method: str, version: tuple) -> bool:
+    """The release's profile run runs this drafter's forward (:data:`DRAFTER_PROFILE_SINCE`)."""
+    since = DRAFTER_PROFILE_SINCE.get(method)
+    return since is not None and version >= since
+
+
+def drafter_forward_peak_bytes(p: DrafterPass, n_tokens: int, max_num_seqs: int, version: tuple) -> int:
+    """The drafter's own transient peak in the profile run's ``dummy_run`` (bytes, one rank; 0
+    where the release does not run it, :func:`drafter_runs_in_profile`).
+
+    EAGLE / EAGLE3 / MTP / draft model (vllm/v1/spec_decode/eagle.py 0.9–0.14,
+    llm_base_proposer.py ``dummy_run`` 0.20+): ``self.model(input_ids[:N], positions,
+    hidden_states[:N])`` over the profile's ``N`` tokens, one pass at a time (each pass's
+    outputs are dropped before the next): the larger of the input step (embedding ``H``, the
+    ``fc`` input ``2H`` and its output ``H``) and one decoder layer
+    (:func:`drafter_layer_peak_bytes`); no logits (``compute_logits`` is not called).
+    DFlash (vllm/v1/spec_decode/dflash.py ``dummy_run``): the context-KV precompute over ``N``
+    (:func:`dflash_context_kv_peak_bytes`), then a forward over only
+    ``min(N, max_num_seqs·(1 + k))`` query tokens."""
+    if not drafter_runs_in_profile(p.method, version):
+        return 0
+    n = int(n_tokens)
+    if p.method == "dflash":
+        q = min(n, max(1, int(max_num_seqs)) * (1 + p.num_speculative_tokens))
+        return max(dflash_context_kv_peak_bytes(p, n, version), drafter_layer_peak_bytes(p, q))
+    pre = n * p.dtype_bytes * (2 * p.hidden + p.fc_input) if p.fc_input else 0
+    return max(pre, drafter_layer_peak_bytes(p, n))
+
+
+def drafter_profile_extra_bytes(p: DrafterPass | None, *, target_peak_bytes: int, n_tokens: int,
+                                max_num_seqs: int, version: tuple) -> int:
+    """What the drafter's forward adds to the profile run's torch peak above the target's
+    (bytes, ≥ 0): it runs after the target's forward has freed its activations, while
+    ``_dummy_run`` still holds the target's output ``hidden_states`` ``[N, H_t]`` (and the
+    auxiliary hidden states, counted on their own), so the peak is
+    ``max(target peak, N·H_t·d + drafter peak)`` (vllm/utils/mem_utils.py
+    ``memory_profiling``: the torch peak over the whole profile run)."""
+    if p is None:
+        return 0
+    d = drafter_forward_peak_bytes(p, n_tokens, max_num_seqs, version)
+    if not d:
+        return 0
+    live = int(n_tokens) * (p.target_hidden or p.hidden) * p.dtype_bytes
+    return max(0, live + d - int(target_peak_bytes))
+
+
+def drafter_graph_layer_hidden(p: DrafterPass | None, *, version: tuple, largest_capture_size: int,
+                               max_num_seqs: int) -> int:
+    """The drafter's share of the CUDA-graph estimate's residual stream (layers × hidden, the
+    unit of :func:`tuner.budget.cudagraph_estimate_bytes`): ``profile_cudagraph_memory``
+    (vllm/v1/worker/gpu_model_runner.py, 0.19–0.33 read) captures through ``_dummy_run``
+    (``is_graph_capturing``), which runs ``drafter.dummy_run`` with the graph pool swapped to
+    the profiling pool, so the estimate measures the drafter's PIECEWISE graphs with the
+    target's, at the same token counts and extrapolated over the same sizes — all its layers
+    for EAGLE / EAGLE3 / MTP / draft model; DFlash captures only ``min(size, max_num_seqs·(1 +
+    k))`` query tokens, its share scaled by that over the largest capture size. Model Runner V2
+    (0.33 vllm/v1/worker/gpu/cudagraph_utils.py ``profile_cudagraph_memory``) runs
+    ``capture_model(profile_only=True)``, whose ``speculator.capture()`` lands in the same
+    throwaway pool: measured in full, the same share. 0 where the release does not run the
+    drafter in its dummy runs."""
+    if p is None or not drafter_runs_in_profile(p.method, version):
+        return 0
+    x = p.layers * p.hidden
+    if p.method == "dflash" and largest_capture_size > 0:
+        q = max(1, int(max_num_seqs)) * (1 + p.num_speculative_tokens)
+        return int(x * min(1.0, q / largest_capture_size))
+    return x
+
+
+def checkpoint_drafter_pass(method: str, draft_config: dict, target_config: dict, *, tensor_parallel_size: int,
+                            dtype_bytes: int = 2, num_speculative_tokens: int = 0) -> DrafterPass:
+    """:class:`DrafterPass` of another checkpoint's drafter from its config.json (its layers in
+    the target's dtype, the ``fc`` input of EAGLE / EAGLE3: ``cat([embeds, hidden])`` ``2H``,
+    llama_eagle.py / llama_eagle3.py; a draft model and DFlash have none in the dummy run).
+
+    Raises:
+        ValueError: a size the config lacks (names the key)."""
+    g = drafter_geometry(draft_config)
+    t, tt = _text(draft_config), _text(target_config)
+    return DrafterPass(method=method, layers=g["layers"], hidden=g["hidden"], heads=g["heads"],
+                       kv_heads=g["kv_heads"], head_dim=g["head_dim"], intermediate=g["intermediate"],
+                       tensor_parallel_size=max(1, int(tensor_parallel_size)), dtype_bytes=int(dtype_bytes),
+                       target_hidden=int(tt.get("hidden_size") or t.get("target_hidden_size") or g["hidden"]),
+                       fc_input=2 * g["hidden"] if method in ("eagle", "eagle3") else 0,
+                       kv_layers=g["layers"], num_speculative_tokens=int(num_speculative_tokens))
+
+
+def mtp_drafter_pass(text_config: dict, *, tensor_parallel_size: int, kv_layers: int, dtype_bytes: int = 2,
+                     num_speculative_tokens: int = 0, data_parallel_size: int = 1,
+                     enable_expert_parallel: bool = False) -> DrafterPass:
+    """:class:`DrafterPass` of the checkpoint's MTP layers: decoder layers of the target's own
+    shape (gated q for Qwen3-Next / Qwen3.5; MLA attention as its decompressed prefill heads
+    ``nope + rope``; a MoE layer's experts as the rank holds them,
+    :func:`tuner.budget.moe_rank_shape`), the ``eh_proj`` / ``fc`` input ``2H``
+    (deepseek_mtp.py, qwen3_next_mtp.py)."""
+    from tuner.budget import moe_rank_shape
+    from tuner.eras import NUM_EXPERTS_KEYS
+
+    t = text_config or {}
+    h = int(t.get("hidden_size") or 0)
+    heads = int(t.get("num_attention_heads") or 1)
+    if t.get("kv_lora_rank"):
+        hd = int(t.get("qk_nope_head_dim") or 0) + int(t.get("qk_rope_head_dim") or 0)
+        kvh = heads
+    else:
+        hd = int(t.get("head_dim") or (h // heads))
+        kvh = int(t.get("num_key_value_heads") or heads)
+    gated = t.get("attn_output_gate") or str(t.get("model_type", "")).startswith(("qwen3_next", "qwen3_5"))
+    e = next((int(t[k]) for k in NUM_EXPERTS_KEYS if isinstance(t.get(k), int) and t[k] > 0), 0)
+    topk, i_rank, shared = 0, 0, 0
+    if e:
+        moe_i = int(t.get("moe_intermediate_size") or t.get("intermediate_size") or 0)
+        _here, i_rank = moe_rank_shape(e, moe_i, tensor_parallel_size=tensor_parallel_size,
+                                       data_parallel_size=data_parallel_size,
+                                       enable_expert_parallel=enable_expert_parallel)
+        topk = int(t.get("num_experts_per_tok") or t.get("moe_topk") or 1)
+        shared = int(t.get("shared_expert_intermediate_size") or (t.get("n_shared_experts") or 0) * moe_i)
+    return DrafterPass(method="mtp", layers=mtp_num_layers(t), hidden=h, heads=heads, kv_heads=kvh, head_dim=hd,
+                       intermediate=int(t.get("intermediate_size") or 0),
+                       tensor_parallel_size=max(1, int(tensor_parallel_size)), dtype_bytes=int(dtype_bytes),
+                       target_hidden=h, fc_input=2 * h, q_mult=2 if gated else 1, kv_layers=int(kv_layers),
+                       num_speculative_tokens=int(num_speculative_tokens), moe_topk=topk,
+                       moe_intermediate=int(i_rank), shared_intermediate=shared)
+
+
+#: First release read that refuses a speculative config leaving no tokens to schedule
+#: (vllm/config/vllm.py ``_set_max_num_scheduled_tokens``: 0.20.0 raises when
+#: ``max_num_scheduled_tokens`` ≤ 0; 0.19 sets the difference without the check).
+DRAFTING_SLOTS_CHECK_SINCE = (0, 20, 0)
+
+
+def new_slots_for_drafting(method: str, num_speculative_tokens: int, *, parallel_drafting: bool = False) -> int:
+    """Slots per request a drafter inserts into the batch (vllm/config/speculative.py
+    ``max_num_new_slots_for_drafting``, 0.19–0.33): ``k − 1`` with parallel drafting (DFlash
+    always sets it), plus 1 for a draft model (its draft tokens are not sliced); 0 for serial
+    EAGLE / MTP / n-gram."""
+    slots = int(num_speculative_tokens) - 1 if (parallel_drafting or method == "dflash") else 0
+    return slots + (1 if method == "draft_model" else 0)
+
+
+def check_drafting_slots(spec_cfg: dict | None, *, version: tuple, engine: str, max_num_batched_tokens: int,
+                         max_num_seqs: int, path: str | None = None) -> None:
+    """vLLM's refusal of a speculative config whose drafting slots take every batched token:
+    ``max_num_scheduled_tokens = max_num_batched_tokens − slots × max_num_seqs`` must stay
+    positive (V1 from :data:`DRAFTING_SLOTS_CHECK_SINCE`). The profile run itself still runs
+    ``max_num_batched_tokens`` tokens (the runner's buffers are sized by it).
+
+    Raises:
+        DropError: vLLM's message, ``field`` ``speculative_config.num_speculative_tokens``."""
+    from tuner.errors import DropError
+
+    sc = spec_cfg or {}
+    if not sc or engine != "V1" or not version >= DRAFTING_SLOTS_CHECK_SINCE:
+        return
+    slots = new_slots_for_drafting(str(sc.get("method")), int(sc.get("num_speculative_tokens") or 0),
+                                   parallel_drafting=bool(sc.get("parallel_drafting")))
+    scheduled = int(max_num_batched_tokens) - slots * int(max_num_seqs)
+    if scheduled <= 0:
+        raise DropError(f"max_num_scheduled_tokens is set to {scheduled} based on the speculative decoding settings, "
+                        "which does not allow any tokens to be scheduled. Increase max_num_batched_tokens to "
+                        "accommodate the additional draft token slots, or decrease num_speculative_tokens or "
+                        "max_num_seqs.", path=path, field="speculative_config.num_speculative_tokens")
+
+
+def drafter_persistent_bytes(p: DrafterPass | None, *, n_tokens: int, max_num_seqs: int) -> int:
+    """The proposer's persistent GPU buffers (bytes, one rank), which only a ``total_consumed``
+    budget sees (V1 0.27+, like :func:`tuner.budget.runner_persistent_bytes` for the target's):
+    ``SpecDecodeBaseProposer.__init__`` (vllm/v1/spec_decode/llm_base_proposer.py, 0.26–0.33
+    read) allocates ``input_ids [N]`` int32, ``positions [N]`` and the slot mapping ``[N]``
+    int64, ``hidden_states`` and ``inputs_embeds`` ``[N, H]`` in the model dtype, ``arange
+    [max(S + 1, N)]`` int32, and with extra input slots (draft model, parallel drafting) two
+    ``[N]`` bool masks; DFlash (dflash.py) adds its context slot mapping and positions ``[N]``
+    int64 (its query buffers, ``max_num_seqs·(1 + k)`` long, are left out). Model Runner V2's
+    speculators are taken to hold the same (not read buffer by buffer)."""
+    if p is None:
+        return 0
+    from tuner.budget import _alloc
+
+    n, s = int(n_tokens), int(max_num_seqs)
+    total = (_alloc(4 * n) + _alloc(8 * n) + _alloc(8 * n) + 2 * _alloc(n * p.hidden * p.dtype_bytes)
+             + _alloc(4 * max(s + 1, n)))
+    if new_slots_for_drafting(p.method, p.num_speculative_tokens):
+        total += 2 * _alloc(n)
+    if p.method == "dflash":
+        total += 2 * _alloc(8 * n)
+    return total
+
+
+#: First release read whose V1 runner rounds the CUDA-graph capture sizes to multiples of the
+#: uniform decode query length ``1 + k`` when decode graphs are FULL (the default
+#: ``FULL_AND_PIECEWISE``): ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``, called
+#: from gpu_model_runner.py in 0.14 / 0.19 and from the attention-backend check in
+#: vllm/config/compilation.py 0.20.1–0.33 (0.10.1 has none).
+SPEC_CAPTURE_ROUNDING_SINCE = (0, 14, 0)
+#: From this release Model Runner V2 sizes its own captures and skips the rounding
+#: (vllm/config/compilation.py 0.33: ``not use_v2_model_runner``; 0.24's MRv2 still calls it).
+MRV2_OWN_CAPTURE_SIZES_SINCE = (0, 33, 0)
+
+
+def spec_decode_capture_sizes(sizes: list[int], *, version: tuple, num_speculative_tokens: int,
+                              model_runner_v2: bool = False) -> list[int]:
+    """The capture sizes after ``adjust_cudagraph_sizes_for_spec_decode``: each size rounded up
+    to a multiple of ``q = 1 + k``, those above the largest size dropped, deduplicated (``[q]``
+    when none is left and ``q`` fits); unchanged without spec decode, before
+    :data:`SPEC_CAPTURE_ROUNDING_SINCE`, and on Model Runner V2 from
+    :data:`MRV2_OWN_CAPTURE_SIZES_SINCE`. Taken with the default FULL decode graphs (a backend
+    that forces PIECEWISE, or sequence parallelism's multiple of TP, are not modelled)."""
+    q = 1 + int(num_speculative_tokens)
+    if q <= 1 or not sizes or not version >= SPEC_CAPTURE_ROUNDING_SINCE:
+        return list(sizes)
+    if model_runner_v2 and version >= MRV2_OWN_CAPTURE_SIZES_SINCE:
+        return list(sizes)
+    top = max(sizes)
+    rounded = sorted({-(-s // q) * q for s in sizes if -(-s // q) * q <= top})
+    if not rounded and q <= top:
+        rounded = [q]
+    return rounded
