@@ -534,7 +534,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     steps.extend(comm)
     steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w))
     steps.extend(_stage_steps(pp_stages, limiting, u))
-    if subtracts_graphs:
+    if subtracts_graphs and not g and (run or {}).get("model_runner_v2") and era.version < (0, 29, 0):
+        steps.append({"name": "cuda_graphs", "op": "-", "bytes": 0,
+                      "text": "CUDA graph memory estimate (none: Model Runner V2 before 0.29 estimates 0; "
+                              "graphs are captured after the cache is sized)"})
+    elif subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr, "text": "CUDA graph memory estimate"})
     else:
         steps.append({"name": "cuda_graphs", "op": "info", "bytes": g,

@@ -253,7 +253,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                                           max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                                           hidden_size=layout.hidden_size,
                                           num_speculative_tokens=layout.num_speculative_tokens,
-                                          compute_capability=getattr(card.topology, "compute_capability", None))
+                                          compute_capability=getattr(card.topology, "compute_capability", None),
+                                          model_runner_v2=layout.model_runner_v2)
         drafter_act = layout.drafter_activation_bytes_per_token * n if stage == len(passes) - 1 else 0
         act0 = int(_get(p, "activation_peak_bytes")) + card.activation_overhead_bytes + reserves[-1] + drafter_act
         drafter_acts.append(drafter_act)
