@@ -62,3 +62,44 @@ def test_job_v2_runner_graph_memory_stays_out_of_the_budget_until_0_29(tiny_conf
         assert c["available_kv_cache_bytes"] == (c["requested_memory_bytes"] - c["weights_bytes"]
                                                  - c["activation_peak_bytes"] - c["non_torch_bytes"]
                                                  - c["cuda_graph_bytes"])
+
+
+def test_ngram_draft_on_v2_runner_took_the_v1_runners_graph_estimate_away():
+    """``_get_v2_model_runner_unsupported_features`` (vllm/config/vllm.py): a speculative method V2
+    lacks keeps the V1 runner — and with it the graph estimate 0.20–0.28 subtract."""
+    from tuner.eras import uses_model_runner_v2, v2_runner_runs_speculative_method as ok
+
+    assert [m for m in ("eagle", "eagle3", "mtp", "qwen3_next_mtp", "dflash", "dspark", "ngram", "draft_model")
+            if ok("0.22.0", m)] == ["eagle", "eagle3", "mtp", "qwen3_next_mtp"]
+    assert ok("0.24.0", "dflash") and not ok("0.24.0", "dspark")
+    assert [m for m in ("eagle", "mtp", "dflash", "dspark", "ngram", "ngram_gpu", "draft_model", "suffix")
+            if ok("0.26.0", m)] == ["eagle", "mtp", "dflash", "dspark"]
+    assert not ok("0.30.0", "draft_model") and ok("0.31.0", "draft_model")
+    assert not ok("0.31.0", "ngram") and ok("0.32.0", "ngram")
+    assert not ok("0.32.0", "medusa") and ok("0.33.0", "medusa") and not ok("0.33.0", "suffix")
+    assert ok("0.26.0", None)
+    llama = ["LlamaForCausalLM"]
+    assert uses_model_runner_v2(era_for("0.26.0"), llama, is_moe=False, speculative_method="eagle3")
+    assert not uses_model_runner_v2(era_for("0.26.0"), llama, is_moe=False, speculative_method="ngram")
+    assert not uses_model_runner_v2(era_for("0.33.0"), llama, is_moe=False, speculative_method="suffix")
+    assert uses_model_runner_v2(era_for("0.33.0"), llama, is_moe=False, speculative_method="ngram")
+
+
+def test_job_ngram_drop_runs_v1_runner_and_subtracts_graphs_at_0_26(tiny_config):
+    """The tiny Llama at 0.26 with an n-gram drafter: V1 runner (V2 lacks ngram before 0.32), so
+    the graph estimate is subtracted; without a drafter it is V2 and none.
+    n-gram with k = 3: capture sizes up to min(1024·4·2, 512) = 512 → 51, the 0.5 GiB floor."""
+    from tuner.job import run_job
+
+    def result(spec):
+        d = {"engine_version": "0.26.0", "dtype": "auto", "kv_cache_dtype": "auto", "tensor_parallel_size": 1,
+             "pipeline_parallel_size": 1, "candidates": {"gpu_memory_utilization": [0.9], "max_model_len": [4096]},
+             "constraints": {}, "speculative_config": spec}
+        return run_job({"drop": d, "config_path": str(tiny_config / "config.json"),
+                        "device": {"name": "H100-80GB", "total_memory_bytes": H100}, "search": False})
+
+    ngram = result({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    plain = result(None)
+    assert (ngram["model_runner_v2"], plain["model_runner_v2"]) == (False, True)
+    assert ngram["candidates"][0]["cuda_graph_bytes"] == int(0.5 * GiB)
+    assert plain["candidates"][0]["cuda_graph_bytes"] == 0
