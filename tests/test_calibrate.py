@@ -43,6 +43,17 @@ def test_graph_residual_only_where_the_era_subtracts_it():
     assert r["cuda_graph_delta_bytes"] == 100 * MIB
 
 
+def test_v2_runner_graph_capture_after_sizing_was_taken_for_a_graph_residual():
+    """A 0.26 log of a model on Model Runner V2 prints only the capture after sizing ("took
+    0.9 GiB"); its budget subtracted no estimate, nor does the prediction: no graph residual, and
+    without a breakdown the whole non-weight error is non-torch (not 64 MiB − 0.9 GiB)."""
+    m = _run(engine_version="0.26.0", era="V1 0.26.0 (v1_profiling)", cuda_graph_bytes=900 * MIB,
+             activation_peak_bytes=None, non_torch_bytes=None, available_kv_cache_bytes=58 * GIB - 64 * MIB)
+    r = residual(m, _pred(cuda_graph_bytes=0))
+    assert r["cuda_graph_delta_bytes"] is None
+    assert r["non_torch_delta_bytes"] == 64 * MIB
+
+
 def test_total_stands_in_for_non_torch_only_when_the_device_total_is_known():
     m = _run(activation_peak_bytes=None, non_torch_bytes=None, available_kv_cache_bytes=58 * GIB - 64 * MIB)
     assert residual(m, _pred())["non_torch_delta_bytes"] == 64 * MIB

@@ -491,6 +491,7 @@ def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
     compute_capability: str | None = None, extra_layer_hidden: int = 0,
+    model_runner_v2: bool = False,
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -510,8 +511,20 @@ def cudagraph_estimate_bytes(
     even where the era does not subtract it (for reports). ``extra_layer_hidden``: a
     speculative-decoding drafter's layers × hidden captured with the target's
     (:func:`tuner.specdecode.drafter_graph_layer_hidden`), added to the residual stream.
+
+    Model Runner V2 (``model_runner_v2``) before 0.29 estimates nothing: its
+    ``GPUModelRunner.profile_cudagraph_memory`` (vllm/v1/worker/gpu/model_runner.py) is
+    ``return 0`` ("It is TBD whether we keep this API or not") in every release read from 0.19 to
+    0.28 (0.19, 0.20.0, 0.20.1, 0.21, 0.22, 0.24, 0.25, 0.26, 0.27, 0.28), so
+    ``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py) subtracts no graph
+    memory and the graphs are captured after the cache is sized, as before 0.20. From 0.29
+    (0.29–0.33 read) it calls ``vllm/v1/worker/gpu/cudagraph_utils.py`` ``profile_cudagraph_memory``
+    (captures into a throwaway pool, PIECEWISE in full, FULL extrapolated from samples), which the
+    fit above stands for as it does for the V1 runner.
     """
     if not (era.subtracts_cudagraph_estimate or always) or era.engine != "V1":
+        return 0
+    if model_runner_v2 and era.version < (0, 29, 0) and not always:
         return 0
     x = num_layers * hidden_size + int(extra_layer_hidden)
     anchor, at_anchor = 131072, 0.84 * GiB

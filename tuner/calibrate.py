@@ -118,7 +118,10 @@ def residual(measured: dict, predicted: dict, *, total_known: bool = True) -> di
 
     out: dict[str, Any] = {"activation_peak_delta_bytes": diff("activation_peak_bytes"),
                            "non_torch_delta_bytes": diff("non_torch_bytes"), "cuda_graph_delta_bytes": None}
-    if _era_subtracts_graphs(measured):
+    # the graph term is a residual only where the budget subtracts it: the era does (0.20+) and so
+    # does the prediction (Model Runner V2 before 0.29 estimates none: a log's "took X GiB" is
+    # then captured after the cache is sized, tuner.budget.cudagraph_estimate_bytes)
+    if _era_subtracts_graphs(measured) and predicted.get("cuda_graph_bytes"):
         out["cuda_graph_delta_bytes"] = diff("cuda_graph_bytes")
     total = None
     mk, pk = measured.get("available_kv_cache_bytes"), predicted.get("available_kv_cache_bytes")

@@ -379,9 +379,38 @@ def config_is_moe(text_config: dict) -> bool:
     return False
 
 
+def v2_runner_runs_speculative_method(version: "VllmVersion | str", method: str | None) -> bool:
+    """Whether Model Runner V2 runs ``speculative_config.method`` in the release, as
+    ``VllmConfig._get_v2_model_runner_unsupported_features`` (vllm/config/vllm.py) decides; a
+    method it lacks sends the model to the V1 runner. Model-specific MTP names (``deepseek_mtp``,
+    ``qwen3_next_mtp``, …) are ``mtp`` (vllm/config/speculative.py ``MTPModelTypes``).
+    0.22: eagle, eagle3, mtp; 0.24: + dflash; 0.25–0.29: + dspark; 0.30: all but ngram, ngram_gpu,
+    draft_model, suffix, medusa, mlp_speculator, custom_class; 0.31: draft_model allowed; 0.32:
+    ngram / ngram_gpu allowed; 0.33: all but suffix and custom_class (0.22, 0.24, 0.25, 0.26,
+    0.27, 0.28, 0.29, 0.30, 0.31, 0.32, 0.33 read)."""
+    if not method:
+        return True
+    m = str(method).lower()
+    if m.endswith("_mtp"):
+        m = "mtp"
+    v = version if isinstance(version, VllmVersion) else VllmVersion.parse(str(version))
+    if v < (0, 30, 0):
+        allowed = {"eagle", "eagle3", "mtp"} | ({"dflash"} if v >= (0, 24, 0) else set()) \
+            | ({"dspark"} if v >= (0, 25, 0) else set())
+        return m in allowed
+    refused = {"suffix", "custom_class"}
+    if v < (0, 33, 0):
+        refused |= {"medusa", "mlp_speculator"}
+    if v < (0, 32, 0):
+        refused |= {"ngram", "ngram_gpu"}
+    if v < (0, 31, 0):
+        refused |= {"draft_model"}
+    return m not in refused
+
+
 def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bool = False,
                          is_attention_free: bool = False, is_quantized: bool = False,
-                         generate: bool = True) -> bool:
+                         generate: bool = True, speculative_method: str | None = None) -> bool:
     """Whether the release runs Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) by default.
 
     ``VllmConfig.use_v2_model_runner`` / ``_is_default_v2_model_runner_model`` (vllm/config/vllm.py):
@@ -391,11 +420,14 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
     * 0.25–0.27: listed architecture or not MoE; never hybrid (Mamba) or attention-free;
     * 0.28–0.29: as 0.25, hybrid allowed when the architecture is listed;
     * 0.30+: every generative model (unless a feature it lacks is configured).
-    Pooling models (``generate=False``) stay on V1 before 0.30.
+    Pooling models (``generate=False``) stay on V1 before 0.30. A ``speculative_method`` V2 lacks
+    in the release (:func:`v2_runner_runs_speculative_method`) keeps the V1 runner.
     """
     v = era.version
     archs = set(architectures or ())
     if era.engine != "V1" or v < (0, 22, 0):
+        return False
+    if not v2_runner_runs_speculative_method(v, speculative_method):
         return False
     if v >= (0, 30, 0):
         return True

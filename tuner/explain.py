@@ -557,7 +557,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w, run=run))
     steps.extend(_stage_steps(pp_stages, limiting, u))
     drafter_g = int(cand.get("drafter_cuda_graph_bytes") or 0) if subtracts_graphs else 0
-    if subtracts_graphs:
+    if subtracts_graphs and not g and (run or {}).get("model_runner_v2") and era.version < (0, 29, 0):
+        steps.append({"name": "cuda_graphs", "op": "-", "bytes": 0,
+                      "text": "CUDA graph memory estimate (none: Model Runner V2 before 0.29 estimates 0; "
+                              "graphs are captured after the cache is sized)"})
+    elif subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g,
                       "text": "CUDA graph memory estimate"})
         if drafter_g:

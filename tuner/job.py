@@ -702,7 +702,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         era, spec.architectures, is_moe=config_is_moe(spec.raw) or config_is_moe(spec.top),
         is_hybrid=any(isinstance(x, MambaSpec) for specs in kv.specs for x in specs.values()),
         is_attention_free=not any(kv_specs_i for kv_specs_i in kv.specs),
-        is_quantized=bool(spec.quantization_config or drop.quantization))
+        is_quantized=bool(spec.quantization_config or drop.quantization),
+        speculative_method=(drop.speculative_config or {}).get("method"))
     return dataclasses.replace(layout, model_runner_v2=runner_v2)
 
 

@@ -273,7 +273,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         n_layers = max(0, len(layout.kv_specs[stage]) - (getattr(dp, "kv_layers", 0) or 0)) or layout.num_layers
         gkw = dict(num_layers=n_layers, max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                    hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
-                   compute_capability=cc)
+                   compute_capability=cc, model_runner_v2=layout.model_runner_v2)
         sizes = None
         if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
             from tuner.budget import cudagraph_capture_sizes
