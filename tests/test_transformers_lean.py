@@ -79,3 +79,50 @@ def test_unexpected_transformers_internals_leave_the_plain_import():
             self.name = name
 
     assert transformers_lean._shape_ok(SimpleNamespace(define_import_structure=print, _LazyModule=Lazy)) is False
+
+
+ACTIVATIONS = """
+import json, sys
+from tuner import transformers_lean
+from tuner.modelspec import load_model_spec
+spec, hf = load_model_spec(sys.argv[1])
+out = {"config_class": type(hf).__name__, "hidden": spec.hidden_size,
+       "heavy": sorted(m for m in ("transformers.activations", "torch.distributed.tensor",
+                                   "torch.distributed.fsdp", "sympy", "transformers.core_model_loading")
+                       if m in sys.modules),
+       "state": transformers_lean.STATE["activations"]}
+import transformers.utils.type_validators as tv
+lazy = tv.ACT2FN
+out["lazy_type"] = type(lazy).__name__
+out["lazy_reads"] = ["gelu" in lazy, "no-such-activation" in lazy, len(lazy) > 10, sorted(lazy)[:3]]
+out["state_after_read"] = transformers_lean.STATE["activations"]
+from transformers.activations import ACT2FN
+import transformers.activations as real
+out["real_type"] = type(ACT2FN).__name__
+out["same_keys"] = sorted(lazy) == sorted(ACT2FN) and len(lazy) == len(ACT2FN)
+out["real_module"] = not getattr(real, "_ctx_tuner_stand_in", False) and real.ACT2FN is ACT2FN
+out["gelu_class"] = type(lazy["gelu"]).__name__ == type(ACT2FN["gelu"]).__name__
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_llama_config_does_not_import_activations_torch_distributed_or_sympy():
+    """A Llama config (its class imports ``type_validators``) leaves ``transformers.activations``
+    and what it pulls (``torch.distributed.tensor``, FSDP, sympy) unimported; the stand-in's
+    ``ACT2FN`` reads as the real table, and a later import gets the real module."""
+    from tests.conftest import SHARED
+
+    config = SHARED / "models" / "meta-llama--Llama-3.1-70B" / "config.json"
+    if not config.is_file():
+        pytest.skip("shared models not found")
+    proc = subprocess.run([sys.executable, "-c", ACTIVATIONS, str(config)], cwd=REPO, capture_output=True,
+                          text=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["config_class"] == "LlamaConfig" and out["hidden"] == 8192
+    assert out["heavy"] == [] and out["state"] == "deferred"
+    assert out["lazy_type"] == "_LazyACT2FN"
+    assert out["lazy_reads"][:3] == [True, False, True]
+    assert out["state_after_read"] == "imported"
+    assert out["real_type"] == "ClassInstantier" and out["same_keys"] and out["real_module"] and out["gelu_class"]

@@ -14,6 +14,16 @@ real scan once and merges it, so every name resolves as before, only later. The 
 classes and their values are transformers' own: nothing is re-implemented (the equality of every
 :class:`~tuner.modelspec.ModelSpec` with the plain import is a test).
 
+The config classes of some families (Llama, Gemma, …) import ``transformers.utils.type_validators``,
+which imports ``transformers.activations`` for one table (``ACT2FN``, read only by the validator of
+an activation-name field, which no causal-LM config uses); that module pulls
+``integrations.hub_kernels`` → ``core_model_loading`` → ``torch.distributed.tensor``, FSDP and
+``sympy`` (about 1.5 CPU s, more than the rest of transformers). :func:`import_transformers` also
+defers that import: while ``type_validators`` executes, ``transformers.activations`` is a stand-in
+whose ``ACT2FN`` is a read-only view that imports the real module on first use (and whose other
+names import it at once), and the stand-in leaves ``sys.modules`` as soon as ``type_validators``
+has run, so any later import of ``transformers.activations`` gets the real module.
+
 Defensive by construction: when transformers is already imported, or its internals do not have the
 shape this relies on (``define_import_structure``, ``_LazyModule`` with ``_class_to_module`` /
 ``_modules``, checked on a probe before use), the plain import runs.
@@ -26,17 +36,23 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 _IMPORT_UTILS = "transformers.utils.import_utils"
+_TYPE_VALIDATORS = "transformers.utils.type_validators"
+_ACTIVATIONS = "transformers.activations"
 #: Modules whose models scan is deferred: module name → (the ``define_import_structure``
 #: arguments it was built with). Filled when the scan is skipped, emptied when it runs.
 _PENDING: dict[str, tuple[Any, Any]] = {}
 _LOCK = threading.RLock()
 #: What the deferral saw: ``installed`` (the hook patched transformers), ``completed`` (module
 #: names whose deferred scan has run since). For tests and benchmarks.
-STATE: dict[str, Any] = {"installed": False, "completed": []}
+#: ``activations``: ``"deferred"`` once ``type_validators`` ran with the stand-in,
+#: ``"imported"`` once the stand-in's first use imported the real module, None before either.
+STATE: dict[str, Any] = {"installed": False, "completed": [], "activations": None}
 
 
 def import_transformers() -> Any:
@@ -53,6 +69,8 @@ def import_transformers() -> Any:
         finally:
             if finder in sys.meta_path:
                 sys.meta_path.remove(finder)
+        if _TYPE_VALIDATORS not in sys.modules and _ACTIVATIONS not in sys.modules:
+            sys.meta_path.insert(0, _ValidatorsFinder())  # leaves sys.meta_path once it has run
         return transformers
 
 
@@ -79,6 +97,87 @@ class _Finder(importlib.abc.MetaPathFinder):
                 _patch(module)
             except Exception:  # never worse than the plain import
                 pass
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+class _LazyACT2FN(Mapping):
+    """``transformers.activations.ACT2FN`` (a mapping of activation names), imported on first
+    use: every read goes to the real table."""
+
+    def _real(self) -> Any:
+        return _real_activations().ACT2FN
+
+    def __getitem__(self, key):
+        return self._real()[key]
+
+    def __iter__(self):
+        return iter(self._real())
+
+    def __len__(self) -> int:
+        return len(self._real())
+
+    def __contains__(self, key) -> bool:
+        return key in self._real()
+
+    def __repr__(self) -> str:
+        return repr(self._real())
+
+
+def _real_activations() -> Any:
+    """The real ``transformers.activations`` (imported now if only the stand-in was)."""
+    with _LOCK:
+        mod = sys.modules.get(_ACTIVATIONS)
+        if mod is not None and getattr(mod, "_ctx_tuner_stand_in", False):
+            del sys.modules[_ACTIVATIONS]
+        mod = importlib.import_module(_ACTIVATIONS)
+        STATE["activations"] = "imported"
+        return mod
+
+
+def _activations_stand_in() -> types.ModuleType:
+    stand_in = types.ModuleType(_ACTIVATIONS, "ctx-tuner's stand-in while type_validators imports")
+    stand_in._ctx_tuner_stand_in = True
+    stand_in.ACT2FN = _LazyACT2FN()
+
+    def __getattr__(name: str) -> Any:  # any other name: the real module's (dunders: the import system's probes)
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return getattr(_real_activations(), name)
+
+    stand_in.__getattr__ = __getattr__
+    return stand_in
+
+
+class _ValidatorsFinder(importlib.abc.MetaPathFinder):
+    """Finds ``transformers.utils.type_validators`` as the path finder does and executes it with
+    the ``transformers.activations`` stand-in (module docstring); removes itself from
+    ``sys.meta_path`` when it has found the module."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TYPE_VALIDATORS:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            stand_in = None
+            with _LOCK:
+                if _ACTIVATIONS not in sys.modules:
+                    stand_in = sys.modules[_ACTIVATIONS] = _activations_stand_in()
+            try:
+                real_exec(module)
+            finally:
+                with _LOCK:
+                    if stand_in is not None and sys.modules.get(_ACTIVATIONS) is stand_in:
+                        del sys.modules[_ACTIVATIONS]
+            if stand_in is not None and STATE["activations"] is None:
+                STATE["activations"] = "deferred"
 
         spec.loader.exec_module = exec_module
         return spec

@@ -14,6 +14,7 @@ closes (:func:`serve`).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -104,12 +105,47 @@ def _reply_channel():
     return reply_out
 
 
+def preload(data: dict) -> bool:
+    """Import what a simulate job (or a ``validate`` request) imports anyway — torch, the job, the
+    simulator, transformers (:mod:`tuner.transformers_lean`), the plugins — with the cyclic garbage
+    collector off, then freeze those objects (``gc.freeze``) and turn it back on: the hundreds of
+    thousands of long-lived objects of torch and transformers are then never traversed again by
+    the collections that the imports and the job's passes trigger (about 1 CPU s of a cold 70B
+    worker, a quarter of it). The passes' own objects are collected as before. Other requests
+    (``cuda`` / ``vllm`` methods, another kind) and a request that is not a JSON object import
+    nothing here. An import that fails is left to the job, which reports it as before. Returns
+    True when the imports ran."""
+    if not isinstance(data, dict) or data.get("kind", "job") not in ("job", "validate") \
+            or (data.get("kind", "job") == "job" and (data.get("method") or "simulate") != "simulate"):
+        return False
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        import torch  # noqa: F401
+
+        import tuner.job  # noqa: F401
+        import tuner.simulate.profile  # noqa: F401
+        from tuner.plugin import load_registry
+        from tuner.transformers_lean import import_transformers
+
+        import_transformers()
+        load_registry()
+    except Exception:  # the job imports them again and reports what fails
+        return False
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+    return True
+
+
 def main() -> int:
     from tuner.worker_guard import install
 
     install()  # die with the parent, own deadline, memory limit: before anything big is imported
     data = json.loads(sys.stdin.read())
     reply_out = _reply_channel()
+    preload(data)
     json.dump(handle(data), reply_out)
     reply_out.flush()
     return 0

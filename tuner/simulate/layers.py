@@ -68,7 +68,14 @@ class Linear(nn.Module):
             out = x.new_empty(x.shape[0], self.out_features)  # quantized GEMM: one output allocation
             del xq
             return out
-        return torch.nn.functional.linear(x, w, self.bias)
+        if self.bias is None:
+            return torch.nn.functional.linear(x, w)
+        # as torch's own linear for inputs of other than 2 dims (matmul, then add_ of the bias): the
+        # same one [N, out] allocation as addmm, without addmm's Python meta decomposition, whose
+        # first call imports torch._dynamo (about 1.5 CPU s of a cold worker)
+        out = torch.nn.functional.linear(x, w)
+        out.add_(self.bias)
+        return out
 
 
 class RMSNorm(nn.Module):

@@ -23,6 +23,7 @@ from tuner.eras import Era, ProfileBatch, sampler_family
 from tuner.plugin import RankSettings
 from tuner.simulate.sampler import run_dummy_sampler
 from tuner.simulate.tracker import MemoryTracker
+from tuner.torch_lean import lean_symbolic_shapes
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,15 @@ class BuiltModel:
         """The context a pass of this module runs in: new tensors on ``meta``, in the fake mode,
         or plain CPU tensors."""
         if self.backend == META:
-            return torch.device("meta")
+            return _meta_context()
         return self.mode if self.mode is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _meta_context():
+    """New tensors on ``meta``; torch's meta kernels without sympy (:mod:`tuner.torch_lean`)."""
+    with lean_symbolic_shapes(), torch.device("meta"):
+        yield
 
 
 class ModelCache:
