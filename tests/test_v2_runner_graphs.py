@@ -88,7 +88,9 @@ def test_ngram_draft_on_v2_runner_took_the_v1_runners_graph_estimate_away():
 def test_job_ngram_drop_runs_v1_runner_and_subtracts_graphs_at_0_26(tiny_config):
     """The tiny Llama at 0.26 with an n-gram drafter: V1 runner (V2 lacks ngram before 0.32), so
     the graph estimate is subtracted; without a drafter it is V2 and none.
-    n-gram with k = 3: capture sizes up to min(1024·4·2, 512) = 512 → 51, the 0.5 GiB floor."""
+    n-gram with k = 3: capture sizes up to min(1024·4·2, 512) = 512 → 51, which the V1 runner rounds up
+    to multiples of 1 + k = 4 (adjust_cudagraph_sizes_for_spec_decode) → 49 sizes: the 0.5 GiB floor
+    scaled by 49 / 51."""
     from tuner.job import run_job
 
     def result(spec):
@@ -101,5 +103,5 @@ def test_job_ngram_drop_runs_v1_runner_and_subtracts_graphs_at_0_26(tiny_config)
     ngram = result({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     plain = result(None)
     assert (ngram["model_runner_v2"], plain["model_runner_v2"]) == (False, True)
-    assert ngram["candidates"][0]["cuda_graph_bytes"] == int(0.5 * GiB)
+    assert ngram["candidates"][0]["cuda_graph_bytes"] == int(0.5 * GiB * 49 / 51)
     assert plain["candidates"][0]["cuda_graph_bytes"] == 0
