@@ -196,3 +196,23 @@ def test_top_level_max_model_len_was_refused_without_saying_where_it_goes(tmp_pa
     drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\nfoo: 1\n")
     with pytest.raises(DropError, match=r"unknown key 'foo'; allowed here: name, model"):
         load_drop(drop)
+
+
+def test_device_list_header_showed_one_total_after_joined_names(tmp_path, tiny_config, capsys):
+    """A device list's header named each card but printed only the smallest total after them:
+    ``A100-40GB | H100-80GB (39.39 GiB)`` read as an H100 of 39.39 GiB. Each stage's card now
+    carries its own total, in ``profile`` and ``explain``."""
+    from tuner.cli import main
+
+    drop = tmp_path / "pp.yaml"
+    drop.write_text(f"name: pp\nmodel: {tiny_config}\n"
+                    "device: [{name: A100-40GB, total_memory_gib: 39.39}, H100-80GB]\n"
+                    "pipeline_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    db = tmp_path / "r.sqlite"
+    want = "A100-40GB (39.39 GiB) | H100-80GB (79.19 GiB)"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert f"device {want}, vLLM" in out and "H100-80GB (39.39 GiB)" not in out
+    assert main(["explain", str(drop), "--db", str(db), "--no-variants"]) == 0
+    out = capsys.readouterr().out
+    assert f"on {want}, vLLM" in out.splitlines()[0]

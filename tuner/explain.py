@@ -1164,9 +1164,11 @@ def engine_check_lines(check: dict | None) -> list[str]:
 
 def render(doc: dict) -> str:
     """The whole ``explain`` report: a header, then each point."""
+    from tuner.devices import device_label
+
     e0 = doc["explanations"][0] if doc["explanations"] else {}
     dev = doc["device"]
-    lines = [f"explain {doc.get('drop') or ''}: {doc.get('model')} on {dev['name']} ({_gib(dev['total_memory_bytes'])} GiB), "
+    lines = [f"explain {doc.get('drop') or ''}: {doc.get('model')} on {device_label(dev)}, "
              f"vLLM {doc.get('era')}",
              f"dtype {e0.get('dtype')}, kv_cache_dtype {e0.get('kv_cache_dtype')}, TP {e0.get('tensor_parallel_size')}, "
              f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size')}"]

@@ -28,6 +28,7 @@ def render_table(outcome) -> str:
     ``min_concurrency``: what a proposal needs); the ``vllm serve`` commands name the model's
     resolved absolute directory (:func:`tuner.app.serve_model`)."""
     from tuner.app import serve_model
+    from tuner.devices import device_label
     from tuner.search import candidate_starts
 
     r, d = outcome.result, outcome.drop
@@ -35,7 +36,7 @@ def render_table(outcome) -> str:
     model = serve_model(d)
     lines = [
         f"drop {d.name}: {model} ({','.join(m['architectures'])}, plugin {r['plugin']})",
-        f"device {outcome.device['name']} ({_gib(outcome.device['total_memory_bytes'])} GiB), vLLM {r['era']}, "
+        f"device {device_label(outcome.device)}, vLLM {r['era']}, "
         f"dtype {r['dtype']}, kv_cache_dtype {d.kv_cache_dtype}, TP {d.tensor_parallel_size}, PP {d.pipeline_parallel_size}, "
         f"block_size {r['block_size']}",
     ]
