@@ -216,3 +216,32 @@ def test_device_list_header_showed_one_total_after_joined_names(tmp_path, tiny_c
     assert main(["explain", str(drop), "--db", str(db), "--no-variants"]) == 0
     out = capsys.readouterr().out
     assert f"on {want}, vLLM" in out.splitlines()[0]
+
+
+def test_explain_run_of_non_limiting_stage_said_no_candidate_at_none(tmp_path, tiny_config, capsys):
+    """``explain --run ID`` on the profile run of a pipeline stage that did not limit the blocks said
+    "has no candidate at gpu_memory_utilization None, max_model_len None"; it now names the run that
+    holds the drop's candidates."""
+    import sqlite3
+
+    from tuner.cli import main
+
+    drop = tmp_path / "pp.yaml"
+    drop.write_text(f"name: pp\nmodel: {tiny_config}\n"
+                    "device: [{name: A100-40GB, total_memory_gib: 39.39}, H100-80GB]\n"
+                    "pipeline_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    db = tmp_path / "r.sqlite"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    with sqlite3.connect(db) as c:
+        runs = [r for (r,) in c.execute("SELECT id FROM profile_runs ORDER BY id")]
+        holders = {r for (r,) in c.execute("SELECT DISTINCT profile_run_id FROM candidates")}
+    assert len(runs) == 2 and len(holders) == 1
+    other = next(r for r in runs if r not in holders)
+    capsys.readouterr()
+    assert main(["explain", "--run", str(other), "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert "None" not in err
+    assert f"stored under profile run {min(holders)}" in err and f"explain --run {min(holders)}" in err
+    assert main(["explain", "--run", str(min(holders)), "--db", str(db), "-m", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "has no candidate at max_model_len 5" in err and "None" not in err
