@@ -245,3 +245,20 @@ def test_explain_run_of_non_limiting_stage_said_no_candidate_at_none(tmp_path, t
     assert main(["explain", "--run", str(min(holders)), "--db", str(db), "-m", "5"]) == 2
     err = capsys.readouterr().err
     assert "has no candidate at max_model_len 5" in err and "None" not in err
+
+
+def test_check_device_size_contradiction_advised_a_drop_mapping(tiny_config, capsys):
+    """``check --device 'NVIDIA H100 40GB'`` is refused (exit 2) with the drop's advice "give
+    {name: ..., total_memory_gib: ...}", which the command line cannot take; check now says the
+    command-line form, ``--device NAME:GIB``."""
+    from tuner.cli import main
+
+    rc = main(["check", "--parser", "built-in", "--no-variants", "--device", "NVIDIA H100 40GB",
+               "--engine-version", "0.19.0", "--", "vllm", "serve", str(tiny_config)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "its memory size 40 GB matches no card" in err
+    assert "--device NAME:GIB" in err
+    rc = main(["check", "--parser", "built-in", "--no-variants", "--device", "H100 40GB:39.5",
+               "--engine-version", "0.19.0", "--", "vllm", "serve", str(tiny_config), "--max-model-len", "1024"])
+    assert rc == 0
