@@ -262,3 +262,22 @@ def test_check_device_size_contradiction_advised_a_drop_mapping(tiny_config, cap
     rc = main(["check", "--parser", "built-in", "--no-variants", "--device", "H100 40GB:39.5",
                "--engine-version", "0.19.0", "--", "vllm", "serve", str(tiny_config), "--max-model-len", "1024"])
     assert rc == 0
+
+
+def test_readme_said_speculative_config_flag_not_modelled_in_check(tiny_config, capsys):
+    """README's check section listed ``--data-parallel-size``, ``--enable-expert-parallel`` and
+    ``--speculative-config`` as not modelled ("while the drop schema has no key for them"), but the
+    drop schema has those keys and check reads them as modelled settings."""
+    import json
+
+    from tests.conftest import REPO
+    from tuner.cli import main
+
+    section = (REPO / "README.md").read_text().split("\n## Check a vllm serve line\n", 1)[1].split("\n## ", 1)[0]
+    assert "while the drop schema has no key for them" not in section
+    rc = main(["check", "--parser", "built-in", "--no-variants", "--json", "--device", "H100-80GB",
+               "--engine-version", "0.27.0", "--", "vllm", "serve", str(tiny_config), "--max-model-len", "1024",
+               "-sc", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and not doc["not_modelled"]
+    assert doc["drop"]["speculative_config"]["method"] == "ngram"
