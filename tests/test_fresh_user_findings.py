@@ -281,3 +281,25 @@ def test_readme_said_speculative_config_flag_not_modelled_in_check(tiny_config, 
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and not doc["not_modelled"]
     assert doc["drop"]["speculative_config"]["method"] == "ngram"
+
+
+def test_results_device_list_name_ran_into_vllm_column(tmp_path, tiny_config, capsys):
+    """``results``: a device list's joined names ("H100-80GB | A100-40GB", 21 characters) overflowed the
+    12-character device column and pushed the vLLM release out of line with its header."""
+    from tuner.cli import main
+
+    drop = tmp_path / "pp.yaml"
+    drop.write_text(f"name: pp\nmodel: {tiny_config}\ndevice: [H100-80GB, A100-40GB]\n"
+                    "pipeline_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    one = tmp_path / "one.yaml"
+    one.write_text(f"name: one\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.9]}}\n")
+    db = tmp_path / "r.sqlite"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    assert main(["profile", str(one), "--db", str(db)]) == 0
+    capsys.readouterr()
+    assert main(["results", "--db", str(db)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(ln for ln in lines if ln.strip().startswith("drop") and "vLLM" in ln)
+    rows = [ln for ln in lines[lines.index(head) + 1:] if ln.strip()][:2]
+    col = head.index("vLLM")
+    assert len(rows) == 2 and all(r[col:].startswith("0.") for r in rows), (head, rows)
