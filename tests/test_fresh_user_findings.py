@@ -303,3 +303,17 @@ def test_results_device_list_name_ran_into_vllm_column(tmp_path, tiny_config, ca
     rows = [ln for ln in lines[lines.index(head) + 1:] if ln.strip()][:2]
     col = head.index("vLLM")
     assert len(rows) == 2 and all(r[col:].startswith("0.") for r in rows), (head, rows)
+
+
+def test_passes_line_reason_text_not_in_readme():
+    """``passes: worker (2 computed, 0 from the memo; not all in the memo)`` -- the README's table
+    named the reasons only by their JSON values (``missing``, ``no store``), so the printed words could
+    not be looked up. Every printed reason is now in the README."""
+    from tests.conftest import REPO
+    from tuner.memoanswer import pass_source_line as passes_line
+
+    text = (REPO / "README.md").read_text()
+    for reason in ("no-cache", "not memoizable", "no store", "missing"):
+        line = passes_line({"source": "worker", "stored_passes": 0, "computed_passes": 1, "reason": reason})
+        printed = line.split("; ", 1)[1].rstrip(")").split(":")[0]
+        assert f"`{printed}" in text, (reason, line)
