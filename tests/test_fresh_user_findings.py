@@ -317,3 +317,15 @@ def test_passes_line_reason_text_not_in_readme():
         line = passes_line({"source": "worker", "stored_passes": 0, "computed_passes": 1, "reason": reason})
         printed = line.split("; ", 1)[1].rstrip(")").split(":")[0]
         assert f"`{printed}" in text, (reason, line)
+
+
+def test_profile_rows_without_reason_ended_in_trailing_spaces(tmp_path, tiny_config, capsys):
+    """``profile``'s candidate rows that start (no reason) ended in two spaces, so the output did not
+    match the README's sample line for line (a copy-paste diff showed every such row)."""
+    from tuner.cli import main
+
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.9]}}\n")
+    assert main(["profile", str(drop), "--db", str(tmp_path / "r.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert [ln for ln in out.splitlines() if ln != ln.rstrip()] == []
