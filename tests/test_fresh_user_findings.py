@@ -196,3 +196,136 @@ def test_top_level_max_model_len_was_refused_without_saying_where_it_goes(tmp_pa
     drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\nfoo: 1\n")
     with pytest.raises(DropError, match=r"unknown key 'foo'; allowed here: name, model"):
         load_drop(drop)
+
+
+def test_device_list_header_showed_one_total_after_joined_names(tmp_path, tiny_config, capsys):
+    """A device list's header named each card but printed only the smallest total after them:
+    ``A100-40GB | H100-80GB (39.39 GiB)`` read as an H100 of 39.39 GiB. Each stage's card now
+    carries its own total, in ``profile`` and ``explain``."""
+    from tuner.cli import main
+
+    drop = tmp_path / "pp.yaml"
+    drop.write_text(f"name: pp\nmodel: {tiny_config}\n"
+                    "device: [{name: A100-40GB, total_memory_gib: 39.39}, H100-80GB]\n"
+                    "pipeline_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    db = tmp_path / "r.sqlite"
+    want = "A100-40GB (39.39 GiB) | H100-80GB (79.19 GiB)"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert f"device {want}, vLLM" in out and "H100-80GB (39.39 GiB)" not in out
+    assert main(["explain", str(drop), "--db", str(db), "--no-variants"]) == 0
+    out = capsys.readouterr().out
+    assert f"on {want}, vLLM" in out.splitlines()[0]
+
+
+def test_explain_run_of_non_limiting_stage_said_no_candidate_at_none(tmp_path, tiny_config, capsys):
+    """``explain --run ID`` on the profile run of a pipeline stage that did not limit the blocks said
+    "has no candidate at gpu_memory_utilization None, max_model_len None"; it now names the run that
+    holds the drop's candidates."""
+    import sqlite3
+
+    from tuner.cli import main
+
+    drop = tmp_path / "pp.yaml"
+    drop.write_text(f"name: pp\nmodel: {tiny_config}\n"
+                    "device: [{name: A100-40GB, total_memory_gib: 39.39}, H100-80GB]\n"
+                    "pipeline_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    db = tmp_path / "r.sqlite"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    with sqlite3.connect(db) as c:
+        runs = [r for (r,) in c.execute("SELECT id FROM profile_runs ORDER BY id")]
+        holders = {r for (r,) in c.execute("SELECT DISTINCT profile_run_id FROM candidates")}
+    assert len(runs) == 2 and len(holders) == 1
+    other = next(r for r in runs if r not in holders)
+    capsys.readouterr()
+    assert main(["explain", "--run", str(other), "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert "None" not in err
+    assert f"stored under profile run {min(holders)}" in err and f"explain --run {min(holders)}" in err
+    assert main(["explain", "--run", str(min(holders)), "--db", str(db), "-m", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "has no candidate at max_model_len 5" in err and "None" not in err
+
+
+def test_check_device_size_contradiction_advised_a_drop_mapping(tiny_config, capsys):
+    """``check --device 'NVIDIA H100 40GB'`` is refused (exit 2) with the drop's advice "give
+    {name: ..., total_memory_gib: ...}", which the command line cannot take; check now says the
+    command-line form, ``--device NAME:GIB``."""
+    from tuner.cli import main
+
+    rc = main(["check", "--parser", "built-in", "--no-variants", "--device", "NVIDIA H100 40GB",
+               "--engine-version", "0.19.0", "--", "vllm", "serve", str(tiny_config)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "its memory size 40 GB matches no card" in err
+    assert "--device NAME:GIB" in err
+    rc = main(["check", "--parser", "built-in", "--no-variants", "--device", "H100 40GB:39.5",
+               "--engine-version", "0.19.0", "--", "vllm", "serve", str(tiny_config), "--max-model-len", "1024"])
+    assert rc == 0
+
+
+def test_readme_said_speculative_config_flag_not_modelled_in_check(tiny_config, capsys):
+    """README's check section listed ``--data-parallel-size``, ``--enable-expert-parallel`` and
+    ``--speculative-config`` as not modelled ("while the drop schema has no key for them"), but the
+    drop schema has those keys and check reads them as modelled settings."""
+    import json
+
+    from tests.conftest import REPO
+    from tuner.cli import main
+
+    section = (REPO / "README.md").read_text().split("\n## Check a vllm serve line\n", 1)[1].split("\n## ", 1)[0]
+    assert "while the drop schema has no key for them" not in section
+    rc = main(["check", "--parser", "built-in", "--no-variants", "--json", "--device", "H100-80GB",
+               "--engine-version", "0.27.0", "--", "vllm", "serve", str(tiny_config), "--max-model-len", "1024",
+               "-sc", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and not doc["not_modelled"]
+    assert doc["drop"]["speculative_config"]["method"] == "ngram"
+
+
+def test_results_device_list_name_ran_into_vllm_column(tmp_path, tiny_config, capsys):
+    """``results``: a device list's joined names ("H100-80GB | A100-40GB", 21 characters) overflowed the
+    12-character device column and pushed the vLLM release out of line with its header."""
+    from tuner.cli import main
+
+    drop = tmp_path / "pp.yaml"
+    drop.write_text(f"name: pp\nmodel: {tiny_config}\ndevice: [H100-80GB, A100-40GB]\n"
+                    "pipeline_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    one = tmp_path / "one.yaml"
+    one.write_text(f"name: one\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.9]}}\n")
+    db = tmp_path / "r.sqlite"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    assert main(["profile", str(one), "--db", str(db)]) == 0
+    capsys.readouterr()
+    assert main(["results", "--db", str(db)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(ln for ln in lines if ln.strip().startswith("drop") and "vLLM" in ln)
+    rows = [ln for ln in lines[lines.index(head) + 1:] if ln.strip()][:2]
+    col = head.index("vLLM")
+    assert len(rows) == 2 and all(r[col:].startswith("0.") for r in rows), (head, rows)
+
+
+def test_passes_line_reason_text_not_in_readme():
+    """``passes: worker (2 computed, 0 from the memo; not all in the memo)`` -- the README's table
+    named the reasons only by their JSON values (``missing``, ``no store``), so the printed words could
+    not be looked up. Every printed reason is now in the README."""
+    from tests.conftest import REPO
+    from tuner.memoanswer import pass_source_line as passes_line
+
+    text = (REPO / "README.md").read_text()
+    for reason in ("no-cache", "not memoizable", "no store", "missing"):
+        line = passes_line({"source": "worker", "stored_passes": 0, "computed_passes": 1, "reason": reason})
+        printed = line.split("; ", 1)[1].rstrip(")").split(":")[0]
+        assert f"`{printed}" in text, (reason, line)
+
+
+def test_profile_rows_without_reason_ended_in_trailing_spaces(tmp_path, tiny_config, capsys):
+    """``profile``'s candidate rows that start (no reason) ended in two spaces, so the output did not
+    match the README's sample line for line (a copy-paste diff showed every such row)."""
+    from tuner.cli import main
+
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.9]}}\n")
+    assert main(["profile", str(drop), "--db", str(tmp_path / "r.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert [ln for ln in out.splitlines() if ln != ln.rstrip()] == []

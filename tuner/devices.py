@@ -577,3 +577,13 @@ def require_gpu(method: str, nvml: Any = None) -> list[GpuInfo]:
         return list_gpus(nvml)
     except DeviceError as exc:
         raise DeviceError(f"method {method!r} needs an NVIDIA GPU: {exc.message}", where=f"method {method}") from exc
+
+
+def device_label(dev: Mapping[str, Any]) -> str:
+    """``NAME (TOTAL GiB)`` for a report header; a device list (one card per pipeline stage) names each
+    stage's card with its own total (``A100-40GB (39.39 GiB) | H100-80GB (79.19 GiB)``), never one
+    total after the joined names, which read as the last card's size."""
+    stages = dev.get("stages") or []
+    if len({(s.get("name"), s.get("total_memory_bytes")) for s in stages}) > 1:
+        return " | ".join(f"{s['name']} ({s['total_memory_bytes'] / 2**30:.2f} GiB)" for s in stages)
+    return f"{dev['name']} ({dev['total_memory_bytes'] / 2**30:.2f} GiB)"

@@ -901,6 +901,15 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     if stored.method == "simulate":
         cands = [c.as_dict() for c in records.candidates_of_run(store, stored.id)]
         all_drop = [c.as_dict() for c in records.candidates_of_drop(store, stored.drop_id)]
+        if not cands:  # a pipeline stage that did not limit the blocks: the drop's candidates are another run's
+            holders = sorted({c.get("profile_run_id") for c in all_drop if c.get("profile_run_id") is not None})
+            if holders:
+                raise ExplainInputError(
+                    f"profile run {run_id} ({stored.device_name}) has no candidates of its own: drop "
+                    f"{stored.drop_id}'s candidates are stored under profile run "
+                    f"{', '.join(map(str, holders))} (the limiting pipeline stage); use explain --run {holders[0]}",
+                    where=store.where)
+            raise ExplainInputError(f"profile run {run_id} has no candidates", where=store.where)
     else:
         u0 = stored.gpu_memory_utilization
         if u0 is None or not total:
@@ -923,8 +932,9 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     if max_model_len is not None:
         cands = [c for c in cands if point_of(c).max_model_len == max_model_len]
     if not cands:
-        raise ExplainInputError(f"profile run {run_id} has no candidate at gpu_memory_utilization "
-                                f"{gpu_memory_utilization}, max_model_len {max_model_len}", where=store.where)
+        at = ", ".join(f"{k} {v}" for k, v in (("gpu_memory_utilization", gpu_memory_utilization),
+                                                ("max_model_len", max_model_len)) if v is not None)
+        raise ExplainInputError(f"profile run {run_id} has no candidate at {at}", where=store.where)
     props = [p.as_dict() for p in records.proposals_of_drop(store, stored.drop_id)]
     block_size = int(run.get("block_size") or 16)
     # every candidate of the drop shares one block size: the tightest available // blocks bounds it
@@ -1164,9 +1174,11 @@ def engine_check_lines(check: dict | None) -> list[str]:
 
 def render(doc: dict) -> str:
     """The whole ``explain`` report: a header, then each point."""
+    from tuner.devices import device_label
+
     e0 = doc["explanations"][0] if doc["explanations"] else {}
     dev = doc["device"]
-    lines = [f"explain {doc.get('drop') or ''}: {doc.get('model')} on {dev['name']} ({_gib(dev['total_memory_bytes'])} GiB), "
+    lines = [f"explain {doc.get('drop') or ''}: {doc.get('model')} on {device_label(dev)}, "
              f"vLLM {doc.get('era')}",
              f"dtype {e0.get('dtype')}, kv_cache_dtype {e0.get('kv_cache_dtype')}, TP {e0.get('tensor_parallel_size')}, "
              f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size')}"]

@@ -161,14 +161,16 @@ def render(doc: dict) -> str:
     lines = ["latest proposals (largest max_model_len that starts):"]
     if not doc["proposals"]:
         lines.append("  (none)")
-    head = f"  {'drop':<28} {'device':<12} {'vLLM':<7} {'gmu':>5} {'max_model_len':>13} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}"
+    # a device list's joined names ("H100-80GB | A100-40GB") widen the column instead of running into vLLM's
+    dw = max([12] + [len(str(p["device_name"])) for p in doc["proposals"]])
+    head = f"  {'drop':<28} {'device':<{dw}} {'vLLM':<7} {'gmu':>5} {'max_model_len':>13} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}"
     if doc["proposals"]:
         lines.append(head)
     for p in doc["proposals"]:
         u, mml = point_of(p)
         mml = "none" if mml is None else mml
         name = p["drop_name"] + (f"@{p['host_id']}" if p.get("host_id") else "")
-        lines.append(f"  {name:<28} {p['device_name']:<12} {p['engine_version']:<7} "
+        lines.append(f"  {name:<28} {p['device_name']:<{dw}} {p['engine_version']:<7} "
                      f"{u:>5.2f} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
                      f"{p['kv_cache_tokens'] or '-':>10} {p['max_concurrency'] or 0:>7.2f}")
     lines += ["", "fit surfaces (max_model_len:fits at each gpu_memory_utilization):"]

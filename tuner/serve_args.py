@@ -177,7 +177,7 @@ def _u(dest, options, kind="value", note=""):
 
 
 #: Every flag the built-in parser knows (vLLM 0.32's spellings). Flags whose drop field is not in
-#: the drop schema (``data_parallel_size``, ``enable_expert_parallel``, ``speculative_config``
+#: the drop schema (none today: ``data_parallel_size``, ``enable_expert_parallel``, ``speculative_config``
 #: where this build's drops lack them) are reported as not modelled.
 FLAGS: tuple[Flag, ...] = (
     _m("model", ["--model"], str, field="model"),

@@ -90,12 +90,14 @@ def run(args) -> int:
         return EXIT_INVALID
     except (ServeArgsError, CheckInputError) as exc:
         _fail(args, "invalid input", exc)
+        _device_form_hint(exc)
         return EXIT_INVALID
     except (DropError, DeviceError, EraError, ModelConfigError) as exc:
         _fail(args, "invalid input", exc)
         if isinstance(exc, DeviceError) and args.device is None:  # the default, auto, found no GPU here
             print("ctx-tuner check: without --device the GPU is read from this host (auto); name it where there "
                   "is none: --device H100-80GB (a catalog name) or --device NAME:GIB", file=sys.stderr)
+        _device_form_hint(exc)
         return EXIT_INVALID
     except TunerError as exc:
         _fail(args, type(exc).__name__, exc)
@@ -138,3 +140,10 @@ def _fail(args, kind: str, exc: Exception) -> None:
     if args.json:
         print(json.dumps({"verdict": "invalid input" if kind == "invalid input" else "failed", "error": str(exc),
                           "error_type": type(exc).__name__}))
+
+
+def _device_form_hint(exc: Exception) -> None:
+    """A device error's advice is a drop's mapping form; on check's command line it is NAME:GIB."""
+    if "total_memory_gib: ...}" in (getattr(exc, "message", None) or str(exc)):
+        print("ctx-tuner check: on the command line a card with its total is --device NAME:GIB "
+              "(e.g. --device 'H100 40GB:39.5'), not a {name, total_memory_gib} mapping", file=sys.stderr)

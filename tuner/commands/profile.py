@@ -28,6 +28,7 @@ def render_table(outcome) -> str:
     ``min_concurrency``: what a proposal needs); the ``vllm serve`` commands name the model's
     resolved absolute directory (:func:`tuner.app.serve_model`)."""
     from tuner.app import serve_model
+    from tuner.devices import device_label
     from tuner.search import candidate_starts
 
     r, d = outcome.result, outcome.drop
@@ -35,7 +36,7 @@ def render_table(outcome) -> str:
     model = serve_model(d)
     lines = [
         f"drop {d.name}: {model} ({','.join(m['architectures'])}, plugin {r['plugin']})",
-        f"device {outcome.device['name']} ({_gib(outcome.device['total_memory_bytes'])} GiB), vLLM {r['era']}, "
+        f"device {device_label(outcome.device)}, vLLM {r['era']}, "
         f"dtype {r['dtype']}, kv_cache_dtype {d.kv_cache_dtype}, TP {d.tensor_parallel_size}, PP {d.pipeline_parallel_size}, "
         f"block_size {r['block_size']}",
     ]
@@ -65,7 +66,7 @@ def render_table(outcome) -> str:
             f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if t.fits else 'NO':>3} "
             f"{_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
-            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}")
+            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}".rstrip())
     rows = sorted(res.candidates, key=lambda c: (c.gpu_memory_utilization, c.max_model_len))
     if any(a.gpu_memory_utilization == b.gpu_memory_utilization and not candidate_starts(a.data)
            and candidate_starts(b.data) and a.get("max_num_batched_tokens") != b.get("max_num_batched_tokens")
