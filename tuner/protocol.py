@@ -324,8 +324,20 @@ def ledger(point: Mapping[str, Any], sources: Mapping[str, Any] | None) -> tuple
                  for name, col, src, op in LEDGER)
 
 
+class _LedgerWire:
+    """The wire side of a result with a ledger (``budget``: :class:`BudgetTerm` s) and its wire
+    object (``data``): :class:`CandidateResult` and :class:`ProposalResult`."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.data, "budget": [t.to_wire() for t in self.budget]}  # type: ignore[attr-defined]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A field of the wire object (for readers of fields this class does not type)."""
+        return self.data.get(key, default)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
-class CandidateResult:
+class CandidateResult(_LedgerWire):
     """One evaluated grid point: the typed fields every reader needs, the ledger, and the whole
     wire object (``data``: every field :class:`tuner.search.Candidate` has, plus ``run_key``,
     ``uncalibrated``, ``measured``)."""
@@ -351,12 +363,6 @@ class CandidateResult:
                    int(data.get("kv_cache_tokens") or 0), float(data.get("max_concurrency") or 0.0),
                    int(data.get("available_kv_cache_bytes") or 0), budget, dict(data))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {**self.data, "budget": [t.to_wire() for t in self.budget]}
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """A field of the wire object (for readers of fields this class does not type)."""
-        return self.data.get(key, default)
 
 
 @dataclass(frozen=True)
@@ -390,7 +396,7 @@ class Proposal:
 
 
 @dataclass(frozen=True)
-class ProposalResult(Proposal):
+class ProposalResult(_LedgerWire, Proposal):
     """A :class:`Proposal` as the worker answered it: with the ledger of the candidate it proposes
     (empty when nothing fits) and the whole wire object (``data``)."""
 
@@ -406,11 +412,6 @@ class ProposalResult(Proposal):
                    limiting_stage=int(data.get("limiting_stage") or 0), stages=tuple(data.get("stages") or ()),
                    budget=tuple(budget), data=dict(data))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {**self.data, "budget": [t.to_wire() for t in self.budget]}
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.data.get(key, default)
 
 
 @dataclass(frozen=True)
