@@ -100,3 +100,19 @@ def test_q_is_not_quiet_since_it_is_vllms_quantization(command):
     argv = {"profile": ["profile", "d.yaml"], "explain": ["explain", "d.yaml"], "plot": ["plot", "d.yaml", "-o", "x.png"]}
     rc, _, err = _cli(*argv[command], "-q")
     assert rc == 2 and "unrecognized arguments: -q" in err
+
+
+def test_bare_ctx_tuner_printed_argparse_required_error_instead_of_help():
+    """``ctx-tuner`` with no arguments printed only argparse's "the following arguments are
+    required" line; it now prints the full help (every command with its one-line summary) on
+    stdout and exits 2, as a usage error."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([])
+    assert code == 2
+    text = out.getvalue()
+    assert text.startswith("usage: ctx-tuner")
+    assert "required" not in text + err.getvalue()
+    for command in ("profile", "check", "explain", "results", "plot", "daemon", "retry", "status", "validate",
+                    "import-log", "devices", "selftest"):
+        assert f"    {command} " in text or f"    {command}\n" in text, command

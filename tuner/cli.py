@@ -121,6 +121,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # bare ``ctx-tuner``: the help with every command, not argparse's "required" error
+        build_parser().print_help()
+        return EXIT_USAGE
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     in_main_thread = threading.current_thread() is threading.main_thread()
