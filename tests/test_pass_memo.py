@@ -219,15 +219,15 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
         f"    rc = main(['profile', {str(drop2)!r}, '--db', {db!r}, '--json'])\n"
-        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy.orm', 'sqlalchemy.dialects.postgresql')\n"
+        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy')\n"
         "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules],"
         " 'doc': json.loads(out.getvalue())}))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    # no torch nor transformers (no worker); no Alembic (the store is at head: one query), no ORM
-    # (Core only) and no PostgreSQL dialect for a SQLite store (tuner.store._jobs_pending_index)
+    # no torch nor transformers (no worker); no Alembic nor SQLAlchemy at all: a SQLite store at
+    # the head revision is read and written through the standard library (tuner.litestore)
     assert (got["rc"], got["loaded"]) == (0, [])
     fresh = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(drop2), "--db", db, "--json",
                             "--no-cache"], check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
@@ -243,6 +243,37 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
     assert doc.pop("drop_id") != forced.pop("drop_id")
     assert _strip(doc) == _strip(forced)
     assert [p["gpu_memory_utilization"] for p in doc["proposals"]] == [0.5, 0.7]
+
+
+def test_cold_cli_explain_from_the_memo_imported_sqlalchemy(tmp_path, tiny_config):
+    """``explain`` answered from the memo of a SQLite store reads it through the standard library
+    (tuner.litestore): a fresh process imports neither torch nor SQLAlchemy (≈0.3 s of a cold
+    answer) and prints the memo's answer."""
+    db = str(tmp_path / "store.sqlite")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CTX_TUNER_WORKER_PYTHON", None)
+    subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(_tiny_drop(tmp_path, tiny_config)),
+                    "--db", db], check=True, capture_output=True, env=env, cwd=tmp_path, timeout=600)
+    drop2 = _tiny_drop(tmp_path, tiny_config, gmu=(0.5,), name="tiny2")
+    script = (
+        "import json, sys\n"
+        "import tuner.worker\n"
+        "def no_worker(*a, **k):\n"
+        "    raise SystemExit('a worker was started')\n"
+        "tuner.worker.run_in_worker = no_worker\n"
+        "from tuner.cli import main\n"
+        "import contextlib, io\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    rc = main(['explain', {str(drop2)!r}, '--db', {db!r}])\n"
+        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy')\n"
+        "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules], 'out': out.getvalue()}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert (got["rc"], got["loaded"]) == (0, [])
+    assert "passes: memo (2 stored passes; no worker, no torch)" in got["out"].splitlines()
 
 
 def _code_names(path: Path) -> list[str]:

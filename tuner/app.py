@@ -17,15 +17,18 @@ Where the numbers live (``profile --json`` and the store):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tuner.drop import Drop, load_drop
 from tuner.errors import DeviceError, DropError, ModelConfigError
 from tuner.modelspec import resolve_model_path
 from tuner.protocol import JobRequest, as_job_request
 from tuner.records import ProfileOutcome, method_used, rows_for_store, serve_model  # noqa: F401  (app's names)
-from tuner.store import Store, open_store, store_exists, utc_text
+from tuner.storerules import utc_text
 from tuner.worker import DEFAULT_TIMEOUT_S, run_in_worker
+
+if TYPE_CHECKING:
+    from tuner.store import Store
 
 
 def resolve_method(drop: Drop, *, nvml: Any = None) -> str:
@@ -138,7 +141,7 @@ def prepare_request(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = F
     return request.to_wire(), dev
 
 
-def lookup_calibration(request: JobRequest | dict, store: Store) -> dict | None:
+def lookup_calibration(request: JobRequest | dict, store: "Store") -> dict | None:
     """The stored corrections (:func:`tuner.calibrate.calibration_for`) for a simulate request's
     model config, device kind, era, TP/PP, dtype and quantization; None when none apply or the
     request does not simulate.
@@ -155,8 +158,32 @@ def lookup_calibration(request: JobRequest | dict, store: Store) -> dict | None:
     return calibrate.calibration_for(store, kw.pop("model"), kw.pop("device_name"), kw.pop("era"), **kw)
 
 
+def open_for_job(request: JobRequest, db_url: str | None, *, calibrate: bool = True,
+                 store_factory: Callable[..., "Store"] | None = None) -> "Store | None":
+    """The store a job reads (and ``profile`` writes) through, or None when it does not exist yet
+    (a new store is made only once the job succeeded). With the default ``store_factory`` a
+    simulate job opens an existing SQLite store at the head revision through the standard
+    library (:func:`tuner.litestore.open_lite`: no SQLAlchemy import; a store with calibrations,
+    another revision or a server URL goes through :func:`tuner.store.open_store` as before).
+
+    Raises:
+        StoreError: the store exists and cannot be opened or migrated.
+    """
+    if store_factory is None:
+        if request.method == "simulate":
+            from tuner.litestore import open_lite
+
+            lite = open_lite(db_url, calibrate=calibrate)
+            if lite is not None:
+                return lite
+        from tuner.store import open_store as store_factory
+    from tuner.store import store_exists
+
+    return store_factory(db_url) if store_exists(db_url) else None
+
+
 def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-            store_factory: Callable[..., Store] = open_store, worker: Callable[..., dict] = run_in_worker,
+            store_factory: Callable[..., "Store"] | None = None, worker: Callable[..., dict] = run_in_worker,
             nvml: Any = None, calibrate: bool = True, cache: bool = True) -> ProfileOutcome:
     """Run the main job for one drop file and store everything in one transaction.
 
@@ -180,7 +207,7 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     request, dev = prepare_job(drop, nvml=nvml)
     # one store for the calibration, the memo and the result (a new one is made only once the job
     # succeeded); a worker run meanwhile holds no transaction and no lock on it
-    store = store_factory(db_url) if store_exists(db_url) else None
+    store = open_for_job(request, db_url, calibrate=calibrate, store_factory=store_factory)
     try:
         if calibrate and request.method == "simulate" and store is not None:
             cal = lookup_calibration(request, store)
@@ -195,6 +222,8 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         memo_entries = result.pop(ENTRIES, None) or []
         outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])))
         if store is None:
+            if store_factory is None:
+                from tuner.store import open_store as store_factory
             store = store_factory(db_url)
         rows = rows_for_store(outcome, started_at=started)
         residuals = _vllm_residuals(outcome, rows[1], store)
@@ -217,7 +246,7 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     return outcome
 
 
-def _vllm_residuals(outcome: ProfileOutcome, runs: list[dict], store: Store) -> Callable | None:
+def _vllm_residuals(outcome: ProfileOutcome, runs: list[dict], store: "Store") -> Callable | None:
     """The ``save_result`` hook that stores, in the same transaction, the calibration residual of
     each ``vllm`` start-up against the (uncalibrated) simulate candidate of the same
     ``gpu_memory_utilization`` × ``max_model_len``; None when the job started no engine."""

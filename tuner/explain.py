@@ -714,9 +714,17 @@ def calibration_for_job(job: PreparedJob, db_url: str | None) -> dict | None:
     """The stored calibration (:func:`tuner.app.lookup_calibration`) for a simulate job, or None when
     the store does not exist or holds no measured runs for this model, device kind and era."""
     from tuner.app import lookup_calibration
+    from tuner.litestore import open_lite, store_missing
+
+    if job.base_request.method != "simulate" or store_missing(db_url):
+        return None
+    lite = open_lite(db_url, readonly=True)  # opens only a store with no calibrations: none apply
+    if lite is not None:
+        lite.close()
+        return None
     from tuner.store import open_store, store_exists
 
-    if job.base_request.method != "simulate" or not store_exists(db_url):
+    if not store_exists(db_url):
         return None
     store = open_store(db_url, readonly=True)
     try:

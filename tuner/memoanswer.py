@@ -117,8 +117,9 @@ def answer_from_memo(request: Any, entries: dict[str, dict],
 
 def _entries_from_store(db_url: str | None, request: Any, store: Any = None) -> dict[str, dict] | None:
     """Memo entries for ``request`` from ``store`` (an open :class:`tuner.store.Store`), else from
-    an existing store at ``db_url`` (opened read-only); None when there is no store, {} when it
-    cannot be read (the job then simply runs)."""
+    an existing store at ``db_url`` (opened read-only: a SQLite file at the head revision through
+    the standard library, :func:`tuner.litestore.open_lite`, anything else through SQLAlchemy);
+    None when there is no store, {} when it cannot be read (the job then simply runs)."""
     from tuner.errors import TunerError
 
     if store is not None:
@@ -126,12 +127,18 @@ def _entries_from_store(db_url: str | None, request: Any, store: Any = None) -> 
             return lookup_entries(store, request)
         except TunerError:
             return {}
-    from tuner.store import open_store, store_exists
+    from tuner.litestore import open_lite, store_missing
 
     try:
-        if not store_exists(db_url):
+        if store_missing(db_url):
             return None
-        store = open_store(db_url, readonly=True)
+        store = open_lite(db_url, readonly=True, calibrate=False)
+        if store is None:
+            from tuner.store import open_store, store_exists
+
+            if not store_exists(db_url):
+                return None
+            store = open_store(db_url, readonly=True)
     except TunerError:
         return {}
     try:

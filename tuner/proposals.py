@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from tuner.errors import StoreError
-from tuner.store import Store
+
+if TYPE_CHECKING:
+    from tuner.store import Store
 
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _NUMBERS = ("requested_memory_bytes", "weights_bytes", "activation_peak_bytes", "non_torch_bytes",
@@ -41,7 +43,7 @@ def _serve_model(drop) -> str:
         return model
     return str((p.parent if p.is_file() else p).resolve())
 
-def proposal_document(store: Store, drop_id: int, *, job_id: int | None = None) -> dict[str, Any]:
+def proposal_document(store: "Store", drop_id: int, *, job_id: int | None = None) -> dict[str, Any]:
     """The proposal file's content for drop row ``drop_id`` (read through :mod:`tuner.records`).
 
     Raises:

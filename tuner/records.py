@@ -18,11 +18,13 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-import sqlalchemy as sa
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from tuner.store import Store
 
 from tuner.drop import Drop
 from tuner.protocol import point_of
-from tuner.store import Store, candidates_table, drops_table, profile_runs_table, proposals_table
 
 if TYPE_CHECKING:
     from tuner.protocol import JobResult
@@ -202,7 +204,23 @@ class _Record:
         return default if v is None else v
 
 
-def _record_class(name: str, table: sa.Table, doc: str) -> type:
+def _table(name: str) -> "sa.Table":
+    """The schema's table ``name`` (:mod:`tuner.store`, imported on the first read: writing a
+    result, :func:`rows_for_store`, needs no SQLAlchemy)."""
+    from tuner import store
+
+    return getattr(store, f"{name}_table")
+
+
+def _select(name: str):
+    """``(sqlalchemy.select(table), table)`` for the table ``name``."""
+    import sqlalchemy as sa
+
+    t = _table(name)
+    return sa.select(t), t
+
+
+def _record_class(name: str, table: "sa.Table", doc: str) -> type:
     fields = [(c, Any, dataclasses.field(default=None)) for c in table.c.keys()]
     fields.append(("extra", dict, dataclasses.field(default_factory=dict, repr=False, compare=False)))
     cls = dataclasses.make_dataclass(name, fields, bases=(_Record,), frozen=True, namespace={"table": table})
@@ -213,10 +231,10 @@ def _record_class(name: str, table: sa.Table, doc: str) -> type:
 
 #: The record classes, by name: table and docstring (built on first use, :func:`_record`).
 _RECORDS = {
-    "StoredDrop": (drops_table, "One ``drops`` row (a drop as it was profiled)."),
-    "StoredRun": (profile_runs_table, "One ``profile_runs`` row (a pass or a measured start-up)."),
-    "StoredCandidate": (candidates_table, "One ``candidates`` row (a grid point's verdict)."),
-    "StoredProposal": (proposals_table, "One ``proposals`` row (the largest length per u)."),
+    "StoredDrop": ("drops", "One ``drops`` row (a drop as it was profiled)."),
+    "StoredRun": ("profile_runs", "One ``profile_runs`` row (a pass or a measured start-up)."),
+    "StoredCandidate": ("candidates", "One ``candidates`` row (a grid point's verdict)."),
+    "StoredProposal": ("proposals", "One ``proposals`` row (the largest length per u)."),
 }
 _built: dict[str, type] = {}
 
@@ -226,7 +244,8 @@ def _record(name: str) -> type:
     fields each cost a cold CLI ~10–30 ms to make, and writing a result (``profile``) needs none."""
     cls = _built.get(name)
     if cls is None:
-        cls = _built[name] = _record_class(name, *_RECORDS[name])
+        table, doc = _RECORDS[name]
+        cls = _built[name] = _record_class(name, _table(table), doc)
     return cls
 
 
@@ -237,7 +256,7 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def select(store: Store, stmt: sa.Executable, record: type | None = None) -> list:
+def select(store: "Store", stmt: "sa.Executable", record: type | None = None) -> list:
     """Run a read query; rows as dicts, or as ``record`` instances."""
     rows = store.select(stmt)
     return [record.from_row(r) for r in rows] if record is not None else rows
@@ -245,47 +264,51 @@ def select(store: Store, stmt: sa.Executable, record: type | None = None) -> lis
 
 def drop(store: Store, drop_id: int) -> "StoredDrop | None":
     """The ``drops`` row ``drop_id``, or None."""
-    rows = select(store, sa.select(drops_table).where(drops_table.c.id == int(drop_id)), _record("StoredDrop"))
+    stmt, t = _select("drops")
+    rows = select(store, stmt.where(t.c.id == int(drop_id)), _record("StoredDrop"))
     return rows[0] if rows else None
 
 
 def drop_warnings(store: Store, drop_id: int) -> str | None:
     """``drops.warnings`` (JSON text) of one drop, None when absent or no such drop."""
-    rows = store.select(sa.select(drops_table.c.warnings).where(drops_table.c.id == int(drop_id)))
+    import sqlalchemy as sa
+
+    t = _table("drops")
+    rows = store.select(sa.select(t.c.warnings).where(t.c.id == int(drop_id)))
     return rows[0]["warnings"] if rows else None
 
 
 def run(store: Store, run_id: int) -> "StoredRun | None":
     """The ``profile_runs`` row ``run_id``, or None."""
-    t = profile_runs_table
-    rows = select(store, sa.select(t).where(t.c.id == int(run_id)), _record("StoredRun"))
+    stmt, t = _select("profile_runs")
+    rows = select(store, stmt.where(t.c.id == int(run_id)), _record("StoredRun"))
     return rows[0] if rows else None
 
 
 def runs_of_drop(store: Store, drop_id: int, *, limit: int | None = None) -> list:
     """A drop's ``profile_runs`` rows, in insertion order (the first ``limit`` ones)."""
-    t = profile_runs_table
-    stmt = sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(t.c.id)
+    stmt, t = _select("profile_runs")
+    stmt = stmt.where(t.c.drop_id == int(drop_id)).order_by(t.c.id)
     return select(store, stmt.limit(limit) if limit else stmt, _record("StoredRun"))
 
 
 def candidates_of_run(store: Store, run_id: int) -> list:
     """The ``candidates`` rows evaluated on one pass, in insertion order."""
-    t = candidates_table
-    return select(store, sa.select(t).where(t.c.profile_run_id == int(run_id)).order_by(t.c.id), _record("StoredCandidate"))
+    stmt, t = _select("candidates")
+    return select(store, stmt.where(t.c.profile_run_id == int(run_id)).order_by(t.c.id), _record("StoredCandidate"))
 
 
 def candidates_of_drop(store: Store, drop_id: int) -> list:
     """A drop's ``candidates`` rows, in insertion order."""
-    t = candidates_table
-    return select(store, sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(t.c.id), _record("StoredCandidate"))
+    stmt, t = _select("candidates")
+    return select(store, stmt.where(t.c.drop_id == int(drop_id)).order_by(t.c.id), _record("StoredCandidate"))
 
 
 def proposals_of_drop(store: Store, drop_id: int, *, by_utilization: bool = False) -> list:
     """A drop's ``proposals`` rows, in insertion order (or by ``gpu_memory_utilization``, then id)."""
-    t = proposals_table
+    stmt, t = _select("proposals")
     order = (t.c.gpu_memory_utilization, t.c.id) if by_utilization else (t.c.id,)
-    return select(store, sa.select(t).where(t.c.drop_id == int(drop_id)).order_by(*order), _record("StoredProposal"))
+    return select(store, stmt.where(t.c.drop_id == int(drop_id)).order_by(*order), _record("StoredProposal"))
 
 
 def json_column(text: str | None) -> Any:

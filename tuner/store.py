@@ -33,9 +33,7 @@ No torch here: the daemon's main process imports this module.
 
 from __future__ import annotations
 
-import numbers
 import re
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -43,6 +41,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from tuner.errors import StoreError
+from tuner.storerules import DEFAULT_PATH, memo_rows, memo_values, row_values, script_head, utc_text
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -58,7 +57,6 @@ __all__ = [
     "utc_text",
 ]
 
-DEFAULT_PATH = "var/ctx-tuner.sqlite"
 #: Alembic script directory, in package-resource form (``package:path``). The directory
 #: ``migrations/`` is installed as the package ``tuner.migrations``, so it is addressed as that
 #: package's own root; ``"tuner:migrations"`` would miss it under an editable install.
@@ -334,24 +332,6 @@ def __getattr__(name: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def utc_text(value: datetime | str | None = None) -> str:
-    """Return ``value`` (default: now) as UTC ISO-8601 text ``YYYY-MM-DDTHH:MM:SS.ffffffZ``.
-
-    Accepts an aware ``datetime`` or an ISO-8601 string with an offset (``Z`` included).
-    Raises ``StoreError`` for a naive time (its zone is unknown) or an unparsable string.
-    """
-    if value is None:
-        value = datetime.now(timezone.utc)
-    elif isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError as e:
-            raise StoreError(f"not an ISO-8601 time: {value!r}") from e
-    if not isinstance(value, datetime) or value.tzinfo is None:
-        raise StoreError(f"time must be timezone-aware (UTC), got {value!r}")
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def _resolve_url(url: str | None, default_path: str) -> URL:
     """A SQLAlchemy URL; a plain path (no ``://``) means a SQLite file there.
 
@@ -561,35 +541,6 @@ def store_exists(url: str | None = None, *, default_path: str = DEFAULT_PATH) ->
     return not _is_file_sqlite(u) or Path(u.database).exists()
 
 
-def script_head() -> str | None:
-    """The head revision of the migration scripts, read from their ``revision`` /
-    ``down_revision`` lines without importing Alembic; None when that is not one clear head (then
-    Alembic decides)."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("tuner.migrations")
-        roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    except (ImportError, ValueError):
-        return None
-    revs, downs = set(), set()
-    pat = re.compile(r'^(revision|down_revision)\s*(?::[^=]*)?=\s*(.+?)\s*$', re.M)
-    for root in roots:
-        for f in sorted((Path(root) / "versions").glob("*.py")):
-            found = dict((k, v) for k, v in pat.findall(f.read_text(encoding="utf-8")))
-            rev = found.get("revision", "").strip("'\"")
-            if not rev:
-                continue
-            revs.add(rev)
-            down = found.get("down_revision", "None")
-            if down != "None":
-                if not re.fullmatch(r'["\'][\w]+["\']', down):
-                    return None  # a merge point or anything unusual: ask Alembic
-                downs.add(down.strip("'\""))
-    heads = revs - downs
-    return heads.pop() if len(heads) == 1 else None
-
-
 def _at_head(engine: Engine) -> bool:
     """The store's ``alembic_version`` is the scripts' head already (:func:`script_head`; one
     query on the store's own engine, whose connection the store then reuses): opening it needs no
@@ -626,8 +577,6 @@ def _upgrade(u: URL, busy_timeout_s: float, engine: Engine) -> None:
 #: "ctx-tune" as a signed 64-bit integer.
 MIGRATION_LOCK_KEY = int.from_bytes(b"ctx-tune", "big", signed=True)
 
-_EXTRA = {"profile_runs": "key", "candidates": "run_key"}
-_SET_BY_STORE = {"id", "drop_id", "profile_run_id", "created_at"}
 
 
 class Store:
@@ -708,29 +657,9 @@ class Store:
             raise StoreError(msg, where=self.where) from e
 
     def _insert(self, conn: Connection, table: sa.Table, row: dict, **fixed: Any) -> int:
-        values: dict[str, Any] = {}
-        extra = _EXTRA.get(table.name)
-        for k, v in row.items():
-            if k == extra:
-                continue
-            if k not in table.c or k in _SET_BY_STORE:
-                msg = f"{table.name}: unknown or store-owned column {k!r}"
-                raise StoreError(msg, where=self.where)
-            values[k] = self._coerce(table, k, v)
+        values = row_values(table.name, row, table.c, where=self.where)  # tuner.storerules: both paths' rules
         values.update(fixed)
         return conn.execute(table.insert().values(**values)).inserted_primary_key[0]
-
-    def _coerce(self, table: sa.Table, col: str, v: Any) -> Any:
-        if v is None:
-            return None
-        if col.endswith("_bytes"):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                msg = f"{table.name}.{col} must be an int of bytes, got {v!r}"
-                raise StoreError(msg, where=self.where)
-            return int(v)
-        if col.endswith("_at"):
-            return utc_text(v)
-        return v
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -811,8 +740,6 @@ class Store:
         """The pass memo's entries (:mod:`tuner.passmemo`) of one model config hash and tool
         version: ``{memo_key: value}`` (the value parsed from its JSON text). A store without
         the ``pass_memo`` table (a read-only store not yet migrated to 0008) has none."""
-        import json
-
         t = pass_memo_table
         stmt = sa.select(t.c.memo_key, t.c.value).where(t.c.model_config_sha256 == model_config_sha256,
                                                          t.c.tool_version == tool_version)
@@ -829,13 +756,7 @@ class Store:
             raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
         except sa.exc.SQLAlchemyError as e:
             raise StoreError(f"query failed: {error_text(e.orig or e)}", where=self.where) from e
-        out = {}
-        for key, value in rows:
-            try:
-                out[key] = json.loads(value)
-            except ValueError:  # a damaged row is a miss, never an answer
-                continue
-        return out
+        return memo_values(rows)  # a damaged row is a miss, never an answer
 
     def put_memo(self, entries: list[dict], conn: Connection | None = None) -> int:
         """Insert pass-memo entries (dicts with ``memo_key``, ``kind``, ``model_config_sha256``,
@@ -853,14 +774,7 @@ class Store:
                 raise
             except sa.exc.SQLAlchemyError as e:
                 raise StoreError(f"storing the pass memo failed: {error_text(e.orig or e)}", where=self.where) from e
-        import json
-
-        now = utc_text()
-        entries = list({e["memo_key"]: e for e in entries}.values())  # one row per key
-        cols = ("memo_key", "kind", "model_config_sha256", "tool_version", "method", "device_name", "era")
-        rows = [{**{k: e.get(k) for k in cols}, "created_at": now,
-                 "value": e["value"] if isinstance(e["value"], str) else json.dumps(e["value"], sort_keys=True)}
-                for e in entries]
+        rows = memo_rows(entries, utc_text())  # one row per key
         name = conn.dialect.name
         if name in ("sqlite", "postgresql"):
             from importlib import import_module

@@ -201,17 +201,24 @@ def _missing_db_parent(db: str | None) -> str | None:
     import os
 
     from tuner.errors import StoreError
-    from tuner.store import _is_file_sqlite, _resolve_url
+    from tuner.litestore import sqlite_file
 
     if not db:
         return None
-    try:
-        u = _resolve_url(db, "")
-    except StoreError:
-        return None  # the store reports a bad URL itself
-    if not _is_file_sqlite(u) or str(u.database).startswith("file:"):
+    path = sqlite_file(db)  # a plain path or sqlite:///PATH without SQLAlchemy's import
+    if path is None:
+        from tuner.store import _is_file_sqlite, _resolve_url
+
+        try:
+            u = _resolve_url(db, "")
+        except StoreError:
+            return None  # the store reports a bad URL itself
+        if not _is_file_sqlite(u):
+            return None
+        path = str(u.database)
+    if path.startswith("file:"):
         return None
-    parent = os.path.dirname(os.path.abspath(os.path.expanduser(str(u.database))))
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
     return None if os.path.isdir(parent) else parent
 
 
