@@ -224,3 +224,52 @@ def test_profile_falls_back_to_sqlalchemy_for_a_store_with_calibrations(tmp_path
     assert lite_calls == [] and out.drop_id == 1 and out.result["calibration"] is None
     out = profile(_drop(tmp_path, tiny_config, "tiny2"), db_url=db, worker=_worker, calibrate=False)
     assert lite_calls == [f"sqlite:///{db}"] and out.drop_id == 2  # no calibration asked for: the lite path
+
+
+def test_profile_of_a_new_store_imports_its_libraries_while_the_worker_runs(tmp_path, tiny_config, monkeypatch):
+    """A new store is created after the job; SQLAlchemy and Alembic are imported in a thread
+    started before the worker, joined before the store is made. An existing store starts none."""
+    from tuner import app
+
+    events = []
+    real = app.warm_imports
+
+    def spy(*names):
+        events.append(("warm", names))
+        thread = real(*names)
+        real_join = thread.join
+
+        def join(*a):
+            events.append(("join",))
+            return real_join(*a)
+
+        thread.join = join
+        return thread
+
+    def worker(request, **kw):
+        events.append(("worker",))
+        return _worker(request, **kw)
+
+    monkeypatch.setattr(app, "warm_imports", spy)
+    db = str(tmp_path / "new.sqlite")
+    app.profile(_drop(tmp_path, tiny_config, "tiny"), db_url=db, worker=worker)
+    assert events == [("warm", ("tuner.store", "alembic.command")), ("worker",), ("join",)]
+    events.clear()
+    app.profile(_drop(tmp_path, tiny_config, "tiny2", gmu=(0.8,)), db_url=db, worker=worker)
+    assert events == []  # the store exists (and the memo answers): nothing to warm, no worker
+
+
+def test_warm_imports_imports_in_the_background_and_leaves_failures_to_the_caller(tmp_path, monkeypatch):
+    import sys
+
+    from tuner.app import warm_imports
+
+    (tmp_path / "ctx_warm_probe.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ctx_warm_probe", raising=False)
+    thread = warm_imports("ctx_no_such_module_xyz", "ctx_warm_probe")
+    thread.join()
+    assert "ctx_warm_probe" not in sys.modules  # the failure stopped the list, raised nothing
+    thread = warm_imports("ctx_warm_probe")
+    thread.join()
+    assert sys.modules["ctx_warm_probe"].VALUE == 42
