@@ -97,8 +97,6 @@ class LiteStore:
     store :func:`open_lite` vouched for. Errors are ``StoreError`` with ``where`` the store's URL,
     as the real store's; :meth:`save_result` writes all or nothing."""
 
-    lite = True  # what callers may test for (no SQLAlchemy engine behind this store)
-
     def __init__(self, conn: sqlite3.Connection, *, where: str, readonly: bool = False) -> None:
         self._conn = conn
         self.where = where
