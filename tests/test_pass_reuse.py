@@ -220,6 +220,73 @@ def test_module_state_sees_a_kept_tensor_and_a_grown_list():
     assert module_state(m) != before
 
 
+def _reference_ident(value, depth=0):
+    """:func:`tuner.simulate.profile._ident` as it was before its fast paths (the reference)."""
+    t = type(value)
+    if t in profile._SCALARS:
+        return value
+    if depth > 2 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+        return id(value)
+    if t in profile._SEQUENCES:
+        return (id(value), tuple([_reference_ident(v, depth + 1) for v in value])) if value else (id(value), 0)
+    if isinstance(value, dict):
+        return (id(value), tuple([(k, _reference_ident(v, depth + 1)) for k, v in value.items()])) if value else id(value)
+    if isinstance(value, (set, frozenset)):
+        return (id(value), frozenset(map(id, value)))
+    if hasattr(value, "__dict__") and not callable(value):
+        return (id(value), tuple([(k, _reference_ident(v, depth + 1)) for k, v in vars(value).items()]))
+    return id(value)
+
+
+def _reference_state(model):
+    return tuple((name, _reference_ident(vars(m))) for name, m in model.named_modules(remove_duplicate=False))
+
+
+def test_module_state_equals_the_reference_fingerprint(tiny_config):
+    """The fast paths of ``_ident`` give the very tuple of the plain recursion: on the generic
+    plugin's module (TP 2, V0 and V1) and on a module with nested containers, objects, sets and
+    an OrderedDict subclass."""
+    import collections
+
+    from tuner.plugin import load_registry
+
+    spec = load_model_spec(tiny_config / "config.json")[0]
+    plugin = load_registry().by_name("generic")
+    for version in ("0.6.4", "0.19.0"):
+        era = era_for(version)
+        st = RankSettings(version, "bfloat16", compiled=era.compiled, runs_attention=era.engine == "V0",
+                          tensor_parallel_size=2)
+        cache = ModelCache()
+        run_pass(plugin, spec, st, era, ProfileBatch(2048, 64, 64, True), models=cache)
+        (built,) = cache._free.values()
+        assert module_state(built.model) == _reference_state(built.model) == built.state
+
+    class _Od(collections.OrderedDict):
+        pass
+
+    class _Plain:
+        def __init__(self):
+            self.a, self.b = [1, (2.0, None)], {"k": [torch.empty(1)]}
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    m[0].notes = [[], (), [3, "x", [4, [5, [6]]]], {"d": {"e": {"f": {"g": 1}}}}, _Plain(), {1, 2}, frozenset()]
+    m[1].table = _Od(a=1, b=[torch.float16, nn.Linear], c=_Od())
+    m[1].maps = collections.OrderedDict(x=None, y={"z": (1, [2])})
+    assert module_state(m) == _reference_state(m)
+
+
+def test_one_pass_job_fingerprints_its_module_once(monkeypatch):
+    """The 70B TP4 example runs one pass: its module is fingerprinted after the build only (the
+    check that a pass left it as built runs when a later pass takes it, and none does)."""
+    calls = []
+    real = profile.module_state
+    monkeypatch.setattr(profile, "module_state", lambda model: calls.append(1) or real(model))
+    from tuner.job import run_job
+
+    result = run_job(_example_request("llama-3.1-70b-h100-tp4.yaml"))
+    assert len(result["runs"]) == 1 and len(calls) == 1
+
+
 def test_tracker_flattening_matches_tree_flatten():
     from torch.utils._pytree import tree_flatten
 

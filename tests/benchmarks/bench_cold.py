@@ -151,6 +151,24 @@ def v0_after_imports(runs: int) -> list[dict]:
     return out
 
 
+def bytecode_note() -> str:
+    """Whether the measured checkout's own modules (``tuner/``, ``plugins/``) load from cached
+    bytecode: with ``PYTHONDONTWRITEBYTECODE`` set and no ``__pycache__`` (an editable checkout
+    never byte-compiled), every process compiles them from source, about 0.1 CPU s of a cold
+    worker that an installed wheel (byte-compiled by pip) or one ``python -m compileall -q tuner
+    plugins`` does not pay; the figures then overstate a user's cold start by that much."""
+    import importlib.util
+
+    sources = [p for d in ("tuner", "plugins") for p in (REPO / d).rglob("*.py")]
+    missing = [p for p in sources if not Path(importlib.util.cache_from_source(str(p))).is_file()]
+    flag = "PYTHONDONTWRITEBYTECODE set" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "bytecode written"
+    if not missing:
+        return f"bytecode: every tuner/plugins module has a cached .pyc ({flag})"
+    return (f"bytecode: {len(missing)} of {len(sources)} tuner/plugins modules without a cached .pyc ({flag})"
+            + ("; each process compiles those it imports (`python -m compileall -q tuner plugins` once)"
+               if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""))
+
+
 def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})"
 
@@ -160,6 +178,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5, help="processes per figure (default 5)")
     args = ap.parse_args()
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs")
+    print(bytecode_note())
     walls, cpus = cold_cli(args.runs)
     print(f"cold CLI, {COLD_DROP.name}: wall {_spread(walls)}; cpu {_spread(cpus)}; target <= {COLD_TARGET_S} s wall")
     w_walls, w_cpus, heavy = cold_worker(args.runs)

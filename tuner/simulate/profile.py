@@ -10,6 +10,7 @@ same figures wherever both run (every example drop and visible case, compared in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -218,7 +219,7 @@ class ModelCache:
         """The module for this pass: a kept one that fits, else a new build."""
         for batch in (False, True):
             built = self._free.pop(self._key(plugin, spec, settings, backend, batch), None)
-            if built is not None:
+            if built is not None and module_state(built.model) == built.state:  # its last pass left it as built
                 self.reuses += 1
                 return built
         mode = None
@@ -249,8 +250,10 @@ class ModelCache:
                           module_state(model), (plugin, spec))
 
     def give_back(self, built: BuiltModel) -> None:
-        """Keep ``built`` for a later pass, if its pass left it as built."""
-        if self.enabled and module_state(built.model) == built.state:
+        """Keep ``built`` for a later pass; :meth:`take` reuses it only if its pass left it as
+        built (checked there, when a pass asks for it: a job's last pass is never fingerprinted
+        twice — nothing touches a kept module in between, so the check gives what it gave here)."""
+        if self.enabled:
             self._free[built.key] = built
 
 
@@ -291,17 +294,42 @@ _SCALARS = frozenset({int, float, complex, str, bytes, bool, type(None)})
 _SEQUENCES = frozenset({list, tuple})
 
 
+#: ``dict`` and ``OrderedDict`` exactly (what a module's ``__dict__`` and its hook / parameter
+#: tables are): no tensor, module or class is one, so :func:`_ident` takes them first.
+_MAPPINGS = frozenset({dict, collections.OrderedDict})
+_BY_ID = (torch.Tensor, torch.nn.Module, type)
+
+
 def _ident(value: Any, depth: int = 0) -> Any:
     """What identifies ``value`` for :func:`module_state`: scalars by value, containers by their
     items, plain objects by their attributes (three levels), everything else (tensors, modules,
-    dtypes, functions) by identity."""
+    dtypes, functions) by identity. (Scalar items and empty tables are taken in place, without a
+    call: the same values in about half the time.)"""
     t = type(value)
     if t in _SCALARS:
         return value
-    if depth > 2 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+    if depth > 2:
+        return id(value)
+    if t in _MAPPINGS:
+        if not value:
+            return id(value)
+        d, scalars, mappings, items = depth + 1, _SCALARS, _MAPPINGS, []
+        for k, v in value.items():
+            tv = type(v)
+            if tv in scalars:
+                items.append((k, v))
+            elif tv in mappings and not v:  # an empty table (a module's hooks): by identity, at any depth
+                items.append((k, id(v)))
+            else:
+                items.append((k, _ident(v, d)))
+        return (id(value), tuple(items))
+    if isinstance(value, _BY_ID):
         return id(value)
     if t in _SEQUENCES:
-        return (id(value), tuple([_ident(v, depth + 1) for v in value])) if value else (id(value), 0)
+        if not value:
+            return (id(value), 0)
+        d, scalars = depth + 1, _SCALARS
+        return (id(value), tuple([v if type(v) in scalars else _ident(v, d) for v in value]))
     if isinstance(value, dict):
         return (id(value), tuple([(k, _ident(v, depth + 1)) for k, v in value.items()])) if value else id(value)
     if isinstance(value, (set, frozenset)):
