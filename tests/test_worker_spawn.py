@@ -199,3 +199,116 @@ def test_spawner_for_binds_the_workers_python_and_nothing_for_a_fake():
     bound = spawner_for(functools.partial(functools.partial(run_in_worker, python="/venv/bin/python"),
                                           on_progress=show))
     assert bound.func is spawn_worker and bound.keywords == {"python": "/venv/bin/python"}
+
+
+# --- profile: spawn ahead only when a worker will certainly run -------------------------------------
+
+
+class _FakeHandle:
+    def __init__(self, timeout_s):
+        self.timeout_s = timeout_s
+        self.cancels = 0
+
+    def cancel(self):
+        self.cancels += 1
+
+
+class _Recorder:
+    """A fake spawner and a fake worker (run_job in this process, through JSON as the pipe does)."""
+
+    def __init__(self):
+        self.handles: list[_FakeHandle] = []
+        self.spawned_seen: list = []
+
+    def spawner(self, *, timeout_s):
+        self.handles.append(_FakeHandle(timeout_s))
+        return self.handles[-1]
+
+    def worker(self, request, *, job, timeout_s=None, spawned=None, **kw):
+        from tuner.job import run_job
+
+        self.spawned_seen.append(spawned)
+        return json.loads(json.dumps(run_job(copy.deepcopy(request))))
+
+
+def test_profile_spawns_ahead_when_the_store_is_missing_and_the_worker_gets_that_handle(tmp_path, tiny_config):
+    from tuner.app import profile
+
+    rec = _Recorder()
+    db = str(tmp_path / "store.sqlite")
+    out = profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=db, worker=rec.worker, spawner=rec.spawner,
+                  timeout_s=42)
+    assert [h.timeout_s for h in rec.handles] == [42]
+    assert rec.spawned_seen == rec.handles  # the worker ran in the process spawned ahead
+    assert rec.handles[0].cancels == 1  # profile's finally: a no-op for a used handle
+    assert out.result["pass_source"]["reason"] == "no store" and out.drop_id == 1
+
+
+def test_profile_does_not_spawn_when_the_store_exists_and_the_memo_may_answer(tmp_path, tiny_config):
+    from tuner.app import profile
+
+    db = str(tmp_path / "store.sqlite")
+    profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=db, worker=_Recorder().worker, spawner=_Recorder().spawner)
+    rec = _Recorder()
+    out = profile(str(_tiny_drop(tmp_path, tiny_config, name="tiny2", gmu=(0.5,))), db_url=db, worker=rec.worker,
+                  spawner=rec.spawner)
+    assert rec.handles == [] and rec.spawned_seen == []  # answered from the memo: no worker at all
+    assert out.result["pass_source"]["source"] == "memo"
+
+
+def test_profile_spawns_ahead_with_cache_off_even_when_the_store_exists(tmp_path, tiny_config):
+    from tuner.app import profile
+
+    db = str(tmp_path / "store.sqlite")
+    profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=db, worker=_Recorder().worker, spawner=_Recorder().spawner)
+    rec = _Recorder()
+    out = profile(str(_tiny_drop(tmp_path, tiny_config, name="tiny2")), db_url=db, worker=rec.worker,
+                  spawner=rec.spawner, cache=False)
+    assert len(rec.handles) == 1 and rec.spawned_seen == rec.handles
+    assert out.result["pass_source"]["reason"] == "no-cache"
+
+
+@pytest.mark.parametrize("exc_type", [StoreError, KeyboardInterrupt])
+def test_profile_cancels_the_spawned_worker_when_it_fails_before_the_job(tmp_path, tiny_config, exc_type):
+    from tuner.app import profile
+
+    db = tmp_path / "store.sqlite"
+    db.write_bytes(b"")  # a store file exists: profile opens it before the job
+
+    def store_factory(url):
+        raise exc_type("cannot open the store")
+
+    rec = _Recorder()
+    with pytest.raises(exc_type):
+        profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=str(db), worker=rec.worker, spawner=rec.spawner,
+                store_factory=store_factory, cache=False)
+    assert len(rec.handles) == 1 and rec.handles[0].cancels == 1
+    assert rec.spawned_seen == []  # the worker never ran
+
+
+def test_profile_with_a_fake_worker_and_no_spawner_starts_no_process(tmp_path, tiny_config, monkeypatch):
+    from tuner.app import profile
+
+    def no_spawn(**kw):
+        raise AssertionError("a real worker was spawned for a fake worker")
+
+    monkeypatch.setattr(worker_mod, "spawn_worker", no_spawn)
+    rec = _Recorder()
+    out = profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=str(tmp_path / "s.sqlite"), worker=rec.worker)
+    assert rec.spawned_seen == [None] and out.drop_id == 1
+
+
+def test_needs_worker_only_for_simulate_jobs_the_memo_cannot_answer(tmp_path, tiny_config):
+    from tuner.app import _needs_worker
+
+    request = _tiny_request(tmp_path, tiny_config)
+    from tuner.protocol import as_job_request
+
+    job = as_job_request(request)
+    missing, existing = str(tmp_path / "none.sqlite"), tmp_path / "there.sqlite"
+    existing.write_bytes(b"")
+    assert _needs_worker(job, missing, True) is True  # no store: the memo cannot answer
+    assert _needs_worker(job, str(existing), True) is False  # the memo may answer
+    assert _needs_worker(job, str(existing), False) is True  # --no-cache
+    assert _needs_worker(job, str(existing), True, python="/other/python") is True  # not memoizable
+    assert _needs_worker(job.replace(method="cuda"), missing, False) is False  # no simulate imports to win
