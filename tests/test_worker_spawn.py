@@ -201,6 +201,12 @@ def test_spawner_for_binds_the_workers_python_and_nothing_for_a_fake():
     assert bound.func is spawn_worker and bound.keywords == {"python": "/venv/bin/python"}
 
 
+def test_spawner_for_a_fake_put_in_run_in_workers_place_is_none(monkeypatch):
+    fake = lambda request, **kw: {}  # noqa: E731 - what a test puts in tuner.worker.run_in_worker
+    monkeypatch.setattr(worker_mod, "run_in_worker", fake)
+    assert spawner_for(fake) is None
+
+
 # --- profile: spawn ahead only when a worker will certainly run -------------------------------------
 
 

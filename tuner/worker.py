@@ -94,6 +94,11 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
         _RUNNING.pop(proc.pid, None)
 
 
+#: :func:`run_in_worker` itself, for :func:`spawner_for` (a test that replaces the module's name
+#: with a fake gets no real process spawned ahead for it).
+_RUN_IN_WORKER = run_in_worker
+
+
 def _start_worker(args: list[str], *, timeout_s: float, python: str | None, memory_max_bytes: int | None,
                   popen: Callable[..., subprocess.Popen]) -> subprocess.Popen:
     """Start ``python -m tuner.worker_main ARGS`` in its own process group, with the environment
@@ -217,7 +222,7 @@ def spawner_for(worker: Callable[..., Any]) -> Callable[..., WorkerHandle] | Non
     while isinstance(func, functools.partial):
         kw = {**func.keywords, **kw}
         func = func.func
-    if func is not run_in_worker:
+    if func is not _RUN_IN_WORKER:
         return None
     return functools.partial(spawn_worker, **{k: kw[k] for k in ("python", "memory_max_bytes", "popen", "killpg")
                                               if k in kw})
