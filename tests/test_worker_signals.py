@@ -102,7 +102,8 @@ def test_interrupt_while_relaying_progress_kills_the_worker_group(tmp_path):
 _LAUNCHER = """\
 import sys
 import tuner.worker
-tuner.worker.run_in_worker.__kwdefaults__["python"] = sys.argv[1]  # every job gets the fake worker
+tuner.worker.run_in_worker.__kwdefaults__["python"] = sys.argv[1]  # every job gets the fake worker,
+tuner.worker.spawn_worker.__kwdefaults__["python"] = sys.argv[1]  # the one profile starts ahead too
 from tuner.cli import main
 sys.exit(main(sys.argv[2:]))
 """

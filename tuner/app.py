@@ -17,6 +17,7 @@ Where the numbers live (``profile --json`` and the store):
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 from tuner.drop import Drop, load_drop
@@ -25,7 +26,7 @@ from tuner.modelspec import resolve_model_path
 from tuner.protocol import JobRequest, as_job_request
 from tuner.records import ProfileOutcome, method_used, rows_for_store, serve_model  # noqa: F401  (app's names)
 from tuner.storerules import utc_text
-from tuner.worker import DEFAULT_TIMEOUT_S, run_in_worker
+from tuner.worker import DEFAULT_TIMEOUT_S, run_in_worker, spawner_for
 
 if TYPE_CHECKING:
     from tuner.store import Store
@@ -209,7 +210,8 @@ def warm_imports(*modules: str) -> Any:
 
 def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             store_factory: Callable[..., "Store"] | None = None, worker: Callable[..., dict] = run_in_worker,
-            nvml: Any = None, calibrate: bool = True, cache: bool = True) -> ProfileOutcome:
+            nvml: Any = None, calibrate: bool = True, cache: bool = True,
+            spawner: Callable[..., Any] | None = None) -> ProfileOutcome:
     """Run the main job for one drop file and store everything in one transaction.
 
     With ``calibrate`` (default) and an existing store, a simulate run applies the corrections
@@ -223,6 +225,14 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     ``cache=False`` (``--no-cache``) runs the worker. A worker's new memo entries are stored with
     the result, in the same transaction.
 
+    When the job will certainly run a worker (:func:`_needs_worker`) it is started right after
+    the drop is read, before the store is opened (:func:`tuner.worker.spawn_worker`): its imports
+    overlap the store, calibration and memo lookups, and ``timeout_s`` counts from that spawn. A
+    worker started so and not used (an error on the way) is killed. ``spawner``: what starts it
+    (default :func:`tuner.worker.spawner_for` ``worker``: only for ``run_in_worker`` and its
+    partials, so a fake ``worker`` starts no process); it is called with ``timeout_s`` and its
+    handle reaches ``worker`` as ``spawned=``.
+
     Raises:
         DropError: the drop is invalid (names file and field), or its method cannot run here.
         ModelConfigError: the model's config.json cannot be found offline.
@@ -230,12 +240,14 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     """
     drop = load_drop(drop_path)
     request, dev = prepare_job(drop, nvml=nvml)
-    # one store for the calibration, the memo and the result (a new one is made only once the job
-    # succeeded); a worker run meanwhile holds no transaction and no lock on it
-    store = open_for_job(request, db_url, calibrate=calibrate, store_factory=store_factory)
-    # a new store is made after the job: its libraries are imported while the worker runs
-    warming = warm_imports(*NEW_STORE_MODULES) if store is None and store_factory is None else None
+    ahead = _spawn_ahead(request, db_url, cache, worker, spawner, timeout_s)
+    store = None
     try:
+        # one store for the calibration, the memo and the result (a new one is made only once the job
+        # succeeded); a worker run meanwhile holds no transaction and no lock on it
+        store = open_for_job(request, db_url, calibrate=calibrate, store_factory=store_factory)
+        # a new store is made after the job: its libraries are imported while the worker runs
+        warming = warm_imports(*NEW_STORE_MODULES) if store is None and store_factory is None else None
         if calibrate and request.method == "simulate" and store is not None:
             cal = lookup_calibration(request, store)
             if cal is not None:
@@ -244,7 +256,8 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         from tuner.memoanswer import PASS_SOURCE, memo_worker
         from tuner.passmemo import ENTRIES
 
-        result = memo_worker(db_url, worker, enabled=cache, write=False, store=store)(
+        run = worker if ahead is None else functools.partial(worker, spawned=ahead)
+        result = memo_worker(db_url, run, enabled=cache, write=False, store=store)(
             request.to_wire(), job=drop.name, timeout_s=timeout_s)
         memo_entries = result.pop(ENTRIES, None) or []
         outcome = ProfileOutcome(drop, dev, result, warnings=list(result.get("warnings", [])))
@@ -270,9 +283,37 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
 
         outcome.drop_id = store.save_result(*rows, also=also)
     finally:
+        if ahead is not None:
+            ahead.cancel()  # unused (the memo answered, an error on the way); a used one is reaped
         if store is not None:
             store.close()
     return outcome
+
+
+def _needs_worker(request: JobRequest, db_url: str | None, cache: bool, python: str | None = None) -> bool:
+    """Whether ``profile`` will certainly run a worker for ``request`` and starting it early is
+    cheap to waste: a simulate job (the ``--preload`` imports are its) that the pass memo cannot
+    answer — ``cache`` off, a job the memo does not apply to
+    (:func:`tuner.memoanswer.memo_applies`), or no store file yet
+    (:func:`tuner.litestore.store_missing`; a URL it is unsure of: False). The one place that
+    decides it, before the store is opened; no SQLAlchemy import here."""
+    from tuner.litestore import store_missing
+    from tuner.memoanswer import memo_applies
+
+    if request.method != "simulate":
+        return False
+    return not cache or not memo_applies(request, python) or store_missing(db_url)
+
+
+def _spawn_ahead(request: JobRequest, db_url: str | None, cache: bool, worker: Callable[..., dict],
+                 spawner: Callable[..., Any] | None, timeout_s: float) -> Any:
+    """The worker handle :func:`_needs_worker` asks for, started now; None when none is needed or
+    nothing can start one (``spawner`` None and ``worker`` no ``run_in_worker``)."""
+    spawner = spawner_for(worker) if spawner is None else spawner
+    python = (getattr(worker, "keywords", None) or {}).get("python")  # a partial's (as memo_worker reads it)
+    if spawner is None or not _needs_worker(request, db_url, cache, python):
+        return None
+    return spawner(timeout_s=timeout_s)
 
 
 def _vllm_residuals(outcome: ProfileOutcome, runs: list[dict], store: "Store") -> Callable | None:

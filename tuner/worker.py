@@ -10,6 +10,10 @@ The child also guards itself (:mod:`tuner.worker_guard`, from the environment se
 with this process (``PR_SET_PDEATHSIG`` plus a ``getppid`` watchdog that kills its group), keeps
 its own deadline (``timeout_s`` + :data:`DEADLINE_GRACE_S`) and, with ``memory_max_bytes``, a
 memory limit.
+
+A caller that knows early that it will run a job can start its worker ahead
+(:func:`spawn_worker`, ``tuner.worker_main --preload``: the heavy imports run while the caller
+still opens its store) and hand the :class:`WorkerHandle` to ``run_in_worker(..., spawned=)``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tuner.errors import TunerError, WorkerError, WorkerTimeout
@@ -46,7 +51,7 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
                   python: str | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
                   killpg: Callable[[int, int], None] = os.killpg,
                   on_progress: Callable[[str], None] | None = None,
-                  memory_max_bytes: int | None = None) -> dict[str, Any]:
+                  memory_max_bytes: int | None = None, spawned: "WorkerHandle | None" = None) -> dict[str, Any]:
     """Run one job in a fresh worker process and return its result dict.
 
     Args:
@@ -58,10 +63,15 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
         on_progress: called with each progress line the job writes (the request gets
             ``"progress": true``); stderr is then read while the job runs.
         memory_max_bytes: the worker's memory limit (``RLIMIT_DATA``); None or 0: none.
+        spawned: a worker already started for this job (:func:`spawn_worker`): the request goes
+            to that process instead of a new one, and the limit is the handle's, counted from its
+            spawn (``timeout_s``, ``python``, ``popen``, ``killpg`` and ``memory_max_bytes`` given
+            here are then not used). A handle serves one job.
 
     Raises:
         WorkerTimeout: the limit expired (the group was killed).
-        WorkerError: the child crashed, was killed, or wrote no valid reply.
+        WorkerError: the child crashed, was killed, or wrote no valid reply; or ``spawned`` was
+            already used or cancelled.
         ProtocolError: the child answered in another protocol version (another ctx-tuner).
         TunerError: the child reported a typed error (bad config, plugin failure, …), re-raised
             as the same class of :mod:`tuner.errors` with the same ``where`` / ``path`` / ``field``
@@ -70,6 +80,31 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
             process group first, then propagates.
     """
     request = _wire(request)
+    if spawned is None:
+        spawned = spawn_worker(timeout_s=timeout_s, python=python, memory_max_bytes=memory_max_bytes, popen=popen,
+                               killpg=killpg, preload=False)
+        wait_s = timeout_s
+    else:
+        wait_s = spawned.time_left()
+    proc = spawned.claim(job)
+    try:
+        return _wait_for_reply(proc, request, job=job, timeout_s=spawned.timeout_s, wait_s=wait_s,
+                               killpg=spawned.killpg, on_progress=on_progress)
+    finally:
+        _RUNNING.pop(proc.pid, None)
+
+
+#: :func:`run_in_worker` itself, for :func:`spawner_for` (a test that replaces the module's name
+#: with a fake gets no real process spawned ahead for it).
+_RUN_IN_WORKER = run_in_worker
+
+
+def _start_worker(args: list[str], *, timeout_s: float, python: str | None, memory_max_bytes: int | None,
+                  popen: Callable[..., subprocess.Popen]) -> subprocess.Popen:
+    """Start ``python -m tuner.worker_main ARGS`` in its own process group, with the environment
+    every one-shot worker gets (offline hub, unbuffered output, the :mod:`tuner.worker_guard`
+    limits: this process as its parent, the deadline ``timeout_s`` + :data:`DEADLINE_GRACE_S`
+    from now, the memory limit)."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -82,13 +117,115 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
         env[ENV_MEMORY] = str(int(memory_max_bytes))
     else:
         env.pop(ENV_MEMORY, None)
-    proc = popen([worker_python(python), "-m", "tuner.worker_main"], stdin=subprocess.PIPE,
+    return popen([worker_python(python), "-m", "tuner.worker_main", *args], stdin=subprocess.PIPE,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
+
+
+class WorkerHandle:
+    """A one-shot worker process started before its request (:func:`spawn_worker`), for one job.
+
+    :func:`run_in_worker` (``spawned=``) sends it the request; :meth:`cancel` kills and reaps it
+    when no job comes after all. As a context manager it is cancelled on the way out unless a job
+    used it, so no path (an error before the job, ``KeyboardInterrupt``) leaves it running; it is
+    also in :data:`_RUNNING` from its spawn, for :func:`kill_running_workers`.
+
+    The limit (``timeout_s``) counts from the spawn, not from the request: the worker's own
+    deadline (:mod:`tuner.worker_guard`) was armed at its start.
+    """
+
+    def __init__(self, proc: subprocess.Popen, *, timeout_s: float, killpg: Callable[[int, int], None],
+                 monotonic: Callable[[], float]) -> None:
+        self.proc = proc
+        self.timeout_s = float(timeout_s)
+        self.killpg = killpg
+        self._monotonic = monotonic
+        self._deadline = monotonic() + self.timeout_s
+        self.used = False
+        self.cancelled = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def time_left(self) -> float:
+        """Seconds left of the limit counted from the spawn (0 once it passed)."""
+        return max(0.0, self._deadline - self._monotonic())
+
+    def claim(self, job: str) -> subprocess.Popen:
+        """The process, for the one job that uses it (:func:`run_in_worker`); from then on that
+        job owns it (kills it on any error) and :meth:`cancel` does nothing.
+
+        Raises:
+            WorkerError: the handle was already used or cancelled."""
+        if self.used or self.cancelled:
+            raise WorkerError(f"worker process {self.proc.pid} was already {'used' if self.used else 'cancelled'}",
+                              where=job)
+        self.used = True
+        return self.proc
+
+    def cancel(self) -> None:
+        """Kill the worker's process group, reap the process, close its pipes and unregister it;
+        nothing once a job used the handle (that job reaps it) or when already cancelled."""
+        if self.used or self.cancelled:
+            return
+        self.cancelled = True
+        try:
+            _kill_group(self.proc, self.killpg)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # SIGKILLed already: a zombie the kernel will reap with us
+                pass
+        finally:
+            _RUNNING.pop(self.proc.pid, None)
+            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
+
+    def __enter__(self) -> "WorkerHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+def spawn_worker(*, timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None,
+                 memory_max_bytes: int | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+                 killpg: Callable[[int, int], None] = os.killpg, preload: bool = True,
+                 monotonic: Callable[[], float] = time.monotonic) -> WorkerHandle:
+    """Start a one-shot worker now, before its request exists, so that its start-up overlaps the
+    caller's own work (``profile`` opening the store); :func:`run_in_worker` with ``spawned=``
+    sends it the request later. Same process, environment and isolation as ``run_in_worker``'s
+    own worker (:func:`_start_worker`); with ``preload`` it is ``tuner.worker_main --preload``,
+    which imports what a simulate job needs (torch, transformers, the simulator) while it waits.
+
+    The limit ``timeout_s`` counts from now (:class:`WorkerHandle`). The caller cancels the
+    handle when it finds it needs no worker (use it as a context manager, or ``cancel()`` in a
+    ``finally``). ``python``, ``memory_max_bytes``, ``popen``, ``killpg``, ``monotonic``: as
+    ``run_in_worker``'s, injectable for tests."""
+    proc = _start_worker(["--preload"] if preload else [], timeout_s=timeout_s, python=python,
+                         memory_max_bytes=memory_max_bytes, popen=popen)
     _RUNNING[proc.pid] = killpg
-    try:
-        return _wait_for_reply(proc, request, job=job, timeout_s=timeout_s, killpg=killpg, on_progress=on_progress)
-    finally:
-        _RUNNING.pop(proc.pid, None)
+    return WorkerHandle(proc, timeout_s=timeout_s, killpg=killpg, monotonic=monotonic)
+
+
+def spawner_for(worker: Callable[..., Any]) -> Callable[..., WorkerHandle] | None:
+    """:func:`spawn_worker` with the ``python`` / ``memory_max_bytes`` / ``popen`` / ``killpg``
+    that ``worker`` would start its process with, when ``worker`` is :func:`run_in_worker` or a
+    ``functools.partial`` of it (the CLI's ``--worker-python``, its progress printer); None for any
+    other worker function (a test's fake, the daemon's warm worker): nothing is spawned ahead."""
+    import functools
+
+    func, kw = worker, {}
+    while isinstance(func, functools.partial):
+        kw = {**func.keywords, **kw}
+        func = func.func
+    if func is not _RUN_IN_WORKER:
+        return None
+    return functools.partial(spawn_worker, **{k: kw[k] for k in ("python", "memory_max_bytes", "popen", "killpg")
+                                              if k in kw})
 
 
 def _wire(request: Any) -> dict[str, Any]:
@@ -127,14 +264,16 @@ def kill_running_workers() -> int:
     return n
 
 
-def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str, timeout_s: float,
+def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str, timeout_s: float, wait_s: float,
                     killpg: Callable[[int, int], None],
                     on_progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """Send the request, wait ``wait_s`` seconds at most (what is left of ``timeout_s``, the limit
+    named in the timeout error) and read the reply."""
     try:
         if on_progress is None:
-            out, err = proc.communicate(json.dumps(request).encode(), timeout=timeout_s)
+            out, err = proc.communicate(json.dumps(request).encode(), timeout=wait_s)
         else:
-            out, err = _communicate_relaying(proc, json.dumps({**request, "progress": True}).encode(), timeout_s,
+            out, err = _communicate_relaying(proc, json.dumps({**request, "progress": True}).encode(), wait_s,
                                              on_progress)
     except subprocess.TimeoutExpired:
         _kill_group(proc, killpg)

@@ -9,7 +9,9 @@ refused with a typed :class:`~tuner.errors.ProtocolError` reply), runs :func:`tu
 re-raises the same class, :func:`tuner.worker.error_from_reply`).
 Typed errors are replies; anything else is a crash with a traceback on stderr. With ``--serve``
 (the daemon's warm worker, :mod:`tuner.warmworker`) it answers one request per line until stdin
-closes (:func:`serve`).
+closes (:func:`serve`). With ``--preload`` (a worker started ahead of its request,
+:func:`tuner.worker.spawn_worker`) it imports what a simulate job needs *before* reading the
+request, then answers that one request as without it (:func:`main`).
 """
 
 from __future__ import annotations
@@ -105,19 +107,15 @@ def _reply_channel():
     return reply_out
 
 
-def preload(data: dict) -> bool:
+def preload_imports() -> bool:
     """Import what a simulate job (or a ``validate`` request) imports anyway — torch, the job, the
     simulator, transformers (:mod:`tuner.transformers_lean`), the plugins — with the cyclic garbage
     collector off, then freeze those objects (``gc.freeze``) and turn it back on: the hundreds of
     thousands of long-lived objects of torch and transformers are then never traversed again by
     the collections that the imports and the job's passes trigger (about 1 CPU s of a cold 70B
-    worker, a quarter of it). The passes' own objects are collected as before. Other requests
-    (``cuda`` / ``vllm`` methods, another kind) and a request that is not a JSON object import
-    nothing here. An import that fails is left to the job, which reports it as before. Returns
-    True when the imports ran."""
-    if not isinstance(data, dict) or data.get("kind", "job") not in ("job", "validate") \
-            or (data.get("kind", "job") == "job" and (data.get("method") or "simulate") != "simulate"):
-        return False
+    worker, a quarter of it). The passes' own objects are collected as before. An import that
+    fails is left to the job, which reports it as before. Returns True when the imports ran.
+    Used by :func:`preload` (after the request) and by ``--preload`` (before it)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -139,13 +137,31 @@ def preload(data: dict) -> bool:
     return True
 
 
-def main() -> int:
+def preload(data: dict) -> bool:
+    """:func:`preload_imports` for a request that needs them: a simulate job or a ``validate``
+    request. Other requests (``cuda`` / ``vllm`` methods, another kind) and a request that is not
+    a JSON object import nothing here. Returns True when the imports ran."""
+    if not isinstance(data, dict) or data.get("kind", "job") not in ("job", "validate") \
+            or (data.get("kind", "job") == "job" and (data.get("method") or "simulate") != "simulate"):
+        return False
+    return preload_imports()
+
+
+def main(ahead: bool = False) -> int:
+    """One request on stdin, its reply on stdout. ``ahead`` (``--preload``: a worker the parent
+    started before it knew the request, :func:`tuner.worker.spawn_worker`) runs
+    :func:`preload_imports` first and only then reads the request, so the imports overlap the
+    parent's own work; any request is then handled as without it (one that is no simulate job
+    just paid imports it did not need)."""
     from tuner.worker_guard import install
 
     install()  # die with the parent, own deadline, memory limit: before anything big is imported
-    data = json.loads(sys.stdin.read())
     reply_out = _reply_channel()
-    preload(data)
+    if ahead:
+        preload_imports()
+    data = json.loads(sys.stdin.read())
+    if not ahead:
+        preload(data)
     json.dump(handle(data), reply_out)
     reply_out.flush()
     return 0
@@ -183,4 +199,4 @@ def serve() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve() if "--serve" in sys.argv[1:] else main())
+    sys.exit(serve() if "--serve" in sys.argv[1:] else main(ahead="--preload" in sys.argv[1:]))

@@ -7,7 +7,10 @@
    Target (issue 13): ≤ 2.0 s. Then the same job's worker process alone (``python -m
    tuner.worker_main`` on the job's request: no CLI, no store), with the heavy modules it
    imported (sympy, torch._dynamo / inductor, torch.distributed.tensor, transformers.activations:
-   none, with the lean worker).
+   none, with the lean worker). Then the same CLI run against an existing store that holds another
+   model (the 8B H100 example, profiled once): the store is opened and the memo looked up before
+   the worker answers (``profile`` starts its worker ahead only where the memo cannot answer:
+   no store, ``--no-cache``, not memoizable).
 2. V0 after imports: a new process imports the worker side (torch, transformers, the job, the
    simulator), then runs the V0 example drop ``configs/examples/llama-3.1-8b-rtx3090-v0.yaml``
    (vLLM 0.6.4 without chunked prefill: one pass per ``max_model_len`` probed; the imports are
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +41,7 @@ from pathlib import Path
 #: before/after figures with this same benchmark).
 REPO = Path(os.environ.get("CTX_TUNER_BENCH_REPO") or Path(__file__).resolve().parents[2])
 COLD_DROP = REPO / "configs" / "examples" / "llama-3.1-70b-h100-tp4.yaml"
+SEED_DROP = REPO / "configs" / "examples" / "llama-3.1-8b-h100.yaml"
 V0_DROP = REPO / "configs" / "examples" / "llama-3.1-8b-rtx3090-v0.yaml"
 COLD_TARGET_S, V0_TARGET_S = 2.0, 1.5
 
@@ -85,12 +90,20 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def cold_cli(runs: int) -> tuple[list[float], list[float]]:
+def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float]]:
+    """``profile`` of the 70B example in a new process, N runs: against a new store, or (``seeded``)
+    against a copy of a store that holds the 8B example's run (made once, not timed)."""
     walls, cpus = [], []
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory() as tmp:
+        seed = Path(tmp) / "seed.sqlite"
+        if seeded:
+            subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(SEED_DROP), "--db", str(seed), "--quiet"],
+                           cwd=REPO, env=env, capture_output=True, check=True)
         for i in range(runs):
             db = Path(tmp) / f"cold-{i}.sqlite"
+            if seeded:
+                shutil.copyfile(seed, db)
             c0, t0 = _children_cpu(), time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(COLD_DROP), "--db", str(db)],
                                   cwd=REPO, env=env, capture_output=True, text=True)
@@ -181,6 +194,8 @@ def main() -> int:
     print(bytecode_note())
     walls, cpus = cold_cli(args.runs)
     print(f"cold CLI, {COLD_DROP.name}: wall {_spread(walls)}; cpu {_spread(cpus)}; target <= {COLD_TARGET_S} s wall")
+    s_walls, s_cpus = cold_cli(args.runs, seeded=True)
+    print(f"  into a store holding {SEED_DROP.name}: wall {_spread(s_walls)}; cpu {_spread(s_cpus)}")
     w_walls, w_cpus, heavy = cold_worker(args.runs)
     print(f"  its worker alone: wall {_spread(w_walls)}; cpu {_spread(w_cpus)}; heavy modules imported: "
           f"{heavy[0] if heavy else '?'}")
