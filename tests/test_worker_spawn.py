@@ -318,3 +318,44 @@ def test_needs_worker_only_for_simulate_jobs_the_memo_cannot_answer(tmp_path, ti
     assert _needs_worker(job, str(existing), False) is True  # --no-cache
     assert _needs_worker(job, str(existing), True, python="/other/python") is True  # not memoizable
     assert _needs_worker(job.replace(method="cuda"), missing, False) is False  # no simulate imports to win
+
+
+# --- the one-shot worker ends without the interpreter's teardown after a simulate reply ------------
+
+_TEARDOWN_PROBE = (
+    "import atexit, runpy, sys\n"
+    "atexit.register(lambda: sys.stderr.write('ctx-teardown-ran'))\n"
+    "sys.argv = ['tuner.worker_main']\n"
+    "runpy.run_module('tuner.worker_main', run_name='__main__')\n")
+
+
+@pytest.mark.slow
+def test_worker_paid_interpreter_teardown_after_a_simulate_reply(tmp_path, tiny_config):
+    """The parent waits for the worker's exit before reading the reply; finalizing torch cost a
+    cold 70B worker ~0.2 s. A simulate job's worker exits right after its flushed reply (atexit
+    handlers do not run; the reply is complete); a request that is no simulate job — here one the
+    contract refuses — still ends through the normal teardown."""
+    request = _tiny_request(tmp_path, tiny_config)
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE], input=json.dumps(request), capture_output=True,
+                          text=True, env=env, timeout=300)
+    reply = json.loads(proc.stdout)
+    assert proc.returncode == 0 and reply["ok"] is True
+    assert [(p["gpu_memory_utilization"], p["max_model_len"]) for p in reply["result"]["proposals"]] == [(0.9, 4096)]
+    assert "ctx-teardown-ran" not in proc.stderr
+    refused = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE], input=json.dumps({"kind": "nonsense"}),
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert json.loads(refused.stdout)["ok"] is False
+    assert refused.returncode == 0 and "ctx-teardown-ran" in refused.stderr
+
+
+def test_simulate_only_names_the_requests_that_leave_nothing_to_clean_up():
+    from tuner.worker_main import simulate_only, skip_teardown
+
+    assert [simulate_only(d) for d in ({"kind": "job"}, {"kind": "job", "method": "simulate"}, {"kind": "validate"},
+                                       {"method": None}, {"kind": "job", "method": "cuda"}, {"method": "vllm"},
+                                       {"kind": "other"}, [1], None)] == [True, True, True, True, False, False,
+                                                                           False, False, False]
+    codes = []
+    skip_teardown(exit_=codes.append)
+    assert codes == [0]

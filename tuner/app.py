@@ -170,10 +170,12 @@ def open_for_job(request: JobRequest, db_url: str | None, *, calibrate: bool = T
     Raises:
         StoreError: the store exists and cannot be opened or migrated.
     """
+    from tuner.litestore import open_lite, store_missing
+
+    if store_missing(db_url):  # a SQLite file not made yet: nothing to import for it now
+        return None
     if store_factory is None:
         if request.method == "simulate":
-            from tuner.litestore import open_lite
-
             lite = open_lite(db_url, calibrate=calibrate)
             if lite is not None:
                 return lite
