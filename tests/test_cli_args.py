@@ -116,3 +116,23 @@ def test_bare_ctx_tuner_printed_argparse_required_error_instead_of_help():
     for command in ("profile", "check", "explain", "results", "plot", "daemon", "retry", "status", "validate",
                     "import-log", "devices", "selftest"):
         assert f"    {command} " in text or f"    {command}\n" in text, command
+
+
+def test_cli_paid_interpreter_teardown_after_its_answer(tmp_path):
+    """The console script (``tuner.cli:run``) ends the process once :func:`main` returned, its
+    output flushed, without the interpreter's teardown (~0.1 s of a cold CLI): the exit code is
+    main's, stdout is complete, atexit handlers do not run. In-process, ``exit_`` gets the code."""
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: sys.stderr.write('ctx-teardown-ran'))\n"
+             "from tuner.cli import run\n"
+             "run([])\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout.startswith("usage: ctx-tuner") and "    profile " in proc.stdout
+    assert "ctx-teardown-ran" not in proc.stderr
+    from tuner.cli import run
+
+    codes = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        run([], exit_=codes.append)
+    assert codes == [2]
