@@ -117,16 +117,20 @@ def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float]]
 #: The child of figure 1b: the 70B job's worker alone (``python -m tuner.worker_main`` on its
 #: request), reporting the heavy modules it imported.
 WORKER_CHILD = r"""
-import json, runpy, sys, io
+import json, os, sys
 HEAVY = %r
-data = sys.stdin.read()
-sys.stdin = io.StringIO(data)
-sys.argv = ["tuner.worker_main"]
-try:
-    runpy.run_module("tuner.worker_main", run_name="__main__")
-except SystemExit:
-    pass
-sys.stderr.write("ctx-bench-heavy: " + json.dumps(sorted(m for m in HEAVY if m in sys.modules)) + "\n")
+import tuner.worker_main as wm
+
+def report_then_exit(exit_=os._exit):
+    # the worker ends without the interpreter's teardown (wm.skip_teardown): report first
+    sys.stderr.write("ctx-bench-heavy: " + json.dumps(sorted(m for m in HEAVY if m in sys.modules)) + "\n")
+    sys.stderr.flush()
+    exit_(0)
+
+if hasattr(wm, "skip_teardown"):
+    wm.skip_teardown = report_then_exit
+wm.main()
+report_then_exit(sys.exit)  # a checkout whose worker returns (or a request it does not end early)
 """
 
 
