@@ -136,3 +136,52 @@ def test_cli_paid_interpreter_teardown_after_its_answer(tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
         run([], exit_=codes.append)
     assert codes == [2]
+
+
+def test_output_to_a_full_disk_gave_a_traceback(monkeypatch):
+    """``ctx-tuner profile … > /dev/full`` ended in an ``OSError [Errno 28]`` traceback; an output
+    that cannot be written is one line on stderr and exit 1 now. Other OSErrors still propagate."""
+    import errno
+
+    import tuner.commands.devices as devices_cmd
+
+    def full(_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(devices_cmd, "run", full)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["devices"]) == 1
+    assert err.getvalue() == "ctx-tuner: cannot write the output: No space left on device\n"
+
+    def missing(_args):
+        raise OSError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(devices_cmd, "run", missing)
+    with pytest.raises(FileNotFoundError):
+        main(["devices"])
+
+
+def test_closed_stderr_made_profile_fail_silently():
+    """``ctx-tuner profile DROP 2>&-`` exited 1 with no output and stored nothing
+    (``sys.stderr.isatty()`` on None in the progress printer); with stdout closed (``>&-``) the
+    final flush raised AttributeError. Both now run the command: the progress sink is off, the
+    result is stored."""
+    from tuner.commands.explain import progress_printer
+
+    class Args:
+        progress = None
+        quiet = False
+
+    probe = ("import sys\n"
+             "sys.stderr = None\n"
+             "from tuner.commands.explain import progress_printer\n"
+             "class A: progress = True; quiet = False\n"
+             "print(progress_printer(A()) is None)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "True", proc.stderr
+    assert progress_printer(Args()) is None  # pytest's stderr is no tty
+    closed = subprocess.run([sys.executable, "-c", "import sys; sys.stdout = None\n"
+                             "from tuner.cli import main\nprint(main(['devices', '--json']), file=sys.stderr)"],
+                            capture_output=True, text=True, timeout=120)
+    assert "AttributeError" not in closed.stderr and closed.stderr.strip().splitlines()[-1] == "1"

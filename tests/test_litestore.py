@@ -273,3 +273,37 @@ def test_warm_imports_imports_in_the_background_and_leaves_failures_to_the_calle
     thread = warm_imports("ctx_warm_probe")
     thread.join()
     assert sys.modules["ctx_warm_probe"].VALUE == 42
+
+
+def test_locked_store_was_waited_for_twice(tmp_path):
+    """A store still locked after the busy timeout made the lite path decline (None), and the
+    SQLAlchemy store then waited as long again: the lock is a StoreError naming the store now."""
+    db = _new_store(tmp_path / "s.sqlite")
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("PRAGMA journal_mode = DELETE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreError) as exc:
+            litestore.open_lite(db, busy_timeout_s=0)
+        assert exc.value.where == f"sqlite:///{db}" and "database is locked" in exc.value.message
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    lite = litestore.open_lite(db, busy_timeout_s=0)
+    assert lite is not None
+    lite.close()
+
+
+def test_empty_db_file_said_not_all_in_the_memo_instead_of_no_store(tmp_path, tiny_config):
+    """A zero-byte ``--db`` file (which open_store makes into a new store) was read as a store
+    whose memo missed ("not all in the memo"); it is a missing store now: "no store", and the
+    result is stored in the store made from it."""
+    from tuner.app import profile
+
+    db = tmp_path / "empty.sqlite"
+    db.write_bytes(b"")
+    assert litestore.store_missing(str(db)) and litestore.store_missing(str(tmp_path / "nope.sqlite"))
+    assert not litestore.store_missing("postgresql://h/db")
+    out = profile(_drop(tmp_path, tiny_config, "tiny"), db_url=str(db), worker=_worker)
+    assert out.result["pass_source"]["reason"] == "no store" and out.drop_id == 1
+    assert not litestore.store_missing(str(db)) and len(_dump(db)["drops"]) == 1

@@ -165,16 +165,56 @@ def test_spawn_uses_run_in_workers_environment_and_isolation_plus_preload(monkey
     assert _RUNNING == {}
 
 
-def test_spawned_worker_deadline_counts_from_the_spawn():
-    now = [100.0]
-    proc = _FakeProc(["py"])
-    handle = spawn_worker(timeout_s=10, popen=lambda args, **kw: proc, killpg=lambda *_: None,
-                          monotonic=lambda: now[0])
-    now[0] += 7.5  # the parent opened its store meanwhile
-    assert handle.time_left() == 2.5
-    assert run_in_worker({}, job="j", timeout_s=600, spawned=handle) == {"x": 1}
-    assert proc.timeouts == [2.5]  # not the 600 given to run_in_worker, nor 10 from now
+def test_spawned_worker_charged_the_parents_store_wait_to_the_job_timeout():
+    """A worker started ahead while the parent waited on a locked store timed out a 2 s pass under
+    ``--timeout 3``: the limit counted from the spawn. It counts from the request now: the parent
+    waits the whole ``timeout_s`` of the handle, and the request carries the worker's own
+    deadline (timeout + grace), which it arms when it reads the request."""
+    sent = []
+
+    class Proc(_FakeProc):
+        def communicate(self, data=None, timeout=None):
+            sent.append(json.loads(data))
+            return super().communicate(data, timeout)
+
+    proc = Proc(["py"])
+    handle = spawn_worker(timeout_s=10, popen=lambda args, **kw: proc, killpg=lambda *_: None)
+    assert run_in_worker({"kind": "job"}, job="j", timeout_s=600, spawned=handle) == {"x": 1}
+    assert proc.timeouts == [10.0]  # the handle's limit, not the 600 given to run_in_worker
+    assert sent[0][worker_mod.DEADLINE_KEY] == 10 + worker_mod.DEADLINE_GRACE_S
     assert handle.used and 424242 not in _RUNNING
+    fresh = Proc(["py"])
+    run_in_worker({"kind": "job"}, job="j", timeout_s=7, popen=lambda args, **kw: fresh, killpg=lambda *_: None)
+    assert worker_mod.DEADLINE_KEY not in sent[1]  # a worker started for its request: the env's deadline
+
+
+def test_preload_worker_arms_its_deadline_only_when_the_request_comes(tmp_path, tiny_config):
+    """A ``--preload`` worker whose environment's deadline (0.3 s) is shorter than its own imports
+    (torch alone takes longer) still answers: that deadline was not armed at its start; the
+    request's ``deadline_s`` is taken out before the job reads the request."""
+    import os
+
+    request = _tiny_request(tmp_path, tiny_config)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", ENV_DEADLINE: "0.3", ENV_PARENT: str(os.getpid())}
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.worker_main", "--preload"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(json.dumps({**request, worker_mod.DEADLINE_KEY: 300}).encode(), timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reply = json.loads(out)
+    assert proc.returncode == 0 and reply["ok"] is True, err[-500:]
+    assert [(p["gpu_memory_utilization"], p["max_model_len"]) for p in reply["result"]["proposals"]] == [(0.9, 4096)]
+
+
+def test_worker_python_that_cannot_start_gave_a_traceback():
+    """``CTX_TUNER_WORKER_PYTHON=/nonexistent`` (or a script with a bad ``#!``) raised the raw
+    ``FileNotFoundError`` from Popen; it is a WorkerError naming the interpreter now."""
+    with pytest.raises(WorkerError) as exc:
+        run_in_worker({"kind": "job"}, job="j", python="/nonexistent/python3")
+    assert exc.value.message.startswith("cannot start the worker Python /nonexistent/python3: ")
+    assert "No such file or directory" in exc.value.message and _RUNNING == {}
 
 
 def test_cancel_after_the_job_signals_nothing_so_a_reused_pid_is_never_killed():
@@ -278,8 +318,10 @@ def test_profile_spawns_ahead_with_cache_off_even_when_the_store_exists(tmp_path
 def test_profile_cancels_the_spawned_worker_when_it_fails_before_the_job(tmp_path, tiny_config, exc_type):
     from tuner.app import profile
 
+    from tuner.store import open_store
+
     db = tmp_path / "store.sqlite"
-    db.write_bytes(b"")  # a store file exists: profile opens it before the job
+    open_store(str(db)).close()  # a store exists: profile opens it before the job
 
     def store_factory(url):
         raise exc_type("cannot open the store")
@@ -311,8 +353,10 @@ def test_needs_worker_only_for_simulate_jobs_the_memo_cannot_answer(tmp_path, ti
     from tuner.protocol import as_job_request
 
     job = as_job_request(request)
+    from tuner.store import open_store
+
     missing, existing = str(tmp_path / "none.sqlite"), tmp_path / "there.sqlite"
-    existing.write_bytes(b"")
+    open_store(str(existing)).close()
     assert _needs_worker(job, missing, True) is True  # no store: the memo cannot answer
     assert _needs_worker(job, str(existing), True) is False  # the memo may answer
     assert _needs_worker(job, str(existing), False) is True  # --no-cache
@@ -359,3 +403,18 @@ def test_simulate_only_names_the_requests_that_leave_nothing_to_clean_up():
     codes = []
     skip_teardown(exit_=codes.append)
     assert codes == [0]
+
+
+def test_install_leaves_the_deadline_unarmed_for_a_worker_started_ahead():
+    import threading
+
+    from tuner import worker_guard
+
+    env = {worker_guard.ENV_DEADLINE: "5"}
+    assert [t.name for t in worker_guard.install(env, arm=False, pdeathsig=lambda _s: True)] == []
+    assert worker_guard.arm_deadline(None, {}) is None and worker_guard.arm_deadline(0.0) is None
+    died = threading.Event()
+    clock = iter([100.0, 107.0])  # armed at 100 for 5 s; the watchdog's first look is at 107
+    thread = worker_guard.arm_deadline(None, env, die=died.set, monotonic=lambda: next(clock))
+    thread.join(timeout=30)
+    assert died.is_set() and thread.name == "ctx-tuner-deadline"

@@ -229,7 +229,8 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
 
     When the job will certainly run a worker (:func:`_needs_worker`) it is started right after
     the drop is read, before the store is opened (:func:`tuner.worker.spawn_worker`): its imports
-    overlap the store, calibration and memo lookups, and ``timeout_s`` counts from that spawn. A
+    overlap the store, calibration and memo lookups; ``timeout_s`` counts from the request (time
+    spent waiting on a locked store is not charged to the job). A
     worker started so and not used (an error on the way) is killed. ``spawner``: what starts it
     (default :func:`tuner.worker.spawner_for` ``worker``: only for ``run_in_worker`` and its
     partials, so a fake ``worker`` starts no process); it is called with ``timeout_s`` and its

@@ -14,6 +14,7 @@ Never imports torch (profile passes run in worker subprocesses).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if in_main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler else None
     try:
         code = int(args._run(args))
-        sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at exit
+        if sys.stdout is not None:  # None: started with stdout closed (``>&-``); print() wrote nothing
+            sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at exit
         return code
     except KeyboardInterrupt:
         print("ctx-tuner: interrupted", file=sys.stderr)
@@ -145,18 +147,37 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # the reader of stdout went away (``| head``): no traceback, and no second error when
         # Python flushes stdout at exit
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
+        _drop_stdout()
         return EXIT_OK
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRNOS:
+            raise
+        # the output could not be written (``> /dev/full``, a full disk, a closed descriptor)
+        _drop_stdout()
+        if sys.stderr is not None:
+            print(f"ctx-tuner: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
             if old_int is not None:
                 signal.signal(signal.SIGINT, old_int)
+
+
+#: ``OSError`` numbers that mean the output could not be written (no space, I/O error, a bad or
+#: closed descriptor, quota): reported in one line, exit 1, instead of a traceback.
+_OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT})
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so what is still buffered for it is not written (and fails
+    again) at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def run(argv: list[str] | None = None, *, exit_: Callable[[int], None] = os._exit) -> None:
@@ -169,7 +190,8 @@ def run(argv: list[str] | None = None, *, exit_: Callable[[int], None] = os._exi
     code = main(argv)
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):
             pass
     logging.shutdown()

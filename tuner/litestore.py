@@ -51,18 +51,32 @@ def sqlite_file(url: str | None, default_path: str = DEFAULT_PATH) -> str | None
 
 
 def store_missing(url: str | None, default_path: str = DEFAULT_PATH) -> bool:
-    """True when ``url`` names a SQLite file (:func:`sqlite_file`) that does not exist yet — the
-    memo cannot answer and opening it would create it; False otherwise (unsure included)."""
+    """True when ``url`` names a SQLite file (:func:`sqlite_file`) that does not exist yet, or an
+    empty file (which :func:`tuner.store.open_store` makes into a new store) — the memo cannot
+    answer and opening it would create the store; False otherwise (unsure included)."""
     path = sqlite_file(url, default_path)
-    return path is not None and not Path(path).exists()
+    if path is None:
+        return False
+    try:
+        return Path(path).stat().st_size == 0
+    except FileNotFoundError:
+        return True
+    except OSError:  # unreadable: the store reports it
+        return False
 
 
 def open_lite(url: str | None, *, readonly: bool = False, calibrate: bool = True,
               default_path: str = DEFAULT_PATH, busy_timeout_s: float = 30.0) -> "LiteStore | None":
     """A :class:`LiteStore` on the SQLite store at ``url``, or None when this path cannot vouch
     for it (see the module docstring; the caller then uses :func:`tuner.store.open_store`).
-    ``readonly`` opens the file with ``mode=ro``. Never creates or migrates anything, never raises
-    for a store it cannot read (the real store then reports it)."""
+    ``readonly`` opens the file with ``mode=ro``. Never creates or migrates anything, and never
+    raises for a store it cannot read (the real store then reports it) — except one still locked
+    by another writer after ``busy_timeout_s``, the ``StoreError`` the real store would raise after
+    waiting as long again.
+
+    Raises:
+        StoreError: the store stayed locked (``database is locked``) past ``busy_timeout_s``.
+    """
     path = sqlite_file(url, default_path)
     if path is None or not Path(path).is_file():
         return None
@@ -86,6 +100,11 @@ def open_lite(url: str | None, *, readonly: bool = False, calibrate: bool = True
             conn.execute("PRAGMA journal_mode = WAL").fetchall()
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
+    except sqlite3.OperationalError as e:
+        conn.close()
+        if "locked" in str(e) or "busy" in str(e):
+            raise StoreError(f"cannot open store: {e}", where=_PLAIN + path) from e
+        return None
     except sqlite3.Error:
         conn.close()
         return None

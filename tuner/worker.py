@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tuner.errors import TunerError, WorkerError, WorkerTimeout
@@ -41,6 +40,9 @@ DEFAULT_TIMEOUT_S = 600.0
 
 #: The worker's own deadline is the parent's timeout plus this (seconds): the parent kills first.
 DEADLINE_GRACE_S = 5.0
+#: The key of a request sent to a worker started ahead (:func:`spawn_worker`): its own deadline,
+#: seconds from when it reads the request (:func:`tuner.worker_guard.arm_deadline`).
+DEADLINE_KEY = "deadline_s"
 
 #: Prefix of the progress lines a job writes on stderr (request ``"progress": true``); the parent
 #: passes them to ``on_progress`` and keeps them out of error tails.
@@ -64,9 +66,10 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
             ``"progress": true``); stderr is then read while the job runs.
         memory_max_bytes: the worker's memory limit (``RLIMIT_DATA``); None or 0: none.
         spawned: a worker already started for this job (:func:`spawn_worker`): the request goes
-            to that process instead of a new one, and the limit is the handle's, counted from its
-            spawn (``timeout_s``, ``python``, ``popen``, ``killpg`` and ``memory_max_bytes`` given
-            here are then not used). A handle serves one job.
+            to that process instead of a new one, and the limit is the handle's, counted from now
+            — the request carries it (:data:`DEADLINE_KEY`) and the worker arms its own deadline
+            when it reads it (``timeout_s``, ``python``, ``popen``, ``killpg`` and
+            ``memory_max_bytes`` given here are then not used). A handle serves one job.
 
     Raises:
         WorkerTimeout: the limit expired (the group was killed).
@@ -83,9 +86,9 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
     if spawned is None:
         spawned = spawn_worker(timeout_s=timeout_s, python=python, memory_max_bytes=memory_max_bytes, popen=popen,
                                killpg=killpg, preload=False)
-        wait_s = timeout_s
-    else:
-        wait_s = spawned.time_left()
+    else:  # the job's limit counts from now; the worker arms its own deadline when the request comes
+        request = {**request, DEADLINE_KEY: spawned.timeout_s + DEADLINE_GRACE_S}
+    wait_s = spawned.timeout_s
     proc = spawned.claim(job)
     try:
         return _wait_for_reply(proc, request, job=job, timeout_s=spawned.timeout_s, wait_s=wait_s,
@@ -117,8 +120,12 @@ def _start_worker(args: list[str], *, timeout_s: float, python: str | None, memo
         env[ENV_MEMORY] = str(int(memory_max_bytes))
     else:
         env.pop(ENV_MEMORY, None)
-    return popen([worker_python(python), "-m", "tuner.worker_main", *args], stdin=subprocess.PIPE,
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
+    exe = worker_python(python)
+    try:
+        return popen([exe, "-m", "tuner.worker_main", *args], stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
+    except OSError as exc:  # a missing interpreter, a bad #! line, no permission, no memory
+        raise WorkerError(f"cannot start the worker Python {exe}: {exc.strerror or exc}", where="worker") from exc
 
 
 class WorkerHandle:
@@ -129,27 +136,22 @@ class WorkerHandle:
     used it, so no path (an error before the job, ``KeyboardInterrupt``) leaves it running; it is
     also in :data:`_RUNNING` from its spawn, for :func:`kill_running_workers`.
 
-    The limit (``timeout_s``) counts from the spawn, not from the request: the worker's own
-    deadline (:mod:`tuner.worker_guard`) was armed at its start.
+    The limit (``timeout_s``) counts from the request, not from the spawn: the imports ran while
+    the parent did its own work (a store locked by another writer may keep it waiting), so only
+    the job is charged; the worker arms its own deadline (:mod:`tuner.worker_guard`) when the
+    request comes. Until then it waits on its stdin, and dies with its parent.
     """
 
-    def __init__(self, proc: subprocess.Popen, *, timeout_s: float, killpg: Callable[[int, int], None],
-                 monotonic: Callable[[], float]) -> None:
+    def __init__(self, proc: subprocess.Popen, *, timeout_s: float, killpg: Callable[[int, int], None]) -> None:
         self.proc = proc
         self.timeout_s = float(timeout_s)
         self.killpg = killpg
-        self._monotonic = monotonic
-        self._deadline = monotonic() + self.timeout_s
         self.used = False
         self.cancelled = False
 
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-    def time_left(self) -> float:
-        """Seconds left of the limit counted from the spawn (0 once it passed)."""
-        return max(0.0, self._deadline - self._monotonic())
 
     def claim(self, job: str) -> subprocess.Popen:
         """The process, for the one job that uses it (:func:`run_in_worker`); from then on that
@@ -193,22 +195,21 @@ class WorkerHandle:
 
 def spawn_worker(*, timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None,
                  memory_max_bytes: int | None = None, popen: Callable[..., subprocess.Popen] = subprocess.Popen,
-                 killpg: Callable[[int, int], None] = os.killpg, preload: bool = True,
-                 monotonic: Callable[[], float] = time.monotonic) -> WorkerHandle:
+                 killpg: Callable[[int, int], None] = os.killpg, preload: bool = True) -> WorkerHandle:
     """Start a one-shot worker now, before its request exists, so that its start-up overlaps the
     caller's own work (``profile`` opening the store); :func:`run_in_worker` with ``spawned=``
     sends it the request later. Same process, environment and isolation as ``run_in_worker``'s
     own worker (:func:`_start_worker`); with ``preload`` it is ``tuner.worker_main --preload``,
     which imports what a simulate job needs (torch, transformers, the simulator) while it waits.
 
-    The limit ``timeout_s`` counts from now (:class:`WorkerHandle`). The caller cancels the
+    The limit ``timeout_s`` counts from the request (:class:`WorkerHandle`). The caller cancels the
     handle when it finds it needs no worker (use it as a context manager, or ``cancel()`` in a
-    ``finally``). ``python``, ``memory_max_bytes``, ``popen``, ``killpg``, ``monotonic``: as
+    ``finally``). ``python``, ``memory_max_bytes``, ``popen``, ``killpg``: as
     ``run_in_worker``'s, injectable for tests."""
     proc = _start_worker(["--preload"] if preload else [], timeout_s=timeout_s, python=python,
                          memory_max_bytes=memory_max_bytes, popen=popen)
     _RUNNING[proc.pid] = killpg
-    return WorkerHandle(proc, timeout_s=timeout_s, killpg=killpg, monotonic=monotonic)
+    return WorkerHandle(proc, timeout_s=timeout_s, killpg=killpg)
 
 
 def spawner_for(worker: Callable[..., Any]) -> Callable[..., WorkerHandle] | None:

@@ -88,10 +88,12 @@ def _death_signal() -> int | None:
 def install(environ: Mapping[str, str] | None = None, *, getppid: Callable[[], int] = os.getppid,
             die: Callable[[], None] = kill_own_group, poll_s: float = PARENT_POLL_S,
             monotonic: Callable[[], float] = time.monotonic,
-            pdeathsig: Callable[[int], bool] = set_pdeathsig) -> list[threading.Thread]:
+            pdeathsig: Callable[[int], bool] = set_pdeathsig, arm: bool = True) -> list[threading.Thread]:
     """Apply the limits named in ``environ`` (default ``os.environ``). Call it from the main thread
     before other threads exist. Returns the watchdog threads started (daemon threads; tests
-    inject ``getppid``/``die``/``poll_s``/``pdeathsig``)."""
+    inject ``getppid``/``die``/``poll_s``/``pdeathsig``). ``arm=False`` leaves the deadline
+    unarmed: a worker started before its request (``--preload``) arms it when the request comes
+    (:func:`arm_deadline`), so the time its parent took before sending it is not charged."""
     env = os.environ if environ is None else environ
     threads = []
     mem = env.get(ENV_MEMORY)
@@ -128,18 +130,41 @@ def install(environ: Mapping[str, str] | None = None, *, getppid: Callable[[], i
         limit_s = float(deadline) if deadline else 0.0
     except ValueError:
         limit_s = 0.0
-    if limit_s > 0:
-        end = monotonic() + limit_s
-
-        def watch_deadline() -> None:
-            while True:
-                left = end - monotonic()
-                if left <= 0:
-                    die()
-                    return
-                time.sleep(min(left, 1.0))
-
-        threads.append(threading.Thread(target=watch_deadline, name="ctx-tuner-deadline", daemon=True))
+    if limit_s > 0 and arm:
+        threads.append(deadline_thread(limit_s, die=die, monotonic=monotonic))
     for t in threads:
         t.start()
     return threads
+
+
+def deadline_thread(limit_s: float, *, die: Callable[[], None] = kill_own_group,
+                    monotonic: Callable[[], float] = time.monotonic) -> threading.Thread:
+    """A daemon thread (not started) that calls ``die`` once ``limit_s`` seconds have passed."""
+    end = monotonic() + limit_s
+
+    def watch_deadline() -> None:
+        while True:
+            left = end - monotonic()
+            if left <= 0:
+                die()
+                return
+            time.sleep(min(left, 1.0))
+
+    return threading.Thread(target=watch_deadline, name="ctx-tuner-deadline", daemon=True)
+
+
+def arm_deadline(limit_s: float | None, environ: Mapping[str, str] | None = None, *,
+                 die: Callable[[], None] = kill_own_group,
+                 monotonic: Callable[[], float] = time.monotonic) -> threading.Thread | None:
+    """Arm this process's deadline now: ``limit_s`` seconds, else :data:`ENV_DEADLINE` of
+    ``environ``; nothing for no positive limit. Returns the started thread."""
+    if limit_s is None:
+        try:
+            limit_s = float((os.environ if environ is None else environ).get(ENV_DEADLINE) or 0)
+        except ValueError:
+            limit_s = 0.0
+    if not limit_s or limit_s <= 0:
+        return None
+    thread = deadline_thread(float(limit_s), die=die, monotonic=monotonic)
+    thread.start()
+    return thread

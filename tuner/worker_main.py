@@ -151,22 +151,37 @@ def main(ahead: bool = False) -> int:
     """One request on stdin, its reply on stdout. ``ahead`` (``--preload``: a worker the parent
     started before it knew the request, :func:`tuner.worker.spawn_worker`) runs
     :func:`preload_imports` first and only then reads the request, so the imports overlap the
-    parent's own work; any request is then handled as without it (one that is no simulate job
-    just paid imports it did not need)."""
-    from tuner.worker_guard import install
+    parent's own work; it arms its deadline from the request's ``deadline_s``
+    (:data:`tuner.worker.DEADLINE_KEY`) once that comes. Any request is then handled as without
+    it (one that is no simulate job just paid imports it did not need)."""
+    from tuner.worker_guard import arm_deadline, install
 
-    install()  # die with the parent, own deadline, memory limit: before anything big is imported
+    # die with the parent, memory limit, own deadline: before anything big is imported; a worker
+    # started ahead arms its deadline when its request comes (the request's deadline_s)
+    install(arm=not ahead)
     reply_out = _reply_channel()
     if ahead:
         preload_imports()
     data = json.loads(sys.stdin.read())
-    if not ahead:
+    deadline_s = data.pop("deadline_s", None) if isinstance(data, dict) else None
+    if ahead:
+        arm_deadline(_seconds(deadline_s))
+    else:
         preload(data)
     reply_out.write(json.dumps(handle(data)))
     reply_out.flush()
     if simulate_only(data):
         skip_teardown()
     return 0
+
+
+def _seconds(value: object) -> float | None:
+    """A request's ``deadline_s`` as seconds, None when absent or not a number (the environment's
+    deadline then applies, :func:`tuner.worker_guard.arm_deadline`)."""
+    try:
+        return float(value) if value is not None and not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def simulate_only(data: object) -> bool:
@@ -186,7 +201,8 @@ def skip_teardown(exit_=os._exit) -> None:
     up; stderr and stdout are flushed first. ``exit_`` is injectable for tests."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):
             pass
     exit_(0)

@@ -53,6 +53,8 @@ def progress_printer(args):
     """A stderr progress sink, or None: ``--progress`` on, ``--quiet`` off, else when stderr is a tty."""
     if getattr(args, "quiet", False):
         return None
+    if sys.stderr is None:  # started with stderr closed (``2>&-``): nowhere to print
+        return None
     if not getattr(args, "progress", None) and not sys.stderr.isatty():
         return None
     return lambda line: print(f"ctx-tuner: {line}", file=sys.stderr, flush=True)
