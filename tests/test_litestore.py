@@ -226,84 +226,78 @@ def test_profile_falls_back_to_sqlalchemy_for_a_store_with_calibrations(tmp_path
     assert lite_calls == [f"sqlite:///{db}"] and out.drop_id == 2  # no calibration asked for: the lite path
 
 
-def test_profile_of_a_new_store_imports_its_libraries_while_the_worker_runs(tmp_path, tiny_config, monkeypatch):
-    """A new store is created after the job; SQLAlchemy and Alembic are imported in a thread
-    started before the worker, joined before the store is made. An existing store starts none."""
+def test_profile_of_a_new_store_waited_for_alembic_after_the_job(tmp_path, tiny_config, monkeypatch):
+    """A new store was created and migrated (SQLAlchemy, Alembic: ~0.1 s plus ~0.4 s of imports)
+    only after the worker's reply. It is made in a thread started before the worker, under a
+    temporary name, and linked into place once the job succeeded; nothing is left beside it. An
+    existing store starts no such thread."""
     from tuner import app
 
     events = []
-    real = app.warm_imports
+    real = app.make_new_store
 
-    def spy(*names):
-        events.append(("warm", names))
-        thread = real(*names)
-        real_join = thread.join
-
-        def join(*a):
-            events.append(("join",))
-            return real_join(*a)
-
-        thread.join = join
-        return thread
+    def spy(url):
+        events.append("new store started")
+        return real(url)
 
     def worker(request, **kw):
-        events.append(("worker",))
+        events.append("worker")
         return _worker(request, **kw)
 
-    monkeypatch.setattr(app, "warm_imports", spy)
-    db = str(tmp_path / "new.sqlite")
-    app.profile(_drop(tmp_path, tiny_config, "tiny"), db_url=db, worker=worker)
-    assert events == [("warm", ("tuner.store", "alembic.command")), ("worker",), ("join",)]
+    monkeypatch.setattr(app, "make_new_store", spy)
+    db = tmp_path / "new.sqlite"
+    out = app.profile(_drop(tmp_path, tiny_config, "tiny"), db_url=str(db), worker=worker)
+    assert events == ["new store started", "worker"] and out.drop_id == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if "new" in p.name) == ["new.sqlite"]
+    assert len(_dump(db)["drops"]) == 1
     events.clear()
-    app.profile(_drop(tmp_path, tiny_config, "tiny2", gmu=(0.8,)), db_url=db, worker=worker)
-    assert events == []  # the store exists (and the memo answers): nothing to warm, no worker
+    app.profile(_drop(tmp_path, tiny_config, "tiny2", gmu=(0.8,)), db_url=str(db), worker=worker)
+    assert events == []  # the store exists (and the memo answers): nothing to make, no worker
 
 
-def test_warm_imports_imports_in_the_background_and_leaves_failures_to_the_caller(tmp_path, monkeypatch):
+def test_failed_job_leaves_no_new_store_behind(tmp_path, tiny_config):
+    from tuner import app
+    from tuner.errors import WorkerError
+
+    def worker(request, **kw):
+        raise WorkerError("the pass crashed", where="tiny")
+
+    with pytest.raises(WorkerError):
+        app.profile(_drop(tmp_path, tiny_config, "tiny"), db_url=str(tmp_path / "new.sqlite"), worker=worker)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix in (".sqlite", ".new") or ".sqlite" in p.name] == []
+
+
+def test_stage_new_store_links_a_migrated_store_into_place_and_never_over_a_file(tmp_path):
+    from tuner.store import stage_new_store
+
+    target = tmp_path / "s.sqlite"
+    staged = stage_new_store(str(target))
+    assert staged is not None and staged.tmp.parent == tmp_path and staged.tmp.name.startswith(".s.sqlite.")
+    assert not target.exists()  # nothing at the store's path until it is adopted
+    assert staged.adopt() is True
+    assert [p.name for p in tmp_path.iterdir()] == ["s.sqlite"]
+    lite = litestore.open_lite(str(target))  # at the scripts' head
+    assert lite is not None
+    lite.close()
+    other = tmp_path / "o.sqlite"
+    staged = stage_new_store(str(other))
+    other.write_bytes(b"someone else's")  # appeared while the job ran
+    assert staged.adopt() is False and other.read_bytes() == b"someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.sqlite", "s.sqlite"]
+    assert stage_new_store(str(target)) is None  # exists already
+    assert stage_new_store(str(tmp_path / "no-such-dir" / "x.sqlite")) is None  # its directory is made on success
+    assert stage_new_store("postgresql+psycopg://u@h/db") is None
+
+
+def test_import_all_stops_at_the_first_failure_and_raises_nothing(tmp_path, monkeypatch):
     import sys
 
-    from tuner.app import warm_imports
+    from tuner.app import import_all
 
     (tmp_path / "ctx_warm_probe.py").write_text("VALUE = 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "ctx_warm_probe", raising=False)
-    thread = warm_imports("ctx_no_such_module_xyz", "ctx_warm_probe")
-    thread.join()
-    assert "ctx_warm_probe" not in sys.modules  # the failure stopped the list, raised nothing
-    thread = warm_imports("ctx_warm_probe")
-    thread.join()
+    assert import_all("ctx_no_such_module_xyz", "ctx_warm_probe") is False
+    assert "ctx_warm_probe" not in sys.modules  # the failure stopped the list
+    assert import_all("ctx_warm_probe") is True
     assert sys.modules["ctx_warm_probe"].VALUE == 42
-
-
-def test_locked_store_was_waited_for_twice(tmp_path):
-    """A store still locked after the busy timeout made the lite path decline (None), and the
-    SQLAlchemy store then waited as long again: the lock is a StoreError naming the store now."""
-    db = _new_store(tmp_path / "s.sqlite")
-    holder = sqlite3.connect(db, isolation_level=None)
-    holder.execute("PRAGMA journal_mode = DELETE")
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
-        with pytest.raises(StoreError) as exc:
-            litestore.open_lite(db, busy_timeout_s=0)
-        assert exc.value.where == f"sqlite:///{db}" and "database is locked" in exc.value.message
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
-    lite = litestore.open_lite(db, busy_timeout_s=0)
-    assert lite is not None
-    lite.close()
-
-
-def test_empty_db_file_said_not_all_in_the_memo_instead_of_no_store(tmp_path, tiny_config):
-    """A zero-byte ``--db`` file (which open_store makes into a new store) was read as a store
-    whose memo missed ("not all in the memo"); it is a missing store now: "no store", and the
-    result is stored in the store made from it."""
-    from tuner.app import profile
-
-    db = tmp_path / "empty.sqlite"
-    db.write_bytes(b"")
-    assert litestore.store_missing(str(db)) and litestore.store_missing(str(tmp_path / "nope.sqlite"))
-    assert not litestore.store_missing("postgresql://h/db")
-    out = profile(_drop(tmp_path, tiny_config, "tiny"), db_url=str(db), worker=_worker)
-    assert out.result["pass_source"]["reason"] == "no store" and out.drop_id == 1
-    assert not litestore.store_missing(str(db)) and len(_dump(db)["drops"]) == 1

@@ -190,22 +190,41 @@ def open_for_job(request: JobRequest, db_url: str | None, *, calibrate: bool = T
 NEW_STORE_MODULES = ("tuner.store", "alembic.command")
 
 
-def warm_imports(*modules: str) -> Any:
-    """Import ``modules`` in a background thread, returned started (``join()`` it before using
-    them). ``profile`` does it for a new store while its worker runs: the parent then only waits
-    on the worker's pipes, so the imports cost no wall time. An import that fails is left to the
-    code that needs it, which reports it as before."""
-    import threading
+def import_all(*modules: str) -> bool:
+    """Import ``modules`` in order; False at the first that fails (left to the code that needs it,
+    which reports it as before)."""
     from importlib import import_module
 
-    def run() -> None:
-        for name in modules:
-            try:
-                import_module(name)
-            except Exception:  # noqa: BLE001 - the real import reports it
-                return
+    for name in modules:
+        try:
+            import_module(name)
+        except Exception:  # noqa: BLE001 - the real import reports it
+            return False
+    return True
 
-    thread = threading.Thread(target=run, name="ctx-tuner-warm-imports", daemon=True)
+
+def make_new_store(db_url: str | None) -> Any:
+    """Start making ``profile``'s new store in a background thread while its worker runs: import
+    SQLAlchemy and Alembic (:data:`NEW_STORE_MODULES`, :func:`import_all`), then create and
+    migrate the store under a temporary name (:func:`tuner.store.stage_new_store`). Returns the
+    started thread; once joined, its ``staged`` is the :class:`tuner.store.StagedStore` or None.
+    The parent only waits on the worker's pipes meanwhile, so none of it costs wall time."""
+    import threading
+
+    from tuner.litestore import sqlite_file
+
+    def run() -> None:
+        if not import_all(*NEW_STORE_MODULES) or sqlite_file(db_url) is None:
+            return
+        try:
+            from tuner.store import stage_new_store
+
+            thread.staged = stage_new_store(db_url)
+        except Exception:  # noqa: BLE001 - open_store makes the store after the job, and reports
+            thread.staged = None
+
+    thread = threading.Thread(target=run, name="ctx-tuner-new-store", daemon=True)
+    thread.staged = None
     thread.start()
     return thread
 
@@ -244,13 +263,13 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     drop = load_drop(drop_path)
     request, dev = prepare_job(drop, nvml=nvml)
     ahead = _spawn_ahead(request, db_url, cache, worker, spawner, timeout_s)
-    store = None
+    store = warming = None
     try:
         # one store for the calibration, the memo and the result (a new one is made only once the job
         # succeeded); a worker run meanwhile holds no transaction and no lock on it
         store = open_for_job(request, db_url, calibrate=calibrate, store_factory=store_factory)
-        # a new store is made after the job: its libraries are imported while the worker runs
-        warming = warm_imports(*NEW_STORE_MODULES) if store is None and store_factory is None else None
+        # a new store is made while the worker runs, and put in place only once the job succeeded
+        warming = make_new_store(db_url) if store is None and store_factory is None else None
         if calibrate and request.method == "simulate" and store is not None:
             cal = lookup_calibration(request, store)
             if cal is not None:
@@ -267,6 +286,8 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         if store is None:
             if warming is not None:
                 warming.join()
+                if warming.staged is not None:
+                    warming.staged.adopt()
             if store_factory is None:
                 from tuner.store import open_store as store_factory
             store = store_factory(db_url)
@@ -288,6 +309,10 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     finally:
         if ahead is not None:
             ahead.cancel()  # unused (the memo answered, an error on the way); a used one is reaped
+        if warming is not None:  # a job that failed leaves no store behind
+            warming.join(timeout=30)
+            if warming.staged is not None:
+                warming.staged.discard()
         if store is not None:
             store.close()
     return outcome

@@ -53,6 +53,7 @@ __all__ = [
     "make_engine",
     "metadata",
     "open_store",
+    "stage_new_store",
     "store_exists",
     "utc_text",
 ]
@@ -530,6 +531,62 @@ def open_store(
         action = "open" if readonly else "migrate"
         raise StoreError(f"cannot {action} store: {error_text(e)}", where=where) from e
     return Store(engine, where=where, readonly=readonly)
+
+
+class StagedStore:
+    """A new SQLite store made and migrated under a temporary name beside its path
+    (:func:`stage_new_store`), so that a job's result does not wait for Alembic once the job is
+    done, and yet no store appears for a job that fails. :meth:`adopt` links it into place
+    (never over a file that appeared meanwhile: that one is then used as it is) and removes the
+    temporary name; :meth:`discard` removes it without adopting."""
+
+    def __init__(self, path: Path, tmp: Path) -> None:
+        self.path, self.tmp = path, tmp
+
+    def adopt(self) -> bool:
+        """Link the staged store to its path; True when it is now the store there. False when a
+        file is there already (another process made it, or an empty file ``open_store`` will
+        migrate) or the file system has no hard links: :func:`open_store` then does as before."""
+        import os
+
+        try:
+            os.link(self.tmp, self.path)
+            return True
+        except OSError:  # FileExistsError included
+            return False
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{self.tmp}{suffix}").unlink(missing_ok=True)
+
+
+def stage_new_store(url: str | None, *, default_path: str = DEFAULT_PATH) -> StagedStore | None:
+    """A :class:`StagedStore` for ``url`` when it names a SQLite file that does not exist yet in
+    a directory that does (``.NAME.PID.new`` beside it, created and migrated by
+    :func:`open_store`); None otherwise (a server URL, an existing or empty file, a directory
+    still to be made, any failure — ``open_store`` then makes the store as before)."""
+    import os
+
+    from tuner.litestore import sqlite_file
+
+    path = sqlite_file(url, default_path)
+    if path is None:
+        return None
+    p = Path(path)
+    if p.exists() or not p.parent.is_dir():
+        return None
+    staged = StagedStore(p, p.with_name(f".{p.name}.{os.getpid()}.new"))
+    try:
+        open_store(str(staged.tmp)).close()
+    except (StoreError, OSError):
+        staged.discard()
+        return None
+    if any(Path(f"{staged.tmp}{s}").exists() for s in ("-wal", "-shm", "-journal")):
+        staged.discard()  # not closed cleanly: a linked copy would lack its log
+        return None
+    return staged
 
 
 def store_exists(url: str | None = None, *, default_path: str = DEFAULT_PATH) -> bool:
