@@ -17,6 +17,33 @@ from tuner.settings import Settings
 FAKE_WORKER = REPO / "tests" / "_fake_worker.py"
 
 
+def without_elapsed(obj):
+    """A job result without its timings (``elapsed_s``), for comparing two runs of one job."""
+    if isinstance(obj, dict):
+        return {k: without_elapsed(v) for k, v in obj.items() if k != "elapsed_s"}
+    if isinstance(obj, list):
+        return [without_elapsed(v) for v in obj]
+    return obj
+
+
+def hanging_python(tmp_path: Path, *, read_request: bool = True) -> tuple[str, Path]:
+    """A 'python' that (with ``read_request``) reads its request, starts a grandchild in its
+    group, writes its pid (= its process group) to a marker file, then sleeps for an hour; without
+    ``read_request`` it never reads stdin (a worker still importing)."""
+    marker = tmp_path / "worker.pid"
+    script = tmp_path / "hangpy"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import os, subprocess, sys, time\n"
+        + ("sys.stdin.read()\n" if read_request else "")
+        + f"subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(3600)'])\n"
+        f"open({str(marker) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
+        f"os.replace({str(marker) + '.tmp'!r}, {str(marker)!r})\n"
+        "time.sleep(3600)\n")
+    script.chmod(0o755)
+    return str(script), marker
+
+
 def fake_python(tmp_path: Path) -> Path:
     """A 'python' for ``worker_python`` that runs tests/_fake_worker.py (no torch, ~20 ms)."""
     p = tmp_path / "fake-python"

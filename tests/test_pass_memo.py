@@ -198,16 +198,24 @@ def test_no_cache_runs_the_worker_and_a_repeated_question_does_not(tmp_path, tin
     assert passmemo.ENTRIES not in second.result and passmemo.ENTRIES not in forced.result
 
 
-def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
-    """A fresh ``ctx-tuner profile`` process asked a known model at another u: answered from the
-    memo with no worker (the worker function is replaced by one that fails) and without torch or
-    transformers in ``sys.modules``; the printed document is what ``--no-cache`` prints."""
+#: What a cold memo answer must not import: no worker (torch, transformers), and no Alembic nor
+#: SQLAlchemy: a SQLite store at the head revision is read and written through the standard
+#: library (tuner.litestore).
+_HEAVY = ("torch", "transformers", "alembic", "sqlalchemy")
+
+
+def _cold_cli(tmp_path, tiny_config, gmu, args: list[str]) -> tuple[dict, Path, str, dict]:
+    """Store the tiny model's passes with one ``profile`` run, then ask ``args`` (a command and its
+    options; the new drop and ``--db`` are appended) in a fresh process whose worker function
+    fails if called: ``(got, drop, db, env)`` with ``got`` = ``{rc, loaded, out}`` (``loaded``:
+    the :data:`_HEAVY` modules it imported, ``out``: its stdout)."""
     db = str(tmp_path / "store.sqlite")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CTX_TUNER_WORKER_PYTHON", None)
     subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(_tiny_drop(tmp_path, tiny_config)),
                     "--db", db], check=True, capture_output=True, env=env, cwd=tmp_path, timeout=600)
-    drop2 = _tiny_drop(tmp_path, tiny_config, gmu=(0.5, 0.7), name="tiny2")
+    drop2 = _tiny_drop(tmp_path, tiny_config, gmu=gmu, name="tiny2")
+    argv = [args[0], str(drop2), "--db", db, *args[1:]]
     script = (
         "import json, sys\n"
         "import tuner.worker\n"
@@ -218,21 +226,26 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
         "import contextlib, io\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
-        f"    rc = main(['profile', {str(drop2)!r}, '--db', {db!r}, '--json'])\n"
-        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy')\n"
-        "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules],"
-        " 'doc': json.loads(out.getvalue())}))\n")
+        f"    rc = main({argv!r})\n"
+        f"print(json.dumps({{'rc': rc, 'loaded': [m for m in {_HEAVY!r} if m in sys.modules], "
+        "'out': out.getvalue()}))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
-    # no torch nor transformers (no worker); no Alembic nor SQLAlchemy at all: a SQLite store at
-    # the head revision is read and written through the standard library (tuner.litestore)
+    return json.loads(proc.stdout), drop2, db, env
+
+
+def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
+    """A fresh ``ctx-tuner profile`` process asked a known model at another u: answered from the
+    memo with no worker (the worker function is replaced by one that fails) and without torch,
+    transformers, Alembic or SQLAlchemy in ``sys.modules``; the printed document is what
+    ``--no-cache`` prints."""
+    got, drop2, db, env = _cold_cli(tmp_path, tiny_config, (0.5, 0.7), ["profile", "--json"])
     assert (got["rc"], got["loaded"]) == (0, [])
     fresh = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(drop2), "--db", db, "--json",
                             "--no-cache"], check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
                            timeout=600)
-    doc, forced = got["doc"], json.loads(fresh.stdout)
+    doc, forced = json.loads(got["out"]), json.loads(fresh.stdout)
     # where the passes came from: the memo (naming the run that computed them), or a worker
     n = len(doc["runs"])  # one pass per profile batch the two lengths need
     assert n >= 1
@@ -249,29 +262,7 @@ def test_cold_cli_explain_from_the_memo_imported_sqlalchemy(tmp_path, tiny_confi
     """``explain`` answered from the memo of a SQLite store reads it through the standard library
     (tuner.litestore): a fresh process imports neither torch nor SQLAlchemy (≈0.3 s of a cold
     answer) and prints the memo's answer."""
-    db = str(tmp_path / "store.sqlite")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("CTX_TUNER_WORKER_PYTHON", None)
-    subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(_tiny_drop(tmp_path, tiny_config)),
-                    "--db", db], check=True, capture_output=True, env=env, cwd=tmp_path, timeout=600)
-    drop2 = _tiny_drop(tmp_path, tiny_config, gmu=(0.5,), name="tiny2")
-    script = (
-        "import json, sys\n"
-        "import tuner.worker\n"
-        "def no_worker(*a, **k):\n"
-        "    raise SystemExit('a worker was started')\n"
-        "tuner.worker.run_in_worker = no_worker\n"
-        "from tuner.cli import main\n"
-        "import contextlib, io\n"
-        "out = io.StringIO()\n"
-        "with contextlib.redirect_stdout(out):\n"
-        f"    rc = main(['explain', {str(drop2)!r}, '--db', {db!r}])\n"
-        "heavy = ('torch', 'transformers', 'alembic', 'sqlalchemy')\n"
-        "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules], 'out': out.getvalue()}))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
+    got, _drop, _db, _env = _cold_cli(tmp_path, tiny_config, (0.5,), ["explain"])
     assert (got["rc"], got["loaded"]) == (0, [])
     assert "passes: memo (2 stored passes; no worker, no torch)" in got["out"].splitlines()
 

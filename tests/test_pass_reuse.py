@@ -20,20 +20,12 @@ from tuner.modelspec import load_model_spec  # noqa: E402
 from tuner.plugin import ModelPlugin, RankSettings  # noqa: E402
 from tuner.simulate.profile import FAKE, META, ModelCache, module_state, run_pass  # noqa: E402
 from tuner.simulate.tracker import _tensors  # noqa: E402
+from tests._daemon_helpers import without_elapsed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: The passes as they ran before: a fresh FakeTensorMode build for every pass.
 BEFORE = functools.partial(ModelCache, enabled=False, meta=False)
-
-
-def _strip(obj):
-    """A job result without its timings (``elapsed_s``)."""
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k != "elapsed_s"}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
 
 
 class _Recording(ModelCache):
@@ -69,7 +61,7 @@ def test_v0_example_passes_identical_with_one_build(monkeypatch):
     before = _run_job(request, monkeypatch, BEFORE)
     _Recording.made = []
     after = _run_job(request, monkeypatch, _Recording)
-    assert _strip(after) == _strip(before)
+    assert without_elapsed(after) == without_elapsed(before)
     assert len(after["runs"]) == 15
     assert len({r["max_num_batched_tokens"] for r in after["runs"]}) == 15  # one N per pass
     (cache,) = _Recording.made
@@ -97,7 +89,7 @@ def test_visible_cases_pass_figures_identical_before_and_after(observed_cases, s
                 _run_job(request, monkeypatch, ModelCache)
             continue
         after = _run_job(request, monkeypatch, ModelCache)
-        assert _strip(after) == _strip(before), case["id"]
+        assert without_elapsed(after) == without_elapsed(before), case["id"]
         compared += 1
     assert compared >= 40
 

@@ -16,27 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests._daemon_helpers import group_alive, poll
+from tests._daemon_helpers import group_alive, hanging_python, poll
 from tuner.errors import DropError, ModelConfigError, SettingsError, TunerError
 from tuner.worker import error_from_reply, run_in_worker
 from tuner.worker_main import error_reply
-
-
-def _hanging_python(tmp_path: Path) -> tuple[str, Path]:
-    """A 'python' that reads the request, starts a grandchild, writes its pid (= its process
-    group) to a marker file, then sleeps for an hour."""
-    marker = tmp_path / "worker.pid"
-    script = tmp_path / "hangpy"
-    script.write_text(
-        f"#!{sys.executable}\n"
-        "import os, subprocess, sys, time\n"
-        "sys.stdin.read()\n"
-        f"subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(3600)'])\n"
-        f"open({str(marker) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
-        f"os.replace({str(marker) + '.tmp'!r}, {str(marker)!r})\n"
-        "time.sleep(3600)\n")
-    script.chmod(0o755)
-    return str(script), marker
 
 
 def _replying_python(tmp_path: Path, reply: dict) -> str:
@@ -51,7 +34,7 @@ def _replying_python(tmp_path: Path, reply: dict) -> str:
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
 def test_interrupt_while_waiting_kills_the_worker_group_and_reraises(tmp_path, exc_type):
-    py, marker = _hanging_python(tmp_path)
+    py, marker = hanging_python(tmp_path)
     started: list[subprocess.Popen] = []
 
     def popen(*args, **kw):  # the real Popen; its wait is interrupted like Ctrl-C / SIGTERM would
@@ -75,7 +58,7 @@ def test_interrupt_while_waiting_kills_the_worker_group_and_reraises(tmp_path, e
 
 
 def test_interrupt_while_relaying_progress_kills_the_worker_group(tmp_path):
-    py, marker = _hanging_python(tmp_path)
+    py, marker = hanging_python(tmp_path)
     started: list[subprocess.Popen] = []
 
     def popen(*args, **kw):
@@ -112,7 +95,7 @@ sys.exit(main(sys.argv[2:]))
 @pytest.mark.parametrize("command", [["profile"], ["explain", "--no-calibration"]])  # explain: jobs in threads
 @pytest.mark.parametrize("sig, code, text", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
 def test_cli_signal_leaves_no_worker_and_no_traceback(tmp_path, tiny_config, command, sig, code, text):
-    py, marker = _hanging_python(tmp_path)
+    py, marker = hanging_python(tmp_path)
     launcher = tmp_path / "launch.py"
     launcher.write_text(_LAUNCHER)
     drop = tmp_path / "d.yaml"

@@ -15,20 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests._daemon_helpers import group_alive, poll
+from tests._daemon_helpers import group_alive, hanging_python, poll, without_elapsed
 from tuner import worker as worker_mod
 from tuner.errors import ProtocolError, StoreError, WorkerError
 from tuner.worker import _RUNNING, run_in_worker, spawn_worker, spawner_for
 from tuner.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT
-
-
-def _strip(obj):
-    """A job result without its timings (``elapsed_s``)."""
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k != "elapsed_s"}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
 
 
 def _tiny_drop(tmp_path: Path, tiny_config: Path, name: str = "tiny", gmu=(0.9,)) -> Path:
@@ -58,7 +49,7 @@ def test_preload_worker_answers_a_simulate_job_as_a_fresh_worker_does(tmp_path, 
         ahead = run_in_worker(request, job="tiny", spawned=handle)
     assert handle.proc.returncode == 0 and handle.pid not in _RUNNING
     fresh = run_in_worker(request, job="tiny")
-    assert _strip(ahead) == _strip(fresh)
+    assert without_elapsed(ahead) == without_elapsed(fresh)
     assert ahead["method"] == "simulate"
     assert [(p["gpu_memory_utilization"], p["max_model_len"]) for p in ahead["proposals"]] == [(0.9, 4096)]
 
@@ -79,24 +70,8 @@ def test_preload_worker_answers_a_validate_request_and_a_refused_protocol(shared
 # --- the handle: cancel leaves no process ----------------------------------------------------------
 
 
-def _hanging_python(tmp_path: Path) -> tuple[str, Path]:
-    """A 'python' that starts a grandchild in its group, writes its own pid, then sleeps (it never
-    reads stdin: a worker still importing)."""
-    marker = tmp_path / "worker.pid"
-    script = tmp_path / "hangpy"
-    script.write_text(
-        f"#!{sys.executable}\n"
-        "import os, subprocess, time\n"
-        f"subprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(3600)'])\n"
-        f"open({str(marker) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
-        f"os.replace({str(marker) + '.tmp'!r}, {str(marker)!r})\n"
-        "time.sleep(3600)\n")
-    script.chmod(0o755)
-    return str(script), marker
-
-
 def test_cancelled_spawn_leaves_no_process_no_group_and_no_registration(tmp_path):
-    py, marker = _hanging_python(tmp_path)
+    py, marker = hanging_python(tmp_path, read_request=False)
     handle = spawn_worker(timeout_s=60, python=py)
     try:
         assert handle.pid in _RUNNING
@@ -115,7 +90,7 @@ def test_cancelled_spawn_leaves_no_process_no_group_and_no_registration(tmp_path
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit, StoreError])
 def test_spawn_used_as_context_manager_leaves_no_process_when_the_caller_raises(tmp_path, exc_type):
-    py, _marker = _hanging_python(tmp_path)
+    py, _marker = hanging_python(tmp_path, read_request=False)
     with pytest.raises(exc_type):
         with spawn_worker(timeout_s=60, python=py) as handle:
             raise exc_type("before the job")

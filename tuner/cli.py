@@ -188,14 +188,10 @@ def run(argv: list[str] | None = None, *, exit_: Callable[[int], None] = os._exi
     first (a reader gone from stdout is ignored, as :func:`main` does). ``exit_`` is injectable
     for tests."""
     code = main(argv)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
     logging.shutdown()
-    exit_(code)
+    from tuner.worker_guard import end_now
+
+    end_now(code, exit_=exit_)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -198,14 +198,11 @@ def skip_teardown(exit_=os._exit) -> None:
     teardown: finalizing torch's and transformers' modules and objects costs a cold 70B worker
     about 0.2 s, and the parent waits for the process to exit before it reads the reply
     (``Popen.communicate``). Only for :func:`simulate_only` requests, which leave nothing to clean
-    up; stderr and stdout are flushed first. ``exit_`` is injectable for tests."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
-    exit_(0)
+    up; stderr and stdout are flushed first (:func:`tuner.worker_guard.end_now`). ``exit_`` is
+    injectable for tests."""
+    from tuner.worker_guard import end_now
+
+    end_now(0, exit_=exit_)
 
 
 def serve() -> int:
