@@ -18,6 +18,10 @@
    first job, median over N processes (and of the same job run again in that process, which
    leaves out what the first job still imports or builds on first use). Target (issue 13): ≤ 1.5 s.
 
+Each cold CLI run is preceded by a ``python -c "import torch"`` (the floor of any answer that runs a
+worker); the CLI's wall above that floor is printed beside it, as the figure this code controls
+(this VM's speed drifts by a third within an hour, and torch's import with it).
+
 ``CTX_TUNER_BENCH_REPO=/path/to/other/checkout`` measures another checkout with this benchmark.
 Each figure is also printed as CPU seconds (user + system of the process and its children), which
 a loaded machine stretches less than wall time. Exit status 0 when both medians meet their targets.
@@ -90,10 +94,19 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float]]:
+def torch_floor() -> float:
+    """Wall seconds of ``python -c "import torch"`` now: the floor of every cold answer that runs
+    a worker, and this VM's speed at the moment (it drifts by a third within an hour here)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float], list[float]]:
     """``profile`` of the 70B example in a new process, N runs: against a new store, or (``seeded``)
-    against a copy of a store that holds the 8B example's run (made once, not timed)."""
-    walls, cpus = [], []
+    against a copy of a store that holds the 8B example's run (made once, not timed). Each run is
+    preceded by one :func:`torch_floor` (its figures are the third list)."""
+    walls, cpus, floors = [], [], []
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory() as tmp:
         seed = Path(tmp) / "seed.sqlite"
@@ -104,6 +117,7 @@ def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float]]
             db = Path(tmp) / f"cold-{i}.sqlite"
             if seeded:
                 shutil.copyfile(seed, db)
+            floors.append(torch_floor())
             c0, t0 = _children_cpu(), time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "tuner.cli", "profile", str(COLD_DROP), "--db", str(db)],
                                   cwd=REPO, env=env, capture_output=True, text=True)
@@ -111,7 +125,7 @@ def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float]]
             cpus.append(_children_cpu() - c0)
             if proc.returncode != 0:
                 raise SystemExit(f"profile failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return walls, cpus
+    return walls, cpus, floors
 
 
 #: The child of figure 1b: the 70B job's worker alone (``python -m tuner.worker_main`` on its
@@ -196,10 +210,13 @@ def main() -> int:
     args = ap.parse_args()
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs")
     print(bytecode_note())
-    walls, cpus = cold_cli(args.runs)
+    walls, cpus, floors = cold_cli(args.runs)
     print(f"cold CLI, {COLD_DROP.name}: wall {_spread(walls)}; cpu {_spread(cpus)}; target <= {COLD_TARGET_S} s wall")
-    s_walls, s_cpus = cold_cli(args.runs, seeded=True)
-    print(f"  into a store holding {SEED_DROP.name}: wall {_spread(s_walls)}; cpu {_spread(s_cpus)}")
+    print(f"  floor, `python -c 'import torch'` before each run: {_spread(floors)}; "
+          f"the CLI above it: {_spread([w - f for w, f in zip(walls, floors)])}")
+    s_walls, s_cpus, s_floors = cold_cli(args.runs, seeded=True)
+    print(f"  into a store holding {SEED_DROP.name}: wall {_spread(s_walls)}; cpu {_spread(s_cpus)}; "
+          f"above the floor: {_spread([w - f for w, f in zip(s_walls, s_floors)])}")
     w_walls, w_cpus, heavy = cold_worker(args.runs)
     print(f"  its worker alone: wall {_spread(w_walls)}; cpu {_spread(w_cpus)}; heavy modules imported: "
           f"{heavy[0] if heavy else '?'}")
