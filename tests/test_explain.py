@@ -239,3 +239,25 @@ def test_unknown_run_id_exits_2():
     rc, _, err = _cli("explain", "--run", "999999", "--db", str(profiled_db()))
     assert rc == 2 and "no profile run with id 999999" in err
 
+
+
+def test_explain_symmetric_memory_info_step_not_subtracted(tmp_path):
+    """Llama-3.1-70B, four H100s, vLLM 0.19: the symmetric-memory buffer (allocated before the
+    start-up snapshot from 0.11 on) is an ``info`` step, yet explain carved its 34 MiB out of the
+    non-torch step (232,783,872 B instead of the 0.25 GiB the budget charges) and showed them again
+    as a "difference not attributed to a term"."""
+    from tests.conftest import REPO
+
+    drop = REPO / "configs" / "examples" / "llama-3.1-70b-h100-tp4.yaml"
+    rc, out, err = _cli("explain", str(drop), "-m", "32k", "-u", "0.9", "--no-variants", "--quiet", "--json",
+                        "--db", str(tmp_path / "r.sqlite"))
+    assert rc in (0, 3), err
+    e = json.loads(out)["explanations"][0]
+    comm = {s["name"]: s for s in e["steps"] if s["name"] in ("nccl", "custom_all_reduce", "symmetric_memory")}
+    assert comm["symmetric_memory"]["op"] == "info" and comm["symmetric_memory"]["bytes"] == 34 * (1 << 20)
+    # non-torch (module loads) + NCCL = the budget's non-torch term; nothing left unattributed
+    assert _step(e, "non_torch")["bytes"] == int(0.25 * GiB) == 268_435_456
+    assert _step(e, "non_torch")["bytes"] + comm["nccl"]["bytes"] + comm["custom_all_reduce"]["bytes"] == \
+        e["non_torch_bytes"]
+    assert "rounding" not in [s["name"] for s in e["steps"]]
+    assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]

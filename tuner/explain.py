@@ -550,7 +550,9 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     nt_text = ("non-torch memory (as the engine logged it)" if measured
                else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
     comm = [] if measured else _communication_steps(era, drop, device, nt - nt_corr)
-    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr - sum(s["bytes"] for s in comm),
+    # an ``info`` step (symmetric memory from 0.11 on) is shown beside the term, not carved out of it
+    steps.append({"name": "non_torch", "op": "-", "bytes": nt - nt_corr - sum(s["bytes"] for s in comm
+                                                                           if s["op"] == "-"),
                   "text": nt_text if not comm else "non-torch memory besides the TP group's communication buffers "
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
