@@ -413,9 +413,10 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
 def persistent_bytes(era: Era, spec: Any, settings: Any, batch: Any, model_runner_v2: bool) -> int:
     """The model runner's persistent buffers one profile pass charges (:func:`runner_persistent_bytes`)
     for a model spec, a rank's settings and the era's profile batch — what
-    :func:`tuner.simulate.profile.run_pass` adds to a pass and the pass memo recomputes for the
-    job at hand (:mod:`tuner.passmemo`): the one term of a pass that depends on ``max_model_len``
-    (bytes)."""
+    :func:`tuner.simulate.profile.run_pass` adds to a pass (at ``settings.max_model_len``, the
+    grid's largest) and :meth:`tuner.job.Passes.passes_at` recomputes at each length evaluated
+    (grid points, the proposal search's off-grid points, passes from the pass memo,
+    :mod:`tuner.passmemo`): the one term of a pass that depends on ``max_model_len`` (bytes)."""
     n = batch.max_num_batched_tokens
     return runner_persistent_bytes(
         era, model_runner_v2=model_runner_v2, max_num_batched_tokens=n,

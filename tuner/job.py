@@ -778,7 +778,8 @@ class Passes:
                                           model_runner_v2=runner_v2, device_name=card)
                         if memoizable else None)
                 if pkey is not None and (memo is not None or pkey in known):
-                    # a stored pass: only the runner's persistent buffers depend on this job's max_model_len
+                    # a stored pass: only the runner's persistent buffers depend on max_model_len; here at the
+                    # grid's largest, like a pass run now (each length's own in passes_at)
                     stored = memo.pass_row(pkey) if memo is not None else known[pkey]
                     row = passmemo.with_persistent(stored, persistent_bytes(era, spec, s, batch, runner_v2))
                     r = row
@@ -804,11 +805,44 @@ class Passes:
             self.memo[key] = results
         return self.memo[key]
 
+    def passes_at(self, batch, m: int) -> list:
+        """The passes for ``batch`` (:meth:`passes_for`) as they stand at ``max_model_len`` ``m``:
+        each pass's runner persistent buffers (V1 0.27+, whose block table is ``[S, cdiv(m, bs)]``,
+        :func:`tuner.budget.runner_persistent_bytes`) recomputed at ``m`` — a pass is run (or
+        stored) once at the grid's largest length and serves every length, the grid's and the
+        proposal search's off-grid ones. A pass without the term (a measured ``cuda`` pass) is
+        returned as it is."""
+        spec, era, runner_v2 = self.model.spec, self.era, self.layout.model_runner_v2
+        out = []
+        for s, p in zip(self.ranks.stages, self.passes_for(batch)):
+            old = p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", None)
+            if old is None:
+                out.append(p)
+                continue
+            s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
+                                    max_num_seqs=batch.max_num_seqs, max_model_len=int(m))
+            out.append(_with_persistent(p, persistent_bytes(era, spec, s, batch, runner_v2)))
+        return out
+
     def evaluate(self, layout: Layout, u: float, m: int, min_concurrency: float):
-        """The candidate at one point (through the memoized passes)."""
+        """The candidate at one point (through the memoized passes, at its own length)."""
         batch = self.batch_for(m)
-        return evaluate(self.era, layout, batch, self.passes_for(batch), gpu_memory_utilization=u, max_model_len=m,
-                        min_concurrency=min_concurrency)
+        return evaluate(self.era, layout, batch, self.passes_at(batch, m), gpu_memory_utilization=u,
+                        max_model_len=m, min_concurrency=min_concurrency)
+
+
+def _with_persistent(p: Any, persistent: int) -> Any:
+    """A pass (a row dict or a :class:`tuner.simulate.profile.PassResult`) with its runner
+    persistent buffers replaced by ``persistent`` bytes (:func:`tuner.passmemo.with_persistent`)."""
+    from tuner import passmemo
+
+    if isinstance(p, dict):
+        return passmemo.with_persistent(p, persistent)
+    old = int(p.persistent_bytes or 0)
+    if old == int(persistent):
+        return p
+    return dataclasses.replace(p, activation_peak_bytes=int(p.activation_peak_bytes) - old + int(persistent),
+                               persistent_bytes=int(persistent))
 
 
 def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
@@ -832,7 +866,7 @@ def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
     for u in us:
         searched = []
         if req.search or not grid_m:
-            kw = dict(gpu_memory_utilization=u, batch_for=passes.batch_for, passes_for=passes.passes_for,
+            kw = dict(gpu_memory_utilization=u, batch_for=passes.batch_for, passes_at=passes.passes_at,
                       min_concurrency=min_conc, max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d))
             prop, searched = propose(era, layout, **kw)
             proposals.append(prop.to_dict())

@@ -28,7 +28,10 @@ Keys (SHA-256 of canonical JSON, :func:`digest`):
   torch, transformers and tool versions. Not ``max_model_len`` nor ``gpu_memory_utilization``:
   under V1 one pass serves every length and u. The only part of a pass that depends on
   ``max_model_len`` — the runner's persistent buffers of V1 0.27+ (the block table) — is
-  recomputed from the formula (:func:`tuner.budget.persistent_bytes`) for the job at hand. A plugin that is not
+  recomputed from the formula (:func:`tuner.budget.persistent_bytes`) at each length the job
+  evaluates (:meth:`tuner.job.Passes.passes_at`: grid points and the search's off-grid points), so
+  the stored row's own ``persistent_bytes`` (at the storing job's largest length) is replaced
+  wherever it is used. A plugin that is not
   built in may read ``settings.max_model_len`` in its build, so for those it is in the key too.
 
 Only ``simulate`` passes with fake tensors are memoized, and only where no vLLM engine takes part

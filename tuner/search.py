@@ -241,6 +241,9 @@ def candidate_starts(c: dict) -> bool:
 
 
 PassLookup = Callable[[ProfileBatch], Sequence]  # → one pass (dict or PassResult) per PP stage
+#: (profile batch, max_model_len) → one pass per PP stage as it stands at that length (the V1 0.27+
+#: runner's persistent buffers hold a block table sized by max_model_len)
+PassAtLength = Callable[[ProfileBatch, int], Sequence]
 
 
 def _get(p, key):
@@ -497,13 +500,14 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | Non
 
 
 def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_for: Callable[[int], ProfileBatch],
-            passes_for: PassLookup, min_concurrency: float = 1.0, max_model_len_cap: int | None = None,
+            passes_at: PassAtLength, min_concurrency: float = 1.0, max_model_len_cap: int | None = None,
             regions: Sequence[tuple[int, int]] = (), extra_args: str = "") -> tuple[Proposal, list[Candidate]]:
     """Search the largest block-multiple ``max_model_len`` that fits at one utilization.
 
     Args:
         batch_for: ``max_model_len`` → the era's profile batch for it.
-        passes_for: profile batch → passes per stage (memoized by the caller).
+        passes_at: profile batch and ``max_model_len`` → passes per stage at that length (memoized
+            by the caller; the runner's length-sized buffers, V1 0.27+, at the point's own length).
         regions: token ranges inside which the batch keeps its shape (fit monotone); defaults to
             one region ``[block_size, cap]``.
     Returns:
@@ -518,7 +522,7 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
     def cand(m: int) -> Candidate:
         if m not in seen:
             batch = batch_for(m)
-            seen[m] = evaluate(era, layout, batch, passes_for(batch), gpu_memory_utilization=gpu_memory_utilization,
+            seen[m] = evaluate(era, layout, batch, passes_at(batch, m), gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=m, min_concurrency=min_concurrency)
         return seen[m]
 
