@@ -214,6 +214,20 @@ def test_no_max_model_len_checks_the_derived_maximum(tmp_path):
     assert res.doc["max_model_len"] == 131072 and res.doc["gpu_memory_utilization"] == 0.9  # vLLM 0.19 defaults
 
 
+def test_hf_overrides_rope_scaling_raises_the_checked_derived_maximum(shared_dir):
+    """``--hf-overrides`` with a yarn x4 rope_scaling and no --max-model-len: vLLM applies the
+    overrides before deriving max_model_len, 131072 for Qwen2.5-7B (was 32768, the file's)."""
+    from tuner.check import derived_max
+
+    model = shared_dir / "models" / "Qwen--Qwen2.5-7B-Instruct"
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert derived_max(str(model / "config.json")) == (32768, "max_position_embeddings")
+    assert derived_max(str(model / "config.json"), yarn) == (131072, "max_position_embeddings")
+    res = check("vllm", "serve", str(model), "--hf-overrides", json.dumps(yarn))
+    assert res.doc["max_model_len"] == 131072 and res.starts
+    assert res.doc["drop"]["hf_overrides"] == yarn
+
+
 def test_max_model_len_auto_picks_what_auto_fit_picks(tmp_path):
     res = check("vllm", "serve", str(L70B), "--max-model-len", "auto", "-tp", "2")
     same = check("vllm", "serve", str(L70B), "--max-model-len=-1", "--tensor-parallel-size", "2")

@@ -69,6 +69,39 @@ def test_length_above_the_derived_maximum_does_not_start(shared_dir):
     assert r["proposals"][0]["max_model_len"] == 131072
 
 
+YARN_X4 = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+
+
+def test_hf_overrides_rope_scaling_raises_the_proposal_cap(shared_dir, tmp_path):
+    """A yarn x4 ``hf_overrides`` on Qwen2.5-7B (max_position_embeddings 32768): vLLM derives
+    131072 after applying it. The candidate rows knew; the proposal was capped at 32768 "by the
+    model's max_position_embeddings", its serve line dropped --hf-overrides, and explain without
+    -m explained 32768."""
+    from tuner.drop import parse_drop
+
+    model = shared_dir / "models" / "Qwen--Qwen2.5-7B-Instruct"
+    text = (f"name: qwen-yarn\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
+            "hf_overrides: {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}\n"
+            "candidates: {gpu_memory_utilization: [0.9], max_model_len: [32768, 65536, 131072, 200000]}\n")
+    d = parse_drop(text, "qwen-yarn.yaml").to_dict()
+    r = run_job({"drop": d, "config_path": str(model / "config.json"),
+                 "device": {"name": "H100-80GB", "total_memory_bytes": 85030076416}})
+    by_m = {c["max_model_len"]: c for c in r["candidates"]}
+    assert by_m[65536]["starts"] and by_m[131072]["starts"]
+    assert by_m[200000]["starts"] is False and "(max_position_embeddings=131072 " in by_m[200000]["reason"]
+    p = r["proposals"][0]
+    assert 32768 < p["max_model_len"] <= 131072
+    assert p["max_model_len"] == 131072 and p["num_gpu_blocks"] == by_m[131072]["num_gpu_blocks"]
+    assert p["reason"] == "capped by the model's derived max_model_len (max_position_embeddings=131072)"
+    assert f"--hf-overrides '{json.dumps(YARN_X4, sort_keys=True)}'" in p["vllm_args"]
+    # explain without -m explains the proposal's length, not 32768
+    drop_file = tmp_path / "qwen-yarn.yaml"
+    drop_file.write_text(text)
+    doc = explain_drop(str(drop_file), gpu_memory_utilization=0.9, variants=False, db_url=str(tmp_path / "none.sqlite"),
+                       worker=_in_process)
+    assert doc["explanations"][0]["max_model_len"] == 131072
+
+
 def test_explain_of_a_length_above_the_derived_maximum():
     with using_cached_worker():
         doc = explain_drop(str(H100_DROP), gpu_memory_utilization=0.95, max_model_len=200000, variants=False,

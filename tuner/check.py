@@ -168,13 +168,15 @@ def build_drop(sa: ServeArgs, d: dict, *, label: str) -> Drop:
         raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field or label) from None
 
 
-def derived_max(config_path: str) -> tuple[int, str]:
-    """vLLM's derived ``max_model_len`` of a config (text config of a multimodal wrapper)."""
-    from tuner.modelspec import read_top
+def derived_max(config_path: str, hf_overrides: dict | None = None) -> tuple[int, str]:
+    """vLLM's derived ``max_model_len`` of a config (text config of a multimodal wrapper), with
+    ``--hf-overrides`` applied first as vLLM applies them (a RoPE scaling override raises it)."""
+    from tuner.modelspec import overrides_applied, read_top
     from tuner.search import derived_max_model_len
 
     top = read_top(config_path)
     text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    text = overrides_applied(text, hf_overrides)
     return derived_max_model_len(text, model_type=str(text.get("model_type") or top.get("model_type") or ""))
 
 
@@ -225,7 +227,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     from tuner.explain import prepare
 
     job = prepare(None, nvml=nvml, drop=drop)
-    derived, derived_key = derived_max(job.config_path)
+    derived, derived_key = derived_max(job.config_path, drop.hf_overrides)
     from tuner.protocol import point_of
 
     m_arg = point_of(sa.values).max_model_len

@@ -552,7 +552,8 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("candidates.max_model_len", "list of integers | {min, max, step} | null", None,
               "max_model_len values to try (1–4096 values, each 1–16777216; a range expands to "
               "min, min+step, … ≤ max; lengths may be written as vLLM reads them: `32k` = 32000, `32K` = "
-              "32768, `1M` = 1048576). null = search up to the model's max_position_embeddings.", _len_list),
+              "32768, `1M` = 1048576). null = search up to the model's derived maximum (max_position_embeddings, "
+              "with RoPE scaling and hf_overrides applied as vLLM applies them).", _len_list),
     DropField("constraints.min_concurrency", "number ≥ 1", 1.0,
               "Only propose a max_model_len at which at least this many full-length requests fit.",
               _min_concurrency),
@@ -594,7 +595,7 @@ def fields_markdown() -> str:
 @dataclass(frozen=True)
 class Candidates:
     """Settings to sweep. ``gpu_memory_utilization`` sorted ascending, unique; ``max_model_len``
-    sorted ascending, unique, or None (= search up to the model's max_position_embeddings)."""
+    sorted ascending, unique, or None (= search up to the model's derived maximum)."""
 
     gpu_memory_utilization: tuple[float, ...]
     max_model_len: tuple[int, ...] | None = None

@@ -72,6 +72,10 @@ def _extra_args(drop: Drop | dict) -> str:
         import json
 
         parts.append(f"--speculative-config '{json.dumps(d.speculative_config, sort_keys=True)}'")
+    if d.hf_overrides:
+        import json
+
+        parts.append(f"--hf-overrides '{json.dumps(d.hf_overrides, sort_keys=True)}'")
     if int(d.data_parallel_size or 1) > 1:
         parts.append(f"--data-parallel-size {d.data_parallel_size}")
     if d.enable_expert_parallel:
@@ -81,6 +85,14 @@ def _extra_args(drop: Drop | dict) -> str:
     if d.enforce_eager:
         parts.append("--enforce-eager")
     return " ".join(parts)
+
+
+def model_max_len(spec: Any) -> tuple[int, str]:
+    """vLLM's derived ``max_model_len`` of the model and the config key it comes from
+    (:func:`tuner.search.derived_max_model_len` over ``spec.raw``, which holds the drop's
+    ``hf_overrides``: a RoPE scaling override raises it past ``max_position_embeddings``). The
+    one maximum the grid default, the search regions, the proposal cap and vLLM's refusal use."""
+    return derived_max_model_len(spec.raw, model_type=spec.model_type)
 
 
 def _kv_cache_memory_bytes(d: Drop, era) -> int | None:
@@ -441,7 +453,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
         from tuner.engine.use import reconcile_defaults
 
-        grid = drop.candidates.max_model_len or [model.spec.max_position_embeddings]
+        grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
@@ -556,7 +568,7 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      compute_capability=_compute_capability(cards[r]),
                      data_parallel_size=int(drop.data_parallel_size or 1),
                      enable_expert_parallel=bool(drop.enable_expert_parallel),
-                     max_model_len=max(drop.candidates.max_model_len or [spec.max_position_embeddings]),
+                     max_model_len=max(drop.candidates.max_model_len or [model_max_len(spec)[0]]),
                      num_speculative_tokens=num_speculative_tokens(drop, era),
                      mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings))
         for r in range(pp)
@@ -661,7 +673,7 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
     """Stage 6: the facts the budget and the search need besides the passes (:class:`tuner.search.Layout`)."""
     spec = model.spec
     total = int(device["total_memory_bytes"])
-    derived_max, derived_key = derived_max_model_len(spec.raw, model_type=spec.model_type)
+    derived_max, derived_key = model_max_len(spec)
     overhead = 0 if method == "cuda" else profile_overhead_bytes(_compute_capability(device), era)
     layout = Layout(total, kv.block_size, ranks.tp, ranks.pp, spec.num_hidden_layers, spec.max_position_embeddings,
                     kv.specs,
@@ -768,7 +780,7 @@ class Passes:
             runner_v2, memo, known = self.layout.model_runner_v2, self.pass_memo, self.known_passes
             memoizable = memo is not None or self.memo_entries is not None
             results = []
-            grid = self.req.drop.candidates.max_model_len or [spec.max_position_embeddings]
+            grid = self.req.drop.candidates.max_model_len or [self.layout.max_model_len_limit]
             cards = stage_devices(self.req.device, self.ranks.pp)
             for s in self.ranks.stages:
                 s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
@@ -853,10 +865,9 @@ def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
     per u with ``progress`` (answered from the pass memo: kept in ``pass_memo.progress`` for the
     caller, where it wants them)."""
     d = req.drop
-    spec = passes.model.spec
     min_conc = float(d.constraints.min_concurrency or 1.0)
     grid_m = d.candidates.max_model_len
-    regions, cap = search_regions(era, max_position_embeddings=spec.max_position_embeddings,
+    regions, cap = search_regions(era, derived_max=layout.max_model_len_limit,
                                   enable_chunked_prefill=d.enable_chunked_prefill,
                                   max_num_batched_tokens=d.max_num_batched_tokens,
                                   max_model_len_cap=d.constraints.max_model_len_cap, grid=grid_m, path=d.path or None)

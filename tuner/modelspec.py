@@ -262,6 +262,18 @@ def _dtype_name(value: Any) -> str:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32", "fp32": "float32"}.get(s, s)
 
 
+def overrides_applied(text_config: dict, overrides: dict | None) -> dict:
+    """A text config dict with the drop's ``hf_overrides`` (vLLM ``--hf-overrides``) merged in,
+    as vLLM merges them before it derives ``max_model_len``: the override keys win; with
+    transformers ≥ 5 RoPE lives in ``rope_parameters`` (rope_theta inside), so an overridden
+    ``rope_scaling`` is what that dict then holds, as vLLM reads it. Pure (a new dict)."""
+    d = {**text_config, **(overrides or {})}
+    if overrides and isinstance(overrides.get("rope_scaling"), dict) and isinstance(d.get("rope_parameters"), dict) \
+            and "rope_parameters" not in overrides:
+        d["rope_parameters"] = {**d["rope_parameters"], **overrides["rope_scaling"]}
+    return d
+
+
 def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None,
                     overrides: dict | None = None) -> tuple[ModelSpec, Any]:
     """Read ``config_path`` with ``transformers.AutoConfig`` (offline, no remote code).
@@ -348,13 +360,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
                 return overrides[name] if name in overrides else _first(inner, name)
 
             def to_dict(self) -> dict:
-                d = {**inner.to_dict(), **overrides}
-                if isinstance(overrides.get("rope_scaling"), dict) and isinstance(d.get("rope_parameters"), dict) \
-                        and "rope_parameters" not in overrides:
-                    # transformers ≥ 5 keeps RoPE in ``rope_parameters`` (rope_theta inside): an
-                    # overridden ``rope_scaling`` is what that dict then holds, as vLLM reads it
-                    d["rope_parameters"] = {**d["rope_parameters"], **overrides["rope_scaling"]}
-                return d
+                return overrides_applied(inner.to_dict(), overrides)
 
         text_cfg = _WithOverrides()
         top = dict(top)

@@ -444,7 +444,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
 V0_CHUNKED_PREFILL_THRESHOLD = 32768
 
 
-def search_regions(era: Era, *, max_position_embeddings: int, enable_chunked_prefill: bool | None,
+def search_regions(era: Era, *, derived_max: int, enable_chunked_prefill: bool | None,
                    max_num_batched_tokens: int | None, max_model_len_cap: int | None,
                    grid: Sequence[int] | None = None, path: str | None = None) -> tuple[list[tuple[int, int]], int | None]:
     """The token ranges :func:`propose` searches one by one (inside each the profile batch keeps
@@ -454,7 +454,8 @@ def search_regions(era: Era, *, max_position_embeddings: int, enable_chunked_pre
     :data:`V0_CHUNKED_PREFILL_THRESHOLD`. Chunked prefill off with the drop's N: vLLM refuses any
     length above N (the cap). V0 with the drop's N and chunked prefill left to the era: the
     lengths V0 runs unchunked (up to the threshold; every length before 0.5.4) must fit one batch
-    of N, longer ones are chunked.
+    of N, longer ones are chunked. ``derived_max``: the longest length vLLM accepts for the
+    model (:attr:`Layout.max_model_len_limit`, RoPE scaling and ``hf_overrides`` applied).
 
     Raises:
         DropError: a grid length (``grid``: the drop's ``candidates.max_model_len``) vLLM refuses
@@ -462,11 +463,11 @@ def search_regions(era: Era, *, max_position_embeddings: int, enable_chunked_pre
     """
     from tuner.engine_checks import check_unchunked_lengths
 
-    regions = [(1, max_position_embeddings)]
+    regions = [(1, derived_max)]
     cap = max_model_len_cap
     if (era.engine == "V0" and enable_chunked_prefill is None and max_num_batched_tokens is None
             and era.version >= (0, 5, 4)):
-        regions = [(1, V0_CHUNKED_PREFILL_THRESHOLD), (V0_CHUNKED_PREFILL_THRESHOLD + 1, max_position_embeddings)]
+        regions = [(1, V0_CHUNKED_PREFILL_THRESHOLD), (V0_CHUNKED_PREFILL_THRESHOLD + 1, derived_max)]
     if enable_chunked_prefill is False and max_num_batched_tokens is not None:
         # Chunked prefill off: vLLM refuses any max_model_len above max_num_batched_tokens.
         n_user = int(max_num_batched_tokens)
@@ -482,7 +483,7 @@ def search_regions(era: Era, *, max_position_embeddings: int, enable_chunked_pre
         if limit is None:
             cap = min(cap, n_user) if cap else n_user
         elif n_user < limit:
-            regions = [(1, n_user), (limit + 1, max_position_embeddings)]
+            regions = [(1, n_user), (limit + 1, derived_max)]
     return regions, cap
 
 
@@ -514,7 +515,8 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
         The proposal and every candidate evaluated during the search.
     """
     bs = layout.block_size
-    cap = min(layout.max_position_embeddings, layout.max_model_len_limit)
+    limit = layout.max_model_len_limit  # vLLM's derived maximum (RoPE scaling, hf_overrides applied)
+    cap = limit
     if max_model_len_cap:
         cap = min(cap, max_model_len_cap)
     seen: dict[int, Candidate] = {}
@@ -540,7 +542,10 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
     args = f"--max-model-len {best} --gpu-memory-utilization {gpu_memory_utilization:g}"
     if extra_args:
         args += " " + extra_args
-    why = "model's max_position_embeddings" if best == layout.max_position_embeddings // bs * bs and best + bs > cap else None
+    why = None
+    if best == limit // bs * bs and best + bs > cap:
+        why = ("model's max_position_embeddings" if limit == layout.max_position_embeddings
+               else f"model's derived max_model_len ({layout.derived_max_len_key}={limit})")
     return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
                     f"capped by the {why}" if why else None, args, limiting_stage=c.limiting_stage,
                     stages=c.stages), list(seen.values())

@@ -89,21 +89,13 @@ def config_path_for(case: dict, models_dir: str | Path) -> Path:
     return path
 
 
-def derived_max_model_len(config_path: str | Path) -> int:
-    """The ``max_model_len`` vLLM derives when none is given: the text config's
-    ``max_position_embeddings`` (vllm/config/model.py ``_get_and_verify_max_len``; a rope
-    ``factor`` with ``original_max_position_embeddings`` is already folded into it by HF configs),
-    or the smallest of the other length keys it checks; 2048 when none is present."""
-    from tuner.modelspec import read_top
+def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = None) -> int:
+    """The ``max_model_len`` vLLM derives when none is given (:func:`tuner.check.derived_max`:
+    :func:`tuner.search.derived_max_model_len` over the text config with the case's
+    ``hf_overrides`` applied, so a RoPE scaling override raises it)."""
+    from tuner.check import derived_max
 
-    top = read_top(config_path)
-    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                "model_max_length"):
-        for d in (text, top):
-            if isinstance(d.get(key), int) and d[key] > 0:
-                return int(d[key])
-    return 2048
+    return derived_max(str(config_path), hf_overrides)[0]
 
 
 def _device(case: dict) -> dict:
@@ -153,7 +145,7 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     from tuner.protocol import point_of
 
     stated = point_of(s)
-    max_model_len = stated.max_model_len or derived_max_model_len(config_path)
+    max_model_len = stated.max_model_len or derived_max_model_len(config_path, _hf_overrides(s))
     dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
     kv = case.get("kv_cache_dtype") or "auto"
     u = stated.gpu_memory_utilization
