@@ -77,7 +77,11 @@ def answer(req):
         best = min(tokens, 131072) // 16 * 16
         props.append({"gpu_memory_utilization": u, "max_model_len": best, "num_gpu_blocks": blocks,
                       "kv_cache_tokens": tokens, "max_concurrency": tokens / best if best else 0.0, "reason": None,
-                      "vllm_args": f"--max-model-len {best} --gpu-memory-utilization {u:g}"})
+                      "vllm_args": f"--max-model-len {best} --gpu-memory-utilization {u:g}",
+                      # the proposed point's own numbers, as the real worker's search gives them
+                      "max_num_batched_tokens": N, "requested_memory_bytes": requested, "weights_bytes": weights,
+                      "activation_peak_bytes": act, "non_torch_bytes": non_torch, "cuda_graph_bytes": 0,
+                      "available_kv_cache_bytes": avail})
     result = {"model": {"config_sha256": "f" * 64, "architectures": ["LlamaForCausalLM"]}, "plugin": "fake",
               "warnings": (["no plugin serves FooForCausalLM; using generic",
                             "config.json lacks head_dim; using 128 (default of plugin generic)"]

@@ -166,3 +166,56 @@ def test_main_process_never_imports_torch(tmp_path, tiny_config):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _json_of(drop: Path, tmp_path: Path) -> dict:
+    """``profile --json``'s document for one drop (the real worker, memoized per request)."""
+    from tests._results_db import cached_worker
+    from tuner.commands.profile import to_json
+
+    return to_json(profile(str(drop), db_url=str(tmp_path / "r.sqlite"), worker=cached_worker))
+
+
+def _adds_up(budget: list[dict]) -> int:
+    total = 0
+    for t in budget:
+        total = t["bytes"] if t["op"] == "=" else total - t["bytes"] if t["op"] == "-" else total
+    return total
+
+
+def test_off_grid_proposal_carries_its_ledger(tmp_path):
+    """``profile --json`` gave ``"budget": []`` for every proposal not on the grid (the V0 example
+    proposes 40064 tokens off its grid 20000 / 29000 / 35000); the README says proposals carry
+    the ledger. The proposal's budget is its own point's terms and adds up to its KV bytes."""
+    from tests._results_db import V0_DROP
+
+    d = _json_of(V0_DROP, tmp_path)
+    (p,) = d["proposals"]
+    assert p["max_model_len"] == 40064 and p["max_model_len"] not in [c["max_model_len"] for c in d["candidates"]]
+    names = [t["name"] for t in p["budget"]]
+    assert names == ["requested", "weights", "activation_peak", "non_torch", "cuda_graphs", "available_kv"]
+    terms = {t["name"]: t["bytes"] for t in p["budget"]}
+    assert terms["available_kv"] == p["available_kv_cache_bytes"] == _adds_up(p["budget"])
+    assert terms["activation_peak"] == p["activation_peak_bytes"] and p["max_num_batched_tokens"] == 512
+    assert terms["available_kv"] // (2 << 20) == p["num_gpu_blocks"]  # 2 MiB V0 blocks
+    assert {t["source"] for t in p["budget"]} <= {"catalog", "plugin"}
+
+
+def test_kv_cache_memory_bytes_ledger_adds_up(tmp_path):
+    """With ``kv_cache_memory_bytes: 20G`` the ``profile --json`` terms added up to
+    24,036,864,427 B at u 0.5 while available_kv is 21,474,836,480: the ledger carries the
+    balancing ``kv_cache_memory_bytes`` term ``explain`` shows, so every ledger adds up."""
+    p = _drop(tmp_path, REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct", name="kv20",
+              kv_cache_memory_bytes="20G", candidates={"gpu_memory_utilization": [0.5], "max_model_len": [8192]})
+    d = _json_of(p, tmp_path)
+    for point in d["candidates"] + d["proposals"]:
+        terms = {t["name"]: t for t in point["budget"]}
+        assert terms["available_kv"]["bytes"] == 20 << 30 == 21_474_836_480
+        assert _adds_up(point["budget"]) == 21_474_836_480
+        kv = terms["kv_cache_memory_bytes"]
+        assert (kv["op"], kv["source"]) == ("-", "drop")
+        assert kv["bytes"] == (terms["requested"]["bytes"] - terms["weights"]["bytes"]
+                               - terms["activation_peak"]["bytes"] - terms["non_torch"]["bytes"]
+                               - terms["cuda_graphs"]["bytes"] - 21_474_836_480)
+    (c,) = d["candidates"]
+    assert _adds_up([t for t in c["budget"] if t["name"] != "kv_cache_memory_bytes"]) == 24_036_864_427

@@ -128,7 +128,10 @@ def test_proposal_fields_were_declared_twice_in_search_and_protocol():
     assert search.Proposal is Proposal and issubclass(ProposalResult, Proposal)
     own = [f.name for f in dataclasses.fields(Proposal)]
     assert own == ["gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens",
-                   "max_concurrency", "reason", "vllm_args", "limiting_stage", "stages"]
+                   "max_concurrency", "reason", "vllm_args", "limiting_stage", "stages",
+                   # the proposed point's own numbers (None, and left out of to_dict, where unset)
+                   "max_num_batched_tokens", "requested_memory_bytes", "weights_bytes", "activation_peak_bytes",
+                   "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes"]
     assert [f.name for f in dataclasses.fields(ProposalResult)] == own + ["budget", "data"]
     prop = Proposal(0.9, 8192, 3, 48, 0.0059, None, "--max-model-len 8192 --gpu-memory-utilization 0.9")
     assert prop.to_dict() == dict(zip(own, (0.9, 8192, 3, 48, 0.0059, None,  # one stage: no stage fields

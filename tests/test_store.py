@@ -45,6 +45,9 @@ EXPECTED = {
     "proposals": [
         "id", "drop_id", "gpu_memory_utilization", "max_model_len", "num_gpu_blocks",
         "kv_cache_tokens", "max_concurrency", "vllm_args", "reason", "created_at",
+        # revision 0009: the proposed point's own numbers
+        "max_num_batched_tokens", "requested_memory_bytes", "weights_bytes", "activation_peak_bytes",
+        "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes",
     ],
     "jobs": [
         "id", "path", "content_sha256", "content", "status", "attempts", "error_type", "error",

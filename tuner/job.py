@@ -989,6 +989,8 @@ def job_result(*, method: str, calibration: dict, layout: Layout, measured: list
         "runs": runs,
         "candidates": candidates,
         "proposals": proposals,
+        # --kv-cache-memory-bytes: the KV bytes as given (the ledgers' balancing term)
+        "kv_cache_memory_bytes": layout.kv_cache_memory_bytes,
         "versions": versions,
         "elapsed_s": elapsed_s,
         "total_memory_gib": round(total / GiB, 2),

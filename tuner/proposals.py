@@ -70,12 +70,11 @@ def proposal_document(store: "Store", drop_id: int, *, job_id: int | None = None
             "command": f"vllm serve {model} {prop.vllm_args}" if prop.vllm_args else None,
             "reason": prop.reason,
         }
-        cand = _numbers_for(cands, prop.gpu_memory_utilization, prop.max_model_len)
-        if cand is not None:
-            entry["numbers"] = {k: getattr(cand, k) for k in _NUMBERS}
-            entry["numbers"]["from_candidate_max_model_len"] = cand.max_model_len
+        numbers = point_numbers(prop, cands)
+        if numbers is not None:
+            entry["numbers"] = {k: numbers[k] for k in _NUMBERS}
         add_vllm_forms(entry, model, drop.engine_version,
-                       cand.available_kv_cache_bytes if cand is not None else None)
+                       numbers["available_kv_cache_bytes"] if numbers is not None else None)
         out_props.append(entry)
     doc: dict[str, Any] = {
         "drop": drop.name,
@@ -123,18 +122,23 @@ def add_vllm_forms(entry: dict[str, Any], model: str, engine_version: str, kv_ca
     entry["vllm_config_kv_cache_memory_bytes"] = forms["kv_cache_memory_bytes"]
 
 
-def _numbers_for(cands: list, gmu: float, mml: int | None):
-    """The grid candidate whose memory terms stand behind a proposal: same utilization, the same
-    ``max_model_len`` if it was on the grid, else the largest one below it (the terms depend on the
-    utilization and the profile batch, not on the length itself, within a region)."""
-    same = [c for c in cands if c.gpu_memory_utilization == gmu]
+def point_numbers(prop, cands: list = ()) -> dict[str, int] | None:
+    """The numbers behind a proposal (:data:`tuner.protocol.POINT_NUMBERS`): the proposed point's
+    own, as the search evaluated it (a stored ``proposals`` row, revision 0009, or a
+    :class:`tuner.protocol.ProposalResult`), on the grid or off it. A row stored before 0009 has
+    none: then the grid candidate at exactly that point (``cands``), else None — never another
+    length's, whose profile batch and activation differ."""
+    from tuner.protocol import POINT_NUMBERS
+
+    if prop.max_model_len is None:
+        return None
+    if getattr(prop, "available_kv_cache_bytes", None) is not None:
+        return {k: None if getattr(prop, k) is None else int(getattr(prop, k)) for k in POINT_NUMBERS}
+    same = [c for c in cands if abs(float(c.gpu_memory_utilization) - float(prop.gpu_memory_utilization)) < 1e-9
+            and c.max_model_len == prop.max_model_len]
     if not same:
         return None
-    if mml is not None:
-        below = [c for c in same if c.max_model_len <= mml]
-        if below:
-            return max(below, key=lambda c: c.max_model_len)
-    return min(same, key=lambda c: c.max_model_len)
+    return {k: None if same[0].get(k) is None else int(same[0].get(k)) for k in POINT_NUMBERS}
 
 
 def proposal_path(directory: str | os.PathLike, name: str) -> Path:

@@ -316,12 +316,38 @@ LEDGER = (("requested", "requested_memory_bytes", "budget_formula", "="),
           ("available_kv", "available_kv_cache_bytes", "kv_sizing", "->"))
 
 
-def ledger(point: Mapping[str, Any], sources: Mapping[str, Any] | None) -> tuple[BudgetTerm, ...]:
-    """The itemised budget of a candidate (or a stored ``candidates`` row): each term with its bytes
-    (0 where absent) and its source (from the job's ``term_sources``; ``unknown`` without them)."""
+#: A point's own numbers behind its KV bytes (a candidate's fields; a proposal carries its proposed
+#: point's, :class:`Proposal`): the profile batch and the ledger's byte fields.
+POINT_NUMBERS = ("max_num_batched_tokens",) + tuple(col for _n, col, _s, _o in LEDGER)
+
+
+def ledger(point: Mapping[str, Any], sources: Mapping[str, Any] | None,
+           kv_cache_memory_bytes: int | None = None) -> tuple[BudgetTerm, ...]:
+    """The itemised budget of one point (a candidate, a proposal with its numbers, a stored row):
+    each term with its bytes (0 where absent) and its source (from the job's ``term_sources``;
+    ``unknown`` without them). With ``kv_cache_memory_bytes`` (the drop's) the KV bytes are the
+    given ones, not what the terms leave: a balancing ``kv_cache_memory_bytes`` term (signed, source
+    ``drop``; as ``ctx-tuner explain``'s step) before ``available_kv`` makes the ledger add up."""
     sources = sources or {}
-    return tuple(BudgetTerm(name, int(point.get(col) or 0), str(sources.get(src) or "unknown"), op)
-                 for name, col, src, op in LEDGER)
+    terms = [BudgetTerm(name, int(point.get(col) or 0), str(sources.get(src) or "unknown"), op)
+             for name, col, src, op in LEDGER]
+    if kv_cache_memory_bytes is not None:
+        gap = ledger_sum(terms) - terms[-1].bytes
+        if gap:
+            terms.insert(len(terms) - 1, BudgetTerm("kv_cache_memory_bytes", gap, "drop", "-"))
+    return tuple(terms)
+
+
+def ledger_sum(terms: Iterable[BudgetTerm]) -> int:
+    """The KV bytes a ledger's terms give: the ``=`` term less the ``-`` ones (equal to its
+    ``available_kv`` term when the ledger adds up)."""
+    total = 0
+    for t in terms:
+        if t.op == "=":
+            total = t.bytes
+        elif t.op == "-":
+            total -= t.bytes
+    return total
 
 
 class _LedgerWire:
@@ -355,9 +381,10 @@ class CandidateResult(_LedgerWire):
     data: Mapping[str, Any] = field(hash=False, repr=False)
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any], sources: Mapping[str, Any] | None = None) -> "CandidateResult":
+    def from_wire(cls, data: Mapping[str, Any], sources: Mapping[str, Any] | None = None,
+                  kv_cache_memory_bytes: int | None = None) -> "CandidateResult":
         budget = (tuple(BudgetTerm.from_wire(t) for t in data["budget"]) if data.get("budget")
-                  else ledger(data, sources))
+                  else ledger(data, sources, kv_cache_memory_bytes))
         return cls(float(data["gpu_memory_utilization"]), int(data["max_model_len"]), bool(data["fits"]),
                    bool(data.get("starts", data["fits"])), data.get("reason"), int(data.get("num_gpu_blocks") or 0),
                    int(data.get("kv_cache_tokens") or 0), float(data.get("max_concurrency") or 0.0),
@@ -382,17 +409,36 @@ class Proposal:
     #: :attr:`tuner.search.Candidate.stages`).
     limiting_stage: int = 0
     stages: tuple = ()
+    #: The proposed point's own numbers (:data:`POINT_NUMBERS`, bytes), as the search evaluated
+    #: that point (its profile batch, activation, KV bytes): None when nothing fits.
+    max_num_batched_tokens: int | None = None
+    requested_memory_bytes: int | None = None
+    weights_bytes: int | None = None
+    activation_peak_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    cuda_graph_bytes: int | None = None
+    available_kv_cache_bytes: int | None = None
 
     def to_dict(self) -> dict:
         """The proposal's own fields (a :class:`ProposalResult`'s ledger and wire object left out;
-        ``stages`` and ``limiting_stage`` only where there are stages)."""
+        ``stages`` and ``limiting_stage`` only where there are stages; the numbers only where a
+        point was proposed)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(Proposal)}
         if not d["stages"]:
             d.pop("stages")
             d.pop("limiting_stage")
         else:
             d["stages"] = [dict(x) for x in d["stages"]]
+        for k in POINT_NUMBERS:
+            if d[k] is None:
+                d.pop(k)
         return d
+
+    def numbers(self) -> dict[str, int] | None:
+        """The proposed point's own numbers (:data:`POINT_NUMBERS`), None when it carries none."""
+        if self.available_kv_cache_bytes is None:
+            return None
+        return {k: getattr(self, k) for k in POINT_NUMBERS}
 
 
 @dataclass(frozen=True)
@@ -404,13 +450,20 @@ class ProposalResult(_LedgerWire, Proposal):
     data: Mapping[str, Any] = field(default_factory=dict, hash=False, repr=False)
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any], budget: Iterable[BudgetTerm] = ()) -> "ProposalResult":
+    def from_wire(cls, data: Mapping[str, Any], budget: Iterable[BudgetTerm] = (),
+                  sources: Mapping[str, Any] | None = None,
+                  kv_cache_memory_bytes: int | None = None) -> "ProposalResult":
+        """``budget``: the ledger when the wire object has none and carries no numbers of its own
+        (a proposal stored before its numbers were: its grid candidate's, at the same point)."""
+        nums = {k: (None if data.get(k) is None else int(data[k])) for k in POINT_NUMBERS}
         if data.get("budget"):
             budget = [BudgetTerm.from_wire(t) for t in data["budget"]]
+        elif nums["available_kv_cache_bytes"] is not None:  # the proposed point's own ledger
+            budget = ledger(data, sources, kv_cache_memory_bytes)
         return cls(float(data["gpu_memory_utilization"]), data.get("max_model_len"), data.get("num_gpu_blocks"),
                    data.get("kv_cache_tokens"), data.get("max_concurrency"), data.get("reason"), data.get("vllm_args"),
                    limiting_stage=int(data.get("limiting_stage") or 0), stages=tuple(data.get("stages") or ()),
-                   budget=tuple(budget), data=dict(data))
+                   **nums, budget=tuple(budget), data=dict(data))
 
 
 
@@ -451,10 +504,11 @@ class JobResult:
                 or not isinstance(data.get("proposals"), list):
             raise ProtocolError("a job result needs candidates and proposals lists", where="worker")
         sources = data.get("term_sources")
-        cands = tuple(CandidateResult.from_wire(c, sources) for c in data["candidates"])
+        kv_fixed = data.get("kv_cache_memory_bytes")
+        cands = tuple(CandidateResult.from_wire(c, sources, kv_fixed) for c in data["candidates"])
         by_point = {(c.gpu_memory_utilization, c.max_model_len): c.budget for c in cands}
         props = tuple(ProposalResult.from_wire(p, by_point.get((float(p["gpu_memory_utilization"]),
-                                                                p.get("max_model_len")), ()))
+                                                                p.get("max_model_len")), ()), sources, kv_fixed)
                       for p in data["proposals"])
         return cls(cands, props, dict(data))
 

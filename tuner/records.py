@@ -168,7 +168,10 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     candidates = [{**{k: c[k] for k in cand_cols}, "run_key": c["run_key"]} for c in r["candidates"]]
     prop_cols = ("gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
                  "vllm_args", "reason")
-    proposals = [{k: p[k] for k in prop_cols} for p in r["proposals"]]
+    from tuner.protocol import POINT_NUMBERS
+
+    # the proposed point's own numbers (absent: nothing fits)
+    proposals = [{**{k: p[k] for k in prop_cols}, **{k: p.get(k) for k in POINT_NUMBERS}} for p in r["proposals"]]
     return drop_row, runs, candidates, proposals
 
 

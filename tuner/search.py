@@ -548,4 +548,12 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
                else f"model's derived max_model_len ({layout.derived_max_len_key}={limit})")
     return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
                     f"capped by the {why}" if why else None, args, limiting_stage=c.limiting_stage,
-                    stages=c.stages), list(seen.values())
+                    stages=c.stages, **point_numbers(c)), list(seen.values())
+
+
+def point_numbers(c: Candidate) -> dict[str, int]:
+    """One evaluated point's own numbers (:data:`tuner.protocol.POINT_NUMBERS`: its profile batch
+    and budget terms, bytes): what a proposal of that point carries, on the grid or off it."""
+    from tuner.protocol import POINT_NUMBERS
+
+    return {k: int(getattr(c, k)) for k in POINT_NUMBERS}

@@ -220,6 +220,15 @@ proposals_table = sa.Table(
     sa.Column("vllm_args", _TEXT, nullable=True),
     sa.Column("reason", _TEXT, nullable=True),
     sa.Column("created_at", _TS, nullable=False),
+    # revision 0009: the proposed point's own numbers (its profile batch and budget terms; null
+    # when nothing fits, and for proposals stored before this revision).
+    sa.Column("max_num_batched_tokens", _INT, nullable=True),
+    _bytes("requested_memory_bytes"),
+    _bytes("weights_bytes"),
+    _bytes("activation_peak_bytes"),
+    _bytes("non_torch_bytes"),
+    _bytes("cuda_graph_bytes"),
+    _bytes("available_kv_cache_bytes"),
 )
 
 #: Revision 0002: the daemon's durable job queue (see :mod:`tuner.jobqueue`). One row per

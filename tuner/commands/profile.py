@@ -147,7 +147,7 @@ def vllm_form_entries(outcome) -> list[dict]:
     """The outcome's proposals with their vLLM forms (``vllm_config``, ``--kv-cache-memory-bytes``
     args and config; :func:`tuner.proposals.add_vllm_forms`)."""
     from tuner.app import serve_model
-    from tuner.proposals import _numbers_for, add_vllm_forms
+    from tuner.proposals import add_vllm_forms, point_numbers
     from tuner.protocol import JobResult
 
     model = serve_model(outcome.drop)
@@ -155,9 +155,9 @@ def vllm_form_entries(outcome) -> list[dict]:
     out = []
     for p, wire in zip(res.proposals, outcome.result["proposals"]):
         entry = dict(wire)
-        cand = _numbers_for(res.candidates, p.gpu_memory_utilization, p.max_model_len)
+        numbers = point_numbers(p, res.candidates)
         add_vllm_forms(entry, model, outcome.drop.engine_version,
-                       cand.available_kv_cache_bytes if cand is not None else None)
+                       numbers["available_kv_cache_bytes"] if numbers is not None else None)
         out.append(entry)
     return out
 
