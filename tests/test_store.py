@@ -503,3 +503,27 @@ def test_server_engines_ping_connections_before_use(pg_url):
         assert s.engine.pool._pre_ping is True
     finally:
         s.close()
+
+
+def test_concurrent_new_stores_in_one_process_migrate_without_alembic_proxy_race(tmp_path):
+    """Alembic's ``op``/``context`` are process-global proxies: two threads migrating two new
+    stores at once (the test suite's parallel profiles, the daemon's staging thread) once saw
+    ``op`` as None mid-upgrade ("cannot migrate store: 'config'"). Upgrades in one process are
+    serialised, so every store reaches head."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tuner.storerules import script_head
+
+    urls = [f"sqlite:///{tmp_path / f's{i}.db'}" for i in range(8)]
+
+    def open_and_read(url):
+        s = open_store(url)
+        try:
+            with s.engine.connect() as c:
+                return c.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+        finally:
+            s.close()
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        versions = list(pool.map(open_and_read, urls))
+    assert versions == [script_head()] * 8

@@ -34,6 +34,7 @@ No torch here: the daemon's main process imports this module.
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -622,11 +623,23 @@ def _at_head(engine: Engine) -> bool:
     return [r[0] for r in rows] == [head]
 
 
+#: Alembic's ``op`` and ``context`` are process-global proxies (alembic.operations / alembic.context):
+#: two threads upgrading two stores at once swap them under each other ("This Connection is
+#: closed", ``op`` None). One upgrade per process at a time; across processes the database's own
+#: lock serialises (BEGIN IMMEDIATE on SQLite, the advisory lock on PostgreSQL).
+_UPGRADE_LOCK = threading.Lock()
+
+
 def _upgrade(u: URL, busy_timeout_s: float, engine: Engine) -> None:
     if _at_head(engine):
         return
     from alembic import command
 
+    with _UPGRADE_LOCK:
+        _upgrade_locked(u, busy_timeout_s, command)
+
+
+def _upgrade_locked(u: URL, busy_timeout_s: float, command: Any) -> None:
     mig = make_engine(u, foreign_keys=False, busy_timeout_s=busy_timeout_s)
     try:
         with mig.begin() as conn:  # one transaction: every step plus alembic_version
