@@ -439,7 +439,7 @@ def _stage_steps(stages: list[dict], limiting: int, u: float) -> list[dict]:
 
 def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict | None = None,
                   model: dict | None = None, plugin: str | None = None, dtype: str = "bfloat16",
-                  block_size: int = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
+                  block_size: int | None = 16, block_bytes: int | None = None, block_bytes_exact: bool = True,
                   surface: list[dict] | None = None, proposal: dict | None = None,
                   min_concurrency: float = 1.0, measured: bool = False, serve_model: str | None = None,
                   budget: Sequence[BudgetTerm] | None = None, term_sources: dict | None = None) -> dict:
@@ -493,7 +493,8 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if measured:
         act_sim, rest = act, 0
     elif split:
-        act_sim, rest = (act - ws - reserve - act_corr - int(cand.get("drafter_activation_bytes") or 0)
+        act_sim, rest = (act - ws - reserve - act_corr - int(cand.get("unattributed_activation_bytes") or 0)
+                         - int(cand.get("drafter_activation_bytes") or 0)
                          - int(cand.get("drafter_forward_bytes") or 0) - int(cand.get("drafter_buffer_bytes") or 0)), 0
     elif sim is not None:  # stored simulate row: workspace and corrections are not stored apart
         act_sim, rest = sim, act - sim - reserve
@@ -541,6 +542,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if split and ws:
         steps.append({"name": "cublas_workspace", "op": "-", "bytes": ws,
                       "text": "cuBLAS workspace torch allocates on the profile run's first GEMM"})
+    unattributed = int(cand.get("unattributed_activation_bytes") or 0) if split else 0
+    if unattributed:  # a stored row's activation term beyond its parts, with no calibration in the store
+        steps.append(_signed("unattributed", unattributed, "the stored activation term beyond its simulated "
+                                                           "passes, workspace and reserve (no calibration applies; "
+                                                           "no stored column explains it)"))
     if rest:
         steps.append(_signed("cublas_workspace", rest, "cuBLAS workspace and calibration corrections (a stored row "
                                                         "keeps them together)"))
@@ -557,6 +563,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                                    "(module loads: cuBLAS/cuBLASLt, Triton, attention kernels)"})
     steps.extend(comm)
     steps.extend(_info_steps(era, drop, device, model, cand, n, tp, drafter_w, run=run))
+    if cand.get("drafter_terms_not_stored"):  # explain --run: the store keeps the drafter's weights only
+        steps.append({"name": "drafter_terms", "op": "info", "bytes": 0,
+                      "text": "the drafter's activation, forward, input buffers and CUDA graphs are not stored "
+                              "columns: they stay inside the activation and CUDA graph steps (live explain "
+                              "shows them apart)"})
     steps.extend(_stage_steps(pp_stages, limiting, u))
     drafter_g = int(cand.get("drafter_cuda_graph_bytes") or 0) if subtracts_graphs else 0
     if subtracts_graphs and not g and (run or {}).get("model_runner_v2") and era.version < (0, 29, 0):
@@ -595,7 +606,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if note:
         steps[2]["detail"] = [note] + steps[2]["detail"]
     blocks_inferred = False
-    if measured and not blocks and tokens and avail > 0:  # the log printed no block count
+    if measured and not blocks and tokens and avail > 0 and block_size:  # the log printed no block count
         blocks, blocks_inferred = int(tokens) // block_size, True
         block_bytes, block_bytes_exact = (avail // blocks if blocks else None), False
     if avail <= 0:
@@ -608,18 +619,24 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     else:
         approx = "" if block_bytes_exact else "~"
         bb = f"{approx}{block_bytes:,} bytes per block" if block_bytes else "bytes per block"
+        per = f"{block_size} tokens" if block_size else "the run's block size, not stored,"
         steps.append({"name": "blocks", "op": "->", "value": blocks, "block_bytes": block_bytes,
                       "block_bytes_exact": block_bytes_exact,
-                      "text": f"blocks = {avail:,} // {bb} ({block_size} tokens x every layer's K and V)"})
+                      "text": f"blocks = {avail:,} // {bb} ({per} x every layer's K and V)"})
     if measured:
         how = "as the engine logged it" + (f" ({blocks} blocks x {block_size} tokens)"
-                                           if blocks and tokens == blocks * block_size and not blocks_inferred else "")
+                                           if blocks and block_size and tokens == blocks * block_size
+                                           and not blocks_inferred else "")
+    elif not block_size:
+        how = "as stored (the run's block size is not stored)"
     else:
         how = (f"{blocks} blocks x {block_size} tokens" if tokens == blocks * block_size
                else "as this release reports it (int(concurrency x max_model_len))")
     steps.append({"name": "tokens", "op": "->", "value": tokens, "text": f"KV cache tokens = {how}"})
     tilde = "~" if blocks_inferred else ""
     conc_how = (f"{tokens} tokens / {m}" if era.engine == "V0" or era.version < (0, 9, 1)
+                else f"{tilde}{blocks} blocks / cdiv({m}, block_size) (the run's block size is not stored)"
+                if not block_size
                 else f"{tilde}{blocks} blocks / cdiv({m}, {block_size}) = {tilde}{blocks} / {_cdiv(m, block_size)}")
     if measured:
         conc_how = f"as the engine logged it ({conc_how})"
@@ -664,7 +681,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                             ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
-        elif block_bytes and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
+        elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
             fixed = w + act + nt + (g if subtracts_graphs else 0)
             rem.update(gpu_memory_utilization={
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
@@ -905,8 +922,9 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     total = int(stored.device_total_memory_bytes or 0)
     device = {"name": stored.device_name, "total_memory_bytes": total}
     model_dir = _stored_model_dir(stored.model, drop_row.get("path"))
-    dd = {"name": drop_row.get("name"), "model": model_dir, "kv_cache_dtype": stored.kv_cache_dtype,
-          "tensor_parallel_size": stored.tensor_parallel_size, "pipeline_parallel_size": stored.pipeline_parallel_size}
+    dd = {**_stored_drop_fields(drop_row), "name": drop_row.get("name"), "model": model_dir,
+          "kv_cache_dtype": stored.kv_cache_dtype, "tensor_parallel_size": stored.tensor_parallel_size,
+          "pipeline_parallel_size": stored.pipeline_parallel_size}
     run_d = {**run, "num_reqs": stored.num_sampled_rows}
     if stored.method == "simulate":
         cands = [c.as_dict() for c in records.candidates_of_run(store, stored.id)]
@@ -917,7 +935,10 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
                 raise ExplainInputError(
                     f"profile run {run_id} ({stored.device_name}) has no candidates of its own: drop "
                     f"{stored.drop_id}'s candidates are stored under profile run "
-                    f"{', '.join(map(str, holders))} (the limiting pipeline stage); use explain --run {holders[0]}",
+                    f"{', '.join(map(str, holders))} ("
+                    + ("the limiting pipeline stage" if int(stored.pipeline_parallel_size or 1) > 1
+                       else "the pass they were evaluated with; this run is another pass of the same job")
+                    + f"); use explain --run {holders[0]}",
                     where=store.where)
             raise ExplainInputError(f"profile run {run_id} has no candidates", where=store.where)
     else:
@@ -946,7 +967,19 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
                                                 ("max_model_len", max_model_len)) if v is not None)
         raise ExplainInputError(f"profile run {run_id} has no candidate at {at}", where=store.where)
     props = [p.as_dict() for p in records.proposals_of_drop(store, stored.drop_id)]
-    block_size = int(run.get("block_size") or 16)
+    grid = (dd.get("candidates") or {}).get("max_model_len")
+    if max_model_len is None and stored.method == "simulate" and dd.get("candidates") and not grid:
+        # no max_model_len grid: the candidates are the search's probe points (16, ...); explain the
+        # proposal's point at each u, as live explain does
+        at_prop = [c for c in cands if any(_same_u(point_of(p).gpu_memory_utilization, point_of(c).gpu_memory_utilization)
+                                           and point_of(p).max_model_len == point_of(c).max_model_len for p in props)]
+        cands = at_prop or cands
+    # the block size the run sized its blocks with (a hybrid model's is its page: 1600, 784, ...);
+    # a run stored before the column was written for simulate rows has none: said, not assumed 16
+    # (a measured log that named none: vLLM's default 16, as before)
+    block_size = (int(run["block_size"]) if run.get("block_size")
+                  else 16 if run["method"] != "simulate" else None)
+    calibrated = _store_has_calibrations(store, stored, dd.get("quantization"))
     # every candidate of the drop shares one block size: the tightest available // blocks bounds it
     bounds = [x["available_kv_cache_bytes"] // x["num_gpu_blocks"] for x in all_drop
               if x.get("num_gpu_blocks") and x.get("available_kv_cache_bytes")]
@@ -962,9 +995,16 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
 
             dev = lookup(str(run["device_name"] or ""))
             ws = profile_overhead_bytes(dev.compute_capability if dev is not None else None, era)
-            reserve = unexplained_bytes(era, int(c["weights_bytes"] or 0), int(run["activation_peak_bytes"] or 0) + ws)
-            c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve,
-                 "activation_correction_bytes": c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve}
+            # the candidate's weights are the target's (the pass row's) plus a drafter's
+            target_w = int(run.get("weights_bytes") or c["weights_bytes"] or 0)
+            drafter_w = max(0, int(c["weights_bytes"] or 0) - target_w)
+            reserve = unexplained_bytes(era, target_w, int(run["activation_peak_bytes"] or 0) + ws)
+            rest = c["activation_peak_bytes"] - run["activation_peak_bytes"] - ws - reserve
+            c = {**c, "workspace_bytes": ws, "reserve_bytes": reserve, "drafter_weights_bytes": drafter_w,
+                 "max_num_seqs": c.get("max_num_seqs") or run.get("max_num_seqs"),
+                 "drafter_terms_not_stored": bool(dd.get("speculative_config")),
+                 "activation_correction_bytes": rest if calibrated else 0,
+                 "unattributed_activation_bytes": 0 if calibrated else rest}
         u_c = point_of(c).gpu_memory_utilization
         prop = next((p for p in props if _same_u(point_of(p).gpu_memory_utilization, u_c)), None)
         e = explain_point(term_sources=records.json_column(stored.term_sources),
@@ -978,6 +1018,33 @@ def explain_stored(store, run_id: int, *, gpu_memory_utilization: float | None =
     return {"drop": drop_row.get("name"), "model": model_dir, "device": device, "era": era.name,
             "plugin": run.get("plugin"), "warnings": [], "run_id": run["id"], "explanations": explanations,
             "term_sources": _json_column(run.get("term_sources")), "engine_check": _json_column(run.get("engine_check"))}
+
+
+def _stored_drop_fields(drop_row: dict) -> dict:
+    """The stored drop's own fields (speculative_config, disable_custom_all_reduce, ...) as the live
+    explain passes them (``Drop.to_dict``), parsed from ``drops.content``; {} when it does not parse."""
+    from tuner.drop import parse_drop
+
+    text = drop_row.get("content")
+    if not text:
+        return {}
+    try:
+        return parse_drop(text, drop_row.get("path") or "stored.yaml").to_dict()
+    except Exception:  # an old or foreign drop text: explain from the columns alone
+        return {}
+
+
+def _store_has_calibrations(store, stored, quantization: str | None) -> bool:
+    """Whether the store holds usable calibrations for the run's model config, device, era, layout,
+    dtype and quantization (the key :func:`tuner.app.lookup_calibration` matches): only then is the
+    remainder of a stored activation term a calibration correction."""
+    try:
+        return bool(store.calibration_rows(
+            device_name=stored.device_name, era=stored.era, model_config_sha256=stored.model_config_sha256,
+            model=stored.model, tensor_parallel_size=stored.tensor_parallel_size,
+            pipeline_parallel_size=stored.pipeline_parallel_size, dtype=stored.dtype, quantization=quantization))
+    except Exception:  # a store without the query: no calibrations it could show
+        return False
 
 
 def _json_column(text: str | None) -> Any:
@@ -1191,7 +1258,7 @@ def render(doc: dict) -> str:
     lines = [f"explain {doc.get('drop') or ''}: {doc.get('model')} on {device_label(dev)}, "
              f"vLLM {doc.get('era')}",
              f"dtype {e0.get('dtype')}, kv_cache_dtype {e0.get('kv_cache_dtype')}, TP {e0.get('tensor_parallel_size')}, "
-             f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size')}"]
+             f"PP {e0.get('pipeline_parallel_size')}, block_size {e0.get('block_size') or 'not stored'}"]
     for w in doc.get("warnings") or []:
         lines.append(f"warning: {w}")
     if doc.get("term_sources"):

@@ -148,6 +148,8 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
         runs[-1].update(_provenance_json(r))
         if run.get("non_torch_bytes") is not None:  # measured on the GPU (cuda)
             runs[-1]["non_torch_bytes"] = int(run["non_torch_bytes"])
+        if r.get("block_size") is not None:  # the KV block size the pass sized its blocks with (explain --run)
+            runs[-1]["block_size"] = int(r["block_size"])
     for i, m in enumerate(r.get("measured") or []):  # vllm: one engine start-up per needed candidate
         base = {k: v for k, v in runs[0].items() if k not in _MEASURED_COLUMNS} if runs else {}
         u, mml = point_of(m)
