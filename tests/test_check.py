@@ -3,9 +3,7 @@ numbers of the equivalent drop, written by hand here and run through the same wo
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import yaml
 
 from tests.conftest import REPO
 from tuner.check import run_check
-from tuner.cli import main
+from tests._cli_helpers import run_cli as _cli
 from tuner.serve_args import AUTO, ServeArgsError, human_readable_int, human_readable_int_or_auto, parse_serve
 
 L8B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
@@ -64,14 +62,6 @@ def _same(res, cand):
     assert n["weights_bytes"] == cand["weights_bytes"]
 
 
-def _cli(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 # ------------------------------------------------------------------------------------------------

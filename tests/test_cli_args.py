@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tuner.cli import main
+from tests._cli_helpers import run_cli as _cli
 
 # every command that runs a worker, with the arguments it needs to reach --timeout
 TIMEOUT_COMMANDS = {
@@ -24,14 +25,6 @@ TIMEOUT_COMMANDS = {
 }
 
 
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("command", sorted(TIMEOUT_COMMANDS))

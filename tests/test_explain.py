@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 
 import pytest
 
 from tests._results_db import H100_DROP, V0_DROP, profiled_db, using_cached_worker
-from tuner.cli import main
+from tests._cli_helpers import run_cli as _cli
 from tuner.eras import era_for
 from tuner.explain import blocks_needed, render, steps_add_up, u_needed
 
@@ -18,14 +16,6 @@ GiB = 1 << 30
 LLAMA8B_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 16  # K and V x 32 layers x 8 KV heads x head 128 x bf16 x 16 tokens
 
 
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:  # argparse usage errors
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,15 +5,13 @@ store without calibrations."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tuner.cli import main
+from tests._cli_helpers import run_cli as _cli
 from tuner.explain import steps_add_up
 
 SHARED = Path(os.environ.get("CTX_TUNER_SHARED") or Path(__file__).resolve().parents[1] / ".." / "shared")
@@ -23,14 +21,6 @@ DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_
           "vocab_size": 248320, "dflash_config": {"target_layer_ids": [1, 16, 31, 46, 61]}}
 
 
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _mtp_drop(tmp_path: Path) -> Path:

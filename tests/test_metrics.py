@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import socket
 import sqlite3
 from pathlib import Path
@@ -15,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests._daemon_helpers import drop_text, poll, settings_for
 from tests.test_daemon import _expected_tokens
-from tuner.cli import main
+from tests._cli_helpers import run_cli as _cli
 from tuner.daemon import Daemon
 from tuner.metrics import parse_listen, scrape
 from tuner.notify import Notifier
@@ -35,14 +33,6 @@ def _samples(text: str) -> dict[str, list]:
     return out
 
 
-def _cli(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _settings_file(tmp_path: Path, s) -> Path:

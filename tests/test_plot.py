@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 
 import pytest
 
 from tests._results_db import H100_DROP, profiled_db, using_cached_worker
-from tuner.cli import main
+from tests._cli_helpers import run_cli as _cli
 
 pytest.importorskip("matplotlib")
 
 
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as exc:
-            rc = exc.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _image(path):

@@ -4,8 +4,6 @@ vLLM parser is tested in tests/engine/test_serve_parser_engine.py."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -16,6 +14,7 @@ from tests.conftest import REPO
 from tuner.engine import vllm_importable
 from tuner.serve_args import ServeArgsError, parse_serve
 from tuner.vllm_serve_parser import AutoServeParser, VllmParserUnavailable, VllmServeParser, make_parser
+from tests._cli_helpers import run_cli as _cli
 
 L8B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
 no_vllm_here = pytest.mark.skipif(vllm_importable(), reason="vllm is importable in this Python")
@@ -93,13 +92,6 @@ def test_real_interpreter_without_vllm_falls_back():
     assert make_parser("built-in", None).name == "built-in"
 
 
-def _cli(*argv):
-    from tuner.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
 
 
 @no_vllm_here
