@@ -256,3 +256,24 @@ def test_sliding_window_candidate_reserves_the_async_batches_in_flight_from_0_32
         c = candidate(version, runner_v2)
         sw_pages = -(-(4095 + batches * 8192) // 16) + 1  # cdiv(w − 1 + in-flight, bs) + 1
         assert c.max_concurrency == pytest.approx(c.num_gpu_blocks / (2048 + sw_pages)), (version, runner_v2)
+
+
+def test_hybrid_proposal_reaches_the_model_maximum_between_block_multiples(shared_dir):
+    """Nemotron-H-56B-Base-8K on TP2 H100 (0.19): its attention block is 2080 tokens (hybrid page
+    alignment), so the block multiples stop at 6240 below max_position_embeddings 8192. 8192
+    starts (same blocks: a length inside a block costs the whole block), yet the proposal was
+    6240 "capped by the model's max_position_embeddings"."""
+    from tuner.drop import parse_drop
+
+    model = shared_dir / "models" / "nvidia--Nemotron-H-56B-Base-8K"
+    text = (f"name: nem\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
+            "tensor_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9], max_model_len: [6240, 8192]}\n")
+    d = parse_drop(text, "nem.yaml").to_dict()
+    r = run_job({"drop": d, "config_path": str(model / "config.json"),
+                 "device": {"name": "H100-80GB", "total_memory_bytes": 85030076416}})
+    by_m = {c["max_model_len"]: c for c in r["candidates"]}
+    assert by_m[8192]["starts"] and by_m[8192]["num_gpu_blocks"] == by_m[6240]["num_gpu_blocks"] > 0
+    p = r["proposals"][0]
+    assert p["max_model_len"] == 8192 and p["num_gpu_blocks"] == by_m[8192]["num_gpu_blocks"]
+    assert p["reason"] == "capped by the model's max_position_embeddings"
+    assert "--max-model-len 8192 " in p["vllm_args"]

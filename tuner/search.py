@@ -3,7 +3,7 @@
 ``evaluate`` turns one profile pass per pipeline stage into vLLM's verdict for one
 (``gpu_memory_utilization``, ``max_model_len``) point: budget → blocks → tokens → concurrency →
 does it start. ``propose`` finds, per ``gpu_memory_utilization``, the largest block-multiple
-``max_model_len`` that starts with ``min_concurrency`` full-length requests. The fit is monotone in
+(or capped) ``max_model_len`` that starts with ``min_concurrency`` full-length requests. The fit is monotone in
 ``max_model_len`` only inside a region where the profile batch does not change shape; where the
 era makes the batch depend on ``max_model_len`` (V0 without chunked prefill, the 32768-token
 chunked-prefill switch) each region is searched on its own, so a non-monotone surface (20k fits,
@@ -503,7 +503,8 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | Non
 def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_for: Callable[[int], ProfileBatch],
             passes_at: PassAtLength, min_concurrency: float = 1.0, max_model_len_cap: int | None = None,
             regions: Sequence[tuple[int, int]] = (), extra_args: str = "") -> tuple[Proposal, list[Candidate]]:
-    """Search the largest block-multiple ``max_model_len`` that fits at one utilization.
+    """Search the largest ``max_model_len`` that fits at one utilization: a block multiple, or the
+    cap itself (the model's derived maximum, a drop's cap) when that is not one.
 
     Args:
         batch_for: ``max_model_len`` → the era's profile batch for it.
@@ -531,9 +532,17 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
     best: int | None = None
     for lo, hi in (regions or [(1, cap)]):
         hi = min(hi, cap)
-        k = _largest_fitting(-(-max(lo, 1) // bs), hi // bs, lambda k: cand(k * bs).fits)
-        if k is not None and (best is None or k * bs > best):
-            best = k * bs
+        # Block multiples, and the region's top itself when it is not one: a length inside a block
+        # costs the whole block (V1 ``max_memory_usage_bytes``: cdiv(max_model_len, block_size)
+        # pages), so only the top can lie between multiples. Hybrid models' attention blocks are
+        # hundreds to thousands of tokens (2080 for Nemotron-H on 0.19): without the top, a model
+        # whose max_position_embeddings starts (8192) was proposed at the multiple below (6240).
+        def length(k: int, hi: int = hi) -> int:
+            return min(k * bs, hi)
+
+        k = _largest_fitting(-(-max(lo, 1) // bs), -(-hi // bs), lambda k: cand(length(k)).fits)
+        if k is not None and length(k) >= max(lo, 1) and (best is None or length(k) > best):
+            best = length(k)
     if best is None:
         smallest = cand(bs)
         return Proposal(gpu_memory_utilization, None, None, None, None,
@@ -543,7 +552,7 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
     if extra_args:
         args += " " + extra_args
     why = None
-    if best == limit // bs * bs and best + bs > cap:
+    if best == limit:
         why = ("model's max_position_embeddings" if limit == layout.max_position_embeddings
                else f"model's derived max_model_len ({layout.derived_max_len_key}={limit})")
     return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
