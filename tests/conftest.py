@@ -11,8 +11,7 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("CTX_TUNER_SHARED", REPO.parent / "shared"))
+from tests._paths import REPO, SHARED  # noqa: F401  (REPO: imported by tests through conftest)
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tuner.specdecode import (DrafterPass, checkpoint_drafter_pass, dflash_context_kv_peak_bytes,
+from tests._paths import SHARED
+
+from tuner.specdecode import (checkpoint_drafter_pass, dflash_context_kv_peak_bytes,
                               drafter_forward_peak_bytes, drafter_graph_layer_hidden, drafter_layer_peak_bytes,
                               drafter_profile_extra_bytes, drafter_runs_in_profile, mtp_drafter_pass)
 
-QWEN36 = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
+QWEN36 = SHARED / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
 DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
           "vocab_size": 248320, "dflash_config": {"target_layer_ids": [1, 16, 31, 46, 61]}}

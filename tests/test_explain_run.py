@@ -6,15 +6,15 @@ store without calibrations."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from tests._paths import SHARED
+
 from tests._cli_helpers import run_cli as _cli
 from tuner.explain import steps_add_up
 
-SHARED = Path(os.environ.get("CTX_TUNER_SHARED") or Path(__file__).resolve().parents[1] / ".." / "shared")
 QWEN36 = SHARED / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
 DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,

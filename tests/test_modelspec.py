@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._paths import SHARED
+
 from tests.conftest import REPO
 from tuner.errors import ModelConfigError
 from tuner.modelspec import (config_file_sha256, config_hash, defaults_applied, load_model_spec,
@@ -140,7 +142,7 @@ def _full_config_warnings() -> list[str]:
 
 # -- 6. config hash ---------------------------------------------------------------------------
 def test_config_hash_ignores_provenance_order_and_whitespace(tmp_path):
-    shared = Path(__file__).resolve().parents[2] / "shared" / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
+    shared = SHARED / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
     ours = json.loads(LLAMA_8B.read_text())
     variant = {k: ours[k] for k in reversed(list(ours))}
     variant.update(transformers_version="4.99.0", _name_or_path="/somewhere/else", use_cache=False)
