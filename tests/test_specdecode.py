@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests._paths import SHARED
+
 from tuner.kvcache import FullAttentionSpec, MambaSpec, get_kv_cache_config, kv_cache_tokens, max_concurrency
 from tuner.plugin import RankSettings, load_registry
 from tuner.specdecode import (aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_weights_bytes,
                               drafter_kv_specs, with_speculative_state_blocks)
 
 GiB = 1 << 30
-QWEN36 = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
+QWEN36 = SHARED / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +209,10 @@ def test_mtp_of_a_moe_model_weighs_its_experts_per_rank():
     # of 2048, 1 shared) in the checkpoint's fp8, eh_proj a plain nn.Linear (bf16, every rank)
     from tuner.specdecode import mtp_moe_layer_weights_bytes, quantized_param_bytes
 
-    cfg = json.loads((Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "deepseek-ai--DeepSeek-V3"
-                      / "config.json").read_text())
+    path = SHARED / "models" / "deepseek-ai--DeepSeek-V3" / "config.json"
+    if not path.is_file():
+        pytest.skip(f"shared models not found at {SHARED}")
+    cfg = json.loads(path.read_text())
     fp8 = cfg["quantization_config"]
     assert quantized_param_bytes(fp8, 2) == 1.0 and quantized_param_bytes({"bits": 4}, 2) == 0.5
     assert quantized_param_bytes(None, 2) == 2.0
@@ -248,3 +252,30 @@ def test_validate_finds_a_cases_drafter_beside_the_target(tmp_path):
     assert req["drop"]["speculative_config"] == {"method": "dflash", "num_speculative_tokens": 5, "model": "z-lab/drafter"}
     case["settings"]["speculative_config"]["model"] = "z-lab/absent"
     assert "no config.json at" in case_request(case, tmp_path)["draft_config_error"]
+
+
+def test_quantized_draft_model_weighs_its_own_checkpoint_quantization():
+    """A w8a8 (compressed-tensors int8) Llama-3.1-8B as the draft_model of Llama-3.1-70B on TP4:
+    vLLM builds the drafter's model config from its own checkpoint, so its linear layers load in
+    int8. It was weighed as bf16 (3.74 GiB per rank, 1.6 GiB too much)."""
+    from tuner.plugin import RankSettings
+
+    path = SHARED / "models" / "RedHatAI--Meta-Llama-3.1-8B-Instruct-quantized.w8a8" / "config.json"
+    if not path.is_file():
+        pytest.skip(f"shared models not found at {SHARED}")
+    draft = json.loads(path.read_text())
+    target = {"hidden_size": 8192, "vocab_size": 128256}
+    s = RankSettings(engine_version="0.24.0", dtype="bfloat16", tensor_parallel_size=4, compute_capability="9.0")
+    got = checkpoint_drafter_weights_bytes("draft_model", draft, target, tensor_parallel_size=4, dtype_bytes=2,
+                                           settings=s)
+    h, i, n, v = 4096, 14336 // 4, 32, 128256
+    q, kv = 32 * 128 // 4, 2 * 128  # per rank: 8 KV heads over 4 ranks
+    int8 = h * (q + 2 * kv) + q * h + h * 2 * i + i * h  # qkv, o, gate_up, down
+    scales = 4 * ((q + 2 * kv) + 2 * i)  # tensor strategy: fused qkv / gate_up keep fp32 per-channel scales
+    scales += 4 * 2  # o_proj, down_proj: one fp32 scale each
+    norms = 2 * h * 2
+    embed_and_head = 2 * (v * h // 4) * 2  # bf16, untied, vocab split over TP (never quantized)
+    assert got == n * (int8 + scales + norms) + embed_and_head + h * 2
+    bf16 = checkpoint_drafter_weights_bytes("draft_model", {k: x for k, x in draft.items() if k != "quantization_config"},
+                                            target, tensor_parallel_size=4, dtype_bytes=2, settings=s)
+    assert bf16 - got > 1.6 * GiB

@@ -280,11 +280,12 @@ def mamba_cache_mode(drop: Drop | dict, era, plugin, warnings: list[str]) -> str
 
 
 def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_specs: dict, tp: int,
-                        dtype: str) -> tuple[int, dict, int, str | None, Any]:
+                        dtype: str, settings=None) -> tuple[int, dict, int, str | None, Any]:
     """``(weights bytes, KV specs, aux hidden-state layers, None, its DrafterPass)`` of another checkpoint's drafter from the request's
     ``draft_config_path`` (resolved by the parent: :func:`tuner.app.prepare_job`, validate's
     models directory), or ``(0, {}, 0, warning, None)`` when its config is not at hand or not usable. The
-    weights are weighed in the target's dtype (a quantized drafter checkpoint holds less)."""
+    weights are weighed in the target's dtype, the drafter's linear layers at its checkpoint's
+    own quantization (:func:`tuner.specdecode.checkpoint_drafter_weights_bytes`)."""
     from tuner.errors import TunerError
     from tuner.kvcache import dtype_bytes_for
     from tuner.modelspec import read_top
@@ -299,8 +300,9 @@ def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_spec
                           "layers are not modelled; expect fewer KV blocks than predicted"), None
     try:
         cfg = read_top(path)
-        weights = checkpoint_drafter_weights_bytes(method, cfg, spec.top, tensor_parallel_size=tp,
-                                                   dtype_bytes=dtype_bytes_for("auto", dtype))
+        weights = checkpoint_drafter_weights_bytes(
+            method, cfg, spec.top, tensor_parallel_size=tp, dtype_bytes=dtype_bytes_for("auto", dtype),
+            settings=None if settings is None else dataclasses.replace(settings, quantization=spec_cfg.get("quantization")))
         kv = checkpoint_drafter_kv_specs(cfg, last_stage_specs, tensor_parallel_size=tp,
                                          kv_dtype_bytes=dtype_bytes_for(req.drop.kv_cache_dtype, dtype),
                                          first_layer_index=spec.num_hidden_layers)
@@ -638,7 +640,8 @@ def kv_specs_for(req: "JobRequest", model: LoadedModel, era: Any, ranks: Ranks, 
     if spec_cfg.get("method") in CHECKPOINT_DRAFTERS and era.engine == "V1":
         # another checkpoint's drafter, from its config.json (tuner.specdecode)
         drafter_weights, extra, n_aux, note, drafter_pass = _checkpoint_drafter(req, spec_cfg, spec, kv_specs[-1],
-                                                                                ranks.tp, ranks.dtype)
+                                                                                ranks.tp, ranks.dtype,
+                                                                                ranks.stages[-1])
         if note:
             warnings.append(note)
         else:

@@ -129,22 +129,33 @@ def drafter_geometry(draft_config: dict) -> dict:
             "bias": bool(t.get("attention_bias", False))}
 
 
-def _decoder_layer_params(g: dict, tp: int, *, qkv_input: int | None = None, qk_norm: bool = False) -> int:
-    """One Llama / Qwen3 decoder layer on one rank: ``QKVParallelLinear`` (KV heads replicated when
-    fewer than ranks), ``RowParallelLinear`` o, the gated MLP ``MergedColumnParallelLinear`` gate_up
-    + ``RowParallelLinear`` down (``3·H·I/tp``), two RMSNorms (+ per-head q/k norms for Qwen3)."""
+def _decoder_layer_bytes(g: dict, tp: int, dtype_bytes: int, scheme, layer: int, *, qkv_input: int | None = None,
+                         qk_norm: bool = False) -> int:
+    """One Llama / Qwen3 decoder layer on one rank (bytes): ``QKVParallelLinear`` (KV heads
+    replicated when fewer than ranks), ``RowParallelLinear`` o, the gated MLP
+    ``MergedColumnParallelLinear`` gate_up + ``RowParallelLinear`` down (``3·H·I/tp``), each in the
+    layout the checkpoint's quantization keeps after loading (``scheme``: a
+    :class:`tuner.simulate.quant.QuantScheme`, weights and scales; None = ``dtype_bytes``), plus
+    biases, two RMSNorms (+ per-head q/k norms for Qwen3) in the model dtype."""
+    from tuner.simulate.quant import layout_bytes
+
     h, hd = g["hidden"], g["head_dim"]
     q = g["heads"] * hd // tp
     kv = max(1, g["kv_heads"] // tp) * hd
     inp = qkv_input or h
-    qkv = inp * (q + 2 * kv) + ((q + 2 * kv) if g["bias"] else 0)
-    o = q * h + (h if g["bias"] else 0)
-    mlp = 3 * h * g["intermediate"] // tp
-    return qkv + o + mlp + 2 * h + (2 * hd if qk_norm else 0)
+    i = g["intermediate"] // tp
+    dtype = {1: "float8_e4m3fn", 4: "float32"}.get(dtype_bytes, "bfloat16")
+    total = 0
+    for name, fin, fout in (("self_attn.qkv_proj", inp, q + 2 * kv), ("self_attn.o_proj", q, h),
+                            ("mlp.gate_up_proj", h, 2 * i), ("mlp.down_proj", i, h)):
+        lay = scheme.linear_layout(fin, fout, dtype, f"model.layers.{layer}.{name}") if scheme is not None else None
+        total += layout_bytes(lay[0]) if lay is not None else fin * fout * dtype_bytes
+    other = ((q + 2 * kv) + h if g["bias"] else 0) + 2 * h + (2 * hd if qk_norm else 0)
+    return total + other * dtype_bytes
 
 
 def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_config: dict, *,
-                                     tensor_parallel_size: int, dtype_bytes: int = 2) -> int:
+                                     tensor_parallel_size: int, dtype_bytes: int = 2, settings=None) -> int:
     """Weights of another checkpoint's drafter on one rank (bytes), as vLLM builds it:
 
     * ``draft_model`` (vllm/v1/spec_decode/draft_model.py): the whole dense model, its own
@@ -163,6 +174,13 @@ def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_con
       ``_build_fused_kv_buffers`` concatenates from every layer (``layers·2·kv/tp·d·H``);
       embedding and LM head shared unless ``draft_vocab_size`` differs from the target's.
 
+    The decoder layers' linear weights take the layout of the drafter checkpoint's own
+    ``quantization_config`` (vLLM builds the draft model config from the drafter's checkpoint,
+    vllm/config/speculative.py, so a w8a8 drafter loads in 8 bits): the same
+    :func:`tuner.simulate.quant.scheme_for` layouts, scales included, that weigh a target
+    (``settings``: its compute capability and release, its ``quantization`` the speculative
+    config's). Embeddings, LM head, ``fc`` and norms stay in ``dtype_bytes``.
+
     Raises:
         ValueError: ``method`` not in :data:`CHECKPOINT_DRAFTERS`, or a size the config lacks.
     """
@@ -174,15 +192,28 @@ def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_con
     h, n = g["hidden"], g["layers"]
     target_hidden = int(t.get("target_hidden_size") or tt.get("hidden_size") or h)
     target_vocab = int(tt.get("vocab_size") or g["vocab"])
-    params = 0
+    from types import SimpleNamespace
+
+    from tuner.simulate.quant import scheme_for
+
+    qc = draft_config.get("quantization_config") or t.get("quantization_config")
+    scheme = scheme_for(SimpleNamespace(quantization_config=qc, top=draft_config), settings) if qc else None
+    first = [0]
+
+    def layers(count: int, **kw) -> float:  # in dtype-byte units, the next ``count`` layers
+        b = sum(_decoder_layer_bytes(g, tp, dtype_bytes, scheme, first[0] + k, **kw) for k in range(count))
+        first[0] += count
+        return b / dtype_bytes
+
+    params = 0.0
     if method == "draft_model":
         emb = _pad_vocab(g["vocab"]) * h // tp
         params = emb * (1 if draft_config.get("tie_word_embeddings", t.get("tie_word_embeddings")) else 2)
-        params += n * _decoder_layer_params(g, tp) + h
+        params += layers(n) + h
     elif method == "eagle":
-        params = n * _decoder_layer_params(g, tp) + 2 * h * h
+        params = layers(n) + 2 * h * h
     elif method == "eagle3":
-        params = _decoder_layer_params(g, tp, qkv_input=2 * h) + (n - 1) * _decoder_layer_params(g, tp) + h
+        params = layers(1, qkv_input=2 * h) + layers(n - 1) + h
         ec = t.get("eagle_config") or {}
         n_aux = t.get("num_aux_hidden_states") or len(ec.get("eagle_aux_hidden_state_layer_ids") or []) or 3
         params += target_hidden * int(n_aux) * h
@@ -193,7 +224,7 @@ def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_con
     else:  # dflash
         dc = {**(t.get("eagle_config") or {}), **(t.get("dflash_config") or {})}
         feats = len(dc.get("target_layer_ids") or dc.get("layer_ids") or []) or n
-        params = n * _decoder_layer_params(g, tp, qk_norm=True) + 2 * h
+        params = layers(n, qk_norm=True) + 2 * h
         if dc.get("use_aux_hidden_state", True):
             params += target_hidden * feats * h
         params += n * 2 * max(1, g["kv_heads"] // tp) * g["head_dim"] * h  # the fused K/V copy
