@@ -278,7 +278,7 @@ def test_kv_cache_memory_bytes_check_printed_a_budget_subtraction_and_an_ignored
     assert ("  KV cache 2.00 GiB (2,147,483,648 bytes) = --kv-cache-memory-bytes as given (vLLM runs the profile "
             "pass but does not size the cache from it, nor from gpu_memory_utilization)") in text
     used = sum(n[k] for k in ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes")) + (2 << 30)
-    assert f"= {used / (1 << 30):.2f} GiB of 79.19 GiB total (vLLM does not check this sum)" in text
+    assert f"= {used / (1 << 30):.2f} GiB of 79.19 GiB total (vLLM does not check this sum;" in text
     assert "  2,147,483,648 // 2,097,152 bytes per block = 1024 blocks of 16 tokens" in text
     assert res.doc["command"].endswith("--max-model-len 32000 --kv-cache-memory-bytes 2147483648")
     assert [s["command"].split(str(L8B))[1] for s in res.doc["nearest"]] == [
@@ -289,9 +289,10 @@ def test_kv_cache_memory_bytes_check_printed_a_budget_subtraction_and_an_ignored
     assert given.starts and "--gpu-memory-utilization 0.8" in given.doc["command"]
     assert "ignores gpu_memory_utilization" in render(given)
     assert "more than the GPU's" not in render(given)
-    huge = render(check("vllm", "serve", str(L8B), "--max-model-len", "16k", "--kv-cache-memory-bytes", "70G"))
-    assert ("weights + non-torch + --kv-cache-memory-bytes = 85.24 GiB, more than the GPU's 79.19 GiB: vLLM does "
-            "not check") in huge
+    huge = check("vllm", "serve", str(L8B), "--max-model-len", "16k", "--kv-cache-memory-bytes", "70G")
+    assert not huge.starts
+    assert ("vLLM: CUDA out of memory: kv_cache_memory_bytes (70.00 GiB) with the weights, non-torch memory and CUDA "
+            "graphs (15.24 GiB) needs 85.24 GiB, more than the GPU's 79.19 GiB") in render(huge)
     # without it the budget arithmetic is printed as before
     plain = render(check("vllm", "serve", str(L8B), "--max-model-len", "32k"))
     assert "  requested 71.27 GiB - weights 14.99 GiB" in plain and "--gpu-memory-utilization 0.9" in plain
@@ -447,3 +448,24 @@ def test_check_process_imports_neither_torch_nor_vllm(tiny_config):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "MODULES False False 0"
     assert json.loads(r.stdout[:r.stdout.rindex("MODULES")])["verdict"] == "starts"
+
+
+def test_kv_cache_memory_bytes_larger_than_the_gpu_was_reported_as_starting():
+    """Llama-3.1-8B on H100 (79.19 GiB) with kv_cache_memory_bytes 70G: weights 14.99 + non-torch
+    0.25 + 70 GiB cannot be allocated, yet profile proposed 131072 with 35,840 blocks and explain
+    said "starts". vLLM returns the bytes as given and fails allocating them; 60G fits."""
+    from tuner.drop import parse_drop
+    from tuner.job import run_job
+
+    def proposals(kv):
+        text = (f"name: kvb\nmodel: {L8B}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
+                f"kv_cache_memory_bytes: {kv}\ncandidates: {{gpu_memory_utilization: [0.9], max_model_len: [10001]}}\n")
+        r = run_job({"drop": parse_drop(text, "kvb.yaml").to_dict(), "config_path": str(L8B / "config.json"),
+                     "device": {"name": "H100-80GB", "total_memory_bytes": 85030076416}})
+        return r["candidates"][0], r["proposals"][0]
+
+    c, p = proposals("70G")
+    assert c["starts"] is False and c["reason"].startswith("CUDA out of memory: kv_cache_memory_bytes (70.00 GiB)")
+    assert p["max_model_len"] is None and p["reason"].startswith("CUDA out of memory")
+    c, p = proposals("60G")
+    assert c["starts"] is True and p["max_model_len"] == 131072 and p["num_gpu_blocks"] == 60 * 1024 // 2

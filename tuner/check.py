@@ -275,12 +275,6 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if kv_bytes is not None:
         warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
                         "sizing it from the memory profile and ignores gpu_memory_utilization")
-        weights_nt = int(numbers["weights_bytes"] or 0) + int(numbers["non_torch_bytes"] or 0)
-        if weights_nt + int(kv_bytes) > int(numbers["total_memory_bytes"] or 0):
-            warnings.append(f"weights + non-torch + --kv-cache-memory-bytes = {(weights_nt + kv_bytes) / GiB:.2f} GiB, "
-                            f"more than the GPU's {int(numbers['total_memory_bytes']) / GiB:.2f} GiB: vLLM does not "
-                            "check the setting against the GPU, and allocating the cache would run out of device "
-                            "memory (the verdict below does not model that)")
     # With --kv-cache-memory-bytes vLLM ignores gpu_memory_utilization: echo it only where the line has it.
     u_echo = {} if kv_bytes is not None and "gpu_memory_utilization" not in values else {"gpu_memory_utilization": u}
     nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo})
@@ -403,7 +397,8 @@ def render(res: CheckResult) -> str:
         lines.append(f"  in use: weights {_gib(n['weights_bytes'])} + activation peak {_gib(n['activation_peak_bytes'])}"
                      f" + non-torch {_gib(n['non_torch_bytes'])} + CUDA graphs {_gib(n['cuda_graph_bytes'])} + KV cache "
                      f"{_gib(n['available_kv_cache_bytes'])} = {_gib(used)} of {_gib(n['total_memory_bytes'])} total "
-                     "(vLLM does not check this sum)")
+                     "(vLLM does not check this sum; past the GPU, allocating the cache fails: "
+                     "tuner.search.kv_cache_memory_refusal)")
     else:
         lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
                      f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "

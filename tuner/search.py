@@ -404,6 +404,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         if refusal:  # vLLM checks free memory in init_device, before it loads anything
             reason = refusal
             break
+    if layout.kv_cache_memory_bytes is not None and reason is None:
+        reason = kv_cache_memory_refusal(layout, budgets)
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
@@ -437,6 +439,32 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
                      limiting_stage=worst, stages=stages)
+
+
+def kv_cache_memory_refusal(layout: Layout, budgets: Sequence) -> str | None:
+    """Why a ``kv_cache_memory_bytes`` larger than the card can hold does not start, or None.
+
+    vLLM does not check the setting against the GPU: ``determine_available_memory`` returns it as
+    given (vllm/v1/worker/gpu_worker.py, 0.10.2+), ``initialize_kv_cache`` then allocates it next
+    to the weights and the non-torch memory, and ``compile_or_warm_up_model`` captures the CUDA
+    graphs after it. When weights + non-torch + CUDA graphs + the cache exceed the card's memory
+    (less what other processes hold) one of those allocations fails with CUDA out of memory. The
+    profile run's activations are freed back before the cache is allocated, so they are not in
+    the sum (bytes per rank, each stage on its own card)."""
+    kv = int(layout.kv_cache_memory_bytes or 0)
+    for i, b in enumerate(budgets):
+        card = layout.card(i)
+        held = int(b.weights_bytes) + int(b.non_torch_bytes) + int(b.cuda_graph_bytes)
+        room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
+        if held + kv > room:
+            gib = 1 << 30
+            where = f" on pipeline stage {i}" if len(budgets) > 1 else ""
+            return (f"CUDA out of memory{where}: kv_cache_memory_bytes ({kv / gib:.2f} GiB) with the weights, "
+                    f"non-torch memory and CUDA graphs ({held / gib:.2f} GiB) needs {(held + kv) / gib:.2f} GiB, "
+                    f"more than the GPU's {room / gib:.2f} GiB"
+                    + (" left by other processes" if layout.other_processes_bytes else "")
+                    + "; vLLM does not check the setting against the GPU and fails allocating the cache")
+    return None
 
 
 #: The largest ``max_model_len`` below which V0 keeps chunked prefill off by default
