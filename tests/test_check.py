@@ -291,8 +291,9 @@ def test_kv_cache_memory_bytes_check_printed_a_budget_subtraction_and_an_ignored
     assert "more than the GPU's" not in render(given)
     huge = check("vllm", "serve", str(L8B), "--max-model-len", "16k", "--kv-cache-memory-bytes", "70G")
     assert not huge.starts
-    assert ("vLLM: CUDA out of memory: kv_cache_memory_bytes (70.00 GiB) with the weights, non-torch memory and CUDA "
-            "graphs (15.24 GiB) needs 85.24 GiB, more than the GPU's 79.19 GiB") in render(huge)
+    assert ("vLLM: CUDA out of memory: kv_cache_memory_bytes (70.00 GiB) with the weights, cuBLAS workspace, non-torch "
+            "memory and CUDA graphs (16.11 GiB) needs 92,459,937,628 bytes (86.11 GiB), more than the GPU's "
+            "85,030,076,416 bytes (79.19 GiB)") in render(huge)
     # without it the budget arithmetic is printed as before
     plain = render(check("vllm", "serve", str(L8B), "--max-model-len", "32k"))
     assert "  requested 71.27 GiB - weights 14.99 GiB" in plain and "--gpu-memory-utilization 0.9" in plain
@@ -469,3 +470,18 @@ def test_kv_cache_memory_bytes_larger_than_the_gpu_was_reported_as_starting():
     assert p["max_model_len"] is None and p["reason"].startswith("CUDA out of memory")
     c, p = proposals("60G")
     assert c["starts"] is True and p["max_model_len"] == 131072 and p["num_gpu_blocks"] == 60 * 1024 // 2
+
+
+def test_kv_cache_memory_bytes_oom_counted_the_cuda_graphs_only_where_the_era_subtracts_them():
+    """vLLM captures the CUDA graphs after allocating a kv_cache_memory_bytes cache in every V1
+    release; the out-of-memory check counted them only where the budget subtracts them (0.20+ on
+    the V1 runner), so 68,667,564,032 bytes on Llama-3.1-8B H100 "started" on 0.19 and 0.27 and
+    ran out of memory on 0.20. With --enforce-eager no graphs are captured."""
+    line = ("vllm", "serve", str(L8B), "--max-model-len", "70000", "--kv-cache-memory-bytes", "68667564032")
+    for version in ("0.19.0", "0.20.0", "0.27.0"):
+        res = check(*line, version=version)
+        assert not res.starts and "CUDA graphs (16.11 GiB)" in res.doc["engine_error"], version
+    eager = check(*line, "--enforce-eager", version="0.19.0")
+    assert "CUDA graphs (15.27 GiB) needs 85,063,630,848 bytes" in eager.doc["engine_error"]
+    assert check("vllm", "serve", str(L8B), "--max-model-len", "70000", "--kv-cache-memory-bytes", "67000000000",
+                 version="0.27.0").starts

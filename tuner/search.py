@@ -264,6 +264,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     n = batch.max_num_batched_tokens
     budgets, reserves, corrs, drafter_acts, drafter_fwds, drafter_graphs, drafter_peaks, drafter_bufs = (
         [], [], [], [], [], [], [], [])
+    captured: list[int] = []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
         card = layout.card(stage)
@@ -298,6 +299,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
             graphs += drafter_g
         drafter_graphs.append(drafter_g)
+        # the graphs vLLM captures after the cache is allocated, subtracted or not (0.19, MRV2 < 0.29)
+        captured.append(graphs if graphs or not era.compiled else cudagraph_estimate_bytes(era, **gkw, always=True))
         drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0
         drafter_fwd, drafter_peak = 0, 0
         if dp is not None:
@@ -405,7 +408,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             reason = refusal
             break
     if layout.kv_cache_memory_bytes is not None and reason is None:
-        reason = kv_cache_memory_refusal(layout, budgets)
+        reason = kv_cache_memory_refusal(layout, budgets, captured)
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
@@ -441,28 +444,30 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      limiting_stage=worst, stages=stages)
 
 
-def kv_cache_memory_refusal(layout: Layout, budgets: Sequence) -> str | None:
+def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int] = ()) -> str | None:
     """Why a ``kv_cache_memory_bytes`` larger than the card can hold does not start, or None.
 
     vLLM does not check the setting against the GPU: ``determine_available_memory`` returns it as
     given (vllm/v1/worker/gpu_worker.py, 0.10.2+), ``initialize_kv_cache`` then allocates it next
-    to the weights and the non-torch memory, and ``compile_or_warm_up_model`` captures the CUDA
-    graphs after it. When weights + non-torch + CUDA graphs + the cache exceed the card's memory
+    to the weights, the cuBLAS workspace and the non-torch memory, and ``compile_or_warm_up_model``
+    captures the CUDA graphs after it (``captured_graph_bytes`` per stage: the estimate whether or
+    not the era subtracts it, 0 with ``enforce_eager``). When their sum exceeds the card's memory
     (less what other processes hold) one of those allocations fails with CUDA out of memory. The
     profile run's activations are freed back before the cache is allocated, so they are not in
     the sum (bytes per rank, each stage on its own card)."""
     kv = int(layout.kv_cache_memory_bytes or 0)
     for i, b in enumerate(budgets):
         card = layout.card(i)
-        held = int(b.weights_bytes) + int(b.non_torch_bytes) + int(b.cuda_graph_bytes)
+        graphs = int(captured_graph_bytes[i]) if i < len(captured_graph_bytes) else int(b.cuda_graph_bytes)
+        held = int(b.weights_bytes) + int(card.activation_overhead_bytes) + int(b.non_torch_bytes) + graphs
         room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
         if held + kv > room:
             gib = 1 << 30
             where = f" on pipeline stage {i}" if len(budgets) > 1 else ""
             return (f"CUDA out of memory{where}: kv_cache_memory_bytes ({kv / gib:.2f} GiB) with the weights, "
-                    f"non-torch memory and CUDA graphs ({held / gib:.2f} GiB) needs {(held + kv) / gib:.2f} GiB, "
-                    f"more than the GPU's {room / gib:.2f} GiB"
-                    + (" left by other processes" if layout.other_processes_bytes else "")
+                    f"cuBLAS workspace, non-torch memory and CUDA graphs ({held / gib:.2f} GiB) needs "
+                    f"{held + kv:,} bytes ({(held + kv) / gib:.2f} GiB), more than the GPU's {room:,} bytes "
+                    f"({room / gib:.2f} GiB)" + (" left by other processes" if layout.other_processes_bytes else "")
                     + "; vLLM does not check the setting against the GPU and fails allocating the cache")
     return None
 
