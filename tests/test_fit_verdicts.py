@@ -277,3 +277,22 @@ def test_hybrid_proposal_reaches_the_model_maximum_between_block_multiples(share
     assert p["max_model_len"] == 8192 and p["num_gpu_blocks"] == by_m[8192]["num_gpu_blocks"]
     assert p["reason"] == "capped by the model's max_position_embeddings"
     assert "--max-model-len 8192 " in p["vllm_args"]
+
+
+def test_explain_of_a_hybrid_model_printed_a_division_that_did_not_divide(shared_dir, tmp_path):
+    """Nemotron-H-56B-8K TP2 H100 0.19 at 8192: explain printed "367 blocks / cdiv(8192, 2080) =
+    367 / 4 = 36.7" (the divisor used is 10: every KV cache group's pages) and "KV cache tokens =
+    int(concurrency x max_model_len)" for 0.19's num_blocks // groups x block_size."""
+    model = shared_dir / "models" / "nvidia--Nemotron-H-56B-Base-8K"
+    drop_file = tmp_path / "nem.yaml"
+    drop_file.write_text(f"name: nem\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
+                         "tensor_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    doc = explain_drop(str(drop_file), gpu_memory_utilization=0.9, variants=False, db_url=str(tmp_path / "s.sqlite"),
+                       worker=_in_process)
+    e = doc["explanations"][0]
+    assert e["max_model_len"] == 8192
+    tokens, conc = _step(e, "tokens"), _step(e, "concurrency")
+    assert tokens["value"] == 108160 and "367 blocks // 7 KV cache groups x 2080 tokens" in tokens["text"]
+    assert 367 // 7 * 2080 == 108160
+    assert conc["text"].startswith("full-length requests that fit = 367 blocks / 10 blocks per full-length request")
+    assert abs(conc["value"] - 36.7) < 1e-9
