@@ -219,3 +219,12 @@ def test_kv_cache_memory_bytes_ledger_adds_up(tmp_path):
                                - terms["cuda_graphs"]["bytes"] - 21_474_836_480)
     (c,) = d["candidates"]
     assert _adds_up([t for t in c["budget"] if t["name"] != "kv_cache_memory_bytes"]) == 24_036_864_427
+
+
+def test_gpu_memory_utilization_0_705_printed_as_0_70_beside_a_real_0_70():
+    """Tables printed gpu_memory_utilization with two decimals: a drop with 0.7 and 0.705 showed
+    two rows and two proposals reading "gmu 0.70"."""
+    from tuner.protocol import gmu_text
+
+    assert [gmu_text(u) for u in (0.7, 0.705, 0.9, 0.95, 1, 0.123456, None)] == [
+        "0.70", "0.705", "0.90", "0.95", "1.00", "0.123456", "-"]

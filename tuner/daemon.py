@@ -70,6 +70,7 @@ from tuner.errors import DropError, SettingsError, StoreError, TunerError, Worke
 from tuner.jobqueue import Job, JobNotRunning, JobQueue, failure_kind
 from tuner.notify import NOTIFY_ENV, Notifier
 from tuner.proposals import proposal_document, proposal_path, remove_proposal_file, write_proposal_file
+from tuner.protocol import gmu_text
 from tuner.settings import Settings, check_worker_python, load_settings
 from tuner.snapshot import write_snapshot
 from tuner.store import Store, open_store, utc_text
@@ -240,7 +241,7 @@ def _proposal_summary(props: list[dict]) -> str:
     from tuner.protocol import ProposalResult
 
     return "; ".join(
-        f"gmu {p.gpu_memory_utilization:.2f} → max_model_len {p.max_model_len}"
+        f"gmu {gmu_text(p.gpu_memory_utilization)} → max_model_len {p.max_model_len}"
         + (f" ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)" if p.max_model_len else
            f" (nothing fits: {p.reason})")
         for p in map(ProposalResult.from_wire, props)) or "no proposals"

@@ -287,6 +287,15 @@ def point_of(message: Mapping[str, Any]) -> Point:
     return Point(message.get("gpu_memory_utilization"), message.get("max_model_len"))
 
 
+def gmu_text(u: Any) -> str:
+    """A ``gpu_memory_utilization`` as tables print it: two decimals, more where the value has
+    them (0.705 stays 0.705, not 0.70 beside a real 0.70); ``-`` for None."""
+    if u is None:
+        return "-"
+    u = float(u)
+    return f"{u:.2f}" if abs(u * 100 - round(u * 100)) < 1e-9 else f"{u:g}"
+
+
 @dataclass(frozen=True)
 class BudgetTerm:
     """One line of a candidate's budget: ``op`` ``=`` (the start: requested memory), ``-`` (a term

@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from tuner.errors import StoreError
-from tuner.protocol import point_of
+from tuner.protocol import gmu_text, point_of
 from tuner.store import (DEFAULT_PATH, Store, candidates_table, drops_table, hosts_table, open_store,
                          profile_runs_table, proposals_table)
 
@@ -171,7 +171,7 @@ def render(doc: dict) -> str:
         mml = "none" if mml is None else mml
         name = p["drop_name"] + (f"@{p['host_id']}" if p.get("host_id") else "")
         lines.append(f"  {name:<28} {p['device_name']:<{dw}} {p['engine_version']:<7} "
-                     f"{u:>5.2f} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
+                     f"{gmu_text(u):>5} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
                      f"{p['kv_cache_tokens'] or '-':>10} {p['max_concurrency'] or 0:>7.2f}")
     lines += ["", "fit surfaces (max_model_len:fits at each gpu_memory_utilization):"]
     if not doc["surfaces"]:
@@ -179,7 +179,7 @@ def render(doc: dict) -> str:
     for s in doc["surfaces"]:
         pts = " ".join(f"{point_of(q).max_model_len}:{'yes' if q['fits'] else 'NO'}" for q in s["points"])
         flag = "  <- NOT monotone: a longer length starts where a shorter one fails" if s["non_monotone"] else ""
-        lines.append(f"  {s['drop_name']:<28} gmu {point_of(s).gpu_memory_utilization:.2f}  {pts}{flag}")
+        lines.append(f"  {s['drop_name']:<28} gmu {gmu_text(point_of(s).gpu_memory_utilization)}  {pts}{flag}")
     lines += ["", "runs (profile passes and measured start-ups, GiB):"]
     if not doc["runs"]:
         lines.append("  (none)")
@@ -188,7 +188,7 @@ def render(doc: dict) -> str:
                      f"{'weights':>8} {'act.peak':>8} {'non-torch':>9} {'KV':>7} {'blocks':>7}  status")
     for x in doc["runs"]:
         at = point_of(x)
-        u = "-" if at.gpu_memory_utilization is None else f"{at.gpu_memory_utilization:.2f}"
+        u = gmu_text(at.gpu_memory_utilization)
         status = x["status"] + (f": {x['error_message']}" if x.get("error_message") else "")
         lines.append(f"  {x['id']:>5} {x['method']:<8} {x['device_name']:<12} {x['engine_version']:<7} "
                      f"{x['max_num_batched_tokens']:>7} {x['num_sampled_rows'] or '-':>5} {u:>5} "

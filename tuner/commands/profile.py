@@ -29,6 +29,7 @@ def render_table(outcome) -> str:
     resolved absolute directory (:func:`tuner.app.serve_model`)."""
     from tuner.app import serve_model
     from tuner.devices import device_label
+    from tuner.protocol import gmu_text
     from tuner.search import candidate_starts
 
     r, d = outcome.result, outcome.drop
@@ -62,7 +63,7 @@ def render_table(outcome) -> str:
     for t in res.candidates:
         c = t.data
         lines.append(
-            f"{t.gpu_memory_utilization:>5.2f} {t.max_model_len:>13} {c['max_num_batched_tokens']:>6} "
+            f"{gmu_text(t.gpu_memory_utilization):>5} {t.max_model_len:>13} {c['max_num_batched_tokens']:>6} "
             f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if t.fits else 'NO':>3} "
             f"{_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
@@ -80,10 +81,10 @@ def render_table(outcome) -> str:
     lines += ["", f"proposals (largest max_model_len that starts{with_conc}):"]
     for p in res.proposals:
         if p.max_model_len is None:
-            lines.append(f"  gmu {p.gpu_memory_utilization:.2f}: nothing fits: {p.reason}")
+            lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: nothing fits: {p.reason}")
         else:
             extra = f" ({p.reason})" if p.reason else ""
-            lines.append(f"  gmu {p.gpu_memory_utilization:.2f}: max_model_len {p.max_model_len}, "
+            lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: max_model_len {p.max_model_len}, "
                          f"{p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens, "
                          f"{p.max_concurrency:.2f}x concurrency{extra}")
             lines.append(f"      vllm serve {model} {p.vllm_args}")
