@@ -208,3 +208,21 @@ def test_v0_unchunked_lengths_must_fit_the_drops_batch(tmp_path, shared_dir):
     assert {c["max_num_batched_tokens"] for c in r["candidates"]} == {4096}
     prop = r["proposals"][0]["max_model_len"]
     assert prop > 32768 or prop <= 4096  # never an unchunked length above the batch
+
+
+def test_draft_tensor_parallel_size_vllm_refuses_was_profiled_without_a_word():
+    """A draft_model drafter at draft_tensor_parallel_size 1 or 2 under TP4 profiled normally;
+    vLLM refuses both (0.19.0 and 0.32.0 read): any value but 1 or the target's TP
+    (config/speculative.py), and for draft_model any value but the target's (v1/spec_decode/draft_model.py)."""
+    spec = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3}
+    err = _refused("speculative_config.draft_tensor_parallel_size", tensor_parallel_size=4,
+                   speculative_config={**spec, "draft_tensor_parallel_size": 2})
+    assert err.message.startswith("speculative_draft_tensor_parallel_size=2 cannot be other value than 1 or target")
+    err = _refused("speculative_config.draft_tensor_parallel_size", tensor_parallel_size=4,
+                   speculative_config={**spec, "draft_tensor_parallel_size": 1})
+    assert "must be the same. Got 1 and 4" in err.message
+    # 1 under TP4 is allowed for other drafters, the target's TP for draft_model
+    engine_checks.check_draft_tensor_parallel_size({"method": "eagle", "draft_tensor_parallel_size": 1},
+                                                   tensor_parallel_size=4, engine="V1", path=DROP)
+    engine_checks.check_draft_tensor_parallel_size({**spec, "draft_tensor_parallel_size": 4},
+                                                   tensor_parallel_size=4, engine="V1", path=DROP)

@@ -528,7 +528,7 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "As vLLM's --speculative-config: `method` (ngram, suffix, mtp and the model-specific *_mtp names, "
               "eagle, eagle3, draft_model, dflash, medusa, mlp_speculator), `num_speculative_tokens` (1–1024), "
               "the drafter `model` (needed by draft_model, dflash, eagle*, medusa), `prompt_lookup_min`/`max`, "
-              "`draft_tensor_parallel_size`. Sizes the CUDA-graph captures (1 + k tokens per request) and the hybrid "
+              "`draft_tensor_parallel_size` (1 or the target's TP; the target's for draft_model: vLLM refuses others). Sizes the CUDA-graph captures (1 + k tokens per request) and the hybrid "
               "models' conv state (k more columns); `mtp` adds the checkpoint's MTP layers (their KV layers and "
               "weights, MoE experts per rank included); `draft_model`, `eagle`, `eagle3` and `dflash` add the drafter "
               "checkpoint's weights, KV layers and (EAGLE3 / DFlash) the target's auxiliary hidden states in the "

@@ -61,6 +61,31 @@ def check_parallel_layout(*, num_attention_heads: int, num_hidden_layers: int, k
                         "decoder layer.", path=path, field="pipeline_parallel_size")
 
 
+def check_draft_tensor_parallel_size(speculative_config: dict | None, *, tensor_parallel_size: int, engine: str,
+                                     path: str | None) -> None:
+    """Refuse the drafter TP sizes vLLM refuses (read in 0.19.0 and 0.32.0):
+    ``speculative_config.draft_tensor_parallel_size`` other than 1 or the target's
+    (vllm/config/speculative.py ``_verify_and_get_draft_tp``), and for ``draft_model`` on V1 any
+    draft TP other than the target's (vllm/v1/spec_decode/draft_model.py
+    ``_raise_if_draft_tp_mismatch``: the ranks would share one compile cache).
+
+    Raises:
+        DropError: ``field`` ``speculative_config.draft_tensor_parallel_size``.
+    """
+    sc = speculative_config or {}
+    dtp = sc.get("draft_tensor_parallel_size")
+    if dtp is None:
+        return
+    tp, dtp = int(tensor_parallel_size), int(dtp)
+    field = "speculative_config.draft_tensor_parallel_size"
+    if dtp not in (1, tp):
+        raise DropError(f"speculative_draft_tensor_parallel_size={dtp} cannot be other value than 1 or target model "
+                        f"tensor_parallel_size ({tp}) (vLLM's SpeculativeConfig).", path=path, field=field)
+    if engine == "V1" and sc.get("method") == "draft_model" and dtp != tp:
+        raise DropError(f"Currently, 'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the same. Got "
+                        f"{dtp} and {tp} (vLLM's draft_model proposer).", path=path, field=field)
+
+
 # ---------------------------------------------------------------------------------------------
 # Scheduler limits
 # ---------------------------------------------------------------------------------------------

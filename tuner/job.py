@@ -20,7 +20,8 @@ from tuner.drop import Drop
 from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import v0_uses_sliding_window
-from tuner.engine_checks import VLLM_019_DEPRECATED, check_batch, check_parallel_layout, check_quantization
+from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
+                                 check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
 from tuner.kvcache import with_kv_quant_mode
 from tuner.plugin import RankSettings, load_registry
@@ -578,6 +579,7 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
                           kv_heads=per_head_kv_totals(plugin, spec, stages[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=path)
+    check_draft_tensor_parallel_size(drop.speculative_config, tensor_parallel_size=tp, engine=era.engine, path=path)
     return Ranks(dtype, stages, tp, pp, kv_dtype)
 
 
