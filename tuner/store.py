@@ -93,6 +93,13 @@ def _bytes(name: str, nullable: bool = True) -> sa.Column:
     return sa.Column(name, _BIGINT, nullable=nullable)
 
 
+def _budget_columns() -> list[sa.Column]:
+    """A point's budget terms (bytes per rank): the candidates' and, from revision 0009, the
+    proposals' columns (fresh Column objects per table)."""
+    return [_bytes(n) for n in ("requested_memory_bytes", "weights_bytes", "activation_peak_bytes",
+                                "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes")]
+
+
 #: Revision 0007 (fleet): one row per daemon identity (host id + watch directory) with its lease.
 #: ``gpus`` is JSON text (a list of ``{name, total_memory_bytes}``); times are UTC text.
 hosts_table = sa.Table(
@@ -197,12 +204,7 @@ candidates_table = sa.Table(
     sa.Column("max_num_batched_tokens", _INT, nullable=False),
     sa.Column("fits", sa.Boolean, nullable=False),
     sa.Column("reason", _TEXT, nullable=True),
-    _bytes("requested_memory_bytes"),
-    _bytes("weights_bytes"),
-    _bytes("activation_peak_bytes"),
-    _bytes("non_torch_bytes"),
-    _bytes("cuda_graph_bytes"),
-    _bytes("available_kv_cache_bytes"),
+    *_budget_columns(),
     sa.Column("num_gpu_blocks", _INT, nullable=True),
     sa.Column("kv_cache_tokens", _BIGINT, nullable=True),
     sa.Column("max_concurrency", _FLOAT, nullable=True),
@@ -224,12 +226,7 @@ proposals_table = sa.Table(
     # revision 0009: the proposed point's own numbers (its profile batch and budget terms; null
     # when nothing fits, and for proposals stored before this revision).
     sa.Column("max_num_batched_tokens", _INT, nullable=True),
-    _bytes("requested_memory_bytes"),
-    _bytes("weights_bytes"),
-    _bytes("activation_peak_bytes"),
-    _bytes("non_torch_bytes"),
-    _bytes("cuda_graph_bytes"),
-    _bytes("available_kv_cache_bytes"),
+    *_budget_columns(),
 )
 
 #: Revision 0002: the daemon's durable job queue (see :mod:`tuner.jobqueue`). One row per
