@@ -296,3 +296,23 @@ def test_explain_of_a_hybrid_model_printed_a_division_that_did_not_divide(shared
     assert 367 // 7 * 2080 == 108160
     assert conc["text"].startswith("full-length requests that fit = 367 blocks / 10 blocks per full-length request")
     assert abs(conc["value"] - 36.7) < 1e-9
+
+
+def test_explain_tokens_step_printed_a_rounded_concurrency_that_missed_the_value(shared_dir, tmp_path):
+    """From 0.22 "GPU KV cache size" is int(max_concurrency x max_model_len) at full precision;
+    explain printed "int(4.7574 x 262144) = 1247122" (Qwen3.5-27B TP2 0.24), which evaluates to
+    1247123. It prints the division vLLM does, and the text evaluates to the value."""
+    import re
+
+    model = shared_dir / "models" / "Qwen--Qwen3.5-27B"
+    drop_file = tmp_path / "q35.yaml"
+    drop_file.write_text(f"name: q35\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.24.0'\n"
+                         "tensor_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    doc = explain_drop(str(drop_file), gpu_memory_utilization=0.9, variants=False, db_url=str(tmp_path / "s.sqlite"),
+                       worker=_in_process)
+    tokens = _step(doc["explanations"][0], "tokens")
+    m = re.search(r"int\((\d+) / (\d+) blocks per request x (\d+)\)", tokens["text"])
+    assert m, tokens["text"]
+    blocks, per_req, length = map(int, m.groups())
+    assert (blocks, per_req, length) == (1608, 338, 262144)
+    assert int(blocks / per_req * length) == tokens["value"] == 1247122

@@ -389,15 +389,16 @@ def render(res: CheckResult) -> str:
         lines.append(f"DOES NOT START: {at}")
         lines.append(f"  vLLM: {d['engine_error']}")
     if kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
-        used = sum(int(n[k] or 0) for k in ("weights_bytes", "activation_peak_bytes", "non_torch_bytes",
-                                             "cuda_graph_bytes", "available_kv_cache_bytes"))
+        used = sum(int(n[k] or 0) for k in ("weights_bytes", "non_torch_bytes", "cuda_graph_bytes",
+                                             "available_kv_cache_bytes"))
         lines.append(f"  KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes) = "
                      "--kv-cache-memory-bytes as given (vLLM runs the profile pass but does not size the cache "
                      "from it, nor from gpu_memory_utilization)")
-        lines.append(f"  in use: weights {_gib(n['weights_bytes'])} + activation peak {_gib(n['activation_peak_bytes'])}"
-                     f" + non-torch {_gib(n['non_torch_bytes'])} + CUDA graphs {_gib(n['cuda_graph_bytes'])} + KV cache "
+        lines.append(f"  held with the cache: weights {_gib(n['weights_bytes'])} + non-torch {_gib(n['non_torch_bytes'])}"
+                     f" + CUDA graphs subtracted {_gib(n['cuda_graph_bytes'])} + KV cache "
                      f"{_gib(n['available_kv_cache_bytes'])} = {_gib(used)} of {_gib(n['total_memory_bytes'])} total "
-                     "(vLLM does not check this sum; past the GPU, allocating the cache fails: "
+                     "(the profile run's activations are freed before the cache is allocated; vLLM does not check "
+                     "this sum: the verdict adds the cuBLAS workspace and the CUDA graphs captured after the cache, "
                      "tuner.search.kv_cache_memory_refusal)")
     else:
         lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "

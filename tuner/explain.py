@@ -68,18 +68,19 @@ def _same_u(a: float, b: float) -> bool:
     return abs(float(a) - float(b)) < 1e-9
 
 
-def _tokens_how(era, blocks: int, block_size: int, tokens: int, conc: float, m: int) -> str:
+def _tokens_how(era, blocks: int, block_size: int, tokens: int, per_req: int, m: int) -> str:
     """How the release's "GPU KV cache size" came out when it is not blocks x block_size: up to
     0.21 ``num_blocks // num_groups x block_size`` (the group count found from the numbers), from
-    0.22 ``int(max_concurrency x max_model_len)`` (vllm/v1/core/kv_cache_utils.py)."""
+    0.22 ``int(max_concurrency x max_model_len)`` with ``max_concurrency = num_blocks / per_req``
+    (vllm/v1/core/kv_cache_utils.py). Printed only where the arithmetic gives ``tokens``."""
     if era.version < (0, 22, 0) and block_size and tokens % block_size == 0 and tokens:
         per = tokens // block_size
         groups = next((g for g in range(1, blocks + 1) if blocks // g == per), None)
         if groups:
             return f"{blocks} blocks // {groups} KV cache groups x {block_size} tokens"
-    if era.version >= (0, 22, 0) and conc:
-        return f"int(concurrency x max_model_len) = int({conc:g} x {m})"
-    return "as this release reports it"
+    if era.version >= (0, 22, 0) and per_req and int(blocks / per_req * m) == tokens:
+        return (f"int(concurrency x max_model_len) = int({blocks} / {per_req} blocks per request x {m})")
+    return "as this release reports it (int(concurrency x max_model_len))"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -637,6 +638,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         steps.append({"name": "blocks", "op": "->", "value": blocks, "block_bytes": block_bytes,
                       "block_bytes_exact": block_bytes_exact,
                       "text": f"blocks = {avail:,} // {bb} ({per} x every layer's K and V)"})
+    # blocks per full-length request, from the (4-decimal) concurrency: a dense model's is cdiv(M, bs)
+    per_req = round(blocks / conc) if conc and blocks and block_size else 0
+    if per_req and abs(blocks / conc - _cdiv(m, block_size)) <= 1e-3 * _cdiv(m, block_size) + 0.5:
+        per_req = _cdiv(m, block_size)
     if measured:
         how = "as the engine logged it" + (f" ({blocks} blocks x {block_size} tokens)"
                                            if blocks and block_size and tokens == blocks * block_size
@@ -645,13 +650,9 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         how = "as stored (the run's block size is not stored)"
     else:
         how = (f"{blocks} blocks x {block_size} tokens" if tokens == blocks * block_size
-               else _tokens_how(era, blocks, block_size, tokens, conc, m))
+               else _tokens_how(era, blocks, block_size, tokens, per_req, m))
     steps.append({"name": "tokens", "op": "->", "value": tokens, "text": f"KV cache tokens = {how}"})
     tilde = "~" if blocks_inferred else ""
-    # blocks per full-length request, from the (4-decimal) concurrency: a dense model's is cdiv(M, bs)
-    per_req = round(blocks / conc) if conc and blocks and block_size else 0
-    if per_req and abs(blocks / conc - _cdiv(m, block_size)) <= 1e-3 * _cdiv(m, block_size) + 0.5:
-        per_req = _cdiv(m, block_size)
     conc_how = (f"{tokens} tokens / {m}" if era.engine == "V0" or era.version < (0, 9, 1)
                 else f"{tilde}{blocks} blocks / cdiv({m}, block_size) (the run's block size is not stored)"
                 if not block_size
