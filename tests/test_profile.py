@@ -228,3 +228,4 @@ def test_gpu_memory_utilization_0_705_printed_as_0_70_beside_a_real_0_70():
 
     assert [gmu_text(u) for u in (0.7, 0.705, 0.9, 0.95, 1, 0.123456, None)] == [
         "0.70", "0.705", "0.90", "0.95", "1.00", "0.123456", "-"]
+    assert gmu_text(0.70512345) == "0.70512345"

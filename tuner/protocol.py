@@ -293,7 +293,7 @@ def gmu_text(u: Any) -> str:
     if u is None:
         return "-"
     u = float(u)
-    return f"{u:.2f}" if abs(u * 100 - round(u * 100)) < 1e-9 else f"{u:g}"
+    return f"{u:.2f}" if abs(u * 100 - round(u * 100)) < 1e-9 else repr(u)
 
 
 @dataclass(frozen=True)

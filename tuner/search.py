@@ -581,7 +581,7 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
         return Proposal(gpu_memory_utilization, None, None, None, None,
                         smallest.reason or "nothing fits", None), list(seen.values())
     c = cand(best)
-    args = f"--max-model-len {best} --gpu-memory-utilization {gpu_memory_utilization:g}"
+    args = f"--max-model-len {best} --gpu-memory-utilization {float(gpu_memory_utilization)!r}"  # the point as evaluated
     if extra_args:
         args += " " + extra_args
     why = None
