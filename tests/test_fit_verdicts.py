@@ -279,17 +279,21 @@ def test_hybrid_proposal_reaches_the_model_maximum_between_block_multiples(share
     assert "--max-model-len 8192 " in p["vllm_args"]
 
 
+def _explain_tp2_h100(model, version: str, tmp_path) -> dict:
+    """explain's (first) explanation of ``model`` on two H100s at u 0.9, passes run in-process."""
+    drop_file = tmp_path / "tp2.yaml"
+    drop_file.write_text(f"name: tp2\nmodel: {model}\ndevice: H100-80GB\nengine_version: '{version}'\n"
+                         "tensor_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    doc = explain_drop(str(drop_file), gpu_memory_utilization=0.9, variants=False, db_url=str(tmp_path / "s.sqlite"),
+                       worker=_in_process)
+    return doc["explanations"][0]
+
+
 def test_explain_of_a_hybrid_model_printed_a_division_that_did_not_divide(shared_dir, tmp_path):
     """Nemotron-H-56B-8K TP2 H100 0.19 at 8192: explain printed "367 blocks / cdiv(8192, 2080) =
     367 / 4 = 36.7" (the divisor used is 10: every KV cache group's pages) and "KV cache tokens =
     int(concurrency x max_model_len)" for 0.19's num_blocks // groups x block_size."""
-    model = shared_dir / "models" / "nvidia--Nemotron-H-56B-Base-8K"
-    drop_file = tmp_path / "nem.yaml"
-    drop_file.write_text(f"name: nem\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
-                         "tensor_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
-    doc = explain_drop(str(drop_file), gpu_memory_utilization=0.9, variants=False, db_url=str(tmp_path / "s.sqlite"),
-                       worker=_in_process)
-    e = doc["explanations"][0]
+    e = _explain_tp2_h100(shared_dir / "models" / "nvidia--Nemotron-H-56B-Base-8K", "0.19.0", tmp_path)
     assert e["max_model_len"] == 8192
     tokens, conc = _step(e, "tokens"), _step(e, "concurrency")
     assert tokens["value"] == 108160 and "367 blocks // 7 KV cache groups x 2080 tokens" in tokens["text"]
@@ -304,13 +308,7 @@ def test_explain_tokens_step_printed_a_rounded_concurrency_that_missed_the_value
     1247123. It prints the division vLLM does, and the text evaluates to the value."""
     import re
 
-    model = shared_dir / "models" / "Qwen--Qwen3.5-27B"
-    drop_file = tmp_path / "q35.yaml"
-    drop_file.write_text(f"name: q35\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.24.0'\n"
-                         "tensor_parallel_size: 2\ncandidates: {gpu_memory_utilization: [0.9]}\n")
-    doc = explain_drop(str(drop_file), gpu_memory_utilization=0.9, variants=False, db_url=str(tmp_path / "s.sqlite"),
-                       worker=_in_process)
-    tokens = _step(doc["explanations"][0], "tokens")
+    tokens = _step(_explain_tp2_h100(shared_dir / "models" / "Qwen--Qwen3.5-27B", "0.24.0", tmp_path), "tokens")
     m = re.search(r"int\((\d+) / (\d+) blocks per request x (\d+)\)", tokens["text"])
     assert m, tokens["text"]
     blocks, per_req, length = map(int, m.groups())

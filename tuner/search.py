@@ -240,7 +240,6 @@ def candidate_starts(c: dict) -> bool:
     return c.get("starts") is not False and str(c.get("reason") or "").startswith("only ")
 
 
-PassLookup = Callable[[ProfileBatch], Sequence]  # → one pass (dict or PassResult) per PP stage
 #: (profile batch, max_model_len) → one pass per PP stage as it stands at that length (the V1 0.27+
 #: runner's persistent buffers hold a block table sized by max_model_len)
 PassAtLength = Callable[[ProfileBatch, int], Sequence]
@@ -444,7 +443,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      limiting_stage=worst, stages=stages)
 
 
-def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int] = ()) -> str | None:
+def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:
     """Why a ``kv_cache_memory_bytes`` larger than the card can hold does not start, or None.
 
     vLLM does not check the setting against the GPU: ``determine_available_memory`` returns it as
@@ -458,8 +457,8 @@ def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_by
     kv = int(layout.kv_cache_memory_bytes or 0)
     for i, b in enumerate(budgets):
         card = layout.card(i)
-        graphs = int(captured_graph_bytes[i]) if i < len(captured_graph_bytes) else int(b.cuda_graph_bytes)
-        held = int(b.weights_bytes) + int(card.activation_overhead_bytes) + int(b.non_torch_bytes) + graphs
+        held = (int(b.weights_bytes) + int(card.activation_overhead_bytes) + int(b.non_torch_bytes)
+                + int(captured_graph_bytes[i]))
         room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
         if held + kv > room:
             gib = 1 << 30

@@ -198,22 +198,18 @@ def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_con
 
     qc = draft_config.get("quantization_config") or t.get("quantization_config")
     scheme = scheme_for(SimpleNamespace(quantization_config=qc, top=draft_config), settings) if qc else None
-    first = [0]
-
-    def layers(count: int, **kw) -> float:  # in dtype-byte units, the next ``count`` layers
-        b = sum(_decoder_layer_bytes(g, tp, dtype_bytes, scheme, first[0] + k, **kw) for k in range(count))
-        first[0] += count
-        return b / dtype_bytes
+    def layers(start: int, stop: int, **kw) -> float:  # decoder layers [start, stop), in dtype-byte units
+        return sum(_decoder_layer_bytes(g, tp, dtype_bytes, scheme, i, **kw) for i in range(start, stop)) / dtype_bytes
 
     params = 0.0
     if method == "draft_model":
         emb = _pad_vocab(g["vocab"]) * h // tp
         params = emb * (1 if draft_config.get("tie_word_embeddings", t.get("tie_word_embeddings")) else 2)
-        params += layers(n) + h
+        params += layers(0, n) + h
     elif method == "eagle":
-        params = layers(n) + 2 * h * h
+        params = layers(0, n) + 2 * h * h
     elif method == "eagle3":
-        params = layers(1, qkv_input=2 * h) + layers(n - 1) + h
+        params = layers(0, 1, qkv_input=2 * h) + layers(1, n) + h
         ec = t.get("eagle_config") or {}
         n_aux = t.get("num_aux_hidden_states") or len(ec.get("eagle_aux_hidden_state_layer_ids") or []) or 3
         params += target_hidden * int(n_aux) * h
@@ -224,7 +220,7 @@ def checkpoint_drafter_weights_bytes(method: str, draft_config: dict, target_con
     else:  # dflash
         dc = {**(t.get("eagle_config") or {}), **(t.get("dflash_config") or {})}
         feats = len(dc.get("target_layer_ids") or dc.get("layer_ids") or []) or n
-        params = layers(n, qk_norm=True) + 2 * h
+        params = layers(0, n, qk_norm=True) + 2 * h
         if dc.get("use_aux_hidden_state", True):
             params += target_hidden * feats * h
         params += n * 2 * max(1, g["kv_heads"] // tp) * g["head_dim"] * h  # the fused K/V copy
