@@ -459,11 +459,6 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
-    candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
-    if engine_use is not None and engine_use.session is not None:
-        verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
-    if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
-        warnings.extend(w for w in engine_use.warnings if w not in warnings)
     from tuner.engine.crosscheck import term_sources
 
     sources = term_sources(plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
@@ -475,18 +470,51 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                            engine_defaults=bool(passes.engine_batch) or bool(
                                engine_use and engine_use.report.get("releases_match")
                                and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+    context = uncertainty_context(req, device, era, sources, kv, warnings)
+    layout = dataclasses.replace(layout, uncertainty=context)
+    candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
+    if engine_use is not None and engine_use.session is not None:
+        verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
+    if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
+        warnings.extend(w for w in engine_use.warnings if w not in warnings)
     measured = measure(req, era, method, passes, candidates, proposals, total, warnings)
     warnings.extend(req.warnings)  # what the worker saw before the job (a calibration lookup that failed)
     if pass_memo is not None:
         versions = {**(pass_memo.versions or {}), "python": platform.python_version()}
     out = job_result(
         method=method, calibration=calibration, layout=layout, measured=measured, model=model, warnings=warnings,
+        uncertainty=context,
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
     return out
+
+
+def uncertainty_context(req: "JobRequest", device: dict, era: Any, sources: dict, kv: "KvLayout",
+                        warnings: list[str]) -> Any:
+    """What the job does not know (:class:`tuner.uncertainty.Context`): the terms' sources, whether
+    the device total was stated (the request's device says ``total_memory_stated``; else a total
+    other than the catalog's), and the inputs with no rule — the request's own (a serve line's
+    flags, a case's settings, a release not stated) plus what the job finds: a unified-memory
+    device whose host use is not stated, a drafter method whose memory is not modelled."""
+    from tuner import uncertainty as unc
+
+    items = [unc.Unmodelled.from_dict(u) for u in req.unmodelled]
+    if _free_memory_from_host(device, era) and not int(device.get("other_processes_bytes") or 0) \
+            and not req.drop.other_processes_memory_gib:
+        items.append(unc.Unmodelled("host memory use", None, "device", "widens",
+                                    f"{device.get('name')}: unified memory, vLLM {era.version} reads free memory from "
+                                    "the host; what other host processes use is not stated"))
+    spec_cfg = req.drop.speculative_config or {}
+    if spec_cfg and not kv.drafter_modelled:
+        items.append(unc.Unmodelled("speculative_config.method", spec_cfg.get("method"), "drop", "widens",
+                                    "the drafter's weights, KV layers and profile run are not modelled"))
+    stated = device.get("total_memory_stated")
+    if stated is None:
+        stated = not _device_from_catalog(device)
+    return unc.Context(tuple(sorted(sources.items())), bool(stated), tuple(items))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -968,7 +996,7 @@ def measure(req: "JobRequest", era: Any, method: str, passes: Passes, candidates
 
 
 def job_result(*, method: str, calibration: dict, layout: Layout, measured: list, model: LoadedModel,
-               warnings: list[str], sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
+               warnings: list[str], uncertainty: Any = None, sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
                candidates: list[dict], proposals: list[dict], versions: dict, elapsed_s: float,
                total: int) -> dict[str, Any]:
     """Stage 11: the job's :class:`tuner.protocol.JobResult`, as its wire object (each candidate and
@@ -984,6 +1012,8 @@ def job_result(*, method: str, calibration: dict, layout: Layout, measured: list
         "plugin": model.plugin.name,
         "warnings": warnings,
         "term_sources": sources,
+        # what the prediction does not know (tuner.uncertainty): inputs with no rule, the device total's source
+        "uncertainty": uncertainty.to_dict() if uncertainty is not None else None,
         "engine_check": engine_use.report if engine_use is not None else None,
         "era": era.name,
         "engine": era.engine,

@@ -146,6 +146,10 @@ class JobRequest:
     #: profile passes the parent found in the pass memo (``{memo_key: row}``, :mod:`tuner.passmemo`),
     #: so the worker runs only the ones missing; None = none.
     known_passes: Mapping[str, Any] | None = field(default=None, hash=False)
+    #: inputs the parent read but the drop does not model (:class:`tuner.uncertainty.Unmodelled`
+    #: as dicts: a serve line's flags, a case's settings, a release not stated): each widens the
+    #: interval and is named in the result's ``uncertainty``.
+    unmodelled: tuple = field(default=(), hash=False)
 
     kind = KIND_JOB
 
@@ -183,6 +187,8 @@ class JobRequest:
             out["_warnings"] = list(self.warnings)
         if self.known_passes:
             out["known_passes"] = dict(self.known_passes)
+        if self.unmodelled:
+            out["unmodelled"] = [dict(u) for u in self.unmodelled]
         return out
 
     @classmethod
@@ -211,7 +217,8 @@ class JobRequest:
                    engine_timeout_s=(float(data["engine_timeout_s"]) if data.get("engine_timeout_s") is not None
                                      else None),
                    progress=bool(data.get("progress")), warnings=tuple(data.get("_warnings") or ()),
-                   known_passes=dict(data["known_passes"]) if data.get("known_passes") else None)
+                   known_passes=dict(data["known_passes"]) if data.get("known_passes") else None,
+                   unmodelled=tuple(dict(u) for u in data.get("unmodelled") or ()))
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,56 @@ def _device(case: dict) -> dict:
 
     gib = case.get("gpu_total_gib")
     if gib:
-        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB))}
+        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB)),
+                "total_memory_stated": True}
     dev = resolve_device(str(case["gpu"]))
-    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes), "total_memory_stated": False}
+
+
+#: The case ``settings`` keys :func:`case_request` turns into drop fields (the rest are listed as
+#: not modelled, :func:`unmodelled_inputs`), and the case fields read beside them.
+MODELLED_SETTINGS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "disable_custom_all_reduce",
+                     "data_parallel_size", "enable_expert_parallel", "speculative_config", "hf_overrides",
+                     "rope_scaling")
+MODELLED_CASE_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "quantization", "kv_cache_dtype")
+
+
+def unmodelled_inputs(case: dict) -> list[dict]:
+    """What a case states that the drop it becomes does not model, each classified
+    (:func:`tuner.uncertainty.classify_setting`: widens the band, or no effect on memory): its
+    ``settings`` keys outside :data:`MODELLED_SETTINGS` (vLLM arguments, ``env_NAME`` variables),
+    the keys of the ``non_default_args`` the log printed that no case field carries, and a release
+    that was not stated (inferred from the log's formats) or is a development build."""
+    from tuner.uncertainty import Unmodelled, classify_setting
+
+    s = case.get("settings") or {}
+    out: list[dict] = []
+    seen = set(MODELLED_SETTINGS) | set(MODELLED_CASE_FIELDS) | {"non_default_args"}
+    for key, value in s.items():
+        if key in seen or value is None:
+            continue
+        seen.add(key)
+        where = "environment" if key.startswith("env_") else "case settings"
+        out.append(classify_setting(key, value, where=where).to_dict())
+    nda = s.get("non_default_args")
+    if isinstance(nda, dict):
+        for key, value in nda.items():
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(classify_setting(key, value, where="non_default_args").to_dict())
+    version = case.get("vllm_version")
+    if not version:
+        inferred, _engine = infer_version(case)
+        out.append(Unmodelled("vllm_version", inferred, "case", "widens",
+                              f"not stated: vLLM {inferred} inferred from the log's formats",
+                              "release_not_stated").to_dict())
+    elif ".dev" in str(version):
+        out.append(Unmodelled("vllm_version", str(version), "case", "widens",
+                              "a development build: the rules of the nearest release",
+                              "release_not_stated").to_dict())
+    return out
 
 
 def _speculative(value: Any) -> dict | None:
@@ -180,7 +227,8 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     return JobRequest(drop=drop, config_path=str(config_path), device=_device(case), fake=True, search=False,
                       engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
                       calibration=dict(calibration) if calibration else None,
-                      draft_config_path=draft_path, draft_config_error=draft_error).to_wire()
+                      draft_config_path=draft_path, draft_config_error=draft_error,
+                      unmodelled=tuple(unmodelled_inputs(case))).to_wire()
 
 
 def _pct(pred: float | None, obs: float | None) -> float | None:
@@ -219,10 +267,16 @@ def compare(case: dict, result: dict) -> dict:
     else:
         unsafe = False
     observed_failed = bool(o.get("error_message")) or (obs_gib is not None and obs_gib < 0)
-    return {
+    interval = _interval_row(c, basis, obs_blocks, obs_gib, obs_tokens, block)
+    unc = result.get("uncertainty") or {}
+    return {**interval,
+            "not_modelled": [{k: u.get(k) for k in ("name", "value", "where", "effect", "note")}
+                             for u in unc.get("unmodelled") or []],
         "id": case["id"],
         "status": "ok",
         "model": case["model"],
+        "model_family": case.get("model_family"),
+        "confidence": case.get("confidence") or "high",
         "plugin": result.get("plugin"),
         "era": result.get("era"),
         "predicted_num_gpu_blocks": pred_blocks,
@@ -247,6 +301,51 @@ def compare(case: dict, result: dict) -> dict:
         "unsafe": bool(unsafe),
         "warnings": result.get("warnings") or [],
     }
+
+
+def _interval_row(c: dict, basis: str | None, obs_blocks, obs_gib, obs_tokens, block: int) -> dict:
+    """A row's interval (:mod:`tuner.uncertainty`): the predicted blocks, KV GiB and KV tokens at
+    the low (safe) and high ends; whether the observation lies inside (``covered``, on the error's
+    basis, allowing one block or the printed GiB's ±0.005 rounding); ``unsafe_at_safe_end``: the
+    safe end above the observation by more than 1 %; the half-width in % of the expected value;
+    and ``band_basis`` — the bytes each fitted band scales (:func:`tuner.uncertainty_fit.fit_bands`)."""
+    lo_kv, hi_kv = c.get("available_kv_cache_bytes_low"), c.get("available_kv_cache_bytes_high")
+    out: dict = {
+        "predicted_num_gpu_blocks_low": c.get("num_gpu_blocks_low"),
+        "predicted_num_gpu_blocks_high": c.get("num_gpu_blocks_high"),
+        "predicted_kv_cache_gib_low": None if lo_kv is None else round(lo_kv / GiB, 4),
+        "predicted_kv_cache_gib_high": None if hi_kv is None else round(hi_kv / GiB, 4),
+        "predicted_kv_cache_tokens_low": c.get("kv_cache_tokens_low"),
+        "predicted_kv_cache_tokens_high": c.get("kv_cache_tokens_high"),
+    }
+    pred = {"num_gpu_blocks": c["num_gpu_blocks"], "kv_cache_gib": c["available_kv_cache_bytes"] / GiB,
+            "kv_cache_tokens": c["kv_cache_tokens"]}
+    lows = {"num_gpu_blocks": c.get("num_gpu_blocks_low"),
+            "kv_cache_gib": None if lo_kv is None else lo_kv / GiB, "kv_cache_tokens": c.get("kv_cache_tokens_low")}
+    highs = {"num_gpu_blocks": c.get("num_gpu_blocks_high"),
+             "kv_cache_gib": None if hi_kv is None else hi_kv / GiB, "kv_cache_tokens": c.get("kv_cache_tokens_high")}
+    obs = {"num_gpu_blocks": obs_blocks, "kv_cache_gib": obs_gib, "kv_cache_tokens": obs_tokens}.get(basis or "")
+    lo, hi, p = lows.get(basis or ""), highs.get(basis or ""), pred.get(basis or "")
+    covered = unsafe_low = half = None
+    if obs is not None and lo is not None and hi is not None:
+        tol = {"num_gpu_blocks": 1, "kv_cache_gib": 0.005, "kv_cache_tokens": block}[basis]
+        covered = lo - tol <= obs <= hi + tol
+        unsafe_low = lo - obs > max(tol, 0.01 * abs(obs))
+        half = round((hi - lo) / 2 / abs(p) * 100, 3) if p else None
+    kv = int(c["available_kv_cache_bytes"])
+    basis_bytes: dict[str, int] = {}
+    for b in c.get("bands") or []:
+        if b.get("parameter"):
+            basis_bytes[b["parameter"]] = basis_bytes.get(b["parameter"], 0) + int(b.get("basis_bytes") or 0)
+    fixed = sum(int(b["high_bytes"]) - int(b["bytes"]) for b in c.get("bands") or [] if not b.get("parameter"))
+    per = {"num_gpu_blocks": kv / c["num_gpu_blocks"] if c["num_gpu_blocks"] else None, "kv_cache_gib": GiB,
+           "kv_cache_tokens": kv / c["kv_cache_tokens"] if c["kv_cache_tokens"] else None}.get(basis or "")
+    out.update(covered=covered, unsafe_at_safe_end=unsafe_low, half_width_pct=half,
+               band_basis={"expected_kv_bytes": kv, "observed_kv_bytes": None if obs is None or per is None
+                           else int(obs * per), "bytes_per_unit": per, "tolerance_units":
+                           {"num_gpu_blocks": 1, "kv_cache_gib": 0.005, "kv_cache_tokens": block}.get(basis or ""),
+                           "fixed_half_bytes": int(fixed), "bytes": basis_bytes})
+    return out
 
 
 def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: dict | None = None,
@@ -307,6 +406,31 @@ def summarize(rows: list[dict]) -> dict:
         "unsafe_cases": [r["id"] for r in ok if r["unsafe"]],
         "fit_verdict_agrees": sum(1 for r in ok if r["predicted_fits"] == r["observed_fits"]),
         "could_not_run": [{"id": r["id"], "reason": r["reason"]} for r in rows if r["status"] != "ok"],
+        "interval": interval_summary(ok),
+        "interval_high_confidence": interval_summary([r for r in ok if r.get("confidence", "high") != "low"]),
+    }
+
+
+def interval_summary(rows: list[dict]) -> dict:
+    """The interval's figures over predicted rows (:func:`_interval_row`): ``coverage_pct`` (the
+    observation inside the interval), ``median_half_width_pct`` (of the expected value),
+    ``unsafe_at_safe_end`` (the safe end above the observation by more than 1 %, with the case
+    ids), and the expected value's median / p90 |error| over the same rows."""
+    judged = [r for r in rows if r.get("covered") is not None]
+    halves = [r["half_width_pct"] for r in judged if r.get("half_width_pct") is not None]
+    errs = [abs(r["error_pct"]) for r in rows if r.get("error_pct") is not None]
+    unsafe = [r["id"] for r in judged if r.get("unsafe_at_safe_end")]
+    return {
+        "cases": len(rows),
+        "judged": len(judged),
+        "coverage_pct": round(100.0 * sum(1 for r in judged if r["covered"]) / len(judged), 2) if judged else None,
+        "not_covered": [r["id"] for r in judged if not r["covered"]],
+        "median_half_width_pct": round(statistics.median(halves), 3) if halves else None,
+        "unsafe_at_safe_end": len(unsafe),
+        "unsafe_at_safe_end_pct": round(100.0 * len(unsafe) / len(judged), 2) if judged else None,
+        "unsafe_at_safe_end_cases": unsafe,
+        "median_abs_error_pct": round(statistics.median(errs), 3) if errs else None,
+        "p90_abs_error_pct": round(_percentile(errs, 90), 3) if errs else None,
     }
 
 
