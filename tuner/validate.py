@@ -337,7 +337,12 @@ def _interval_row(c: dict, basis: str | None, obs_blocks, obs_gib, obs_tokens, b
     for b in c.get("bands") or []:
         if b.get("parameter"):
             basis_bytes[b["parameter"]] = basis_bytes.get(b["parameter"], 0) + int(b.get("basis_bytes") or 0)
-    fixed = sum(int(b["high_bytes"]) - int(b["bytes"]) for b in c.get("bands") or [] if not b.get("parameter"))
+    from tuner.uncertainty import fitted
+
+    now = fitted()  # the part of each band that is no fitted fraction (floors, unfitted bands)
+    fixed = sum((int(b["bytes"]) - int(b["low_bytes"]) if b.get("op") == "=" else int(b["high_bytes"]) - int(b["bytes"]))
+                - (int(now[b["parameter"]] * int(b.get("basis_bytes") or 0)) if b.get("parameter") else 0)
+                for b in c.get("bands") or [])
     per = {"num_gpu_blocks": kv / c["num_gpu_blocks"] if c["num_gpu_blocks"] else None, "kv_cache_gib": GiB,
            "kv_cache_tokens": kv / c["kv_cache_tokens"] if c["kv_cache_tokens"] else None}.get(basis or "")
     out.update(covered=covered, unsafe_at_safe_end=unsafe_low, half_width_pct=half,
