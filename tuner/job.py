@@ -495,8 +495,8 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
 def uncertainty_context(req: "JobRequest", device: dict, era: Any, sources: dict, kv: "KvLayout",
                         warnings: list[str]) -> Any:
     """What the job does not know (:class:`tuner.uncertainty.Context`): the terms' sources, whether
-    the device total was stated (the request's device says ``total_memory_stated``; else a total
-    other than the catalog's), and the inputs with no rule — the request's own (a serve line's
+    the device total was stated (the request's ``device_total_stated``; else a total other than
+    the catalog's), and the inputs with no rule — the request's own (a serve line's
     flags, a case's settings, a release not stated) plus what the job finds: a unified-memory
     device whose host use is not stated, a drafter method whose memory is not modelled."""
     from tuner import uncertainty as unc
@@ -511,7 +511,7 @@ def uncertainty_context(req: "JobRequest", device: dict, era: Any, sources: dict
     if spec_cfg and not kv.drafter_modelled:
         items.append(unc.Unmodelled("speculative_config.method", spec_cfg.get("method"), "drop", "widens",
                                     "the drafter's weights, KV layers and profile run are not modelled"))
-    stated = device.get("total_memory_stated")
+    stated = req.device_total_stated
     if stated is None:
         stated = not _device_from_catalog(device)
     return unc.Context(tuple(sorted(sources.items())), bool(stated), tuple(items))

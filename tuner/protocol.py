@@ -150,6 +150,9 @@ class JobRequest:
     #: as dicts: a serve line's flags, a case's settings, a release not stated): each widens the
     #: interval and is named in the result's ``uncertainty``.
     unmodelled: tuple = field(default=(), hash=False)
+    #: the device total was stated (a log, a case, the user) rather than read from the catalog;
+    #: None = the worker judges from the device (a total other than the catalog's is stated).
+    device_total_stated: bool | None = None
 
     kind = KIND_JOB
 
@@ -189,6 +192,8 @@ class JobRequest:
             out["known_passes"] = dict(self.known_passes)
         if self.unmodelled:
             out["unmodelled"] = [dict(u) for u in self.unmodelled]
+        if self.device_total_stated is not None:
+            out["device_total_stated"] = bool(self.device_total_stated)
         return out
 
     @classmethod
@@ -218,7 +223,9 @@ class JobRequest:
                                      else None),
                    progress=bool(data.get("progress")), warnings=tuple(data.get("_warnings") or ()),
                    known_passes=dict(data["known_passes"]) if data.get("known_passes") else None,
-                   unmodelled=tuple(dict(u) for u in data.get("unmodelled") or ()))
+                   unmodelled=tuple(dict(u) for u in data.get("unmodelled") or ()),
+                   device_total_stated=(None if data.get("device_total_stated") is None
+                                        else bool(data["device_total_stated"])))
 
 
 @dataclass(frozen=True)

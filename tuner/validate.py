@@ -103,10 +103,9 @@ def _device(case: dict) -> dict:
 
     gib = case.get("gpu_total_gib")
     if gib:
-        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB)),
-                "total_memory_stated": True}
+        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB))}
     dev = resolve_device(str(case["gpu"]))
-    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes), "total_memory_stated": False}
+    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
 
 
 #: The case ``settings`` keys :func:`case_request` turns into drop fields (the rest are listed as
@@ -228,7 +227,8 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
                       engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
                       calibration=dict(calibration) if calibration else None,
                       draft_config_path=draft_path, draft_config_error=draft_error,
-                      unmodelled=tuple(unmodelled_inputs(case))).to_wire()
+                      unmodelled=tuple(unmodelled_inputs(case)),
+                      device_total_stated=bool(case.get("gpu_total_gib"))).to_wire()
 
 
 def _pct(pred: float | None, obs: float | None) -> float | None:
