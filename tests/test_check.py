@@ -489,3 +489,32 @@ def test_kv_cache_memory_bytes_oom_counted_the_cuda_graphs_only_where_the_era_su
     assert "CUDA graphs (15.27 GiB) needs 85,063,630,848 bytes" in eager.doc["engine_error"]
     assert check("vllm", "serve", str(L8B), "--max-model-len", "70000", "--kv-cache-memory-bytes", "67000000000",
                  version="0.27.0").starts
+
+
+def test_check_says_uncertain_where_the_interval_straddles_the_verdict():
+    """A length between the KV tokens at the interval's safe end and at its expected value starts
+    at the expected value and not at the safe end: ``uncertain``, exit 4 (tuner.check.EXIT_UNCERTAIN),
+    naming the terms that make it so and the length that starts for sure; ``--risk expected``
+    answers by the expected value (exit 0)."""
+    from tuner.check import EXIT_UNCERTAIN
+
+    probe = check("vllm", "serve", str(L8B), "--max-model-len", "8192", device="RTX-3090")
+    iv = probe.doc["interval"]
+    low, mid = iv["kv_cache_tokens_low"], probe.doc["numbers"]["kv_cache_tokens"]
+    assert low < mid
+    m = (low + mid) // 2 // 16 * 16
+    assert low < m <= mid
+    res = check("vllm", "serve", str(L8B), "--max-model-len", str(m), device="RTX-3090")
+    assert res.doc["verdict"] == "uncertain" and res.exit_code == EXIT_UNCERTAIN == 4
+    assert res.starts  # at the expected value
+    terms = [t["name"] for t in res.doc["uncertain"]["terms"]]
+    assert terms and "reserve" in terms
+    (sure,) = res.doc["uncertain"]["starts_for_sure"]
+    assert sure["setting"] == "max_model_len" and sure["value"] <= low < m
+    assert f"--max-model-len {sure['value']}" in sure["command"]
+    from tuner.check import render
+
+    text = render(res)
+    assert "UNCERTAIN:" in text and "settings that start for sure" in text
+    expected = check("vllm", "serve", str(L8B), "--max-model-len", str(m), device="RTX-3090", risk="expected")
+    assert expected.doc["verdict"] == "starts" and expected.exit_code == 0

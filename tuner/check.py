@@ -481,6 +481,15 @@ def render(res: CheckResult) -> str:
     if n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
+    iv = d.get("interval")
+    if iv and d.get("verdict") != "uncertain":
+        lines.append(f"  interval: KV {_gib(iv['available_kv_cache_bytes_low'])} to "
+                     f"{_gib(iv['available_kv_cache_bytes_high'])}, {iv['num_gpu_blocks_low']}-{iv['num_gpu_blocks_high']} "
+                     f"blocks, {iv['kv_cache_tokens_low']}-{iv['kv_cache_tokens_high']} KV tokens; "
+                     + ("starts at both ends" if iv["starts_low"] and iv["starts_high"] else
+                        "does not start at either end" if not iv["starts_low"] and not iv["starts_high"] else
+                        "the verdict flips inside it (--risk expected answers by the expected value)")
+                     + " (docs/uncertainty.md)")
     sure = (d.get("uncertain") or {}).get("starts_for_sure") or []
     if sure:
         lines += ["", "settings that start for sure (at the interval's safe end):"]

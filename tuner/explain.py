@@ -706,7 +706,8 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
         if proposal is not None:
             rem["largest_max_model_len"] = {k: proposal.get(k) for k in
-                                            ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")}
+                                            ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+                                             "risk", "max_model_len_expected")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
         elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
@@ -1206,8 +1207,11 @@ def render_point(e: dict) -> str:
                       if point_of(lm).max_model_len > m else "")
             mc = e.get("min_concurrency") or 1
             cond = f"starts with at least {mc:g} full-length requests" if mc != 1 else "starts"
-            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g} is {point_of(lm).max_model_len} "
-                         f"({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV tokens){longer}")
+            at_risk = (f" at the interval's safe end ({lm['max_model_len_expected']} at the expected value)"
+                       if lm.get("risk") == "safe" and lm.get("max_model_len_expected") else "")
+            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g}{at_risk} is "
+                         f"{point_of(lm).max_model_len} ({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV "
+                         f"tokens){longer}")
             shorter = [point_of(p).max_model_len for p in surf if p["fits"] and point_of(p).max_model_len < m]
             if shorter:
                 lines.append(f"    - a shorter one from the grid: {max(shorter)} starts")

@@ -78,7 +78,8 @@ def render_table(outcome) -> str:
         lines.append(f"note: starts yes, ok NO = vLLM starts, but fewer than min_concurrency ({mc:g}) full-length "
                      "requests fit")
     with_conc = f", with at least {mc:g} full-length requests" if mc != 1 else ""
-    lines += ["", f"proposals (largest max_model_len that starts{with_conc}):"]
+    at_risk = " at the interval's safe end" if d.constraints.risk == "safe" else " at the expected value"
+    lines += ["", f"proposals (largest max_model_len that starts{with_conc}{at_risk}):"]
     for p in res.proposals:
         if p.max_model_len is None:
             lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: nothing fits: {p.reason}")
