@@ -345,11 +345,14 @@ def unmodelled_for_job(sa: ServeArgs, unmodelled: Sequence[dict]) -> list[dict]:
     from tuner.uncertainty import classify_setting
 
     out = []
+    def name_of(x: dict) -> str:
+        return str(x.get("flag") or x.get("as_written") or "").split()[0].lstrip("-").split("=")[0].replace("-", "_")
+
     for x in unmodelled:
-        name = str(x.get("as_written") or x.get("flag") or "").lstrip("-").split("=")[0].replace("-", "_")
+        name = name_of(x)
         out.append(classify_setting(name, x.get("value"), where="command line", note=str(x.get("note") or "")).to_dict())
     for x in getattr(sa, "ignored", None) or []:
-        name = str(x.get("as_written") or x.get("flag") or "").lstrip("-").split("=")[0].replace("-", "_")
+        name = name_of(x)
         out.append({"name": name, "value": x.get("value"), "where": "command line", "effect": "no effect on memory",
                     "note": str(x.get("note") or "")})
     return out
@@ -429,7 +432,8 @@ def render(res: CheckResult) -> str:
     for e in read["ignored"]:
         lines.append(f"ignored: {e['as_written']} ({e['note']})")
     for e in d["not_modelled"]:
-        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})")
+        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')}); "
+                     "it widens the interval")
     for e in read["unknown"]:
         lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
     for w in d["warnings"]:

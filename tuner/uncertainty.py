@@ -179,7 +179,8 @@ def classify_setting(name: str, value: Any, *, where: str, note: str = "") -> Un
     key = name[len("env_"):] if name.startswith("env_") else name
     if key in NO_EFFECT_ON_MEMORY:
         return Unmodelled(name, value, where, "no effect on memory", note or "documented list (tuner.uncertainty)")
-    return Unmodelled(name, value, where, "widens", note or "read, not modelled")
+    return Unmodelled(name, value, where, "widens",
+                      note or f"no rule for it: ±{NOT_MODELLED.fraction * 100:g} % of the requested memory")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def _device(text: str):
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("check", help="will this `vllm serve` line or config start? (exit 0 starts, 3 does not)",
+    p = sub.add_parser("check", help="will this `vllm serve` line or config start? (exit 0 starts, 3 does not, 4 uncertain)",
                        description="Check a `vllm serve` command line (after --) and/or a `vllm serve --config` "
                                    "YAML before deploying it.")
     p.add_argument("serve", nargs=argparse.REMAINDER,
