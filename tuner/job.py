@@ -997,9 +997,9 @@ def measure(req: "JobRequest", era: Any, method: str, passes: Passes, candidates
 
 
 def job_result(*, method: str, calibration: dict, layout: Layout, measured: list, model: LoadedModel,
-               warnings: list[str], uncertainty: Any = None, sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
+               warnings: list[str], sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
                candidates: list[dict], proposals: list[dict], versions: dict, elapsed_s: float,
-               total: int) -> dict[str, Any]:
+               total: int, uncertainty: Any = None) -> dict[str, Any]:
     """Stage 11: the job's :class:`tuner.protocol.JobResult`, as its wire object (each candidate and
     proposal with its ``budget`` ledger, sources from ``term_sources``)."""
     from tuner.protocol import JobResult

@@ -462,6 +462,12 @@ def render(report: dict) -> str:
     lines += ["", f"cases {s['cases']}, predicted {s['predicted']}, median |error| {f(s['median_abs_error_pct'], '.2f')} %, "
               f"p90 {f(s['p90_abs_error_pct'], '.2f')} %, max {f(s['max_abs_error_pct'], '.2f')} %, unsafe {s['unsafe']}, "
               f"fit verdict agrees on {s['fit_verdict_agrees']}/{s['predicted']}"]
+    for key, label in (("interval", "all"), ("interval_high_confidence", "high confidence")):
+        iv = s.get(key)
+        if iv and iv.get("judged"):
+            lines.append(f"interval ({label}, {iv['judged']} cases): coverage {f(iv['coverage_pct'], '.1f')} %, median "
+                         f"half-width {f(iv['median_half_width_pct'], '.2f')} %, unsafe at the safe end "
+                         f"{iv['unsafe_at_safe_end']} ({f(iv['unsafe_at_safe_end_pct'], '.1f')} %) (docs/uncertainty.md)")
     if "summary_calibrated" in report:  # validate --calibrate: before/after per case and a second summary
         c = report["summary_calibrated"]
         lines += ["", f"{'calibrated (leave-one-out)':<52} {'pred blocks':>11} {'cal blocks':>10} {'err %':>7} "

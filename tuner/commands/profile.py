@@ -47,6 +47,10 @@ def render_table(outcome) -> str:
 
     if r.get("term_sources"):
         lines.append(term_sources_line(r["term_sources"]))
+    from tuner.explain import unmodelled_line
+
+    for x in (r.get("uncertainty") or {}).get("unmodelled") or []:  # inputs with no rule (tuner/uncertainty.py)
+        lines.append(unmodelled_line(x))
     from tuner.memoanswer import PASS_SOURCE, pass_source_line
 
     passes = pass_source_line(r.get(PASS_SOURCE))
@@ -152,6 +156,7 @@ def to_json(outcome) -> dict:
         "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "model_path": model,
         "plugin": r["plugin"], "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
         "term_sources": r.get("term_sources"), "engine_check": r.get("engine_check"),
+        "uncertainty": r.get("uncertainty"),
         "pass_source": r.get("pass_source"), "candidates": cands, "proposals": props,
         "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
     }
