@@ -98,14 +98,46 @@ def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = N
     return derived_max(str(config_path), hf_overrides)[0]
 
 
-def _device(case: dict) -> dict:
+def _one_device(name: Any, gib: Any) -> dict:
+    """One card of a case: ``{name, total_memory_bytes}`` with the total the log printed
+    (``gpu_total_gib``) when there is one, else the catalog card the name names."""
     from tuner.devices import resolve_device
 
-    gib = case.get("gpu_total_gib")
     if gib:
-        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB))}
-    dev = resolve_device(str(case["gpu"]))
+        return {"name": str(name), "total_memory_bytes": int(round(float(gib) * GiB))}
+    dev = resolve_device(str(name))
     return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+
+
+def _device(case: dict) -> dict:
+    """The request's device for a case. ``gpu`` may be a list, one card per pipeline stage (as a
+    drop's device list, :func:`tuner.app.prepare_job`): the request then carries the first stage's
+    card and ``stages``, each stage sized on its own card (the engine takes the fewest blocks over
+    the stages, vllm/v1/core/kv_cache_utils.py ``get_kv_cache_configs``); ``gpu_total_gib`` may be
+    a list of the same length or one total for every stage.
+
+    Raises:
+        DeviceError: an unknown card (``gpu`` / ``gpu[I]``) without a stated total; a list whose
+            length is not ``pipeline_parallel_size``."""
+    from tuner.errors import DeviceError
+
+    gpu, gib = case.get("gpu"), case.get("gpu_total_gib")
+    if not isinstance(gpu, list):
+        return _one_device(gpu, gib)
+    pp = int(case.get("pipeline_parallel_size") or 1)
+    if len(gpu) != pp:
+        raise DeviceError(f"a gpu list names one card per pipeline stage: {len(gpu)} entries for "
+                          f"pipeline_parallel_size {pp}", where="gpu")
+    gibs = gib if isinstance(gib, list) else [gib] * len(gpu)
+    if len(gibs) != len(gpu):
+        raise DeviceError(f"gpu_total_gib lists {len(gibs)} totals for {len(gpu)} cards", where="gpu_total_gib")
+    stages = []
+    for i, (name, g) in enumerate(zip(gpu, gibs)):
+        try:
+            stages.append(_one_device(name, g))
+        except DeviceError as exc:
+            raise DeviceError(exc.message, where=f"gpu[{i}]") from exc
+    return {**stages[0], "stages": stages}
 
 
 def _speculative(value: Any) -> dict | None:
@@ -445,8 +477,8 @@ def measured_from_case(case: dict, models_dir) -> dict:
                "max_num_seqs": s.get("max_num_seqs"), "max_num_batched_tokens": s.get("max_num_batched_tokens"),
                "block_size": s.get("block_size"), "enable_chunked_prefill": s.get("enable_chunked_prefill"),
                "enforce_eager": bool(s.get("enforce_eager"))}
-    device: Any = str(case["gpu"])
-    if case.get("gpu_total_gib"):
+    device: Any = case["gpu"] if isinstance(case["gpu"], list) else str(case["gpu"])
+    if case.get("gpu_total_gib") and not isinstance(case["gpu"], list):
         from tuner.devices import lookup
 
         known = lookup(str(case["gpu"]))
