@@ -20,7 +20,7 @@ def test_catalog_entries_are_consistent():
     assert len(names) == len(set(names))
     assert {"H100-80GB", "RTX-3090", "A100-80GB", "A100-40GB", "H200", "L4", "T4"} <= set(names)
     for d in devs:
-        assert type(d.total_memory_bytes) is int and d.total_memory_bytes > 8 * GIB
+        assert type(d.total_memory_bytes) is int and d.total_memory_bytes > 5 * GIB  # RTX 3050 6GB: 5.66
         assert d.source in ("observed in vLLM log", "typical")
         assert d.compute_capability is not None
 
@@ -48,7 +48,7 @@ def test_h100_exact_bytes_and_source():
     [
         ("NVIDIA H100 80GB HBM3", "H100-80GB"),
         ("nvidia h100 80gb", "H100-80GB"),
-        ("h100", "H100-80GB"),
+        ("h100 sxm5 80gb", "H100-80GB"),
         ("H100_80GB", "H100-80GB"),
         ("NVIDIA GeForce RTX 3090", "RTX-3090"),
         ("rtx 3090", "RTX-3090"),
@@ -277,3 +277,73 @@ def test_size_word_contradicting_the_catalog_was_accepted_silently(name, tmp_pat
 def test_size_word_selects_among_a_models_cards(name, canonical):
     assert lookup(name).name == canonical
     assert devices.size_words("A10G") == () and devices.size_words("RTX 4090 (24G)") == (24.0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# Names as NVML and vLLM print them (issue 29): vendor prefixes, GeForce, form-factor words and a
+# size word read by one normaliser; near misses answered with "did you mean".
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("printed", "card", "bytes_"),
+    [
+        ("NVIDIA GB10", "GB10", 128526516224),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX-PRO-6000-Blackwell", 101973229568),
+        ("NVIDIA GeForce RTX 3050 6GB", "RTX-3050-6GB", 6077546496),  # the size word picks the variant
+        ("NVIDIA GeForce RTX 3050", "RTX-3050-8GB", 8192524288),
+        ("NVIDIA B300 SXM6 AC", "B300", 288406880256),
+        ("NVIDIA GB200", "GB200", 197889916928),
+        ("AMD Instinct MI300X", "MI300X", 206141652992),
+        ("AMD Instinct MI355X", "MI355X", 309220868096),
+        ("NVIDIA H100 80GB HBM3", "H100-80GB", 85030076416),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB", 84987084800),
+        ("NVIDIA GH200 96GB", "GH200", 101468602368),
+        ("NVIDIA H100 94GB", "H100-NVL", 99977527296),  # nearest total of the H100 family
+    ],
+)
+def test_device_names_as_nvml_and_vllm_print_them(printed, card, bytes_):
+    dev = resolve_device(printed)
+    assert (dev.name, dev.total_memory_bytes) == (card, bytes_)
+
+
+def test_rocm_cards_run_the_rocm_platform():
+    from tuner.devices import platform_of_name
+
+    assert resolve_device("AMD Instinct MI300X").platform == "rocm"
+    assert resolve_device("NVIDIA H100 80GB HBM3").platform == "cuda"
+    assert platform_of_name("AMD Radeon PRO W7900") == "rocm"
+    assert resolve_device({"name": "AMD Instinct MI300A", "total_memory_gib": 128}).platform == "rocm"
+
+
+def test_near_miss_device_name_says_did_you_mean():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("RTX4090")
+    assert "unknown device 'RTX4090'; did you mean 'RTX-4090'?" in exc.value.message
+    assert exc.value.where == "device" and "NAME:GIB" in exc.value.message
+    with pytest.raises(DeviceError, match="did you mean 'RTX-4090' or 'RTX-4080'"):
+        resolve_device("RTX 4009")
+
+
+def test_bare_h100_lists_the_h100_variants():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("h100")
+    assert ("device 'h100' may be any of 3 cards: H100-80GB (79.19 GiB, nvswitch), H100-NVL (93.11 GiB, nvlink), "
+            "H100-PCIe (79.19 GiB, pcie); did you mean one of them?") in exc.value.message
+    # a total picks the card
+    assert lookup("NVIDIA H100", total_memory_bytes=int(93.11 * GIB)).name == "H100-NVL"
+
+
+def test_unknown_device_error_names_the_total_forms():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("Quantum Card 9000")
+    assert exc.value.where == "device"
+    assert "known devices: H100-80GB" in exc.value.message
+    assert "{name: ..., total_memory_gib: ...} in a drop, or NAME:GIB on the command line" in exc.value.message
+
+
+def test_catalog_mapping_without_total_states_the_interconnect():
+    dev = resolve_device({"name": "A100-80GB", "interconnect": "pcie"})
+    assert (dev.name, dev.total_memory_bytes, dev.interconnect) == ("A100-80GB", 84987084800, "pcie")
+    with pytest.raises(DeviceError, match="needs 'total_memory_gib' or 'total_memory_bytes' for a card the catalog"):
+        resolve_device({"name": "Quantum Card 9000", "interconnect": "pcie"})

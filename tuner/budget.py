@@ -57,6 +57,8 @@ class Topology:
     compute_capability: str | None = "9.0"
     disable_custom_all_reduce: bool = False
     single_node: bool = True
+    #: vLLM's platform: ``"cuda"`` or ``"rocm"`` (:mod:`tuner.platforms`).
+    platform: str = "cuda"
 
 
 #: vLLM's custom all-reduce world sizes (vllm/distributed/device_communicators/custom_all_reduce.py
@@ -84,7 +86,8 @@ def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool
     (vllm/distributed/device_communicators/custom_all_reduce.py ``CustomAllreduce.__init__``,
     the same checks 0.5–0.33): off with ``disable_custom_all_reduce``, for a world of one, a world
     size outside 2/4/6/8, a group spanning nodes, more than two GPUs that are not fully connected
-    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access."""
+    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access (checked on CUDA
+    only)."""
     t = topology
     if t.disable_custom_all_reduce:
         return False, "disable_custom_all_reduce"
@@ -96,7 +99,9 @@ def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool
         return False, "group spans several nodes"
     if world_size > 2 and t.interconnect not in FULLY_CONNECTED:
         return False, "not supported on more than two PCIe-only GPUs"
-    if not t.p2p and t.interconnect == "pcie":
+    if not t.p2p and t.interconnect == "pcie" and t.platform != "rocm":
+        # ROCm skips the check: "On AMD GPU, p2p is always enabled between XGMI connected GPUs"
+        # (custom_all_reduce.py, 0.5–0.34: ``not current_platform.is_rocm() and not _can_p2p``)
         return False, "no P2P access between the GPUs"
     return True, "on"
 

@@ -191,10 +191,11 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               engine_version: str | None = None, parser: ServeParser | None = None,
               worker: Callable[..., dict] | None = None, timeout_s: float = 600.0, variants: bool = True,
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
-              progress: Callable[[str], None] | None = None) -> CheckResult:
+              progress: Callable[[str], None] | None = None, memory_in_use_gib: float | None = None) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
-    the drop default.
+    the drop default; ``memory_in_use_gib``: memory other processes (on a unified-memory device, the
+    host) hold at start, the drop's ``other_processes_memory_gib``.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -223,6 +224,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
             warnings.append(f"--engine-version not given: checked against the {why}")
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled)
+    if memory_in_use_gib is not None:  # --memory-in-use: co-tenant memory at start (drop other_processes_memory_gib)
+        d["other_processes_memory_gib"] = float(memory_in_use_gib)
     drop = build_drop(sa, d, label=config_file or "vllm serve")
     from tuner.explain import prepare
 
@@ -305,6 +308,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "not_modelled": unmodelled,
         "drop": {k: v for k, v in d.items()},
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+        "assumptions": list(doc.get("assumptions") or []),
     }
     return CheckResult(starts, out, e)
 

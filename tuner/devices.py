@@ -38,6 +38,12 @@ MIB = 1 << 20
 #: module stays free of the budget's imports).
 INTERCONNECTS = ("nvswitch", "nvlink", "pcie", "xgmi")
 
+#: vLLM platforms a card runs (vllm/platforms/cuda.py, vllm/platforms/rocm.py).
+PLATFORMS = ("cuda", "rocm")
+#: Vendor words in a device name that mean an AMD card (vLLM's ROCm platform): what amdsmi /
+#: ``torch.cuda.get_device_name`` print on ROCm ("AMD Instinct MI300X", "AMD Radeon PRO W7900").
+ROCM_NAME_WORDS = ("amd", "instinct", "radeon")
+
 #: Sanity bounds for a device's total memory given in a drop (bytes): 256 MiB … 4 TiB.
 MIN_TOTAL_BYTES = 256 * MIB
 MAX_TOTAL_BYTES = 4096 * GIB
@@ -45,7 +51,8 @@ MAX_TOTAL_BYTES = 4096 * GIB
 _SOURCE_DROP = "given in drop"
 _SOURCE_NVML = "nvml"
 
-__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "unknown_message", "size_words", "GIB"]
+__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "unknown_message", "size_words", "GIB",
+           "did_you_mean", "candidates_for", "platform_of_name"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,9 @@ class Device:
     #: CUDA's ``is_integrated`` device property: GPU and CPU share one physical memory (DGX Spark
     #: GB10, Jetson); None when unknown. GH200/GB200 have their own HBM and are not integrated.
     integrated: bool | None = None
+    #: The vLLM platform the card runs: ``"cuda"`` or ``"rocm"`` (catalog ``platform``; a card not in
+    #: the catalog by its vendor words, :func:`platform_of_name`).
+    platform: str = "cuda"
 
     @property
     def total_memory_gib(self) -> float:
@@ -125,7 +135,7 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         if not isinstance(entry, dict):
             raise DeviceError(f"entry {i} is not a mapping", where=where)
         unknown = set(entry) - {"name", "total_memory_bytes", "compute_capability", "source", "aliases",
-                                "interconnect", "p2p", "integrated"}
+                                "interconnect", "p2p", "integrated", "platform"}
         if unknown:
             raise DeviceError(f"entry {i}: unknown keys {sorted(unknown)}", where=where)
         name, total = entry.get("name"), entry.get("total_memory_bytes")
@@ -148,8 +158,11 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         integrated = entry.get("integrated")
         if integrated is not None and not isinstance(integrated, bool):
             raise DeviceError(f"{name}: 'integrated' must be true or false", where=where)
+        platform = entry.get("platform", "cuda")
+        if platform not in PLATFORMS:
+            raise DeviceError(f"{name}: 'platform' must be one of {', '.join(PLATFORMS)}", where=where)
         dev = Device(name=name, total_memory_bytes=total, source=str(entry.get("source") or "typical"),
-                     compute_capability=cc, interconnect=ic, p2p=p2p, integrated=integrated)
+                     compute_capability=cc, interconnect=ic, p2p=p2p, integrated=integrated, platform=platform)
         devices.append(dev)
         for alias in [name, *aliases]:
             for k in _keys(alias):
@@ -218,15 +231,32 @@ def _alias_table() -> dict[str, str]:
 TOTAL_MATCH_TOLERANCE = 0.08
 
 
+def _variants(base: str) -> tuple[Device, ...]:
+    """Catalog cards whose model name extends ``base`` by a variant word (``"h100"`` → the H100
+    PCIe and H100 NVL beside the SXM card whose base key is ``"h100"``)."""
+    if not base:
+        return ()
+    out: list[Device] = []
+    for k, devs in _families().items():
+        if k.startswith(base + " "):
+            out.extend(d for d in devs if d not in out)
+    return tuple(out)
+
+
 def candidates_for(name: str) -> tuple[Device, ...]:
     """Every catalog device ``name`` may mean: the exact match when there is one, else every card
-    whose model name (:func:`_base_key`) equals the name's."""
+    whose model name (:func:`_base_key`) equals the name's or extends it by a variant word
+    (``"H100"``: H100-80GB, H100-PCIe, H100-NVL), in catalog order."""
     if not isinstance(name, str):
         return ()
     exact = _load_catalog()[1].get(_key(name))
     if exact is not None:
         return (exact,)
-    return _families().get(_base_key(name), ())
+    base = _base_key(name)
+    pool = list(_families().get(base, ()))
+    pool += [d for d in _variants(base) if d not in pool]
+    order = {d.name: i for i, d in enumerate(_load_catalog()[0])}
+    return tuple(sorted(pool, key=lambda d: order[d.name]))
 
 
 def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None:
@@ -244,7 +274,7 @@ def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None
     if not isinstance(name, str):
         return None
     exact = _load_catalog()[1].get(_key(name))
-    family = _families().get(_base_key(name), ())
+    family = candidates_for(name) if exact is None else _families().get(_base_key(name), ())
     if total_memory_bytes:
         pool = list(family) + ([exact] if exact is not None and exact not in family else [])
         near = sorted(pool, key=lambda d: abs(d.total_memory_bytes - total_memory_bytes))
@@ -255,6 +285,10 @@ def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None
         return exact
     sizes = size_words(name)
     found = tuple(d for d in family if _size_fits(d, sizes)) if sizes else family
+    if sizes and len(found) > 1:  # the card whose total is nearest the size word, when one is
+        gap = {d.name: sum(abs(d.total_memory_bytes / 1e9 - w) for w in sizes) for d in found}
+        best = min(gap.values())
+        found = tuple(d for d in found if gap[d.name] == best)
     return found[0] if len(found) == 1 else None
 
 
@@ -289,23 +323,63 @@ def unknown_message(value: object) -> str:
     return _unknown(value).message
 
 
+#: How the command line and a drop give a card the catalog lacks (or one whose total is known).
+TOTAL_FORMS = ("a mapping {name: ..., total_memory_gib: ...} in a drop, or NAME:GIB on the command line "
+               "(--device 'NAME:GIB', optionally ':nvlink' / ':nvswitch' / ':pcie' / ':xgmi' after it)")
+
+
+def _card(d: Device) -> str:
+    return f"{d.name} ({d.total_memory_bytes / GIB:.2f} GiB, {d.interconnect or 'interconnect unknown'})"
+
+
+def _compact(text: str) -> str:
+    return re.sub(r"[\s_\-]+", "", text.lower())
+
+
+def did_you_mean(value: str, n: int = 3) -> list[Device]:
+    """Catalog cards a near-miss name may mean (for an error message): names and aliases that read
+    the same without blanks (``"RTX4090"`` → RTX-4090) or are close spellings of it (difflib ratio
+    ≥ 0.75 on the model name without vendor and noise words), best first."""
+    import difflib
+
+    if not isinstance(value, str) or not value.strip():
+        return []
+    spellings: dict[str, Device] = {}
+    for dev in _load_catalog()[0]:
+        for a in [dev.name, *_aliases(dev.name)]:
+            spellings.setdefault(_compact(_base_key(a)), dev)
+            spellings.setdefault(_compact(a), dev)
+    probe = _compact(_base_key(value)) or _compact(value)
+    if probe in spellings:  # the same letters, blanks aside: that card only
+        return [spellings[probe]]
+    out: list[Device] = []
+    for cand in difflib.get_close_matches(probe, list(spellings), n=8,
+                                                                                     cutoff=0.75):
+        dev = spellings[cand]
+        if dev not in out:
+            out.append(dev)
+    return out[:n]
+
+
 def _unknown(value: object) -> DeviceError:
-    family = _families().get(_base_key(value), ()) if isinstance(value, str) else ()
-    sizes = size_words(value) if isinstance(value, str) and family else ()
-    if sizes and not any(_size_fits(d, sizes) for d in family):
-        cards = ", ".join(f"{d.name} {d.total_memory_bytes / GIB:.2f} GiB" for d in family)
+    several = candidates_for(value) if isinstance(value, str) else ()
+    sizes = size_words(value) if isinstance(value, str) and several else ()
+    if sizes and not any(_size_fits(d, sizes) for d in several):
+        cards = ", ".join(f"{d.name} {d.total_memory_bytes / GIB:.2f} GiB" for d in several)
         return DeviceError(
             f"device {value!r}: its memory size {', '.join(f'{s:g} GB' for s in sizes)} matches no card of "
-            f"that model in the catalog ({cards}); name the card as the catalog does, or give "
-            "{name: ..., total_memory_gib: ...} for a card the catalog lacks", where="device")
-    several = candidates_for(value) if isinstance(value, str) else ()
+            f"that model in the catalog ({cards}); name the card as the catalog does, or give its total: "
+            f"{TOTAL_FORMS}", where="device")
     if len(several) > 1:
         return DeviceError(
-            f"device {value!r} may be {', '.join(d.name for d in several)}; name one of them or give "
-            "{name: ..., total_memory_gib: ...} (the total picks the card)", where="device")
+            f"device {value!r} may be any of {len(several)} cards: {', '.join(_card(d) for d in several)}; "
+            f"did you mean one of them? Name it (e.g. {several[0].name!r}) or give the total, which picks the "
+            f"card: {TOTAL_FORMS}", where="device")
+    near = did_you_mean(value) if isinstance(value, str) else []
+    hint = f"; did you mean {' or '.join(repr(d.name) for d in near)}?" if near else ";"
     return DeviceError(
-        f"unknown device {value!r}; known devices: {', '.join(known_names())} "
-        "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})",
+        f"unknown device {value!r}{hint} known devices: {', '.join(known_names())}; or 'auto' (GPU 0 of this "
+        f"host), or the card with its total: {TOTAL_FORMS}",
         where="device",
     )
 
@@ -366,10 +440,16 @@ def _resolve_mapping(value: Mapping) -> Device:
     if not isinstance(name, str) or not name.strip() or len(name) > 128:
         raise DeviceError("device mapping needs 'name': a non-empty string (≤128 characters)", where="device.name")
     has_gib, has_bytes = "total_memory_gib" in value, "total_memory_bytes" in value
-    if has_gib == has_bytes:
+    if has_gib and has_bytes:
         raise DeviceError("device mapping needs exactly one of 'total_memory_gib' or 'total_memory_bytes'",
                           where="device")
-    if has_gib:
+    if not has_gib and not has_bytes:  # a catalog card whose interconnect / p2p the mapping states
+        cat = lookup(name)
+        if cat is None:
+            raise DeviceError(f"device mapping needs 'total_memory_gib' or 'total_memory_bytes' for a card the "
+                              f"catalog does not know ({_unknown(name).message})", where="device")
+        total, fld = cat.total_memory_bytes, "device.name"
+    elif has_gib:
         gib = value["total_memory_gib"]
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib):
             raise DeviceError(f"total_memory_gib must be a finite number, not {gib!r}", where="device.total_memory_gib")
@@ -404,8 +484,18 @@ def _resolve_mapping(value: Mapping) -> Device:
         cc = cc if cc is not None else known.compute_capability
         ic = ic if ic is not None else known.interconnect
         p2p = p2p if p2p is not None else known.p2p
-    return Device(name=name.strip(), total_memory_bytes=total, source=_SOURCE_DROP, compute_capability=cc,
-                  interconnect=ic, p2p=p2p, integrated=known.integrated if known is not None else None)
+    stated_total = has_gib or has_bytes
+    return Device(name=(name.strip() if stated_total or known is None else known.name), total_memory_bytes=total,
+                  source=_SOURCE_DROP if stated_total else known.source, compute_capability=cc,
+                  interconnect=ic, p2p=p2p, integrated=known.integrated if known is not None else None,
+                  platform=known.platform if known is not None else platform_of_name(name))
+
+
+def platform_of_name(name: str) -> str:
+    """The vLLM platform of a card by the vendor words of its name (:data:`ROCM_NAME_WORDS`):
+    ``"rocm"`` for ``"AMD Instinct MI300A"`` or ``"AMD Radeon PRO W7900"``, else ``"cuda"``."""
+    words = set(_key(str(name)).split(" "))
+    return "rocm" if words & set(ROCM_NAME_WORDS) else "cuda"
 
 
 def _text(v: Any) -> str:
@@ -481,7 +571,8 @@ def _resolve_auto(nvml: Any) -> Device:
         source = _SOURCE_NVML
     return Device(name=known.name, total_memory_bytes=total, source=source,
                   compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free,
-                  interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated)
+                  interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated,
+                  platform=known.platform)
 
 
 @dataclass(frozen=True)

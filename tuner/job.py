@@ -325,20 +325,79 @@ def num_speculative_tokens(drop: Drop | dict, era) -> int:
     return int(sc.get("num_speculative_tokens") or 0)
 
 
+#: The interconnect taken for a card neither the request nor the catalog describes: PCIe without
+#: CUDA peer access, what is true of most cards (GeForce, workstation and most PCIe data-centre
+#: cards in a plain host). With it vLLM keeps custom all-reduce off past two GPUs and without P2P
+#: (vllm/distributed/device_communicators/custom_all_reduce.py ``CustomAllreduce.__init__``,
+#: 0.5–0.34: ``is_fully_connected`` / ``_can_p2p``) and NCCL allocates no NVLink SHARP (NVLS)
+#: buffers (those need an NVSwitch fabric, :func:`tuner.budget.nccl_profile_bytes`). The old
+#: default, the calibration centre (an H100 SXM box behind NVSwitch), charged an unknown card's TP
+#: group 1.8 GiB of NVLS buffers it does not have.
+ASSUMED_INTERCONNECT = "pcie"
+ASSUMED_P2P = False
+
+
+def topology_source(device: dict) -> str:
+    """Where the card's interconnect comes from: ``"stated"`` (the request's ``interconnect``: a
+    drop mapping's ``device.interconnect``, ``--device NAME:GIB:IC``), ``"catalog"`` (the catalog
+    card's usual board) or ``"assumed"`` (:data:`ASSUMED_INTERCONNECT`, no P2P)."""
+    from tuner.devices import lookup
+
+    if device.get("interconnect"):
+        return "stated"
+    known = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
+    return "catalog" if known is not None and known.interconnect else "assumed"
+
+
 def topology_for(device: dict, drop: Drop | dict):
     """The TP group's :class:`tuner.budget.Topology`: the device's ``interconnect`` / ``p2p`` as the
-    request states them, else the catalog's for its name (and total), else the calibration centre
-    (NVSwitch, P2P); ``disable_custom_all_reduce`` from the drop."""
+    request states them, else the catalog's for its name (and total), else
+    :data:`ASSUMED_INTERCONNECT` without P2P (an unknown card is not an NVSwitch box; the job's
+    ``assumptions`` say so, :func:`device_assumptions`); ``disable_custom_all_reduce`` from the drop.
+    A stated interconnect without a stated ``p2p``: P2P on NVLink/NVSwitch/xGMI fabrics, the
+    catalog's (else none) over PCIe."""
     from tuner.budget import Topology
     from tuner.devices import lookup
 
     known = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
-    ic = device.get("interconnect") or (known.interconnect if known is not None else None) or "nvswitch"
+    ic = device.get("interconnect") or (known.interconnect if known is not None else None) or ASSUMED_INTERCONNECT
     p2p = device.get("p2p")
     if p2p is None:
-        p2p = known.p2p if known is not None and known.p2p is not None else True
+        if known is not None:
+            p2p = known.p2p if known.p2p is not None else True
+        else:
+            p2p = ic != "pcie" or ASSUMED_P2P
+    from tuner.platforms import platform_of
+
     return Topology(interconnect=ic, p2p=bool(p2p), compute_capability=_compute_capability(device),
-                    disable_custom_all_reduce=bool(_typed(drop).disable_custom_all_reduce))
+                    disable_custom_all_reduce=bool(_typed(drop).disable_custom_all_reduce),
+                    platform=platform_of(device))
+
+
+def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list[dict]:
+    """What the job assumed about the device(s) rather than was told, as data (the job result's
+    ``assumptions``; the uncertainty band widens for each): one entry per assumption, ``{"what",
+    "assumed", "why", "affects"}``. The interconnect of a TP group on a card the catalog does not
+    know (:data:`ASSUMED_INTERCONNECT`); the platform rules a ROCm or unified-memory card follows
+    (:func:`tuner.platforms.platform_assumptions`)."""
+    from tuner import platforms
+
+    d = _typed(drop)
+    out: list[dict] = []
+    tp = int(d.tensor_parallel_size or 1)
+    for i, card in enumerate(stage_devices(device, int(d.pipeline_parallel_size or 1))):
+        where = f"device[{i}]" if device.get("stages") else "device"
+        if tp > 1 and topology_source(card) == "assumed":
+            entry = {"what": f"{where}.interconnect", "assumed": f"{ASSUMED_INTERCONNECT}, no P2P",
+                     "why": f"{card.get('name')!s} is not in the catalog and no interconnect was stated "
+                            "(device.interconnect in a drop, --device NAME:GIB:nvlink|nvswitch|pcie|xgmi)",
+                     "affects": "TP non-torch memory: no NVLS buffers, custom all-reduce off"}
+            if entry not in out:
+                out.append(entry)
+        for entry in platforms.platform_assumptions(card, era):
+            if entry not in out:
+                out.append(entry)
+    return out
 
 
 def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:
@@ -447,6 +506,8 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     method, calibration = method_for(req, (lambda: False) if pass_memo is not None else torch.cuda.is_available,
                                      warnings)
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
+    assumptions = device_assumptions(device, drop, era)
+    warnings.extend(f"assumed {a['what']}: {a['assumed']} ({a['why']}; {a['affects']})" for a in assumptions)
     memoizable = method == "simulate" and req.fake and engine_use is None
     if pass_memo is not None and not memoizable:
         raise passmemo.MemoMiss(f"method {method} is not memoized")
@@ -484,6 +545,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
+    out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.platforms)
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
     return out

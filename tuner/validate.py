@@ -101,11 +101,20 @@ def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = N
 def _one_device(name: Any, gib: Any) -> dict:
     """One card of a case: ``{name, total_memory_bytes}`` with the total the log printed
     (``gpu_total_gib``) when there is one, else the catalog card the name names."""
-    from tuner.devices import resolve_device
+    from tuner.devices import candidates_for, resolve_device
+    from tuner.errors import DeviceError
 
     if gib:
         return {"name": str(name), "total_memory_bytes": int(round(float(gib) * GiB))}
-    dev = resolve_device(str(name))
+    try:
+        dev = resolve_device(str(name))
+    except DeviceError:
+        several = candidates_for(str(name))
+        if len(several) < 2:
+            raise
+        # a name that fits several cards ("NVIDIA H100": SXM, PCIe, NVL) without a printed total: the
+        # card's usual value (cases README), the first of them in catalog order
+        dev = several[0]
     return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
 
 
@@ -278,6 +287,7 @@ def compare(case: dict, result: dict) -> dict:
         "error_pct": err,
         "unsafe": bool(unsafe),
         "warnings": result.get("warnings") or [],
+        "assumptions": result.get("assumptions") or [],
     }
 
 

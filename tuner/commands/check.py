@@ -14,14 +14,47 @@ NAME = "check"
 
 
 def _device(text: str):
-    """``--device``: a catalog name/alias, ``auto``, or ``NAME:GIB`` (a total in GiB)."""
-    if ":" in text:
-        name, _, gib = text.rpartition(":")
+    """``--device``: a catalog name/alias, ``auto``, ``NAME:GIB`` (a total in GiB), and either may end
+    in ``:INTERCONNECT`` (``nvswitch``, ``nvlink``, ``pcie``, ``xgmi``; ``pcie`` may be followed by
+    ``:p2p`` or ``:no-p2p``): ``'My card:24:pcie'``, ``'A100-80GB:pcie'`` (a catalog card on another board)."""
+    from tuner.devices import INTERCONNECTS
+
+    parts = text.split(":")
+    p2p = None
+    if len(parts) > 1 and parts[-1].strip().lower() in ("p2p", "no-p2p", "nop2p"):
+        p2p = parts.pop().strip().lower() == "p2p"
+    ic = None
+    if len(parts) > 1 and parts[-1].strip().lower() in INTERCONNECTS:
+        ic = parts.pop().strip().lower()
+    elif p2p is not None:
+        raise argparse.ArgumentTypeError(f"':p2p' / ':no-p2p' follows an interconnect (NAME:GIB:pcie:p2p): {text!r}")
+    out: dict = {}
+    if len(parts) > 1:
+        name, gib = ":".join(parts[:-1]), parts[-1]
         try:
-            return {"name": name, "total_memory_gib": float(gib)}
+            out = {"name": name, "total_memory_gib": float(gib)}
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not NAME:GIB: {text!r}") from None
-    return text
+            raise argparse.ArgumentTypeError(
+                f"not NAME:GIB[:INTERCONNECT]: {text!r} (INTERCONNECT one of {', '.join(INTERCONNECTS)})") from None
+    elif ic is None:
+        return text
+    else:
+        out = {"name": parts[0]}
+    if ic is not None:
+        out["interconnect"] = ic
+    if p2p is not None:
+        out["p2p"] = p2p
+    return out
+
+
+def _gib(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if not 0 <= v <= 4096:
+        raise argparse.ArgumentTypeError(f"{v:g} GiB is outside 0–4096")
+    return v
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -33,7 +66,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", dest="config_file", default=None, metavar="VLLM_YAML",
                    help="the YAML file `vllm serve --config` reads (the command line wins over it, as in vLLM)")
     p.add_argument("--device", type=_device, default=None,
-                   help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB")
+                   help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB; either may end "
+                        "in :nvswitch, :nvlink, :pcie or :xgmi (how the TP group's cards connect; a card the catalog "
+                        "lacks is taken as PCIe without P2P)")
+    p.add_argument("--memory-in-use", type=_gib, default=None, metavar="GIB",
+                   help="GPU memory already in use when vLLM starts (other processes; on a unified-memory device "
+                        "such as GB10 the host RAM in use): total minus the free memory vLLM prints at start")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
     p.add_argument("--allow-unmodelled", action="store_true",
@@ -83,6 +121,7 @@ def run(args) -> int:
         kw["worker"] = functools.partial(run_in_worker, python=python)
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
+                        memory_in_use_gib=args.memory_in_use,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
                         parser=make_parser(args.parser, python), **kw)
     except VllmParserUnavailable as exc:

@@ -1,0 +1,131 @@
+"""Devices and platforms (issues 29, 33, 28 §9/§11): an unknown card is not an NVSwitch box, the
+interconnect a drop or ``--device`` states, ROCm's rules from vllm/platforms/rocm.py, unified
+memory's free-memory reading, and the assumptions the job names as data."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tuner.budget import (NVLS_TP2_GIB, Topology, custom_all_reduce_enabled, nccl_profile_bytes, non_torch_bytes)
+from tuner.eras import GiB, era_for
+from tuner.job import device_assumptions, topology_for, topology_source
+from tuner.platforms import is_integrated, platform_assumptions, platform_of
+
+UNKNOWN = {"name": "Quantum Card 9000", "total_memory_bytes": 48 * GiB}
+
+
+def test_unknown_card_is_not_assumed_nvswitch():
+    """An unknown card once took the calibration centre's topology (H100 SXM behind NVSwitch) and
+    its TP2 group was charged 1.82 GiB of NVLS buffers; now: PCIe without P2P, said as an assumption."""
+    topo = topology_for(UNKNOWN, {"tensor_parallel_size": 2})
+    assert (topo.interconnect, topo.p2p) == ("pcie", False)
+    assert topology_source(UNKNOWN) == "assumed"
+    v19 = era_for("0.19.0")
+    assert nccl_profile_bytes(v19, 2, topo) == 0
+    assert nccl_profile_bytes(v19, 2, Topology("nvswitch", True, "9.0")) == int(NVLS_TP2_GIB * GiB)
+    assert custom_all_reduce_enabled(2, topo) == (False, "no P2P access between the GPUs")
+    assert non_torch_bytes(v19, tensor_parallel_size=2, topology=topo) == int(0.25 * GiB)
+    [entry] = device_assumptions(UNKNOWN, {"tensor_parallel_size": 2, "pipeline_parallel_size": 1})
+    assert entry["what"] == "device.interconnect" and entry["assumed"] == "pcie, no P2P"
+    assert "Quantum Card 9000 is not in the catalog" in entry["why"]
+    # TP1 has no group: nothing is assumed about links
+    assert device_assumptions(UNKNOWN, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) == []
+
+
+def test_stated_interconnect_decides_nvls_and_custom_all_reduce():
+    nvsw = {**UNKNOWN, "interconnect": "nvswitch", "compute_capability": "9.0"}
+    topo = topology_for(nvsw, {"tensor_parallel_size": 4})
+    assert (topo.interconnect, topo.p2p) == ("nvswitch", True) and topology_source(nvsw) == "stated"
+    assert nccl_profile_bytes(era_for("0.19.0"), 4, topo) == int((NVLS_TP2_GIB + 0.06) * GiB)
+    assert device_assumptions(nvsw, {"tensor_parallel_size": 4, "pipeline_parallel_size": 1}) == []
+    pcie = topology_for({**UNKNOWN, "interconnect": "pcie", "p2p": True}, {"tensor_parallel_size": 2})
+    assert custom_all_reduce_enabled(2, pcie) == (True, "on")
+    # a catalog card keeps its catalog topology
+    h100 = topology_for({"name": "H100-80GB", "total_memory_bytes": 85030076416}, {})
+    assert (h100.interconnect, h100.p2p) == ("nvswitch", True)
+
+
+def test_check_device_flag_states_the_interconnect():
+    from tuner.commands.check import _device
+
+    assert _device("My card:24:nvlink") == {"name": "My card", "total_memory_gib": 24.0, "interconnect": "nvlink"}
+    assert _device("My card:24") == {"name": "My card", "total_memory_gib": 24.0}
+    assert _device("A100-80GB:pcie") == {"name": "A100-80GB", "interconnect": "pcie"}
+    assert _device("My card:24:pcie:p2p") == {"name": "My card", "total_memory_gib": 24.0, "interconnect": "pcie",
+                                              "p2p": True}
+    assert _device("H100-80GB") == "H100-80GB"
+    with pytest.raises(argparse.ArgumentTypeError, match="not NAME:GIB"):
+        _device("My card:lots")
+
+
+def test_drop_device_interconnect_field_is_read(shared_dir):
+    from tuner.app import prepare_job
+    from tuner.drop import parse_drop
+
+    model = shared_dir / "models" / "Qwen--Qwen3-0.6B"
+    text = (f"name: x\nmodel: {model}\nengine_version: 0.19.0\ntensor_parallel_size: 2\n"
+            "device: {name: Quantum Card 9000, total_memory_gib: 48, interconnect: nvswitch, compute_capability: '9.0'}\n"
+            "candidates: {gpu_memory_utilization: [0.9], max_model_len: [4096]}\n")
+    req, _dev = prepare_job(parse_drop(text, "x.yaml"))
+    assert req.device["interconnect"] == "nvswitch"
+    assert topology_source(req.device) == "stated"
+
+
+def test_job_result_names_the_assumed_interconnect(shared_dir):
+    from tuner.job import run_job
+    from tuner.validate import case_request
+
+    case = {"id": "u", "model": "Qwen/Qwen3-0.6B", "vllm_version": "0.19.0", "engine": "V1",
+            "gpu": "Quantum Card 9000", "gpu_total_gib": 48, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+            "dtype": "bfloat16", "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 4096}, "observed": {}}
+    res = run_job(case_request(case, shared_dir / "models"))
+    assert [a["what"] for a in res["assumptions"]] == ["device.interconnect"]
+    assert any(w.startswith("assumed device.interconnect: pcie, no P2P") for w in res["warnings"])
+    cand = res["candidates"][0]
+    assert cand["non_torch_bytes"] < 0.5 * GiB  # no 1.82 GiB of NVLS buffers
+
+
+# ------------------------------------------------------------------------------------------------
+# ROCm (vllm/platforms/rocm.py, custom_all_reduce.py 0.33 / 0.34)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_rocm_card_platform_and_its_rules():
+    mi = {"name": "AMD Instinct MI300X", "total_memory_bytes": int(round(191.98 * GiB))}
+    assert platform_of(mi) == "rocm" and platform_of({"name": "H100-80GB"}) == "cuda"
+    topo = topology_for(mi, {})
+    assert (topo.platform, topo.interconnect) == ("rocm", "xgmi")
+    assert nccl_profile_bytes(era_for("0.19.0"), 8, topo) == 0  # no NVLS on AMD
+    # ROCm skips the P2P check: custom all-reduce stays on for two PCIe Radeon cards without P2P
+    radeon = Topology("pcie", False, "11.0", platform="rocm")
+    assert custom_all_reduce_enabled(2, radeon) == (True, "on")
+    assert custom_all_reduce_enabled(2, Topology("pcie", False, "8.9")) == (False, "no P2P access between the GPUs")
+    [entry] = platform_assumptions(mi, era_for("0.19.0"))
+    assert entry["what"] == "platform" and "RCCL" in entry["why"] and "AITER" in entry["why"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Unified memory (vllm/utils/mem_utils.py MemorySnapshot.measure 0.33, device_memory_info 0.34)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_unified_memory_host_ram_is_named_as_an_assumption():
+    gb10 = {"name": "GB10", "total_memory_bytes": 128526516224}
+    assert is_integrated(gb10) is True and not is_integrated({"name": "GH200"})
+    [entry] = platform_assumptions(gb10, era_for("0.29.0"))
+    assert entry["what"] == "unified memory"
+    assert "reads free memory from the host's available memory" in entry["why"]
+    assert "--memory-in-use" in entry["affects"]
+    assert platform_assumptions({"name": "GH200", "total_memory_bytes": 101468602368}, era_for("0.29.0")) == []
+
+
+def test_check_memory_in_use_is_the_drops_co_tenant_memory():
+    """``check --memory-in-use GIB`` (free memory at start, on GB10 the host RAM in use) becomes the
+    drop's other_processes_memory_gib; the free-memory check then refuses what vLLM refuses."""
+    from tuner.commands.check import _gib
+
+    assert _gib("12.5") == 12.5
+    with pytest.raises(argparse.ArgumentTypeError):
+        _gib("-1")

@@ -1,0 +1,103 @@
+"""The vLLM platform a card runs (CUDA or ROCm) and a unified-memory card's memory reading: what
+changes the memory model there, and what the model does not follow (the job's ``assumptions``).
+
+Read from vLLM's source:
+
+- **ROCm** (vllm/platforms/rocm.py, 0.33.0 / 0.34.0): NCCL is RCCL (``dist_backend = "nccl"``, the
+  ROCm build of torch); NVLink SHARP (NVLS) does not exist, so no NVLS buffers (the catalog gives
+  AMD cards ``interconnect: xgmi``, :func:`tuner.budget.nccl_profile_bytes` charges NVLS on
+  ``nvswitch`` only); custom all-reduce skips the P2P check on ROCm ("On AMD GPU, p2p is always
+  enabled between XGMI connected GPUs", vllm/distributed/device_communicators/custom_all_reduce.py
+  ``CustomAllreduce.__init__``) and takes ``is_fully_connected`` from amdsmi's xGMI links
+  (:func:`tuner.budget.custom_all_reduce_enabled`); the hybrid KV cache manager is supported
+  (``RocmPlatform.support_hybrid_kv_cache`` returns True: sliding-window savings apply as on CUDA);
+  the KV block size default is the platform-independent ``CacheConfig.DEFAULT_BLOCK_SIZE`` (vllm/config/cache.py:
+  16 in 0.33.0, 64 in 0.34.0),
+  the backends' kernel block sizes (ROCM_ATTN / TRITON_ATTN / ROCM_AITER_UNIFIED_ATTN
+  ``MultipleOf(16)``, ROCM_AITER_FA 16/32, ROCM_AITER_MLA ``MultipleOf(1)``, TRITON_MLA
+  ``MultipleOf(16)``) split a block, they do not change the bytes per token; CUDA graphs are HIP
+  graphs sized by the same estimate (vllm/v1/worker/gpu_model_runner.py, platform-independent).
+  The KV buffer is padded to 4096 bytes on ROCm only (vllm/v1/worker/utils.py
+  ``_allocate_kv_cache_buffer``, 0.34): after the block count, no block changes. When the profile
+  measures a release of memory (negative consumption) ROCm sizes the KV cache from the torch
+  reserve instead of refusing (vllm/v1/worker/gpu_worker.py ``maybe_rocm_profiling_fallback``,
+  0.34). Not modelled, and named as assumptions: RCCL's own buffers, hipBLASLt's workspace (the
+  cuBLAS workspace of the same capability is charged), AITER's workspaces and kernels selected by
+  ``VLLM_ROCM_USE_AITER*``, QuickReduce buffers.
+- **Unified memory** (GB10 / DGX Spark, Jetson Thor; ``torch.cuda.get_device_properties().is_integrated``,
+  vllm/platforms/cuda.py ``is_integrated_gpu``): vLLM reads the free memory from
+  ``psutil.virtual_memory().available`` instead of cudaMemGetInfo (vllm/utils/mem_utils.py
+  ``MemorySnapshot.measure`` in 0.33.0, ``device_memory_info`` in 0.34.0; by compute capability in
+  0.19, :func:`tuner.budget.free_memory_from_host`); the total is cudaMemGetInfo's (0.34
+  ``get_device_total_memory`` falls back to the CUDA device properties where NVML has no memory
+  query, as on GB10). So host RAM counts against the same pool: RAM in use when vLLM starts is
+  memory the start-up check finds missing (``other_processes_memory_gib`` in a drop,
+  ``--memory-in-use`` in ``check``), and host RAM that grows after vLLM's first snapshot (the
+  worker's own CPU memory, compile workers, loaders, other processes) is consumed memory to
+  0.27+'s ``total_consumed`` and non-torch memory to 0.9.1–0.26 — not modelled (an assumption).
+  GH200 / GB200 have their own HBM (``is_integrated`` false): cudaMemGetInfo as on any card.
+
+No torch, no vLLM: a data module the daemon may import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["platform_of", "is_integrated", "platform_assumptions"]
+
+
+def platform_of(card: dict) -> str:
+    """``"rocm"`` or ``"cuda"`` for a request's card: as the card states it, else the catalog's for
+    its name (and total), else by the vendor words of its name (:func:`tuner.devices.platform_of_name`)."""
+    from tuner.devices import lookup, platform_of_name
+
+    if card.get("platform") in ("cuda", "rocm"):
+        return str(card["platform"])
+    known = lookup(str(card.get("name", "")), total_memory_bytes=card.get("total_memory_bytes"))
+    return known.platform if known is not None else platform_of_name(str(card.get("name", "")))
+
+
+def is_integrated(card: dict) -> bool | None:
+    """CUDA's ``is_integrated`` for a request's card: as stated, else the catalog's, else None."""
+    from tuner.devices import lookup
+
+    if card.get("integrated") is not None:
+        return bool(card["integrated"])
+    known = lookup(str(card.get("name", "")), total_memory_bytes=card.get("total_memory_bytes"))
+    return known.integrated if known is not None else None
+
+
+def platform_assumptions(card: dict, era: Any = None) -> list[dict]:
+    """What the job does not model for the card's platform, as ``{"what", "assumed", "why",
+    "affects"}`` entries (the job result's ``assumptions``; each widens the band)."""
+    out: list[dict] = []
+    if platform_of(card) == "rocm":
+        out.append({
+            "what": "platform", "assumed": "ROCm rules as modelled (no NVLS, custom all-reduce over xGMI, "
+                                          "KV layout and block size as on CUDA)",
+            "why": f"{card.get('name')!s} runs vLLM's ROCm platform (vllm/platforms/rocm.py); RCCL buffers, "
+                   "hipBLASLt and AITER workspaces (VLLM_ROCM_USE_AITER*) are not modelled",
+            "affects": "non-torch memory and the activation peak: the KV cache may be smaller"})
+    if is_integrated(card):
+        from tuner.budget import free_memory_from_host
+
+        host = era is not None and free_memory_from_host(
+            era, compute_capability=card.get("compute_capability") or _catalog_cc(card), integrated=True)
+        out.append({
+            "what": "unified memory", "assumed": "no host RAM growth during start-up",
+            "why": f"{card.get('name')!s} shares one memory with the CPU"
+                   + (f"; vLLM {era.version} reads free memory from the host's available memory "
+                      "(vllm/utils/mem_utils.py), so host RAM the start-up takes after its first snapshot "
+                      "(its own CPU memory, compile workers, other processes) is consumed device memory"
+                      if host else "; cudaMemGetInfo's free memory there leaves out reclaimable page cache"),
+            "affects": "the KV cache may be smaller by the host RAM taken during start-up; RAM in use at start "
+                       "is other_processes_memory_gib (check: --memory-in-use)"})
+    return out
+
+
+def _catalog_cc(card: dict) -> str | None:
+    from tuner.devices import lookup
+
+    known = lookup(str(card.get("name", "")), total_memory_bytes=card.get("total_memory_bytes"))
+    return known.compute_capability if known is not None else None
