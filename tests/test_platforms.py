@@ -28,8 +28,9 @@ def test_unknown_card_is_not_assumed_nvswitch():
     assert custom_all_reduce_enabled(2, topo) == (False, "no P2P access between the GPUs")
     assert non_torch_bytes(v19, tensor_parallel_size=2, topology=topo) == int(0.25 * GiB)
     [entry] = device_assumptions(UNKNOWN, {"tensor_parallel_size": 2, "pipeline_parallel_size": 1})
-    assert entry["what"] == "device.interconnect" and entry["assumed"] == "pcie, no P2P"
-    assert "Quantum Card 9000 is not in the catalog" in entry["why"]
+    assert (entry["name"], entry["value"], entry["where"], entry["effect"]) == (
+        "device.interconnect", "pcie, no P2P", "device", "widens")
+    assert "Quantum Card 9000 is not in the catalog" in entry["note"]
     # TP1 has no group: nothing is assumed about links
     assert device_assumptions(UNKNOWN, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) == []
 
@@ -81,7 +82,7 @@ def test_job_result_names_the_assumed_interconnect(shared_dir):
             "gpu": "Quantum Card 9000", "gpu_total_gib": 48, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
             "dtype": "bfloat16", "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 4096}, "observed": {}}
     res = run_job(case_request(case, shared_dir / "models"))
-    assert [a["what"] for a in res["assumptions"]] == ["device.interconnect"]
+    assert [a["name"] for a in res["assumptions"]] == ["device.interconnect"]
     assert any(w.startswith("assumed device.interconnect: pcie, no P2P") for w in res["warnings"])
     cand = res["candidates"][0]
     assert cand["non_torch_bytes"] < 0.5 * GiB  # no 1.82 GiB of NVLS buffers
@@ -103,7 +104,7 @@ def test_rocm_card_platform_and_its_rules():
     assert custom_all_reduce_enabled(2, radeon) == (True, "on")
     assert custom_all_reduce_enabled(2, Topology("pcie", False, "8.9")) == (False, "no P2P access between the GPUs")
     [entry] = platform_assumptions(mi, era_for("0.19.0"))
-    assert entry["what"] == "platform" and "RCCL" in entry["why"] and "AITER" in entry["why"]
+    assert entry["name"] == "platform" and "RCCL" in entry["note"] and "AITER" in entry["note"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -115,9 +116,9 @@ def test_unified_memory_host_ram_is_named_as_an_assumption():
     gb10 = {"name": "GB10", "total_memory_bytes": 128526516224}
     assert is_integrated(gb10) is True and not is_integrated({"name": "GH200"})
     [entry] = platform_assumptions(gb10, era_for("0.29.0"))
-    assert entry["what"] == "unified memory"
-    assert "reads free memory from the host's available memory" in entry["why"]
-    assert "--memory-in-use" in entry["affects"]
+    assert entry["name"] == "unified memory"
+    assert "reads free memory from the host's available memory" in entry["note"]
+    assert "--memory-in-use" in entry["note"]
     assert platform_assumptions({"name": "GH200", "total_memory_bytes": 101468602368}, era_for("0.29.0")) == []
 
 
@@ -129,3 +130,37 @@ def test_check_memory_in_use_is_the_drops_co_tenant_memory():
     assert _gib("12.5") == 12.5
     with pytest.raises(argparse.ArgumentTypeError):
         _gib("-1")
+
+
+def test_rocm_mla_block_size_is_not_flashmla(shared_dir):
+    """On MI300X (torch capability 9.4) the Hopper FlashMLA rule once gave DeepSeek-V2-Lite's fp8
+    cache 64-token blocks; ROCm runs TRITON_MLA at the default block size (vllm/platforms/rocm.py,
+    interface.py update_block_size_for_backend): 16 in 0.19–0.33, 64 in 0.34."""
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+    from tuner.platforms import rocm_mla_block_size
+
+    spec, _ = load_model_spec(shared_dir / "models" / "deepseek-ai--DeepSeek-V2-Lite-Chat" / "config.json")
+    plugin = load_registry().by_name("deepseek")
+    s = RankSettings(engine_version="0.19.0", dtype="bfloat16", kv_cache_dtype="fp8", compute_capability="9.4")
+    cuda = plugin.kv_cache_spec(spec, s)["model.layers.0.self_attn.attn"]
+    rocm = plugin.kv_cache_spec(spec, RankSettings(**{**s.__dict__, "platform": "rocm"}))["model.layers.0.self_attn.attn"]
+    assert (cuda.block_size, rocm.block_size) == (64, 16)
+    assert rocm.page_size_bytes == 16 * 576
+    assert [rocm_mla_block_size(v) for v in ("0.10.0", "0.19.0", "0.33.0", "0.34.0")] == [16, 16, 16, 64]
+    # sparse MLA: ROCM_AITER_MLA_SPARSE's kernel sizes [1] / [1, 64] refuse 16 until 0.28's MultipleOf(16)
+    assert [rocm_mla_block_size(v, sparse=True) for v in ("0.19.0", "0.27.1", "0.28.0", "0.34.0")] == [1, 1, 16, 64]
+    assert rocm_mla_block_size("0.19.0", user_block_size=32) == 32
+
+
+def test_rank_settings_carry_the_cards_platform(shared_dir):
+    from tuner.job import run_job
+    from tuner.validate import case_request
+
+    case = {"id": "mi", "model": "deepseek-ai/DeepSeek-V2-Lite-Chat", "vllm_version": "0.19.0", "engine": "V1",
+            "gpu": "AMD Instinct MI300X", "gpu_total_gib": 191.98, "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1, "kv_cache_dtype": "fp8",
+            "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 4096}, "observed": {}}
+    res = run_job(case_request(case, shared_dir / "models"))
+    assert res["block_size"] == 16
+    assert [a["name"] for a in res["assumptions"]] == ["platform"]

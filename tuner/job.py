@@ -176,6 +176,13 @@ def _compute_capability(device: dict) -> str | None:
     return dev.compute_capability if dev is not None else None
 
 
+def _platform(device: dict) -> str:
+    """:func:`tuner.platforms.platform_of` for a request's card."""
+    from tuner.platforms import platform_of
+
+    return platform_of(device)
+
+
 def _free_memory_from_host(device: dict, era: Any) -> bool:
     """:func:`tuner.budget.free_memory_from_host` for the request's device (catalog ``integrated``)."""
     from tuner.budget import free_memory_from_host
@@ -376,9 +383,10 @@ def topology_for(device: dict, drop: Drop | dict):
 
 def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list[dict]:
     """What the job assumed about the device(s) rather than was told, as data (the job result's
-    ``assumptions``; the uncertainty band widens for each): one entry per assumption, ``{"what",
-    "assumed", "why", "affects"}``. The interconnect of a TP group on a card the catalog does not
-    know (:data:`ASSUMED_INTERCONNECT`); the platform rules a ROCm or unified-memory card follows
+    ``assumptions``; each widens the uncertainty band): ``{"name", "value", "where", "effect":
+    "widens", "note", "kind": "not_modelled"}`` (the fields of :class:`tuner.uncertainty.Unmodelled`
+    where that module exists). The interconnect of a TP group on a card the catalog does not know
+    (:data:`ASSUMED_INTERCONNECT`); the platform rules a ROCm or unified-memory card follows
     (:func:`tuner.platforms.platform_assumptions`)."""
     from tuner import platforms
 
@@ -388,13 +396,14 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
     for i, card in enumerate(stage_devices(device, int(d.pipeline_parallel_size or 1))):
         where = f"device[{i}]" if device.get("stages") else "device"
         if tp > 1 and topology_source(card) == "assumed":
-            entry = {"what": f"{where}.interconnect", "assumed": f"{ASSUMED_INTERCONNECT}, no P2P",
-                     "why": f"{card.get('name')!s} is not in the catalog and no interconnect was stated "
-                            "(device.interconnect in a drop, --device NAME:GIB:nvlink|nvswitch|pcie|xgmi)",
-                     "affects": "TP non-torch memory: no NVLS buffers, custom all-reduce off"}
+            entry = platforms.assumption(
+                "device.interconnect", f"{ASSUMED_INTERCONNECT}, no P2P", where,
+                f"{card.get('name')!s} is not in the catalog and no interconnect was stated (device.interconnect "
+                "in a drop, --device NAME:GIB:nvlink|nvswitch|pcie|xgmi); it decides the TP group's non-torch "
+                "memory: no NVLS buffers, custom all-reduce off")
             if entry not in out:
                 out.append(entry)
-        for entry in platforms.platform_assumptions(card, era):
+        for entry in platforms.platform_assumptions(card, era, where=where):
             if entry not in out:
                 out.append(entry)
     return out
@@ -507,7 +516,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                                      warnings)
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
     assumptions = device_assumptions(device, drop, era)
-    warnings.extend(f"assumed {a['what']}: {a['assumed']} ({a['why']}; {a['affects']})" for a in assumptions)
+    warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
     memoizable = method == "simulate" and req.fake and engine_use is None
     if pass_memo is not None and not memoizable:
         raise passmemo.MemoMiss(f"method {method} is not memoized")
@@ -630,7 +639,7 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
                      block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=drop.quantization,
-                     compute_capability=_compute_capability(cards[r]),
+                     compute_capability=_compute_capability(cards[r]), platform=_platform(cards[r]),
                      data_parallel_size=int(drop.data_parallel_size or 1),
                      enable_expert_parallel=bool(drop.enable_expert_parallel),
                      max_model_len=max(drop.candidates.max_model_len or [model_max_len(spec)[0]]),

@@ -44,7 +44,31 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["platform_of", "is_integrated", "platform_assumptions"]
+__all__ = ["platform_of", "is_integrated", "platform_assumptions", "assumption", "rocm_mla_block_size"]
+
+
+def rocm_mla_block_size(version: str, *, sparse: bool = False, user_block_size: int | None = None) -> int:
+    """Tokens per KV block of an MLA model on ROCm with vLLM's default backends (``VLLM_ROCM_USE_AITER``
+    off, its default in vllm/envs.py), where CUDA's FlashMLA / CUTLASS rules do not apply:
+
+    * < 0.19 (vllm/platforms/rocm.py ``check_and_update_config``: ``block_size = 16`` when unset;
+      ``TRITON_MLA``); sparse MLA asserts ``block_size == 1`` (0.11–0.18, ``get_attn_backend_cls``);
+    * 0.19+ (vllm/platforms/interface.py ``update_block_size_for_backend``): the backend's preferred
+      size of ``CacheConfig.DEFAULT_BLOCK_SIZE`` (16; 64 from 0.34): ``TRITON_MLA`` takes
+      ``MultipleOf(16)``, so the default; sparse ``ROCM_AITER_MLA_SPARSE`` takes ``[1]`` (0.19–0.20),
+      ``[1, 64]`` (0.21–0.27) — the default is refused, the smallest, 1, is used — and
+      ``[1, MultipleOf(16)]`` from 0.28 (the default). A user's ``--block-size`` is kept.
+    """
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(version))
+    v = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else (0, 0, 0)
+    if user_block_size:
+        return int(user_block_size)
+    default = 64 if v >= (0, 34, 0) else 16
+    if sparse:
+        return 1 if v < (0, 28, 0) else default
+    return 16 if v < (0, 19, 0) else default
 
 
 def platform_of(card: dict) -> str:
@@ -68,31 +92,35 @@ def is_integrated(card: dict) -> bool | None:
     return known.integrated if known is not None else None
 
 
-def platform_assumptions(card: dict, era: Any = None) -> list[dict]:
-    """What the job does not model for the card's platform, as ``{"what", "assumed", "why",
-    "affects"}`` entries (the job result's ``assumptions``; each widens the band)."""
+def assumption(name: str, value: str, where: str, note: str) -> dict:
+    """One assumption as data: the fields of :class:`tuner.uncertainty.Unmodelled` (``effect``
+    ``widens``, ``kind`` ``not_modelled``), so the band widens for it."""
+    return {"name": name, "value": value, "where": where, "effect": "widens", "note": note, "kind": "not_modelled"}
+
+
+def platform_assumptions(card: dict, era: Any = None, *, where: str = "device") -> list[dict]:
+    """What the job does not model for the card's platform (:func:`assumption` entries)."""
     out: list[dict] = []
     if platform_of(card) == "rocm":
-        out.append({
-            "what": "platform", "assumed": "ROCm rules as modelled (no NVLS, custom all-reduce over xGMI, "
-                                          "KV layout and block size as on CUDA)",
-            "why": f"{card.get('name')!s} runs vLLM's ROCm platform (vllm/platforms/rocm.py); RCCL buffers, "
-                   "hipBLASLt and AITER workspaces (VLLM_ROCM_USE_AITER*) are not modelled",
-            "affects": "non-torch memory and the activation peak: the KV cache may be smaller"})
+        out.append(assumption(
+            "platform", "rocm", where,
+            f"{card.get('name')!s} runs vLLM's ROCm platform (vllm/platforms/rocm.py): modelled as no NVLS, custom "
+            "all-reduce over xGMI without the P2P check, KV layout and block size as on CUDA; RCCL buffers, "
+            "hipBLASLt and AITER workspaces (VLLM_ROCM_USE_AITER*) are not modelled: the KV cache may be smaller"))
     if is_integrated(card):
         from tuner.budget import free_memory_from_host
 
         host = era is not None and free_memory_from_host(
             era, compute_capability=card.get("compute_capability") or _catalog_cc(card), integrated=True)
-        out.append({
-            "what": "unified memory", "assumed": "no host RAM growth during start-up",
-            "why": f"{card.get('name')!s} shares one memory with the CPU"
-                   + (f"; vLLM {era.version} reads free memory from the host's available memory "
-                      "(vllm/utils/mem_utils.py), so host RAM the start-up takes after its first snapshot "
-                      "(its own CPU memory, compile workers, other processes) is consumed device memory"
-                      if host else "; cudaMemGetInfo's free memory there leaves out reclaimable page cache"),
-            "affects": "the KV cache may be smaller by the host RAM taken during start-up; RAM in use at start "
-                       "is other_processes_memory_gib (check: --memory-in-use)"})
+        out.append(assumption(
+            "unified memory", "no host RAM growth during start-up", where,
+            f"{card.get('name')!s} shares one memory with the CPU"
+            + (f"; vLLM {era.version} reads free memory from the host's available memory (vllm/utils/mem_utils.py), "
+               "so host RAM the start-up takes after its first snapshot (its own CPU memory, compile workers, other "
+               "processes) is consumed device memory" if host else
+               "; cudaMemGetInfo's free memory there leaves out reclaimable page cache")
+            + ": the KV cache may be smaller; RAM in use at start is other_processes_memory_gib "
+              "(check: --memory-in-use)"))
     return out
 
 
