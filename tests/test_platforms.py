@@ -164,3 +164,17 @@ def test_rank_settings_carry_the_cards_platform(shared_dir):
     res = run_job(case_request(case, shared_dir / "models"))
     assert res["block_size"] == 16
     assert [a["name"] for a in res["assumptions"]] == ["platform"]
+
+
+def test_gb10_batch_tier_follows_the_capability_not_the_name():
+    """0.33's get_batch_defaults keeps ``is_device_capability((12, 1))`` on the small tier: a GB10
+    given under another name (a mapping with its capability) gets it too; a 12.0 card does not."""
+    from tuner.eras import profile_batch
+
+    total = int(119.7 * GiB)
+    other = profile_batch(era_for("0.33.0"), max_model_len=8192, device_name="DGX Spark node 3",
+                          total_memory_bytes=total, compute_capability="12.1")
+    assert (other.max_num_batched_tokens, other.max_num_seqs) == (2048, 256)
+    big = profile_batch(era_for("0.33.0"), max_model_len=8192, device_name="RTX-PRO-6000-Blackwell",
+                        total_memory_bytes=101973229568)
+    assert (big.max_num_batched_tokens, big.max_num_seqs) == (8192, 1024)

@@ -827,6 +827,7 @@ class Passes:
         device = stage_devices(self.req.device, self.ranks.pp)[0]  # the engine's defaults read GPU 0
         batch = profile_batch(era, max_model_len=m, entry_point=d.entry_point,
                               device_name=device["name"], total_memory_bytes=int(device["total_memory_bytes"]),
+                              compute_capability=_compute_capability(device),
                               max_num_batched_tokens=d.max_num_batched_tokens
                               or self.engine_batch.get("max_num_batched_tokens"),
                               max_num_seqs=d.max_num_seqs or self.engine_batch.get("max_num_seqs"),
