@@ -347,3 +347,22 @@ def test_catalog_mapping_without_total_states_the_interconnect():
     assert (dev.name, dev.total_memory_bytes, dev.interconnect) == ("A100-80GB", 84987084800, "pcie")
     with pytest.raises(DeviceError, match="needs 'total_memory_gib' or 'total_memory_bytes' for a card the catalog"):
         resolve_device({"name": "Quantum Card 9000", "interconnect": "pcie"})
+
+
+def test_auto_on_gb10_without_nvml_memory_query_reads_the_host(monkeypatch, tmp_path):
+    """DGX Spark: NVML has no device memory query (nvidia-smi [N/A]); ``auto`` once failed with
+    "NVML query failed". vLLM takes the CUDA total (vllm/platforms/cuda.py get_device_total_memory,
+    0.34) and the host's MemAvailable as free memory (vllm/utils/mem_utils.py): so does ``auto``."""
+    monkeypatch.setattr(devices, "host_available_bytes", lambda meminfo="/proc/meminfo": 100_000_000 * 1024)
+    dev = resolve_device("auto", nvml=_fake_nvml(name="NVIDIA GB10", fail_on="nvmlDeviceGetMemoryInfo", cc=(12, 1)))
+    assert (dev.name, dev.total_memory_bytes, dev.free_memory_bytes) == ("GB10", 128526516224, 102_400_000_000)
+    assert dev.integrated is True and "host MemAvailable" in dev.source
+    [gpu] = devices.list_gpus(_fake_nvml(name="NVIDIA GB10", fail_on="nvmlDeviceGetMemoryInfo", cc=(12, 1)))
+    assert (gpu.catalog_name, gpu.total_memory_bytes, gpu.free_memory_bytes) == ("GB10", 128526516224, 102_400_000_000)
+
+
+def test_host_available_bytes_reads_memavailable(tmp_path):
+    p = tmp_path / "meminfo"
+    p.write_text("MemTotal:       125000000 kB\nMemAvailable:    2048 kB\n")
+    assert devices.host_available_bytes(str(p)) == 2048 * 1024
+    assert devices.host_available_bytes(str(tmp_path / "none")) is None

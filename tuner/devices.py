@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import types
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -549,9 +550,15 @@ def _resolve_auto(nvml: Any) -> Device:
         else:
             handle = nvml.nvmlDeviceGetHandleByUUID(first)
         raw_name = _text(nvml.nvmlDeviceGetName(handle))
-        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
         uuid = _text(nvml.nvmlDeviceGetUUID(handle))
         cc = _compute_capability(nvml, handle, nvml_error)
+        integrated_total = _integrated_total(raw_name, cc)
+        try:
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        except nvml_error:
+            if integrated_total is None:
+                raise
+            mem = None  # GB10 / DGX Spark: no device-level memory query (nvidia-smi prints [N/A])
     except nvml_error as exc:
         raise DeviceError(f"NVML query failed: {exc}", where=where) from exc
     finally:
@@ -560,6 +567,8 @@ def _resolve_auto(nvml: Any) -> Device:
         except Exception:  # noqa: BLE001 - shutdown failure must not mask the result
             pass
 
+    if integrated_total is not None:
+        return _integrated_device(raw_name, mem, cc, uuid)
     total, free = int(mem.total), int(mem.free)
     known = lookup(raw_name, total_memory_bytes=total)
     if known is None:
@@ -573,6 +582,46 @@ def _resolve_auto(nvml: Any) -> Device:
                   compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free,
                   interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated,
                   platform=known.platform)
+
+
+def _integrated_total(raw_name: str, cc: str | None) -> int | None:
+    """The catalog total of an integrated (unified-memory) card NVML names, else None."""
+    known = lookup(raw_name)
+    return known.total_memory_bytes if known is not None and known.integrated else None
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's available memory (``MemAvailable``, bytes): what ``psutil.virtual_memory().available``
+    returns on Linux, and what vLLM reads as an integrated GPU's free memory (vllm/utils/mem_utils.py
+    ``MemorySnapshot.measure`` 0.26–0.33, ``device_memory_info`` 0.34). None where it cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _integrated_device(raw_name: str, mem: Any, cc: str | None, uuid: str) -> Device:
+    """An integrated GPU read through NVML as vLLM reads it: the total is CUDA's (NVML has no
+    device memory query on GB10: vllm/platforms/cuda.py ``get_device_total_memory`` falls back to the
+    CUDA device properties, 0.34; the catalog holds that CUDA total), the free memory the host's
+    available memory (:func:`host_available_bytes`; NVML's free where the host's cannot be read)."""
+    known = lookup(raw_name)
+    total = known.total_memory_bytes
+    free = host_available_bytes()
+    how = "free = host MemAvailable"
+    if free is None:
+        free = int(mem.free) if mem is not None else None
+        how = "free from NVML" if mem is not None else "free unknown"
+    nvml_note = "no NVML memory query" if mem is None else "NVML total not used"
+    return Device(name=known.name, total_memory_bytes=total,
+                  source=f"{_SOURCE_NVML}; unified memory ({nvml_note}): total from catalog ({known.source}), {how}",
+                  compute_capability=cc or known.compute_capability, uuid=uuid,
+                  free_memory_bytes=None if free is None else min(int(free), total),
+                  interconnect=known.interconnect, p2p=known.p2p, integrated=True, platform=known.platform)
 
 
 @dataclass(frozen=True)
@@ -630,7 +679,15 @@ def list_gpus(nvml: Any = None) -> list[GpuInfo]:
         for i in range(count):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
             name = _text(nvml.nvmlDeviceGetName(h)).strip()
-            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            except nvml_error:
+                if _integrated_total(name, None) is None:
+                    raise
+                # GB10: no device memory query; the CUDA total and the host's available memory
+                d = _integrated_device(name, None, None, "")
+                mem = types.SimpleNamespace(total=d.total_memory_bytes, free=d.free_memory_bytes or 0,
+                                            used=d.total_memory_bytes - (d.free_memory_bytes or 0))
             others: int | None = None
             nproc: int | None = None
             get_procs = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses", None)
