@@ -178,3 +178,40 @@ def test_gb10_batch_tier_follows_the_capability_not_the_name():
     big = profile_batch(era_for("0.33.0"), max_model_len=8192, device_name="RTX-PRO-6000-Blackwell",
                         total_memory_bytes=101973229568)
     assert (big.max_num_batched_tokens, big.max_num_seqs) == (8192, 1024)
+
+
+def test_gpt_oss_on_rocm_pads_experts_to_256():
+    """gpt-oss on MI300X (capability 9.4) was sized with Hopper's Triton swizzle (I to 64, H as is);
+    ROCm pads H and I to 256 (fused_moe/oracle/mxfp4.py mxfp4_round_up_hidden_size_and_intermediate_size,
+    0.19–0.33; quantization/mxfp4.py 0.11–0.18), with the strided layout."""
+    from tuner.plugin import RankSettings
+    from tuner.simulate.quant import mxfp4_alignment, mxfp4_backend, scheme_for
+
+    assert mxfp4_backend((9, 4), (0, 19, 0), "rocm") == "rocm_triton"
+    assert mxfp4_backend((9, 4), (0, 19, 0)) == "triton_swizzle"
+    assert mxfp4_alignment("rocm_triton", (0, 19, 0)) == (256, 256)
+    assert mxfp4_alignment("rocm_triton", (0, 10, 1)) == (1, 128)
+
+    class Spec:
+        quantization_config = {"quant_method": "mxfp4"}
+        raw = {"quantization_config": {"quant_method": "mxfp4"}}
+
+    s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.4", platform="rocm")
+    fmt = scheme_for(Spec(), s).expert_format
+    assert fmt.backend == "rocm_triton" and fmt.sizes(2880, 2880 // 4) == (3072, 768)
+    # values [E, out, in/2] + scales [E, out, in/32] at the padded sizes
+    assert fmt.bank(32, 3072, 1536, "bfloat16") == [("weight", (32, 1536, 1536), "uint8"),
+                                                   ("weight_scale", (32, 1536, 96), "uint8")]
+
+
+def test_gpt_oss_20b_weights_on_mi300x_and_h100(shared_dir):
+    from tuner.job import run_job
+    from tuner.validate import case_request
+
+    out = {}
+    for gpu, gib in (("AMD Instinct MI300X", 191.98), ("NVIDIA H100 80GB HBM3", 79.19)):
+        case = {"id": "g", "model": "openai/gpt-oss-20b", "vllm_version": "0.19.0", "engine": "V1", "gpu": gpu,
+                "gpu_total_gib": gib, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 8192}, "observed": {}}
+        out[gpu] = run_job(case_request(case, shared_dir / "models"))["candidates"][0]["weights_bytes"]
+    assert out == {"AMD Instinct MI300X": 15208627328, "NVIDIA H100 80GB HBM3": 14639742080}
