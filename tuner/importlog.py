@@ -130,7 +130,14 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         era = era_for(version, eng)
     except EraError as exc:
         raise DropError(exc.message, path=source, field="engine_version") from exc
-    dev = devices.resolve_device(device)
+    dev = None
+    if isinstance(device, str) and device.strip().lower() != "auto" and parsed.total_memory_bytes is not None:
+        # the total the log printed picks among a name's cards ("NVIDIA H100": SXM, PCIe, NVL) and
+        # gives a card the catalog lacks its total
+        dev = devices.lookup(device, total_memory_bytes=parsed.total_memory_bytes) or devices.Device(
+            name=device.strip(), total_memory_bytes=int(parsed.total_memory_bytes), source="printed by the log")
+    if dev is None:
+        dev = devices.resolve_device(device)
     total = dev.total_memory_bytes
     if parsed.total_memory_bytes is not None and abs(parsed.total_memory_bytes - total) > _TOTAL_TOLERANCE:
         total = parsed.total_memory_bytes  # the log's device total is what the engine saw
