@@ -467,7 +467,6 @@ def measured_from_case(case: dict, models_dir) -> dict:
     import hashlib
     import json
 
-    from tuner.calibrate import GIB
     from tuner.errors import LogParseError
     from tuner.importlog import config_path_for, read_config, resolve_settings, run_row
     from tuner.logparse import parse_lines
@@ -487,13 +486,13 @@ def measured_from_case(case: dict, models_dir) -> dict:
                "max_num_seqs": s.get("max_num_seqs"), "max_num_batched_tokens": s.get("max_num_batched_tokens"),
                "block_size": s.get("block_size"), "enable_chunked_prefill": s.get("enable_chunked_prefill"),
                "enforce_eager": bool(s.get("enforce_eager"))}
-    device: Any = case["gpu"] if isinstance(case["gpu"], list) else str(case["gpu"])
-    if case.get("gpu_total_gib") and not isinstance(case["gpu"], list):
-        from tuner.devices import lookup
+    # the card as a prediction resolves the record (:func:`_device`; a gpu list's first stage)
+    from tuner.devices import lookup
 
-        known = lookup(str(case["gpu"]))
-        device = {"name": known.name if known else str(case["gpu"]),
-                  "total_memory_bytes": int(round(float(case["gpu_total_gib"]) * GIB))}
+    card = _device(case)
+    known = lookup(str(card["name"]), total_memory_bytes=int(card["total_memory_bytes"]))
+    device: Any = {"name": known.name if known else str(card["name"]),
+                   "total_memory_bytes": int(card["total_memory_bytes"])}
     cfg_path = config_path_for(str(case["model"]), models_dir=models_dir)
     config, sha = read_config(cfg_path)
     drop, extra = resolve_settings(parsed, model=str(case["model"]), device=device, engine_version=version,
