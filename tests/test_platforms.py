@@ -215,3 +215,11 @@ def test_gpt_oss_20b_weights_on_mi300x_and_h100(shared_dir):
                 "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 8192}, "observed": {}}
         out[gpu] = run_job(case_request(case, shared_dir / "models"))["candidates"][0]["weights_bytes"]
     assert out == {"AMD Instinct MI300X": 15208627328, "NVIDIA H100 80GB HBM3": 14639742080}
+
+
+def test_check_device_list_names_one_card_per_stage():
+    from tuner.commands.check import _device
+
+    assert _device("RTX 5070 Ti,RTX 5090 D:31.36") == ["RTX 5070 Ti", {"name": "RTX 5090 D", "total_memory_gib": 31.36}]
+    with pytest.raises(argparse.ArgumentTypeError, match="'auto' reads GPU 0 only"):
+        _device("auto,H100-80GB")

@@ -357,9 +357,10 @@ def render(res: CheckResult) -> str:
     d = res.doc
     n = d["numbers"]
     read = d["read"]
+    from tuner.devices import device_label
+
     lines = [f"check: {d['command']}",
-             f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
-             f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+             f"model {d['model']} (plugin {d['plugin']}), device {device_label(d['device'])}, vLLM {d['era']}"]
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"

@@ -14,7 +14,20 @@ NAME = "check"
 
 
 def _device(text: str):
-    """``--device``: a catalog name/alias, ``auto``, ``NAME:GIB`` (a total in GiB), and either may end
+    """``--device``: one card, or a comma-separated list of cards, one per pipeline stage (the drop's
+    device list: ``'RTX 5070 Ti,RTX 5090 D'`` with ``-pp 2``); each as :func:`_one_device`."""
+    if "," in text:
+        items = [t.strip() for t in text.split(",")]
+        if any(not t for t in items):
+            raise argparse.ArgumentTypeError(f"an empty entry in the device list {text!r}")
+        if any(t.lower() == "auto" for t in items):
+            raise argparse.ArgumentTypeError("'auto' reads GPU 0 only: in a device list name each stage's card")
+        return [_one_device(t) for t in items]
+    return _one_device(text)
+
+
+def _one_device(text: str):
+    """One card: a catalog name/alias, ``auto``, ``NAME:GIB`` (a total in GiB), and either may end
     in ``:INTERCONNECT`` (``nvswitch``, ``nvlink``, ``pcie``, ``xgmi``; ``pcie`` may be followed by
     ``:p2p`` or ``:no-p2p``): ``'My card:24:pcie'``, ``'A100-80GB:pcie'`` (a catalog card on another board)."""
     from tuner.devices import INTERCONNECTS
@@ -68,7 +81,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", type=_device, default=None,
                    help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB; either may end "
                         "in :nvswitch, :nvlink, :pcie or :xgmi (how the TP group's cards connect; a card the catalog "
-                        "lacks is taken as PCIe without P2P)")
+                        "lacks is taken as PCIe without P2P); a comma-separated list names one card per pipeline "
+                        "stage (-pp)")
     p.add_argument("--memory-in-use", type=_gib, default=None, metavar="GIB",
                    help="GPU memory already in use when vLLM starts (other processes; on a unified-memory device "
                         "such as GB10 the host RAM in use): total minus the free memory vLLM prints at start")
