@@ -223,3 +223,15 @@ def test_check_device_list_names_one_card_per_stage():
     assert _device("RTX 5070 Ti,RTX 5090 D:31.36") == ["RTX 5070 Ti", {"name": "RTX 5090 D", "total_memory_gib": 31.36}]
     with pytest.raises(argparse.ArgumentTypeError, match="'auto' reads GPU 0 only"):
         _device("auto,H100-80GB")
+
+
+def test_free_memory_from_host_boundaries_read_in_every_wheel():
+    """vllm/utils/mem_utils.py: no psutil through 0.11.0; the capability list (8.7, 11.0, 12.1)
+    0.11.1–0.19.1; ``is_integrated_gpu`` from 0.20.0 (was: from 0.12 and from 0.26)."""
+    from tuner.budget import free_memory_from_host
+
+    cases = [("0.11.0", "12.1", True, False), ("0.11.1", "12.1", None, True), ("0.19.1", "12.1", False, True),
+             ("0.19.1", "9.0", True, False), ("0.20.0", "12.1", False, False), ("0.20.0", "12.1", True, True),
+             ("0.24.0", "11.0", True, True)]
+    for version, cc, integrated, expected in cases:
+        assert free_memory_from_host(era_for(version), compute_capability=cc, integrated=integrated) is expected, version

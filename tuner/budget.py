@@ -337,9 +337,14 @@ def co_tenant_non_torch_bytes(era: Era, other_processes_bytes: int) -> int:
     return 0
 
 
-#: Compute capabilities vLLM 0.19 treats as unified memory (vllm/utils/mem_utils.py
+#: Compute capabilities vLLM 0.11.1–0.19.x treats as unified memory (vllm/utils/mem_utils.py
 #: ``MemorySnapshot.measure`` ``shared_sysmem_device_mem_sms``: Orin 8.7, Thor 11.0, Spark 12.1).
 UMA_CAPABILITIES_0_19 = ("8.7", "11.0", "12.1")
+#: First release reading an integrated GPU's free memory from the host (psutil), and the first
+#: deciding by the device's ``is_integrated`` property instead of the capability list (read in
+#: every wheel 0.10.2–0.34.0: none through 0.11.0; the list 0.11.1–0.19.1; the property 0.20.0+).
+FREE_FROM_HOST_SINCE = (0, 11, 1)
+FREE_FROM_HOST_BY_PROPERTY_SINCE = (0, 20, 0)
 
 
 def free_memory_from_host(era: Era, *, compute_capability: str | None, integrated: bool | None) -> bool:
@@ -347,13 +352,13 @@ def free_memory_from_host(era: Era, *, compute_capability: str | None, integrate
     (``psutil.virtual_memory().available``) instead of ``cudaMemGetInfo`` — so that RAM other host
     processes use is co-tenant memory to its free-memory check and its ``total − free`` snapshots.
 
-    vllm/utils/mem_utils.py ``MemorySnapshot.measure``: 0.9.2–0.11.0 read (never; V0 likewise);
-    0.19 read: by compute capability (:data:`UMA_CAPABILITIES_0_19`; 0.12–0.18 and 0.20–0.25 not
-    read, taken as 0.19); 0.26 and 0.28 read: the device's ``is_integrated`` property
-    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``)."""
-    if era.engine != "V1" or era.version < (0, 12, 0):
+    vllm/utils/mem_utils.py ``MemorySnapshot.measure`` (``device_memory_info`` in 0.34), read in
+    every wheel 0.10.2–0.34.0: never through 0.11.0 (V0 likewise); by compute capability
+    (:data:`UMA_CAPABILITIES_0_19`) in 0.11.1–0.19.1; by the device's ``is_integrated`` property
+    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``) from 0.20.0."""
+    if era.engine != "V1" or era.version < FREE_FROM_HOST_SINCE:
         return False
-    if era.version < (0, 26, 0):
+    if era.version < FREE_FROM_HOST_BY_PROPERTY_SINCE:
         return str(compute_capability or "") in UMA_CAPABILITIES_0_19
     return bool(integrated)
 

@@ -27,8 +27,8 @@ Read from vLLM's source:
 - **Unified memory** (GB10 / DGX Spark, Jetson Thor; ``torch.cuda.get_device_properties().is_integrated``,
   vllm/platforms/cuda.py ``is_integrated_gpu``): vLLM reads the free memory from
   ``psutil.virtual_memory().available`` instead of cudaMemGetInfo (vllm/utils/mem_utils.py
-  ``MemorySnapshot.measure`` in 0.33.0, ``device_memory_info`` in 0.34.0; by compute capability in
-  0.19, :func:`tuner.budget.free_memory_from_host`); the total is cudaMemGetInfo's (0.34
+  ``MemorySnapshot.measure`` in 0.20–0.33, ``device_memory_info`` in 0.34.0; by compute capability in
+  0.11.1–0.19.1, :func:`tuner.budget.free_memory_from_host`); the total is cudaMemGetInfo's (0.34
   ``get_device_total_memory`` falls back to the CUDA device properties where NVML has no memory
   query, as on GB10). So host RAM counts against the same pool: RAM in use when vLLM starts is
   memory the start-up check finds missing (``other_processes_memory_gib`` in a drop,
