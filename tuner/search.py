@@ -399,6 +399,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                                                  max_in_flight_tokens=kw["max_in_flight_tokens"]))
         except TunerError as exc:
             reason = reason or exc.message
+    if reason is None and era.engine == "V1":
+        reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
     for i, b in enumerate(budgets):  # every card checks its own free memory in init_device
         refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
                                       other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
@@ -441,6 +443,33 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
                      limiting_stage=worst, stages=stages)
+
+
+#: First release that refuses, rather than caps, a ``max_num_seqs`` above the Mamba state blocks
+#: (vllm/config/compilation.py ``resolve_cudagraph_mode_and_sizes``, 0.20.0; 0.19.0 only capped the
+#: CUDA-graph capture sizes in ``CompilationConfig.adjust_cudagraph_sizes_for_mamba_cache``).
+MAMBA_MAX_NUM_SEQS_CHECK_FROM = (0, 20, 0)
+
+
+def mamba_max_num_seqs_refusal(era: Era, layout: Layout, *, max_num_seqs: int, num_blocks: int) -> str | None:
+    """vLLM's refusal of a ``max_num_seqs`` above the Mamba cache blocks, or None.
+
+    From 0.20.0 ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (vllm/config/compilation.py,
+    called by the V1 and V2 runners once the KV cache config is known, i.e. after the KV size
+    check) raises when the CUDA-graph mode has full graphs, the model has Mamba / linear-attention
+    layers and ``max_num_seqs > kv_cache_config.num_blocks``: each decode sequence needs one Mamba
+    state block. Full graphs are vLLM's default (``FULL_AND_PIECEWISE``) unless ``enforce_eager``
+    (``era.compiled`` false); a ``compilation_config.cudagraph_mode`` without full graphs is not
+    modelled. 0.19.0 capped the capture sizes instead and started.
+    """
+    if not era.compiled or era.version < MAMBA_MAX_NUM_SEQS_CHECK_FROM:
+        return None
+    has_mamba = any(isinstance(s, kvcache.MambaSpec) for specs in layout.kv_specs for s in specs.values())
+    if not has_mamba or max_num_seqs <= num_blocks:
+        return None
+    return (f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({num_blocks}). Each decode "
+            "sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower "
+            f"max_num_seqs to at most {num_blocks} or increase gpu_memory_utilization.")
 
 
 def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:

@@ -1,0 +1,73 @@
+"""Refusals vLLM raises after the KV size check (issue 33): a point whose KV cache fits can still fail
+to start. Each rule is read from the release's source and tested at both sides of its first release."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tuner import kvcache
+from tuner.eras import era_for
+from tuner.search import MAMBA_MAX_NUM_SEQS_CHECK_FROM, mamba_max_num_seqs_refusal
+
+
+@dataclasses.dataclass
+class _Layout:
+    kv_specs: list
+
+
+def _mamba_layout() -> _Layout:
+    attn = kvcache.FullAttentionSpec(block_size=784, num_kv_heads=4, head_size=256, dtype_bytes=2)
+    state = kvcache.MambaSpec(block_size=784, shapes=((3, 8192), (32, 128, 128)), dtypes_bytes=(2, 2))
+    return _Layout(kv_specs=[{"model.layers.0.self_attn": attn, "model.layers.1.linear_attn": state}])
+
+
+def test_mamba_check_first_release_is_read_from_source():
+    # vllm/config/compilation.py resolve_cudagraph_mode_and_sizes raises from 0.20.0; 0.19.0's
+    # adjust_cudagraph_sizes_for_mamba_cache only capped the capture sizes.
+    assert MAMBA_MAX_NUM_SEQS_CHECK_FROM == (0, 20, 0)
+
+
+@pytest.mark.parametrize("version, refused", [("0.19.0", False), ("0.20.0", True), ("0.32.0", True)])
+def test_max_num_seqs_above_mamba_blocks_refused_from_0_20(version, refused):
+    msg = mamba_max_num_seqs_refusal(era_for(version), _mamba_layout(), max_num_seqs=1024, num_blocks=969)
+    if refused:
+        assert msg == ("max_num_seqs (1024) exceeds available Mamba cache blocks (969). Each decode sequence "
+                       "requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower "
+                       "max_num_seqs to at most 969 or increase gpu_memory_utilization.")
+    else:
+        assert msg is None
+
+
+def test_mamba_check_needs_full_cuda_graphs_and_mamba_layers():
+    layout = _mamba_layout()
+    # enforce_eager: no CUDA graphs, no check (cudagraph_mode NONE has no full graphs)
+    assert mamba_max_num_seqs_refusal(era_for("0.32.0", enforce_eager=True), layout, max_num_seqs=1024,
+                                      num_blocks=969) is None
+    # exactly as many blocks as sequences starts (the check is max_num_seqs > num_blocks)
+    assert mamba_max_num_seqs_refusal(era_for("0.32.0"), layout, max_num_seqs=969, num_blocks=969) is None
+    dense = _Layout(kv_specs=[{"model.layers.0.self_attn": layout.kv_specs[0]["model.layers.0.self_attn"]}])
+    assert mamba_max_num_seqs_refusal(era_for("0.32.0"), dense, max_num_seqs=1024, num_blocks=969) is None
+
+
+def test_hybrid_drop_with_1024_seqs_starting_with_fewer_mamba_blocks(shared_dir):
+    """The failure: a 1,024-sequence hybrid drop was reported as starting with fewer Mamba state blocks
+    than sequences, where vLLM 0.20+ refuses at CUDA-graph set-up. Qwen3.6-27B-FP8 on an H100 at
+    gmu 0.9, 4096 tokens: 792 blocks on 0.20.0 (refused), 816 on 0.19.0 (starts; 0.19 caps the
+    capture sizes)."""
+    from tuner.check import run_check
+
+    model = str(shared_dir / "models" / "Qwen--Qwen3.6-27B-FP8")
+    line = ["vllm", "serve", model, "--max-model-len", "4096", "--max-num-seqs", "1024",
+            "--gpu-memory-utilization", "0.9"]
+    new = run_check(line, device="H100-80GB", engine_version="0.20.0", variants=False)
+    assert new.exit_code == 3
+    assert new.doc["numbers"]["num_gpu_blocks"] == 792
+    assert "max_num_seqs (1024) exceeds available Mamba cache blocks (792)" in new.doc["engine_error"]
+    old = run_check(line, device="H100-80GB", engine_version="0.19.0", variants=False)
+    assert old.exit_code == 0
+    assert old.doc["numbers"]["num_gpu_blocks"] == 816
+    fewer = run_check(line[:-4] + ["--max-num-seqs", "512", "--gpu-memory-utilization", "0.9"],
+                      device="H100-80GB", engine_version="0.20.0", variants=False)
+    assert fewer.exit_code == 0
