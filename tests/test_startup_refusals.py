@@ -71,3 +71,22 @@ def test_hybrid_drop_with_1024_seqs_starting_with_fewer_mamba_blocks(shared_dir)
     fewer = run_check(line[:-4] + ["--max-num-seqs", "512", "--gpu-memory-utilization", "0.9"],
                       device="H100-80GB", engine_version="0.20.0", variants=False)
     assert fewer.exit_code == 0
+
+
+def test_check_could_not_be_told_of_memory_held_by_other_processes():
+    """The failure: co-tenant memory could be stated in a drop (other_processes_memory_gib) but not to
+    ``check``, which then said STARTS for a line vLLM refuses in its free-memory check (0.9.1+)."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.32.0", "--no-variants"]
+    line = ["--", "vllm", "serve", model, "--max-model-len", "32k", "--gpu-memory-utilization", "0.92"]
+    rc, out, _ = run_cli(*base, *line)
+    assert rc == 0 and "STARTS" in out
+    rc, out, _ = run_cli(*base, "--other-processes-memory-gib", "10", *line)
+    assert rc == 3
+    assert "Free memory on device cuda:0 (69.19/79.19 GiB) on startup is less than desired GPU memory " \
+           "utilization (0.92, 72.86 GiB)" in out
+    rc, out, _ = run_cli(*base, "--other-processes-memory-gib", "10", *line[:-1], "0.85")
+    assert rc == 0 and "25446 blocks" in out
