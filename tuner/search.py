@@ -410,6 +410,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             break
     if layout.kv_cache_memory_bytes is not None and reason is None:
         reason = kv_cache_memory_refusal(layout, budgets, captured)
+    elif reason is None and era.engine == "V1":
+        reason = graph_capture_oom(layout, budgets, captured)
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
@@ -443,6 +445,36 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
                      limiting_stage=worst, stages=stages)
+
+
+def graph_capture_oom(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:
+    """CUDA out of memory while capturing the CUDA graphs after the cache is allocated, or None.
+
+    The KV cache fills the budget up to ``total × gpu_memory_utilization``; ``compile_or_warm_up_model``
+    then captures the CUDA graphs (vllm/v1/worker/gpu_worker.py). Where the release does not take
+    the capture's estimate off the budget (0.19; Model Runner V2 before 0.29; ``era.subtracts_cudagraph_estimate``
+    false), the captured graphs come on top of the requested memory: when requested + captured graphs
+    exceed the card's memory (less what other processes hold) the capture fails with CUDA out of
+    memory. Where the estimate is subtracted the capture is inside the budget (a capture larger than
+    vLLM's own estimate is not modelled). Bytes per rank, each stage on its own card.
+    """
+    for i, b in enumerate(budgets):
+        on_top = max(0, int(captured_graph_bytes[i]) - int(b.cuda_graph_bytes))
+        if not on_top:
+            continue
+        card = layout.card(i)
+        room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
+        need = int(b.requested_memory_bytes) + on_top
+        if need > room:
+            gib = 1 << 30
+            where = f" on pipeline stage {i}" if len(budgets) > 1 else ""
+            return (f"CUDA out of memory{where} during CUDA graph capture: the KV cache fills the requested "
+                    f"{int(b.requested_memory_bytes):,} bytes ({int(b.requested_memory_bytes) / gib:.2f} GiB) and the "
+                    f"graphs captured after it ({on_top / gib:.2f} GiB, not taken off the budget by this release) "
+                    f"need {need:,} bytes, more than the GPU's {room:,} bytes ({room / gib:.2f} GiB)"
+                    + (" left by other processes" if layout.other_processes_bytes else "")
+                    + "; lower gpu_memory_utilization or use --enforce-eager")
+    return None
 
 
 #: First release that refuses, rather than caps, a ``max_num_seqs`` above the Mamba state blocks
