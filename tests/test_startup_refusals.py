@@ -120,3 +120,47 @@ def test_graph_capture_oom_not_charged_with_enforce_eager():
     res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", "0.99",
                      "--enforce-eager"], device="H100-80GB", engine_version="0.19.0", variants=False)
     assert res.starts is True
+
+
+def _drop(tmp_path, **extra) -> str:
+    import yaml
+
+    from tests.conftest import REPO
+
+    d = {"name": "runner", "model": str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+         "device": "H100-80GB", "candidates": {"gpu_memory_utilization": [0.9], "max_model_len": [32768]}, **extra}
+    p = tmp_path / "runner.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return str(p)
+
+
+def _blocks(path: str) -> tuple[int, list]:
+    import json
+
+    from tests._cli_helpers import run_cli
+
+    rc, out, err = run_cli("profile", path, "--json", "--db", "sqlite:///" + str(path) + ".sqlite")
+    assert rc == 0, err
+    doc = json.loads(out)
+    return doc["candidates"][0]["num_gpu_blocks"], doc.get("warnings") or []
+
+
+def test_model_runner_could_not_be_chosen_as_vllm_users_do(tmp_path):
+    """The failure: which model runner runs was fixed by the release's default; an operator setting
+    VLLM_USE_V2_MODEL_RUNNER could not say so. 0.26 runs Llama-3.1-8B on Model Runner V2 by
+    default (listed architecture, not MoE); false runs the V1 runner, whose budget differs."""
+    default, _ = _blocks(_drop(tmp_path, engine_version="0.26.0"))
+    forced_v1, warnings = _blocks(_drop(tmp_path, engine_version="0.26.0", use_v2_model_runner=False))
+    same, _ = _blocks(_drop(tmp_path, engine_version="0.26.0", use_v2_model_runner=True))
+    assert same == default
+    assert forced_v1 != default
+    assert any("use_v2_model_runner false: vLLM 0.26.0 runs the V1 model runner" in w for w in warnings)
+
+
+def test_model_runner_v2_before_it_is_modelled_is_refused(tmp_path):
+    from tests._cli_helpers import run_cli
+
+    rc, _, err = run_cli("profile", _drop(tmp_path, engine_version="0.19.0", use_v2_model_runner=True), "--json",
+                         "--db", "sqlite:///" + str(tmp_path / "x.sqlite"))
+    assert rc == 2
+    assert "use_v2_model_runner" in err and "not modelled" in err
