@@ -118,18 +118,8 @@ def test_unified_memory_host_ram_is_named_as_an_assumption():
     [entry] = platform_assumptions(gb10, era_for("0.29.0"))
     assert entry["name"] == "unified memory"
     assert "reads free memory from the host's available memory" in entry["note"]
-    assert "--memory-in-use" in entry["note"]
+    assert "--other-processes-memory-gib" in entry["note"]
     assert platform_assumptions({"name": "GH200", "total_memory_bytes": 101468602368}, era_for("0.29.0")) == []
-
-
-def test_check_memory_in_use_is_the_drops_co_tenant_memory():
-    """``check --memory-in-use GIB`` (free memory at start, on GB10 the host RAM in use) becomes the
-    drop's other_processes_memory_gib; the free-memory check then refuses what vLLM refuses."""
-    from tuner.commands.check import _gib
-
-    assert _gib("12.5") == 12.5
-    with pytest.raises(argparse.ArgumentTypeError):
-        _gib("-1")
 
 
 def test_rocm_mla_block_size_is_not_flashmla(shared_dir):

@@ -32,7 +32,7 @@ Read from vLLM's source:
   ``get_device_total_memory`` falls back to the CUDA device properties where NVML has no memory
   query, as on GB10). So host RAM counts against the same pool: RAM in use when vLLM starts is
   memory the start-up check finds missing (``other_processes_memory_gib`` in a drop,
-  ``--memory-in-use`` in ``check``), and host RAM that grows after vLLM's first snapshot (the
+  ``--other-processes-memory-gib`` in ``check``), and host RAM that grows after vLLM's first snapshot (the
   worker's own CPU memory, compile workers, loaders, other processes) is consumed memory to
   0.27+'s ``total_consumed`` and non-torch memory to 0.9.1–0.26 — not modelled (an assumption).
   GH200 / GB200 have their own HBM (``is_integrated`` false): cudaMemGetInfo as on any card.
@@ -120,7 +120,7 @@ def platform_assumptions(card: dict, era: Any = None, *, where: str = "device") 
                "processes) is consumed device memory" if host else
                "; cudaMemGetInfo's free memory there leaves out reclaimable page cache")
             + ": the KV cache may be smaller; RAM in use at start is other_processes_memory_gib "
-              "(check: --memory-in-use)"))
+              "(check: --other-processes-memory-gib)"))
     return out
 
 

@@ -60,16 +60,6 @@ def _one_device(text: str):
     return out
 
 
-def _gib(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
-    if not 0 <= v <= 4096:
-        raise argparse.ArgumentTypeError(f"{v:g} GiB is outside 0–4096")
-    return v
-
-
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="will this `vllm serve` line or config start? (exit 0 starts, 3 does not)",
                        description="Check a `vllm serve` command line (after --) and/or a `vllm serve --config` "
@@ -83,11 +73,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "in :nvswitch, :nvlink, :pcie or :xgmi (how the TP group's cards connect; a card the catalog "
                         "lacks is taken as PCIe without P2P); a comma-separated list names one card per pipeline "
                         "stage (-pp)")
-    p.add_argument("--memory-in-use", type=_gib, default=None, metavar="GIB",
-                   help="GPU memory already in use when vLLM starts (other processes; on a unified-memory device "
-                        "such as GB10 the host RAM in use): total minus the free memory vLLM prints at start")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
+    p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
+                   help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
+                        "other_processes_memory_gib; on a unified-memory device such as GB10 the host RAM in use): "
+                        "the total minus the free memory vLLM prints at start; default: none, or with --device auto "
+                        "what NVML (on GB10 the host's MemAvailable) reports in use")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -135,8 +127,8 @@ def run(args) -> int:
         kw["worker"] = functools.partial(run_in_worker, python=python)
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
-                        memory_in_use_gib=args.memory_in_use,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
+                        other_processes_memory_gib=args.other_processes_memory_gib,
                         parser=make_parser(args.parser, python), **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
