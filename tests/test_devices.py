@@ -366,3 +366,9 @@ def test_host_available_bytes_reads_memavailable(tmp_path):
     p.write_text("MemTotal:       125000000 kB\nMemAvailable:    2048 kB\n")
     assert devices.host_available_bytes(str(p)) == 2048 * 1024
     assert devices.host_available_bytes(str(tmp_path / "none")) is None
+
+
+def test_pcie_word_names_the_pcie_card_or_the_model():
+    assert resolve_device("NVIDIA H100 PCIe").name == "H100-PCIe"  # a separate catalog card
+    assert resolve_device("NVIDIA H100 80GB PCIe").name == "H100-PCIe"
+    assert resolve_device("NVIDIA L40S PCIe").name == "L40S"  # the only L40S board

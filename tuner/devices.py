@@ -256,6 +256,11 @@ def candidates_for(name: str) -> tuple[Device, ...]:
     base = _base_key(name)
     pool = list(_families().get(base, ()))
     pool += [d for d in _variants(base) if d not in pool]
+    if not pool and "pcie" in base.split(" "):
+        # a board word that names no separate catalog card ("NVIDIA L40S PCIe"): the model's cards
+        # (where it does, "H100 PCIe", that card was found above)
+        plain = " ".join(w for w in base.split(" ") if w != "pcie")
+        pool = list(_families().get(plain, ()))
     order = {d.name: i for i, d in enumerate(_load_catalog()[0])}
     return tuple(sorted(pool, key=lambda d: order[d.name]))
 
