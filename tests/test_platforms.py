@@ -27,12 +27,13 @@ def test_unknown_card_is_not_assumed_nvswitch():
     assert nccl_profile_bytes(v19, 2, Topology("nvswitch", True, "9.0")) == int(NVLS_TP2_GIB * GiB)
     assert custom_all_reduce_enabled(2, topo) == (False, "no P2P access between the GPUs")
     assert non_torch_bytes(v19, tensor_parallel_size=2, topology=topo) == int(0.25 * GiB)
-    [entry] = device_assumptions(UNKNOWN, {"tensor_parallel_size": 2, "pipeline_parallel_size": 1})
+    entry, cc = device_assumptions(UNKNOWN, {"tensor_parallel_size": 2, "pipeline_parallel_size": 1})
+    assert (cc["name"], cc["value"]) == ("device.compute_capability", "9.0 or newer")
     assert (entry["name"], entry["value"], entry["where"], entry["effect"]) == (
         "device.interconnect", "pcie, no P2P", "device", "widens")
     assert "Quantum Card 9000 is not in the catalog" in entry["note"]
     # TP1 has no group: nothing is assumed about links
-    assert device_assumptions(UNKNOWN, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) == []
+    assert device_assumptions(UNKNOWN, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) == [cc]
 
 
 def test_stated_interconnect_decides_nvls_and_custom_all_reduce():
@@ -40,7 +41,7 @@ def test_stated_interconnect_decides_nvls_and_custom_all_reduce():
     topo = topology_for(nvsw, {"tensor_parallel_size": 4})
     assert (topo.interconnect, topo.p2p) == ("nvswitch", True) and topology_source(nvsw) == "stated"
     assert nccl_profile_bytes(era_for("0.19.0"), 4, topo) == int((NVLS_TP2_GIB + 0.06) * GiB)
-    assert device_assumptions(nvsw, {"tensor_parallel_size": 4, "pipeline_parallel_size": 1}) == []
+    assert device_assumptions(nvsw, {"tensor_parallel_size": 4, "pipeline_parallel_size": 1}) == []  # cc stated
     pcie = topology_for({**UNKNOWN, "interconnect": "pcie", "p2p": True}, {"tensor_parallel_size": 2})
     assert custom_all_reduce_enabled(2, pcie) == (True, "on")
     # a catalog card keeps its catalog topology
@@ -82,7 +83,7 @@ def test_job_result_names_the_assumed_interconnect(shared_dir):
             "gpu": "Quantum Card 9000", "gpu_total_gib": 48, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
             "dtype": "bfloat16", "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 4096}, "observed": {}}
     res = run_job(case_request(case, shared_dir / "models"))
-    assert [a["name"] for a in res["assumptions"]] == ["device.interconnect"]
+    assert [a["name"] for a in res["assumptions"]] == ["device.interconnect", "device.compute_capability"]
     assert any(w.startswith("assumed device.interconnect: pcie, no P2P") for w in res["warnings"])
     cand = res["candidates"][0]
     assert cand["non_torch_bytes"] < 0.5 * GiB  # no 1.82 GiB of NVLS buffers

@@ -403,6 +403,14 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
                 "memory: no NVLS buffers, custom all-reduce off")
             if entry not in out:
                 out.append(entry)
+        if _compute_capability(card) is None:
+            entry = platforms.assumption(
+                "device.compute_capability", "9.0 or newer", where,
+                f"{card.get('name')!s} is not in the catalog and no compute_capability was stated (a drop mapping's "
+                "compute_capability); the larger cuBLAS workspace (torch CublasHandlePool.cpp), Hopper's MLA block "
+                "size and kernels are assumed")
+            if entry not in out:
+                out.append(entry)
         for entry in platforms.platform_assumptions(card, era, where=where):
             if entry not in out:
                 out.append(entry)
