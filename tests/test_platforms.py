@@ -226,3 +226,19 @@ def test_free_memory_from_host_boundaries_read_in_every_wheel():
              ("0.24.0", "11.0", True, True)]
     for version, cc, integrated, expected in cases:
         assert free_memory_from_host(era_for(version), compute_capability=cc, integrated=integrated) is expected, version
+
+
+def test_rocm_profile_sampler_sorts_where_cuda_runs_flashinfer(shared_dir):
+    """0.8–0.11.0's FlashInfer top-k/top-p is CUDA-only (topk_topp_sampler.py ``is_cuda()``): on
+    MI300X the dummy sampler runs PyTorch's sort; Llama-3.1-8B, 1024 sequences, vLLM 0.10.1."""
+    from tuner.job import run_job
+    from tuner.validate import case_request
+
+    peaks = {}
+    for gpu, gib in (("AMD Instinct MI300X", 191.98), ("NVIDIA H100 80GB HBM3", 79.19)):
+        case = {"id": "s", "model": "meta-llama/Llama-3.1-8B-Instruct", "vllm_version": "0.10.1", "engine": "V1",
+                "gpu": gpu, "gpu_total_gib": gib, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 8192, "max_num_seqs": 1024,
+                             "max_num_batched_tokens": 8192}, "observed": {}}
+        peaks[gpu] = run_job(case_request(case, shared_dir / "models"))["candidates"][0]["activation_peak_bytes"]
+    assert peaks == {"AMD Instinct MI300X": 3367511780, "NVIDIA H100 80GB HBM3": 2047603633}

@@ -18,7 +18,11 @@ Read from vLLM's source:
   ``MultipleOf(16)``) split a block, they do not change the bytes per token; CUDA graphs are HIP
   graphs sized by the same estimate (vllm/v1/worker/gpu_model_runner.py, platform-independent).
   The KV buffer is padded to 4096 bytes on ROCm only (vllm/v1/worker/utils.py
-  ``_allocate_kv_cache_buffer``, 0.34): after the block count, no block changes. When the profile
+  ``_allocate_kv_cache_buffer``, 0.34): after the block count, no block changes. FlashInfer's
+  top-k/top-p sampler is CUDA-only (vllm/v1/sample/ops/topk_topp_sampler.py): the profile's dummy
+  sampler sorts on ROCm in 0.8–0.11.0 (:mod:`tuner.simulate.profile`); gpt-oss's MXFP4 experts take
+  Triton with ROCm's padding (:func:`tuner.simulate.quant.mxfp4_backend`); an MLA model's block size
+  comes from ROCm's backends (:func:`rocm_mla_block_size`). When the profile
   measures a release of memory (negative consumption) ROCm sizes the KV cache from the torch
   reserve instead of refusing (vllm/v1/worker/gpu_worker.py ``maybe_rocm_profiling_fallback``,
   0.34). Not modelled, and named as assumptions: RCCL's own buffers, hipBLASLt's workspace (the
