@@ -164,7 +164,10 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
                         "max_position_embeddings; give --max-model-len", path=source, field="max_model_len")
     doc: dict[str, Any] = {
         "name": _safe_name(Path(source or "log")), "model": model,
-        "device": {"name": dev_name, "total_memory_bytes": int(total)},
+        "device": {"name": dev_name, "total_memory_bytes": int(total),
+                   # the topology a --device NAME:GIB:IC or mapping states travels with the drop
+                   **{k: device[k] for k in ("interconnect", "p2p", "compute_capability")
+                      if isinstance(device, dict) and device.get(k) is not None}},
         "engine_version": str(version), "method": "simulate",
         "candidates": {"gpu_memory_utilization": [gmu], "max_model_len": [mml]},
     }
