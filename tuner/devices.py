@@ -557,7 +557,7 @@ def _resolve_auto(nvml: Any) -> Device:
         raw_name = _text(nvml.nvmlDeviceGetName(handle))
         uuid = _text(nvml.nvmlDeviceGetUUID(handle))
         cc = _compute_capability(nvml, handle, nvml_error)
-        integrated_total = _integrated_total(raw_name, cc)
+        integrated_total = _integrated_total(raw_name)
         try:
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
         except nvml_error:
@@ -589,7 +589,7 @@ def _resolve_auto(nvml: Any) -> Device:
                   platform=known.platform)
 
 
-def _integrated_total(raw_name: str, cc: str | None) -> int | None:
+def _integrated_total(raw_name: str) -> int | None:
     """The catalog total of an integrated (unified-memory) card NVML names, else None."""
     known = lookup(raw_name)
     return known.total_memory_bytes if known is not None and known.integrated else None
@@ -687,7 +687,7 @@ def list_gpus(nvml: Any = None) -> list[GpuInfo]:
             try:
                 mem = nvml.nvmlDeviceGetMemoryInfo(h)
             except nvml_error:
-                if _integrated_total(name, None) is None:
+                if _integrated_total(name) is None:
                     raise
                 # GB10: no device memory query; the CUDA total and the host's available memory
                 d = _integrated_device(name, None, None, "")
