@@ -49,7 +49,8 @@ class Topology:
     (``cudaDeviceCanAccessPeer``; GeForce cards have none over PCIe); ``compute_capability``
     ``"9.0"``…; ``disable_custom_all_reduce`` as vLLM's ``--disable-custom-all-reduce``;
     ``single_node``: every rank of the group on this host (custom all-reduce needs it).
-    The default is the calibration centre: H100 SXM behind NVSwitch.
+    The dataclass default is the calibration centre (H100 SXM behind NVSwitch), for direct callers;
+    a job builds its topology with :func:`tuner.job.topology_for` (an unknown card: PCIe, no P2P).
     """
 
     interconnect: str = "nvswitch"

@@ -78,8 +78,8 @@ class Device:
     uuid: str | None = None
     free_memory_bytes: int | None = None
     #: How the card talks to its peers in a TP group: ``nvswitch``, ``nvlink``, ``pcie`` or
-    #: ``xgmi`` (:data:`tuner.budget.INTERCONNECTS`); None when unknown (the budget then assumes
-    #: the calibration centre, NVSwitch).
+    #: ``xgmi`` (:data:`tuner.budget.INTERCONNECTS`); None when unknown (the job then assumes PCIe
+    #: without P2P and says so: :func:`tuner.job.topology_for`).
     interconnect: str | None = None
     #: CUDA peer-to-peer access between two such cards (None: unknown, taken as available).
     p2p: bool | None = None
