@@ -372,3 +372,28 @@ def test_pcie_word_names_the_pcie_card_or_the_model():
     assert resolve_device("NVIDIA H100 PCIe").name == "H100-PCIe"  # a separate catalog card
     assert resolve_device("NVIDIA H100 80GB PCIe").name == "H100-PCIe"
     assert resolve_device("NVIDIA L40S PCIe").name == "L40S"  # the only L40S board
+
+
+def _fake_amdsmi(name="AMD Instinct MI300X", total=192 * GIB, used=int(0.3 * GIB)):
+    class AmdSmiException(Exception):
+        pass
+
+    return types.SimpleNamespace(
+        AmdSmiException=AmdSmiException, AmdSmiMemoryType=types.SimpleNamespace(VRAM="VRAM"),
+        amdsmi_init=lambda: None, amdsmi_shut_down=lambda: None,
+        amdsmi_get_processor_handles=lambda: ["h0"],
+        amdsmi_get_gpu_asic_info=lambda h: {"market_name": name, "device_id": "0x74a1"},
+        amdsmi_get_gpu_memory_total=lambda h, kind: total,
+        amdsmi_get_gpu_memory_usage=lambda h, kind: used)
+
+
+def test_auto_on_an_amd_host_reads_amdsmi():
+    """``auto`` on an MI300X host once answered "no NVIDIA GPU"; it reads AMD SMI as vLLM's ROCm
+    platform does (market name, VRAM total): the catalog's 191.98 GiB below the physical 192."""
+    dev = resolve_device("auto", nvml=_fake_nvml(fail_on="nvmlInit"), amdsmi=_fake_amdsmi())
+    assert (dev.name, dev.total_memory_bytes, dev.platform, dev.interconnect) == ("MI300X", 206141652992, "rocm", "xgmi")
+    assert dev.source == "amdsmi; total from catalog (typical)"
+    assert dev.free_memory_bytes == 206141652992 - int(0.3 * GIB)
+    other = resolve_device("auto", nvml=_fake_nvml(fail_on="nvmlInit"),
+                           amdsmi=_fake_amdsmi(name="AMD Radeon PRO W7900", total=48 * GIB, used=0))
+    assert (other.name, other.total_memory_bytes, other.platform) == ("AMD Radeon PRO W7900", 48 * GIB, "rocm")

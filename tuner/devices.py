@@ -402,7 +402,7 @@ def _compute_capability(nvml: Any, handle: Any, nvml_error: type) -> str | None:
     return f"{int(major)}.{int(minor)}"
 
 
-def resolve_device(value: Any, *, nvml: Any = None) -> Device:
+def resolve_device(value: Any, *, nvml: Any = None, amdsmi: Any = None) -> Device:
     """Turn what a drop says about its device into a :class:`Device`.
 
     Args:
@@ -411,6 +411,8 @@ def resolve_device(value: Any, *, nvml: Any = None) -> Device:
             compute_capability?}``. GiB are 2**30 bytes; the result holds integer bytes
             (``round(gib * 2**30)``).
         nvml: the NVML module to use for ``"auto"`` (default: ``import pynvml``); tests inject a fake.
+        amdsmi: the AMD SMI module for ``"auto"`` on a host without an NVIDIA GPU (default: ``import
+            amdsmi`` when ``nvml`` is not injected); tests inject a fake.
 
     Returns:
         The device. For ``"auto"`` see :func:`_resolve_auto` for how the total is chosen.
@@ -423,7 +425,15 @@ def resolve_device(value: Any, *, nvml: Any = None) -> Device:
         return value
     if isinstance(value, str):
         if _key(value) == "auto":
-            return _resolve_auto(nvml)
+            try:
+                return _resolve_auto(nvml)
+            except DeviceError as exc:
+                if "no NVIDIA GPU" not in exc.message or (nvml is not None and amdsmi is None):
+                    raise
+                amd = _resolve_auto_amd(amdsmi)  # an AMD host: what vLLM's ROCm platform reads
+                if amd is None:
+                    raise
+                return amd
         dev = lookup(value)
         if dev is None:
             raise _unknown(value)
@@ -506,6 +516,65 @@ def platform_of_name(name: str) -> str:
 
 def _text(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _resolve_auto_amd(amdsmi: Any = None) -> Device | None:
+    """GPU 0 of an AMD host through AMD SMI, as vLLM's ROCm platform reads it (vllm/platforms/rocm.py,
+    0.34: ``get_device_name`` — ``amdsmi_get_gpu_asic_info`` ``market_name``; ``get_device_total_memory``
+    — ``amdsmi_get_gpu_memory_total(handle, VRAM)``); free memory = VRAM total − VRAM in use
+    (``amdsmi_get_gpu_memory_usage``). "GPU 0" is the first of ``HIP_VISIBLE_DEVICES`` /
+    ``CUDA_VISIBLE_DEVICES`` when it is an index. The total is the catalog's when the card is known
+    and AMD SMI's physical total is larger (hipMemGetInfo, which vLLM budgets, reports less). None
+    where AMD SMI is not importable or sees no GPU (the caller keeps the NVML error).
+
+    Raises:
+        DeviceError: an AMD SMI query failing on a host that has it.
+    """
+    where = "device auto"
+    if amdsmi is None:
+        try:
+            import amdsmi  # noqa: PLC0415 - lazy on purpose
+        except ImportError:
+            return None
+    err: type[BaseException] = getattr(amdsmi, "AmdSmiException", Exception)
+    try:
+        amdsmi.amdsmi_init()
+    except (err, OSError):
+        return None
+    try:
+        handles = list(amdsmi.amdsmi_get_processor_handles())
+        if not handles:
+            return None
+        visible = os.environ.get("HIP_VISIBLE_DEVICES") or os.environ.get("CUDA_VISIBLE_DEVICES")
+        first = visible.split(",")[0].strip() if visible else "0"
+        index = int(first) if first.isdigit() else 0
+        if index >= len(handles):
+            raise DeviceError(f"HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES={visible!r} names GPU {first} but AMD SMI "
+                              f"sees {len(handles)}", where=where)
+        h = handles[index]
+        name = str(amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name") or "").strip() or "AMD GPU"
+        vram = getattr(getattr(amdsmi, "AmdSmiMemoryType", None), "VRAM", "VRAM")
+        total = int(amdsmi.amdsmi_get_gpu_memory_total(h, vram))
+        used = int(amdsmi.amdsmi_get_gpu_memory_usage(h, vram))
+    except err as exc:
+        raise DeviceError(f"AMD SMI query failed: {exc}", where=where) from exc
+    finally:
+        try:
+            amdsmi.amdsmi_shut_down()
+        except Exception:  # noqa: BLE001 - shutdown failure must not mask the result
+            pass
+    free = max(0, total - used)
+    known = lookup(name, total_memory_bytes=total)
+    if known is None:
+        return Device(name=name, total_memory_bytes=total, source="amdsmi", free_memory_bytes=free,
+                      platform="rocm", interconnect=None)
+    source = "amdsmi"
+    if known.total_memory_bytes < total:
+        free = max(0, free - (total - known.total_memory_bytes))
+        total, source = known.total_memory_bytes, f"amdsmi; total from catalog ({known.source})"
+    return Device(name=known.name, total_memory_bytes=total, source=source, compute_capability=known.compute_capability,
+                  free_memory_bytes=free, interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated,
+                  platform=known.platform)
 
 
 def _resolve_auto(nvml: Any) -> Device:
