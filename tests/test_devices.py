@@ -397,3 +397,11 @@ def test_auto_on_an_amd_host_reads_amdsmi():
     other = resolve_device("auto", nvml=_fake_nvml(fail_on="nvmlInit"),
                            amdsmi=_fake_amdsmi(name="AMD Radeon PRO W7900", total=48 * GIB, used=0))
     assert (other.name, other.total_memory_bytes, other.platform) == ("AMD Radeon PRO W7900", 48 * GIB, "rocm")
+
+
+def test_h800_is_an_nvswitch_board_not_the_pcie_h100():
+    """"NVIDIA H800" (the SXM5 export H100 behind NVSwitch) was an alias of the PCIe H100: its TP
+    groups were charged no NVLS buffers. The PCIe H800 names itself."""
+    sxm, pcie = resolve_device("NVIDIA H800"), resolve_device("NVIDIA H800 PCIe")
+    assert (sxm.name, sxm.interconnect, sxm.total_memory_bytes) == ("H800", "nvswitch", 85030076416)
+    assert (pcie.name, pcie.interconnect) == ("H800-PCIe", "pcie")
