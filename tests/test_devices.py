@@ -405,3 +405,16 @@ def test_h800_is_an_nvswitch_board_not_the_pcie_h100():
     sxm, pcie = resolve_device("NVIDIA H800"), resolve_device("NVIDIA H800 PCIe")
     assert (sxm.name, sxm.interconnect, sxm.total_memory_bytes) == ("H800", "nvswitch", 85030076416)
     assert (pcie.name, pcie.interconnect) == ("H800-PCIe", "pcie")
+
+
+def test_pcie_word_in_a_printed_name_is_a_pcie_board():
+    """"NVIDIA A100-PCIE-40GB" resolved to the catalog A100, an NVSwitch board: custom all-reduce was
+    taken as on for TP 4/8. The board word in the printed name decides."""
+    from tuner.job import topology_for
+
+    dev = resolve_device("NVIDIA A100-PCIE-40GB")
+    assert (dev.name, dev.interconnect) == ("A100-40GB", "pcie")
+    assert resolve_device("NVIDIA A100-SXM4-40GB").interconnect == "nvswitch"
+    topo = topology_for({"name": dev.name, "total_memory_bytes": dev.total_memory_bytes,
+                         "interconnect": dev.interconnect}, {})
+    assert (topo.interconnect, topo.p2p) == ("pcie", True)

@@ -437,7 +437,7 @@ def resolve_device(value: Any, *, nvml: Any = None, amdsmi: Any = None) -> Devic
         dev = lookup(value)
         if dev is None:
             raise _unknown(value)
-        return dev
+        return _board_from_name(value, dev)
     if isinstance(value, Mapping):
         return _resolve_mapping(value)
     raise DeviceError(
@@ -505,6 +505,17 @@ def _resolve_mapping(value: Mapping) -> Device:
                   source=_SOURCE_DROP if stated_total else known.source, compute_capability=cc,
                   interconnect=ic, p2p=p2p, integrated=known.integrated if known is not None else None,
                   platform=known.platform if known is not None else platform_of_name(name))
+
+
+def _board_from_name(name: str, dev: Device) -> Device:
+    """A printed name's board word over the catalog card's usual board: ``"NVIDIA A100-PCIE-40GB"``
+    or ``"NVIDIA A100 80GB PCIe"`` is a PCIe card even where the catalog's A100 is the SXM board
+    behind NVSwitch (vLLM keeps custom all-reduce off past two PCIe GPUs)."""
+    if "pcie" in _key(name).split(" ") and dev.interconnect not in (None, "pcie"):
+        import dataclasses
+
+        return dataclasses.replace(dev, interconnect="pcie", source=f"{dev.source}; PCIe board (by its name)")
+    return dev
 
 
 def platform_of_name(name: str) -> str:

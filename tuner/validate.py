@@ -101,7 +101,7 @@ def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = N
 def _one_device(name: Any, gib: Any) -> dict:
     """One card of a case: ``{name, total_memory_bytes}`` with the total the log printed
     (``gpu_total_gib``) when there is one, else the catalog card the name names."""
-    from tuner.devices import candidates_for, resolve_device
+    from tuner.devices import candidates_for, lookup, resolve_device
     from tuner.errors import DeviceError
 
     if gib:
@@ -115,7 +115,11 @@ def _one_device(name: Any, gib: Any) -> dict:
         # a name that fits several cards ("NVIDIA H100": SXM, PCIe, NVL) without a printed total: the
         # card's usual value (cases README), the first of them in catalog order
         dev = several[0]
-    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+    out = {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+    known = lookup(dev.name)
+    if known is not None and dev.interconnect and known.interconnect != dev.interconnect:
+        out["interconnect"] = dev.interconnect  # a board word in the printed name ("... PCIe")
+    return out
 
 
 def _device(case: dict) -> dict:
