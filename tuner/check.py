@@ -197,10 +197,12 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               engine_version: str | None = None, parser: ServeParser | None = None,
               worker: Callable[..., dict] | None = None, timeout_s: float = 600.0, variants: bool = True,
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
-              progress: Callable[[str], None] | None = None, risk: str = "safe") -> CheckResult:
+              progress: Callable[[str], None] | None = None,
+              other_processes_memory_gib: float | None = None, risk: str = "safe") -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
-    the drop default.
+    the drop default; ``other_processes_memory_gib``: memory other processes (on a unified-memory
+    device, the host) hold at start, the drop field of that name.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -233,6 +235,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
             warnings.append(f"--engine-version not given: checked against the {why}")
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled)
+    if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
+        d["other_processes_memory_gib"] = other_processes_memory_gib
     drop = build_drop(sa, d, label=config_file or "vllm serve")
     from tuner.explain import prepare
 
@@ -334,6 +338,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "not_modelled": unmodelled,
         "drop": {k: v for k, v in d.items()},
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+        "assumptions": list(doc.get("assumptions") or []),
     }
     return CheckResult(starts, out, e)
 
@@ -418,9 +423,10 @@ def render(res: CheckResult) -> str:
     d = res.doc
     n = d["numbers"]
     read = d["read"]
+    from tuner.devices import device_label
+
     lines = [f"check: {d['command']}",
-             f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
-             f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+             f"model {d['model']} (plugin {d['plugin']}), device {device_label(d['device'])}, vLLM {d['era']}"]
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"

@@ -248,8 +248,9 @@ def _device(v: Any) -> Any:
                     "total_memory_bytes, compute_capability, interconnect, p2p", sub=f".{k}")
         if "name" not in v:
             raise _Invalid("device mapping needs 'name'", sub=".name")
-        if "total_memory_gib" not in v and "total_memory_bytes" not in v:
-            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes'")
+        if "total_memory_gib" not in v and "total_memory_bytes" not in v and devices.lookup(str(v["name"])) is None:
+            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes' "
+                           "(a catalog card's name alone takes the catalog's total)")
         try:
             devices.resolve_device(v)
         except DeviceError as exc:
@@ -463,7 +464,10 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("device", "string | {name, total_memory_gib | total_memory_bytes} | list of them", REQUIRED,
               "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
               "machine running the job, via NVML), or a mapping with the total memory the engine sees "
-              "(GiB = 2^30 bytes). A list names one card per pipeline stage (length = "
+              "(GiB = 2^30 bytes; a catalog name alone takes the catalog's total). `interconnect` (`nvswitch`, "
+              "`nvlink`, `pcie`, `xgmi`) and `p2p` say how the TP group's cards connect; a card the catalog lacks "
+              "without them is taken as PCIe without P2P (an assumption the result names). A list names one card "
+              "per pipeline stage (length = "
               "`pipeline_parallel_size`, no `auto`): each stage is sized on its own card and the engine "
               "takes the fewest blocks over the stages.", _device),
     DropField("engine_version", "string", "0.19.0",
@@ -544,6 +548,12 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "checkpoint's config as is.", _hf_overrides),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
+    DropField("use_v2_model_runner", "boolean | null", None,
+              "As vLLM's VLLM_USE_V2_MODEL_RUNNER environment variable: true runs Model Runner V2, false the V1 "
+              "runner (vllm/config/vllm.py use_v2_model_runner: the variable wins over the release's default "
+              "from 0.25; 0.20-0.24 read only =1). null = the release's default for the model. Model Runner V2 "
+              "is modelled from 0.22 (true before that is refused as not modelled); 0.34 removed the V1 runner "
+              "and refuses =0.", _bool(nullable=True)),
     DropField("entry_point", "serve | offline", "serve",
               "How vLLM would be started: `serve` (OpenAI server) or `offline` (the LLM class); some "
               "defaults differ between the two.", _choice(ENTRY_POINTS)),
@@ -647,6 +657,7 @@ class Drop:
     speculative_config: dict | None = field(default=None, hash=False)
     hf_overrides: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False
+    use_v2_model_runner: bool | None = None
     entry_point: str = "serve"
     #: HF revision of an HF id ``model`` (None = the default branch).
     revision: str | None = None

@@ -65,7 +65,8 @@ class Layout:
     #: The config's ``model_max_length`` (None when absent), also named in the refusal.
     model_max_length: int | None = None
     #: The TP group's interconnect and custom all-reduce (:class:`tuner.budget.Topology`); None =
-    #: the calibration centre (H100 SXM, NVSwitch).
+    #: the calibration centre (H100 SXM, NVSwitch) for direct callers; a job always sets it
+    #: (:func:`tuner.job.topology_for`: an unknown card is PCIe without P2P).
     topology: object = None
     #: Speculative decoding's draft tokens per request (1 + k tokens per decode step size the
     #: CUDA-graph captures, :func:`tuner.budget.cudagraph_capture_sizes`).
@@ -366,6 +367,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
 
         budgets = [dataclasses.replace(b, available_kv_cache_bytes=int(layout.kv_cache_memory_bytes)) for b in budgets]
     reason, blocks, tokens, conc, worst, own_blocks = _size(era, layout, budgets, m, n)
+    if reason is None and era.engine == "V1":
+        reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
     other = None  # refusals that do not depend on the KV bytes
     for i, b in enumerate(budgets):  # every card checks its own free memory in init_device
         refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
@@ -376,13 +379,15 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             break
     if layout.kv_cache_memory_bytes is not None and reason is None:
         reason = other = kv_cache_memory_refusal(layout, budgets, captured)
+    elif reason is None and era.engine == "V1":
+        reason = other = graph_capture_oom(layout, budgets, captured)
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = other = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
     starts = reason is None
     if starts and conc < min_concurrency:
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
-    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency)
+    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs)
     b = budgets[worst]
     ca, cn, cg = corrs[worst]
     stages = ()
@@ -413,7 +418,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
 
 
 def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[int], m: int, n: int,
-              other_refusal: str | None, min_concurrency: float) -> dict:
+              other_refusal: str | None, min_concurrency: float, max_num_seqs: int) -> dict:
     """The candidate's interval (:mod:`tuner.uncertainty`): each stage's term bands, its KV bytes at
     the low (safe) and high ends, and the release's sizing at both ends (blocks, tokens,
     concurrency, whether it starts); the bands of the stage that limits at the safe end."""
@@ -433,6 +438,8 @@ def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[in
     for end, k in (("low", 0), ("high", 1)):
         shifted = [dataclasses.replace(b, available_kv_cache_bytes=int(e[k])) for b, e in zip(budgets, ends)]
         reason, blocks, tokens, conc, worst, _own = _size(era, layout, shifted, m, n)
+        if reason is None and era.engine == "V1":
+            reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=max_num_seqs, num_blocks=blocks)
         starts = reason is None and other_refusal is None
         out.update({f"available_kv_cache_bytes_{end}": int(shifted[worst].available_kv_cache_bytes),
                     f"num_gpu_blocks_{end}": int(blocks), f"kv_cache_tokens_{end}": int(tokens),
@@ -503,6 +510,63 @@ def _size(era: Era, layout: Layout, budgets: Sequence, m: int, n: int) -> tuple:
         except TunerError as exc:
             reason = reason or exc.message
     return reason, blocks, tokens, conc, worst, own_blocks
+
+
+def graph_capture_oom(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:
+    """CUDA out of memory while capturing the CUDA graphs after the cache is allocated, or None.
+
+    The KV cache fills the budget up to ``total × gpu_memory_utilization``; ``compile_or_warm_up_model``
+    then captures the CUDA graphs (vllm/v1/worker/gpu_worker.py). Where the release does not take
+    the capture's estimate off the budget (0.19; Model Runner V2 before 0.29; ``era.subtracts_cudagraph_estimate``
+    false), the captured graphs come on top of the requested memory: when requested + captured graphs
+    exceed the card's memory (less what other processes hold) the capture fails with CUDA out of
+    memory. Where the estimate is subtracted the capture is inside the budget (a capture larger than
+    vLLM's own estimate is not modelled). Bytes per rank, each stage on its own card.
+    """
+    for i, b in enumerate(budgets):
+        on_top = max(0, int(captured_graph_bytes[i]) - int(b.cuda_graph_bytes))
+        if not on_top:
+            continue
+        card = layout.card(i)
+        room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
+        need = int(b.requested_memory_bytes) + on_top
+        if need > room:
+            gib = 1 << 30
+            where = f" on pipeline stage {i}" if len(budgets) > 1 else ""
+            return (f"CUDA out of memory{where} during CUDA graph capture: the KV cache fills the requested "
+                    f"{int(b.requested_memory_bytes):,} bytes ({int(b.requested_memory_bytes) / gib:.2f} GiB) and the "
+                    f"graphs captured after it ({on_top / gib:.2f} GiB, not taken off the budget by this release) "
+                    f"need {need:,} bytes, more than the GPU's {room:,} bytes ({room / gib:.2f} GiB)"
+                    + (" left by other processes" if layout.other_processes_bytes else "")
+                    + "; lower gpu_memory_utilization or use --enforce-eager")
+    return None
+
+
+#: First release that refuses, rather than caps, a ``max_num_seqs`` above the Mamba state blocks
+#: (vllm/config/compilation.py ``resolve_cudagraph_mode_and_sizes``, 0.20.0; 0.19.0 only capped the
+#: CUDA-graph capture sizes in ``CompilationConfig.adjust_cudagraph_sizes_for_mamba_cache``).
+MAMBA_MAX_NUM_SEQS_CHECK_FROM = (0, 20, 0)
+
+
+def mamba_max_num_seqs_refusal(era: Era, layout: Layout, *, max_num_seqs: int, num_blocks: int) -> str | None:
+    """vLLM's refusal of a ``max_num_seqs`` above the Mamba cache blocks, or None.
+
+    From 0.20.0 ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (vllm/config/compilation.py,
+    called by the V1 and V2 runners once the KV cache config is known, i.e. after the KV size
+    check) raises when the CUDA-graph mode has full graphs, the model has Mamba / linear-attention
+    layers and ``max_num_seqs > kv_cache_config.num_blocks``: each decode sequence needs one Mamba
+    state block. Full graphs are vLLM's default (``FULL_AND_PIECEWISE``) unless ``enforce_eager``
+    (``era.compiled`` false); a ``compilation_config.cudagraph_mode`` without full graphs is not
+    modelled. 0.19.0 capped the capture sizes instead and started.
+    """
+    if not era.compiled or era.version < MAMBA_MAX_NUM_SEQS_CHECK_FROM:
+        return None
+    has_mamba = any(isinstance(s, kvcache.MambaSpec) for specs in layout.kv_specs for s in specs.values())
+    if not has_mamba or max_num_seqs <= num_blocks:
+        return None
+    return (f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({num_blocks}). Each decode "
+            "sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower "
+            f"max_num_seqs to at most {num_blocks} or increase gpu_memory_utilization.")
 
 
 def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:
