@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from tuner import __version__
 from tuner.drop import Drop
+from tuner.errors import DropError, EraError
 from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
-from tuner.eras import v0_uses_sliding_window
+from tuner.eras import release_warning, v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
                                  check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
@@ -425,7 +426,10 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings: list[str] = []
     model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
-    era = era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager))
+    era = drop_era(drop, req.engine_kind)
+    loud = release_warning(drop.release_assumed)
+    if loud:
+        warnings.append(loud)
     ranks = rank_settings(drop, model, era, device, warnings)
     if pass_memo is not None:
         import os
@@ -484,9 +488,22 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
+    out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
     return out
+
+
+def drop_era(drop: Drop | dict, engine: str | None = None):
+    """The :class:`tuner.eras.Era` a drop's settings select: its release, engine, ``enforce_eager``,
+    and from 0.34 whether the extensible KV cache sizes the cache (``enable_extensible_kv_cache``,
+    off with ``kv_cache_memory_bytes``)."""
+    d = _typed(drop)
+    try:
+        return era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
+                       extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
+    except EraError as exc:
+        raise DropError(exc.message, path=d.path or None, field="enable_extensible_kv_cache") from None
 
 
 # ------------------------------------------------------------------------------------------------
