@@ -27,3 +27,127 @@ def test_mamba_cache_mode_formats_vllm_version():
     assert mamba_cache_mode(_drop("enable_prefix_caching: true\n"), era_for("0.15.0"), Plugin(), warnings) is None
     assert warnings == ["enable_prefix_caching on a hybrid model: mamba_cache_mode 'align' in vLLM 0.15.0 is not "
                         "modelled (state blocks counted as without it)"]
+
+
+# --- vLLM 0.34: vllm/v1/worker/extensible_kv_cache.py measure_kv_cache_bytes, bytes for given inputs ----------
+
+GiB = 1 << 30
+
+
+def test_measure_kv_cache_bytes_headroom_binds_as_in_0_34():
+    from tuner.budget import measure_kv_cache_bytes
+
+    # 80 GiB free at start, 60 GiB free after warmup with 1 GiB committed: non-KV used 19 GiB, headroom 61 GiB;
+    # transient 2 GiB -> margin max(1 GiB, 1.5 GiB) = 1.5 GiB; requested 80 GiB (u 1.0)
+    got = measure_kv_cache_bytes(init_free_memory=80 * GiB, free_memory=60 * GiB, committed_bytes=GiB,
+                                 requested_memory=80 * GiB, transient_peak_bytes=2 * GiB)
+    assert got == min(80 * GiB - 19 * GiB, 61 * GiB - 3 * GiB // 2) - 2 * GiB == 57 * GiB + GiB // 2
+
+
+def test_measure_kv_cache_bytes_requested_binds_and_torch_growth_wins():
+    from tuner.budget import measure_kv_cache_bytes
+
+    got = measure_kv_cache_bytes(init_free_memory=80 * GiB, free_memory=60 * GiB, committed_bytes=0,
+                                 requested_memory=50 * GiB, transient_peak_bytes=GiB // 2,
+                                 torch_reserve_growth_bytes=GiB)
+    assert got == 50 * GiB - 20 * GiB - GiB  # margin floor 1 GiB does not bind; growth 1 GiB > transient
+    assert measure_kv_cache_bytes(init_free_memory=GiB, free_memory=0, committed_bytes=0,
+                                  requested_memory=GiB) == 0  # never negative
+    # ROCm's 3 GiB floor (KV_CACHE_MARGIN_FLOOR_BYTES = (3 if rocm else 1) << 30)
+    from tuner.budget import KV_CACHE_MARGIN_FLOOR_BYTES
+    assert KV_CACHE_MARGIN_FLOOR_BYTES == {"cuda": 1 << 30, "rocm": 3 << 30}
+    assert measure_kv_cache_bytes(init_free_memory=80 * GiB, free_memory=60 * GiB, committed_bytes=0,
+                                  requested_memory=80 * GiB, margin_floor_bytes=3 << 30) == 57 * GiB
+
+
+def test_extensible_budget_in_the_ledgers_terms():
+    from tuner.budget import extensible_kv_budget
+
+    era = era_for("0.34.0")
+    b = extensible_kv_budget(era, total_memory_bytes=80 * GiB, gpu_memory_utilization=1.0, weights_bytes=15 * GiB,
+                             activation_peak_bytes=3 * GiB, non_torch_bytes=GiB // 4, cuda_graph_bytes=GiB,
+                             persistent_bytes=GiB // 2, baseline_bytes=GiB // 2)
+    # used = 15 + 0.25 + 0.5 + 1 = 16.75; transient 2.5; init free 79.5; margin max(1, 1.875)
+    assert b.transient_bytes == 5 * GiB // 2 and b.margin_bytes == int(2.5 * GiB * 0.75)
+    assert b.available_kv_cache_bytes == (79 * GiB + GiB // 2) - (16 * GiB + 3 * GiB // 4) - int(1.875 * GiB) \
+        - 5 * GiB // 2
+    assert b.capacity_kv_cache_bytes == 80 * GiB - 15 * GiB - 3 * GiB - GiB // 4
+    assert b.headroom_bytes == (79 * GiB + GiB // 2) - (16 * GiB + 3 * GiB // 4)
+
+
+def test_0_34_era_defaults_from_its_source():
+    era = era_for("0.34.0")
+    assert era.extensible_kv_cache and era.default_gpu_memory_utilization == 1.0  # CacheConfig: None -> 1.0
+    assert era_for("0.34.0", kv_cache_memory_bytes=1 << 34).default_gpu_memory_utilization == 0.92
+    assert not era_for("0.34.0", extensible_kv_cache=False).extensible_kv_cache
+    assert era_for("0.33.0").default_gpu_memory_utilization == 0.92 and not era_for("0.33.0").extensible_kv_cache
+    from tuner.eras import uses_model_runner_v2
+
+    # Model Runner V1 removed: every model on V2, a pooling / hybrid one too
+    assert uses_model_runner_v2(era, ["BertModel"], is_moe=False, is_hybrid=True, generate=False,
+                                speculative_method="suffix")
+
+
+def test_0_34_hint_texts_as_vllm_prints_them():
+    from tuner.kvcache import more_kv_cache_memory_hint
+
+    assert more_kv_cache_memory_hint(extensible=True, gpu_memory_utilization=1.0, after_warmup=True) == (
+        "The extensible KV cache already takes all device memory left after the model, its activations, CUDA "
+        "graphs and warmup; decrease `max_model_len` or `max_num_seqs`, or the model needs a device with more "
+        "memory. CUDA graphs take less with fewer or smaller capture sizes in the compilation config.")
+    assert more_kv_cache_memory_hint(extensible=True, gpu_memory_utilization=0.9).startswith(
+        "The KV cache gets what is left after the model and its activations within `gpu_memory_utilization`=0.9;")
+
+
+# --- releases newer than the modelled ones, and drops without engine_version ------------------------------------
+
+def test_newer_release_answered_with_newest_rules_and_marked():
+    d = _drop(version="0.35.0")
+    assert d.engine_version == "0.34.0"
+    assert d.release_assumed["kind"] == "newer_release" and d.release_assumed["requested"] == "0.35.0"
+    assert d.to_dict()["release_assumed"]["value"] == "0.34.0"
+    from tuner.errors import DropError
+
+    with pytest.raises(DropError, match="strict release mode") as exc:
+        _drop("strict_release: true\n", version="0.35.0")
+    assert exc.value.field == "engine_version"
+
+
+def test_drop_without_engine_version_is_not_silently_0_19(monkeypatch):
+    """A drop without engine_version was computed as vLLM 0.19.0 with no word said (an RTX 3090 proposal
+    that 0.33 would refuse). Now: the installed vLLM's release, else the newest modelled one, marked."""
+    import tuner.engine as engine
+
+    monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
+    d = _drop(version=None)
+    assert d.engine_version == "0.34.0" and d.release_assumed["kind"] == "newest_modelled"
+    monkeypatch.setattr(engine, "installed_release", lambda: ("vllm", "0.33.0"))
+    d = _drop(version=None)
+    assert d.engine_version == "0.33.0" and d.release_assumed == {
+        "value": "0.33.0", "requested": None, "kind": "installed",
+        "reason": "engine_version not given: the installed vllm 0.33.0"}
+    assert _drop(version="0.19.0").release_assumed is None
+
+
+def test_release_assumed_reaches_the_store_and_the_proposal_file(tmp_path, monkeypatch):
+    import json
+
+    import tuner.engine as engine
+    from tuner import records
+    from tuner.proposals import proposal_document
+    from tuner.store import open_store
+
+    monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
+    d = _drop(version=None)
+    store = open_store(str(tmp_path / "s.sqlite"))
+    t = records._table("drops")
+    row = {"name": "t", "path": "t.yaml", "content_sha256": "0" * 64, "content": "", "model": d.model,
+           "device_name": "H100-80GB", "engine_version": d.engine_version, "method": "simulate",
+           "created_at": "2026-12-06 00:00:00", "release_assumed": json.dumps(d.release_assumed)}
+    import sqlalchemy as sa
+
+    with store.engine.begin() as conn:
+        drop_id = conn.execute(sa.insert(t).values(**{**row, "created_at": __import__("datetime").datetime(
+            2026, 12, 6)})).inserted_primary_key[0]
+    doc = proposal_document(store, drop_id)
+    assert doc["engine_version"] == "0.34.0" and doc["release_assumed"]["kind"] == "newest_modelled"

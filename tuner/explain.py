@@ -721,6 +721,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         "max_len_refused": refused_len,
         "surface": surf, "non_monotone": is_non_monotone(surf), "notes": [], "remedies": None,
     }
+    if cand.get("extensible_headroom_bytes") is not None and not measured:  # vLLM 0.34's extensible cache
+        out.update(extensible_headroom_bytes=int(cand["extensible_headroom_bytes"]),
+                   extensible_margin_bytes=int(cand.get("extensible_margin_bytes") or 0),
+                   extensible_withheld_bytes=withheld)
     if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     if not out["fits"]:
@@ -736,6 +740,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
                            blocks=blocks_needed(era, m, block_size, min_concurrency)),
                 "approximate": not block_bytes_exact, "verified": None})
+            if withheld > 0:  # 0.34: the device headroom, not gpu_memory_utilization, caps the cache
+                rem["gpu_memory_utilization"].update(
+                    possible=False, value=None,
+                    why="the extensible KV cache is capped by the device memory left after warmup and CUDA-graph "
+                        "capture less its margin; a larger gpu_memory_utilization does not add to it")
         out["remedies"] = rem
     return out
 

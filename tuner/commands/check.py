@@ -35,7 +35,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", type=_device, default=None,
                    help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB")
     p.add_argument("--engine-version", default=None,
-                   help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
+                   help="vLLM release whose rules apply (default: the installed vllm's version, else the newest "
+                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning)")
+    p.add_argument("--strict-release", action="store_true",
+                   help="refuse an --engine-version newer than the newest modelled release (exit 2)")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -84,7 +87,7 @@ def run(args) -> int:
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
-                        parser=make_parser(args.parser, python), **kw)
+                        parser=make_parser(args.parser, python), strict_release=args.strict_release, **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID
