@@ -634,7 +634,7 @@ class Drop:
     device: str | dict | list = field(hash=False)
     candidates: Candidates
     constraints: Constraints = Constraints()
-    engine_version: str = "0.19.0"
+    engine_version: str = "0.34.0"
     strict_release: bool = False
     enable_extensible_kv_cache: bool | None = None
     #: what was assumed to pick ``engine_version`` (:func:`tuner.eras.resolve_release`): None when
