@@ -151,3 +151,55 @@ def test_release_assumed_reaches_the_store_and_the_proposal_file(tmp_path, monke
             2026, 12, 6)})).inserted_primary_key[0]
     doc = proposal_document(store, drop_id)
     assert doc["engine_version"] == "0.34.0" and doc["release_assumed"]["kind"] == "newest_modelled"
+
+
+# --- 0.34's new log lines (import-log / logparse) ------------------------------------------------------------
+
+LOG_034 = [
+    "(EngineCore pid=1) INFO 12-06 [gpu_worker.py:795] Available KV cache memory: 61.20 GiB",
+    "(EngineCore pid=1) INFO 12-06 [extensible_kv_cache.py:693] Memory after warmup: 60.10 GiB free, 0.00 GiB "
+    "committed to the KV cache, 2.31 GiB kept for transient activations (2.31 GiB allocated at peak, 0.12 GiB of "
+    "torch reservation growth); 24,512 KV cache blocks (56.25 GiB) fit within the requested 79.19 GiB. Torch may "
+    "reserve up to 19.91 GiB.",
+    "(EngineCore pid=1) INFO 12-06 [kv_cache_planning.py:1494] --max-model-len auto reduced max_model_len from "
+    "262144 to 196352 (56.25 GiB GPU left for the KV cache after CUDA graph capture and warmup).",
+    "(EngineCore pid=1) INFO [extensible_kv_cache.py:536] Extended KV cache to 24512 blocks (56.25 GiB).",
+]
+
+
+def test_memory_after_warmup_line_wins_over_the_reservation():
+    from tuner.logparse import gib_to_bytes, infer_version, parse_lines
+
+    p = parse_lines(LOG_034)
+    assert p.available_kv_cache_bytes == gib_to_bytes(56.25)  # not the profile's 61.20 GiB reservation
+    assert p.num_gpu_blocks == 24512 and p.requested_memory_bytes == gib_to_bytes(79.19)
+    assert p.free_after_warmup_bytes == gib_to_bytes(60.10) and p.transient_kept_bytes == gib_to_bytes(2.31)
+    assert (p.auto_fit_from_max_model_len, p.max_model_len) == (262144, 196352)
+    assert infer_version(LOG_034) == ("0.34.0", "V1", "Memory after warmup:")
+
+
+def test_blocks_within_rounds_each_segment_to_the_granule():
+    """ExtensibleKVCache.blocks_within (0.34): every layer's committed prefix is mapped in whole 2 MiB granules."""
+    from tuner.budget import blocks_within
+
+    strides = [3 * (1 << 20) // 4] * 4  # 4 layers of 768 KiB per block
+    # 10 blocks = 7.5 MiB per layer -> 8 MiB mapped each: 32 MiB; 9 blocks -> 6.75 -> 8 MiB too
+    assert blocks_within(31 * (1 << 20), strides) == 8  # 8 x 768 KiB = 6 MiB per layer: 24 MiB fits
+    assert blocks_within(32 * (1 << 20), strides) == 10
+    assert blocks_within(32 * (1 << 20), strides, capacity=9) == 9
+    assert blocks_within(10, []) == 0
+
+
+def test_default_block_size_is_64_from_0_34():
+    """vllm/config/cache.py DEFAULT_BLOCK_SIZE: 16 through 0.33, 64 in 0.34 (attention models; MLA and hybrid
+    models keep their plugin's sizing)."""
+    from types import SimpleNamespace
+
+    from tuner.job import default_block_size
+
+    dense, mla = SimpleNamespace(raw={"num_key_value_heads": 8}), SimpleNamespace(raw={"kv_lora_rank": 512})
+    plain, hybrid = SimpleNamespace(), SimpleNamespace(mamba_prefix_caching_mode="align")
+    assert default_block_size(era_for("0.34.0"), dense, plain) == 64
+    assert default_block_size(era_for("0.33.0"), dense, plain) is None
+    assert default_block_size(era_for("0.34.0"), mla, plain) is None
+    assert default_block_size(era_for("0.34.0"), dense, hybrid) is None

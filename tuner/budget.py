@@ -592,6 +592,44 @@ def measure_kv_cache_bytes(*, init_free_memory: int, free_memory: int, committed
     return max(available, 0)
 
 
+#: The physical granule an extensible KV cache commits in (vllm/utils/extensible_tensor.py
+#: ``granule_size``: the CUDA VMM allocation granularity, 2 MiB on NVIDIA GPUs).
+VMM_GRANULE_BYTES = 2 * MiB
+
+
+def kv_segment_strides(kv_cache_config: Any) -> list[int]:
+    """The block strides of an extensible cache's segments (vllm/v1/worker/extensible_kv_cache.py
+    ``ExtensibleKVCache._segments``, block-compact layer-outermost layouts: one segment per layer
+    region, i.e. per distinct ``offset + i x layer_stride`` of the 0.32+ tensors); [] when the
+    config's tensors carry no strides."""
+    segs: dict[int, int] = {}
+    for t in getattr(kv_cache_config, "kv_cache_tensors", ()) or ():
+        if t.layer_stride_bytes is None or t.block_stride_bytes is None:
+            continue
+        for i in range(len(t.shared_by)):
+            segs.setdefault(int(t.offset_bytes or 0) + i * int(t.layer_stride_bytes), int(t.block_stride_bytes))
+    return list(segs.values())
+
+
+def blocks_within(num_bytes: int, segment_strides: list[int], *, granule: int = VMM_GRANULE_BYTES,
+                  capacity: int | None = None) -> int:
+    """Most blocks whose physical footprint fits in ``num_bytes`` (``ExtensibleKVCache.blocks_within``,
+    0.34): each segment's ``blocks x stride`` is rounded up to the granule."""
+    per_block = sum(segment_strides)
+    if per_block <= 0:
+        return 0
+    n = max(0, int(num_bytes)) // per_block
+    if capacity is not None:
+        n = min(n, capacity)
+
+    def physical(k: int) -> int:
+        return sum(-(-k * st // granule) * granule for st in segment_strides)
+
+    while n > 0 and physical(n) > num_bytes:
+        n -= 1
+    return n
+
+
 @dataclass(frozen=True)
 class Budget:
     """One KV budget, all in bytes (per rank).

@@ -494,6 +494,26 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     return out
 
 
+#: vLLM 0.34's default KV block size (vllm/config/cache.py ``CacheConfig.DEFAULT_BLOCK_SIZE = 64``, 16
+#: through 0.33), which ``Platform.update_block_size_for_backend`` keeps where the attention backend
+#: supports it (FlashAttention, FlashInfer, Triton: multiples of 16).
+DEFAULT_BLOCK_SIZE_0_34 = 64
+
+
+def default_block_size(era: Any, spec: Any, plugin: Any) -> int | None:
+    """The block size a drop without ``block_size`` gets before the plugin's own rules: None (the
+    plugin's default, 16) through 0.33; 64 from 0.34 for attention models whose plugin does not
+    size blocks itself — MLA models (a ``kv_lora_rank`` in the config: the MLA backends' own sizes)
+    and hybrid models (``mamba_prefix_caching_mode``: the attention block aligned to the state page)
+    keep theirs."""
+    if era.engine != "V1" or era.version < (0, 34, 0):
+        return None
+    raw = getattr(spec, "raw", None) or {}
+    if raw.get("kv_lora_rank") or getattr(plugin, "mamba_prefix_caching_mode", None) is not None:
+        return None
+    return DEFAULT_BLOCK_SIZE_0_34
+
+
 def drop_era(drop: Drop | dict, engine: str | None = None):
     """The :class:`tuner.eras.Era` a drop's settings select: its release, engine, ``enforce_eager``,
     and from 0.34 whether the extensible KV cache sizes the cache (``enable_extensible_kv_cache``,
@@ -581,9 +601,10 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
+    block_size = drop.block_size if drop.block_size is not None else default_block_size(era, spec, plugin)
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
-                     block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
+                     block_size=block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=drop.quantization,
                      compute_capability=_compute_capability(cards[r]),
                      data_parallel_size=int(drop.data_parallel_size or 1),

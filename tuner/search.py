@@ -408,6 +408,14 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             kw["hint"] = kvcache.more_kv_cache_memory_hint(extensible=False, gpu_memory_utilization=u)
         try:  # the engine's own check for the release runs inside get_kv_cache_configs
             configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
+            if era.extensible_kv_cache:  # 0.34 commits whole granules per segment: blocks_within
+                from tuner.budget import blocks_within, kv_segment_strides
+
+                fit = [blocks_within(a, kv_segment_strides(c), capacity=c.num_blocks) if kv_segment_strides(c)
+                       else c.num_blocks for (_s, a), c in zip(workers, configs)]
+                if min(fit) < min(c.num_blocks for c in configs):  # checked again at the committed blocks
+                    workers = [(sp, min(fit) * int(c.bytes_per_block)) for (sp, _a), c in zip(workers, configs)]
+                    configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
         except KVCacheError as exc:
             reason = reason or exc.message
             configs = None
