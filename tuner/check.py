@@ -260,7 +260,12 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                                      "kv_cache_tokens", "max_concurrency", "max_num_batched_tokens", "block_size")}
     if e.get("extensible_headroom_bytes") is not None:  # vLLM 0.34's extensible KV cache terms
         numbers.update({k: e.get(k) for k in ("extensible_headroom_bytes", "extensible_margin_bytes",
-                                              "extensible_withheld_bytes")})
+                                              "extensible_withheld_bytes", "extensible_u_withheld_bytes")})
+        from tuner.search import gpu_memory_utilization_warning
+
+        u_warn = gpu_memory_utilization_warning({**numbers, "gpu_memory_utilization": u})
+        if u_warn:
+            warnings.append(f"vLLM would warn: {u_warn}")
     if auto:  # what _auto_fit_max_model_len picks: the derived length if it fits, else the largest that does
         largest = ((e.get("remedies") or {}).get("largest_max_model_len") or {})
         extensible = bool(e.get("extensible_headroom_bytes") is not None)

@@ -724,7 +724,8 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if cand.get("extensible_headroom_bytes") is not None and not measured:  # vLLM 0.34's extensible cache
         out.update(extensible_headroom_bytes=int(cand["extensible_headroom_bytes"]),
                    extensible_margin_bytes=int(cand.get("extensible_margin_bytes") or 0),
-                   extensible_withheld_bytes=withheld)
+                   extensible_withheld_bytes=withheld,
+                   extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"))
     if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     if not out["fits"]:

@@ -464,6 +464,15 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
+    if era.extensible_kv_cache:  # vLLM 0.34 warns where an explicit u < 1.0 withholds free memory
+        from tuner.search import gpu_memory_utilization_warning
+
+        warned: set[float] = set()
+        for c in candidates:  # one per u (its largest length decides the batch)
+            w = gpu_memory_utilization_warning(c)
+            if w and c["gpu_memory_utilization"] not in warned:
+                warned.add(c["gpu_memory_utilization"])
+                warnings.append(f"vLLM would warn: {w}")
     if engine_use is not None and engine_use.session is not None:
         verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
     if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)

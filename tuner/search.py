@@ -220,10 +220,14 @@ class Candidate:
     extensible_headroom_bytes: int | None = None
     extensible_margin_bytes: int | None = None
     extensible_withheld_bytes: int | None = None
+    #: What ``gpu_memory_utilization`` below 1.0 keeps out of the cache: the budget with all memory
+    #: free at start-up requested, less this one (vLLM 0.34 warns from 1 GiB at 0.7 < u < 1.0), bytes.
+    extensible_u_withheld_bytes: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("extensible_headroom_bytes", "extensible_margin_bytes", "extensible_withheld_bytes"):
+        for k in ("extensible_headroom_bytes", "extensible_margin_bytes", "extensible_withheld_bytes",
+                  "extensible_u_withheld_bytes"):
             if d[k] is None:
                 d.pop(k)
         out = {}
@@ -489,8 +493,28 @@ def _extensible_fields(b) -> dict:
         return {}
     by_terms = (b.requested_memory_bytes - b.weights_bytes - b.activation_peak_bytes - b.non_torch_bytes
                 - b.cuda_graph_bytes)
+    unbounded = max(0, int(b.headroom_bytes) - int(b.margin_bytes or 0) - int(b.transient_bytes or 0))
     return {"extensible_headroom_bytes": int(b.headroom_bytes), "extensible_margin_bytes": int(b.margin_bytes or 0),
-            "extensible_withheld_bytes": int(by_terms - b.available_kv_cache_bytes)}
+            "extensible_withheld_bytes": int(by_terms - b.available_kv_cache_bytes),
+            "extensible_u_withheld_bytes": max(0, unbounded - max(0, int(b.available_kv_cache_bytes)))}
+
+
+def gpu_memory_utilization_warning(c: "Candidate | dict") -> str | None:
+    """vLLM 0.34's warning where an explicit ``gpu_memory_utilization`` in (0.7, 1.0) keeps at least
+    1 GiB of free device memory out of the extensible KV cache
+    (vllm/v1/worker/extensible_kv_cache.py ``measure_kv_cache_blocks``), else None."""
+    get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+    u, withheld = float(get("gpu_memory_utilization")), get("extensible_u_withheld_bytes")
+    if withheld is None or not 0.7 < u < 1.0 or withheld < (1 << 30):
+        return None
+    gib = 1 << 30
+    return (f"gpu_memory_utilization={u:g} caps this instance at {round(get('requested_memory_bytes') / gib, 2)} GiB, "
+            f"keeping {round(withheld / gib, 2)} GiB of free device memory out of the KV cache. The extensible KV "
+            "cache is sized from the memory measured after warmup and CUDA graph capture, so vLLM's own use needs "
+            "no headroom below 1.0. Leave gpu_memory_utilization unset unless it leaves room for memory vLLM does "
+            "not measure: other processes sharing the GPU (including ones that allocate on it later), the CPU on a "
+            "unified-memory device, weight transfer buffers for weight updates, or a KV connector's own device "
+            "buffers.")
 
 
 def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:
