@@ -39,6 +39,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning)")
     p.add_argument("--strict-release", action="store_true",
                    help="refuse an --engine-version newer than the newest modelled release (exit 2)")
+    p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
+                   help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
+                        "other_processes_memory_gib); default: none, or with --device auto what NVML reports in use")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -87,6 +90,7 @@ def run(args) -> int:
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
+                        other_processes_memory_gib=args.other_processes_memory_gib,
                         parser=make_parser(args.parser, python), strict_release=args.strict_release, **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
