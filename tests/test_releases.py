@@ -203,3 +203,18 @@ def test_default_block_size_is_64_from_0_34():
     assert default_block_size(era_for("0.33.0"), dense, plain) is None
     assert default_block_size(era_for("0.34.0"), mla, plain) is None
     assert default_block_size(era_for("0.34.0"), dense, hybrid) is None
+
+
+def test_no_enable_extensible_kv_cache_is_read_and_refused_before_0_34():
+    from tuner.check import CheckInputError, equivalent_drop
+    from tuner.serve_args import parse_serve
+
+    sa = parse_serve(["vllm", "serve", "org/model", "--no-enable-extensible-kv-cache"], None)
+    d, _ = equivalent_drop(sa, device="H100-80GB", engine_version="0.34.0")
+    assert d["enable_extensible_kv_cache"] is False
+    assert d["candidates"]["gpu_memory_utilization"] == [0.92]  # 0.34's default without the extensible cache
+    d, _ = equivalent_drop(parse_serve(["vllm", "serve", "org/model"], None), device="H100-80GB",
+                           engine_version="0.34.0")
+    assert d["candidates"]["gpu_memory_utilization"] == [1.0]  # CacheConfig.resolved_gpu_memory_utilization
+    with pytest.raises(CheckInputError, match=r"unrecognized arguments: --no-enable-extensible-kv-cache"):
+        equivalent_drop(sa, device="H100-80GB", engine_version="0.33.0")

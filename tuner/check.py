@@ -116,6 +116,9 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
         if dest == "kv_cache_memory_bytes" and version < KV_CACHE_MEMORY_BYTES_SINCE:
             raise CheckInputError("unrecognized arguments: --kv-cache-memory-bytes (vLLM "
                                   f"{'.'.join(map(str, KV_CACHE_MEMORY_BYTES_SINCE))}+)", where=sa.spelled[dest])
+        if dest == "enable_extensible_kv_cache" and version < (0, 34, 0):
+            raise CheckInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--enable-extensible-kv-cache'} "
+                                  "(vLLM 0.34+)", where=sa.spelled[dest])
         if dest not in _FIELDS_BY_NAME:
             extra.append({"flag": option_for(dest), "value": value, "source": "command line",
                           "as_written": sa.spelled.get(dest), "note": "this build's drops do not model it"})
