@@ -663,7 +663,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         per = f"{block_size} tokens" if block_size else "the run's block size, not stored,"
         steps.append({"name": "blocks", "op": "->", "value": blocks, "block_bytes": block_bytes,
                       "block_bytes_exact": block_bytes_exact,
-                      "text": f"blocks = {avail:,} // {bb} ({per} x every layer's K and V)"})
+                      "text": f"blocks = {avail:,} // {bb} ({per} x every layer's K and V)"
+                              + (" less what whole 2 MiB granules per layer segment leave out (0.34 extensible "
+                                 "KV cache, blocks_within)" if block_bytes and avail > 0 and blocks < avail // block_bytes
+                                 and cand.get("extensible_headroom_bytes") is not None else "")})
     # blocks per full-length request, from the (4-decimal) concurrency: a dense model's is cdiv(M, bs)
     per_req = round(blocks / conc) if conc and blocks and block_size else 0
     if per_req and abs(blocks / conc - _cdiv(m, block_size)) <= 1e-3 * _cdiv(m, block_size) + 0.5:
@@ -900,6 +903,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     if variants:
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
+            "engine_version": d.engine_version, "release_assumed": base.get("release_assumed"),
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "pass_source": base.get("pass_source"), "explanations": explanations}
