@@ -417,8 +417,10 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
 
                 fit = [blocks_within(a, kv_segment_strides(c), capacity=c.num_blocks) if kv_segment_strides(c)
                        else c.num_blocks for (_s, a), c in zip(workers, configs)]
-                if min(fit) < min(c.num_blocks for c in configs):  # checked again at the committed blocks
-                    workers = [(sp, min(fit) * int(c.bytes_per_block)) for (sp, _a), c in zip(workers, configs)]
+                # finalize_extensible_kv_cache / shrink_kv_cache_configs check (blocks - 1) x bytes per block
+                committed = [(sp, min(fit) * int(c.bytes_per_block)) for (sp, _a), c in zip(workers, configs)]
+                if committed != workers:
+                    workers = committed
                     configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
         except KVCacheError as exc:
             reason = reason or exc.message
