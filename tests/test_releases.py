@@ -218,3 +218,56 @@ def test_no_enable_extensible_kv_cache_is_read_and_refused_before_0_34():
     assert d["candidates"]["gpu_memory_utilization"] == [1.0]  # CacheConfig.resolved_gpu_memory_utilization
     with pytest.raises(CheckInputError, match=r"unrecognized arguments: --no-enable-extensible-kv-cache"):
         equivalent_drop(sa, device="H100-80GB", engine_version="0.33.0")
+
+
+def test_rtx3090_drop_without_engine_version_was_0_19s_44064(tmp_path, monkeypatch):
+    """Llama-3.1-8B-Instruct on an RTX 3090 at gpu_memory_utilization 0.9, no engine_version: the
+    proposal was 0.19.0's max_model_len 44064 (0.33 refuses above 36720), said nowhere. Now the newest
+    modelled release answers (0.34.0: 36288, block size 64, the extensible cache's headroom cap) and
+    the output, the JSON and the store say so."""
+    import json
+    import sqlite3
+
+    import tuner.engine as engine
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
+    model = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
+    drop = tmp_path / "l.yaml"
+    drop.write_text(f"name: l\nmodel: {model}\ndevice: RTX-3090\ncandidates: {{gpu_memory_utilization: [0.9]}}\n")
+    db = tmp_path / "r.sqlite"
+    rc, out, err = run_cli("profile", str(drop), "--db", str(db), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["engine_version"] == "0.34.0" and doc["release_assumed"]["kind"] == "newest_modelled"
+    assert any(w.startswith("release assumed: vLLM 0.34.0") for w in doc["warnings"])
+    (prop,) = doc["proposals"]
+    assert prop["max_model_len"] == 36288 and prop["max_model_len"] != 44064
+    row = sqlite3.connect(db).execute("select engine_version, release_assumed from drops").fetchone()
+    assert row[0] == "0.34.0" and json.loads(row[1])["value"] == "0.34.0"
+
+
+def test_explain_shows_0_34_budget_terms(tmp_path):
+    """explain on a 0.34 drop: the extensible KV cache's rule, the headroom cap step (it binds at the
+    default gpu_memory_utilization 1.0) and the ledger adding up to the KV bytes."""
+    import json
+
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    model = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
+    drop = tmp_path / "e.yaml"
+    drop.write_text(f"name: e\nmodel: {model}\ndevice: H100-80GB\nengine_version: \"0.34.0\"\n"
+                    "candidates: {gpu_memory_utilization: [1.0]}\n")
+    rc, out, err = run_cli("explain", str(drop), "-m", "32k", "--no-variants", "--quiet", "--json",
+                           "--db", str(tmp_path / "r.sqlite"))
+    assert rc == 0, err
+    e = json.loads(out)["explanations"][0]
+    assert e["formula_text"].startswith("vLLM V1 0.34 (extensible KV cache")
+    step = next(s for s in e["steps"] if s["name"] == "extensible_headroom")
+    assert step["op"] == "-" and step["bytes"] == e["extensible_withheld_bytes"] > 0
+    assert e["extensible_margin_bytes"] >= 1 << 30 and e["block_size"] == 64
+    assert "rounding" not in [s["name"] for s in e["steps"]]  # the steps add up to the KV bytes
+    terms = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes")
+    assert e["requested_memory_bytes"] - sum(e[k] for k in terms) - step["bytes"] == e["available_kv_cache_bytes"]
