@@ -125,7 +125,7 @@ def test_drop_without_engine_version_is_not_silently_0_19(monkeypatch):
     d = _drop(version=None)
     assert d.engine_version == "0.33.0" and d.release_assumed == {
         "value": "0.33.0", "requested": None, "kind": "installed",
-        "reason": "engine_version not given: the installed vllm 0.33.0"}
+        "reason": "engine_version not given: vLLM 0.33.0, installed in ctx-tuner's Python (vllm)"}
     assert _drop(version="0.19.0").release_assumed is None
 
 
@@ -271,3 +271,27 @@ def test_explain_shows_0_34_budget_terms(tmp_path):
     assert "rounding" not in [s["name"] for s in e["steps"]]  # the steps add up to the KV bytes
     terms = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes")
     assert e["requested_memory_bytes"] - sum(e[k] for k in terms) - step["bytes"] == e["available_kv_cache_bytes"]
+
+
+def test_drop_without_engine_version_takes_the_worker_pythons_vllm(tmp_path, monkeypatch):
+    """The daemon's worker_python (or $CTX_TUNER_WORKER_PYTHON) may be another venv than ctx-tuner's:
+    its installed vLLM decides the release, read from its package metadata."""
+    import tuner.drop as drop_mod
+
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\necho 'ctx-tuner-vllm vllm 0.30.1'\n")
+    py.chmod(0o755)
+    monkeypatch.setattr(drop_mod, "_PROBED", {})
+    text = "name: t\nmodel: org/x\ndevice: H100-80GB\ncandidates:\n  gpu_memory_utilization: [0.9]\n"
+    d = drop_mod.parse_drop(text, "t.yaml", worker_python=str(py))
+    assert d.engine_version == "0.30.1" and d.release_assumed["kind"] == "installed"
+    assert d.release_assumed["reason"] == f"engine_version not given: vLLM 0.30.1, installed in the worker's Python {py} (vllm)"
+    silent = tmp_path / "nothing"
+    silent.write_text("#!/bin/sh\nexit 1\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr(drop_mod, "installed_release", None, raising=False)
+    import tuner.engine as engine
+
+    monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
+    monkeypatch.setenv("CTX_TUNER_WORKER_PYTHON", str(silent))
+    assert drop_mod.parse_drop(text, "t.yaml").release_assumed["kind"] == "newest_modelled"

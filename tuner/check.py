@@ -224,7 +224,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     installed, why = (None, "") if engine_version is not None else default_engine_version()
     try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
         engine_version, release_assumed = resolve_release(engine_version, installed=installed,
-                                                          installed_from=why.rsplit(" ", 1)[0] if installed else "",
+                                                          installed_from=f"this Python ({why.split()[1]})" if installed else "",
                                                           strict=strict_release)
     except EraError as exc:
         raise CheckInputError(exc.message, where="--engine-version") from None

