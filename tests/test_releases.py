@@ -289,7 +289,6 @@ def test_drop_without_engine_version_takes_the_worker_pythons_vllm(tmp_path, mon
     silent = tmp_path / "nothing"
     silent.write_text("#!/bin/sh\nexit 1\n")
     silent.chmod(0o755)
-    monkeypatch.setattr(drop_mod, "installed_release", None, raising=False)
     import tuner.engine as engine
 
     monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
