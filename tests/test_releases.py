@@ -191,8 +191,8 @@ def test_blocks_within_rounds_each_segment_to_the_granule():
 
 
 def test_default_block_size_is_64_from_0_34():
-    """vllm/config/cache.py DEFAULT_BLOCK_SIZE: 16 through 0.33, 64 in 0.34 (attention models; MLA and hybrid
-    models keep their plugin's sizing)."""
+    """vllm/config/cache.py DEFAULT_BLOCK_SIZE: 16 through 0.33, 64 in 0.34 (a hybrid model's floor; MLA models
+    keep their plugin's sizing)."""
     from types import SimpleNamespace
 
     from tuner.job import default_block_size
@@ -202,7 +202,7 @@ def test_default_block_size_is_64_from_0_34():
     assert default_block_size(era_for("0.34.0"), dense, plain) == 64
     assert default_block_size(era_for("0.33.0"), dense, plain) is None
     assert default_block_size(era_for("0.34.0"), mla, plain) is None
-    assert default_block_size(era_for("0.34.0"), dense, hybrid) is None
+    assert default_block_size(era_for("0.34.0"), dense, hybrid) == 64  # the floor of the aligned block
 
 
 def test_no_enable_extensible_kv_cache_is_read_and_refused_before_0_34():

@@ -511,14 +511,14 @@ DEFAULT_BLOCK_SIZE_0_34 = 64
 
 def default_block_size(era: Any, spec: Any, plugin: Any) -> int | None:
     """The block size a drop without ``block_size`` gets before the plugin's own rules: None (the
-    plugin's default, 16) through 0.33; 64 from 0.34 for attention models whose plugin does not
-    size blocks itself — MLA models (a ``kv_lora_rank`` in the config: the MLA backends' own sizes)
-    and hybrid models (``mamba_prefix_caching_mode``: the attention block aligned to the state page)
-    keep theirs."""
+    plugin's default, 16) through 0.33; 64 from 0.34. Hybrid models take it as the floor of the
+    attention block aligned to the state page, as vLLM does (``Platform._align_hybrid_block_size``:
+    ``if cache_config.block_size < attn_block_size``). MLA models (a ``kv_lora_rank`` in the config)
+    keep their plugin's backend sizes (FlashMLA 64, CUTLASS MLA 128; not re-read for 0.34's default)."""
     if era.engine != "V1" or era.version < (0, 34, 0):
         return None
     raw = getattr(spec, "raw", None) or {}
-    if raw.get("kv_lora_rank") or getattr(plugin, "mamba_prefix_caching_mode", None) is not None:
+    if raw.get("kv_lora_rank"):
         return None
     return DEFAULT_BLOCK_SIZE_0_34
 
