@@ -200,7 +200,9 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the newest modelled release (:func:`tuner.eras.resolve_release`; a newer one is answered with the
-    newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``.
+    newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
+    ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
+    hold at start, the drop field of that name.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -337,6 +339,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "not_modelled": unmodelled,
         "drop": {k: v for k, v in d.items()},
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+        "assumptions": list(doc.get("assumptions") or []),
     }
     return CheckResult(starts, out, e)
 
@@ -385,9 +388,10 @@ def render(res: CheckResult) -> str:
     d = res.doc
     n = d["numbers"]
     read = d["read"]
+    from tuner.devices import device_label
+
     lines = [f"check: {d['command']}",
-             f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
-             f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+             f"model {d['model']} (plugin {d['plugin']}), device {device_label(d['device'])}, vLLM {d['era']}"]
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"

@@ -905,6 +905,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
             "engine_version": d.engine_version, "release_assumed": base.get("release_assumed"),
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
+            "assumptions": list(base.get("assumptions") or []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "pass_source": base.get("pass_source"), "explanations": explanations}
 
