@@ -294,3 +294,16 @@ def test_drop_without_engine_version_takes_the_worker_pythons_vllm(tmp_path, mon
     monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
     monkeypatch.setenv("CTX_TUNER_WORKER_PYTHON", str(silent))
     assert drop_mod.parse_drop(text, "t.yaml").release_assumed["kind"] == "newest_modelled"
+
+
+def test_extensible_margin_floor_is_3_gib_on_rocm():
+    """KV_CACHE_MARGIN_FLOOR_BYTES = (3 if current_platform.is_rocm() else 1) << 30 (0.34)."""
+    from tuner.budget import Topology, extensible_kv_budget, platform_of
+
+    assert platform_of(Topology(interconnect="xgmi")) == "rocm" and platform_of(Topology()) == "cuda"
+    kw = dict(total_memory_bytes=192 * GiB, gpu_memory_utilization=1.0, weights_bytes=15 * GiB,
+              activation_peak_bytes=GiB, non_torch_bytes=0, cuda_graph_bytes=0, baseline_bytes=0)
+    cuda = extensible_kv_budget(era_for("0.34.0"), **kw)
+    rocm = extensible_kv_budget(era_for("0.34.0"), **kw, platform="rocm")
+    assert (cuda.margin_bytes, rocm.margin_bytes) == (GiB, 3 * GiB)
+    assert cuda.available_kv_cache_bytes - rocm.available_kv_cache_bytes == 2 * GiB
