@@ -135,10 +135,10 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                             "(the drop default)")
         else:
             warnings.append(f"--engine-version not given: checked against the {why}")
+    local = models_dir_config(sa.model, models_dir)
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled,
-                                    extra_not_modelled=extra_not_modelled,
-                                    model=models_dir_config(sa.model, models_dir))
+                                    extra_not_modelled=extra_not_modelled, model=local)
     label = label or config_file or "vllm serve"
     drop = build_drop(sa, d, label=label)
     from tuner.explain import prepare
@@ -162,7 +162,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         raise CheckInputError(exc.message, where=spelled_for_field(sa, exc.field) or exc.field) from None
     e = doc["explanations"][0]
     values = dict(sa.values)
-    model = doc["model"]
+    model = sa.model if local else doc["model"]  # --models-dir: the lines name the HF id, as deployed
     picked = m
     reason = e.get("reason") if not e["starts"] else None
     starts = bool(e["starts"])
@@ -203,7 +203,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "starts": starts,
         "engine_error": reason,
         "model": model,
-        "model_path": model,
+        "model_path": doc["model"],
         "device": doc["device"],
         "engine_version": engine_version,
         "era": doc["era"],
