@@ -40,6 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "production-stack or llm-d Helm values, KServe resources, docker compose files, vLLM "
                         "--config YAML): every vLLM container in them is checked; exit = the worst "
                         "(docs/deploy-files.md). Without --, existing *.yaml/*.yml files are read so anyway")
+    p.add_argument("--skip-non-vllm", action="store_true",
+                   help="with deploy files (hooks on every changed YAML): skip files that are not a deploy format "
+                        "or run no vLLM container instead of exit 2 (they are listed)")
     p.add_argument("--models-dir", default=None, metavar="DIR",
                    help="directory of <org>--<name>/config.json per HF id (as validate and import-log read)")
     p.add_argument("--device", type=_device, default=None,
@@ -177,15 +180,23 @@ def _run_deploy(args, files: list[str]) -> int:
         from tuner.worker import run_in_worker
 
         kw["worker"] = functools.partial(run_in_worker, python=python)
+    skipped: list = []
     verdicts, code = check_files(files, device=args.device, engine_version=args.engine_version,
+                                 skip_non_vllm=args.skip_non_vllm, skipped=skipped,
                                  timeout_s=args.timeout, variants=not args.no_variants,
                                  allow_unmodelled=args.allow_unmodelled, parser=make_parser(args.parser, python),
                                  models_dir=args.models_dir, **kw)
     if args.json:
-        print(json.dumps({"files": list(files), "workloads": [v.to_dict() for v in verdicts], "exit_code": code},
+        print(json.dumps({"files": list(files), "workloads": [v.to_dict() for v in verdicts],
+                          "skipped": [{"file": f, "why": why} for f, why in skipped], "exit_code": code},
                          indent=2, default=str))
     else:
-        print(render(verdicts))
+        for f, why in skipped:
+            print(f"skipped {f}: {why}")
+        if verdicts:
+            print(render(verdicts))
+        elif skipped:
+            print(f"no vLLM workload in {len(skipped)} file(s); exit {code}")
     return code
 
 

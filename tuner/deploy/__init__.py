@@ -115,7 +115,8 @@ def detect_format(docs: list[Any]) -> str:
             return "llm-d"
         if isinstance(d.get("services"), dict):
             return "compose"
-        if all(not isinstance(v, dict) or k.replace("_", "-") in _DICT_OPTIONS for k, v in d.items()):
+        if d and all(isinstance(k, str) and (not isinstance(v, dict) or k.replace("_", "-") in _DICT_OPTIONS)
+                     for k, v in d.items()) and _names_vllm_options(d):
             return "vllm-config"
     return "unknown"
 
@@ -126,6 +127,14 @@ _DICT_OPTIONS = {"speculative-config", "compilation-config", "hf-overrides", "kv
                  "model-loader-extra-config", "override-pooler-config", "pooler-config", "structured-outputs-config",
                  "additional-config", "attention-config", "override-attention-dtype", "lora-extra-vocab-size",
                  "default-mm-loras", "ep-config", "eplb-config", "logits-processors", "reasoning-config"}
+
+
+def _names_vllm_options(d: dict) -> bool:
+    """A flat mapping is a ``vllm serve --config`` file when it names the model or an option the
+    built-in parser knows (``max-model-len``, ``max_model_len``, ``tensor-parallel-size`` …)."""
+    from tuner.serve_args import flag_for
+
+    return any(k == "model" or flag_for(k.replace("-", "_")) is not None for k in d)
 
 
 def is_deploy_file(path: str) -> bool:

@@ -128,15 +128,26 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
 
 
 def check_files(paths: Sequence[str], *, device: Any = None, environ: dict | None = None,
+                skip_non_vllm: bool = False, skipped: list | None = None,
                 **kw: Any) -> tuple[list[WorkloadVerdict], int]:
-    """Every workload of every file (a file that cannot be read is one invalid-input verdict)."""
-    from tuner.deploy import DeployFileError, read_deploy_file
+    """Every workload of every file (a file that cannot be read is one invalid-input verdict).
+    ``skip_non_vllm`` (hooks on every changed YAML file): a file that is no deploy format ctx-tuner
+    reads, or has no vLLM container, is appended to ``skipped`` as ``(file, why)`` instead."""
+    from tuner.deploy import DeployFileError, detect_format, load_documents, read_deploy_file
 
     out: list[WorkloadVerdict] = []
     for p in paths:
         try:
             found = read_deploy_file(p, environ=environ)
         except DeployFileError as exc:
+            if skip_non_vllm and skipped is not None:
+                try:
+                    fmt = detect_format(load_documents(p))
+                except DeployFileError:
+                    fmt = None  # unreadable or not YAML: still an error
+                if fmt is not None and (fmt == "unknown" or "no vLLM container" in exc.message):
+                    skipped.append((p, exc.message))
+                    continue
             out.append(WorkloadVerdict(Workload(file=p, path="", argv=[], kind="?"), EXIT_INVALID, error=str(exc),
                                        error_type=type(exc).__name__))
             continue
