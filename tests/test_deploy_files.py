@@ -244,3 +244,43 @@ def test_unknown_production_stack_key_is_listed_as_ignored():
                     "values.yaml")
     assert w.argv == ["vllm", "serve", L8B, "--host", "0.0.0.0", "--port", "8000", "--max-model-len", "4096"]
     assert [i["flag"] for i in w.ignored] == ["vllmConfig.maxNumBatched"]
+
+
+def test_config_file_from_a_configmap_of_the_same_file(tmp_path):
+    p = _write(tmp_path, "deploy.yaml", f"""apiVersion: v1
+kind: ConfigMap
+metadata: {{name: vllm-config}}
+data:
+  vllm.yaml: |
+    model: {L8B}
+    max-model-len: 131072
+    gpu-memory-utilization: 0.25
+---
+apiVersion: batch/v1
+kind: Job
+metadata: {{name: once}}
+spec:
+  template:
+    spec:
+      containers:
+        - name: vllm
+          image: vllm/vllm-openai:v0.19.0
+          command: [vllm, serve, --config, /etc/vllm/vllm.yaml]
+""")
+    rc, doc, _ = deploy(p)
+    [w] = doc["workloads"]
+    assert w["where"] == f"{p}:Job/once:containers[0].command"
+    assert any("read from ConfigMap/vllm-config key vllm.yaml" in n for n in w["check"]["warnings"])
+    same_as_line(w, LONG_LINE)
+
+
+def test_a_workload_whose_job_fails_is_exit_1(monkeypatch):
+    from tuner.errors import WorkerError
+
+    def broken(request, **kw):
+        raise WorkerError("worker died", where="test")
+
+    monkeypatch.setattr("tuner.worker.run_in_worker", broken)
+    monkeypatch.chdir(FIX)
+    rc, doc, _ = deploy("vllm-config.yaml")
+    assert rc == 1 and doc["workloads"][0]["verdict"] == "failed" and "worker died" in doc["workloads"][0]["error"]
