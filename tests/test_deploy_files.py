@@ -284,3 +284,22 @@ def test_a_workload_whose_job_fails_is_exit_1(monkeypatch):
     monkeypatch.chdir(FIX)
     rc, doc, _ = deploy("vllm-config.yaml")
     assert rc == 1 and doc["workloads"][0]["verdict"] == "failed" and "worker died" in doc["workloads"][0]["error"]
+
+
+def test_ray_backend_spans_nodes_so_the_pod_gpu_count_does_not_refuse(tmp_path):
+    p = _write(tmp_path, "pod.yaml", POD.format(
+        args=f'"{L8B}", "-tp", "2", "--max-model-len", "8192", "--distributed-executor-backend", "ray"', env="",
+        gpus=1))
+    rc, doc, _ = deploy(p)
+    assert rc == 0 and doc["workloads"][0]["verdict"] == "starts"
+
+
+def test_vllm_additional_args_outside_kserve_is_listed_not_dropped(tmp_path):
+    p = _write(tmp_path, "pod.yaml", POD.format(args=f'"{L8B}", "--max-model-len", "8192"',
+                                                env="{name: VLLM_ADDITIONAL_ARGS, value: '--max-model-len 131072'}",
+                                                gpus=1))
+    rc, doc, _ = deploy(p)
+    w = doc["workloads"][0]
+    assert rc == 0 and w["check"]["max_model_len"] == 8192  # a plain Deployment: vLLM does not read it
+    [e] = [e for e in w["check"]["read"]["ignored"] if e["flag"] == "env VLLM_ADDITIONAL_ARGS"]
+    assert e["value"] == "--max-model-len 131072" and "vLLM itself does not read it" in e["note"]

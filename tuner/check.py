@@ -284,7 +284,9 @@ def render(res: CheckResult) -> str:
     for e in read["ignored"]:
         lines.append(f"ignored: {e['as_written']} ({e['note']})")
     for e in d["not_modelled"]:
-        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})")
+        src = e.get("source")
+        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})"
+                     + (f" [{src}]" if src and src != "command line" else ""))
     for e in read["unknown"]:
         lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
     for w in d["warnings"]:

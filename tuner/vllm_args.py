@@ -108,7 +108,10 @@ def env_not_modelled(env: Mapping[str, Any], *, source: str) -> tuple[list[NotMo
     out: list[NotModelled] = []
     ignored: list[dict] = []
     for name, value in env.items():
-        if name == ADDITIONAL_ARGS_ENV:
+        if name == ADDITIONAL_ARGS_ENV:  # read as arguments where a template expands it (the reader's notes say so)
+            ignored.append({"flag": f"env {name}", "value": value, "source": source, "as_written": f"{name}={value}",
+                            "note": "vLLM itself does not read it; KServe's and llm-d's templates append it to the "
+                                    "serve line (read so for their resources, see the notes)"})
             continue
         if _ENV_NO_EFFECT.match(name):
             if name.startswith("VLLM_"):

@@ -73,11 +73,17 @@ def workload_device(w: Workload, device: Any) -> tuple[Any, list[str]]:
     return device, []
 
 
-def gpu_count_refusal(w: Workload, values: dict) -> str | None:
+def gpu_count_refusal(w: Workload, values: dict, ignored: Sequence[dict] = ()) -> str | None:
     """vLLM's refusal when the pod has fewer GPUs than the world size (None when it has enough or
-    the manifest does not say, or the engine spans nodes)."""
+    the manifest does not say, or the engine spans nodes: ``--distributed-executor-backend ray`` or
+    ``--nnodes`` > 1, which the check's ``ignored`` list holds)."""
     if w.gpus is None:
         return None
+    for e in ignored:
+        if e.get("flag") == "--distributed-executor-backend" and str(e.get("value")) == "ray":
+            return None
+        if e.get("flag") == "--nnodes" and str(e.get("value") or "1") not in ("1", "None"):
+            return None
     tp = int(values.get("tensor_parallel_size") or 1)
     pp = int(values.get("pipeline_parallel_size") or 1)
     world = tp * pp
@@ -110,7 +116,8 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
     doc = res.doc
     doc["read"]["ignored"] = list(doc["read"].get("ignored") or []) + env_ignored + list(w.ignored)
     code = res.exit_code
-    refusal = gpu_count_refusal(w, {**(doc.get("drop") or {}), **(doc["read"].get("values") or {})})
+    refusal = gpu_count_refusal(w, {**(doc.get("drop") or {}), **(doc["read"].get("values") or {})},
+                                doc["read"]["ignored"])
     if refusal is not None:
         doc.update(verdict="does not start", starts=False, engine_error=refusal, nearest=[])
         doc["warnings"].append(f"the manifest gives the pod {w.gpus} GPU(s); vLLM refuses a larger world size "
