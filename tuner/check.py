@@ -105,7 +105,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
               progress: Callable[[str], None] | None = None, extra_not_modelled: Sequence[NotModelled] = (),
               models_dir: str | None = None, label: str | None = None,
-              notes: Sequence[str] = ()) -> CheckResult:
+              notes: Sequence[str] = (), other_processes_memory_gib: float | None = None) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the drop default.
@@ -139,6 +139,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled,
                                     extra_not_modelled=extra_not_modelled, model=local)
+    if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
+        d["other_processes_memory_gib"] = other_processes_memory_gib
     label = label or config_file or "vllm serve"
     drop = build_drop(sa, d, label=label)
     from tuner.explain import prepare

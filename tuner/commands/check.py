@@ -49,6 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
+    p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
+                   help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
+                        "other_processes_memory_gib); default: none, or with --device auto what NVML reports in use")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -103,6 +106,7 @@ def run(args) -> int:
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
+                        other_processes_memory_gib=args.other_processes_memory_gib,
                         parser=make_parser(args.parser, python), models_dir=args.models_dir, **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
@@ -185,7 +189,8 @@ def _run_deploy(args, files: list[str]) -> int:
                                  skip_non_vllm=args.skip_non_vllm, skipped=skipped,
                                  timeout_s=args.timeout, variants=not args.no_variants,
                                  allow_unmodelled=args.allow_unmodelled, parser=make_parser(args.parser, python),
-                                 models_dir=args.models_dir, **kw)
+                                 models_dir=args.models_dir,
+                                 other_processes_memory_gib=args.other_processes_memory_gib, **kw)
     if args.json:
         print(json.dumps({"files": list(files), "workloads": [v.to_dict() for v in verdicts],
                           "skipped": [{"file": f, "why": why} for f, why in skipped], "exit_code": code},
