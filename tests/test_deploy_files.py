@@ -303,3 +303,11 @@ def test_vllm_additional_args_outside_kserve_is_listed_not_dropped(tmp_path):
     assert rc == 0 and w["check"]["max_model_len"] == 8192  # a plain Deployment: vLLM does not read it
     [e] = [e for e in w["check"]["read"]["ignored"] if e["flag"] == "env VLLM_ADDITIONAL_ARGS"]
     assert e["value"] == "--max-model-len 131072" and "vLLM itself does not read it" in e["note"]
+
+
+def test_a_yaml_bomb_is_refused_as_invalid_input(tmp_path):
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]
+    p = _write(tmp_path, "bomb.yaml", "\n".join(lines) + "\n")
+    rc, doc, _ = deploy(p)
+    assert rc == 2 and "possible YAML bomb" in doc["workloads"][0]["error"]

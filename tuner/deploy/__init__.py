@@ -30,6 +30,9 @@ from tuner.errors import TunerError
 
 #: Largest deploy file read (``helm template`` output of a big chart fits easily).
 MAX_DEPLOY_BYTES = 4 * 1024 * 1024
+#: Most alias references (``*name``) a deploy file may use (compose's ``<<: *common`` needs a few;
+#: a "billion laughs" document needs many).
+MAX_ALIASES = 256
 
 
 class DeployFileError(TunerError):
@@ -90,12 +93,61 @@ def load_documents(path: str) -> list[Any]:
         raise DeployFileError(f"cannot read: {exc.strerror or exc}", where=path) from None
     except UnicodeDecodeError as exc:
         raise DeployFileError(f"not UTF-8 text: {exc}", where=path) from None
+    class _Loader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent, index):  # noqa: D401 - PyYAML hook: count alias references
+            if self.check_event(yaml.AliasEvent):
+                _Loader.aliases += 1
+                if _Loader.aliases > MAX_ALIASES:
+                    raise DeployFileError(f"more than {MAX_ALIASES} alias references (*name): refused as a possible "
+                                          "YAML bomb", where=path)
+            return super().compose_node(parent, index)
+
     try:
-        return [d for d in yaml.safe_load_all(text) if d is not None]
+        loader = _Loader(text)
+        docs = []
+        try:
+            while loader.check_node():
+                node = loader.get_node()
+                _check_size(node, path)
+                docs.append(loader.construct_document(node))
+        finally:
+            loader.dispose()
+        return [d for d in docs if d is not None]
     except yaml.YAMLError as exc:
         raise DeployFileError(f"not valid YAML: {exc}", where=path) from None
     except RecursionError:
         raise DeployFileError("nesting too deep", where=path) from None
+
+
+#: Most values one document may hold after alias expansion, and its deepest nesting.
+MAX_NODES, MAX_DEPTH = 1_000_000, 64
+
+
+def _check_size(root: Any, path: str) -> None:
+    """Refuse a document whose alias expansion is huge (a "billion laughs") or nests too deep."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+
+    def size(node: Any, depth: int) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if depth > MAX_DEPTH:
+            raise DeployFileError(f"nesting deeper than {MAX_DEPTH} levels", where=path)
+        total = 1
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [x for kv in node.value for x in kv] if isinstance(node, yaml.MappingNode) else [])
+        for child in children:
+            total += size(child, depth + 1)
+            if total > MAX_NODES:
+                raise DeployFileError(f"more than {MAX_NODES:,} values after alias expansion: refused as a possible "
+                                      "YAML bomb", where=path)
+        sizes[id(node)] = total
+        return total
+
+    size(root, 0)
 
 
 def detect_format(docs: list[Any]) -> str:

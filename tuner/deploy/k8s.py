@@ -14,6 +14,7 @@ holds (by key) is read from that ConfigMap. KServe and llm-d resources go to the
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from typing import Any, Mapping
@@ -83,6 +84,13 @@ def product_from_terms(terms: Any) -> str | None:
     return None
 
 
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def config_maps(docs: list[Any]) -> dict[str, dict[str, str]]:
     """``{ConfigMap name: data}`` of a file's ConfigMaps."""
     out = {}
@@ -106,6 +114,7 @@ def _config_from_maps(argv: list[str], maps: dict[str, dict[str, str]], notes: l
             fd, tmp = tempfile.mkstemp(prefix="ctx-tuner-cm-", suffix="-" + name)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(data[name])
+            atexit.register(_remove, tmp)
             notes.append(f"--config {argv[i + 1]}: read from ConfigMap/{cm} key {name} in the same file")
             return argv[:i] + argv[i + 2:], tmp
     notes.append(f"--config {argv[i + 1]}: no ConfigMap in the file holds {name}; the container's file is not "
