@@ -1,7 +1,9 @@
 """``ctx-tuner check``: will this ``vllm serve`` line (or ``--config`` YAML) start?
 
-serve line / config → :mod:`tuner.serve_args` (the parsing seam) → the equivalent drop (validated
-by :func:`tuner.drop.parse_drop`, so every rule a drop file obeys applies) → the same worker job
+serve line / config (or a deploy file's container, :mod:`tuner.deploy`) → :mod:`tuner.serve_args`
+(the parsing seam) → the equivalent drop through the one mapping :mod:`tuner.vllm_args` (validated
+by :func:`tuner.drop.parse_drop`, so every rule a drop file obeys applies; what it does not model is
+named in ``not_modelled``) → the same worker job
 ``explain`` runs for that drop at the line's ``gpu_memory_utilization`` and ``max_model_len`` →
 "starts" / "does not start", the engine's own error text, the budget behind it and the nearest
 settings that start, each as a ``vllm serve`` line. Never imports torch or vLLM.
@@ -21,10 +23,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import yaml
 
 from tuner.drop import _FIELDS_BY_NAME
-from tuner.errors import DropError, TunerError
+from tuner.errors import DropError
 from tuner.serve_args import AUTO, ServeParser
 from tuner.vllm_args import (ArgsInputError, NotModelled, build_drop, equivalent_drop, parse_line,
                              spelled_for_field)
