@@ -311,3 +311,36 @@ def test_a_yaml_bomb_is_refused_as_invalid_input(tmp_path):
     p = _write(tmp_path, "bomb.yaml", "\n".join(lines) + "\n")
     rc, doc, _ = deploy(p)
     assert rc == 2 and "possible YAML bomb" in doc["workloads"][0]["error"]
+
+
+def test_every_kubernetes_kind_keeps_its_pod_template_where_the_api_says(tmp_path):
+    from tuner.deploy import read_deploy_file
+
+    c = "{containers: [{name: v, image: 'vllm/vllm-openai:v0.19.0', args: [m/x, --max-model-len, '1024']}]}"
+    p = _write(tmp_path, "all.yaml", f"""apiVersion: v1
+kind: List
+items:
+  - {{apiVersion: batch/v1, kind: CronJob, metadata: {{name: cj}}, spec: {{jobTemplate: {{spec: {{template: {{spec: {c}}}}}}}}}}}
+  - {{apiVersion: apps/v1, kind: DaemonSet, metadata: {{name: ds}}, spec: {{template: {{spec: {c}}}}}}}
+---
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+metadata: {{name: lws}}
+spec: {{leaderWorkerTemplate: {{leaderTemplate: {{spec: {c}}}, workerTemplate: {{spec: {{containers: [{{name: w, image: busybox}}]}}}}}}}}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: ModelService
+metadata: {{name: ms}}
+spec:
+  modelArtifacts: {{uri: "hf://m/y"}}
+  decode:
+    parallelism: {{tensor: 2}}
+    containers: [{{name: vllm, modelCommand: vllmServe, args: [--max-model-len, "2048"]}}]
+""")
+    ws = read_deploy_file(str(p))
+    assert [w.path for w in ws] == ["CronJob/cj:containers[0].args", "DaemonSet/ds:containers[0].args",
+                                    "LeaderWorkerSet/lws:leaderTemplate:containers[0].args",
+                                    "ModelService/ms:decode:containers[0].args"]
+    assert ws[0].argv == ["vllm", "serve", "m/x", "--max-model-len", "1024"]
+    assert ws[3].argv == ["vllm", "serve", "m/y", "--port", "8000", "--tensor-parallel-size", "2",
+                          "--max-model-len", "2048"]
