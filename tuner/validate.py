@@ -375,6 +375,11 @@ def render(report: dict) -> str:
                   f"{len(report.get('calibration_better') or [])} better, {len(report.get('calibration_worse') or [])} worse"]
     for c in s["could_not_run"]:
         lines.append(f"could not run: {c['id']}: {c['reason']}")
+    for r in report["cases"]:  # the case's arguments ctx-tuner does not model (tuner.vllm_args): named, not dropped
+        if r.get("not_modelled"):
+            lines.append(f"not modelled: {r['id']}: " + ", ".join(
+                f"{n['argument']} {n['value']!r}" if not isinstance(n["value"], (dict, list)) else n["argument"]
+                for n in r["not_modelled"]))
     return "\n".join(lines)
 
 
