@@ -79,16 +79,19 @@ def test_no_effect_arguments_say_so_and_do_not_widen():
 
 
 def test_validate_lists_unknown_case_settings_instead_of_dropping_them():
-    from tuner.validate import unmodelled_inputs
+    from types import SimpleNamespace
 
-    case = {"id": "x", "vllm_version": "0.21.0", "settings": {
-        "max_model_len": 16384, "kv_transfer_config": {"kv_connector": "LMCacheConnectorV1"}, "port": None,
-        "env_VLLM_PP_LAYER_PARTITION": "30,31", "non_default_args": {"port": 8000, "model": "m"}}}
-    got = {u["name"]: u for u in unmodelled_inputs(case)}
+    from tuner.validate import unmodelled_inputs
+    from tuner.vllm_args import NotModelled
+
+    mapped = SimpleNamespace(not_modelled=[
+        NotModelled("--kv-transfer-config", {"kv_connector": "LMCacheConnectorV1"}, "a KV connector", "case x"),
+        NotModelled("env VLLM_PP_LAYER_PARTITION", "30,31", "layer split", "case x")],
+        args=SimpleNamespace(ignored=[{"flag": "--port", "value": 8000, "note": "no effect on start-up memory"}]))
+    got = {u["name"]: u for u in unmodelled_inputs({"id": "x", "vllm_version": "0.21.0", "settings": {}}, mapped)}
     assert got["kv_transfer_config"]["effect"] == "widens"
     assert got["env_VLLM_PP_LAYER_PARTITION"]["where"] == "environment"
-    assert got["port"]["effect"] == "no effect on memory"  # from non_default_args
-    assert "max_model_len" not in got
+    assert got["port"]["effect"] == "no effect on memory"
     assert unmodelled_inputs({"id": "y", "vllm_version": None, "raw_lines": [], "settings": {}})[0]["kind"] == \
         "release_not_stated"
 

@@ -274,7 +274,9 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         ModelConfigError: the model's config.json cannot be found offline.
         DeviceError, WorkerError, StoreError, TunerError: as their names say; nothing is written.
     """
-    drop = load_drop(drop_path)
+    from tuner.vllm_args import from_drop_file
+
+    drop = from_drop_file(drop_path).drop  # a drop's fields: the one mapping's drop source
     if risk is not None:
         import dataclasses
 
