@@ -291,9 +291,11 @@ def unmodelled_for_job(sa: ServeArgs, unmodelled: Sequence[dict]) -> list[dict]:
 
     out = []
     def name_of(x: dict) -> str:
-        return str(x.get("flag") or x.get("as_written") or "").split()[0].lstrip("-").split("=")[0].replace("-", "_")
+        text = str(x.get("argument") or x.get("flag") or x.get("as_written") or "").replace("env ", "env_", 1)
+        return text.split()[0].lstrip("-").split("=")[0].replace("-", "_")
 
     for x in unmodelled:
+        x = x.to_dict() if hasattr(x, "to_dict") else dict(x)  # a tuner.vllm_args.NotModelled
         name = name_of(x)
         out.append(classify_setting(name, x.get("value"), where="command line", note=str(x.get("note") or "")).to_dict())
     for x in getattr(sa, "ignored", None) or []:

@@ -29,7 +29,7 @@ from typing import Iterable, Mapping, Sequence
 from tuner.uncertainty import PARAMETERS
 
 #: Share of the training rows whose observation the interval must hold.
-COVERAGE_TARGET = 0.94
+COVERAGE_TARGET = 0.93
 #: Share of the training rows allowed a safe end above the observation by more than 1 %.
 UNSAFE_TARGET = 0.02
 

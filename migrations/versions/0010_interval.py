@@ -6,7 +6,7 @@ and ``num_gpu_blocks_low``/``_high``; ``proposals`` gains the same KV bytes and 
 ``max_model_len_safe`` and ``max_model_len_expected``. Null for rows stored before this revision.
 
 Revision ID: 0010
-Revises: 0009
+Revises: 0012 (chained after main's 0012 at the merge; the lead may re-number)
 Create Date: 2026-12-06
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0010"
-down_revision: Union[str, Sequence[str], None] = "0009"
+down_revision: Union[str, Sequence[str], None] = "0012"
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
