@@ -385,7 +385,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         import dataclasses
 
         budgets = [dataclasses.replace(b, available_kv_cache_bytes=int(layout.kv_cache_memory_bytes)) for b in budgets]
-    reason, blocks, tokens, conc, worst, own_blocks = _size(era, layout, budgets, m, n)
+    reason, blocks, tokens, conc, worst, own_blocks = _size(era, layout, budgets, m, n, u)
     if reason is None and era.engine == "V1":
         reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
     other = None  # refusals that do not depend on the KV bytes
@@ -407,7 +407,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     starts = reason is None
     if starts and conc < min_concurrency:
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
-    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs)
+    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
     b = budgets[worst]
     ca, cn, cg = corrs[worst]
     stages = ()
@@ -438,7 +438,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
 
 
 def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[int], m: int, n: int,
-              other_refusal: str | None, min_concurrency: float, max_num_seqs: int) -> dict:
+              other_refusal: str | None, min_concurrency: float, max_num_seqs: int, u: float) -> dict:
     """The candidate's interval (:mod:`tuner.uncertainty`): each stage's term bands, its KV bytes at
     the low (safe) and high ends, and the release's sizing at both ends (blocks, tokens,
     concurrency, whether it starts); the bands of the stage that limits at the safe end."""
@@ -457,7 +457,7 @@ def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[in
     out: dict = {}
     for end, k in (("low", 0), ("high", 1)):
         shifted = [dataclasses.replace(b, available_kv_cache_bytes=int(e[k])) for b, e in zip(budgets, ends)]
-        reason, blocks, tokens, conc, worst, _own = _size(era, layout, shifted, m, n)
+        reason, blocks, tokens, conc, worst, _own = _size(era, layout, shifted, m, n, u)
         if reason is None and era.engine == "V1":
             reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=max_num_seqs, num_blocks=blocks)
         starts = reason is None and other_refusal is None
@@ -470,7 +470,7 @@ def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[in
     return out
 
 
-def _size(era: Era, layout: Layout, budgets: Sequence, m: int, n: int) -> tuple:
+def _size(era: Era, layout: Layout, budgets: Sequence, m: int, n: int, u: float) -> tuple:
     """The release's KV sizing of per-stage budgets at ``max_model_len`` ``m`` and ``n`` batched
     tokens: ``(reason, blocks, tokens, concurrency, worst stage, each stage's own blocks)``
     (the expected budget and, for the interval, its low and high ends)."""
