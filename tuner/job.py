@@ -482,6 +482,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     out = job_result(
         method=method, calibration=calibration, layout=layout, measured=measured, model=model, warnings=warnings,
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
+        assumptions=list(ranks.assumptions),
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     if pass_memo is None and memoizable and memo_entries:
@@ -552,6 +553,24 @@ class Ranks:
     pp: int
     #: the cache dtype the release runs (:func:`_kv_cache_dtype`: ``auto`` resolved from a ModelOpt checkpoint).
     kv_cache_dtype: str = "auto"
+    #: what was assumed for inputs the drop leaves open (``{"name", "value", "why"}`` each), reported
+    #: with the result under ``assumptions`` (:func:`job_result`).
+    assumptions: tuple = ()
+
+
+def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
+    """The drop's ``env`` (vLLM environment variables); each one no rule reads is named in
+    ``warnings`` as not modelled (:data:`tuner.drop.MODELLED_ENV`)."""
+    from tuner.drop import MODELLED_ENV
+
+    env = dict((drop.get("env") if isinstance(drop, dict) else drop.env) or {})
+    if warnings is not None:
+        for name in sorted(env):
+            if name not in MODELLED_ENV:
+                note = f"env {name}={env[name]!r} is not modelled: no rule reads it"
+                if note not in warnings:
+                    warnings.append(note)
+    return env
 
 
 def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnings: list[str]) -> Ranks:
@@ -564,6 +583,12 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
+    env = drop_env(drop, warnings)
+    from tuner.eras import sampler_path
+
+    sampler = sampler_path(era, flashinfer_installed=drop.flashinfer_installed,
+                           use_flashinfer_sampler=env.get("VLLM_USE_FLASHINFER_SAMPLER"))
+    assumptions = (sampler.assumption,) if sampler.assumption else ()
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
                      block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
@@ -573,14 +598,18 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      enable_expert_parallel=bool(drop.enable_expert_parallel),
                      max_model_len=max(drop.candidates.max_model_len or [model_max_len(spec)[0]]),
                      num_speculative_tokens=num_speculative_tokens(drop, era),
-                     mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings))
+                     mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings),
+                     flashinfer_sampler=sampler.flashinfer if era.engine == "V1" and era.version < (0, 17, 0)
+                     else None)
         for r in range(pp)
     ]
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
                           kv_heads=per_head_kv_totals(plugin, spec, stages[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=path)
     check_draft_tensor_parallel_size(drop.speculative_config, tensor_parallel_size=tp, engine=era.engine, path=path)
-    return Ranks(dtype, stages, tp, pp, kv_dtype)
+    for a in assumptions:
+        warnings.append(f"assumed {a['name']} = {str(a['value']).lower()}: {a['why']}")
+    return Ranks(dtype, stages, tp, pp, kv_dtype, assumptions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -970,7 +999,7 @@ def measure(req: "JobRequest", era: Any, method: str, passes: Passes, candidates
 def job_result(*, method: str, calibration: dict, layout: Layout, measured: list, model: LoadedModel,
                warnings: list[str], sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
                candidates: list[dict], proposals: list[dict], versions: dict, elapsed_s: float,
-               total: int) -> dict[str, Any]:
+               total: int, assumptions: list | None = None) -> dict[str, Any]:
     """Stage 11: the job's :class:`tuner.protocol.JobResult`, as its wire object (each candidate and
     proposal with its ``budget`` ledger, sources from ``term_sources``)."""
     from tuner.protocol import JobResult
@@ -983,6 +1012,8 @@ def job_result(*, method: str, calibration: dict, layout: Layout, measured: list
         "model": model.spec.to_dict(),
         "plugin": model.plugin.name,
         "warnings": warnings,
+        # inputs the drop left open and what was assumed for them ({name, value, why})
+        "assumptions": list(assumptions or []),
         "term_sources": sources,
         "engine_check": engine_use.report if engine_use is not None else None,
         "era": era.name,

@@ -51,6 +51,7 @@ class RankSettings:
             Mamba / DeltaNet conv state keeps ``k − 1 + num_speculative_tokens`` columns.
         mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode`` for hybrid models (``"none"``,
             ``"align"`` with prefix caching; ``None`` = the release's default, ``"none"``).
+        flashinfer_sampler: the dummy sampler runs FlashInfer (see the field).
     """
 
     engine_version: str
@@ -72,6 +73,9 @@ class RankSettings:
     max_model_len: int | None = None
     num_speculative_tokens: int = 0
     mamba_cache_mode: str | None = None
+    #: the V1 dummy sampler's top-k/top-p path, 0.8–0.16 (:func:`tuner.eras.sampler_path`): True
+    #: FlashInfer, False PyTorch's sort, None what a ``pip install`` of the release runs.
+    flashinfer_sampler: bool | None = None
 
 
 class ModelPlugin:

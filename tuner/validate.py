@@ -131,6 +131,14 @@ def _hf_overrides(settings: dict) -> dict | None:
     return out or None
 
 
+def case_env(settings: dict) -> dict | None:
+    """A case's environment variables (``env_NAME`` settings, cases/README.md) as a drop's
+    ``env``."""
+    out = {k[len("env_"):]: ("1" if v is True else "0" if v is False else str(v))
+           for k, v in (settings or {}).items() if k.startswith("env_") and v is not None}
+    return out or None
+
+
 def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None = None) -> dict:
     """The job request (:func:`tuner.job.run_job`) that reproduces one case: its release, engine,
     device total, dtype, KV dtype, quantization, TP/PP and settings, one candidate
@@ -164,6 +172,9 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
                 data_parallel_size=int(s.get("data_parallel_size") or 1),
                 enable_expert_parallel=bool(s.get("enable_expert_parallel")),
                 speculative_config=_speculative(s.get("speculative_config")), hf_overrides=_hf_overrides(s),
+                env=case_env(s), flashinfer_installed=logparse.flashinfer_installed(
+                    list(case.get("raw_lines") or []) + [case.get("notes"), case.get("source_context")]),
+                kv_cache_memory_bytes=s.get("kv_cache_memory_bytes"),
                 entry_point="serve",
                 candidates=Candidates(gpu_memory_utilization=(u,) if u else (), max_model_len=(max_model_len,)))
     draft_path = draft_error = None

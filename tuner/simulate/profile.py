@@ -111,7 +111,8 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
             before_sampler = tracker.live_bytes
             tracker.reset_peak()
             if last:
-                run_dummy_sampler(sampler_family(era, model_runner_v2=model_runner_v2), model, out, num_reqs=r,
+                run_dummy_sampler(sampler_family(era, model_runner_v2=model_runner_v2,
+                                                 flashinfer=settings.flashinfer_sampler), model, out, num_reqs=r,
                                   num_sms=num_sms, version=era.version.key)
             sampler_peak = tracker.peak_bytes - before_sampler
             del out
