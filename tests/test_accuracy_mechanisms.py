@@ -86,3 +86,21 @@ def test_flashinfer_missing_line_read_from_log():
                                  "available. Falling back to the PyTorch-native implementation"]) is False
     assert flashinfer_installed(["INFO [cuda.py:1] Using FlashInfer backend."]) is True
     assert flashinfer_installed(["Model loading took 14.2488 GiB"]) is None
+
+
+# --- 3. non-torch memory under TP in older eras ------------------------------------------------
+
+def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
+    """V0 0.6.4 (vllm/worker/worker.py: non_torch = (T − free) − allocated, whole GPU): the TP
+    group's buffers count by topology. 2x RTX 4090 over PCIe without P2P (custom all-reduce off,
+    no NVSwitch): 0.35 GiB + the NCCL communicator's 0.12 GiB, where a flat 1.8 GiB was charged
+    (the log prints 0.25 GiB); on H100 NVSwitch the NVLink buffers stay (1.82 GiB at TP2)."""
+    from tuner.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
+
+    pcie = Topology(interconnect="pcie", p2p=False, compute_capability="8.9")
+    assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2, topology=pcie) == (
+        int(0.35 * GiB) + int(0.12 * GiB))
+    assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2) == (
+        int(0.35 * GiB) + int((1.82 + 0.12) * GiB) + CUSTOM_ALL_REDUCE_META_SIZE + 2 * 8 * 1024 * 1024)
+    assert non_torch_bytes(era_for("0.6.5", "V0"), tensor_parallel_size=2, topology=pcie) == (
+        int(1.79 * GiB) + int(0.12 * GiB))

@@ -195,15 +195,25 @@ def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
     return int(out * GiB)
 
 
+def tp_group_bytes(era: Era, world_size: int, topology: Topology) -> int:
+    """A TP group's communication memory where the era charges all of it (V0 and V1 ≤ 0.10, whose
+    snapshot precedes ``init_worker_distributed_environment``, and the whole-GPU formulas): NCCL's
+    buffers by fabric (:func:`nccl_profile_bytes`) and vLLM's custom all-reduce and symmetric-memory
+    buffers where they come up (:func:`custom_all_reduce_buffer_bytes`, :func:`symm_mem_buffer_bytes`)."""
+    return (nccl_profile_bytes(era, world_size, topology) + custom_all_reduce_buffer_bytes(era, world_size, topology)
+            + symm_mem_buffer_bytes(era, world_size, topology))
+
+
 def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                     topology: Topology | None = None) -> int:
     """Non-torch memory the era charges to the instance (bytes, per rank).
 
     What it contains depends on the era (reference §8):
     - V0 0.6.4 and V1 0.7–0.9.0 count everything used on the GPU outside torch's allocations,
-      the CUDA context included: 0.35 GiB on one RTX 3090 (case vllm-10517, 0.6.4).
-    - V0 0.6.5–0.6.6 charge NCCL and workspaces since init: 1.79 GiB TP1, 3.58 GiB TP2
-      (PR #10511 sanity log, reference §7A).
+      the CUDA context included: 0.35 GiB on one RTX 3090 (case vllm-10517, 0.6.4); TP ≥ 2 adds the
+      group's buffers by topology (:func:`tp_group_bytes`), not a flat charge.
+    - V0 0.6.5–0.6.6 charge NCCL and workspaces since init: 1.79 GiB TP1, + the TP group's buffers
+      by topology (3.58 GiB at TP2 on H100 NVSwitch, PR #10511 sanity log, reference §7A).
     - V1 0.9.1–0.10.x at TP1: :data:`V1_0910_TP1_NON_TORCH_GIB` (module loads only).
     - V0 ≤0.6.3 charges the free-memory drop since init: not the CUDA context (created before the
       baseline) but the torch cache the profile leaves (no ``empty_cache``), cuBLAS and NCCL;
@@ -221,10 +231,14 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
     v = era.version
     f = era.budget_formula
     if f in (V0_WHOLE_GPU, V1_WHOLE_GPU, V0_FREE_DELTA):
-        base = 0.35 * GiB
-        return int(base + (1.8 * GiB if tp > 1 else 0))
+        # whole-GPU formulas: the TP group's NCCL and custom all-reduce buffers count wherever they
+        # are, by topology (no longer a flat 1.8 GiB: 2x RTX 4090 over PCIe print 0.25 GiB in all)
+        base = int(0.35 * GiB)
+        return base + (tp_group_bytes(era, tp, topo) if tp > 1 else 0)
     if f == V0_PROFILING and v < (0, 7, 0):
-        return int(1.79 * GiB * (2 if tp > 1 else 1))
+        # 0.6.5-0.6.6: 1.79 GiB at TP1; the TP group's buffers by topology (the PR #10511 H100 TP2 log's
+        # 3.58 GiB = 1.79 + 1.79 on NVSwitch)
+        return int(1.79 * GiB) + (tp_group_bytes(era, tp, topo) if tp > 1 else 0)
     if f == V0_PROFILING:
         base = int(0.25 * GiB)
     elif v < (0, 11, 0):
