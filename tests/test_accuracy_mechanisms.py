@@ -104,3 +104,37 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
         int(0.35 * GiB) + int((1.82 + 0.12) * GiB) + CUSTOM_ALL_REDUCE_META_SIZE + 2 * 8 * 1024 * 1024)
     assert non_torch_bytes(era_for("0.6.5", "V0"), tensor_parallel_size=2, topology=pcie) == (
         int(1.79 * GiB) + int(0.12 * GiB))
+
+
+# --- 4. MoE activation under data parallelism ---------------------------------------------------
+
+def _moe_peak(version: str, dp: int, n: int = 512, h: int = 256, i: int = 128, e: int = 16, k: int = 2) -> tuple[int, int]:
+    from tuner.simulate.moe import FusedMoE, expert_layout
+
+    with torch.device("meta"), expert_layout(1, dp, True):
+        moe = FusedMoE(h, i, e, k, torch.bfloat16, engine_version=version, global_num_experts=e)
+        x = torch.empty(n, h, dtype=torch.bfloat16)
+        logits = torch.empty(n, e, dtype=torch.bfloat16)
+        with torch.no_grad(), MemoryTracker() as t:
+            out = moe(x, logits)
+            shape = tuple(out.shape)
+            del out
+    assert shape == (n, h)  # back to this rank's tokens
+    return t.peak_bytes, moe.num_experts
+
+
+def test_moe_under_data_parallelism_ran_on_one_ranks_tokens():
+    """vllm/model_executor/layers/fused_moe/layer.py ``forward_impl`` (0.10.1.1): with dp_size > 1
+    ``get_ep_group().dispatch`` hands every rank all DP ranks' tokens — the naive backend
+    (all2all.py ``naive_multicast``, default ≤ 0.10.2) into new ``[dp·N, H]`` / ``[dp·N, E]``
+    buffers — so the fused experts' caches are sized on dp × N (65,536 tokens for DP 8 at N 8192),
+    where a pass sized them on N; combine all-reduces out of place (another ``[dp·N, H]``)."""
+    n, h, i, e, k = 512, 256, 128, 16, 2
+    one, experts1 = _moe_peak("0.10.1", 1, n, h, i, e, k)
+    eight, experts8 = _moe_peak("0.10.1", 8, n, h, i, e, k)
+    assert experts1 == e and experts8 == e // 8  # expert parallelism: E / (dp · tp) experts per rank
+    # dp 1, m = 512: top-k weights/ids/indices 3 · m·k·4 = 12,288; cache13 m·k·max(2I, H)·2 = 524,288;
+    # cache2 m·k·I·2 = 262,144; output [m, H] 262,144; align buffers 9,216
+    assert one == 12_288 + 524_288 + 262_144 + 262_144 + 9_216 == 1_070_080
+    # dp 8, m = 4096: + the dispatched [m, H] and [m, E] (2,097,152 + 131,072), every buffer on m
+    assert eight == (2_097_152 + 131_072) + 98_304 + (4_194_304 + 2_097_152) + 2_097_152 + 38_400 == 10_753_536
