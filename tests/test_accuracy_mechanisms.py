@@ -138,3 +138,27 @@ def test_moe_under_data_parallelism_ran_on_one_ranks_tokens():
     assert one == 12_288 + 524_288 + 262_144 + 262_144 + 9_216 == 1_070_080
     # dp 8, m = 4096: + the dispatched [m, H] and [m, E] (2,097,152 + 131,072), every buffer on m
     assert eight == (2_097_152 + 131_072) + 98_304 + (4_194_304 + 2_097_152) + 2_097_152 + 38_400 == 10_753_536
+
+
+# --- 2. the CUDA-graph estimate from 0.20 --------------------------------------------------------
+
+def test_cudagraph_estimate_counted_piecewise_graphs_only():
+    """vllm/v1/worker/gpu_model_runner.py ``profile_cudagraph_memory`` (0.19, 0.20): per mode,
+    first capture + (n − 1) × the second capture's growth, modes added; under FULL_AND_PIECEWISE
+    (vllm/v1/cudagraph_dispatcher.py ``initialize_cudagraph_keys``) FULL graphs are the capture
+    sizes in [q, q · max_num_seqs]. At 256 sequences (vLLM 0.21 on an RTX A5000 prints
+    "PIECEWISE=51 (largest=512), FULL=35 (largest=256)") the estimate is 86/102 of the anchor's
+    (51 + 51 graphs at 1024 sequences), where it was taken as 51/51."""
+    from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
+
+    e = era_for("0.21.0")
+    sizes = cudagraph_capture_sizes(e, 256, 2048)
+    assert len(sizes) == 51 and max(sizes) == 512
+    assert len(full_decode_capture_sizes(sizes, 256)) == 35
+    anchor = cudagraph_estimate_bytes(e, num_layers=36, max_num_seqs=1024, max_num_batched_tokens=8192,
+                                      hidden_size=4096)
+    small = cudagraph_estimate_bytes(e, num_layers=36, max_num_seqs=256, max_num_batched_tokens=2048,
+                                     hidden_size=4096)
+    assert abs(small - anchor * 86 / 102) <= 1  # both truncated from the same float
+    # MTP with 3 draft tokens (q = 4) at 2 sequences: FULL graphs only for 4 and 8 tokens
+    assert full_decode_capture_sizes([1, 2, 4, 8, 16], 2, 3) == [4, 8]

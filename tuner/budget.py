@@ -520,9 +520,11 @@ def cudagraph_estimate_bytes(
     CodeLlama-7B, Qwen3-8B, Gemma-2-9B and Mistral-Small-24B all print 0.84), proportional below
     with a 0.5 GiB floor (Gemma-2-2B 0.52, 8-16-layer pipeline stages 0.49-0.54), +1.5 GiB per 10⁶
     above (Qwen2.5-72B: 1.63). Fit: median |error| 0.03 GiB on dense models; MoE/MLA models print
-    0.3-0.9 GiB more (not modelled). Other capture-size counts (:func:`cudagraph_capture_sizes`:
-    small ``max_num_seqs``, spec decode's ``1 + num_speculative_tokens`` tokens per request, a
-    user list) scale it by ``n / 51``, vLLM's own extrapolation. ``always`` returns the estimate
+    0.3-0.9 GiB more (not modelled). Other graph counts scale it by ``graphs / 102``, vLLM's own
+    extrapolation (``first + per_graph·(n − 1)`` per mode, the modes' growth added): the anchor's
+    102 graphs are 51 PIECEWISE + 51 FULL (:func:`full_decode_capture_sizes`); small
+    ``max_num_seqs`` captures fewer FULL graphs, spec decode's ``1 + num_speculative_tokens`` tokens
+    per request and a user list change both (:func:`cudagraph_capture_sizes`). ``always`` returns the estimate
     even where the era does not subtract it (for reports). ``extra_layer_hidden``: a
     speculative-decoding drafter's layers × hidden captured with the target's
     (:func:`tuner.specdecode.drafter_graph_layer_hidden`), added to the residual stream.
@@ -550,7 +552,21 @@ def cudagraph_estimate_bytes(
     sizes = capture_sizes if capture_sizes is not None else cudagraph_capture_sizes(
         era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
         compute_capability=compute_capability)
-    return int(est * len(sizes) / CUDAGRAPH_ANCHOR_SIZES)
+    graphs = len(sizes) + len(full_decode_capture_sizes(sizes, max_num_seqs, num_speculative_tokens))
+    return int(est * graphs / (2 * CUDAGRAPH_ANCHOR_SIZES))
+
+
+def full_decode_capture_sizes(sizes: list[int], max_num_seqs: int, num_speculative_tokens: int = 0) -> list[int]:
+    """The FULL (uniform-decode) graphs vLLM captures beside the PIECEWISE ones under the default
+    ``cudagraph_mode`` FULL_AND_PIECEWISE (vllm/v1/cudagraph_dispatcher.py
+    ``initialize_cudagraph_keys``, 0.19–0.20 read): the capture sizes ``x`` with
+    ``q ≤ x ≤ q · max_num_seqs``, ``q = 1 + num_speculative_tokens`` (the uniform decode query
+    length). ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py 0.19, 0.20) estimates
+    each mode as its first capture plus ``(n − 1)`` times the second capture's growth, and adds the
+    modes' growth: the graph count is PIECEWISE + FULL (the anchor's 0.19 logs: 51 + 51 at 1024
+    sequences; 0.21 at 256 sequences prints "PIECEWISE=51 (largest=512), FULL=35 (largest=256)")."""
+    q = 1 + int(num_speculative_tokens)
+    return [x for x in sizes if q <= x <= q * int(max_num_seqs)]
 
 
 @dataclass(frozen=True)
