@@ -162,3 +162,51 @@ def test_cudagraph_estimate_counted_piecewise_graphs_only():
     assert abs(small - anchor * 86 / 102) <= 1  # both truncated from the same float
     # MTP with 3 draft tokens (q = 4) at 2 sequences: FULL graphs only for 4 and 8 tokens
     assert full_decode_capture_sizes([1, 2, 4, 8, 16], 2, 3) == [4, 8]
+
+
+# --- 7. settings a record carries that were not read ---------------------------------------------
+
+def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
+    """vllm/envs.py: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (0.18+, default "0" in 0.18–0.19,
+    "1" from 0.20) gates the estimate in gpu_worker.py ``determine_available_memory``;
+    ``VLLM_PP_LAYER_PARTITION`` is taken as given by distributed/utils.py ``get_pp_indices``
+    (0.19), with vLLM's length / sum errors. A case's ``env_*`` settings reach the drop."""
+    import pytest
+
+    from tuner.errors import KVCacheError
+    from tuner.job import era_with_env, pp_layer_partition
+    from tuner.kvcache import layers_per_pp_rank
+    from tuner.validate import case_env
+
+    e20, e19, e17 = era_for("0.20.0"), era_for("0.19.0"), era_for("0.17.0")
+    assert e20.subtracts_cudagraph_estimate and not e19.subtracts_cudagraph_estimate
+    assert not era_with_env(e20, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0"}).subtracts_cudagraph_estimate
+    assert era_with_env(e19, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "1"}).subtracts_cudagraph_estimate
+    assert era_with_env(e17, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "1"}) == e17  # no such variable yet
+    assert not era_with_env(e19, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "1"},
+                            enforce_eager=True).subtracts_cudagraph_estimate
+    assert layers_per_pp_rank(48, 2) == [24, 24]
+    assert layers_per_pp_rank(48, 2, pp_layer_partition({"VLLM_PP_LAYER_PARTITION": "16,32"})) == [16, 32]
+    with pytest.raises(KVCacheError, match="sum\\(partitions\\)=47 does not match num_hidden_layers=48"):
+        layers_per_pp_rank(48, 2, (16, 31))
+    assert case_env({"env_VLLM_PP_LAYER_PARTITION": "16,32", "env_VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": 0,
+                     "max_num_seqs": 8}) == {"VLLM_PP_LAYER_PARTITION": "16,32",
+                                             "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0"}
+
+
+def test_drop_env_names_what_it_does_not_model():
+    from tuner.drop import parse_drop
+    from tuner.errors import DropError
+    from tuner.job import drop_env
+
+    text = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
+            "env: {VLLM_PP_LAYER_PARTITION: '16,32', VLLM_ROCM_USE_AITER: 1}\nflashinfer_installed: true\n")
+    d = parse_drop(text, "d.yaml")
+    assert d.env == {"VLLM_PP_LAYER_PARTITION": "16,32", "VLLM_ROCM_USE_AITER": "1"} and d.flashinfer_installed is True
+    warnings: list[str] = []
+    drop_env(d, warnings)
+    assert warnings == ["env VLLM_ROCM_USE_AITER='1' is not modelled: no rule reads it"]
+    import pytest
+
+    with pytest.raises(DropError, match="env"):
+        parse_drop(text.replace("VLLM_ROCM_USE_AITER", "ROCM_AITER"), "d.yaml")

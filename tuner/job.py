@@ -425,7 +425,8 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings: list[str] = []
     model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
-    era = era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager))
+    era = era_with_env(era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager)),
+                       drop_env(drop), enforce_eager=bool(drop.enforce_eager))
     ranks = rank_settings(drop, model, era, device, warnings)
     if pass_memo is not None:
         import os
@@ -558,6 +559,25 @@ class Ranks:
     assumptions: tuple = ()
 
 
+def pp_layer_partition(env: dict) -> tuple[int, ...] | None:
+    """``VLLM_PP_LAYER_PARTITION`` of a drop's ``env`` as layer counts (None when unset)."""
+    text = (env or {}).get("VLLM_PP_LAYER_PARTITION")
+    return tuple(int(x) for x in str(text).split(",")) if text else None
+
+
+def era_with_env(era: Any, env: dict, *, enforce_eager: bool = False) -> Any:
+    """The era as the drop's environment changes it: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``
+    (vllm/envs.py 0.18+: default "0" in 0.18–0.19, "1" from 0.20; vllm/v1/worker/gpu_worker.py
+    ``determine_available_memory`` subtracts the estimate only when it is set) decides whether the
+    CUDA-graph estimate comes off the KV budget; earlier releases have no such variable."""
+    from tuner.eras import _env_flag
+
+    flag = _env_flag((env or {}).get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"))
+    if flag is None or era.engine != "V1" or era.version < (0, 18, 0):
+        return era
+    return dataclasses.replace(era, subtracts_cudagraph_estimate=bool(flag) and not enforce_eager)
+
+
 def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
     """The drop's ``env`` (vLLM environment variables); each one no rule reads is named in
     ``warnings`` as not modelled (:data:`tuner.drop.MODELLED_ENV`)."""
@@ -600,7 +620,8 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      num_speculative_tokens=num_speculative_tokens(drop, era),
                      mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings),
                      flashinfer_sampler=sampler.flashinfer if era.engine == "V1" and era.version < (0, 17, 0)
-                     else None)
+                     else None,
+                     pp_layer_partition=pp_layer_partition(env))
         for r in range(pp)
     ]
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
@@ -720,7 +741,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
                     drafter_pass=kv.drafter_pass,
                     other_processes_bytes=other_processes_bytes(device, drop),
-                    kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era))
+                    kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era),
+                    pp_layer_partition=pp_layer_partition(drop_env(drop)))
     cards = stage_devices(device, ranks.pp)
     if len({tuple(sorted((k, str(v)) for k, v in c.items())) for c in cards}) > 1:
         # a device list: each stage sized on its own card (tuner.search.evaluate, StageCard)

@@ -1420,11 +1420,21 @@ def kv_heads_per_rank(total_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, total_kv_heads // tp)
 
 
-def layers_per_pp_rank(num_layers: int, pp: int) -> list[int]:
-    """Layers on each PP stage (``get_pp_indices``): ``n // pp`` each, the remainder one each to
-    stages −2, −3, … (never the last)."""
+def layers_per_pp_rank(num_layers: int, pp: int, partition: "tuple[int, ...] | list[int] | None" = None) -> list[int]:
+    """Layers on each PP stage (``get_pp_indices``, vllm/distributed/utils.py): ``n // pp`` each,
+    the remainder one each to stages −2, −3, … (never the last); ``partition`` is
+    ``VLLM_PP_LAYER_PARTITION`` (0.19 read: used as given, its length must be ``pp`` and its sum
+    ``n``, else vLLM's ValueError)."""
     if pp <= 0:
         raise KVCacheError(f"invalid pipeline_parallel_size {pp}")
+    if partition:
+        parts = [int(x) for x in partition]
+        if len(parts) != pp:
+            raise KVCacheError(f"VLLM_PP_LAYER_PARTITION: len(partitions)={len(parts)} does not match pp_size={pp}.")
+        if sum(parts) != num_layers:
+            raise KVCacheError(f"VLLM_PP_LAYER_PARTITION: sum(partitions)={sum(parts)} does not match "
+                               f"num_hidden_layers={num_layers}.")
+        return parts
     parts = [num_layers // pp] * pp
     for i in range(2, num_layers % pp + 2):
         parts[-i] += 1

@@ -76,6 +76,8 @@ class RankSettings:
     #: the V1 dummy sampler's top-k/top-p path, 0.8–0.16 (:func:`tuner.eras.sampler_path`): True
     #: FlashInfer, False PyTorch's sort, None what a ``pip install`` of the release runs.
     flashinfer_sampler: bool | None = None
+    #: ``VLLM_PP_LAYER_PARTITION`` as layer counts per stage (None = vLLM's even split).
+    pp_layer_partition: tuple[int, ...] | None = None
 
 
 class ModelPlugin:
@@ -116,7 +118,7 @@ def stage_layers(spec: Any, settings: RankSettings, *, num_layers: int | None = 
     layer list is longer or shorter, e.g. ``hybrid_override_pattern``).
     """
     n = spec.num_hidden_layers if num_layers is None else num_layers
-    counts = layers_per_pp_rank(n, settings.pipeline_parallel_size)
+    counts = layers_per_pp_rank(n, settings.pipeline_parallel_size, getattr(settings, "pp_layer_partition", None))
     start = sum(counts[: settings.pp_rank])
     return range(start, start + counts[settings.pp_rank])
 
