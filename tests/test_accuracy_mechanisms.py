@@ -210,3 +210,55 @@ def test_drop_env_names_what_it_does_not_model():
 
     with pytest.raises(DropError, match="env"):
         parse_drop(text.replace("VLLM_ROCM_USE_AITER", "ROCM_AITER"), "d.yaml")
+
+
+# --- 5. KV page alignment for hybrid models with per-token-head KV caches -------------------------
+
+def test_hybrid_int8_per_token_head_cannot_unify_page_sizes(shared_dir):
+    """vllm/platforms/interface.py ``_align_hybrid_block_size`` (0.20, 0.24 read) sizes the
+    attention block from ``FullAttentionSpec(block_size=1, …, kv_quant_mode).page_size_bytes`` —
+    the per-token-head fp32 scales included — and pads the state page to that attention page. The
+    plugin aligned on the scale-less bytes and the scales were added afterwards, so the padded
+    state page (1,605,632 B) no longer matched the attention page (1,630,720 B): "cannot unify
+    page sizes" on a start-up vLLM 0.24 served (Qwen3.6-27B, TP 2, int8_per_token_head)."""
+    from tuner import kvcache
+    from tuner.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+
+    spec = load_model_spec(shared_dir / "models" / "Qwen--Qwen3.5-27B" / "config.json")[0]
+    plugin = load_registry().by_name("qwen3_5")
+    s = RankSettings(engine_version="0.24.0", dtype="bfloat16", kv_cache_dtype="int8_per_token_head",
+                     tensor_parallel_size=2)
+    specs = with_kv_quant_mode(plugin.kv_cache_spec(spec, s), "int8_per_token_head")
+    state = next(x for x in specs.values() if isinstance(x, MambaSpec))
+    attn = next(x for x in specs.values() if isinstance(x, FullAttentionSpec))
+    per_token = 2 * ((256 + 256) * 1 + 2 * 4)  # 2 KV heads per rank, int8 K and V + two fp32 scales
+    conv, rec = 3 * 5120 * 2, 24 * 128 * 128 * 4
+    assert state.unpadded_page_size_bytes == conv + rec == 1_603_584
+    assert attn.block_size == 16 * -(-(conv + rec) // (16 * per_token)) == 1552
+    assert attn.page_size_bytes == state.page_size_bytes == 1552 * per_token == 1_614_080
+    cfg = kvcache.get_kv_cache_config("0.24.0", specs, 1 << 33, max_model_len=262144, max_num_batched_tokens=2048)
+    assert cfg.bytes_per_block == 16 * 1_614_080
+
+
+def test_unify_pads_by_release():
+    """vllm/v1/core/kv_cache_utils.py ``unify_kv_cache_spec_page_size``: 0.20 refuses a page that
+    does not divide the largest; 0.24 pads non-MLA attention (block-stride backends); 0.26 pads
+    Mamba pages too (Gemma-4's int8_per_token_head pages on 0.26 start in vLLM)."""
+    import pytest
+
+    from tuner import kvcache as kv
+
+    full, sw = kv.FullAttentionSpec(16, 2, 256, 1, kv_quant_mode="INT8_PER_TOKEN_HEAD"), \
+        kv.SlidingWindowSpec(16, 4, 128, 1, 1024, kv_quant_mode="INT8_PER_TOKEN_HEAD")
+    assert full.page_size_bytes == 16 * 2 * 520 and sw.page_size_bytes == 16 * 4 * 264  # 16,640 vs 16,896
+    specs = {"model.layers.0.attn": full, "model.layers.1.attn": sw}
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.unify_kv_cache_spec_page_size("0.20.0", specs)
+    out = kv.unify_kv_cache_spec_page_size("0.26.0", specs)
+    assert {x.page_size_bytes for x in out.values()} == {16 * 4 * 264}
+    mamba = kv.MambaSpec(16, ((3, 256), (4, 16, 16)), (2, 4))
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.unify_kv_cache_spec_page_size("0.25.0", {"a": full, "m": mamba})
+    assert kv.unify_kv_cache_spec_page_size("0.26.0", {"a": full, "m": mamba})["m"].page_size_bytes == 16_640

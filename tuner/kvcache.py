@@ -638,11 +638,25 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     return out
 
 
+#: Releases from which ``unify_kv_cache_spec_page_size`` pads pages it cannot divide
+#: (see :func:`unify_kv_cache_spec_page_size`).
+UNIFY_PADS_ATTENTION_SINCE = "0.24.0"
+UNIFY_PADS_MAMBA_SINCE = "0.26.0"
+
+
 def unify_kv_cache_spec_page_size(version: str | VllmVersion, kv_cache_spec: dict) -> dict:
     """Give every layer the largest page size (``unify_kv_cache_spec_page_size``, 0.9.1+).
 
-    Smaller pages grow their block size by the ratio; 0.32+ pads Mamba pages and non-MLA
-    attention pages that do not divide the largest one.
+    Smaller pages grow their block size by the ratio where it divides the largest one; else
+    (vllm/v1/core/kv_cache_utils.py, read in 0.20, 0.24, 0.26, 0.29):
+
+    * Mamba pages are padded to the largest from 0.26 (before, the hybrid block-size alignment
+      pads them to the attention page in the config step);
+    * non-MLA attention pages are padded from 0.24: 0.24–0.28 for backends that index KV by the
+      block stride (``AttentionSpec.indexes_kv_by_block_stride``: FlashAttention, FlashInfer and
+      Triton, whose layered stride order puts ``num_blocks`` first), 0.29+ for every non-MLA spec;
+    * anything else is vLLM's ``NotImplementedError`` (0.20: "The page size of the layer is not
+      divisible by the maximum page size. Cannot unify by adjusting block_size.").
 
     Raises:
         UnsupportedKVCacheError: a page cannot be unified in this release.
@@ -657,11 +671,12 @@ def unify_kv_cache_spec_page_size(version: str | VllmVersion, kv_cache_spec: dic
         p = s.page_size_bytes
         if p == top:
             out[name] = s
-        elif v >= _LAYER_PLAN and isinstance(s, MambaSpec):
+        elif v >= UNIFY_PADS_MAMBA_SINCE and isinstance(s, MambaSpec):
             out[name] = replace(s, page_size_padded=top)
         elif top % p == 0 and not isinstance(s, MambaSpec):
             out[name] = s.with_block_size(s.block_size * (top // p))
-        elif v >= _LAYER_PLAN and isinstance(s, _ATTN) and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):
+        elif v >= UNIFY_PADS_ATTENTION_SINCE and isinstance(s, _ATTN) \
+                and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):
             out[name] = replace(s, page_size_padded=top)
         else:
             raise UnsupportedKVCacheError(
