@@ -381,7 +381,8 @@ def _hf_overrides(v: Any) -> dict | None:
 #: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (the CUDA-graph estimate subtracted, 0.18+),
 #: ``VLLM_PP_LAYER_PARTITION`` (layers per pipeline stage, ``get_pp_indices``). Others are
 #: accepted and named as not modelled.
-MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION")
+MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION",
+                "VLLM_USE_V2_MODEL_RUNNER")
 _ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
 
 
@@ -582,7 +583,8 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "vLLM environment variables of the start-up, as the engine would read them: "
               "`VLLM_USE_FLASHINFER_SAMPLER` (the profile run's sampler path, 0.8–0.16), "
               "`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (whether the CUDA-graph estimate is taken off the KV "
-              "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`). Others are "
+              "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`), "
+              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given). Others are "
               "accepted and named in the answer as not modelled. null = none set.", _env),
     DropField("flashinfer_installed", "boolean | null", None,
               "Whether the FlashInfer package is installed beside vLLM. Before 0.11.1 it decides the profile run's "

@@ -791,6 +791,10 @@ def _runner_asked_for(drop: Drop, era, default_v2: bool, warnings: list) -> bool
         DropError: V2 asked for before it is modelled (0.22), or V1 asked for where vLLM removed it.
     """
     asked = drop.use_v2_model_runner
+    if asked is None:  # the same variable given in the drop's env
+        from tuner.eras import _env_flag
+
+        asked = _env_flag((drop.env or {}).get("VLLM_USE_V2_MODEL_RUNNER"))
     if asked is None or era.engine != "V1":
         return default_v2
     from tuner.errors import DropError
