@@ -262,3 +262,43 @@ def test_unify_pads_by_release():
     with pytest.raises(kv.UnsupportedKVCacheError):
         kv.unify_kv_cache_spec_page_size("0.25.0", {"a": full, "m": mamba})
     assert kv.unify_kv_cache_spec_page_size("0.26.0", {"a": full, "m": mamba})["m"].page_size_bytes == 16_640
+
+
+# --- 8. weights the product misses: the Mistral-format vision encoder on every TP rank -----------
+
+def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
+    """vllm/transformers_utils/config.py ``get_config`` (0.19): ``--config-format auto`` picks the
+    Mistral format when the repository has params.json and consolidated*.safetensors; its model,
+    PixtralForConditionalGeneration (vllm/model_executor/models/pixtral.py), builds the vision
+    encoder from plain ``nn.Linear`` — the whole encoder on every TP rank — where the HF format's
+    PixtralHFVisionModel shards it. Mistral-Small-3.1-24B at TP 2: the rank holds half the tower
+    more (the llm-d 0.19 logs: 22.80 GiB printed, 22.40 predicted with a sharded tower)."""
+    from tuner.drop import Drop, Candidates
+    from tuner.job import config_format
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+    from tuner.simulate.vision import vision_tower_bytes
+
+    src = shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json"
+    spec = load_model_spec(src)[0]
+    plugin = load_registry().by_name("mistral3")
+
+    def weights(fmt: str) -> int:
+        s = RankSettings(engine_version="0.19.0", dtype="bfloat16", tensor_parallel_size=2, config_format=fmt)
+        with torch.device("meta"):
+            module = plugin.build_model(spec, s)
+        return plugin.weights_bytes(spec, s, module)
+
+    top = plugin.top_config(spec)
+    tower = vision_tower_bytes(top["vision_config"], 2, kind="pixtral", top=top, tp=1)
+    tower2 = vision_tower_bytes(top["vision_config"], 2, kind="pixtral", top=top, tp=2)
+    # the Pixtral tower is 881,013,760 B in bf16: half of it more per rank (0.40 GiB; TP 4: 0.61 GiB)
+    assert tower == 881_013_760 and weights("mistral") - weights("hf") == tower - tower2 == 434_110_464
+    d = Drop(name="d", model="m", device="H100-80GB", candidates=Candidates((0.9,)))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "config.json").write_text("{}")
+    assert config_format(d, str(repo / "config.json")) == "hf"
+    (repo / "params.json").write_text("{}")
+    (repo / "consolidated.safetensors").write_bytes(b"")
+    assert config_format(d, str(repo / "config.json")) == "mistral"

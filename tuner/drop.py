@@ -586,6 +586,12 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`), "
               "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given). Others are "
               "accepted and named in the answer as not modelled. null = none set.", _env),
+    DropField("config_format", "auto | hf | mistral", "auto",
+              "As vLLM's --config-format. `auto` is vLLM's choice: the Mistral format when the model directory "
+              "holds params.json and consolidated*.safetensors (vllm/transformers_utils/config.py get_config), else "
+              "HF. It changes memory where vLLM's Mistral-format model differs: Pixtral's vision encoder is plain "
+              "replicated linears on every TP rank (PixtralForConditionalGeneration) instead of TP-sharded ones.",
+              _choice(("auto", "hf", "mistral"))),
     DropField("flashinfer_installed", "boolean | null", None,
               "Whether the FlashInfer package is installed beside vLLM. Before 0.11.1 it decides the profile run's "
               "sampler (FlashInfer's kernels, about 14 bytes per sampled logit, or PyTorch's sort, about 38); from "
@@ -698,6 +704,7 @@ class Drop:
     hf_overrides: dict | None = field(default=None, hash=False)
     env: dict | None = field(default=None, hash=False)
     flashinfer_installed: bool | None = None
+    config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None
     entry_point: str = "serve"

@@ -428,6 +428,9 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     era = era_with_env(era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager)),
                        drop_env(drop), enforce_eager=bool(drop.enforce_eager))
     ranks = rank_settings(drop, model, era, device, warnings)
+    fmt = config_format(drop, req.config_path)
+    if fmt != "hf":
+        ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
     if pass_memo is not None:
         import os
 
@@ -557,6 +560,20 @@ class Ranks:
     #: what was assumed for inputs the drop leaves open (``{"name", "value", "why"}`` each), reported
     #: with the result under ``assumptions`` (:func:`job_result`).
     assumptions: tuple = ()
+
+
+def config_format(drop: Drop, config_path: str | None) -> str:
+    """vLLM's ``--config-format`` resolved as ``get_config`` does (vllm/transformers_utils/config.py,
+    0.19 read): ``auto`` is ``mistral`` when the model directory holds ``params.json`` and
+    ``consolidated*.safetensors`` (``is_mistral_model_repo``), else ``hf``."""
+    fmt = str(getattr(drop, "config_format", None) or "auto")
+    if fmt != "auto":
+        return fmt
+    if config_path:
+        d = Path(config_path).parent
+        if (d / "params.json").is_file() and any(d.glob("consolidated*.safetensors")):
+            return "mistral"
+    return "hf"
 
 
 def pp_layer_partition(env: dict) -> tuple[int, ...] | None:

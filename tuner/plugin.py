@@ -78,6 +78,8 @@ class RankSettings:
     flashinfer_sampler: bool | None = None
     #: ``VLLM_PP_LAYER_PARTITION`` as layer counts per stage (None = vLLM's even split).
     pp_layer_partition: tuple[int, ...] | None = None
+    #: vLLM's config format (``"hf"`` / ``"mistral"``, :func:`tuner.job.config_format`).
+    config_format: str = "hf"
 
 
 class ModelPlugin:

@@ -131,6 +131,13 @@ def _hf_overrides(settings: dict) -> dict | None:
     return out or None
 
 
+def case_config_format(case: dict) -> str:
+    """``mistral`` where the case's command line (raw lines or notes) passes
+    ``--config-format mistral``, else ``auto``."""
+    text = " ".join(str(x) for x in list(case.get("raw_lines") or []) + [case.get("notes") or ""])
+    return "mistral" if re.search(r"--config[-_]format[= ]+mistral", text) else "auto"
+
+
 def case_env(settings: dict) -> dict | None:
     """A case's environment variables (``env_NAME`` settings, cases/README.md) as a drop's
     ``env``."""
@@ -175,6 +182,7 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
                 env=case_env(s), flashinfer_installed=logparse.flashinfer_installed(
                     list(case.get("raw_lines") or []) + [case.get("notes"), case.get("source_context")]),
                 kv_cache_memory_bytes=s.get("kv_cache_memory_bytes"),
+                config_format=s.get("config_format") or case_config_format(case),
                 entry_point="serve",
                 candidates=Candidates(gpu_memory_utilization=(u,) if u else (), max_model_len=(max_model_len,)))
     draft_path = draft_error = None
