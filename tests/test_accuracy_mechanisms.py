@@ -302,3 +302,32 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     (repo / "params.json").write_text("{}")
     (repo / "consolidated.safetensors").write_bytes(b"")
     assert config_format(d, str(repo / "config.json")) == "mistral"
+
+
+def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int = 1, **settings) -> dict:
+    from tuner.validate import run_validate_request
+
+    case = {"id": f"{model}@{version}/{kv}", "model": model, "vllm_version": version, "engine": "V1", "gpu": gpu,
+            "tensor_parallel_size": tp, "kv_cache_dtype": kv, "observed": {"kv_cache_gib": 1.0},
+            "settings": {"gpu_memory_utilization": 0.9, **settings}}
+    return run_validate_request({"cases": [case], "models_dir": str(shared_dir / "models")})["cases"][0]
+
+
+def test_nvfp4_kv_on_hybrid_exited_cannot_unify_page_sizes(shared_dir):
+    """Issue 33: ``kv_cache_dtype nvfp4`` on a hybrid (Gated DeltaNet) model, vLLM 0.29, exited 1
+    with "cannot unify page sizes" where vLLM starts: the state page is now padded to the NVFP4
+    attention page (packed fp4 + fp8 block scales per token and head) as vLLM aligns it."""
+    row = _run_case(shared_dir, "Qwen/Qwen3.6-35B-A3B-FP8", "0.29.0", "nvfp4", "NVIDIA H100 80GB",
+                    max_model_len=131072)
+    assert row["status"] == "ok", row.get("reason")
+    assert row["predicted_num_gpu_blocks"] > 0
+
+
+def test_int8_per_token_head_on_gemma4_exited_cannot_unify_page_sizes(shared_dir):
+    """Issue 33: ``int8_per_token_head`` on Gemma-4 (256- and 512-wide heads: 16·h·520 and
+    16·h·1032 B pages, neither dividing the other), vLLM 0.26: vLLM pads the smaller attention
+    page (``unify_kv_cache_spec_page_size``, block-stride backends from 0.24); 0.23 refuses."""
+    row = _run_case(shared_dir, "google/gemma-4-26B-A4B", "0.26.0", "int8_per_token_head", "NVIDIA A100 80GB",
+                    max_model_len=131072, enforce_eager=True)
+    assert row["status"] == "ok", row.get("reason")
+    assert row["predicted_num_gpu_blocks"] > 0
