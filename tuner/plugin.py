@@ -80,6 +80,9 @@ class RankSettings:
     pp_layer_partition: tuple[int, ...] | None = None
     #: vLLM's config format (``"hf"`` / ``"mistral"``, :func:`tuner.job.config_format`).
     config_format: str = "hf"
+    #: vLLM's platform on this rank's card: ``"cuda"`` or ``"rocm"`` (:mod:`tuner.platforms`); the
+    #: attention backends, and with them an MLA model's block size, differ.
+    platform: str = "cuda"
 
 
 class ModelPlugin:
