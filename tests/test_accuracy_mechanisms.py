@@ -302,6 +302,10 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     (repo / "params.json").write_text("{}")
     (repo / "consolidated.safetensors").write_bytes(b"")
     assert config_format(d, str(repo / "config.json")) == "mistral"
+    from tuner.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
+
+    sa = parse_line(["vllm", "serve", "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "--config-format", "mistral"])
+    assert sa.values["config_format"] == "mistral" and not sa.unmodelled
 
 
 def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int = 1, **settings) -> dict:
