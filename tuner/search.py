@@ -89,6 +89,8 @@ class Layout:
     #: still runs but its terms no longer size the cache and ``gpu_memory_utilization`` is ignored
     #: (vllm/v1/worker/gpu_worker.py ``determine_available_memory``). None = sized by the budget.
     kv_cache_memory_bytes: int | None = None
+    #: ``VLLM_PP_LAYER_PARTITION`` (layers per stage) or None (vLLM's even split).
+    pp_layer_partition: tuple | None = None
     #: The release runs Model Runner V2 for this model (:func:`tuner.eras.uses_model_runner_v2`):
     #: with async scheduling it keeps pp + 1 batches in flight (:func:`tuner.kvcache.max_in_flight_tokens`).
     model_runner_v2: bool = False
@@ -469,7 +471,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     ca, cn, cg = corrs[worst]
     stages = ()
     if len(budgets) > 1:
-        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets)) \
+        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets), layout.pp_layer_partition) \
             if layout.num_layers >= len(budgets) else [0] * len(budgets)
         starts_at = [sum(counts[:i]) for i in range(len(budgets))]
         stages = tuple({"pp_rank": i, "device_name": layout.card(i).name or None,

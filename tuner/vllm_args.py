@@ -137,6 +137,14 @@ def from_settings(settings: Mapping[str, Any], *, model: str, source: str) -> Se
         if value is None or key == "non_default_args":
             continue
         if key.startswith("env_"):
+            from tuner.drop import MODELLED_ENV
+
+            if key[4:] in MODELLED_ENV:  # read by a rule: the drop's env carries it
+                env = dict(out.values.get("env") or {})
+                env[key[4:]] = "1" if value is True else "0" if value is False else str(value)
+                out.values["env"] = env
+                out.spelled.setdefault("env", f"{key}: {value!r} (from {source})")
+                continue
             nm, ig = env_not_modelled({key[4:]: value}, source=source)
             out.unmodelled += [n.to_dict() for n in nm]
             out.ignored += ig
