@@ -1,0 +1,188 @@
+"""What a new user met (issue 31): wrong answers and statements outside the memory model, one
+regression test each, named after the failure. No test uses the network: an unreachable Hub is
+a closed port on 127.0.0.1 or a fake that raises."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+# -- (a) no network and an HF id -------------------------------------------------------------------
+
+def _env(**extra):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    e.update(TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    e.update(extra)
+    return e
+
+
+def test_unreachable_hub_said_the_repo_has_no_config_json(tmp_path):
+    """Port 9 on 127.0.0.1 refuses: the user gets the offline message (places searched, the cache,
+    how to fill it) with why the Hub was not asked, at once — not "has no config.json"."""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "tuner.cli", "check", "--device", "H100-80GB", "--engine-version",
+                        "0.19.0", "--no-variants", "--", "vllm", "serve", "some-org/some-model"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env=_env(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_OFFLINE="0"))
+    took = time.monotonic() - t0
+    assert r.returncode == 2
+    assert "has no config.json" not in r.stderr
+    assert ("no config.json found (searched: " in r.stderr
+            and "not fetched: the Hub at http://127.0.0.1:9 cannot be reached (127.0.0.1:9: Connection refused)"
+            in r.stderr and "`hf download some-org/some-model config.json`" in r.stderr), r.stderr
+    assert "Retrying" not in r.stderr
+    assert took < 20  # huggingface_hub alone retries for 23 s
+
+
+def test_local_entry_not_found_was_caught_as_entry_not_found(monkeypatch, tmp_path):
+    """huggingface_hub's LocalEntryNotFoundError (not cached, Hub did not answer) subclasses
+    EntryNotFoundError: it read "has no config.json"."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from tuner import hub
+    from tuner.errors import ModelConfigError
+    from tuner.modelspec import resolve_model_path
+
+    def down(*a, **k):
+        try:
+            raise ConnectionError("[Errno 101] Network is unreachable")
+        except ConnectionError as exc:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub") from exc
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", down)
+    monkeypatch.setattr(hub, "hub_unreachable", lambda *a, **k: None)  # the probe passed, the request failed
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(hub.HubUnreachable) as e:
+        hub.fetch_config("some-org/some-model")
+    assert "has no config.json" not in str(e.value)
+    assert "did not answer: ConnectionError: [Errno 101] Network is unreachable" in e.value.why
+    with pytest.raises(ModelConfigError) as e:
+        resolve_model_path("some-org/some-model", download=True)
+    assert "no config.json found (searched: " in str(e.value) and "not fetched: the Hub at" in str(e.value)
+    assert "hf download some-org/some-model config.json" in str(e.value)
+
+
+def test_hub_retry_lines_were_printed_twice():
+    """huggingface_hub logs through its own handler and propagated to the CLI's root handler."""
+    from tuner.hub import log_once
+
+    lib = logging.getLogger("huggingface_hub")
+    saved = lib.propagate
+    try:
+        import huggingface_hub.file_download  # noqa: F401  (the library installs its handler)
+
+        lib.propagate = True
+        log_once()
+        assert lib.handlers and lib.propagate is False
+    finally:
+        lib.propagate = saved
+
+
+# -- (e) status said "healthy" while drops failed ---------------------------------------------------
+
+@pytest.fixture
+def failed_daemon(tmp_path, tiny_config):
+    """A daemon with three failed drops (invalid input) and its settings file."""
+    import yaml
+
+    from tests.test_daemon import Harness
+
+    h = Harness(tmp_path, tiny_config)
+    d = h.start()
+    (h.conf / "bad.yaml").write_text("name: bad-name\nmodel: [1, 2]\n")
+    (h.conf / "typo.yaml").write_text(f"name: typo\nmodel: {tiny_config}\ndevice: H100-80GB\n"
+                                      "gpu_memory_utilisation: 0.9\n")
+    (h.conf / "garbage.yaml").write_text("name: [unclosed\n")
+    h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(3,)], what="3 failed")
+    d.step(max_wait_s=0.05)
+    p = tmp_path / "tuner.yaml"
+    p.write_text(yaml.safe_dump({"watch_dir": str(h.conf), "state_dir": h.settings.state_dir}))
+    yield h, d, p
+    h.close()
+
+
+def test_status_said_healthy_printing_a_dict_and_naming_no_failed_drop(failed_daemon, capsys):
+    from tuner.cli import main
+
+    h, _, p = failed_daemon
+    assert main(["status", "--settings", str(p)]) == 0  # the daemon is healthy; its failed drops are named
+    out = capsys.readouterr().out
+    assert "{'failed': 3}" not in out
+    assert "  jobs (host " in out and "): 3 failed\n" in out
+    assert "  3 drops failed (`ctx-tuner status --failed` for the full reasons" in out
+    assert f"    bad-name ({h.conf / 'bad.yaml'} on " in out
+    assert "): invalid input, DropError: " in out and "not list [1, 2]" in out
+
+
+def test_failed_drops_had_no_read_only_list(failed_daemon, capsys):
+    """``status --failed`` lists them with their full reasons and re-queues nothing (``retry
+    --failed`` was the only list, and it re-queued)."""
+    import json
+
+    from tuner.cli import main
+
+    h, _, p = failed_daemon
+    assert main(["status", "--settings", str(p), "--failed"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[0].startswith(f"bad-name ({h.conf / 'bad.yaml'} on ")
+    typo = next(line for line in out if line.startswith("typo "))
+    assert typo.endswith("kv_cache_dtype, quantization, tensor_parallel_size, pipeline_parallel_size, max_num_seqs, "
+                         "max_num_batched_tokens, kv_cache_memory_bytes, block_size, enable_chunked_prefill, "
+                         "enable_prefix_caching, data_parallel_size, enable_expert_parallel, "
+                         "other_processes_memory_gib, disable_custom_all_reduce, speculative_config, hf_overrides, "
+                         "enforce_eager, entry_point, candidates, constraints") or "did you mean" in typo
+    assert h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(3,)]  # read-only
+    assert main(["status", "--settings", str(p), "--failed", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(f["name"] for f in doc["failed"]) == ["bad-name", "garbage", "typo"]
+    assert {f["kind"] for f in doc["failed"]} == {"drop"}
+
+
+def test_failed_drop_had_no_file_beside_the_proposals(failed_daemon):
+    import yaml
+
+    h, d, _ = failed_daemon
+    failed = h.settings.proposals_dir / "failed"
+    assert sorted(p.name for p in failed.iterdir()) == ["bad-name.yaml", "garbage.yaml", "typo.yaml"]
+    doc = yaml.safe_load((failed / "bad-name.yaml").read_text())
+    assert doc["drop"] == "bad-name" and doc["file"] == str(h.conf / "bad.yaml") and doc["kind"] == "drop"
+    assert doc["error_type"] == "DropError" and "not list [1, 2]" in doc["reason"]
+    assert doc["run_again"] == "ctx-tuner retry bad-name"
+    (h.conf / "bad.yaml").unlink()  # retired: its failure file goes
+    h.until(d, lambda: not (failed / "bad-name.yaml").exists(), what="failure file removed")
+    d.reconcile()
+    assert sorted(p.name for p in failed.iterdir()) == ["garbage.yaml", "typo.yaml"]
+
+
+def test_failed_drops_had_no_metric(failed_daemon):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tuner.metrics import StoreCollector
+
+    h, d, _ = failed_daemon
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StoreCollector(d.store.engine.connect, lambda: d.queue.owner_id))
+    samples = [s for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples
+               if s.name == "ctx_tuner_drop_failed"]
+    assert sorted((s.labels["drop"], s.labels["kind"], s.labels["error_type"], s.value) for s in samples) == [
+        ("bad-name", "drop", "DropError", 1.0), ("garbage", "drop", "DropError", 1.0),
+        ("typo", "drop", "DropError", 1.0)]
+
+
+def test_retry_message_was_cut_mid_word():
+    from tuner.failures import short
+
+    reason = ("worker failed: the model config weights are " + "compressed " * 20 + "(ratio 4.2)")
+    text = short(reason, 120)
+    assert len(text) <= 122 and text.endswith(" …") and "(ratio )" not in text
+    assert text[:-2].split()[-1] == "compressed"  # a whole word before the ellipsis
+    assert short("short reason (ratio 4.2)", 120) == "short reason (ratio 4.2)"
