@@ -186,3 +186,51 @@ def test_retry_message_was_cut_mid_word():
     assert len(text) <= 122 and text.endswith(" …") and "(ratio )" not in text
     assert text[:-2].split()[-1] == "compressed"  # a whole word before the ellipsis
     assert short("short reason (ratio 4.2)", 120) == "short reason (ratio 4.2)"
+
+
+# -- (d) proposals for old releases said "use: vllm serve --config THIS_FILE" -----------------------
+
+def _docs(version, prop=None):
+    from tests.test_vllm_forms import MODEL, PROP
+    from tuner.vllm_forms import proposal_configs, proposal_documents
+
+    prop = prop or PROP
+    f = proposal_configs(MODEL, prop, engine_version=version, kv_cache_bytes=3_101_450_240)
+    e = dict(prop, vllm_config=f["gpu_memory_utilization"], vllm_config_kv_cache_memory_bytes=f["kv_cache_memory_bytes"])
+    return dict(proposal_documents(MODEL, version, [e]))
+
+
+def test_old_release_proposal_said_vllm_serve_config_with_the_model_inside():
+    import yaml
+
+    # 0.5.x: no --config at all (vllm/utils.py FlexibleArgumentParser reads it from 0.6.0)
+    docs = _docs("0.5.4")
+    assert list(docs) == ["gpu-memory-utilization-0.9.sh"]
+    assert docs["gpu-memory-utilization-0.9.sh"].splitlines()[-1] == (
+        'exec vllm serve /models/llama --max-model-len 40064 --gpu-memory-utilization 0.9 --tensor-parallel-size 2 '
+        '--kv-cache-dtype fp8 --enable-chunked-prefill False --enforce-eager "$@"')
+    # 0.6.0-0.6.3: the model positional, `key: true` would load as `--key True`
+    text = _docs("0.6.2")["gpu-memory-utilization-0.9.yaml"]
+    assert "# use: vllm serve /models/llama --config THIS_FILE --enforce-eager\n" in text
+    assert yaml.safe_load(text) == {"max-model-len": 40064, "gpu-memory-utilization": 0.9, "tensor-parallel-size": 2,
+                                    "kv-cache-dtype": "fp8", "enable-chunked-prefill": "False"}
+    # 0.6.4-0.8.2: booleans load, the model is still positional
+    text = _docs("0.8.2")["gpu-memory-utilization-0.9.yaml"]
+    assert "# use: vllm serve /models/llama --config THIS_FILE\n" in text and "model" not in yaml.safe_load(text)
+    assert yaml.safe_load(text)["enforce-eager"] is True
+    # 0.8.3+: the model in the file; 0.8.5+: --no-enable-chunked-prefill
+    text = _docs("0.8.3")["gpu-memory-utilization-0.9.yaml"]
+    assert "# use: vllm serve --config THIS_FILE\n" in text and yaml.safe_load(text)["model"] == "/models/llama"
+    assert yaml.safe_load(_docs("0.19.0")["gpu-memory-utilization-0.9.yaml"])["no-enable-chunked-prefill"] is True
+
+
+def test_old_release_config_held_a_mapping_its_loader_writes_as_a_python_repr():
+    import yaml
+
+    from tests.test_vllm_forms import PROP
+
+    prop = dict(PROP, vllm_args=PROP["vllm_args"] + """ --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'""")
+    text = _docs("0.15.0", prop)["gpu-memory-utilization-0.9.yaml"]
+    assert """# use: vllm serve --config THIS_FILE --speculative-config '{"method":"ngram","num_speculative_tokens":3,""" in text
+    assert "speculative-config" not in yaml.safe_load(text)
+    assert yaml.safe_load(_docs("0.16.0", prop)["gpu-memory-utilization-0.9.yaml"])["speculative-config"]["method"] == "ngram"
