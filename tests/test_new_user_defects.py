@@ -234,3 +234,31 @@ def test_old_release_config_held_a_mapping_its_loader_writes_as_a_python_repr():
     assert """# use: vllm serve --config THIS_FILE --speculative-config '{"method":"ngram","num_speculative_tokens":3,""" in text
     assert "speculative-config" not in yaml.safe_load(text)
     assert yaml.safe_load(_docs("0.16.0", prop)["gpu-memory-utilization-0.9.yaml"])["speculative-config"]["method"] == "ngram"
+
+
+# -- (b) plot --model drew the frontier from the search's sparse points -----------------------------
+
+def test_plot_model_drew_concurrency_lines_from_the_searchs_sparse_points(tmp_path, shared_dir, capsys):
+    """Qwen2.5-7B on an L4 at 0.85 (4226 blocks of 16), drop min_concurrency 2.3: the stored grid
+    had 30736 as the longest start for one request (32768 starts) and 16400 for four (16896 =
+    4226 // 4 blocks x 16), and drew the points refused only for min_concurrency as "does not start"."""
+    import json
+
+    from tuner.cli import main
+
+    drop = tmp_path / "q.yaml"
+    drop.write_text(f"name: qwen-l4\nmodel: {shared_dir / 'models' / 'Qwen--Qwen2.5-7B-Instruct'}\ndevice: L4\n"
+                    "engine_version: '0.19.0'\ncandidates:\n  gpu_memory_utilization: [0.85]\n"
+                    "constraints:\n  min_concurrency: 2.3\n")
+    db = tmp_path / "r.sqlite"
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    capsys.readouterr()
+    assert main(["plot", "--model", "Qwen2.5", "--db", str(db), "-o", str(tmp_path / "f.png"), "--json"]) == 0
+    series = json.loads(capsys.readouterr().out)["series"]
+    assert series["qwen-l4: proposals (>= 2.3 requests)"] == [[0.85, 29392.0]]
+    assert series["qwen-l4: largest max_model_len, >= 1 full-length request"] == [[0.85, 32768.0]]
+    assert series["qwen-l4: largest max_model_len, >= 4 full-length requests"] == [[0.85, 16896.0]]
+    assert "qwen-l4: grid, >= 4 requests" not in series
+    assert [m for _, m in series["simulated grid point: starts, below min_concurrency"]] == [
+        29408.0, 29424.0, 29456.0, 29712.0, 30736.0]
+    assert "simulated grid point: does not start" not in series

@@ -80,8 +80,11 @@ def run(args) -> int:
             return EXIT_USAGE
         if args.model is not None:
             store = open_for_read(args.db)
+            from tuner.memoanswer import memo_worker
+
             data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency,
-                                       host=args.host)
+                                       host=args.host, timeout_s=args.timeout,
+                                       worker=memo_worker(args.db, None, enabled=not args.no_cache, write=False))
         else:
             from tuner.store import store_exists
 
@@ -107,6 +110,8 @@ def run(args) -> int:
         print(f"wrote {args.output} ({len(series)} series; data in {sidecar_path(args.output)})")
         for label, pts in series.items():
             print(f"  {label}: {len(pts)} points")
+        for note in data.get("notes") or []:
+            print(f"  note: {note}")
         if data.get("non_monotone_at"):
             print(f"  note: not monotone at gpu_memory_utilization {', '.join(f'{u:g}' for u in data['non_monotone_at'])}")
     return EXIT_OK
