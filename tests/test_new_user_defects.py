@@ -262,3 +262,81 @@ def test_plot_model_drew_concurrency_lines_from_the_searchs_sparse_points(tmp_pa
     assert [m for _, m in series["simulated grid point: starts, below min_concurrency"]] == [
         29408.0, 29424.0, 29456.0, 29712.0, 30736.0]
     assert "simulated grid point: does not start" not in series
+
+
+# -- (c) weights larger than the card -------------------------------------------------------------
+
+def _phi4(shared_dir):
+    return str(shared_dir / "models" / "microsoft--phi-4")
+
+
+def test_weights_larger_than_the_card_said_try_increasing_gpu_memory_utilization(shared_dir, capsys):
+    """Phi-4 (27.31 GiB of bf16 weights) on an RTX 4090 (23.53 GiB): vLLM fails loading the
+    weights; it never reaches the profile's "Try increasing `gpu_memory_utilization`"."""
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "RTX 4090", "--engine-version", "0.19.0", "--", "vllm", "serve", _phi4(shared_dir)])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert ("  the weights do not fit the GPU: vLLM fails loading them (CUDA out of memory in load_model, before the "
+            "memory profile; no gpu_memory_utilization helps): the weights are 29,323,208,704 bytes (27.31 GiB) and "
+            "with the non-torch memory (268,435,456 bytes) need 29,591,644,160 bytes, more than the GPU's "
+            "25,265,438,720 bytes (23.53 GiB); what would fit: --tensor-parallel-size 2 (about 13.65 GiB of weights "
+            "per GPU), a quantized checkpoint") in out
+    assert "Try increasing" not in out and "bytes per block = 0 blocks" not in out and "KV cache -6.95" not in out
+    assert "  --tensor-parallel-size 2 (71056 KV tokens):" in out
+
+
+def test_negative_kv_budget_printed_as_zero_blocks(shared_dir, capsys):
+    """Phi-4 on an RTX 5090 at 0.8: the weights load (27.31 of 31.36 GiB) but exceed the request."""
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "RTX 5090", "--engine-version", "0.19.0", "--no-variants", "--", "vllm", "serve",
+               _phi4(shared_dir), "--gpu-memory-utilization", "0.8"])
+    out = capsys.readouterr().out
+    assert rc == 3 and "  vLLM: No available memory for the cache blocks." in out
+    assert "  a KV budget of -3,290,501,967 bytes holds no block (3,276,800 bytes per block of 16 tokens)" in out
+    assert "// 3,276,800 bytes per block = 0 blocks" not in out
+
+
+def test_explain_analysed_max_model_len_16_where_nothing_starts(tmp_path, shared_dir, capsys):
+    from tuner.cli import main
+
+    drop = tmp_path / "phi4.yaml"
+    drop.write_text(f"name: phi4-4090\nmodel: {_phi4(shared_dir)}\ndevice: RTX 4090\nengine_version: '0.19.0'\n"
+                    "candidates:\n  gpu_memory_utilization: [0.9]\n")
+    assert main(["explain", str(drop), "--db", str(tmp_path / "r.sqlite")]) == 3
+    out = capsys.readouterr().out
+    assert "gpu_memory_utilization 0.9, max_model_len 16384: does NOT start" in out
+    assert "max_model_len 16:" not in out and "max_model_len 16 " not in out
+    assert "  the weights do not fit the GPU: vLLM fails loading them" in out
+    assert "KV cache bytes" not in out  # the budget past the weights is never computed
+    assert "largest max_model_len at 0.9: None" not in out
+    assert "(largest max_model_len at 0.9: none starts)" in out
+
+
+def test_daemon_log_said_max_model_len_none():
+    from tuner.daemon import _proposal_summary
+
+    text = _proposal_summary([{"gpu_memory_utilization": 0.9, "max_model_len": None, "reason": "the weights do not "
+                               "fit the GPU: …"}, {"gpu_memory_utilization": 0.95, "max_model_len": 4096,
+                                                   "num_gpu_blocks": 256, "kv_cache_tokens": 4096}])
+    assert text == ("gmu 0.90 → nothing starts: the weights do not fit the GPU: …; "
+                    "gmu 0.95 → max_model_len 4096 (256 blocks, 4096 KV tokens)")
+
+
+def test_daemon_log_said_retired_no_results_yet_results_kept(tmp_path, tiny_config, caplog):
+    from tests.test_daemon import Harness
+
+    h = Harness(tmp_path, tiny_config)
+    try:
+        d = h.start()
+        (h.conf / "bad.yaml").write_text("name: bad\nmodel: [1]\n")
+        h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(1,)], what="failed")
+        with caplog.at_level(logging.INFO, logger="tuner.daemon"):
+            (h.conf / "bad.yaml").unlink()
+            d.reconcile()
+        lines = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
+        assert lines == [f"drop file {h.conf / 'bad.yaml'} deleted: its job retired (it had no results)"]
+    finally:
+        h.close()

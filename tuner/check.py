@@ -387,8 +387,16 @@ def render(res: CheckResult) -> str:
                      f"{n['max_concurrency']:.2f}x concurrency")
     else:
         lines.append(f"DOES NOT START: {at}")
-        lines.append(f"  vLLM: {d['engine_error']}")
-    if kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
+        from tuner.search import WEIGHTS_DO_NOT_FIT
+
+        if str(d["engine_error"]).startswith(WEIGHTS_DO_NOT_FIT):  # ctx-tuner's finding, not vLLM's words
+            lines.append(f"  {d['engine_error']}")
+            n = {**n, "kv_block_bytes": None}
+        else:
+            lines.append(f"  vLLM: {d['engine_error']}")
+    if not d["starts"] and str(d["engine_error"]).startswith("the weights do not fit"):
+        pass  # no budget to show: vLLM never gets to the memory profile
+    elif kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
         used = sum(int(n[k] or 0) for k in ("weights_bytes", "non_torch_bytes", "cuda_graph_bytes",
                                              "available_kv_cache_bytes"))
         lines.append(f"  KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes) = "
@@ -405,7 +413,10 @@ def render(res: CheckResult) -> str:
                      f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
                      f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
                      f"({n['available_kv_cache_bytes']:,} bytes)")
-    if n.get("kv_block_bytes"):
+    if n.get("kv_block_bytes") and (n["available_kv_cache_bytes"] or 0) <= 0:  # not "-7,463,945,203 // … = 0"
+        lines.append(f"  a KV budget of {n['available_kv_cache_bytes']:,} bytes holds no block "
+                     f"({n['kv_block_bytes']:,} bytes per block of {n['block_size']} tokens)")
+    elif n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
     if d["nearest"]:

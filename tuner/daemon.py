@@ -240,10 +240,11 @@ def clean_temporaries(settings: Settings) -> list[str]:
 def _proposal_summary(props: list[dict]) -> str:
     from tuner.protocol import ProposalResult
 
+    # "gmu 0.9 → nothing starts: …", never "max_model_len None"
     return "; ".join(
-        f"gmu {gmu_text(p.gpu_memory_utilization)} → max_model_len {p.max_model_len}"
-        + (f" ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)" if p.max_model_len else
-           f" (nothing fits: {p.reason})")
+        f"gmu {gmu_text(p.gpu_memory_utilization)} → "
+        + (f"max_model_len {p.max_model_len} ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)"
+           if p.max_model_len else f"nothing starts: {p.reason}")
         for p in map(ProposalResult.from_wire, props)) or "no proposals"
 
 
@@ -709,11 +710,12 @@ class Daemon:
             log.warning("%s: %s; no drop is retired until it can be listed", s.watch_dir, sc.problem)
         for path in sorted(gone):
             names = self.queue.retire_path(path)
+            what = (f"retired {', '.join(names)} (results kept)" if names else
+                    "its job retired (it had no results)")  # not "retired no results yet (results kept)"
             if path in outside:
-                log.info("drop file %s is no longer under watch_dir %s: retired %s (results kept)", path, root,
-                         ", ".join(names) or "no results yet")
+                log.info("drop file %s is no longer under watch_dir %s: %s", path, root, what)
             else:
-                log.info("drop file %s deleted: retired %s (results kept)", path, ", ".join(names) or "no results yet")
+                log.info("drop file %s deleted: %s", path, what)
             self._sync_proposals(names)
             self._snapshot_dirty = self._status_dirty = True
         self._sync_outputs()
