@@ -340,3 +340,66 @@ def test_daemon_log_said_retired_no_results_yet_results_kept(tmp_path, tiny_conf
         assert lines == [f"drop file {h.conf / 'bad.yaml'} deleted: its job retired (it had no results)"]
     finally:
         h.close()
+
+
+# -- input errors ----------------------------------------------------------------------------------
+
+def test_top_level_typo_had_no_did_you_mean(tmp_path):
+    from tuner.drop import load_drop
+    from tuner.errors import DropError
+
+    p = tmp_path / "typo.yaml"
+    p.write_text("name: t\nmodel: m\ndevice: H100-80GB\ngpu_memory_utilisation: 0.9\n")
+    with pytest.raises(DropError) as e:
+        load_drop(p)
+    assert str(e.value).startswith(f"{p}:gpu_memory_utilisation: unknown key 'gpu_memory_utilisation' (did you mean "
+                                   "candidates.gpu_memory_utilization?); allowed here: name, model,")
+
+
+def test_yaml_error_named_unicode_string_not_the_file(tmp_path):
+    from tuner.drop import load_drop
+    from tuner.errors import DropError
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: [unclosed\n")
+    with pytest.raises(DropError) as e:
+        load_drop(p)
+    assert "<unicode string>" not in str(e.value) and f'in "{p}", line 1, column 7' in str(e.value)
+
+
+def test_scalar_where_a_list_is_expected_was_refused(tmp_path, caplog):
+    from tuner.drop import load_drop
+
+    p = tmp_path / "s.yaml"
+    p.write_text("name: s\nmodel: m\ndevice: H100-80GB\ncandidates:\n  gpu_memory_utilization: 0.9\n"
+                 "  max_model_len: 4096\n")
+    with caplog.at_level(logging.WARNING, logger="tuner.drop"):
+        d = load_drop(p)
+    assert d.candidates.gpu_memory_utilization == (0.9,) and d.candidates.max_model_len == (4096,)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{p}:candidates.gpu_memory_utilization: 0.9 taken as the one-element list [0.9] (the field is a list)",
+        f"{p}:candidates.max_model_len: 4096 taken as the one-element list [4096] (the field is a list)"]
+
+
+def test_mistyped_vllm_flag_had_no_did_you_mean(tiny_config, capsys):
+    from tuner.cli import main
+
+    assert main(["check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--no-variants", "--", "vllm", "serve",
+                 str(tiny_config), "--max-modle-len", "2048"]) == 2
+    assert ("unrecognized arguments: --max-modle-len 2048 (did you mean --max-model-len? vLLM refuses flags it does "
+            "not know") in capsys.readouterr().err
+
+
+def test_unknown_option_before_the_dashes_printed_the_top_level_usage(capsys):
+    from tuner.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--max-modle-len", "5", "--device", "H100-80GB", "--", "vllm", "serve", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith("usage: ctx-tuner check ")
+    assert err.rstrip().endswith("ctx-tuner check: error: unrecognized arguments: --max-modle-len (did you mean "
+                                 "--max-model-len in the vllm serve line after `--`?)")
+    with pytest.raises(SystemExit):
+        main(["profile", "--jsn", "x.yaml"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --jsn (did you mean --json?)")

@@ -127,8 +127,15 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
     if sa.unknown and not allow_unmodelled:
         # vLLM's parser exits on a flag it does not know ("unrecognized arguments"): a misspelled
         # --max-model-len must never pass a deploy gate with the model's derived maximum instead.
+        import difflib
+
+        from tuner.serve_args import _BY_OPTION
+
         names = " ".join(e["flag"] + (f" {e['value']}" if e.get("value") else "") for e in sa.unknown)
-        raise CheckInputError(f"unrecognized arguments: {names} (vLLM refuses flags it does not know: check the "
+        close = [m for e in sa.unknown for m in difflib.get_close_matches(e["flag"], list(_BY_OPTION), n=1, cutoff=0.8)
+                 if str(e["flag"]).startswith("--")]
+        hint = f"did you mean {' / '.join(close)}? " if close else ""
+        raise CheckInputError(f"unrecognized arguments: {names} ({hint}vLLM refuses flags it does not know: check the "
                               "spelling; --allow-unmodelled checks without them)", where="command line")
     if unmodelled and not allow_unmodelled:
         names = ", ".join(f"{e['as_written'] or e['flag']} ({e['note']})" if e.get("note") else
