@@ -403,3 +403,44 @@ def test_unknown_option_before_the_dashes_printed_the_top_level_usage(capsys):
     with pytest.raises(SystemExit):
         main(["profile", "--jsn", "x.yaml"])
     assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --jsn (did you mean --json?)")
+
+
+# -- check: the store it read, the variants that do not help ---------------------------------------
+
+def test_check_read_and_wrote_the_store_silently(tmp_path, tiny_config, monkeypatch, capsys):
+    import sqlite3
+
+    from tuner.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--no-variants", "--", "vllm", "serve",
+            str(tiny_config), "--max-model-len", "2048"]
+    assert main(argv) == 0
+    assert "store: none (var/ctx-tuner.sqlite does not exist here; nothing read or written)" in capsys.readouterr().out
+    assert not (tmp_path / "var").exists()
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.5]}}\n")
+    assert main(["profile", str(drop)]) == 0
+    db = tmp_path / "var" / "ctx-tuner.sqlite"
+    before = sqlite3.connect(db).execute("SELECT count(*) FROM pass_memo").fetchone()[0]
+    capsys.readouterr()
+    assert main(argv[:-2] + ["--max-model-len", "3000", "--max-num-batched-tokens", "1536"]) == 0
+    out = capsys.readouterr().out
+    assert f"store: {db} (its pass memo read; nothing written)" in out
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM pass_memo").fetchone()[0] == before
+
+
+def test_check_hid_the_variants_that_do_not_help(capsys):
+    """Llama-3.1-8B on an RTX 3090, vLLM 0.6.4, its derived 131072: explain knew that no
+    gpu_memory_utilization <= 1 is enough and that fp8 KV still does not start (largest 80128)."""
+    from tests.conftest import REPO
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "RTX-3090", "--engine-version", "0.6.4", "--", "vllm", "serve",
+               str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert out.split("settings that do not help:\n", 1)[1].splitlines() == [
+        "  --gpu-memory-utilization: no value <= 1 is enough (it would take 1.371 of total, 32.33 GiB)",
+        "  --kv-cache-dtype fp8: still does not start (5008 blocks, 80128 KV tokens; largest max_model_len at 0.9: "
+        "80128)"]

@@ -244,8 +244,16 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if "max_model_len" not in d["candidates"]:
         d["candidates"].update(max_model_len=[m])
         drop = build_drop(sa, d, label=config_file or "vllm serve")
+    # the store's pass memo is read, never written: a check leaves no trace in the store it reads
+    from tuner.explain import _default_worker
+    from tuner.memoanswer import memo_worker
+    from tuner.store import store_exists
+    from tuner.storerules import DEFAULT_PATH
+
+    store_used = DEFAULT_PATH if store_exists(None) else None
+    memo = memo_worker(None, worker or _default_worker(), write=False)
     try:
-        doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
+        doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=memo,
                            timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
                            calibrate=False)
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
@@ -307,11 +315,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "command": serve_line(model, checked_values),
         "numbers": numbers,
         "nearest": nearest,
+        "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None),
         "parser": sa.parser,
         "read": sa.to_dict(),
         "not_modelled": unmodelled,
         "drop": {k: v for k, v in d.items()},
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+        "store": {"path": os.path.abspath(store_used) if store_used else None, "read": "pass memo" if store_used else None,
+                  "written": False},
     }
     return CheckResult(starts, out, e)
 
@@ -351,6 +362,38 @@ def nearest_settings(e: dict, *, model: str, values: dict) -> list[dict]:
     return out
 
 
+#: The store ``check`` reads the pass memo from (``profile``'s default, relative to the directory).
+DEFAULT_STORE = "var/ctx-tuner.sqlite"
+
+
+def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
+    """The remedies ``explain`` tried that do not make the line start, in its words ("no
+    gpu_memory_utilization <= 1 is enough: …", "--kv-cache-dtype fp8: still does NOT start …")."""
+    rem = e.get("remedies") or {}
+    out: list[str] = []
+    from tuner.protocol import point_of
+
+    u = point_of(e).gpu_memory_utilization
+    lm = rem.get("largest_max_model_len")
+    if lm is not None and not point_of(lm).max_model_len:
+        out.append(f"another --max-model-len: none starts at gpu_memory_utilization {u:g}")
+    un = point_of(rem).gpu_memory_utilization or {}
+    if not kv_fixed and un and not un.get("possible") and un.get("exact") is not None:
+        out.append(f"--gpu-memory-utilization: no value <= 1 is enough (it would take {un['exact']:.3f} of total, "
+                   f"{_gib(un.get('needed_requested_bytes'))})")
+    elif not kv_fixed and un.get("possible") and (un.get("verified") or {}).get("fits") is False:
+        out.append(f"--gpu-memory-utilization {un['value']:g}: checked, still does not start")
+    for key, flag, setting in (("fp8_kv_cache", "--kv-cache-dtype", "kv_cache_dtype"),
+                               ("tensor_parallel", "--tensor-parallel-size", "tensor_parallel_size")):
+        r = rem.get(key) or {}
+        if r and not r.get("error") and r.get("fits") is False:
+            largest = r.get("largest_max_model_len")
+            out.append(f"{flag} {r.get(setting)}: still does not start ({r.get('num_gpu_blocks')} blocks, "
+                       f"{r.get('kv_cache_tokens')} KV tokens; largest max_model_len at {u:g}: "
+                       f"{largest if largest else 'none starts'})")
+    return out
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f} GiB"
 
@@ -379,6 +422,9 @@ def render(res: CheckResult) -> str:
         lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
     for w in d["warnings"]:
         lines.append(f"note: {w}")
+    st = d.get("store") or {}
+    lines.append(f"store: {st['path']} (its pass memo read; nothing written)" if st.get("path") else
+                 f"store: none ({DEFAULT_STORE} does not exist here; nothing read or written)")
     lines.append("")
     asked = d["max_model_len_requested"]
     from tuner.protocol import point_of
@@ -432,4 +478,7 @@ def render(res: CheckResult) -> str:
             extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else ""
             lines.append(f"  {s['change']}{extra}:")
             lines.append(f"      {s['command']}")
+    if d.get("not_helping"):
+        lines += ["", "settings that do not help:"]
+        lines += [f"  {t}" for t in d["not_helping"]]
     return "\n".join(lines)
