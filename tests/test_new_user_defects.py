@@ -444,3 +444,24 @@ def test_check_hid_the_variants_that_do_not_help(capsys):
         "  --gpu-memory-utilization: no value <= 1 is enough (it would take 1.371 of total, 32.33 GiB)",
         "  --kv-cache-dtype fp8: still does not start (5008 blocks, 80128 KV tokens; largest max_model_len at 0.9: "
         "80128)"]
+
+
+def test_results_and_plot_ignored_the_daemon_settings(tmp_path, tiny_config, capsys, monkeypatch):
+    import yaml
+
+    from tuner.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no var/ here
+    state = tmp_path / "state"
+    state.mkdir()
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.5]}}\n")
+    assert main(["profile", str(drop), "--db", str(state / "ctx-tuner.sqlite")]) == 0
+    settings = tmp_path / "tuner.yaml"
+    settings.write_text(yaml.safe_dump({"watch_dir": str(tmp_path), "state_dir": str(state)}))
+    capsys.readouterr()
+    assert main(["results", "--settings", str(settings), "--json"]) == 0
+    assert "\"drop_name\": \"d\"" in capsys.readouterr().out
+    assert main(["plot", "--model", "tiny", "--settings", str(settings), "-o", str(tmp_path / "p.png")]) == 0
+    assert "wrote " in capsys.readouterr().out
+    assert main(["results"]) == 1  # without it: the default var/ store, which is not here

@@ -52,6 +52,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_conc, nargs="+", metavar="C",
                    help="extra concurrency lines (default 2 4; 1 and the drop's min_concurrency are always drawn)")
     p.add_argument("--db", default=None, help="store for measured points / --model (default var/ctx-tuner.sqlite)")
+    from tuner.commands import add_settings_option
+
+    add_settings_option(p)
     p.add_argument("--json", action="store_true", help="print the plotted series as JSON")
     from tuner.commands import add_cache_option
 
@@ -70,6 +73,14 @@ def run(args) -> int:
         return EXIT_USAGE
     if (args.drop is None) == (args.model is None):
         print("ctx-tuner plot: give a drop file or --model TEXT (one of them)", file=sys.stderr)
+        return EXIT_USAGE
+    from tuner.commands import store_from_args
+    from tuner.errors import SettingsError
+
+    try:
+        args.db = store_from_args(args)
+    except SettingsError as exc:
+        print(f"ctx-tuner plot: invalid settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
     store = None
     try:
