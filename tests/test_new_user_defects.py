@@ -465,3 +465,26 @@ def test_results_and_plot_ignored_the_daemon_settings(tmp_path, tiny_config, cap
     assert main(["plot", "--model", "tiny", "--settings", str(settings), "-o", str(tmp_path / "p.png")]) == 0
     assert "wrote " in capsys.readouterr().out
     assert main(["results"]) == 1  # without it: the default var/ store, which is not here
+
+
+def test_daemon_help_said_nothing_of_signals_logs_or_paths(capsys):
+    from tuner.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["daemon", "--help"])
+    out = capsys.readouterr().out
+    assert "  SIGHUP           reload the settings file" in out
+    assert "  SIGTERM, SIGINT  stop: the running job's worker is killed and the job queued again; exit 0" in out
+    assert "  drops        watch_dir  /etc/ctx-tuner/conf.d" in out and "state_dir  /var/lib/ctx-tuner" in out
+    assert "logs:\n  stderr only (journald under systemd)" in out and "proposals/failed/NAME.yaml" in out
+
+
+def test_migration_log_named_internal_issue_numbers(tmp_path, caplog):
+    from tuner.store import open_store
+
+    with caplog.at_level(logging.INFO, logger="alembic.runtime.migration"):
+        open_store(str(tmp_path / "m.sqlite")).close()
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Running upgrade")]
+    assert len(steps) >= 9 and not [s for s in steps if "issue" in s or "\n" in s]
+    assert "Running upgrade 0001 -> 0002, Daemon job queue and drop retirement." in steps
+    assert ("Running upgrade 0004 -> 0005, Term sources and the engine cross-check on profile runs." in steps)
