@@ -488,3 +488,33 @@ def test_migration_log_named_internal_issue_numbers(tmp_path, caplog):
     assert len(steps) >= 9 and not [s for s in steps if "issue" in s or "\n" in s]
     assert "Running upgrade 0001 -> 0002, Daemon job queue and drop retirement." in steps
     assert ("Running upgrade 0004 -> 0005, Term sources and the engine cross-check on profile runs." in steps)
+
+
+# -- columns and repeated refusals ----------------------------------------------------------------
+
+def test_act_peak_column_included_the_workspace_explain_shows_apart(tmp_path, shared_dir, capsys):
+    from tuner.cli import main
+
+    drop = tmp_path / "phi4.yaml"
+    drop.write_text(f"name: phi4-4090\nmodel: {_phi4(shared_dir)}\ndevice: RTX 4090\nengine_version: '0.19.0'\n"
+                    "candidates:\n  gpu_memory_utilization: [0.9, 0.95]\n")
+    assert main(["profile", str(drop), "--db", str(tmp_path / "r.sqlite")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(ln for ln in lines if ln.lstrip().startswith("gmu max_model_len"))
+    assert " activ. " in head and "act.peak" not in head
+    assert ("activ. = the profile run's activation peak + cuBLAS workspace + start-up reserve, one budget term "
+            "(explain lists them apart)") in lines
+
+
+def test_refused_rows_repeated_the_long_engine_message(tmp_path, shared_dir, capsys):
+    from tuner.cli import main
+
+    drop = tmp_path / "phi4.yaml"
+    drop.write_text(f"name: phi4-4090\nmodel: {_phi4(shared_dir)}\ndevice: RTX 4090\nengine_version: '0.19.0'\n"
+                    "candidates:\n  gpu_memory_utilization: [0.9, 0.95]\n")
+    assert main(["profile", str(drop), "--db", str(tmp_path / "r.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the weights do not fit the GPU") == 1
+    assert [ln for ln in out.splitlines() if ln.startswith(" 0.95 ")][0].endswith("  as above")
+    assert "  gmu 0.90: nothing fits: as in the table above" in out and "  gmu 0.95: nothing fits: as in the table above" in out

@@ -463,7 +463,7 @@ def render(res: CheckResult) -> str:
                      "tuner.search.kv_cache_memory_refusal)")
     else:
         lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
-                     f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
+                     f"(peak + cuBLAS workspace + reserve) {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
                      f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
                      f"({n['available_kv_cache_bytes']:,} bytes)")
     if n.get("kv_block_bytes") and (n["available_kv_cache_bytes"] or 0) <= 0:  # not "-7,463,945,203 // … = 0"

@@ -54,20 +54,27 @@ def render_table(outcome) -> str:
         lines.append(passes)
     lines += engine_check_lines(r.get("engine_check"))
     lines.append("")
-    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'act.peak':>8} " \
+    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'activ.':>8} " \
            f"{'non-torch':>9} {'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
     lines += [head, "-" * len(head)]
     from tuner.protocol import JobResult
 
     res = JobResult.from_wire(r)
+    seen: set[str] = set()
     for t in res.candidates:
         c = t.data
+        reason = c["reason"] or ""
+        if len(reason) > 60 and reason in seen:  # a long refusal once, then "as above"
+            reason = "as above"
+        seen.add(c["reason"] or "")
         lines.append(
             f"{gmu_text(t.gpu_memory_utilization):>5} {t.max_model_len:>13} {c['max_num_batched_tokens']:>6} "
             f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if t.fits else 'NO':>3} "
             f"{_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
-            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}".rstrip())
+            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {reason}".rstrip())
+    lines.append("activ. = the profile run's activation peak + cuBLAS workspace + start-up reserve, one budget term "
+                 "(explain lists them apart)")
     rows = sorted(res.candidates, key=lambda c: (c.gpu_memory_utilization, c.max_model_len))
     if any(a.gpu_memory_utilization == b.gpu_memory_utilization and not candidate_starts(a.data)
            and candidate_starts(b.data) and a.get("max_num_batched_tokens") != b.get("max_num_batched_tokens")
@@ -81,7 +88,8 @@ def render_table(outcome) -> str:
     lines += ["", f"proposals (largest max_model_len that starts{with_conc}):"]
     for p in res.proposals:
         if p.max_model_len is None:
-            lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: nothing fits: {p.reason}")
+            why = "as in the table above" if p.reason and len(p.reason) > 60 and p.reason in seen else p.reason
+            lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: nothing fits: {why}")
         else:
             extra = f" ({p.reason})" if p.reason else ""
             lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: max_model_len {p.max_model_len}, "
