@@ -132,7 +132,10 @@ def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
     db = str(tmp_path / "r.sqlite")
     assert main(["profile", drop, "--db", db]) == 0
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
-    assert out == _readme_sample(f"ctx-tuner profile {drop}")
+    sample = _readme_sample(f"ctx-tuner profile {drop}")
+    # the README ran with the default store, whose last line names it (issue 31); this run has --db
+    assert out[:-1] == sample[:-1] and out[-1] == "stored as drop id 1"
+    assert sample[-1] == f"stored as drop id 1 in var/ctx-tuner.sqlite under {REPO} (created now; --db names another store)"
     assert out[2].startswith("sources: total_memory catalog")
     assert main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"]) == 3
     out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]

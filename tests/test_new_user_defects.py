@@ -518,3 +518,37 @@ def test_refused_rows_repeated_the_long_engine_message(tmp_path, shared_dir, cap
     assert out.count("the weights do not fit the GPU") == 1
     assert [ln for ln in out.splitlines() if ln.startswith(" 0.95 ")][0].endswith("  as above")
     assert "  gmu 0.90: nothing fits: as in the table above" in out and "  gmu 0.95: nothing fits: as in the table above" in out
+
+
+# -- profile: where it wrote, and no copy of an unchanged drop ------------------------------------
+
+def test_profile_from_any_directory_created_var_without_saying_so(tmp_path, tiny_config, monkeypatch, capsys):
+    from tuner.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.5]}}\n")
+    assert main(["profile", str(drop)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stored as drop id 1 in var/ctx-tuner.sqlite under {tmp_path} (created now; --db names another store)")
+
+
+def test_repeated_profile_stored_a_new_drop_row_each_time(tmp_path, tiny_config, capsys):
+    import sqlite3
+
+    from tuner.cli import main
+
+    drop = tmp_path / "d.yaml"
+    drop.write_text(f"name: d\nmodel: {tiny_config}\ndevice: H100-80GB\ncandidates: {{gpu_memory_utilization: [0.5]}}\n")
+    db = tmp_path / "r.sqlite"
+    for _ in range(3):
+        assert main(["profile", str(drop), "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nstored as drop id 1\n") == 1
+    assert out.count("\nalready stored as drop id 1 (the same drop and results: nothing new written)\n") == 2
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*) FROM drops").fetchone() == (1,)
+    assert con.execute("SELECT count(*) FROM profile_runs").fetchone() == (1,)
+    drop.write_text(drop.read_text().replace("[0.5]", "[0.6]"))  # changed content: a new row
+    assert main(["profile", str(drop), "--db", str(db)]) == 0
+    assert "\nstored as drop id 2\n" in capsys.readouterr().out + "\n"

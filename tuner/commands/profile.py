@@ -21,7 +21,7 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
-def render_table(outcome) -> str:
+def render_table(outcome, store: str | None = None) -> str:
     """Human-readable report: the memory terms, every candidate, the proposals.
 
     Each candidate shows ``starts`` (vLLM's verdict) and ``ok`` (starts and meets the drop's
@@ -98,7 +98,9 @@ def render_table(outcome) -> str:
             lines.append(f"      vllm serve {model} {p.vllm_args}")
             lines += stage_lines(p)
     if outcome.drop_id is not None:
-        lines.append(f"\nstored as drop id {outcome.drop_id}")
+        where = f" in {store}" if store else ""
+        lines.append(f"\nalready stored as drop id {outcome.drop_id}{where} (the same drop and results: nothing new "
+                     "written)" if outcome.reused else f"\nstored as drop id {outcome.drop_id}{where}")
     return "\n".join(lines)
 
 
@@ -259,6 +261,11 @@ def run(args) -> int:
     show = progress_printer(args)
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
         kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)
+    from tuner.litestore import store_missing  # no SQLAlchemy import: a cold profile answered from the memo
+    from tuner.storerules import DEFAULT_PATH
+
+    # the default store is relative to the current directory: say where it is (and that it is new)
+    new_default = args.db is None and store_missing(None)
     try:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache, **kw)
     except TunerError as exc:
@@ -272,5 +279,9 @@ def run(args) -> int:
     elif fmt == "vllm-config":
         print(render_vllm_config(outcome))
     else:
-        print(render_table(outcome))
+        store = None
+        if args.db is None:
+            store = f"{DEFAULT_PATH} under {os.getcwd()}" + (" (created now; --db names another store)"
+                                                              if new_default else "")
+        print(render_table(outcome, store))
     return EXIT_OK
