@@ -123,8 +123,11 @@ def _resimulated(dr: dict, us: list[float], cs: list[float], *, worker: Callable
     cannot be prepared here (its model config is not found on this host, …)."""
     from tuner.drop import parse_drop
 
+    import dataclasses
+
     try:
-        job = prepare(None, drop=parse_drop(dr["content"], dr.get("path") or f"{dr['name']}.yaml"))
+        drop = parse_drop(dr["content"], dr.get("path") or f"{dr['name']}.yaml")
+        job = prepare(None, drop=dataclasses.replace(drop, method="simulate"))  # a measured drop too: no GPU here
         jobs = [(f"concurrency {c:g}", job.request(gpu_memory_utilization=us, min_concurrency=c)) for c in cs]
         res = run_jobs(jobs, job_name=dr["name"], worker=worker, timeout_s=timeout_s)
     except TunerError as exc:
