@@ -202,7 +202,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               other_processes_memory_gib: float | None = None) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
-    the drop default.
+    the drop default; ``other_processes_memory_gib``: memory other processes (on a unified-memory
+    device, the host) hold at start, the drop field of that name.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -326,6 +327,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
         "store": {"path": os.path.abspath(store_used) if store_used else None, "read": "pass memo" if store_used else None,
                   "written": False},
+        "assumptions": list(doc.get("assumptions") or []),
     }
     return CheckResult(starts, out, e)
 
@@ -406,9 +408,10 @@ def render(res: CheckResult) -> str:
     d = res.doc
     n = d["numbers"]
     read = d["read"]
+    from tuner.devices import device_label
+
     lines = [f"check: {d['command']}",
-             f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
-             f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+             f"model {d['model']} (plugin {d['plugin']}), device {device_label(d['device'])}, vLLM {d['era']}"]
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"

@@ -130,7 +130,14 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         era = era_for(version, eng)
     except EraError as exc:
         raise DropError(exc.message, path=source, field="engine_version") from exc
-    dev = devices.resolve_device(device)
+    dev = None
+    if isinstance(device, str) and device.strip().lower() != "auto" and parsed.total_memory_bytes is not None:
+        # the total the log printed picks among a name's cards ("NVIDIA H100": SXM, PCIe, NVL) and
+        # gives a card the catalog lacks its total
+        dev = devices.lookup(device, total_memory_bytes=parsed.total_memory_bytes) or devices.Device(
+            name=device.strip(), total_memory_bytes=int(parsed.total_memory_bytes), source="printed by the log")
+    if dev is None:
+        dev = devices.resolve_device(device)
     total = dev.total_memory_bytes
     if parsed.total_memory_bytes is not None and abs(parsed.total_memory_bytes - total) > _TOTAL_TOLERANCE:
         total = parsed.total_memory_bytes  # the log's device total is what the engine saw
@@ -157,7 +164,10 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
                         "max_position_embeddings; give --max-model-len", path=source, field="max_model_len")
     doc: dict[str, Any] = {
         "name": _safe_name(Path(source or "log")), "model": model,
-        "device": {"name": dev_name, "total_memory_bytes": int(total)},
+        "device": {"name": dev_name, "total_memory_bytes": int(total),
+                   # the topology a --device NAME:GIB:IC or mapping states travels with the drop
+                   **{k: device[k] for k in ("interconnect", "p2p", "compute_capability")
+                      if isinstance(device, dict) and device.get(k) is not None}},
         "engine_version": str(version), "method": "simulate",
         "candidates": {"gpu_memory_utilization": [gmu], "max_model_len": [mml]},
     }

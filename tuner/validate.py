@@ -98,14 +98,59 @@ def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = N
     return derived_max(str(config_path), hf_overrides)[0]
 
 
-def _device(case: dict) -> dict:
-    from tuner.devices import resolve_device
+def _one_device(name: Any, gib: Any) -> dict:
+    """One card of a case: ``{name, total_memory_bytes}`` with the total the log printed
+    (``gpu_total_gib``) when there is one, else the catalog card the name names."""
+    from tuner.devices import candidates_for, lookup, resolve_device
+    from tuner.errors import DeviceError
 
-    gib = case.get("gpu_total_gib")
     if gib:
-        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB))}
-    dev = resolve_device(str(case["gpu"]))
-    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+        return {"name": str(name), "total_memory_bytes": int(round(float(gib) * GiB))}
+    try:
+        dev = resolve_device(str(name))
+    except DeviceError:
+        several = candidates_for(str(name))
+        if len(several) < 2:
+            raise
+        # a name that fits several cards ("NVIDIA H100": SXM, PCIe, NVL) without a printed total: the
+        # card's usual value (cases README), the first of them in catalog order
+        dev = several[0]
+    out = {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+    known = lookup(dev.name)
+    if known is not None and dev.interconnect and known.interconnect != dev.interconnect:
+        out["interconnect"] = dev.interconnect  # a board word in the printed name ("... PCIe")
+    return out
+
+
+def _device(case: dict) -> dict:
+    """The request's device for a case. ``gpu`` may be a list, one card per pipeline stage (as a
+    drop's device list, :func:`tuner.app.prepare_job`): the request then carries the first stage's
+    card and ``stages``, each stage sized on its own card (the engine takes the fewest blocks over
+    the stages, vllm/v1/core/kv_cache_utils.py ``get_kv_cache_configs``); ``gpu_total_gib`` may be
+    a list of the same length or one total for every stage.
+
+    Raises:
+        DeviceError: an unknown card (``gpu`` / ``gpu[I]``) without a stated total; a list whose
+            length is not ``pipeline_parallel_size``."""
+    from tuner.errors import DeviceError
+
+    gpu, gib = case.get("gpu"), case.get("gpu_total_gib")
+    if not isinstance(gpu, list):
+        return _one_device(gpu, gib)
+    pp = int(case.get("pipeline_parallel_size") or 1)
+    if len(gpu) != pp:
+        raise DeviceError(f"a gpu list names one card per pipeline stage: {len(gpu)} entries for "
+                          f"pipeline_parallel_size {pp}", where="gpu")
+    gibs = gib if isinstance(gib, list) else [gib] * len(gpu)
+    if len(gibs) != len(gpu):
+        raise DeviceError(f"gpu_total_gib lists {len(gibs)} totals for {len(gpu)} cards", where="gpu_total_gib")
+    stages = []
+    for i, (name, g) in enumerate(zip(gpu, gibs)):
+        try:
+            stages.append(_one_device(name, g))
+        except DeviceError as exc:
+            raise DeviceError(exc.message, where=f"gpu[{i}]") from exc
+    return {**stages[0], "stages": stages}
 
 
 def _speculative(value: Any) -> dict | None:
@@ -246,6 +291,7 @@ def compare(case: dict, result: dict) -> dict:
         "error_pct": err,
         "unsafe": bool(unsafe),
         "warnings": result.get("warnings") or [],
+        "assumptions": result.get("assumptions") or [],
     }
 
 
@@ -425,7 +471,6 @@ def measured_from_case(case: dict, models_dir) -> dict:
     import hashlib
     import json
 
-    from tuner.calibrate import GIB
     from tuner.errors import LogParseError
     from tuner.importlog import config_path_for, read_config, resolve_settings, run_row
     from tuner.logparse import parse_lines
@@ -445,13 +490,13 @@ def measured_from_case(case: dict, models_dir) -> dict:
                "max_num_seqs": s.get("max_num_seqs"), "max_num_batched_tokens": s.get("max_num_batched_tokens"),
                "block_size": s.get("block_size"), "enable_chunked_prefill": s.get("enable_chunked_prefill"),
                "enforce_eager": bool(s.get("enforce_eager"))}
-    device: Any = str(case["gpu"])
-    if case.get("gpu_total_gib"):
-        from tuner.devices import lookup
+    # the card as a prediction resolves the record (:func:`_device`; a gpu list's first stage)
+    from tuner.devices import lookup
 
-        known = lookup(str(case["gpu"]))
-        device = {"name": known.name if known else str(case["gpu"]),
-                  "total_memory_bytes": int(round(float(case["gpu_total_gib"]) * GIB))}
+    card = _device(case)
+    known = lookup(str(card["name"]), total_memory_bytes=int(card["total_memory_bytes"]))
+    device: Any = {"name": known.name if known else str(card["name"]),
+                   "total_memory_bytes": int(card["total_memory_bytes"])}
     cfg_path = config_path_for(str(case["model"]), models_dir=models_dir)
     config, sha = read_config(cfg_path)
     drop, extra = resolve_settings(parsed, model=str(case["model"]), device=device, engine_version=version,

@@ -14,14 +14,50 @@ NAME = "check"
 
 
 def _device(text: str):
-    """``--device``: a catalog name/alias, ``auto``, or ``NAME:GIB`` (a total in GiB)."""
-    if ":" in text:
-        name, _, gib = text.rpartition(":")
+    """``--device``: one card, or a comma-separated list of cards, one per pipeline stage (the drop's
+    device list: ``'RTX 5070 Ti,RTX 5090 D'`` with ``-pp 2``); each as :func:`_one_device`."""
+    if "," in text:
+        items = [t.strip() for t in text.split(",")]
+        if any(not t for t in items):
+            raise argparse.ArgumentTypeError(f"an empty entry in the device list {text!r}")
+        if any(t.lower() == "auto" for t in items):
+            raise argparse.ArgumentTypeError("'auto' reads GPU 0 only: in a device list name each stage's card")
+        return [_one_device(t) for t in items]
+    return _one_device(text)
+
+
+def _one_device(text: str):
+    """One card: a catalog name/alias, ``auto``, ``NAME:GIB`` (a total in GiB), and either may end
+    in ``:INTERCONNECT`` (``nvswitch``, ``nvlink``, ``pcie``, ``xgmi``; ``pcie`` may be followed by
+    ``:p2p`` or ``:no-p2p``): ``'My card:24:pcie'``, ``'A100-80GB:pcie'`` (a catalog card on another board)."""
+    from tuner.devices import INTERCONNECTS
+
+    parts = text.split(":")
+    p2p = None
+    if len(parts) > 1 and parts[-1].strip().lower() in ("p2p", "no-p2p", "nop2p"):
+        p2p = parts.pop().strip().lower() == "p2p"
+    ic = None
+    if len(parts) > 1 and parts[-1].strip().lower() in INTERCONNECTS:
+        ic = parts.pop().strip().lower()
+    elif p2p is not None:
+        raise argparse.ArgumentTypeError(f"':p2p' / ':no-p2p' follows an interconnect (NAME:GIB:pcie:p2p): {text!r}")
+    out: dict = {}
+    if len(parts) > 1:
+        name, gib = ":".join(parts[:-1]), parts[-1]
         try:
-            return {"name": name, "total_memory_gib": float(gib)}
+            out = {"name": name, "total_memory_gib": float(gib)}
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not NAME:GIB: {text!r}") from None
-    return text
+            raise argparse.ArgumentTypeError(
+                f"not NAME:GIB[:INTERCONNECT]: {text!r} (INTERCONNECT one of {', '.join(INTERCONNECTS)})") from None
+    elif ic is None:
+        return text
+    else:
+        out = {"name": parts[0]}
+    if ic is not None:
+        out["interconnect"] = ic
+    if p2p is not None:
+        out["p2p"] = p2p
+    return out
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -33,12 +69,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", dest="config_file", default=None, metavar="VLLM_YAML",
                    help="the YAML file `vllm serve --config` reads (the command line wins over it, as in vLLM)")
     p.add_argument("--device", type=_device, default=None,
-                   help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB")
+                   help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB; either may end "
+                        "in :nvswitch, :nvlink, :pcie or :xgmi (how the TP group's cards connect; a card the catalog "
+                        "lacks is taken as PCIe without P2P); a comma-separated list names one card per pipeline "
+                        "stage (-pp)")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
     p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
                    help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
-                        "other_processes_memory_gib); default: none, or with --device auto what NVML reports in use")
+                        "other_processes_memory_gib; on a unified-memory device such as GB10 the host RAM in use): "
+                        "the total minus the free memory vLLM prints at start; default: none, or with --device auto "
+                        "what NVML (on GB10 the host's MemAvailable) reports in use")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
