@@ -272,7 +272,9 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         ModelConfigError: the model's config.json cannot be found offline.
         DeviceError, WorkerError, StoreError, TunerError: as their names say; nothing is written.
     """
-    drop = load_drop(drop_path)
+    from tuner.vllm_args import from_drop_file
+
+    drop = from_drop_file(drop_path).drop  # a drop's fields: the one mapping's drop source
     request, dev = prepare_job(drop, nvml=nvml)
     ahead = _spawn_ahead(request, db_url, cache, worker, spawner, timeout_s)
     store = warming = None
