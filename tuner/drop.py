@@ -17,7 +17,9 @@ the document as a whole: bad YAML, YAML bomb, empty file, top level not a mappin
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import logging
 import math
 import os
 import re
@@ -904,6 +906,7 @@ def _join(prefix: str, key: str) -> str:
 
 def _safe_yaml(text: str, path: str) -> Any:
     loader = _DropLoader(text)
+    loader.name = path  # YAML errors name the file, not "<unicode string>"
     try:
         try:
             node = loader.get_single_node()
@@ -1072,6 +1075,33 @@ def parse_drop_keys(text: str | bytes, path: str, *, worker_python: str | None =
     ), frozenset(data)
 
 
+log = logging.getLogger(__name__)
+
+
+def _did_you_mean(key: str, dotted: str) -> list[str]:
+    """Fields a mistyped or misplaced ``key`` may mean: the same leaf elsewhere
+    (``max_model_len`` → ``candidates.max_model_len``), else close spellings of any field
+    (``gpu_memory_utilisation`` → ``candidates.gpu_memory_utilization``)."""
+    same = [f for f in _FIELDS_BY_NAME if f.rsplit(".", 1)[-1] == key and f != dotted]
+    if same:
+        return same
+    leaves: dict[str, list[str]] = {}
+    for f in _FIELDS_BY_NAME:
+        leaves.setdefault(f.rsplit(".", 1)[-1], []).append(f)
+    close = difflib.get_close_matches(key, list(leaves), n=3, cutoff=0.8)
+    return [f for leaf in close for f in leaves[leaf]]
+
+
+def _as_list(value: Any, check: Callable, path: str, dotted: str) -> Any:
+    """A scalar where a list is expected (``gpu_memory_utilization: 0.9``) taken as a one-element
+    list, and said (a warning naming the file and field)."""
+    if check in (_gmu_list, _len_list) and value is not None and not isinstance(value, (list, Mapping, bool)) \
+            and (_is_number(value) or isinstance(value, str)):
+        log.warning("%s:%s: %r taken as the one-element list [%r] (the field is a list)", path, dotted, value, value)
+        return [value]
+    return value
+
+
 def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) -> dict[str, Any]:
     """Check keys of one mapping level and run each field's validator; sections are skipped."""
     for key in data:
@@ -1081,7 +1111,7 @@ def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) ->
         if key in _FORBIDDEN:
             raise DropError(_FORBIDDEN[key], path=path, field=_join(prefix, key))
         if key not in allowed:
-            elsewhere = [f for f in _FIELDS_BY_NAME if f.rsplit(".", 1)[-1] == key and f != _join(prefix, key)]
+            elsewhere = _did_you_mean(key, _join(prefix, key))
             hint = f" (did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
             raise DropError(f"unknown key {key!r}{hint}; allowed here: {', '.join(allowed)}", path=path,
                             field=_join(prefix, key))
@@ -1100,7 +1130,7 @@ def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) ->
         if value is None and spec.required:
             raise DropError(f"required key {dotted!r} is null", path=path, field=dotted)
         try:
-            out[key] = spec.check(value)
+            out[key] = spec.check(_as_list(value, spec.check, path, dotted))
         except _Invalid as exc:
             raise DropError(exc.message, path=path, field=dotted + exc.sub) from None
     return out
