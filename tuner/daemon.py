@@ -217,10 +217,16 @@ def make_state_dir(settings: Settings) -> None:
 
 def clean_temporaries(settings: Settings) -> list[str]:
     """Remove what a crash can leave in the state directory: atomic-write temporaries of the
-    snapshot and of proposal files (``.NAME.XXXX.tmp``) and their SQLite ``-journal``. Returns the
-    paths removed. Only names this daemon creates are touched."""
+    snapshot, of proposal files and of their ``vllm serve --config`` files in
+    ``proposals/NAME.vllm/`` (``.NAME.XXXX.tmp``) and their SQLite ``-journal``. Returns the paths
+    removed. Only names this daemon creates are touched."""
     removed = []
     dirs = {Path(settings.state_dir), settings.proposals_dir, settings.snapshot_file.parent}
+    try:  # the per-proposal config directories (tuner.proposals.vllm_config_dir)
+        dirs |= {Path(e.path) for e in os.scandir(settings.proposals_dir)
+                 if e.name.endswith(".vllm") and e.is_dir(follow_symlinks=False)}
+    except OSError:
+        pass
     for d in dirs:
         try:
             entries = list(os.scandir(d))
@@ -329,6 +335,12 @@ class Daemon:
         #: caller should end the process at once (``os._exit``) rather than wait on it at exit
         self.work_stuck = False
         self.control = Waker()
+        #: what :meth:`run` returns: 0, or 1 once the daemon stopped on an error of its own
+        #: (the store file replaced under it: systemd's Restart= then starts it on the new file)
+        self.exit_status = 0
+        #: (path, st_dev, st_ino) of the SQLite file the store opened (None: a server database)
+        self._store_file: tuple[str, int, int] | None = None
+        self._store_replaced: str | None = None
 
     # -- composition -----------------------------------------------------------------------------
 
@@ -357,6 +369,7 @@ class Daemon:
             log.info("removed %s (a temporary file left by a crash)", path)
         self.notifier.status("migrating the database")
         self.store = self.store_factory(s.db_url)
+        self._store_file = self._sqlite_identity()
         self._register(s)
         requeued, failed = self.queue.recover(backoff_base_s=s.retry_backoff_s, backoff_max_s=s.retry_backoff_max_s,
                                               now=self._utc_now())
@@ -382,6 +395,50 @@ class Daemon:
         self.notifier.ready(self._status_text())
         log.info("ready: watching %s as host %s (hosts.id %d), store %s", s.watch_dir, self.owner.host_id,
                  self.owner.id, self.store.where)
+
+    def _sqlite_identity(self) -> tuple[str, int, int] | None:
+        """(path, device, inode) of the store's SQLite file as opened now; None for a server
+        database (or a store without an engine URL, in tests)."""
+        url = getattr(getattr(self.store, "engine", None), "url", None)
+        if url is None or url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+            return None
+        path = os.path.abspath(url.database)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (path, st.st_dev, st.st_ino)
+
+    def _store_file_intact(self) -> bool:
+        """False once the SQLite file at the store's path is no longer the file this daemon opened
+        (deleted, or replaced — say by an older backup): every later commit would go into the
+        unlinked file and be lost at the next start. The first time, it logs one ERROR naming the
+        file and both identities, and stops the daemon with exit status 1 (systemd's ``Restart=``
+        starts it again on the file now at that path). One ``stat`` a loop step."""
+        if self._store_replaced is not None:
+            return False
+        ident = self._store_file
+        if ident is None:
+            return True
+        path, dev, ino = ident
+        try:
+            st = os.stat(path)
+            now = f"device {st.st_dev}, inode {st.st_ino}"
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                return True
+            what = f"replaced by another file ({now})"
+        except FileNotFoundError:
+            what = "deleted"
+        except OSError as exc:  # unreadable for a moment (a remount): not proof of a swap
+            log.warning("store file %s cannot be checked: %s", path, exc.strerror or exc)
+            return True
+        self._store_replaced = what
+        self.exit_status = 1
+        log.error("store file %s was %s under the running daemon (it opened device %d, inode %d); stopping so "
+                  "that no result is committed into a file that is no longer there; the next start opens the "
+                  "file now at that path (jobs not in it run again)", path, what, dev, ino)
+        self.request_stop()
+        return False
 
     def _gpus(self) -> list[dict]:
         from tuner.devices import list_gpus
@@ -440,7 +497,7 @@ class Daemon:
             self._control_loop()
         finally:
             self.shutdown()
-        return 0
+        return self.exit_status
 
     def _work_loop(self) -> None:  # work thread: every database write of a running daemon
         try:
@@ -534,6 +591,8 @@ class Daemon:
 
     def _step(self) -> None:
         self._step_failed = False
+        if not self._store_file_intact():
+            return
         self._guard(self._drain_events)
         if self.stop_requested:
             return
@@ -949,7 +1008,14 @@ class Daemon:
         return datetime.fromtimestamp(self.wall_clock(), timezone.utc)
 
     def _popen(self, args: Any, **kw: Any) -> subprocess.Popen:  # job thread
+        """Start a worker (one-shot or warm) for the running job: without systemd's notify
+        variables, in the working directory ``/`` (every path a daemon's request names is
+        absolute: nothing of the directory the daemon was started from is read or imported; the
+        environment has ``PYTHONSAFEPATH``, :func:`tuner.worker.worker_env`)."""
         env = {k: v for k, v in (kw.pop("env", None) or os.environ).items() if k not in NOTIFY_ENV}
+        kw.setdefault("cwd", "/")
+        if isinstance(args, (list, tuple)) and args and os.sep in str(args[0]) and not os.path.isabs(str(args[0])):
+            args = [os.path.abspath(str(args[0])), *args[1:]]  # a relative worker_python, from here
         with self._lock:
             r = self._running
             if self.stop_requested or r is None:
@@ -1144,6 +1210,8 @@ class Daemon:
         assert self._unsaved_failure is not None
         job, outcome, _started = self._unsaved_failure
         s = self.settings
+        if not self._store_file_intact():
+            return
         try:
             row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
                                   backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
@@ -1167,6 +1235,8 @@ class Daemon:
     def _save_unsaved(self) -> None:
         assert self._unsaved is not None
         job, outcome, started = self._unsaved
+        if not self._store_file_intact():
+            return  # kept in memory: the daemon stops; the job runs again after the restart
         try:
             drop_row, runs, cands, props = self._rows(outcome, started)
             memo_entries = getattr(outcome, "memo_entries", None) or []
@@ -1393,7 +1463,7 @@ class Daemon:
                 r.thread.join(timeout=30)
             self._close_reader()
             self._drain_finished_at_stop()
-            if self.queue is not None:
+            if self.queue is not None and self._store_replaced is None:
                 for job in self.queue.jobs("running"):  # this owner's only
                     self.queue.requeue(job.id)
                     log.info("job %d (%s) returned to the queue", job.id, job.path)

@@ -67,11 +67,9 @@ def config_path_for(model: str, *, models_dir: str | Path | None = None, base_di
 
 
 def read_config(path: Path) -> tuple[dict, str]:
-    try:
-        raw = path.read_bytes()
-        top = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    from tuner.modelspec import parse_config_json, read_config_bytes
+
+    top = parse_config_json(read_config_bytes(path), str(path))  # a regular file, bounded size and depth
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
     from tuner.modelspec import config_hash

@@ -43,6 +43,11 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
             return (c / "config.json").resolve()
         if c.is_file() and c.suffix == ".json":
             return c.resolve()
+        # there, but no regular file (a FIFO, a socket, a link to /dev/zero): say so; never open it
+        for odd in ([c / "config.json"] if c.is_dir() else [c] if c.suffix == ".json" else []):
+            if os.path.lexists(odd):
+                raise ModelConfigError(f"{_not_regular(odd)}; a model config must be a regular file",
+                                       where=str(odd))
     if model.count("/") == 1 and ".." not in model and not model.startswith(("/", ".")):
         try:
             from huggingface_hub import try_to_load_from_cache
@@ -74,6 +79,66 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
         hint = (f"; the HF cache is {cache} (HF_HOME / HF_HUB_CACHE move it): fill it on a host with network "
                 f"with `{cli} download {model} config.json`, or give a local directory holding config.json")
     raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)}){hint}", where=model)
+
+
+def _not_regular(path: Path) -> str:
+    """Why ``path`` (which exists as a name) is not read as a config: "not a regular file (a FIFO)"
+    and the like, "a dangling symbolic link" for a link to nothing."""
+    import stat as _stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a dangling symbolic link" if os.path.islink(path) else "not readable"
+    kind = ("a FIFO" if _stat.S_ISFIFO(mode) else "a socket" if _stat.S_ISSOCK(mode)
+            else "a character device" if _stat.S_ISCHR(mode) else "a block device" if _stat.S_ISBLK(mode)
+            else "a directory" if _stat.S_ISDIR(mode) else "a special file")
+    return f"not a regular file ({kind}{', through a symbolic link' if os.path.islink(path) else ''})"
+
+
+#: Deepest nesting of objects and lists accepted in a model config (real ``config.json`` files nest
+#: 3–5 levels; the readers and hashes walk the tree recursively).
+MAX_CONFIG_DEPTH = 64
+
+
+def parse_config_json(raw: bytes | str, where: str) -> Any:
+    """``json.loads`` of a model config's bytes, with its nesting bounded by
+    :data:`MAX_CONFIG_DEPTH` (a 100,000-level file is a :class:`ModelConfigError` naming the file,
+    not a ``RecursionError`` in whatever walks it next).
+
+    Raises:
+        ModelConfigError: invalid JSON or nested too deeply (``where`` = the file).
+    """
+    depth = _max_depth(raw)
+    if depth > MAX_CONFIG_DEPTH:
+        raise ModelConfigError(f"config nests objects/lists {depth if depth < 10**6 else 'over a million'} levels deep; "
+                               f"model configs are read up to {MAX_CONFIG_DEPTH} levels (MAX_CONFIG_DEPTH)", where=where)
+    try:
+        return json.loads(raw)
+    except RecursionError:  # pragma: no cover - bounded above
+        raise ModelConfigError("config nests too deeply to be read", where=where) from None
+    except ValueError as exc:
+        raise ModelConfigError(f"cannot read config: {exc}", where=where) from exc
+
+
+def _max_depth(raw: bytes | str) -> int:
+    """Deepest ``[``/``{`` nesting of JSON text, outside strings (a linear scan, no recursion)."""
+    import re
+
+    text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else raw
+    if "[" not in text and "{" not in text:
+        return 0
+    depth = deepest = 0
+    # strings (with their escapes) are skipped whole; only brackets outside them count
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', text):
+        tok = m.group()
+        if tok == "[" or tok == "{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif tok == "]" or tok == "}":
+            depth -= 1
+    return deepest
 
 
 def _first(obj: Any, *names: str, default: Any = None) -> Any:
@@ -301,9 +366,9 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     path = Path(config_path)
     try:
         text = read_config_bytes(path)
-        top = json.loads(text)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    top = parse_config_json(text, str(path))
     from tuner.transformers_lean import import_transformers  # worker side only: imports torch
 
     transformers = import_transformers()  # without the scan of every model's source
@@ -569,9 +634,10 @@ def read_top(config_path: str | os.PathLike) -> dict:
     """
     path = Path(config_path)
     try:
-        top = json.loads(read_config_bytes(path))
-    except (OSError, ValueError) as exc:
+        raw = read_config_bytes(path)
+    except OSError as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    top = parse_config_json(raw, str(path))
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
     return top

@@ -1,0 +1,356 @@
+"""Issue 34: the reliability findings of the adversarial run (real workers, storms, bad inputs,
+store faults). One regression test per finding, named after the failure; real processes, files
+and signals, the fast fake worker behind ``worker_python`` unless a test says otherwise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._daemon_helpers import FAKE_WORKER, group_alive, own_drop_text as drop_text, poll
+from tests.conftest import REPO
+from tests.test_daemon import Harness
+from tuner.errors import ModelConfigError, WorkerError, WorkerTimeout
+from tuner.warmworker import WarmWorker
+from tuner.worker import crash_error, run_in_worker, worker_env
+
+
+@pytest.fixture
+def h(tmp_path, tiny_config, monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
+    harness = Harness(tmp_path, tiny_config)
+    yield harness
+    harness.close()
+
+
+def _fake_request(name: str) -> dict:
+    return {"drop": {"name": name, "content_sha256": "0", "candidates": {"gpu_memory_utilization": [0.5]}},
+            "device": {"total_memory_bytes": 80 << 30}}
+
+
+# -- 1: the SQLite file deleted or replaced under a running daemon --------------------------------
+
+@pytest.mark.parametrize("how", ["replaced", "deleted"])
+def test_store_file_replaced_under_running_daemon_went_unnoticed(h, caplog, how):
+    """The store file swapped for an older backup (or deleted) while the daemon ran: results were
+    committed into the unlinked file and lost at restart. The daemon compares the open file's
+    device and inode with the path's at every step and stops with one ERROR and exit status 1."""
+    d = h.start()
+    (h.conf / "a.yaml").write_text(drop_text("a", h.model))
+    h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'done'") == [(1,)], what="a done")
+    backup = h.tmp / "backup.sqlite"
+    shutil.copyfile(h.db, backup)  # an "older backup" (a copy: another inode)
+    if how == "replaced":
+        os.replace(backup, h.db)
+    else:
+        os.unlink(h.db)
+    (h.conf / "b.yaml").write_text(drop_text("b", h.model))
+    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    for _ in range(5):
+        d.step(max_wait_s=0.05)
+    assert d.stop_requested and d.exit_status == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"store file {h.db} was {'replaced by another file' if how == 'replaced' else 'deleted'}")
+    assert "stopping so that no result is committed" in errors[0]
+    assert not any("drop " in r.getMessage() and "b.yaml" in r.getMessage() and "queued" in r.getMessage()
+                   for r in caplog.records)  # nothing more was written into the old file
+
+
+def test_daemon_exit_status_when_its_store_file_was_replaced(tmp_path, tiny_config):
+    """End to end: ``ctx-tuner daemon`` whose store file is replaced exits 1 on its own (systemd's
+    Restart= then opens the file now at the path), with the one ERROR line and no traceback."""
+    from tests._daemon_helpers import write_settings
+
+    settings = write_settings(tmp_path)
+    db, log = tmp_path / "state" / "ctx-tuner.sqlite", tmp_path / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "daemon", "--settings", str(settings)], cwd=REPO,
+                                env=env, stdout=out, stderr=out)
+    try:
+        poll(lambda: "ready: watching" in log.read_text(), 60, what="the daemon ready")
+        copy = tmp_path / "copy.sqlite"
+        shutil.copyfile(db, copy)
+        os.replace(copy, db)
+        (tmp_path / "conf.d" / "a.yaml").write_text(drop_text("a", tiny_config))  # wakes the loop
+        assert proc.wait(timeout=40) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert text.count(f"store file {db} was replaced by another file") == 1
+    assert "Traceback" not in text
+
+
+# -- 2: exceeding worker_memory_max_bytes reported as a crash ---------------------------------------
+
+def _script(tmp_path: Path, name: str, body: str) -> str:
+    p = tmp_path / name
+    p.write_text(f"#!{sys.executable}\n" + body)
+    p.chmod(0o755)
+    return str(p)
+
+
+def test_worker_over_memory_limit_reported_as_worker_crashed_exit_status_1(tmp_path):
+    """A pass over ``worker_memory_max_bytes`` that dies outside Python's ``MemoryError`` reply
+    (an uncaught allocation failure, exit 1; a C++ ``std::bad_alloc`` that aborts) was "worker
+    crashed (exit status 1)". It names the limit and its bytes now; a crash without a limit, or
+    without any sign of a failed allocation, is still a crash."""
+    # a real RLIMIT_DATA breach: the worker's own guard sets the limit, then an allocation fails
+    # outside the reply path (an uncaught MemoryError: a traceback and exit status 1)
+    real = _script(tmp_path, "hog", "import sys\nsys.path.insert(0, %r)\nfrom tuner.worker_guard import install\n"
+                   "install()\nsys.stdin.read()\nx = bytearray(1 << 30)\n" % str(REPO))
+    with pytest.raises(WorkerError) as exc:
+        run_in_worker({"kind": "job"}, job="j", python=real, timeout_s=60, memory_max_bytes=256 << 20)
+    assert type(exc.value) is WorkerError
+    assert exc.value.message.startswith("the profile pass exceeded the worker memory limit (268,435,456 bytes, "
+                                        "setting worker_memory_max_bytes): it reported 'MemoryError'")
+    assert "(worker exit status 1; last output: MemoryError)" in exc.value.message
+    aborting = _script(tmp_path, "abort", "import os, sys\nsys.stdin.read()\n"
+                       "sys.stderr.write(\"terminate called after throwing an instance of 'std::bad_alloc'\\n"
+                       "  what():  std::bad_alloc\\n\")\nsys.stderr.flush()\nos.abort()\n")
+    with pytest.raises(WorkerError) as exc:
+        run_in_worker({"kind": "job"}, job="j", python=aborting, timeout_s=60, memory_max_bytes=1 << 30)
+    assert exc.value.message.startswith("the profile pass exceeded the worker memory limit (1,073,741,824 bytes, "
+                                        "setting worker_memory_max_bytes): it reported 'std::bad_alloc'")
+    assert "worker killed by signal 6" in exc.value.message
+    # no limit: the same death is a crash, as before
+    with pytest.raises(WorkerError) as exc:
+        run_in_worker({"kind": "job"}, job="j", python=aborting, timeout_s=60)
+    assert exc.value.message.startswith("worker crashed (killed by signal 6): terminate called")
+    # a limit, but a death that says nothing of memory (exit 3, no signal): a crash
+    assert crash_error(3, "boom", job="j", memory_max_bytes=1 << 30).message == "worker crashed (exit status 3): boom"
+    # SIGSEGV under a limit: how an unchecked failed malloc ends
+    assert crash_error(-11, "", job="j", memory_max_bytes=1 << 30).message.startswith(
+        "the profile pass exceeded the worker memory limit (1,073,741,824 bytes, setting worker_memory_max_bytes): "
+        "it was killed by signal 11, as a process whose allocation failed is")
+
+
+def test_warm_worker_over_memory_limit_reported_as_worker_crashed(tmp_path):
+    """The daemon's warm worker: the same death under the limit names the limit."""
+    aborting = _script(tmp_path, "abort", "import os, sys\nsys.stdin.readline()\n"
+                       "sys.stderr.write('std::bad_alloc\\n')\nsys.stderr.flush()\nos.abort()\n")
+    warm = WarmWorker()
+    try:
+        with pytest.raises(WorkerError) as exc:
+            warm.run({"kind": "job"}, job="j", python=aborting, timeout_s=60, memory_max_bytes=1 << 30)
+    finally:
+        warm.close()
+    assert exc.value.message.startswith("the profile pass exceeded the worker memory limit (1,073,741,824 bytes")
+
+
+def test_torch_allocator_failure_under_memory_limit_crashed_the_worker(monkeypatch):
+    """PyTorch's allocator under RLIMIT_DATA raises ``RuntimeError: DefaultCPUAllocator: can't
+    allocate memory`` — not a MemoryError, so it escaped the worker's reply as a crash. With the
+    limit set it is the typed reply naming the limit; another RuntimeError still propagates."""
+    from tuner import worker_main
+
+    def boom(_request):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 4294967296 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr("tuner.job.run_job", boom)
+    monkeypatch.setattr(worker_main, "_calibrate", lambda r: r)
+    monkeypatch.setenv("CTX_TUNER_WORKER_MEMORY_MAX_BYTES", str(512 << 20))
+    request = {"protocol": 1, "kind": "job", "drop": {"name": "x", "model": "m", "candidates": {}},
+               "config_path": "/nonexistent/config.json", "device": {}}
+    reply = worker_main.handle(request)
+    assert (reply["error_type"], reply["message"]) == (
+        "WorkerError", "the profile pass ran out of memory (worker memory limit 536,870,912 bytes, "
+                       "setting worker_memory_max_bytes)")
+    monkeypatch.delenv("CTX_TUNER_WORKER_MEMORY_MAX_BYTES")
+    with pytest.raises(RuntimeError):
+        worker_main.handle(request)
+
+
+# -- 3: the worker imports code from the daemon's working directory -------------------------------
+
+def test_worker_imported_planted_module_from_daemons_working_directory(tmp_path, monkeypatch):
+    """A ``json.py`` (or ``yaml/``) planted where the daemon was started ran in the worker:
+    ``python -m tuner.worker_main`` put the working directory first on ``sys.path``. Workers
+    start with ``PYTHONSAFEPATH=1`` now (the daemon's also in ``/``): the planted code never runs."""
+    planted = tmp_path / "drops"
+    planted.mkdir()
+    marker = tmp_path / "planted-ran"
+    for mod in ("json.py", "yaml.py"):
+        (planted / mod).write_text(f"open({str(marker)!r}, 'a').write({mod!r})\nraise SystemExit(7)\n")
+    monkeypatch.chdir(planted)
+    # a request no job runs (another kind): the worker imports its own modules and answers typed
+    with pytest.raises(Exception) as exc:
+        run_in_worker({"kind": "nothing"}, job="j", timeout_s=120)
+    assert not marker.exists()
+    assert not isinstance(exc.value, WorkerError), exc.value  # a typed reply, not a crash
+    env = worker_env({"PYTHONPATH": ":lib:/opt/x:", "PATH": "/bin"}, cwd="/srv/d")
+    assert (env["PYTHONSAFEPATH"], env["PYTHONPATH"]) == ("1", "/srv/d/lib:/opt/x")  # no empty (= cwd) entry
+    assert "PYTHONPATH" not in worker_env({"PYTHONPATH": "::"})
+
+
+def test_daemon_worker_started_in_daemons_working_directory(h, monkeypatch):
+    """The daemon starts its workers (one-shot and warm) in ``/``, with a relative ``worker_python``
+    made absolute first."""
+    seen = []
+
+    def popen(args, **kw):
+        seen.append((list(args), kw.get("cwd"), kw["env"].get("PYTHONSAFEPATH")))
+        return subprocess.Popen(args, **kw)
+
+    d = h.start(popen=popen)
+    (h.conf / "a.yaml").write_text(drop_text("a", h.model))
+    h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'done'") == [(1,)], what="a done")
+    assert [(cwd, safe) for _args, cwd, safe in seen] == [("/", "1")]
+    monkeypatch.chdir(h.tmp)
+    from tuner.daemon import _Running
+
+    from types import SimpleNamespace
+
+    d._running = _Running(SimpleNamespace(id=0), None, None, 0.0)  # type: ignore[arg-type]
+    d._popen_fn = lambda args, **kw: seen.append(list(args)) or subprocess.Popen(["true"])
+    try:
+        d._popen(["./venv/bin/python", "-m", "tuner.worker_main"], env={}).wait()
+    finally:
+        d._running = None
+    assert seen[-1] == [str(h.tmp / "venv" / "bin" / "python"), "-m", "tuner.worker_main"]
+
+
+# -- 4: a worker_python wrapper that leaves a helper process ----------------------------------------
+
+def _wrapper_with_helper(tmp_path: Path) -> tuple[str, Path]:
+    """A ``worker_python`` wrapper that starts a helper (inheriting stdout/stderr, in the worker's
+    group) and then execs the fake worker; the helper writes its pid to a file."""
+    pidfile = tmp_path / "helper.pid"
+    helper = tmp_path / "helper.py"
+    helper.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(3600)\n")
+    p = tmp_path / "wrapped-python"
+    p.write_text(f"#!/bin/sh\n{sys.executable} -S {helper} &\nexec {sys.executable} -S {FAKE_WORKER} \"$@\"\n")
+    p.chmod(0o755)
+    return str(p), pidfile
+
+
+def _alive(pid: int) -> bool:
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return st[st.rfind(")") + 2] != "Z"
+
+
+def test_worker_python_wrapper_helper_made_killed_worker_a_timeout(tmp_path):
+    """With a wrapper whose helper keeps the pipes open, a killed worker was noticed only at the
+    job timeout (reported as a timeout). The worker's own exit is watched now: a crash within
+    seconds, and the helper (the worker's group) is gone too; a good reply is read as before."""
+    wrapper, pidfile = _wrapper_with_helper(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as exc:
+        run_in_worker(_fake_request("crash-1"), job="j", python=wrapper, timeout_s=60)
+    assert time.monotonic() - t0 < 20
+    assert not isinstance(exc.value, WorkerTimeout)
+    assert exc.value.message.startswith("worker crashed (killed by signal 9): CUDA out of memory")
+    helper = int(poll(lambda: pidfile.exists() and pidfile.read_text(), 10, what="helper pid"))
+    poll(lambda: not _alive(helper), 10, what="the helper gone with the worker's group")
+    pidfile.unlink()
+    t0 = time.monotonic()
+    result = run_in_worker(_fake_request("ok-1"), job="j", python=wrapper, timeout_s=60)
+    assert result["proposals"][0]["gpu_memory_utilization"] == 0.5 and time.monotonic() - t0 < 20
+
+
+def test_warm_worker_wrapper_helper_made_killed_worker_a_timeout(tmp_path):
+    wrapper, pidfile = _wrapper_with_helper(tmp_path)
+    warm = WarmWorker()
+    try:
+        assert warm.run(_fake_request("ok-1"), job="j", python=wrapper, timeout_s=60)["proposals"]
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError) as exc:
+            warm.run(_fake_request("crash-2"), job="j", python=wrapper, timeout_s=60)
+        assert time.monotonic() - t0 < 20 and not isinstance(exc.value, WorkerTimeout)
+        assert exc.value.message.startswith("worker crashed (killed by signal 9)")
+    finally:
+        warm.close()
+    helper = int(poll(lambda: pidfile.exists() and pidfile.read_text(), 10, what="helper pid"))
+    poll(lambda: not _alive(helper), 10, what="the helper gone with the worker's group")
+
+
+# -- 5, 8: a config.json nested 100,000 levels; a FIFO or a link to /dev/zero ----------------------
+
+def test_deeply_nested_config_json_was_a_retried_recursion_error(tmp_path):
+    """A 100,000-level nested ``config.json`` was "unexpected RecursionError" (a run failure,
+    retried) naming no file. It is a :class:`ModelConfigError` naming the file (a drop failure)."""
+    from tuner.jobqueue import failure_kind
+    from tuner.modelspec import MAX_CONFIG_DEPTH, config_file_sha256, load_model_spec, read_top
+
+    d = tmp_path / "deep"
+    d.mkdir()
+    cfg = d / "config.json"
+    cfg.write_text('{"architectures": ["LlamaForCausalLM"], "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    for fn in (read_top, config_file_sha256, load_model_spec):
+        with pytest.raises(ModelConfigError) as exc:
+            fn(cfg)
+        assert exc.value.where == str(cfg)
+        assert exc.value.message == (f"config nests objects/lists 100001 levels deep; model configs are read up to "
+                                     f"{MAX_CONFIG_DEPTH} levels (MAX_CONFIG_DEPTH)")
+        assert failure_kind(exc.value) == "drop"
+    cfg.write_text(json.dumps({"a": "[" * 80 + "{", "b": {"c": [1]}}))
+    assert read_top(cfg) == {"a": "[" * 80 + "{", "b": {"c": [1]}}  # brackets inside strings do not count
+
+
+def test_config_json_fifo_or_dev_zero_link_reported_as_no_config_found(tmp_path):
+    """A ``config.json`` that is a FIFO, or a link to ``/dev/zero``, was "no config.json found";
+    it is "not a regular file" naming it now — found at once, never opened (no hang, no read)."""
+    from tuner.modelspec import resolve_model_path
+
+    fifo_dir, zero_dir = tmp_path / "fifo", tmp_path / "zero"
+    fifo_dir.mkdir()
+    zero_dir.mkdir()
+    os.mkfifo(fifo_dir / "config.json")
+    os.symlink("/dev/zero", zero_dir / "config.json")
+    os.symlink("/dev/zero", tmp_path / "direct.json")
+    os.symlink(tmp_path / "nothing", tmp_path / "dangling.json")
+    cases = [(fifo_dir, fifo_dir / "config.json", "not a regular file (a FIFO)"),
+             (zero_dir, zero_dir / "config.json", "not a regular file (a character device, through a symbolic link)"),
+             (tmp_path / "direct.json", tmp_path / "direct.json",
+              "not a regular file (a character device, through a symbolic link)"),
+             (tmp_path / "dangling.json", tmp_path / "dangling.json", "a dangling symbolic link")]
+    for model, where, what in cases:
+        t0 = time.monotonic()
+        with pytest.raises(ModelConfigError) as exc:
+            resolve_model_path(str(model))
+        assert time.monotonic() - t0 < 5
+        assert (exc.value.where, exc.value.message) == (str(where), f"{what}; a model config must be a regular file")
+
+
+def test_import_log_config_fifo_hung(tmp_path):
+    """``import-log``'s own config reader read the file whole: a FIFO hung it. It reads through
+    the bounded regular-file reader now."""
+    from tuner.importlog import read_config
+
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(ModelConfigError, match="not a regular file"):
+        read_config(tmp_path / "config.json")
+    (tmp_path / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ModelConfigError, match="levels deep"):
+        read_config(tmp_path / "deep.json")
+
+
+# -- 6: temporaries in proposals/NAME.vllm/ survive restarts ---------------------------------------
+
+def test_temporary_files_in_proposal_vllm_dir_survived_restarts(h):
+    state = Path(h.settings.state_dir)
+    vdir = state / "proposals" / "a.vllm"
+    vdir.mkdir(parents=True)
+    junk = [vdir / ".gpu-memory-utilization-0.9.yaml.k2j3.tmp", vdir / ".kv-cache-memory-bytes-0.9.yaml.x8y.tmp"]
+    for p in junk:
+        p.write_bytes(b"x" * 4096)
+    keep = vdir / "gpu-memory-utilization-0.9.yaml"
+    keep.write_text("model: m\n")
+    h.start()
+    assert [p.exists() for p in junk] == [False, False] and keep.exists()
