@@ -354,3 +354,120 @@ def test_temporary_files_in_proposal_vllm_dir_survived_restarts(h):
     keep.write_text("model: m\n")
     h.start()
     assert [p.exists() for p in junk] == [False, False] and keep.exists()
+
+
+# -- 9: state dir full / read-only, SIGTERM with a failing store ------------------------------------
+
+def test_full_state_dir_logged_an_error_every_few_seconds(h, monkeypatch, caplog):
+    """While the state dir is full every reconcile and snapshot logged an ERROR (and the failing
+    steps starved the watchdog). The condition is logged once when it begins and once when it
+    ends; meanwhile the loop stays healthy and the results are in the store."""
+    import errno
+
+    from tuner import daemon as daemon_mod
+    from tuner.errors import StoreError
+
+    real_write, real_snap = daemon_mod.write_proposal_file, daemon_mod.write_snapshot
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_space(*_a, **_kw):
+        raise full
+
+    def no_space_snapshot(*_a, **_kw):
+        raise StoreError("cannot write snapshot: No space left on device", where="snap") from full
+
+    d = h.start()
+    caplog.set_level(logging.DEBUG, logger="tuner.daemon")
+    monkeypatch.setattr(daemon_mod, "write_proposal_file", no_space)
+    monkeypatch.setattr(daemon_mod, "write_snapshot", no_space_snapshot)
+    for n in ("a", "b", "c"):
+        (h.conf / f"{n}.yaml").write_text(drop_text(n, h.model))
+    h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'done'") == [(3,)], what="all done")
+    for _ in range(20):  # rescans and snapshot retries while the disk is full
+        d._next_rescan = 0
+        d._last_snapshot = -1e9
+        d.step(max_wait_s=0.01)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [f"state_dir {h.settings.state_dir} is full (no space left on the device) (proposal file of a: "
+                      "No space left on device); proposal files and the snapshot are not written until it is fixed "
+                      "(results are kept in the store and the files written then)"]
+    assert d.healthy() and d._errors == 0
+    monkeypatch.setattr(daemon_mod, "write_proposal_file", real_write)
+    monkeypatch.setattr(daemon_mod, "write_snapshot", real_snap)
+    d._next_rescan = 0
+    d._last_snapshot = -1e9
+    h.until(d, lambda: all((Path(h.settings.state_dir) / "proposals" / f"{n}.yaml").exists() for n in "abc"),
+            what="the proposal files written once there is space")
+    for _ in range(3):
+        d.step(max_wait_s=0.01)
+    ends = [r.getMessage() for r in caplog.records if "writable again" in r.getMessage()]
+    assert ends == [f"state_dir {h.settings.state_dir} is writable again (it was full (no space left on the device)); "
+                    "proposal files and the snapshot are written"]
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
+def test_read_only_state_dir_reported_as_not_writable_by_this_user(tmp_path, monkeypatch):
+    """A state dir on a read-only mount was "not writable by this user"; it says read-only."""
+    import errno
+
+    from tests._daemon_helpers import settings_for
+    from tuner import daemon as daemon_mod
+    from tuner.errors import SettingsError
+
+    s = settings_for(tmp_path)
+    Path(s.state_dir).mkdir()
+    real_statvfs = os.statvfs
+
+    class RO:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(daemon_mod.os, "access", lambda *_a, **_kw: False)
+    monkeypatch.setattr(daemon_mod.os, "statvfs", lambda p: RO(real_statvfs(p)))
+    with pytest.raises(SettingsError) as exc:
+        daemon_mod.make_state_dir(s)
+    assert exc.value.message.startswith(f"state_dir {s.state_dir} is on a read-only filesystem (mounted read-only")
+    monkeypatch.setattr(daemon_mod.os, "statvfs", real_statvfs)
+    with pytest.raises(SettingsError, match="is not writable by this user"):
+        daemon_mod.make_state_dir(s)
+    assert daemon_mod.state_dir_condition(OSError(errno.EROFS, "Read-only file system")) == "on a read-only filesystem"
+    assert daemon_mod.state_dir_condition(OSError(errno.EIO, "I/O error")) is None
+
+
+def _fail_store_writes(d) -> None:
+    """Every new connection of the daemon's store refuses writes (SQLite ``query_only``): what a
+    store whose filesystem went read-only does."""
+    import sqlalchemy as sa
+
+    sa.event.listen(d.store.engine, "connect", lambda conn, _rec: conn.execute("PRAGMA query_only = ON"))
+    d.store.engine.dispose()
+
+
+def test_sigterm_with_failing_store_logged_traceback_and_later_daemon_crash(h, monkeypatch, caplog):
+    """SIGTERM while a job ran and the store refused writes logged a 40-line traceback, and the next
+    start called the job "interrupted by a daemon crash". The stop logs one ERROR line now, and
+    the next start says the job was stopped with the daemon (requeued uncounted, no backoff)."""
+    monkeypatch.setenv("FAKE_SLOW_S", "60")
+    d = h.start()
+    (h.conf / "slow-1.yaml").write_text(drop_text("slow-1", h.model))
+    h.until(d, lambda: h.job("slow-1.yaml")[0] == "running" and h.job("slow-1.yaml")[4], 20, what="slow-1 running")
+    (job_id,), = h.rows("SELECT id FROM jobs WHERE path = ?", str(h.conf / "slow-1.yaml"))
+    _fail_store_writes(d)
+    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    d.request_stop()
+    d.shutdown()
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("stopping without finishing the store's bookkeeping: StoreError: ")
+    assert errors[0].endswith(f"; job(s) {job_id} go back to the queue at the next start (not counted)")
+    assert h.job("slow-1.yaml")[0] == "running"
+    caplog.clear()
+    monkeypatch.setenv("FAKE_SLOW_S", "0")
+    d2 = h.start()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "queued again" in r.getMessage()]
+    assert warned == [f"job {job_id} ({h.conf / 'slow-1.yaml'}) was stopped with the daemon (SIGTERM) before it could "
+                      "be returned to the queue; queued again (not counted: 0 of 3 attempts used; interrupted 1 time(s))"]
+    (hist,), = h.rows("SELECT history FROM jobs WHERE id = ?", job_id)
+    assert json.loads(hist)[-1]["reason"].startswith("the daemon was stopped (SIGTERM) during the job")
+    assert not (Path(h.settings.state_dir) / "stopped-jobs.json").exists()
+    h.until(d2, lambda: h.job("slow-1.yaml")[0] == "done", 20, what="slow-1 done after the restart")
