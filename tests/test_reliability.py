@@ -471,3 +471,74 @@ def test_sigterm_with_failing_store_logged_traceback_and_later_daemon_crash(h, m
     assert json.loads(hist)[-1]["reason"].startswith("the daemon was stopped (SIGTERM) during the job")
     assert not (Path(h.settings.state_dir) / "stopped-jobs.json").exists()
     h.until(d2, lambda: h.job("slow-1.yaml")[0] == "done", 20, what="slow-1 done after the restart")
+
+
+# -- 7: `model:` may name any readable JSON file, and its values were echoed ------------------------
+
+def test_model_naming_any_readable_json_file_was_read_and_echoed(tmp_path, tiny_config, monkeypatch):
+    """A drop whose ``model`` named a file outside the operator's model directories was read, and
+    its values echoed into the log and the jobs table. With ``model_roots`` set the drop fails as
+    invalid before the file is read (a symlink inside a root pointing outside counts as outside);
+    a model inside a root runs as before."""
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "worker.log"))
+    secret_dir = tmp_path / "etc-secret"
+    secret_dir.mkdir()
+    (secret_dir / "config.json").write_text(json.dumps({"hidden_size": "hunter2-token", "api_key": "s3cr3t"}))
+    roots = tmp_path / "models"
+    roots.mkdir()
+    shutil.copytree(tiny_config, roots / "tiny")
+    os.symlink(secret_dir, roots / "sneaky")
+    h = Harness(tmp_path, tiny_config, model_roots=(str(roots),))
+    try:
+        d = h.start()
+        (h.conf / "out.yaml").write_text(drop_text("out", secret_dir))
+        (h.conf / "link.yaml").write_text(drop_text("link", roots / "sneaky"))
+        (h.conf / "ok.yaml").write_text(drop_text("ok", roots / "tiny"))
+        h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status IN ('done', 'failed')") == [(3,)], 20,
+                what="three jobs finished")
+        assert h.job("ok.yaml")[0] == "done"
+        for name, shown in (("out.yaml", f"{secret_dir / 'config.json'}"),
+                            ("link.yaml", f"{secret_dir / 'config.json'}")):  # the link followed
+            status, etype, error, attempts, _pid = h.job(name)
+            assert (status, etype, attempts) == ("failed", "DropError", 1)
+            assert error == (f"{h.conf / name}:model: {shown} is outside the allowed model roots ({roots}: setting "
+                             "model_roots); put the model under one of them or ask the operator to add its directory")
+            assert "hunter2" not in error and "s3cr3t" not in error
+        assert [ln.split()[1] for ln in (tmp_path / "worker.log").read_text().splitlines()] == ["ok"]
+    finally:
+        h.close()
+    from tuner.settings import load_settings
+
+    (tmp_path / "s.yaml").write_text("model_roots: [models, /srv/models]\n")
+    assert load_settings(tmp_path / "s.yaml").model_roots == (str(tmp_path / "models"), "/srv/models")
+    shipped = load_settings(REPO / "configs" / "tuner.yaml")
+    assert shipped.model_roots == ("/var/lib/ctx-tuner/models", "/srv/models")  # restrictive where shipped
+    from tuner.settings import Settings
+
+    assert Settings().model_roots is None  # permissive built-in default (the CLI never checks)
+
+
+def test_foreign_json_values_echoed_in_model_config_errors(tmp_path):
+    """A JSON file that is no model config had its values echoed by the config checks ("hidden_size
+    must be a positive integer, not 'hunter2-…'"). It is refused without a value now, and a
+    model config's bad values are shown only when short and name-like."""
+    from tuner.modelspec import load_model_spec, shown
+
+    d = tmp_path / "foreign"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"hidden_size": "hunter2-token-0123456789abcdef", "db": {"pw": "x"}}))
+    with pytest.raises(ModelConfigError) as exc:
+        load_model_spec(d / "config.json")
+    assert exc.value.message == ("not a model config: the JSON object has neither `architectures` nor `model_type` "
+                                 "(its values are not shown)")
+    assert "hunter2" not in str(exc.value)
+    assert [shown(v) for v in (4096, True, None, "int8", "hunter 2 secret", "x" * 41, [1, 2], {"a": 1})] == [
+        "4096", "True", "None", "'int8'", "a string of 15 characters", "a string of 41 characters",
+        "a list of 2 items", "a JSON object of 1 keys"]
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                               "hidden_size": "my secret value", "num_hidden_layers": 2,
+                                               "num_attention_heads": 4, "vocab_size": 100,
+                                               "intermediate_size": 128, "max_position_embeddings": 64}))
+    with pytest.raises(ModelConfigError) as exc:
+        load_model_spec(d / "config.json")
+    assert "my secret value" not in str(exc.value) and "a string of 15 characters" in str(exc.value)

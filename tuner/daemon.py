@@ -1233,6 +1233,12 @@ class Daemon:
                         f"but {exc.message}; set `method` in the drop or change default_method",
                         path=s.source or "settings", field="default_method") from exc
                 raise
+            if getattr(s, "model_roots", None):  # before anything of the model file is read (tuner.modelroots)
+                from tuner.modelroots import check_model_roots
+
+                check_model_roots([("model", request.get("config_path")),
+                                   ("speculative_config.model", request.get("draft_config_path"))],
+                                  s.model_roots, drop_path=drop.path)
             python = s.python_for(drop.engine_version)
             memo: dict | None = {} if getattr(s, "pass_memo", True) else None
             # calibration, shared result and pass memo entries (the job thread's read-only store)

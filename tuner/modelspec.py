@@ -141,6 +141,39 @@ def _max_depth(raw: bytes | str) -> int:
     return deepest
 
 
+def shown(value: Any) -> str:
+    """A config value as an error may show it: numbers, booleans, null and short name-like strings
+    (``'int8'``, ``'llama'``) as written; anything else only by its kind and size (``a string of
+    64 characters``, ``a list of 3 items``). ``model:`` may name any readable JSON file, and errors
+    go to logs, the jobs table and the world-readable snapshot: no raw value of a file that is not
+    a model config is echoed there."""
+    import re
+
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        if len(value) <= 40 and re.fullmatch(r"[A-Za-z0-9_.:+/-]*", value):
+            return repr(value)
+        return f"a string of {len(value)} characters"
+    if isinstance(value, dict):
+        return f"a JSON object of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def require_model_config(top: dict, where: str) -> None:
+    """Refuse a JSON object that is no model config — neither ``architectures`` nor ``model_type``
+    (every HF ``config.json`` has one) — before any of its values is read or shown.
+
+    Raises:
+        ModelConfigError: naming the file, none of its values.
+    """
+    if "architectures" not in top and "model_type" not in top:
+        raise ModelConfigError("not a model config: the JSON object has neither `architectures` nor `model_type` "
+                               "(its values are not shown)", where=where)
+
+
 def _first(obj: Any, *names: str, default: Any = None) -> Any:
     for n in names:
         try:
@@ -231,7 +264,7 @@ def _positive_int(value: Any, field_name: str, path: str) -> int:
     """``value`` if it is a positive int (bools, strings, floats, NaN rejected) no larger than its
     :data:`MAX_CONFIG_SIZES` bound, else ``ModelConfigError`` naming ``path:field``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelConfigError(f"{field_name} must be a positive integer, not {value!r}", where=f"{path}:{field_name}")
+        raise ModelConfigError(f"{field_name} must be a positive integer, not {shown(value)}", where=f"{path}:{field_name}")
     limit = MAX_CONFIG_SIZES.get(field_name.rsplit(".", 1)[-1])
     if limit is not None and value > limit:
         raise ModelConfigError(f"{field_name} is {value:,}, more than {limit:,}, the largest this tool accepts "
@@ -377,6 +410,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     transformers.logging.set_verbosity_error()
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
+    require_model_config(top, str(path))
     try:
         hf = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
                                         trust_remote_code=False, local_files_only=True)
@@ -486,7 +520,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         rope_params = {}
     partial_value = raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
     if isinstance(partial_value, bool) or not isinstance(partial_value, (int, float)) or not 0 < partial_value <= 1:
-        raise ModelConfigError(f"partial_rotary_factor must be a number in (0, 1], not {partial_value!r}",
+        raise ModelConfigError(f"partial_rotary_factor must be a number in (0, 1], not {shown(partial_value)}",
                                where=f"{where}:{prefix}partial_rotary_factor")
     partial = float(partial_value)
     dtype_field, dtype_value = "torch_dtype", None
@@ -498,11 +532,11 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         dtype_value = defaults.get("torch_dtype") or _first(hf, "dtype", default=None)
     if dtype_value is not None and not isinstance(dtype_value, str) and "torch." not in str(dtype_value):
         raise ModelConfigError(f"{dtype_field} must be a floating-point dtype name ({', '.join(FLOAT_DTYPES)}), "
-                               f"not {dtype_value!r}", where=f"{where}:{dtype_field}")
+                               f"not {shown(dtype_value)}", where=f"{where}:{dtype_field}")
     dtype = _dtype_name(dtype_value)
     if dtype not in FLOAT_DTYPES:
         raise ModelConfigError(f"{dtype_field} must be a floating-point dtype ({', '.join(FLOAT_DTYPES)}), "
-                               f"not {dtype_value!r}", where=f"{where}:{dtype_field}")
+                               f"not {shown(dtype_value)}", where=f"{where}:{dtype_field}")
     # The checkpoint's own key wins over a transformers class default.
     if "tie_word_embeddings" in top:
         tie = bool(top["tie_word_embeddings"])
@@ -514,11 +548,11 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
     sw_name, window = pick("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ModelConfigError(f"sliding_window must be null or a non-negative integer, not {window!r}",
+        raise ModelConfigError(f"sliding_window must be null or a non-negative integer, not {shown(window)}",
                                where=f"{where}:{sw_name}")
     qc = top.get("quantization_config") or raw.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
-        raise ModelConfigError(f"quantization_config must be a JSON object, not {qc!r}",
+        raise ModelConfigError(f"quantization_config must be a JSON object, not {shown(qc)}",
                                where=f"{where}:quantization_config")
     spec = ModelSpec(
         path=str(path),
@@ -553,7 +587,7 @@ def _architectures(top: dict, where: str) -> tuple[str, ...]:
     if isinstance(archs, str):
         return (archs,)
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ModelConfigError(f"architectures must be a list of class names, not {archs!r}",
+        raise ModelConfigError(f"architectures must be a list of class names, not {shown(archs)}",
                                where=f"{where}:architectures")
     return tuple(archs)
 
