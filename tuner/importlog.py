@@ -21,7 +21,7 @@ from typing import Any, Callable
 from tuner import __version__, devices
 from tuner.drop import Drop, parse_drop
 from tuner.eras import default_engine, era_for, parse_version, profile_batch, resolve_dtype
-from tuner.errors import DropError, EraError, LogParseError, ModelConfigError
+from tuner.errors import DeviceError, DropError, EraError, LogParseError, ModelConfigError
 from tuner.logparse import ParsedLog, infer_version, parse_file
 from tuner.modelspec import resolve_model_path
 from tuner.store import Store, utc_text
@@ -128,7 +128,15 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         era = era_for(version, eng)
     except EraError as exc:
         raise DropError(exc.message, path=source, field="engine_version") from exc
-    dev = devices.resolve_device(device)
+    try:
+        dev = devices.resolve_device(device)
+    except DeviceError:
+        if not isinstance(device, str) or parsed.total_memory_bytes is None:
+            raise
+        # a card the catalog does not know, whose total the log printed: the log's device as it saw it
+        dev = devices.resolve_device({"name": device, "total_memory_bytes": parsed.total_memory_bytes})
+        warnings.append(f"device {device!r} is not in the catalog; used the total the log printed "
+                        f"({parsed.total_memory_bytes / (1 << 30):.2f} GiB) under that name")
     total = dev.total_memory_bytes
     if parsed.total_memory_bytes is not None and abs(parsed.total_memory_bytes - total) > _TOTAL_TOLERANCE:
         total = parsed.total_memory_bytes  # the log's device total is what the engine saw
@@ -151,8 +159,9 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     if mml is None and config is not None:
         mml = _text_config(config).get("max_position_embeddings")
     if mml is None:
-        raise DropError("the log does not print max_model_len and the model config has no "
-                        "max_position_embeddings; give --max-model-len", path=source, field="max_model_len")
+        raise DropError("the log does not print max_model_len and " + (
+            "the model config has no max_position_embeddings" if config is not None else
+            "no config.json of the model was found") + "; give --max-model-len", path=source, field="max_model_len")
     doc: dict[str, Any] = {
         "name": _safe_name(Path(source or "log")), "model": model,
         "device": {"name": dev_name, "total_memory_bytes": int(total)},
@@ -169,7 +178,7 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     return drop, {"engine": eng, "device_name": dev_name, "total_memory_bytes": int(total), "warnings": warnings}
 
 
-def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str,
+def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str | None,
             log_sha256: str, started_at: str | None = None) -> dict:
     """The ``profile_runs`` row of an imported log (``method='import'``, ``source`` = the log file).
 
@@ -265,19 +274,34 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
     path = Path(path)
     if parsed is None:
         parsed = parse_file(path)
-    elif not parsed.has_memory_lines:
+    elif not parsed.has_memory_lines and parsed.error_message is None:
         raise LogParseError("no vLLM memory lines found", where=str(path))
     try:
         log_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else \
             hashlib.sha256(json.dumps(parsed.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     except OSError as exc:
         raise LogParseError(f"cannot read log: {exc}", where=str(path)) from exc
-    config_path = config_path_for(model, models_dir=models_dir)
-    config, config_sha = read_config(config_path)
+    # what the log printed is stored first; modelling it (the config, a prediction) comes second: a
+    # model no config.json (hence no plugin) is found for is still recorded, with what that leaves out
+    config_path: Path | None
+    try:
+        config_path = config_path_for(model, models_dir=models_dir)
+        config, config_sha = read_config(config_path)
+        no_config = None
+    except ModelConfigError as exc:
+        config_path, config, config_sha, no_config = None, None, None, exc
     drop, extra = resolve_settings(parsed, model=model, device=device, engine_version=engine_version,
                                    engine=engine, options=options, config=config, source=str(path))
-    row = run_row(parsed, drop, extra, config=config, config_sha256=config_sha, log_sha256=log_sha)
+    row = run_row(parsed, drop, extra, config=config or {}, config_sha256=config_sha, log_sha256=log_sha)
     outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])))
+    if no_config is not None:
+        predict = False
+        outcome.warnings.append(
+            f"no config.json of {model} ({no_config.message}): the log is stored as printed, without the model's "
+            f"config hash or architecture, and with dtype {row['dtype']}"
+            + (" as the log printed it" if drop.dtype not in (None, "auto") else " assumed (the log does not print it)")
+            + "; no prediction or calibration residual: give --models-dir or a local model path and import "
+              "again with --force to model it")
     earlier = store.find_run(row["pass_sha256"])
     if earlier is not None and not force:
         outcome.drop_id, outcome.already = earlier["drop_id"], True
