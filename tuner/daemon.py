@@ -1202,7 +1202,8 @@ class Daemon:
                 result, hits = memoanswer.answer_from_memo(request, entries, kw.get("on_progress"))
                 if result is not None:
                     result[memoanswer.PASS_SOURCE] = {"source": "memo", "stored_passes": len(hits),
-                                                      "computed_passes": 0}
+                                                      "computed_passes": 0,
+                                                      **(result.get(memoanswer.PASS_SOURCE) or {})}
                     return result
                 if hits:
                     request = {**request, passmemo.KNOWN_PASSES: hits}
