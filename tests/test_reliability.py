@@ -542,3 +542,19 @@ def test_foreign_json_values_echoed_in_model_config_errors(tmp_path):
     with pytest.raises(ModelConfigError) as exc:
         load_model_spec(d / "config.json")
     assert "my secret value" not in str(exc.value) and "a string of 15 characters" in str(exc.value)
+
+
+def test_prefix_caching_on_hybrid_model_before_0_19_crashed_with_typeerror():
+    """``enable_prefix_caching`` on a hybrid model under a release before the modelled mamba cache
+    modes raised ``TypeError: 'VllmVersion' object is not iterable`` while writing its warning (a
+    run failure, retried, of one of the visible cases); it is the warning now."""
+    from types import SimpleNamespace
+
+    from tuner.eras import era_for
+    from tuner.job import mamba_cache_mode
+
+    warnings: list[str] = []
+    plugin = SimpleNamespace(mamba_prefix_caching_mode="align")
+    assert mamba_cache_mode({"enable_prefix_caching": True}, era_for("0.10.1"), plugin, warnings) is None
+    assert warnings == ["enable_prefix_caching on a hybrid model: mamba_cache_mode 'align' in vLLM 0.10.1 is not "
+                        "modelled (state blocks counted as without it)"]

@@ -276,7 +276,7 @@ def mamba_cache_mode(drop: Drop | dict, era, plugin, warnings: list[str]) -> str
         return None
     if era.version < MAMBA_CACHE_MODE_SINCE or mode != "align":
         warnings.append(f"enable_prefix_caching on a hybrid model: mamba_cache_mode {mode!r} in vLLM "
-                        f"{'.'.join(map(str, era.version))} is not modelled (state blocks counted as without it)")
+                        f"{'.'.join(map(str, era.version.key))} is not modelled (state blocks counted as without it)")
         return None
     return mode
 
