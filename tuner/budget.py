@@ -49,7 +49,8 @@ class Topology:
     (``cudaDeviceCanAccessPeer``; GeForce cards have none over PCIe); ``compute_capability``
     ``"9.0"``…; ``disable_custom_all_reduce`` as vLLM's ``--disable-custom-all-reduce``;
     ``single_node``: every rank of the group on this host (custom all-reduce needs it).
-    The default is the calibration centre: H100 SXM behind NVSwitch.
+    The dataclass default is the calibration centre (H100 SXM behind NVSwitch), for direct callers;
+    a job builds its topology with :func:`tuner.job.topology_for` (an unknown card: PCIe, no P2P).
     """
 
     interconnect: str = "nvswitch"
@@ -57,6 +58,8 @@ class Topology:
     compute_capability: str | None = "9.0"
     disable_custom_all_reduce: bool = False
     single_node: bool = True
+    #: vLLM's platform: ``"cuda"`` or ``"rocm"`` (:mod:`tuner.platforms`).
+    platform: str = "cuda"
 
 
 #: vLLM's custom all-reduce world sizes (vllm/distributed/device_communicators/custom_all_reduce.py
@@ -84,7 +87,8 @@ def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool
     (vllm/distributed/device_communicators/custom_all_reduce.py ``CustomAllreduce.__init__``,
     the same checks 0.5–0.33): off with ``disable_custom_all_reduce``, for a world of one, a world
     size outside 2/4/6/8, a group spanning nodes, more than two GPUs that are not fully connected
-    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access."""
+    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access (checked on CUDA
+    only)."""
     t = topology
     if t.disable_custom_all_reduce:
         return False, "disable_custom_all_reduce"
@@ -96,7 +100,9 @@ def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool
         return False, "group spans several nodes"
     if world_size > 2 and t.interconnect not in FULLY_CONNECTED:
         return False, "not supported on more than two PCIe-only GPUs"
-    if not t.p2p and t.interconnect == "pcie":
+    if not t.p2p and t.interconnect == "pcie" and t.platform != "rocm":
+        # ROCm skips the check: "On AMD GPU, p2p is always enabled between XGMI connected GPUs"
+        # (custom_all_reduce.py, 0.5–0.34: ``not current_platform.is_rocm() and not _can_p2p``)
         return False, "no P2P access between the GPUs"
     return True, "on"
 
@@ -332,9 +338,14 @@ def co_tenant_non_torch_bytes(era: Era, other_processes_bytes: int) -> int:
     return 0
 
 
-#: Compute capabilities vLLM 0.19 treats as unified memory (vllm/utils/mem_utils.py
+#: Compute capabilities vLLM 0.11.1–0.19.x treats as unified memory (vllm/utils/mem_utils.py
 #: ``MemorySnapshot.measure`` ``shared_sysmem_device_mem_sms``: Orin 8.7, Thor 11.0, Spark 12.1).
 UMA_CAPABILITIES_0_19 = ("8.7", "11.0", "12.1")
+#: First release reading an integrated GPU's free memory from the host (psutil), and the first
+#: deciding by the device's ``is_integrated`` property instead of the capability list (read in
+#: every wheel 0.10.2–0.34.0: none through 0.11.0; the list 0.11.1–0.19.1; the property 0.20.0+).
+FREE_FROM_HOST_SINCE = (0, 11, 1)
+FREE_FROM_HOST_BY_PROPERTY_SINCE = (0, 20, 0)
 
 
 def free_memory_from_host(era: Era, *, compute_capability: str | None, integrated: bool | None) -> bool:
@@ -342,13 +353,13 @@ def free_memory_from_host(era: Era, *, compute_capability: str | None, integrate
     (``psutil.virtual_memory().available``) instead of ``cudaMemGetInfo`` — so that RAM other host
     processes use is co-tenant memory to its free-memory check and its ``total − free`` snapshots.
 
-    vllm/utils/mem_utils.py ``MemorySnapshot.measure``: 0.9.2–0.11.0 read (never; V0 likewise);
-    0.19 read: by compute capability (:data:`UMA_CAPABILITIES_0_19`; 0.12–0.18 and 0.20–0.25 not
-    read, taken as 0.19); 0.26 and 0.28 read: the device's ``is_integrated`` property
-    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``)."""
-    if era.engine != "V1" or era.version < (0, 12, 0):
+    vllm/utils/mem_utils.py ``MemorySnapshot.measure`` (``device_memory_info`` in 0.34), read in
+    every wheel 0.10.2–0.34.0: never through 0.11.0 (V0 likewise); by compute capability
+    (:data:`UMA_CAPABILITIES_0_19`) in 0.11.1–0.19.1; by the device's ``is_integrated`` property
+    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``) from 0.20.0."""
+    if era.engine != "V1" or era.version < FREE_FROM_HOST_SINCE:
         return False
-    if era.version < (0, 26, 0):
+    if era.version < FREE_FROM_HOST_BY_PROPERTY_SINCE:
         return str(compute_capability or "") in UMA_CAPABILITIES_0_19
     return bool(integrated)
 

@@ -248,8 +248,9 @@ def _device(v: Any) -> Any:
                     "total_memory_bytes, compute_capability, interconnect, p2p", sub=f".{k}")
         if "name" not in v:
             raise _Invalid("device mapping needs 'name'", sub=".name")
-        if "total_memory_gib" not in v and "total_memory_bytes" not in v:
-            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes'")
+        if "total_memory_gib" not in v and "total_memory_bytes" not in v and devices.lookup(str(v["name"])) is None:
+            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes' "
+                           "(a catalog card's name alone takes the catalog's total)")
         try:
             devices.resolve_device(v)
         except DeviceError as exc:
@@ -463,7 +464,10 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("device", "string | {name, total_memory_gib | total_memory_bytes} | list of them", REQUIRED,
               "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
               "machine running the job, via NVML), or a mapping with the total memory the engine sees "
-              "(GiB = 2^30 bytes). A list names one card per pipeline stage (length = "
+              "(GiB = 2^30 bytes; a catalog name alone takes the catalog's total). `interconnect` (`nvswitch`, "
+              "`nvlink`, `pcie`, `xgmi`) and `p2p` say how the TP group's cards connect; a card the catalog lacks "
+              "without them is taken as PCIe without P2P (an assumption the result names). A list names one card "
+              "per pipeline stage (length = "
               "`pipeline_parallel_size`, no `auto`): each stage is sized on its own card and the engine "
               "takes the fewest blocks over the stages.", _device),
     DropField("engine_version", "string", "0.19.0",

@@ -229,6 +229,7 @@ def profile_batch(
     enable_chunked_prefill: bool | None = None,
     has_sliding_window: bool = False,
     is_multimodal: bool = False,
+    compute_capability: str | None = None,
 ) -> ProfileBatch:
     """Size the profile run's dummy batch the way the era's engine does.
 
@@ -236,7 +237,8 @@ def profile_batch(
     chunked prefill auto-enabled when ``max_model_len > 32768`` (0.5.4+, no sliding window,
     not multimodal); N = ``max(M, 2048)`` without chunked prefill, else 512 (≤0.6.4) or 2048
     (0.6.5+). V1 (vllm/engine/arg_utils.py, reference §4.10): defaults by GPU tier and entry
-    point; chunked prefill always on unless disabled; ``S = min(S, N)``.
+    point; chunked prefill always on unless disabled; ``S = min(S, N)``. ``compute_capability``
+    (``"12.1"``) picks 0.33+'s GB10 tier; default: the catalog's for ``device_name``.
 
     Returns:
         A :class:`ProfileBatch` (tokens, sequences, requests).
@@ -281,9 +283,15 @@ def profile_batch(
         serve_n, offline_n = (8192, 16384) if big else (2048, 8192)
         s_default = 1024 if big else 256
     else:
-        # 0.33 (vllm/engine/arg_utils.py get_batch_defaults) also keeps GB10 (cc 12.1) in the
-        # small tier; 0.28 and 0.30 do not test it.
-        if v >= (0, 33, 0) and "gb10" in name:
+        # 0.33 (vllm/engine/arg_utils.py get_batch_defaults: ``is_device_capability((12, 1))``)
+        # also keeps GB10 in the small tier, by compute capability (any 12.1 card, whatever its
+        # name); 0.28–0.32 do not test it. Capability not given: the catalog's for the name.
+        if compute_capability is None and device_name:
+            from tuner.devices import lookup
+
+            known = lookup(device_name, total_memory_bytes=total_memory_bytes or None)
+            compute_capability = known.compute_capability if known is not None else None
+        if v >= (0, 33, 0) and str(compute_capability or "") == "12.1":
             big = False
         if total_memory_bytes >= 160 * GiB:
             serve_n, offline_n, s_default = 16384, 16384, 1024

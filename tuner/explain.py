@@ -863,6 +863,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
+            "assumptions": list(base.get("assumptions") or []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "pass_source": base.get("pass_source"), "explanations": explanations}
 

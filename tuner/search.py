@@ -65,7 +65,8 @@ class Layout:
     #: The config's ``model_max_length`` (None when absent), also named in the refusal.
     model_max_length: int | None = None
     #: The TP group's interconnect and custom all-reduce (:class:`tuner.budget.Topology`); None =
-    #: the calibration centre (H100 SXM, NVSwitch).
+    #: the calibration centre (H100 SXM, NVSwitch) for direct callers; a job always sets it
+    #: (:func:`tuner.job.topology_for`: an unknown card is PCIe without P2P).
     topology: object = None
     #: Speculative decoding's draft tokens per request (1 + k tokens per decode step size the
     #: CUDA-graph captures, :func:`tuner.budget.cudagraph_capture_sizes`).

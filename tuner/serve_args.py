@@ -232,7 +232,8 @@ FLAGS: tuple[Flag, ...] = (
     _i("async_scheduling", ["--async-scheduling"], "bool"),
     _i("max_num_partial_prefills", ["--max-num-partial-prefills"]),
     _i("long_prefill_token_threshold", ["--long-prefill-token-threshold"]),
-    _i("disable_custom_all_reduce", ["--disable-custom-all-reduce"], "bool"),
+    _m("disable_custom_all_reduce", ["--disable-custom-all-reduce"], kind="bool",
+       note="custom all-reduce buffers are not allocated (TP > 1)"),
     # change start-up memory in ways ctx-tuner does not model
     _u("cpu_offload_gb", ["--cpu-offload-gb"], note="weights offloaded to the CPU"),
     _u("num_gpu_blocks_override", ["--num-gpu-blocks-override"], note="replaces the block count"),
