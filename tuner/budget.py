@@ -550,12 +550,113 @@ def cudagraph_estimate_bytes(
     return int(est * len(sizes) / CUDAGRAPH_ANCHOR_SIZES)
 
 
+#: vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py): the margin kept free
+#: beyond the measured transient peak, ``max(floor, fraction × transient)``, the floor 1 GiB on CUDA
+#: and 3 GiB on ROCm (``KV_CACHE_MARGIN_FLOOR_BYTES = (3 if current_platform.is_rocm() else 1) << 30``).
+KV_CACHE_MARGIN_FLOOR_BYTES = {"cuda": 1 << 30, "rocm": 3 << 30}
+KV_CACHE_MARGIN_FRACTION = 0.75
+#: The part of the margin torch's allocator is capped to leave for allocations outside it
+#: (``KV_CACHE_NON_TORCH_RESERVE_BYTES = (2 if rocm else 1) << 29``: 0.5 GiB CUDA, 1 GiB ROCm); it
+#: caps torch after sizing and does not change the block count.
+KV_CACHE_NON_TORCH_RESERVE_BYTES = {"cuda": 1 << 29, "rocm": 2 << 29}
+#: Device memory in use before vLLM 0.34's start-up snapshot that the extensible cache's headroom
+#: (``free memory after warmup + committed blocks``) does not have: the CUDA context, cuBLAS
+#: handles. Calibrated, not derived: the whole-GPU non-torch term of the V0 0.6.4 log of case
+#: vllm-10517 (RTX 3090, TP1: context + cuBLAS + what the profile left outside torch) is 0.35 GiB, the
+#: value :func:`non_torch_bytes` uses for the whole-GPU eras; no 0.34 log with the breakdown yet.
+STARTUP_BASELINE_GIB = 0.35
+
+
+def platform_of(topology: "Topology | None") -> str:
+    """The TP group's platform, ``"rocm"`` or ``"cuda"``: :attr:`Topology.platform`
+    (:mod:`tuner.platforms`), or ROCm for Infinity Fabric (``xgmi``)."""
+    if topology is None:
+        return "cuda"
+    if getattr(topology, "platform", "cuda") == "rocm" or topology.interconnect == "xgmi":
+        return "rocm"
+    return "cuda"
+
+
+def startup_baseline_bytes(era: Era, *, tensor_parallel_size: int = 1, topology: "Topology | None" = None) -> int:
+    """Memory in use at vLLM 0.34's start-up snapshot besides other processes (bytes, per rank):
+    :data:`STARTUP_BASELINE_GIB`, plus for a TP group the buffers the distributed init allocates
+    before the snapshot (0.11+: NCCL communicator :data:`NCCL_COMMUNICATOR_GIB`, custom all-reduce
+    :func:`custom_all_reduce_buffer_bytes`, symmetric memory :func:`symm_mem_buffer_bytes`)."""
+    topo = topology or Topology()
+    out = int(STARTUP_BASELINE_GIB * GiB)
+    if tensor_parallel_size > 1:
+        out += (int(NCCL_COMMUNICATOR_GIB * GiB) + custom_all_reduce_buffer_bytes(era, tensor_parallel_size, topo)
+                + symm_mem_buffer_bytes(era, tensor_parallel_size, topo))
+    return out
+
+
+def measure_kv_cache_bytes(*, init_free_memory: int, free_memory: int, committed_bytes: int, requested_memory: int,
+                           transient_peak_bytes: int = 0, torch_reserve_growth_bytes: int = 0,
+                           margin_floor_bytes: int = KV_CACHE_MARGIN_FLOOR_BYTES["cuda"],
+                           margin_fraction: float = KV_CACHE_MARGIN_FRACTION) -> int:
+    """vLLM 0.34's extensible KV cache budget (vllm/v1/worker/extensible_kv_cache.py
+    ``measure_kv_cache_bytes``, line for line): everything resident except the committed KV
+    prefix is the engine's (``non_kv_used = init_free − free − committed``); the cache gets
+    ``min(requested − non_kv_used, headroom − margin) − max(transient peak, torch reserve growth)``
+    with ``headroom = free + committed`` and ``margin = max(floor, fraction × transient)``; never
+    below 0 (bytes)."""
+    non_kv_used = init_free_memory - free_memory - committed_bytes
+    headroom = free_memory + committed_bytes
+    margin = max(margin_floor_bytes, int(transient_peak_bytes * margin_fraction))
+    available = min(requested_memory - non_kv_used, headroom - margin)
+    available -= max(transient_peak_bytes, torch_reserve_growth_bytes)
+    return max(available, 0)
+
+
+#: The physical granule an extensible KV cache commits in (vllm/utils/extensible_tensor.py
+#: ``granule_size``: the CUDA VMM allocation granularity, 2 MiB on NVIDIA GPUs).
+VMM_GRANULE_BYTES = 2 * MiB
+
+
+def kv_segment_strides(kv_cache_config: Any) -> list[int]:
+    """The block strides of an extensible cache's segments (vllm/v1/worker/extensible_kv_cache.py
+    ``ExtensibleKVCache._segments``, block-compact layer-outermost layouts: one segment per layer
+    region, i.e. per distinct ``offset + i x layer_stride`` of the 0.32+ tensors); [] when the
+    config's tensors carry no strides."""
+    segs: dict[int, int] = {}
+    for t in getattr(kv_cache_config, "kv_cache_tensors", ()) or ():
+        if t.layer_stride_bytes is None or t.block_stride_bytes is None:
+            continue
+        for i in range(len(t.shared_by)):
+            segs.setdefault(int(t.offset_bytes or 0) + i * int(t.layer_stride_bytes), int(t.block_stride_bytes))
+    return list(segs.values())
+
+
+def blocks_within(num_bytes: int, segment_strides: list[int], *, granule: int = VMM_GRANULE_BYTES,
+                  capacity: int | None = None) -> int:
+    """Most blocks whose physical footprint fits in ``num_bytes`` (``ExtensibleKVCache.blocks_within``,
+    0.34): each segment's ``blocks x stride`` is rounded up to the granule."""
+    per_block = sum(segment_strides)
+    if per_block <= 0:
+        return 0
+    n = max(0, int(num_bytes)) // per_block
+    if capacity is not None:
+        n = min(n, capacity)
+
+    def physical(k: int) -> int:
+        return sum(-(-k * st // granule) * granule for st in segment_strides)
+
+    while n > 0 and physical(n) > num_bytes:
+        n -= 1
+    return n
+
+
 @dataclass(frozen=True)
 class Budget:
     """One KV budget, all in bytes (per rank).
 
     ``available_kv_cache_bytes`` may be negative: the engine would refuse to start with
     "No available memory for the cache blocks".
+
+    With vLLM 0.34's extensible KV cache (:func:`extensible_kv_budget`) also: ``headroom_bytes``
+    (device memory free after warmup and capture, the committed prefix included), ``margin_bytes``,
+    ``transient_bytes`` (the transient peak kept free) and ``capacity_kv_cache_bytes`` (the
+    profile-based reservation the cache may grow to; None otherwise).
     """
 
     requested_memory_bytes: int
@@ -564,6 +665,10 @@ class Budget:
     non_torch_bytes: int
     cuda_graph_bytes: int
     available_kv_cache_bytes: int
+    headroom_bytes: int | None = None
+    margin_bytes: int | None = None
+    transient_bytes: int | None = None
+    capacity_kv_cache_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -593,3 +698,45 @@ def kv_budget(
     graphs = cuda_graph_bytes if era.subtracts_cudagraph_estimate else 0
     avail = requested - weights_bytes - activation_peak_bytes - non_torch_bytes - graphs
     return Budget(requested, weights_bytes, activation_peak_bytes, non_torch_bytes, graphs, int(avail))
+
+
+def extensible_kv_budget(
+    era: Era, *, total_memory_bytes: int, gpu_memory_utilization: float, weights_bytes: int,
+    activation_peak_bytes: int, non_torch_bytes: int, cuda_graph_bytes: int, persistent_bytes: int = 0,
+    other_processes_bytes: int = 0, baseline_bytes: int | None = None, platform: str = "cuda",
+) -> Budget:
+    """vLLM 0.34's KV budget with the extensible KV cache (bytes, per rank).
+
+    Control flow (vllm/v1/engine/core.py ``_initialize_kv_caches``, 0.34): the profile
+    (``determine_available_memory``, as 0.27–0.33 but with no CUDA-graph estimate:
+    ``profile_cudagraph_memory`` returns 0 with the extensible cache) sizes only the address-space
+    reservation, ``capacity = requested − (total_consumed + transient)``; warmup and CUDA-graph
+    capture run against it; then ``measure_kv_cache_blocks`` sizes the cache from the memory free
+    after them (:func:`measure_kv_cache_bytes`) and ``finalize_extensible_kv_cache`` takes the
+    fewer blocks of the two.
+
+    In this model's terms: ``non_kv_used = W + non-torch + persistent buffers + captured graphs``
+    (``activation_peak_bytes`` holds the persistent buffers, ``persistent_bytes``, as in the 0.27+
+    budget); ``transient = activation_peak_bytes − persistent_bytes`` (the profile's
+    ``transient_peak_headroom``, the reserve the warmup may raise; torch reservation growth is not
+    modelled, taken as no larger); ``init_free = T − other processes − baseline``
+    (:func:`startup_baseline_bytes`); the margin floor by ``platform``
+    (:data:`KV_CACHE_MARGIN_FLOOR_BYTES`). ``requested = ceil(T·u)``, u 1.0 by default; the
+    free-memory refusal of ``request_memory`` does not apply (vllm/v1/worker/utils.py, 0.34).
+    """
+    requested = requested_memory_bytes(era, total_memory_bytes, gpu_memory_utilization)
+    persistent = max(0, int(persistent_bytes))
+    transient = max(0, int(activation_peak_bytes) - persistent)
+    used = int(weights_bytes) + int(non_torch_bytes) + persistent + int(cuda_graph_bytes)
+    baseline = int(STARTUP_BASELINE_GIB * GiB) if baseline_bytes is None else int(baseline_bytes)
+    init_free = int(total_memory_bytes) - max(0, int(other_processes_bytes)) - baseline
+    floor = KV_CACHE_MARGIN_FLOOR_BYTES.get(platform, KV_CACHE_MARGIN_FLOOR_BYTES["cuda"])
+    margin = max(floor, int(transient * KV_CACHE_MARGIN_FRACTION))
+    avail = measure_kv_cache_bytes(init_free_memory=init_free, free_memory=init_free - used, committed_bytes=0,
+                                   requested_memory=requested, transient_peak_bytes=transient,
+                                   margin_floor_bytes=floor)
+    capacity = requested - int(weights_bytes) - int(activation_peak_bytes) - int(non_torch_bytes)
+    return Budget(requested, int(weights_bytes), int(activation_peak_bytes), int(non_torch_bytes),
+                  int(cuda_graph_bytes), int(min(avail, capacity)) if capacity > 0 else int(capacity),
+                  headroom_bytes=init_free - used, margin_bytes=margin, transient_bytes=transient,
+                  capacity_kv_cache_bytes=int(capacity))

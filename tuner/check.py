@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 
 from tuner.drop import _FIELDS_BY_NAME
-from tuner.errors import DropError
+from tuner.errors import DropError, EraError
 from tuner.serve_args import AUTO, ServeParser
 from tuner.vllm_args import (ArgsInputError, NotModelled, build_drop, equivalent_drop, parse_line,
                              spelled_for_field)
@@ -106,11 +106,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
               progress: Callable[[str], None] | None = None, extra_not_modelled: Sequence[NotModelled] = (),
               models_dir: str | None = None, label: str | None = None,
-              notes: Sequence[str] = (), other_processes_memory_gib: float | None = None) -> CheckResult:
+              notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
+              strict_release: bool = False) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
-    the drop default; ``other_processes_memory_gib``: memory other processes (on a unified-memory
-    device, the host) hold at start, the drop field of that name.
+    the newest modelled release (:func:`tuner.eras.resolve_release`; a newer one is answered with the
+    newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
+    ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
+    hold at start, the drop field of that name.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -129,14 +132,17 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     elif engine_version is not None and parsed_by and not str(parsed_by).startswith(str(engine_version)):
         warnings.append(f"the line was parsed by vLLM {parsed_by}'s parser; the memory rules are vLLM "
                         f"{engine_version}'s (--engine-version)")
-    if engine_version is None:
-        engine_version, why = default_engine_version()
-        if engine_version is None:
-            engine_version = str(_FIELDS_BY_NAME["engine_version"].default)
-            warnings.append(f"--engine-version not given and {why}: checked against vLLM {engine_version} "
-                            "(the drop default)")
-        else:
-            warnings.append(f"--engine-version not given: checked against the {why}")
+    from tuner.eras import release_warning, resolve_release
+
+    installed, why = (None, "") if engine_version is not None else default_engine_version()
+    try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
+        engine_version, release_assumed = resolve_release(engine_version, installed=installed,
+                                                          installed_from=f"this Python ({why.split()[1]})" if installed else "",
+                                                          strict=strict_release)
+    except EraError as exc:
+        raise CheckInputError(exc.message, where="--engine-version") from None
+    if release_assumed:
+        warnings.append(release_warning(release_assumed))
     local = models_dir_config(sa.model, models_dir)
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled,
@@ -174,12 +180,24 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                                      "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
                                      "available_kv_cache_bytes", "kv_block_bytes", "num_gpu_blocks",
                                      "kv_cache_tokens", "max_concurrency", "max_num_batched_tokens", "block_size")}
+    if e.get("extensible_headroom_bytes") is not None:  # vLLM 0.34's extensible KV cache terms
+        numbers.update({k: e.get(k) for k in ("extensible_headroom_bytes", "extensible_margin_bytes",
+                                              "extensible_withheld_bytes", "extensible_u_withheld_bytes")})
+        from tuner.search import gpu_memory_utilization_warning
+
+        u_warn = gpu_memory_utilization_warning({**numbers, "gpu_memory_utilization": u})
+        if u_warn:
+            warnings.append(f"vLLM would warn: {u_warn}")
     if auto:  # what _auto_fit_max_model_len picks: the derived length if it fits, else the largest that does
         largest = ((e.get("remedies") or {}).get("largest_max_model_len") or {})
+        extensible = bool(e.get("extensible_headroom_bytes") is not None)
         if e["starts"]:
             picked, reason, starts = m, None, True
             auto_note = (f"Auto-fit max_model_len: full model context length {m} fits in available KV cache memory "
                          f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+            if extensible:  # vllm/v1/core/kv_cache_planning.py _auto_fit_max_model_len(after_warmup=True), 0.34
+                auto_note = (f"Auto-fit max_model_len: using max_model_len={m}, which fits in the KV cache memory left "
+                             f"after CUDA graph capture and warmup ({e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU)")
         elif e.get("max_len_refused"):
             picked, starts, auto_note = None, False, None
         elif point_of(largest).max_model_len:
@@ -188,6 +206,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                            num_gpu_blocks=largest.get("num_gpu_blocks") or numbers["num_gpu_blocks"])
             auto_note = (f"Auto-fit max_model_len: reduced from {m} to {picked} to fit in available KV cache memory "
                          f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+            if extensible:  # 0.34: fitted again after warmup; a warning below 8192 tokens (AUTO_FIT_SHORT_MAX_MODEL_LEN)
+                left = f"{e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU left for the KV cache after CUDA graph " \
+                       "capture and warmup"
+                auto_note = f"--max-model-len auto reduced max_model_len from {m} to {picked} ({left})."
+                if picked < 8192:
+                    auto_note += (f" Requests longer than {picked} tokens will be rejected. "
+                                  + ("Increase `gpu_memory_utilization` or set --max-model-len explicitly." if u < 1.0
+                                     else "Use more GPUs or set --max-model-len explicitly."))
         else:
             picked, reason, starts, auto_note = None, AUTO_FIT_REFUSAL, False, None
         if auto_note:
@@ -210,6 +236,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "model_path": doc["model"],
         "device": doc["device"],
         "engine_version": engine_version,
+        "release_assumed": release_assumed,
         "era": doc["era"],
         "plugin": doc["plugin"],
         "gpu_memory_utilization": u,
@@ -328,8 +355,11 @@ def render(res: CheckResult) -> str:
     else:
         lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
                      f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
-                     f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
-                     f"({n['available_kv_cache_bytes']:,} bytes)")
+                     f"{_gib(n['cuda_graph_bytes'])}"
+                     + (f" - headroom cap {_gib(n['extensible_withheld_bytes'])} (0.34 extensible KV cache: device "
+                        f"memory after warmup less the {_gib(n.get('extensible_margin_bytes') or 0)} margin)"
+                        if n.get("extensible_withheld_bytes") else "")
+                     + f" = KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes)")
     if n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from tuner import __version__
 from tuner.drop import Drop
+from tuner.errors import DropError, EraError
 from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
-from tuner.eras import v0_uses_sliding_window
+from tuner.eras import release_warning, v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
                                  check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
@@ -283,7 +284,7 @@ def mamba_cache_mode(drop: Drop | dict, era, plugin, warnings: list[str]) -> str
         return None
     if era.version < MAMBA_CACHE_MODE_SINCE or mode != "align":
         warnings.append(f"enable_prefix_caching on a hybrid model: mamba_cache_mode {mode!r} in vLLM "
-                        f"{'.'.join(map(str, era.version.key))} is not modelled (state blocks counted as without it)")
+                        f"{era.version} is not modelled (state blocks counted as without it)")
         return None
     return mode
 
@@ -506,7 +507,10 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings: list[str] = []
     model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
-    era = era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager))
+    era = drop_era(drop, req.engine_kind)
+    loud = release_warning(drop.release_assumed)
+    if loud:
+        warnings.append(loud)
     ranks = rank_settings(drop, model, era, device, warnings)
     if pass_memo is not None:
         import os
@@ -530,6 +534,11 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
     assumptions = device_assumptions(device, drop, era)
     warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
+    if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
+        from tuner.platforms import assumption
+
+        assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
+                                      str(drop.release_assumed["reason"])))
     memoizable = method == "simulate" and req.fake and engine_use is None
     if pass_memo is not None and not memoizable:
         raise passmemo.MemoMiss(f"method {method} is not memoized")
@@ -543,6 +552,15 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
+    if era.extensible_kv_cache:  # vLLM 0.34 warns where an explicit u < 1.0 withholds free memory
+        from tuner.search import gpu_memory_utilization_warning
+
+        warned: set[float] = set()
+        for c in candidates:  # one per u (its largest length decides the batch)
+            w = gpu_memory_utilization_warning(c)
+            if w and c["gpu_memory_utilization"] not in warned:
+                warned.add(c["gpu_memory_utilization"])
+                warnings.append(f"vLLM would warn: {w}")
     if engine_use is not None and engine_use.session is not None:
         verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
     if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
@@ -567,6 +585,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
+    out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.platforms)
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
@@ -580,6 +599,38 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                                   "tool_version": __version__, "method": method, "device_name": device.get("name"),
                                   "era": era.name, "value": json.loads(json.dumps(out))}]
     return out
+
+
+#: vLLM 0.34's default KV block size (vllm/config/cache.py ``CacheConfig.DEFAULT_BLOCK_SIZE = 64``, 16
+#: through 0.33), which ``Platform.update_block_size_for_backend`` keeps where the attention backend
+#: supports it (FlashAttention, FlashInfer, Triton: multiples of 16).
+DEFAULT_BLOCK_SIZE_0_34 = 64
+
+
+def default_block_size(era: Any, spec: Any, plugin: Any) -> int | None:
+    """The block size a drop without ``block_size`` gets before the plugin's own rules: None (the
+    plugin's default, 16) through 0.33; 64 from 0.34. Hybrid models take it as the floor of the
+    attention block aligned to the state page, as vLLM does (``Platform._align_hybrid_block_size``:
+    ``if cache_config.block_size < attn_block_size``). MLA models (a ``kv_lora_rank`` in the config)
+    keep their plugin's backend sizes (FlashMLA 64, CUTLASS MLA 128; not re-read for 0.34's default)."""
+    if era.engine != "V1" or era.version < (0, 34, 0):
+        return None
+    raw = getattr(spec, "raw", None) or {}
+    if raw.get("kv_lora_rank"):
+        return None
+    return DEFAULT_BLOCK_SIZE_0_34
+
+
+def drop_era(drop: Drop | dict, engine: str | None = None):
+    """The :class:`tuner.eras.Era` a drop's settings select: its release, engine, ``enforce_eager``,
+    and from 0.34 whether the extensible KV cache sizes the cache (``enable_extensible_kv_cache``,
+    off with ``kv_cache_memory_bytes``)."""
+    d = _typed(drop)
+    try:
+        return era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
+                       extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
+    except EraError as exc:
+        raise DropError(exc.message, path=d.path or None, field="enable_extensible_kv_cache") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -657,9 +708,10 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
+    block_size = drop.block_size if drop.block_size is not None else default_block_size(era, spec, plugin)
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
-                     block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
+                     block_size=block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=drop.quantization,
                      compute_capability=_compute_capability(cards[r]), platform=_platform(cards[r]),
                      data_parallel_size=int(drop.data_parallel_size or 1),

@@ -200,6 +200,8 @@ FLAGS: tuple[Flag, ...] = (
        note="sizes the state blocks of hybrid (Mamba / DeltaNet) models; nothing for attention-only ones"),
     _m("enforce_eager", ["--enforce-eager"], kind="bool"),
     _m("kv_cache_memory_bytes", ["--kv-cache-memory-bytes"], human_readable_int),
+    _m("enable_extensible_kv_cache", ["--enable-extensible-kv-cache"], kind="bool",
+       note="0.34+: the KV cache sized after warmup and CUDA-graph capture (vllm/config/cache.py)"),
     _m("revision", ["--revision"], str, field="revision",
        note="the model revision whose config.json is read (HF ids)"),
     # no effect on start-up memory

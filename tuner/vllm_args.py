@@ -224,6 +224,9 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
         if dest == "kv_cache_memory_bytes" and version < KV_CACHE_MEMORY_BYTES_SINCE:
             raise ArgsInputError("unrecognized arguments: --kv-cache-memory-bytes (vLLM "
                                  f"{'.'.join(map(str, KV_CACHE_MEMORY_BYTES_SINCE))}+)", where=sa.spelled[dest])
+        if dest == "enable_extensible_kv_cache" and version < (0, 34, 0):
+            raise ArgsInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--enable-extensible-kv-cache'} "
+                                 "(vLLM 0.34+)", where=sa.spelled[dest])
         if dest not in _FIELDS_BY_NAME:
             if not ((dest == "data_parallel_size" and value == 1) or (dest == "enable_expert_parallel" and value is False)):
                 extra.append(NotModelled(option_for(dest), value, "this build's drops do not model it",
@@ -251,7 +254,9 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
     if u is None:
         from tuner.eras import era_for
 
-        u = era_for(engine_version).default_gpu_memory_utilization
+        # the release's default: 0.34 resolves None to 1.0 with the extensible KV cache
+        u = era_for(engine_version, extensible_kv_cache=sa.values.get("enable_extensible_kv_cache"),
+                    kv_cache_memory_bytes=sa.values.get("kv_cache_memory_bytes")).default_gpu_memory_utilization
     d["candidates"] = {"gpu_memory_utilization": [u]}
     if m == AUTO and version < AUTO_FIT_SINCE:
         raise ArgsInputError(f"invalid int value: 'auto' (vLLM {engine_version} has no auto-fit; it came in "

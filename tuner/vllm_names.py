@@ -6,7 +6,7 @@ the ``--kv-cache-dtype`` argparse choices of ``vllm/engine/arg_utils.py`` up to 
 ``QuantizationMethods`` / ``DEPRECATED_QUANTIZATION_METHODS`` in
 ``vllm/model_executor/layers/quantization/__init__.py`` (``QUANTIZATION_METHODS`` keys before
 0.6, the ``--quantization`` choices in 0.4.0). Releases read: 0.4.0–0.4.3, 0.5.0, 0.6.0, 0.6.4,
-0.7.0, 0.8.0, 0.8.5, 0.9.0–0.9.2, 0.10.0, 0.10.1.1, 0.10.2, 0.11.0–0.11.2, 0.12.0–0.33.0 (every
+0.7.0, 0.8.0, 0.8.5, 0.9.0–0.9.2, 0.10.0, 0.10.1.1, 0.10.2, 0.11.0–0.11.2, 0.12.0–0.34.0 (every
 minor). Each table lists a release where the names changed and holds until the next entry, so
 a release that was not read (0.5.x after 0.5.0, 0.6.1–0.6.3, 0.7.1–0.7.3, 0.8.1–0.8.4, patch
 releases) takes the names of the nearest read release below it.
@@ -107,6 +107,9 @@ QUANTIZATION_METHODS_BY_RELEASE = (
      ('fbgemm_fp8', 'fp_quant')),
     ((0, 28, 0), ('awq', 'auto_awq', 'fp8', 'fbgemm_fp8', 'fp_quant', 'modelopt', 'modelopt_fp4', 'modelopt_mxfp8', 'modelopt_mixed', 'auto_gptq', 'gptq', 'gptq_marlin', 'awq_marlin', 'humming', 'compressed-tensors', 'experts_int8', 'quark', 'moe_wna16', 'torchao', 'inc', 'mxfp4', 'gpt_oss_mxfp4', 'deepseek_v4_fp8', 'online', 'fp8_per_tensor', 'fp8_per_block', 'fp8_per_channel', 'int8_per_channel_weight_only', 'nvfp4_per_token', 'mxfp8'),
      ('fbgemm_fp8', 'fp_quant')),
+    # 0.34 (vllm/model_executor/layers/quantization/__init__.py): + w4afp8, lut_b_moe, mxfp4_hadamard32; fp_quant gone
+    ((0, 34, 0), ('awq', 'auto_awq', 'fp8', 'w4afp8', 'fbgemm_fp8', 'modelopt', 'modelopt_fp4', 'modelopt_mxfp8', 'modelopt_mixed', 'auto_gptq', 'gptq', 'gptq_marlin', 'awq_marlin', 'humming', 'compressed-tensors', 'experts_int8', 'quark', 'moe_wna16', 'torchao', 'inc', 'mxfp4', 'gpt_oss_mxfp4', 'deepseek_v4_fp8', 'online', 'fp8_per_tensor', 'fp8_per_block', 'fp8_per_channel', 'int8_per_channel_weight_only', 'nvfp4_per_token', 'mxfp8', 'lut_b_moe', 'mxfp4_hadamard32'),
+     ('fbgemm_fp8',)),
 )
 
 

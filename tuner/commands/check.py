@@ -87,7 +87,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "lacks is taken as PCIe without P2P); a comma-separated list names one card per pipeline "
                         "stage (-pp)")
     p.add_argument("--engine-version", default=None,
-                   help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
+                   help="vLLM release whose rules apply (default: the installed vllm's version, else the newest "
+                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning)")
+    p.add_argument("--strict-release", action="store_true",
+                   help="refuse an --engine-version newer than the newest modelled release (exit 2)")
     p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
                    help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
                         "other_processes_memory_gib; on a unified-memory device such as GB10 the host RAM in use): "
@@ -148,7 +151,8 @@ def run(args) -> int:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
                         other_processes_memory_gib=args.other_processes_memory_gib,
-                        parser=make_parser(args.parser, python), models_dir=args.models_dir, **kw)
+                        parser=make_parser(args.parser, python), models_dir=args.models_dir,
+                        strict_release=args.strict_release, **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID
