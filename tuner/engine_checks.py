@@ -12,7 +12,11 @@ drop key at fault (``where`` = ``DROP:FIELD``):
   ``max_num_seqs``; ≥ ``max_model_len`` when chunked prefill is off);
 - :func:`check_quantization` — ``ModelConfig._verify_quantization`` (a method name the release
   knows, the checkpoint's own method not contradicted) and ``get_quant_config`` (methods that
-  need a quantized checkpoint).
+  need a quantized checkpoint); a checkpoint whose own ``quant_method`` the release does not
+  know is refused the same way;
+- :func:`check_architecture` — ``ModelRegistry`` (``vllm/model_executor/models/registry.py``): an
+  architecture absent from the release's registry (:mod:`tuner.release_facts`, read from each
+  wheel) is refused with the release's own message.
 
 No torch, no I/O.
 """
@@ -198,12 +202,13 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
         DropError: ``field`` ``quantization``.
         ModelConfigError: a valid online method whose weights are not modelled.
     """
+    qc = quantization_config or {}
+    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
     if override is None:
+        _check_checkpoint_method(ckpt, version=version, path=path)
         return []
     q = str(override).lower()
     known = quantization_methods(version)
-    qc = quantization_config or {}
-    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
     if ckpt in ("auto-round", "autoround"):
         # vllm/config/model.py ``_verify_quantization`` (0.19–0.33) runs the checkpoint overrides
         # before the name check, and INCConfig.override_quantization_method returns "inc" for an
@@ -240,6 +245,52 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
                                f"by ctx-tuner (modelled: {', '.join(MODELLED_ONLINE_METHODS)})",
                                where=f"{path}:quantization" if path else "quantization")
     return warnings
+
+
+def _check_checkpoint_method(ckpt: str, *, version: Any, path: str | None) -> None:
+    """A checkpoint's ``quant_method`` the release does not know: vLLM's ``_verify_quantization``
+    takes the checkpoint's method as the quantization and refuses it with "Unknown quantization
+    method". Only names some release accepts are checked (a checkpoint spelling vLLM maps first —
+    auto-round → ``inc`` — or a name of no release is left to the weights model)."""
+    from tuner.vllm_names import ALL_QUANTIZATION_METHODS, first_release_accepting
+
+    if not ckpt or ckpt in ("auto-round", "autoround", "auto_round") or ckpt not in ALL_QUANTIZATION_METHODS:
+        return
+    known = quantization_methods(version)
+    if ckpt in known:
+        return
+    first = first_release_accepting("quantization", ckpt)
+    later = f"; first accepted in {'.'.join(map(str, first))}" if first and first > _key(version) else ""
+    raise DropError(f"Unknown quantization method: {ckpt}. Must be one of {list(known)}. (the checkpoint's "
+                    f"quant_method; vLLM {_release(version)} does not know it{later})", path=path,
+                    field="quantization")
+
+
+def check_architecture(architectures: Iterable[str], *, version: Any, path: str | None) -> None:
+    """The model's ``architectures`` against the release's model registry (generated from the
+    wheels, :func:`tuner.release_facts.architectures`): vLLM loads a config when its registry has
+    any of them, and otherwise raises ``ModelRegistry._raise_for_unsupported``'s error.
+
+    Raises:
+        DropError: ``field`` ``engine_version``: the release's message, the release where the
+            architecture first appears (or the last that had it).
+    """
+    from tuner import release_facts as rf
+
+    archs = [str(a) for a in architectures or () if a]
+    known = rf.architectures(version)
+    if not archs or not known or any(a in known for a in archs):
+        return
+    having = frozenset().union(*(rf.with_architecture(a) for a in archs))
+    release = _release(version)
+    if not having:
+        hint = "no vLLM release 0.4–0.34 registers it"
+    elif rf.release_key(rf.first_release(having)) > _key(version):
+        hint = f"registered from vLLM {rf.first_release(having)}"
+    else:
+        hint = f"last registered in vLLM {rf.newest(having)}"
+    raise DropError(f"vLLM {release} refuses the model: {rf.architecture_error(version, archs)} ({hint})",
+                    path=path, field="engine_version")
 
 
 def _key(version: Any) -> tuple[int, int, int]:
