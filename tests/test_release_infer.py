@@ -261,3 +261,8 @@ def test_cases_without_version_get_a_release_that_can_load_them():
         cfg = _config(by_id[cid])
         if cfg is not None and inferred.release is not None:
             check_architecture(cfg.get("architectures") or [], version=inferred.release, path=None)
+
+
+def test_an_architecture_no_release_registers_is_left_to_the_plugin():
+    """Remote code / the Transformers backend: not a registry refusal (the generic plugin answers)."""
+    check_architecture(["SomeNewDecoderForCausalLM"], version="0.19.0", path=None)

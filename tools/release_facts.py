@@ -20,10 +20,12 @@ vllm==<release> --no-deps`` and/or its extracted ``vllm/`` Python sources), it r
 - **the log prefix**: ``[file.py:line]`` or ``file.py:line]`` (``_FORMAT`` of ``vllm/logger.py``);
 - **flags**: the argparse destinations of ``vllm serve`` / the engine (``add_argument`` option
   strings and the fields of the ``*Args`` dataclasses under ``vllm/engine`` and
-  ``vllm/entrypoints``), as printed in the "non-default args" line;
+  ``vllm/entrypoints``, and ``vllm/scripts.py``'s ``vllm serve`` before 0.7), as printed in the
+  "non-default args" line;
 - **log lines**: for each fragment of :data:`FRAGMENTS` (the memory and settings lines
-  ``tuner/logparse.py`` reads), the releases whose sources hold it in a string literal, and the
-  ``file.py:line`` of every logger call printing it (the line of the call, what the logger prints).
+  ``tuner/logparse.py`` reads), the releases whose sources hold it in a string literal, the
+  ``file.py:line`` of every logger call printing it (the line of the call, what the logger
+  prints), and the fragments every such call prints on the same output line (``always_with``).
 
 Usage::
 
@@ -182,12 +184,14 @@ def _scopes(tree: ast.Module):
         yield node, env
 
 
-def log_fragments(src: Source) -> tuple[dict, dict]:
-    """``(present, sites)``: fragment → True when a string literal holds it; fragment → the set
-    of ``file.py:line`` of logger calls printing it."""
+def log_fragments(src: Source) -> tuple[dict, dict, dict]:
+    """``(present, sites, always_with)``: fragment → True when a string literal holds it;
+    fragment → the set of ``file.py:line`` of logger calls printing it; fragment → the fragments
+    every one of its logger calls prints on the same output line (the message split at ``\n``)."""
     probes = {f: f[:14] for f in FRAGMENTS}
     present: dict[str, bool] = {}
     sites: dict[str, set] = {}
+    together: dict[str, list] = {}
     for rel in src.files:
         text = src.read(rel)
         hit = [f for f, p in probes.items() if p in text]
@@ -216,7 +220,13 @@ def log_fragments(src: Source) -> tuple[dict, dict]:
                     if f in t:
                         present[f] = True
                         sites.setdefault(f, set()).add(f"{base}:{n.lineno}")
-    return present, sites
+                for segment in t.split("\n"):
+                    inside = {f for f in hit if f in segment}
+                    for f in inside:
+                        together.setdefault(f, []).append(inside - {f})
+    always_with = {f: sorted(set.intersection(*groups)) for f, groups in together.items()
+                   if groups and set.intersection(*groups)}
+    return present, sites, always_with
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +352,7 @@ def kv_cache_dtypes(src: Source) -> list[str]:
 def flags(src: Source) -> set[str]:
     out: set[str] = set()
     for rel in src.files:
-        if not (rel.startswith("vllm/engine/") or rel.startswith("vllm/entrypoints/")):
+        if not (rel.startswith("vllm/engine/") or rel.startswith("vllm/entrypoints/") or rel == "vllm/scripts.py"):
             continue
         text = src.read(rel)
         if "add_argument" not in text and "Args" not in text:
@@ -408,11 +418,12 @@ def read_release(root: Path) -> dict:
     src = Source(root)
     archs, error, previous = architectures(src)
     methods, deprecated = quantization(src)
-    present, sites = log_fragments(src)
+    present, sites, always_with = log_fragments(src)
     return {"architectures": archs, "architecture_error": error, "previously_supported": previous,
             "quantization_methods": methods, "deprecated_quantization_methods": deprecated,
             "kv_cache_dtypes": kv_cache_dtypes(src), "engines": engines(src), "log_prefix": log_prefix(src),
-            "flags": sorted(flags(src)), "present": sorted(present), "sites": {f: sorted(s) for f, s in sites.items()}}
+            "flags": sorted(flags(src)), "present": sorted(present), "sites": {f: sorted(s) for f, s in sites.items()},
+            "always_with": always_with}
 
 
 def assemble(per: dict[str, dict]) -> dict:
@@ -442,7 +453,12 @@ def assemble(per: dict[str, dict]) -> dict:
         for r in releases:
             for s in per[r]["sites"].get(f, ()):
                 site_acc.setdefault(s, []).append(idx[r])
-        log_lines[f] = {"releases": intervals(rel), "sites": {s: intervals(v) for s, v in sorted(site_acc.items())}}
+        with_acc: dict = {}
+        for r in releases:
+            for other in per[r].get("always_with", {}).get(f, ()):
+                with_acc.setdefault(other, []).append(idx[r])
+        log_lines[f] = {"releases": intervals(rel), "sites": {s: intervals(v) for s, v in sorted(site_acc.items())},
+                        "always_with": {o: intervals(v) for o, v in sorted(with_acc.items())}}
     flag_span = {}
     for name, iv in collect(lambda d: d["flags"]).items():
         flag_span[name] = [iv[0][0], iv[-1][1]]  # gaps filled: a flag lives from first to last release seen

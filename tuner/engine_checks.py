@@ -269,7 +269,9 @@ def _check_checkpoint_method(ckpt: str, *, version: Any, path: str | None) -> No
 def check_architecture(architectures: Iterable[str], *, version: Any, path: str | None) -> None:
     """The model's ``architectures`` against the release's model registry (generated from the
     wheels, :func:`tuner.release_facts.architectures`): vLLM loads a config when its registry has
-    any of them, and otherwise raises ``ModelRegistry._raise_for_unsupported``'s error.
+    any of them, and otherwise raises ``ModelRegistry._raise_for_unsupported``'s error. Checked
+    only for names another release registers (added later, or removed): a name no release
+    registers is remote code or the Transformers backend, left to the plugin.
 
     Raises:
         DropError: ``field`` ``engine_version``: the release's message, the release where the
@@ -282,10 +284,12 @@ def check_architecture(architectures: Iterable[str], *, version: Any, path: str 
     if not archs or not known or any(a in known for a in archs):
         return
     having = frozenset().union(*(rf.with_architecture(a) for a in archs))
-    release = _release(version)
     if not having:
-        hint = "no vLLM release 0.4–0.34 registers it"
-    elif rf.release_key(rf.first_release(having)) > _key(version):
+        # no release registers it: remote code or vLLM's Transformers backend, which the plugin
+        # (generic decoder) answers for; only a name other releases register proves a refusal
+        return
+    release = _release(version)
+    if rf.release_key(rf.first_release(having)) > _key(version):
         hint = f"registered from vLLM {rf.first_release(having)}"
     else:
         hint = f"last registered in vLLM {rf.newest(having)}"

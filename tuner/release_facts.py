@@ -119,6 +119,15 @@ def with_fragment_at(fragment: str, site: str) -> frozenset[str]:
     return _expand(entry["sites"].get(site, ())) | (with_fragment(fragment) - sited)
 
 
+@lru_cache(maxsize=None)
+def with_fragment_apart(fragment: str, other: str) -> frozenset[str]:
+    """Releases consistent with ``fragment`` printed on a line without ``other``: those holding
+    ``fragment``, less those whose every logger call printing it prints ``other`` on the same
+    output line (0.28+ "GPU KV cache size: N tokens, Maximum concurrency for …")."""
+    entry = facts()["log_lines"].get(fragment) or {}
+    return with_fragment(fragment) - _expand(entry.get("always_with", {}).get(other, ()))
+
+
 def fragment_sites(fragment: str) -> dict[str, frozenset[str]]:
     entry = facts()["log_lines"].get(fragment) or {"sites": {}}
     return {s: _expand(iv) for s, iv in entry["sites"].items()}

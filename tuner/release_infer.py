@@ -7,8 +7,9 @@ release's wheel holds (:mod:`tuner.release_facts`):
 - the model's architecture (the release's registry has it), its quantization method and KV-cache
   dtype (the release accepts the name);
 - the memory and settings lines the log prints (the release's sources hold the text), the
-  ``[file.py:line]`` of each (the release's logger call is at that line) and the prefix style
-  (``[file.py:line]`` from 0.8, ``file.py:line]`` before);
+  ``[file.py:line]`` of each (the release's logger call is at that line), the prefix style
+  (``[file.py:line]`` from 0.8, ``file.py:line]`` before), and lines printed apart that a release
+  prints in one call (0.28+ joins "GPU KV cache size" and "Maximum concurrency");
 - the flags the log or record names ("non-default args", a ``vllm serve`` command line, an
   ``LLM(...)`` call, the record's settings): the release's argparse has them.
 
@@ -45,7 +46,7 @@ _CHECKPOINT_SPELLINGS = ("auto_round", "autoround", "auto-round")
 
 #: Order in which evidence is applied; a later kind is set aside when it contradicts the earlier ones.
 PRIORITY = ("engine", "architecture", "quantization", "kv_cache_dtype", "log line", "log prefix", "log marker",
-            "flag", "setting")
+            "log format", "flag", "setting")
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,12 @@ def log_evidence(lines: Iterable[str]) -> list[Evidence]:
             out.append(ev)
 
     fragments = rf.log_fragments()
+    per_line: list[list[str]] = []
     for raw in lines:
         line = _ANSI.sub("", str(raw))
         found = [f for f in fragments if f in line]
+        if found:
+            per_line.append(found)
         marker = _MARKER.search(line)
         for f in found:
             add(Evidence("log line", f, rf.with_fragment(f)))
@@ -203,6 +207,11 @@ def log_evidence(lines: Iterable[str]) -> list[Evidence]:
         if m:
             for key in _KWARG.findall(m.group(1)):
                 add(_flag_evidence(key))
+    everywhere = {f for found in per_line for f in found}
+    for found in per_line:  # fragments one release prints in one call, printed here on separate lines
+        for a in found:
+            for b in sorted(everywhere - set(found)):
+                add(Evidence("log format", f"{a!r} on a line without {b!r}", rf.with_fragment_apart(a, b)))
     return out
 
 
