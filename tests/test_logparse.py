@@ -244,4 +244,4 @@ def test_release_from_the_source_line_of_the_memory_summary():
     assert (got.release, got.engine, got.candidates) == ("0.24.0", "V1", ["0.24.0"])
     # a line number no release prints is set aside, not fatal: the text alone still counts
     odd = infer_for_log(["INFO 07-05 17:28:28 [gpu_worker.py:1] Available KV cache memory: 1 GiB"])
-    assert [e.kind for e in odd.ignored] == ["log marker"] and odd.release_range[0] == "0.9.1"
+    assert [e.kind for e in odd.ignored] == ["log marker"] and odd.release_range[0] == "0.14.0"  # "1 GiB": format_gib

@@ -266,3 +266,17 @@ def test_cases_without_version_get_a_release_that_can_load_them():
 def test_an_architecture_no_release_registers_is_left_to_the_plugin():
     """Remote code / the Transformers backend: not a registry refusal (the generic plugin answers)."""
     check_architecture(["SomeNewDecoderForCausalLM"], version="0.19.0", path=None)
+
+
+def test_number_formats_of_verbatim_lines_narrow_the_release():
+    """vllm/v1/worker/gpu_model_runner.py: "Model loading took %.4f GiB and %.6f seconds" up to
+    0.11, "%.4f GiB memory and" in 0.12–0.13, format_gib's at most two decimals from 0.14."""
+    four = infer_for_log(["INFO 09-04 01:03:03 [gpu_model_runner.py:2007] Model loading took 1.1201 GiB and 3.1 s"])
+    assert rf.release_key(four.release_range[1]) <= (0, 11, 0)
+    two = infer_for_log(["INFO 09-04 01:03:03 [gpu_model_runner.py:4820] Model loading took 14.99 GiB memory and 1"])
+    assert rf.release_key(two.release_range[0]) >= (0, 14, 0)
+    # a record's re-typed line (no logger prefix) is not held to the format: only its words count
+    loose = infer_for_log(["Model loading took 1.1201 GiB"])
+    assert not any(e.kind == "log format" for e in loose.evidence + loose.ignored)
+    assert rf.shape_matches("Available KV cache memory: \x00f2\x00 GiB", "Available KV cache memory: -2.14 GiB")
+    assert not rf.shape_matches("Available KV cache memory: \x00f2\x00 GiB", "Available KV cache memory: 21.5 GiB")

@@ -25,7 +25,9 @@ vllm==<release> --no-deps`` and/or its extracted ``vllm/`` Python sources), it r
 - **log lines**: for each fragment of :data:`FRAGMENTS` (the memory and settings lines
   ``tuner/logparse.py`` reads), the releases whose sources hold it in a string literal, the
   ``file.py:line`` of every logger call printing it (the line of the call, what the logger
-  prints), and the fragments every such call prints on the same output line (``always_with``).
+  prints), the fragments every such call prints on the same output line (``always_with``), and
+  the typed shape of that line from the fragment on (``shapes``: ``\x00f4\x00`` four decimals,
+  ``\x00g2\x00`` ``format_gib``'s at most two, ``\x00intc\x00`` comma-grouped, ``\x00any\x00``).
 
 Usage::
 
@@ -158,6 +160,88 @@ def _text(node, env: dict | None = None, line: int = 0, depth: int = 0) -> str:
     return _HOLE
 
 
+def _value_type(node) -> str:
+    """The shape of a formatted value: ``f<N>`` (N decimals), ``int``, ``intc`` (comma-grouped),
+    ``g2`` (``format_gib``: at most 2 decimals), else ``any``."""
+    if isinstance(node, ast.Call):
+        fn = node.func
+        name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+        if name == "format_gib":
+            return "g2"
+    if isinstance(node, ast.JoinedStr) and len(node.values) == 1 and isinstance(node.values[0], ast.FormattedValue):
+        return _spec_type(node.values[0])
+    return "any"
+
+
+def _spec_type(fv: ast.FormattedValue) -> str:
+    spec = _text(fv.format_spec) if fv.format_spec is not None else ""
+    if _HOLE in spec:
+        return "any"
+    m = re.fullmatch(r",?\.(\d+)f", spec)
+    if m:
+        return f"f{m.group(1)}"
+    if spec in (",", ",d"):
+        return "intc"
+    if spec == "d":
+        return "int"
+    if not spec:
+        return _value_type(fv.value)
+    return "any"
+
+
+def _typed(node, env: dict | None = None, line: int = 0, depth: int = 0) -> str:
+    """As :func:`_text`, holes written ``\x00TYPE\x00`` (:func:`_value_type`)."""
+    if depth > 8 or node is None:
+        return "\x00any\x00"
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) and isinstance(v.value, str)
+                       else f"\x00{_spec_type(v)}\x00" if isinstance(v, ast.FormattedValue) else "\x00any\x00"
+                       for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _typed(node.left, env, line, depth + 1) + _typed(node.right, env, line, depth + 1)
+    if isinstance(node, ast.Name) and env:
+        best = None
+        for lineno, value in env.get(node.id, ()):
+            if lineno <= line and (best is None or lineno > best[0]):
+                best = (lineno, value)
+        if best is not None:
+            return _typed(best[1], env, best[0], depth + 1)
+    return "\x00any\x00"
+
+
+_PCT = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d+|\*)?(?:\.(\d+))?([sdifgeExXr%])")
+
+
+def shape(call: ast.Call, env: dict, line: int) -> str:
+    """The typed template of a logger call: its message with %-specs typed by their argument."""
+    text = _typed(call.args[0], env, line)
+    args = call.args[1:]
+    k = 0
+    out = []
+    last = 0
+    for m in _PCT.finditer(text):
+        out.append(text[last:m.start()])
+        last = m.end()
+        conv = m.group(3)
+        if conv == "%":
+            out.append("%")
+            continue
+        arg = args[k] if k < len(args) else None
+        k += 1
+        if conv in "di":
+            out.append("\x00int\x00")
+        elif conv == "f":
+            out.append(f"\x00f{m.group(2) if m.group(2) is not None else 6}\x00")
+        elif conv == "s" and arg is not None:
+            out.append(f"\x00{_value_type(arg)}\x00")
+        else:
+            out.append("\x00any\x00")
+    out.append(text[last:])
+    return "".join(out)
+
+
 def _is_logger_call(node: ast.AST) -> bool:
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr in _LOG_METHODS and node.args):
@@ -184,14 +268,16 @@ def _scopes(tree: ast.Module):
         yield node, env
 
 
-def log_fragments(src: Source) -> tuple[dict, dict, dict]:
+def log_fragments(src: Source) -> tuple[dict, dict, dict, dict]:
     """``(present, sites, always_with)``: fragment → True when a string literal holds it;
     fragment → the set of ``file.py:line`` of logger calls printing it; fragment → the fragments
-    every one of its logger calls prints on the same output line (the message split at ``\n``)."""
+    every one of its logger calls prints on the same output line (the message split at ``\n``);
+    fragment → the typed templates (:func:`shape`) of its output line, from the fragment on."""
     probes = {f: f[:14] for f in FRAGMENTS}
     present: dict[str, bool] = {}
     sites: dict[str, set] = {}
     together: dict[str, list] = {}
+    shapes: dict[str, set] = {}
     for rel in src.files:
         text = src.read(rel)
         hit = [f for f, p in probes.items() if p in text]
@@ -224,9 +310,13 @@ def log_fragments(src: Source) -> tuple[dict, dict, dict]:
                     inside = {f for f in hit if f in segment}
                     for f in inside:
                         together.setdefault(f, []).append(inside - {f})
+                for segment in shape(n, env, n.lineno).split("\n"):
+                    for f in hit:
+                        if f in segment:
+                            shapes.setdefault(f, set()).add(segment[segment.index(f):])
     always_with = {f: sorted(set.intersection(*groups)) for f, groups in together.items()
                    if groups and set.intersection(*groups)}
-    return present, sites, always_with
+    return present, sites, always_with, shapes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,12 +508,12 @@ def read_release(root: Path) -> dict:
     src = Source(root)
     archs, error, previous = architectures(src)
     methods, deprecated = quantization(src)
-    present, sites, always_with = log_fragments(src)
+    present, sites, always_with, shapes = log_fragments(src)
     return {"architectures": archs, "architecture_error": error, "previously_supported": previous,
             "quantization_methods": methods, "deprecated_quantization_methods": deprecated,
             "kv_cache_dtypes": kv_cache_dtypes(src), "engines": engines(src), "log_prefix": log_prefix(src),
             "flags": sorted(flags(src)), "present": sorted(present), "sites": {f: sorted(s) for f, s in sites.items()},
-            "always_with": always_with}
+            "always_with": always_with, "shapes": {f: sorted(v) for f, v in shapes.items()}}
 
 
 def assemble(per: dict[str, dict]) -> dict:
@@ -457,8 +547,13 @@ def assemble(per: dict[str, dict]) -> dict:
         for r in releases:
             for other in per[r].get("always_with", {}).get(f, ()):
                 with_acc.setdefault(other, []).append(idx[r])
+        shape_acc: dict = {}
+        for r in releases:
+            for sh in per[r].get("shapes", {}).get(f, ()):
+                shape_acc.setdefault(sh, []).append(idx[r])
         log_lines[f] = {"releases": intervals(rel), "sites": {s: intervals(v) for s, v in sorted(site_acc.items())},
-                        "always_with": {o: intervals(v) for o, v in sorted(with_acc.items())}}
+                        "always_with": {o: intervals(v) for o, v in sorted(with_acc.items())},
+                        "shapes": {sh: intervals(v) for sh, v in sorted(shape_acc.items())}}
     flag_span = {}
     for name, iv in collect(lambda d: d["flags"]).items():
         flag_span[name] = [iv[0][0], iv[-1][1]]  # gaps filled: a flag lives from first to last release seen

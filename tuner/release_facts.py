@@ -128,6 +128,73 @@ def with_fragment_apart(fragment: str, other: str) -> frozenset[str]:
     return with_fragment(fragment) - _expand(entry.get("always_with", {}).get(other, ()))
 
 
+_HOLE = re.compile("\x00(\\w+)\x00")
+
+
+def _hole_pattern(kind: str) -> re.Pattern | None:
+    if kind == "int":
+        return re.compile(r"-?\d+")
+    if kind == "intc":
+        return re.compile(r"-?\d[\d,]*")
+    if kind == "g2":
+        return re.compile(r"-?\d+(?:\.\d{1,2})?(?![\d])")
+    m = re.fullmatch(r"f(\d+)", kind)
+    if m:
+        n = int(m.group(1))
+        return re.compile(r"-?\d+" + (rf"\.\d{{{n}}}(?!\d)" if n else ""))
+    return None
+
+
+def shape_matches(shape: str, text: str) -> bool:
+    """Whether ``text`` (a log line from the fragment on) can be what ``shape`` prints — a typed
+    template of ``tools/release_facts.py``: literals must agree, ``f<N>`` holes need N decimals,
+    ``g2`` at most two, ``int``/``intc`` digits; a line cut short agrees with what it shows."""
+    parts = _HOLE.split(shape)  # literal, kind, literal, kind, ...
+    pos = 0
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            for ch in part:
+                if pos == len(text):
+                    return True
+                if text[pos] != ch:
+                    return False
+                pos += 1
+            continue
+        if pos == len(text):
+            return True
+        rx = _hole_pattern(part)
+        if rx is None:  # any text: up to the next literal, when the line shows it
+            nxt = parts[i + 1] if i + 1 < len(parts) else ""
+            if not nxt:
+                return True
+            found = text.find(nxt, pos)
+            if found < 0:
+                return True
+            pos = found
+            continue
+        m = rx.match(text, pos)
+        if m is None:
+            return False
+        pos = m.end()
+    return True
+
+
+@lru_cache(maxsize=4096)
+def with_fragment_shaped(fragment: str, text: str) -> frozenset[str]:
+    """Releases whose line printing ``fragment`` can read ``text`` (the line from the fragment on):
+    a typed template of theirs matches (:func:`shape_matches`), or no template of theirs was read."""
+    entry = facts()["log_lines"].get(fragment) or {}
+    shapes = entry.get("shapes", {})
+    matching: set = set()
+    shaped: set = set()
+    for sh, iv in shapes.items():
+        rel = _expand(iv)
+        shaped |= rel
+        if shape_matches(sh, text):
+            matching |= rel
+    return frozenset(matching) | (with_fragment(fragment) - shaped)
+
+
 def fragment_sites(fragment: str) -> dict[str, frozenset[str]]:
     entry = facts()["log_lines"].get(fragment) or {"sites": {}}
     return {s: _expand(iv) for s, iv in entry["sites"].items()}

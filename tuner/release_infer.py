@@ -7,7 +7,9 @@ release's wheel holds (:mod:`tuner.release_facts`):
 - the model's architecture (the release's registry has it), its quantization method and KV-cache
   dtype (the release accepts the name);
 - the memory and settings lines the log prints (the release's sources hold the text), the
-  ``[file.py:line]`` of each (the release's logger call is at that line), the prefix style
+  ``[file.py:line]`` of each (the release's logger call is at that line), the way its numbers are
+  printed (``Model loading took 1.1201 GiB``: ``%.4f`` up to 0.13, ``format_gib``'s two decimals
+  from 0.14), the prefix style
   (``[file.py:line]`` from 0.8, ``file.py:line]`` before), and lines printed apart that a release
   prints in one call (0.28+ joins "GPU KV cache size" and "Maximum concurrency");
 - the flags the log or record names ("non-default args", a ``vllm serve`` command line, an
@@ -180,11 +182,17 @@ def log_evidence(lines: Iterable[str]) -> list[Evidence]:
     for raw in lines:
         line = _ANSI.sub("", str(raw))
         found = [f for f in fragments if f in line]
-        if found:
-            per_line.append(found)
         marker = _MARKER.search(line)
+        # a line with the logger's prefix is verbatim: its layout and number formats are evidence
+        # too (a record's re-typed or summarised line is not: only its words count)
+        verbatim = marker is not None and any(marker.start() < line.find(f) for f in found)
+        if found and verbatim:
+            per_line.append(found)
         for f in found:
             add(Evidence("log line", f, rf.with_fragment(f)))
+            if verbatim:
+                tail = line[line.find(f):].rstrip()
+                add(Evidence("log format", tail[:120], rf.with_fragment_shaped(f, tail)))
             if marker is not None and rf.fragment_has_sites(f) and marker.start() < line.find(f):
                 site = f"{marker.group(2).rsplit('/', 1)[-1]}:{marker.group(3)}"
                 add(Evidence("log marker", f"[{site}] {f}", rf.with_fragment_at(f, site)))
@@ -208,7 +216,7 @@ def log_evidence(lines: Iterable[str]) -> list[Evidence]:
             for key in _KWARG.findall(m.group(1)):
                 add(_flag_evidence(key))
     everywhere = {f for found in per_line for f in found}
-    for found in per_line:  # fragments one release prints in one call, printed here on separate lines
+    for found in per_line:  # fragments one release prints in one call, printed here on separate verbatim lines
         for a in found:
             for b in sorted(everywhere - set(found)):
                 add(Evidence("log format", f"{a!r} on a line without {b!r}", rf.with_fragment_apart(a, b)))
