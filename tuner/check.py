@@ -191,7 +191,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               engine_version: str | None = None, parser: ServeParser | None = None,
               worker: Callable[..., dict] | None = None, timeout_s: float = 600.0, variants: bool = True,
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
-              progress: Callable[[str], None] | None = None) -> CheckResult:
+              progress: Callable[[str], None] | None = None,
+              other_processes_memory_gib: float | None = None) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the drop default.
@@ -223,6 +224,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
             warnings.append(f"--engine-version not given: checked against the {why}")
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled)
+    if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
+        d["other_processes_memory_gib"] = other_processes_memory_gib
     drop = build_drop(sa, d, label=config_file or "vllm serve")
     from tuner.explain import prepare
 

@@ -544,6 +544,12 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "checkpoint's config as is.", _hf_overrides),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
+    DropField("use_v2_model_runner", "boolean | null", None,
+              "As vLLM's VLLM_USE_V2_MODEL_RUNNER environment variable: true runs Model Runner V2, false the V1 "
+              "runner (vllm/config/vllm.py use_v2_model_runner: the variable wins over the release's default "
+              "from 0.25; 0.20-0.24 read only =1). null = the release's default for the model. Model Runner V2 "
+              "is modelled from 0.22 (true before that is refused as not modelled); 0.34 removed the V1 runner "
+              "and refuses =0.", _bool(nullable=True)),
     DropField("entry_point", "serve | offline", "serve",
               "How vLLM would be started: `serve` (OpenAI server) or `offline` (the LLM class); some "
               "defaults differ between the two.", _choice(ENTRY_POINTS)),
@@ -641,6 +647,7 @@ class Drop:
     speculative_config: dict | None = field(default=None, hash=False)
     hf_overrides: dict | None = field(default=None, hash=False)
     enforce_eager: bool = False
+    use_v2_model_runner: bool | None = None
     entry_point: str = "serve"
     #: HF revision of an HF id ``model`` (None = the default branch).
     revision: str | None = None

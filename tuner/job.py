@@ -722,7 +722,41 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_attention_free=not any(kv_specs_i for kv_specs_i in kv.specs),
         is_quantized=bool(spec.quantization_config or drop.quantization),
         speculative_method=(drop.speculative_config or {}).get("method"))
+    runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
     return dataclasses.replace(layout, model_runner_v2=runner_v2)
+
+
+#: Model Runner V2's first release modelled here (:func:`tuner.eras.uses_model_runner_v2`).
+MODEL_RUNNER_V2_MODELLED_FROM = (0, 22, 0)
+#: The release that removed the V1 model runner: ``VLLM_USE_V2_MODEL_RUNNER`` other than 1 is an
+#: error (vllm/platforms/interface.py ``validate_environ``, 0.34.0).
+V1_RUNNER_REMOVED_IN = (0, 34, 0)
+
+
+def _runner_asked_for(drop: Drop, era, default_v2: bool, warnings: list) -> bool:
+    """The runner vLLM runs: the drop's ``use_v2_model_runner`` (as ``VLLM_USE_V2_MODEL_RUNNER``)
+    over the release's default for the model.
+
+    Raises:
+        DropError: V2 asked for before it is modelled (0.22), or V1 asked for where vLLM removed it.
+    """
+    asked = drop.use_v2_model_runner
+    if asked is None or era.engine != "V1":
+        return default_v2
+    from tuner.errors import DropError
+
+    if asked and era.version < MODEL_RUNNER_V2_MODELLED_FROM:
+        raise DropError(f"Model Runner V2 on vLLM {era.version} is not modelled (its memory rules are read from "
+                        "0.22 on)", path=drop.path or None, field="use_v2_model_runner")
+    if not asked and era.version >= V1_RUNNER_REMOVED_IN:
+        raise DropError("VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed. "
+                        f"Unset this variable. (vLLM {era.version})", path=drop.path or None,
+                        field="use_v2_model_runner")
+    if bool(asked) != bool(default_v2):
+        warnings.append(f"use_v2_model_runner {str(bool(asked)).lower()}: vLLM {era.version} runs "
+                        f"{'Model Runner V2' if asked else 'the V1 model runner'} (its default for this model is "
+                        f"{'Model Runner V2' if default_v2 else 'the V1 runner'})")
+    return bool(asked)
 
 
 class Passes:

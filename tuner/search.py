@@ -399,6 +399,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                                                  max_in_flight_tokens=kw["max_in_flight_tokens"]))
         except TunerError as exc:
             reason = reason or exc.message
+    if reason is None and era.engine == "V1":
+        reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
     for i, b in enumerate(budgets):  # every card checks its own free memory in init_device
         refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
                                       other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
@@ -408,6 +410,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             break
     if layout.kv_cache_memory_bytes is not None and reason is None:
         reason = kv_cache_memory_refusal(layout, budgets, captured)
+    elif reason is None and era.engine == "V1":
+        reason = graph_capture_oom(layout, budgets, captured)
     limit = layout.max_model_len_limit
     if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
         reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
@@ -441,6 +445,63 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
                      limiting_stage=worst, stages=stages)
+
+
+def graph_capture_oom(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:
+    """CUDA out of memory while capturing the CUDA graphs after the cache is allocated, or None.
+
+    The KV cache fills the budget up to ``total × gpu_memory_utilization``; ``compile_or_warm_up_model``
+    then captures the CUDA graphs (vllm/v1/worker/gpu_worker.py). Where the release does not take
+    the capture's estimate off the budget (0.19; Model Runner V2 before 0.29; ``era.subtracts_cudagraph_estimate``
+    false), the captured graphs come on top of the requested memory: when requested + captured graphs
+    exceed the card's memory (less what other processes hold) the capture fails with CUDA out of
+    memory. Where the estimate is subtracted the capture is inside the budget (a capture larger than
+    vLLM's own estimate is not modelled). Bytes per rank, each stage on its own card.
+    """
+    for i, b in enumerate(budgets):
+        on_top = max(0, int(captured_graph_bytes[i]) - int(b.cuda_graph_bytes))
+        if not on_top:
+            continue
+        card = layout.card(i)
+        room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
+        need = int(b.requested_memory_bytes) + on_top
+        if need > room:
+            gib = 1 << 30
+            where = f" on pipeline stage {i}" if len(budgets) > 1 else ""
+            return (f"CUDA out of memory{where} during CUDA graph capture: the KV cache fills the requested "
+                    f"{int(b.requested_memory_bytes):,} bytes ({int(b.requested_memory_bytes) / gib:.2f} GiB) and the "
+                    f"graphs captured after it ({on_top / gib:.2f} GiB, not taken off the budget by this release) "
+                    f"need {need:,} bytes, more than the GPU's {room:,} bytes ({room / gib:.2f} GiB)"
+                    + (" left by other processes" if layout.other_processes_bytes else "")
+                    + "; lower gpu_memory_utilization or use --enforce-eager")
+    return None
+
+
+#: First release that refuses, rather than caps, a ``max_num_seqs`` above the Mamba state blocks
+#: (vllm/config/compilation.py ``resolve_cudagraph_mode_and_sizes``, 0.20.0; 0.19.0 only capped the
+#: CUDA-graph capture sizes in ``CompilationConfig.adjust_cudagraph_sizes_for_mamba_cache``).
+MAMBA_MAX_NUM_SEQS_CHECK_FROM = (0, 20, 0)
+
+
+def mamba_max_num_seqs_refusal(era: Era, layout: Layout, *, max_num_seqs: int, num_blocks: int) -> str | None:
+    """vLLM's refusal of a ``max_num_seqs`` above the Mamba cache blocks, or None.
+
+    From 0.20.0 ``CompilationConfig.resolve_cudagraph_mode_and_sizes`` (vllm/config/compilation.py,
+    called by the V1 and V2 runners once the KV cache config is known, i.e. after the KV size
+    check) raises when the CUDA-graph mode has full graphs, the model has Mamba / linear-attention
+    layers and ``max_num_seqs > kv_cache_config.num_blocks``: each decode sequence needs one Mamba
+    state block. Full graphs are vLLM's default (``FULL_AND_PIECEWISE``) unless ``enforce_eager``
+    (``era.compiled`` false); a ``compilation_config.cudagraph_mode`` without full graphs is not
+    modelled. 0.19.0 capped the capture sizes instead and started.
+    """
+    if not era.compiled or era.version < MAMBA_MAX_NUM_SEQS_CHECK_FROM:
+        return None
+    has_mamba = any(isinstance(s, kvcache.MambaSpec) for specs in layout.kv_specs for s in specs.values())
+    if not has_mamba or max_num_seqs <= num_blocks:
+        return None
+    return (f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({num_blocks}). Each decode "
+            "sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower "
+            f"max_num_seqs to at most {num_blocks} or increase gpu_memory_utilization.")
 
 
 def kv_cache_memory_refusal(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:

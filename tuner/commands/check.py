@@ -36,6 +36,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
+    p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
+                   help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
+                        "other_processes_memory_gib); default: none, or with --device auto what NVML reports in use")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -84,6 +87,7 @@ def run(args) -> int:
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
+                        other_processes_memory_gib=args.other_processes_memory_gib,
                         parser=make_parser(args.parser, python), **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)

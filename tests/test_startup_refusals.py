@@ -1,0 +1,166 @@
+"""Refusals vLLM raises after the KV size check (issue 33): a point whose KV cache fits can still fail
+to start. Each rule is read from the release's source and tested at both sides of its first release."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tuner import kvcache
+from tuner.eras import era_for
+from tuner.search import MAMBA_MAX_NUM_SEQS_CHECK_FROM, mamba_max_num_seqs_refusal
+
+
+@dataclasses.dataclass
+class _Layout:
+    kv_specs: list
+
+
+def _mamba_layout() -> _Layout:
+    attn = kvcache.FullAttentionSpec(block_size=784, num_kv_heads=4, head_size=256, dtype_bytes=2)
+    state = kvcache.MambaSpec(block_size=784, shapes=((3, 8192), (32, 128, 128)), dtypes_bytes=(2, 2))
+    return _Layout(kv_specs=[{"model.layers.0.self_attn": attn, "model.layers.1.linear_attn": state}])
+
+
+def test_mamba_check_first_release_is_read_from_source():
+    # vllm/config/compilation.py resolve_cudagraph_mode_and_sizes raises from 0.20.0; 0.19.0's
+    # adjust_cudagraph_sizes_for_mamba_cache only capped the capture sizes.
+    assert MAMBA_MAX_NUM_SEQS_CHECK_FROM == (0, 20, 0)
+
+
+@pytest.mark.parametrize("version, refused", [("0.19.0", False), ("0.20.0", True), ("0.32.0", True)])
+def test_max_num_seqs_above_mamba_blocks_refused_from_0_20(version, refused):
+    msg = mamba_max_num_seqs_refusal(era_for(version), _mamba_layout(), max_num_seqs=1024, num_blocks=969)
+    if refused:
+        assert msg == ("max_num_seqs (1024) exceeds available Mamba cache blocks (969). Each decode sequence "
+                       "requires one Mamba cache block, so CUDA graph capture cannot proceed. Please lower "
+                       "max_num_seqs to at most 969 or increase gpu_memory_utilization.")
+    else:
+        assert msg is None
+
+
+def test_mamba_check_needs_full_cuda_graphs_and_mamba_layers():
+    layout = _mamba_layout()
+    # enforce_eager: no CUDA graphs, no check (cudagraph_mode NONE has no full graphs)
+    assert mamba_max_num_seqs_refusal(era_for("0.32.0", enforce_eager=True), layout, max_num_seqs=1024,
+                                      num_blocks=969) is None
+    # exactly as many blocks as sequences starts (the check is max_num_seqs > num_blocks)
+    assert mamba_max_num_seqs_refusal(era_for("0.32.0"), layout, max_num_seqs=969, num_blocks=969) is None
+    dense = _Layout(kv_specs=[{"model.layers.0.self_attn": layout.kv_specs[0]["model.layers.0.self_attn"]}])
+    assert mamba_max_num_seqs_refusal(era_for("0.32.0"), dense, max_num_seqs=1024, num_blocks=969) is None
+
+
+def test_hybrid_drop_with_1024_seqs_starting_with_fewer_mamba_blocks(shared_dir):
+    """The failure: a 1,024-sequence hybrid drop was reported as starting with fewer Mamba state blocks
+    than sequences, where vLLM 0.20+ refuses at CUDA-graph set-up. Qwen3.6-27B-FP8 on an H100 at
+    gmu 0.9, 4096 tokens: 792 blocks on 0.20.0 (refused), 816 on 0.19.0 (starts; 0.19 caps the
+    capture sizes)."""
+    from tuner.check import run_check
+
+    model = str(shared_dir / "models" / "Qwen--Qwen3.6-27B-FP8")
+    line = ["vllm", "serve", model, "--max-model-len", "4096", "--max-num-seqs", "1024",
+            "--gpu-memory-utilization", "0.9"]
+    new = run_check(line, device="H100-80GB", engine_version="0.20.0", variants=False)
+    assert new.exit_code == 3
+    assert new.doc["numbers"]["num_gpu_blocks"] == 792
+    assert "max_num_seqs (1024) exceeds available Mamba cache blocks (792)" in new.doc["engine_error"]
+    old = run_check(line, device="H100-80GB", engine_version="0.19.0", variants=False)
+    assert old.exit_code == 0
+    assert old.doc["numbers"]["num_gpu_blocks"] == 816
+    fewer = run_check(line[:-4] + ["--max-num-seqs", "512", "--gpu-memory-utilization", "0.9"],
+                      device="H100-80GB", engine_version="0.20.0", variants=False)
+    assert fewer.exit_code == 0
+
+
+def test_check_could_not_be_told_of_memory_held_by_other_processes():
+    """The failure: co-tenant memory could be stated in a drop (other_processes_memory_gib) but not to
+    ``check``, which then said STARTS for a line vLLM refuses in its free-memory check (0.9.1+)."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.32.0", "--no-variants"]
+    line = ["--", "vllm", "serve", model, "--max-model-len", "32k", "--gpu-memory-utilization", "0.92"]
+    rc, out, _ = run_cli(*base, *line)
+    assert rc == 0 and "STARTS" in out
+    rc, out, _ = run_cli(*base, "--other-processes-memory-gib", "10", *line)
+    assert rc == 3
+    assert "Free memory on device cuda:0 (69.19/79.19 GiB) on startup is less than desired GPU memory " \
+           "utilization (0.92, 72.86 GiB)" in out
+    rc, out, _ = run_cli(*base, "--other-processes-memory-gib", "10", *line[:-1], "0.85")
+    assert rc == 0 and "25446 blocks" in out
+
+
+@pytest.mark.parametrize("version, u, starts", [("0.19.0", 0.98, True), ("0.19.0", 0.99, False),
+                                                ("0.20.0", 0.99, True)])
+def test_graph_capture_after_the_cache_out_of_memory_reported_as_starting(version, u, starts):
+    """The failure: a start-up whose CUDA-graph capture runs out of memory after the KV cache was
+    allocated was reported as starting. On 0.19 the capture (0.84 GiB for Llama-3.1-8B, 512 seqs)
+    is not taken off the budget, so at gmu 0.99 on an H100 the cache fills 78.40 GiB and the capture
+    needs 85,081,718,784 bytes of the card's 85,030,076,416; 0.20 subtracts the estimate and starts."""
+    from tests.conftest import REPO
+    from tuner.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", str(u)],
+                    device="H100-80GB", engine_version=version, variants=False)
+    assert res.starts is starts
+    if not starts:
+        assert res.doc["engine_error"].startswith(
+            "CUDA out of memory during CUDA graph capture: the KV cache fills the requested 84,179,775,652 bytes")
+        assert "need 85,081,718,784 bytes, more than the GPU's 85,030,076,416 bytes" in res.doc["engine_error"]
+
+
+def test_graph_capture_oom_not_charged_with_enforce_eager():
+    from tests.conftest import REPO
+    from tuner.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", "0.99",
+                     "--enforce-eager"], device="H100-80GB", engine_version="0.19.0", variants=False)
+    assert res.starts is True
+
+
+def _drop(tmp_path, **extra) -> str:
+    import yaml
+
+    from tests.conftest import REPO
+
+    d = {"name": "runner", "model": str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+         "device": "H100-80GB", "candidates": {"gpu_memory_utilization": [0.9], "max_model_len": [32768]}, **extra}
+    p = tmp_path / "runner.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return str(p)
+
+
+def _blocks(path: str) -> tuple[int, list]:
+    import json
+
+    from tests._cli_helpers import run_cli
+
+    rc, out, err = run_cli("profile", path, "--json", "--db", "sqlite:///" + str(path) + ".sqlite")
+    assert rc == 0, err
+    doc = json.loads(out)
+    return doc["candidates"][0]["num_gpu_blocks"], doc.get("warnings") or []
+
+
+def test_model_runner_could_not_be_chosen_as_vllm_users_do(tmp_path):
+    """The failure: which model runner runs was fixed by the release's default; an operator setting
+    VLLM_USE_V2_MODEL_RUNNER could not say so. 0.26 runs Llama-3.1-8B on Model Runner V2 by
+    default (listed architecture, not MoE); false runs the V1 runner, whose budget differs."""
+    default, _ = _blocks(_drop(tmp_path, engine_version="0.26.0"))
+    forced_v1, warnings = _blocks(_drop(tmp_path, engine_version="0.26.0", use_v2_model_runner=False))
+    same, _ = _blocks(_drop(tmp_path, engine_version="0.26.0", use_v2_model_runner=True))
+    assert same == default
+    assert forced_v1 != default
+    assert any("use_v2_model_runner false: vLLM 0.26.0 runs the V1 model runner" in w for w in warnings)
+
+
+def test_model_runner_v2_before_it_is_modelled_is_refused(tmp_path):
+    from tests._cli_helpers import run_cli
+
+    rc, _, err = run_cli("profile", _drop(tmp_path, engine_version="0.19.0", use_v2_model_runner=True), "--json",
+                         "--db", "sqlite:///" + str(tmp_path / "x.sqlite"))
+    assert rc == 2
+    assert "use_v2_model_runner" in err and "not modelled" in err
