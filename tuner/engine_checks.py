@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from tuner import release_facts as _release_facts
 from tuner.errors import DropError, ModelConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -139,24 +140,13 @@ def check_unchunked_lengths(*, max_num_batched_tokens: int, max_model_lens: Iter
 # ---------------------------------------------------------------------------------------------
 
 #: vLLM 0.19.0's ``QUANTIZATION_METHODS`` (vllm/model_executor/layers/quantization/__init__.py,
-#: ``QuantizationMethods``), in its order: what ``--quantization`` accepts in 0.19.x.
-VLLM_019_QUANTIZATION_METHODS = (
-    "awq", "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed",
-    "gguf", "gptq_marlin", "awq_marlin", "gptq", "compressed-tensors", "bitsandbytes", "experts_int8", "quark",
-    "moe_wna16", "torchao", "inc", "mxfp4", "mxfp8", "petit_nvfp4", "cpu_awq",
-)
+#: ``QuantizationMethods``), in its order: what ``--quantization`` accepts in 0.19.x (generated
+#: data, :mod:`tuner.release_facts`).
+VLLM_019_QUANTIZATION_METHODS = _release_facts.quantization_methods("0.19.0")
 #: 0.19.0's ``DEPRECATED_QUANTIZATION_METHODS`` present in its list: refused unless the engine is
 #: started with ``--allow-deprecated-quantization``.
-VLLM_019_DEPRECATED = ("fbgemm_fp8", "fp_quant", "experts_int8", "petit_nvfp4")
-#: Names other releases accept (the 0.10.1, 0.11.0 and 0.33.0 lists), for drops of releases
-#: other than 0.19.x: ctx-tuner does not carry each release's list, so these drops are checked
-#: against the union of the lists it has read.
-OTHER_RELEASES_QUANTIZATION_METHODS = (
-    "deepspeedfp", "tpu_int8", "ptpc_fp8", "marlin", "bitblas", "gptq_marlin_24", "gptq_bitblas", "qqq", "hqq",
-    "neuron_quant", "ipex", "auto-round", "rtn", "auto_awq", "auto_gptq", "humming", "gpt_oss_mxfp4",
-    "deepseek_v4_fp8", "online", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
-    "int8_per_channel_weight_only", "nvfp4_per_token",
-)
+VLLM_019_DEPRECATED = tuple(q for q in _release_facts.deprecated_quantization_methods("0.19.0")
+                            if q in VLLM_019_QUANTIZATION_METHODS)
 #: Methods that quantize a 16-bit checkpoint while loading it (their config class reads no
 #: config file: ``get_config_filenames() == []`` and a usable default config). Every other method
 #: needs a checkpoint quantized with it (vLLM: "Cannot find the config file for ...").
