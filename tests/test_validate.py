@@ -188,3 +188,27 @@ def test_validate_usage_errors_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tuner.cli", "validate", str(cases), "--models-dir", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "models directory not found" in proc.stderr
+
+
+def test_cases_without_version_never_fail_on_their_inferred_release(shared_dir, observed_cases):
+    """Before: a case without vllm_version was taken as 0.10.0 and refused ("Unknown quantization
+    method: mxfp4" for gpt-oss, "DeepseekV4ForCausalLM is not supported by vLLM 0.10.0") or
+    crashed ("'VllmVersion' object is not iterable" on the hybrid MTP cases). Now each runs on the
+    newest modelled release consistent with what it names, and its row says so."""
+    from tuner.validate import run_validate_request
+
+    cases = [c for c in observed_cases.values() if not c.get("vllm_version")]
+    assert len(cases) >= 20
+    report = run_validate_request({"cases": cases, "models_dir": str(shared_dir / "models")})
+    for row in report["cases"]:
+        assert row["release_assumed"] is True and row["release_range"], row["id"]
+        reason = row.get("reason") or ""
+        assert "Unknown quantization method" not in reason and "not supported by vLLM" not in reason, row
+        assert "refuses the model" not in reason and "TypeError" not in reason, row
+    by_id = {r["id"]: r for r in report["cases"]}
+    gpt_oss = by_id["vllm-27508-h100-gpt-oss-120b-util095-mnbt1024"]
+    assert gpt_oss["status"] == "ok" and gpt_oss["release"] == "0.11.0"
+    assert gpt_oss["release_range"] == ["0.10.2", "0.11.0"]
+    for cid in ("club3090-294-2x3090-qwen36-27b-autoround-262k", "club3090-487-2x3090-qwen36-27b-autoround-262k"):
+        assert by_id[cid]["status"] == "ok" and by_id[cid]["release"] == "0.22.1"
+    assert {c["id"] for c in report["summary"]["release_assumed"]} == {c["id"] for c in cases}
