@@ -253,3 +253,19 @@ def test_run_and_residual_are_one_transaction(tmp_path, shared_dir, observed_cas
     assert len(runs) == 1 and [r["profile_run_id"] for r in rows] == [runs[0]["id"]]
     assert rows[0]["id"] == out.calibration["id"]
     assert rows[0]["activation_peak_delta_bytes"] == round(1.89 * GIB) - round(1.5 * GIB)
+
+
+def test_import_log_json_says_which_release_was_assumed(tmp_path, tiny_config, capsys):
+    log = tmp_path / "noversion.log"
+    log.write_text(_V1_LOG_NO_VERSION)
+    rc = main(["import-log", str(log), "--model", str(tiny_config), "--device", "H100-80GB", "--no-predict",
+               "--db", str(tmp_path / "x.sqlite"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["release"]["release_assumed"] is True
+    assert doc["release"]["release"] == doc["run"]["engine_version"] == doc["release"]["release_range"][1]
+    # made-up line numbers and "1.0 seconds" (vLLM prints %.6f) are set aside, said in the JSON
+    assert [e["kind"] for e in doc["release"]["ignored"]] == ["log marker", "log marker", "log marker", "log format"]
+    # a version given: nothing assumed
+    rc = main(["import-log", str(log), "--model", str(tiny_config), "--device", "H100-80GB", "--no-predict",
+               "--db", str(tmp_path / "y.sqlite"), "--json", "--engine-version", "0.19.0"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["release"] is None
