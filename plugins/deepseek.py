@@ -36,7 +36,8 @@ rank stores the whole latent). fp8 KV: 1 byte per element; sparse MLA with fp8 o
 uses ``fp8_ds_mla`` (656 B per token, 0.11–0.32). The indexer cache of sparse models is an
 ``MLAAttentionSpec`` of ``index_head_dim + index_head_dim/128·4`` uint8 per token. Before 0.7.1
 vLLM had no MLA: DeepSeek-V2 ran as MHA with K/V of ``heads/tp × qk_head_dim`` (v padded).
-Block size by era and backend (:func:`mla_block_size`).
+Block size by era and backend (:func:`mla_block_size`; on ROCm
+:func:`tuner.platforms.rocm_mla_block_size`).
 
 Not modelled: the device (``RankSettings`` carries no GPU; a ``compute_capability`` attribute is
 read when present, else Hopper is assumed), MTP / ``num_nextn_predict_layers`` (speculative only),
@@ -186,6 +187,11 @@ class DeepseekPlugin(ModelPlugin):
         cap = _capability(settings)
         if not self.use_mla(spec, settings):
             return settings.block_size or 16
+        if getattr(settings, "platform", "cuda") == "rocm":  # no FlashMLA / CUTLASS MLA there
+            from tuner.platforms import rocm_mla_block_size
+
+            return rocm_mla_block_size(settings.engine_version, sparse=self.is_sparse(spec),
+                                       user_block_size=settings.block_size)
         return mla_block_size(settings.engine_version, settings.kv_cache_dtype, sparse=self.is_sparse(spec),
                               capability=cap, num_heads=self.heads_per_rank(spec, settings),
                               user_block_size=settings.block_size)

@@ -392,12 +392,13 @@ def test_drops_accept_vllm_lengths(tmp_path):
 def test_shipped_examples_are_valid_and_check_the_same_config(tmp_path):
     """configs/ci and configs/k8s: valid YAML; the Job's vLLM config parses as the serve line it mirrors."""
     gha = yaml.safe_load((REPO / "configs" / "ci" / "github-actions-check.yml").read_text())
-    steps = [s.get("run", "") for s in gha["jobs"]["check"]["steps"]]
+    steps = [s.get("run", "") for s in gha["jobs"]["serve-line"]["steps"]]
     assert any("ctx-tuner check --config" in s for s in steps)
+    assert any(str(s.get("uses", "")).endswith("/ctx-tuner@v0.1.0") for s in gha["jobs"]["changed-deploy-files"]["steps"])
     docs = list(yaml.safe_load_all((REPO / "configs" / "k8s" / "check-job.yaml").read_text()))
     cm, job = docs
-    assert job["kind"] == "Job" and "ctx-tuner check --config /etc/vllm/vllm.yaml" in " ".join(
-        job["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert job["kind"] == "Job" and "check --config /etc/vllm/vllm.yaml" in " ".join(
+        job["spec"]["template"]["spec"]["containers"][0]["args"])  # the image's entrypoint is ctx-tuner
     cfg = tmp_path / "vllm.yaml"
     cfg.write_text(cm["data"]["vllm.yaml"])
     sa = parse_serve([], str(cfg))

@@ -236,7 +236,8 @@ def _malformed(h: Harness, outside: Path) -> list[tuple[str, bytes | str, str, s
         ("device.yaml", drop_text("dv", h.model, device="Z80-8KB"), "unknown device", "device"),
         ("pytag.yaml", "!!python/object/apply:os.system ['touch /tmp/pwned']\n", "not valid YAML", None),
         ("nul.yaml", good + "\x00\n", "NUL byte", None),
-        ("engine.yaml", drop_text("ev", h.model, engine_version="99.0"), "engine_version", "engine_version"),
+        # a release newer than the modelled ones is answered (issue 29); one before the oldest is refused
+        ("engine.yaml", drop_text("ev", h.model, engine_version="0.3.0"), "engine_version", "engine_version"),
         ("method.yaml", drop_text("me", h.model, method="cuda"), "needs a GPU host", "method"),
         ("name-path.yaml", drop_text("../../etc/passwd", h.model), "must be 1–128 characters", "name"),
         ("model-path.yaml", drop_text("mp", "/etc/passwd"), "no config.json found", "model"),

@@ -20,7 +20,7 @@ def test_catalog_entries_are_consistent():
     assert len(names) == len(set(names))
     assert {"H100-80GB", "RTX-3090", "A100-80GB", "A100-40GB", "H200", "L4", "T4"} <= set(names)
     for d in devs:
-        assert type(d.total_memory_bytes) is int and d.total_memory_bytes > 8 * GIB
+        assert type(d.total_memory_bytes) is int and d.total_memory_bytes > 5 * GIB  # RTX 3050 6GB: 5.66
         assert d.source in ("observed in vLLM log", "typical")
         assert d.compute_capability is not None
 
@@ -48,7 +48,7 @@ def test_h100_exact_bytes_and_source():
     [
         ("NVIDIA H100 80GB HBM3", "H100-80GB"),
         ("nvidia h100 80gb", "H100-80GB"),
-        ("h100", "H100-80GB"),
+        ("h100 sxm5 80gb", "H100-80GB"),
         ("H100_80GB", "H100-80GB"),
         ("NVIDIA GeForce RTX 3090", "RTX-3090"),
         ("rtx 3090", "RTX-3090"),
@@ -277,3 +277,144 @@ def test_size_word_contradicting_the_catalog_was_accepted_silently(name, tmp_pat
 def test_size_word_selects_among_a_models_cards(name, canonical):
     assert lookup(name).name == canonical
     assert devices.size_words("A10G") == () and devices.size_words("RTX 4090 (24G)") == (24.0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# Names as NVML and vLLM print them (issue 29): vendor prefixes, GeForce, form-factor words and a
+# size word read by one normaliser; near misses answered with "did you mean".
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("printed", "card", "bytes_"),
+    [
+        ("NVIDIA GB10", "GB10", 128526516224),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX-PRO-6000-Blackwell", 101973229568),
+        ("NVIDIA GeForce RTX 3050 6GB", "RTX-3050-6GB", 6077546496),  # the size word picks the variant
+        ("NVIDIA GeForce RTX 3050", "RTX-3050-8GB", 8192524288),
+        ("NVIDIA B300 SXM6 AC", "B300", 288406880256),
+        ("NVIDIA GB200", "GB200", 197889916928),
+        ("AMD Instinct MI300X", "MI300X", 206141652992),
+        ("AMD Instinct MI355X", "MI355X", 309220868096),
+        ("NVIDIA H100 80GB HBM3", "H100-80GB", 85030076416),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB", 84987084800),
+        ("NVIDIA GH200 96GB", "GH200", 101468602368),
+        ("NVIDIA H100 94GB", "H100-NVL", 99977527296),  # nearest total of the H100 family
+    ],
+)
+def test_device_names_as_nvml_and_vllm_print_them(printed, card, bytes_):
+    dev = resolve_device(printed)
+    assert (dev.name, dev.total_memory_bytes) == (card, bytes_)
+
+
+def test_rocm_cards_run_the_rocm_platform():
+    from tuner.devices import platform_of_name
+
+    assert resolve_device("AMD Instinct MI300X").platform == "rocm"
+    assert resolve_device("NVIDIA H100 80GB HBM3").platform == "cuda"
+    assert platform_of_name("AMD Radeon PRO W7900") == "rocm"
+    assert resolve_device({"name": "AMD Instinct MI300A", "total_memory_gib": 128}).platform == "rocm"
+
+
+def test_near_miss_device_name_says_did_you_mean():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("RTX4090")
+    assert "unknown device 'RTX4090'; did you mean 'RTX-4090'?" in exc.value.message
+    assert exc.value.where == "device" and "NAME:GIB" in exc.value.message
+    with pytest.raises(DeviceError, match="did you mean 'RTX-4090' or 'RTX-4080'"):
+        resolve_device("RTX 4009")
+
+
+def test_bare_h100_lists_the_h100_variants():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("h100")
+    assert ("device 'h100' may be any of 3 cards: H100-80GB (79.19 GiB, nvswitch), H100-NVL (93.11 GiB, nvlink), "
+            "H100-PCIe (79.19 GiB, pcie); did you mean one of them?") in exc.value.message
+    # a total picks the card
+    assert lookup("NVIDIA H100", total_memory_bytes=int(93.11 * GIB)).name == "H100-NVL"
+
+
+def test_unknown_device_error_names_the_total_forms():
+    with pytest.raises(DeviceError) as exc:
+        resolve_device("Quantum Card 9000")
+    assert exc.value.where == "device"
+    assert "known devices: H100-80GB" in exc.value.message
+    assert "{name: ..., total_memory_gib: ...} in a drop, or NAME:GIB on the command line" in exc.value.message
+
+
+def test_catalog_mapping_without_total_states_the_interconnect():
+    dev = resolve_device({"name": "A100-80GB", "interconnect": "pcie"})
+    assert (dev.name, dev.total_memory_bytes, dev.interconnect) == ("A100-80GB", 84987084800, "pcie")
+    with pytest.raises(DeviceError, match="needs 'total_memory_gib' or 'total_memory_bytes' for a card the catalog"):
+        resolve_device({"name": "Quantum Card 9000", "interconnect": "pcie"})
+
+
+def test_auto_on_gb10_without_nvml_memory_query_reads_the_host(monkeypatch, tmp_path):
+    """DGX Spark: NVML has no device memory query (nvidia-smi [N/A]); ``auto`` once failed with
+    "NVML query failed". vLLM takes the CUDA total (vllm/platforms/cuda.py get_device_total_memory,
+    0.34) and the host's MemAvailable as free memory (vllm/utils/mem_utils.py): so does ``auto``."""
+    monkeypatch.setattr(devices, "host_available_bytes", lambda meminfo="/proc/meminfo": 100_000_000 * 1024)
+    dev = resolve_device("auto", nvml=_fake_nvml(name="NVIDIA GB10", fail_on="nvmlDeviceGetMemoryInfo", cc=(12, 1)))
+    assert (dev.name, dev.total_memory_bytes, dev.free_memory_bytes) == ("GB10", 128526516224, 102_400_000_000)
+    assert dev.integrated is True and "host MemAvailable" in dev.source
+    [gpu] = devices.list_gpus(_fake_nvml(name="NVIDIA GB10", fail_on="nvmlDeviceGetMemoryInfo", cc=(12, 1)))
+    assert (gpu.catalog_name, gpu.total_memory_bytes, gpu.free_memory_bytes) == ("GB10", 128526516224, 102_400_000_000)
+
+
+def test_host_available_bytes_reads_memavailable(tmp_path):
+    p = tmp_path / "meminfo"
+    p.write_text("MemTotal:       125000000 kB\nMemAvailable:    2048 kB\n")
+    assert devices.host_available_bytes(str(p)) == 2048 * 1024
+    assert devices.host_available_bytes(str(tmp_path / "none")) is None
+
+
+def test_pcie_word_names_the_pcie_card_or_the_model():
+    assert resolve_device("NVIDIA H100 PCIe").name == "H100-PCIe"  # a separate catalog card
+    assert resolve_device("NVIDIA H100 80GB PCIe").name == "H100-PCIe"
+    assert resolve_device("NVIDIA L40S PCIe").name == "L40S"  # the only L40S board
+
+
+def _fake_amdsmi(name="AMD Instinct MI300X", total=192 * GIB, used=int(0.3 * GIB)):
+    class AmdSmiException(Exception):
+        pass
+
+    return types.SimpleNamespace(
+        AmdSmiException=AmdSmiException, AmdSmiMemoryType=types.SimpleNamespace(VRAM="VRAM"),
+        amdsmi_init=lambda: None, amdsmi_shut_down=lambda: None,
+        amdsmi_get_processor_handles=lambda: ["h0"],
+        amdsmi_get_gpu_asic_info=lambda h: {"market_name": name, "device_id": "0x74a1"},
+        amdsmi_get_gpu_memory_total=lambda h, kind: total,
+        amdsmi_get_gpu_memory_usage=lambda h, kind: used)
+
+
+def test_auto_on_an_amd_host_reads_amdsmi():
+    """``auto`` on an MI300X host once answered "no NVIDIA GPU"; it reads AMD SMI as vLLM's ROCm
+    platform does (market name, VRAM total): the catalog's 191.98 GiB below the physical 192."""
+    dev = resolve_device("auto", nvml=_fake_nvml(fail_on="nvmlInit"), amdsmi=_fake_amdsmi())
+    assert (dev.name, dev.total_memory_bytes, dev.platform, dev.interconnect) == ("MI300X", 206141652992, "rocm", "xgmi")
+    assert dev.source == "amdsmi; total from catalog (typical)"
+    assert dev.free_memory_bytes == 206141652992 - int(0.3 * GIB)
+    other = resolve_device("auto", nvml=_fake_nvml(fail_on="nvmlInit"),
+                           amdsmi=_fake_amdsmi(name="AMD Radeon PRO W7900", total=48 * GIB, used=0))
+    assert (other.name, other.total_memory_bytes, other.platform) == ("AMD Radeon PRO W7900", 48 * GIB, "rocm")
+
+
+def test_h800_is_an_nvswitch_board_not_the_pcie_h100():
+    """"NVIDIA H800" (the SXM5 export H100 behind NVSwitch) was an alias of the PCIe H100: its TP
+    groups were charged no NVLS buffers. The PCIe H800 names itself."""
+    sxm, pcie = resolve_device("NVIDIA H800"), resolve_device("NVIDIA H800 PCIe")
+    assert (sxm.name, sxm.interconnect, sxm.total_memory_bytes) == ("H800", "nvswitch", 85030076416)
+    assert (pcie.name, pcie.interconnect) == ("H800-PCIe", "pcie")
+
+
+def test_pcie_word_in_a_printed_name_is_a_pcie_board():
+    """"NVIDIA A100-PCIE-40GB" resolved to the catalog A100, an NVSwitch board: custom all-reduce was
+    taken as on for TP 4/8. The board word in the printed name decides."""
+    from tuner.job import topology_for
+
+    dev = resolve_device("NVIDIA A100-PCIE-40GB")
+    assert (dev.name, dev.interconnect) == ("A100-40GB", "pcie")
+    assert resolve_device("NVIDIA A100-SXM4-40GB").interconnect == "nvswitch"
+    topo = topology_for({"name": dev.name, "total_memory_bytes": dev.total_memory_bytes,
+                         "interconnect": dev.interconnect}, {})
+    assert (topo.interconnect, topo.p2p) == ("pcie", True)

@@ -23,10 +23,20 @@ def test_era_formula_families():
     assert era_for("0.20.0").default_gpu_memory_utilization == 0.92
 
 
-@pytest.mark.parametrize("bad", ["banana", "0.3.0", "1.2.0", ""])
+@pytest.mark.parametrize("bad", ["banana", "0.3.0", ""])
 def test_bad_versions_raise(bad):
     with pytest.raises(EraError):
         era_for(bad)
+
+
+def test_newer_release_takes_the_newest_rules_unless_refused():
+    """A release past the newest modelled one is answered with the newest's rules (issue 29); strict
+    mode (``newer="refuse"``) raises."""
+    from tuner.eras import VllmVersion
+
+    assert era_for("1.2.0").version == (0, 34, 0)
+    with pytest.raises(EraError, match="strict release mode"):
+        VllmVersion.parse("1.2.0", newer="refuse")
 
 
 def test_v0_removed_in_011():

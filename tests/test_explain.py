@@ -194,7 +194,7 @@ def test_explain_kv_cache_memory_bytes_showed_a_difference_not_attributed_to_a_t
 
     model = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
     drop = tmp_path / "kv.yaml"
-    drop.write_text(f"name: kv\nmodel: {model}\ndevice: H100-80GB\nkv_cache_memory_bytes: 1G\n"
+    drop.write_text(f"name: kv\nmodel: {model}\ndevice: H100-80GB\nkv_cache_memory_bytes: 1G\nengine_version: \"0.19.0\"\n"
                     "candidates: {gpu_memory_utilization: [0.9]}\n")
     rc, out, err = _cli("explain", str(drop), "-m", "32k", "--no-variants", "--quiet", "--json",
                         "--db", str(tmp_path / "r.sqlite"))

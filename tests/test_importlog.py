@@ -71,6 +71,12 @@ def test_import_stores_the_measured_run_and_its_residual(tmp_path, shared_dir, o
     assert len(store.measured_runs()) == 1
 
 
+def _case_device(case):
+    from tuner.validate import _device
+
+    return _device(case)
+
+
 def test_every_case_log_imports(tmp_path, shared_dir, observed_cases, store):
     """Each visible case's raw_lines import (settings from the case); no prediction here."""
     import re
@@ -87,7 +93,10 @@ def test_every_case_log_imports(tmp_path, shared_dir, observed_cases, store):
         version, engine = infer_version(case)
         s = case["settings"]
         try:
-            out = import_log(log, model=case["model"], device=case["gpu"], store=store, engine_version=version,
+            # the card as validate resolves the record (a gpu list's first stage; a bare "NVIDIA H100" the
+            # first of its cards; a printed total kept): a bare ambiguous name is refused on the command line
+            card = {k: v for k, v in _case_device(case).items() if k in ("name", "total_memory_bytes")}
+            out = import_log(log, model=case["model"], device=card, store=store, engine_version=version,
                              engine=engine, models_dir=shared_dir / "models", predict=False,
                              options={"gpu_memory_utilization": s["gpu_memory_utilization"],
                                       "max_model_len": s["max_model_len"],
@@ -269,3 +278,23 @@ def test_import_log_json_says_which_release_was_assumed(tmp_path, tiny_config, c
     rc = main(["import-log", str(log), "--model", str(tiny_config), "--device", "H100-80GB", "--no-predict",
                "--db", str(tmp_path / "y.sqlite"), "--json", "--engine-version", "0.19.0"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["release"] is None
+
+
+def test_log_total_picks_among_a_names_cards(shared_dir):
+    """A total the log prints ("total_gpu_memory=39.39GiB") picks the card a bare name may mean
+    (``NVIDIA A100``: 80 or 40 GB) and gives a card the catalog lacks its total."""
+    from tuner.importlog import config_path_for, read_config, resolve_settings
+    from tuner.logparse import parse_lines
+
+    lines = ["INFO 11-20 10:00:00 worker.py:232] Memory profiling results: total_gpu_memory=39.39GiB "
+             "initial_memory_usage=15.34GiB peak_torch_memory=17.98GiB memory_usage_post_profile=15.50GiB "
+             "non_torch_memory=0.35GiB kv_cache_size=17.12GiB gpu_memory_utilization=0.90"]
+    parsed = parse_lines(lines, source="t.log")
+    config, _sha = read_config(config_path_for("meta-llama/Llama-3.1-8B-Instruct", models_dir=shared_dir / "models"))
+    for name, expected in (("NVIDIA A100", "A100-40GB"), ("Quantum Card 9000", "Quantum Card 9000")):
+        _drop, extra = resolve_settings(parsed, model="meta-llama/Llama-3.1-8B-Instruct", device=name,
+                                        engine_version="0.6.4", engine="V0", options={"max_model_len": 8192},
+                                        config=config, source="t.log")
+        assert extra["device_name"] == expected
+        # the printed 39.39 GiB, or the catalog's total it rounds to
+        assert abs(extra["total_memory_bytes"] - parsed.total_memory_bytes) < 0.006 * (1 << 30)

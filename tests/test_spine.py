@@ -181,7 +181,7 @@ def test_daemon_parsed_one_drops_bytes_several_times(tmp_path, monkeypatch):
 
     calls: list[str] = []
     real = dm.parse_drop_keys
-    monkeypatch.setattr(dm, "parse_drop_keys", lambda raw, path: calls.append(path) or real(raw, path))
+    monkeypatch.setattr(dm, "parse_drop_keys", lambda raw, path, **kw: calls.append(path) or real(raw, path, **kw))
     d = dm.Daemon(Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state")))
     raw = H100_DROP.read_bytes().replace(b"method:", b"# method:")
     path = str(tmp_path / "a.yaml")

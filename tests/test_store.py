@@ -23,7 +23,7 @@ EXPECTED = {
     "drops": [
         "id", "name", "path", "content_sha256", "content", "model", "device_name",
         "engine_version", "method", "created_at", "retired_at", "warnings", "owner_id", "result_sha256",
-        "answered_from_drop_id",
+        "answered_from_drop_id", "release_assumed",
     ],
     "profile_runs": [
         "id", "drop_id", "pass_sha256", "status", "error", "method", "engine_version", "era",

@@ -154,7 +154,7 @@ def test_ambiguous_device_name_resolved_by_total():
     assert lookup("NVIDIA A100") is None
     assert lookup("NVIDIA A100", total_memory_bytes=int(39.39 * GIB)).name == "A100-40GB"
     assert lookup("NVIDIA H20", total_memory_bytes=int(139.8 * GIB)).name == "H20-141GB"
-    with pytest.raises(DeviceError, match="may be A100-80GB, A100-40GB"):
+    with pytest.raises(DeviceError, match=r"may be any of 2 cards: A100-80GB \(79.15 GiB, nvswitch\), A100-40GB"):
         resolve_device("NVIDIA A100")
     # any name with an explicit total is accepted; a known card's interconnect comes along
     dev = resolve_device({"name": "NVIDIA A100", "total_memory_gib": 79.15})

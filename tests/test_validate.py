@@ -212,3 +212,41 @@ def test_cases_without_version_never_fail_on_their_inferred_release(shared_dir, 
     for cid in ("club3090-294-2x3090-qwen36-27b-autoround-262k", "club3090-487-2x3090-qwen36-27b-autoround-262k"):
         assert by_id[cid]["status"] == "ok" and by_id[cid]["release"] == "0.22.1"
     assert {c["id"] for c in report["summary"]["release_assumed"]} == {c["id"] for c in cases}
+
+
+def test_pipeline_stage_device_list_is_accepted(shared_dir):
+    """A case's ``gpu`` list (one card per pipeline stage, cases README 2026-12-06) once failed with
+    ``DeviceError: unknown device "['NVIDIA GeForce RTX 5070 Ti', 'NVIDIA GeForce RTX 5090 D']"``:
+    each stage now gets its own catalog card, as a drop's device list does."""
+    req = case_request(_case(gpu=["NVIDIA GeForce RTX 5070 Ti", "NVIDIA GeForce RTX 5090 D"], gpu_total_gib=None,
+                             tensor_parallel_size=1, pipeline_parallel_size=2), shared_dir / "models")
+    stages = req["device"]["stages"]
+    assert [s["name"] for s in stages] == ["RTX-5070-Ti", "RTX-5090-D"]
+    assert [s["total_memory_bytes"] for s in stages] == [16610492416, 33671872512]
+    assert req["device"]["name"] == "RTX-5070-Ti" and req["device"]["total_memory_bytes"] == 16610492416
+
+
+def test_pipeline_stage_device_list_takes_the_smallest_stage(shared_dir):
+    """The engine's blocks are the fewest over the stages (vllm/v1/core/kv_cache_utils.py
+    get_kv_cache_configs): the 16 GB stage decides, and the result names it."""
+    from tuner.job import run_job
+
+    case = _case(gpu=["NVIDIA GeForce RTX 5070 Ti", "NVIDIA GeForce RTX 5090 D"], gpu_total_gib=None,
+                 tensor_parallel_size=1, pipeline_parallel_size=2, kv_cache_dtype="auto",
+                 settings={"gpu_memory_utilization": 0.9, "max_model_len": 8192})
+    same = _case(gpu=["NVIDIA GeForce RTX 5090 D"] * 2, gpu_total_gib=None, tensor_parallel_size=1,
+                 pipeline_parallel_size=2, kv_cache_dtype="auto",
+                 settings={"gpu_memory_utilization": 0.9, "max_model_len": 8192})
+    mixed = run_job(case_request(case, shared_dir / "models"))["candidates"][0]
+    big = run_job(case_request(same, shared_dir / "models"))["candidates"][0]
+    assert 0 < mixed["num_gpu_blocks"] < big["num_gpu_blocks"]
+    assert mixed["limiting_stage"] == 0
+
+
+def test_pipeline_stage_device_list_length_must_match_pp(shared_dir):
+    from tuner.errors import DeviceError
+
+    with pytest.raises(DeviceError) as exc:
+        case_request(_case(gpu=["NVIDIA GeForce RTX 5090 D"] * 3, gpu_total_gib=None, pipeline_parallel_size=2,
+                           tensor_parallel_size=1), shared_dir / "models")
+    assert exc.value.where == "gpu" and "3 entries for pipeline_parallel_size 2" in exc.value.message

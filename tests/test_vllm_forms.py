@@ -94,3 +94,28 @@ def test_proposal_config_is_accepted_by_vllms_own_parser(tmp_path):
     assert a["max_model_len"] == 40064 and a["gpu_memory_utilization"] == 0.9 and a["tensor_parallel_size"] == 2
     assert a["kv_cache_dtype"] == "fp8" and a["enable_chunked_prefill"] is False and a["enforce_eager"] is True
     assert b["kv_cache_memory_bytes"] == 3_101_450_240
+
+
+@pytest.mark.slow
+def test_deploy_file_workloads_read_the_same_by_vllms_own_parser():
+    """Every workload of the deploy fixtures (tests/fixtures/deploy) is parsed by the installed vLLM's own
+    parser to the values the built-in parser reads (issue 30: one path, vLLM's parser when importable)."""
+    py = _vllm_python()
+    if py is None:
+        pytest.skip("no vLLM interpreter (set CTX_TUNER_VLLM_PYTHON)")
+    from tuner.deploy import read_deploy_file
+    from tuner.serve_args import BUILTIN, strip_program
+    from tuner.vllm_serve_parser import VllmServeParser
+
+    items, builtin = [], []
+    for f in sorted((REPO / "tests" / "fixtures" / "deploy").rglob("*.yaml")):
+        for w in read_deploy_file(str(f), environ={}):
+            argv = strip_program(w.argv)
+            items.append((argv, w.config_file))
+            builtin.append(BUILTIN.parse(argv, w.config_file))
+    assert len(items) == 9
+    for (argv, _), b, v in zip(items, builtin, VllmServeParser(py).parse_many(items)):
+        assert not isinstance(v, Exception), (argv, v)
+        assert v.model == b.model, argv
+        for k in ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size", "enable_prefix_caching"):
+            assert v.values.get(k) == b.values.get(k), (argv, k)

@@ -86,6 +86,12 @@ def prepare_job(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False
     # the topology a drop's device mapping states travels with the request (tuner.budget.Topology)
     extra = {k: getattr(device, k) for k in ("compute_capability", "interconnect", "p2p")
              if isinstance(drop.device, dict) and k in drop.device}
+    if isinstance(drop.device, str) and device.interconnect is not None:
+        from tuner.devices import lookup
+
+        known = lookup(device.name)
+        if known is not None and known.interconnect != device.interconnect:  # a board word in the name
+            extra["interconnect"] = device.interconnect
     if isinstance(drop.device, list):  # one card per pipeline stage (tuner.job.stage_devices)
         stages = stage_device_dicts(drop)
         extra = {k: v for k, v in stages[0].items() if k not in dev}
@@ -131,6 +137,12 @@ def stage_device_dicts(drop: Drop) -> list[dict]:
         s = {"name": d.name, "total_memory_bytes": int(d.total_memory_bytes)}
         s.update({k: getattr(d, k) for k in ("compute_capability", "interconnect", "p2p")
                   if isinstance(raw, dict) and k in raw})
+        if isinstance(raw, str) and d.interconnect is not None:
+            from tuner.devices import lookup
+
+            known = lookup(d.name)
+            if known is not None and known.interconnect != d.interconnect:  # a board word in the name
+                s["interconnect"] = d.interconnect
         out.append(s)
     return out
 
@@ -260,7 +272,9 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         ModelConfigError: the model's config.json cannot be found offline.
         DeviceError, WorkerError, StoreError, TunerError: as their names say; nothing is written.
     """
-    drop = load_drop(drop_path)
+    from tuner.vllm_args import from_drop_file
+
+    drop = from_drop_file(drop_path).drop  # a drop's fields: the one mapping's drop source
     request, dev = prepare_job(drop, nvml=nvml)
     ahead = _spawn_ahead(request, db_url, cache, worker, spawner, timeout_s)
     store = warming = None

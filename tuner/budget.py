@@ -49,7 +49,8 @@ class Topology:
     (``cudaDeviceCanAccessPeer``; GeForce cards have none over PCIe); ``compute_capability``
     ``"9.0"``…; ``disable_custom_all_reduce`` as vLLM's ``--disable-custom-all-reduce``;
     ``single_node``: every rank of the group on this host (custom all-reduce needs it).
-    The default is the calibration centre: H100 SXM behind NVSwitch.
+    The dataclass default is the calibration centre (H100 SXM behind NVSwitch), for direct callers;
+    a job builds its topology with :func:`tuner.job.topology_for` (an unknown card: PCIe, no P2P).
     """
 
     interconnect: str = "nvswitch"
@@ -57,6 +58,8 @@ class Topology:
     compute_capability: str | None = "9.0"
     disable_custom_all_reduce: bool = False
     single_node: bool = True
+    #: vLLM's platform: ``"cuda"`` or ``"rocm"`` (:mod:`tuner.platforms`).
+    platform: str = "cuda"
 
 
 #: vLLM's custom all-reduce world sizes (vllm/distributed/device_communicators/custom_all_reduce.py
@@ -84,7 +87,8 @@ def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool
     (vllm/distributed/device_communicators/custom_all_reduce.py ``CustomAllreduce.__init__``,
     the same checks 0.5–0.33): off with ``disable_custom_all_reduce``, for a world of one, a world
     size outside 2/4/6/8, a group spanning nodes, more than two GPUs that are not fully connected
-    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access."""
+    ("not supported on more than two PCIe-only GPUs"), and GPUs without P2P access (checked on CUDA
+    only)."""
     t = topology
     if t.disable_custom_all_reduce:
         return False, "disable_custom_all_reduce"
@@ -96,7 +100,9 @@ def custom_all_reduce_enabled(world_size: int, topology: Topology) -> tuple[bool
         return False, "group spans several nodes"
     if world_size > 2 and t.interconnect not in FULLY_CONNECTED:
         return False, "not supported on more than two PCIe-only GPUs"
-    if not t.p2p and t.interconnect == "pcie":
+    if not t.p2p and t.interconnect == "pcie" and t.platform != "rocm":
+        # ROCm skips the check: "On AMD GPU, p2p is always enabled between XGMI connected GPUs"
+        # (custom_all_reduce.py, 0.5–0.34: ``not current_platform.is_rocm() and not _can_p2p``)
         return False, "no P2P access between the GPUs"
     return True, "on"
 
@@ -332,9 +338,14 @@ def co_tenant_non_torch_bytes(era: Era, other_processes_bytes: int) -> int:
     return 0
 
 
-#: Compute capabilities vLLM 0.19 treats as unified memory (vllm/utils/mem_utils.py
+#: Compute capabilities vLLM 0.11.1–0.19.x treats as unified memory (vllm/utils/mem_utils.py
 #: ``MemorySnapshot.measure`` ``shared_sysmem_device_mem_sms``: Orin 8.7, Thor 11.0, Spark 12.1).
 UMA_CAPABILITIES_0_19 = ("8.7", "11.0", "12.1")
+#: First release reading an integrated GPU's free memory from the host (psutil), and the first
+#: deciding by the device's ``is_integrated`` property instead of the capability list (read in
+#: every wheel 0.10.2–0.34.0: none through 0.11.0; the list 0.11.1–0.19.1; the property 0.20.0+).
+FREE_FROM_HOST_SINCE = (0, 11, 1)
+FREE_FROM_HOST_BY_PROPERTY_SINCE = (0, 20, 0)
 
 
 def free_memory_from_host(era: Era, *, compute_capability: str | None, integrated: bool | None) -> bool:
@@ -342,13 +353,13 @@ def free_memory_from_host(era: Era, *, compute_capability: str | None, integrate
     (``psutil.virtual_memory().available``) instead of ``cudaMemGetInfo`` — so that RAM other host
     processes use is co-tenant memory to its free-memory check and its ``total − free`` snapshots.
 
-    vllm/utils/mem_utils.py ``MemorySnapshot.measure``: 0.9.2–0.11.0 read (never; V0 likewise);
-    0.19 read: by compute capability (:data:`UMA_CAPABILITIES_0_19`; 0.12–0.18 and 0.20–0.25 not
-    read, taken as 0.19); 0.26 and 0.28 read: the device's ``is_integrated`` property
-    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``)."""
-    if era.engine != "V1" or era.version < (0, 12, 0):
+    vllm/utils/mem_utils.py ``MemorySnapshot.measure`` (``device_memory_info`` in 0.34), read in
+    every wheel 0.10.2–0.34.0: never through 0.11.0 (V0 likewise); by compute capability
+    (:data:`UMA_CAPABILITIES_0_19`) in 0.11.1–0.19.1; by the device's ``is_integrated`` property
+    (``CudaPlatform.is_integrated_gpu``; the catalog's ``integrated``) from 0.20.0."""
+    if era.engine != "V1" or era.version < FREE_FROM_HOST_SINCE:
         return False
-    if era.version < (0, 26, 0):
+    if era.version < FREE_FROM_HOST_BY_PROPERTY_SINCE:
         return str(compute_capability or "") in UMA_CAPABILITIES_0_19
     return bool(integrated)
 
@@ -539,12 +550,113 @@ def cudagraph_estimate_bytes(
     return int(est * len(sizes) / CUDAGRAPH_ANCHOR_SIZES)
 
 
+#: vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py): the margin kept free
+#: beyond the measured transient peak, ``max(floor, fraction × transient)``, the floor 1 GiB on CUDA
+#: and 3 GiB on ROCm (``KV_CACHE_MARGIN_FLOOR_BYTES = (3 if current_platform.is_rocm() else 1) << 30``).
+KV_CACHE_MARGIN_FLOOR_BYTES = {"cuda": 1 << 30, "rocm": 3 << 30}
+KV_CACHE_MARGIN_FRACTION = 0.75
+#: The part of the margin torch's allocator is capped to leave for allocations outside it
+#: (``KV_CACHE_NON_TORCH_RESERVE_BYTES = (2 if rocm else 1) << 29``: 0.5 GiB CUDA, 1 GiB ROCm); it
+#: caps torch after sizing and does not change the block count.
+KV_CACHE_NON_TORCH_RESERVE_BYTES = {"cuda": 1 << 29, "rocm": 2 << 29}
+#: Device memory in use before vLLM 0.34's start-up snapshot that the extensible cache's headroom
+#: (``free memory after warmup + committed blocks``) does not have: the CUDA context, cuBLAS
+#: handles. Calibrated, not derived: the whole-GPU non-torch term of the V0 0.6.4 log of case
+#: vllm-10517 (RTX 3090, TP1: context + cuBLAS + what the profile left outside torch) is 0.35 GiB, the
+#: value :func:`non_torch_bytes` uses for the whole-GPU eras; no 0.34 log with the breakdown yet.
+STARTUP_BASELINE_GIB = 0.35
+
+
+def platform_of(topology: "Topology | None") -> str:
+    """The TP group's platform, ``"rocm"`` or ``"cuda"``: :attr:`Topology.platform`
+    (:mod:`tuner.platforms`), or ROCm for Infinity Fabric (``xgmi``)."""
+    if topology is None:
+        return "cuda"
+    if getattr(topology, "platform", "cuda") == "rocm" or topology.interconnect == "xgmi":
+        return "rocm"
+    return "cuda"
+
+
+def startup_baseline_bytes(era: Era, *, tensor_parallel_size: int = 1, topology: "Topology | None" = None) -> int:
+    """Memory in use at vLLM 0.34's start-up snapshot besides other processes (bytes, per rank):
+    :data:`STARTUP_BASELINE_GIB`, plus for a TP group the buffers the distributed init allocates
+    before the snapshot (0.11+: NCCL communicator :data:`NCCL_COMMUNICATOR_GIB`, custom all-reduce
+    :func:`custom_all_reduce_buffer_bytes`, symmetric memory :func:`symm_mem_buffer_bytes`)."""
+    topo = topology or Topology()
+    out = int(STARTUP_BASELINE_GIB * GiB)
+    if tensor_parallel_size > 1:
+        out += (int(NCCL_COMMUNICATOR_GIB * GiB) + custom_all_reduce_buffer_bytes(era, tensor_parallel_size, topo)
+                + symm_mem_buffer_bytes(era, tensor_parallel_size, topo))
+    return out
+
+
+def measure_kv_cache_bytes(*, init_free_memory: int, free_memory: int, committed_bytes: int, requested_memory: int,
+                           transient_peak_bytes: int = 0, torch_reserve_growth_bytes: int = 0,
+                           margin_floor_bytes: int = KV_CACHE_MARGIN_FLOOR_BYTES["cuda"],
+                           margin_fraction: float = KV_CACHE_MARGIN_FRACTION) -> int:
+    """vLLM 0.34's extensible KV cache budget (vllm/v1/worker/extensible_kv_cache.py
+    ``measure_kv_cache_bytes``, line for line): everything resident except the committed KV
+    prefix is the engine's (``non_kv_used = init_free − free − committed``); the cache gets
+    ``min(requested − non_kv_used, headroom − margin) − max(transient peak, torch reserve growth)``
+    with ``headroom = free + committed`` and ``margin = max(floor, fraction × transient)``; never
+    below 0 (bytes)."""
+    non_kv_used = init_free_memory - free_memory - committed_bytes
+    headroom = free_memory + committed_bytes
+    margin = max(margin_floor_bytes, int(transient_peak_bytes * margin_fraction))
+    available = min(requested_memory - non_kv_used, headroom - margin)
+    available -= max(transient_peak_bytes, torch_reserve_growth_bytes)
+    return max(available, 0)
+
+
+#: The physical granule an extensible KV cache commits in (vllm/utils/extensible_tensor.py
+#: ``granule_size``: the CUDA VMM allocation granularity, 2 MiB on NVIDIA GPUs).
+VMM_GRANULE_BYTES = 2 * MiB
+
+
+def kv_segment_strides(kv_cache_config: Any) -> list[int]:
+    """The block strides of an extensible cache's segments (vllm/v1/worker/extensible_kv_cache.py
+    ``ExtensibleKVCache._segments``, block-compact layer-outermost layouts: one segment per layer
+    region, i.e. per distinct ``offset + i x layer_stride`` of the 0.32+ tensors); [] when the
+    config's tensors carry no strides."""
+    segs: dict[int, int] = {}
+    for t in getattr(kv_cache_config, "kv_cache_tensors", ()) or ():
+        if t.layer_stride_bytes is None or t.block_stride_bytes is None:
+            continue
+        for i in range(len(t.shared_by)):
+            segs.setdefault(int(t.offset_bytes or 0) + i * int(t.layer_stride_bytes), int(t.block_stride_bytes))
+    return list(segs.values())
+
+
+def blocks_within(num_bytes: int, segment_strides: list[int], *, granule: int = VMM_GRANULE_BYTES,
+                  capacity: int | None = None) -> int:
+    """Most blocks whose physical footprint fits in ``num_bytes`` (``ExtensibleKVCache.blocks_within``,
+    0.34): each segment's ``blocks x stride`` is rounded up to the granule."""
+    per_block = sum(segment_strides)
+    if per_block <= 0:
+        return 0
+    n = max(0, int(num_bytes)) // per_block
+    if capacity is not None:
+        n = min(n, capacity)
+
+    def physical(k: int) -> int:
+        return sum(-(-k * st // granule) * granule for st in segment_strides)
+
+    while n > 0 and physical(n) > num_bytes:
+        n -= 1
+    return n
+
+
 @dataclass(frozen=True)
 class Budget:
     """One KV budget, all in bytes (per rank).
 
     ``available_kv_cache_bytes`` may be negative: the engine would refuse to start with
     "No available memory for the cache blocks".
+
+    With vLLM 0.34's extensible KV cache (:func:`extensible_kv_budget`) also: ``headroom_bytes``
+    (device memory free after warmup and capture, the committed prefix included), ``margin_bytes``,
+    ``transient_bytes`` (the transient peak kept free) and ``capacity_kv_cache_bytes`` (the
+    profile-based reservation the cache may grow to; None otherwise).
     """
 
     requested_memory_bytes: int
@@ -553,6 +665,10 @@ class Budget:
     non_torch_bytes: int
     cuda_graph_bytes: int
     available_kv_cache_bytes: int
+    headroom_bytes: int | None = None
+    margin_bytes: int | None = None
+    transient_bytes: int | None = None
+    capacity_kv_cache_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -582,3 +698,45 @@ def kv_budget(
     graphs = cuda_graph_bytes if era.subtracts_cudagraph_estimate else 0
     avail = requested - weights_bytes - activation_peak_bytes - non_torch_bytes - graphs
     return Budget(requested, weights_bytes, activation_peak_bytes, non_torch_bytes, graphs, int(avail))
+
+
+def extensible_kv_budget(
+    era: Era, *, total_memory_bytes: int, gpu_memory_utilization: float, weights_bytes: int,
+    activation_peak_bytes: int, non_torch_bytes: int, cuda_graph_bytes: int, persistent_bytes: int = 0,
+    other_processes_bytes: int = 0, baseline_bytes: int | None = None, platform: str = "cuda",
+) -> Budget:
+    """vLLM 0.34's KV budget with the extensible KV cache (bytes, per rank).
+
+    Control flow (vllm/v1/engine/core.py ``_initialize_kv_caches``, 0.34): the profile
+    (``determine_available_memory``, as 0.27–0.33 but with no CUDA-graph estimate:
+    ``profile_cudagraph_memory`` returns 0 with the extensible cache) sizes only the address-space
+    reservation, ``capacity = requested − (total_consumed + transient)``; warmup and CUDA-graph
+    capture run against it; then ``measure_kv_cache_blocks`` sizes the cache from the memory free
+    after them (:func:`measure_kv_cache_bytes`) and ``finalize_extensible_kv_cache`` takes the
+    fewer blocks of the two.
+
+    In this model's terms: ``non_kv_used = W + non-torch + persistent buffers + captured graphs``
+    (``activation_peak_bytes`` holds the persistent buffers, ``persistent_bytes``, as in the 0.27+
+    budget); ``transient = activation_peak_bytes − persistent_bytes`` (the profile's
+    ``transient_peak_headroom``, the reserve the warmup may raise; torch reservation growth is not
+    modelled, taken as no larger); ``init_free = T − other processes − baseline``
+    (:func:`startup_baseline_bytes`); the margin floor by ``platform``
+    (:data:`KV_CACHE_MARGIN_FLOOR_BYTES`). ``requested = ceil(T·u)``, u 1.0 by default; the
+    free-memory refusal of ``request_memory`` does not apply (vllm/v1/worker/utils.py, 0.34).
+    """
+    requested = requested_memory_bytes(era, total_memory_bytes, gpu_memory_utilization)
+    persistent = max(0, int(persistent_bytes))
+    transient = max(0, int(activation_peak_bytes) - persistent)
+    used = int(weights_bytes) + int(non_torch_bytes) + persistent + int(cuda_graph_bytes)
+    baseline = int(STARTUP_BASELINE_GIB * GiB) if baseline_bytes is None else int(baseline_bytes)
+    init_free = int(total_memory_bytes) - max(0, int(other_processes_bytes)) - baseline
+    floor = KV_CACHE_MARGIN_FLOOR_BYTES.get(platform, KV_CACHE_MARGIN_FLOOR_BYTES["cuda"])
+    margin = max(floor, int(transient * KV_CACHE_MARGIN_FRACTION))
+    avail = measure_kv_cache_bytes(init_free_memory=init_free, free_memory=init_free - used, committed_bytes=0,
+                                   requested_memory=requested, transient_peak_bytes=transient,
+                                   margin_floor_bytes=floor)
+    capacity = requested - int(weights_bytes) - int(activation_peak_bytes) - int(non_torch_bytes)
+    return Budget(requested, int(weights_bytes), int(activation_peak_bytes), int(non_torch_bytes),
+                  int(cuda_graph_bytes), int(min(avail, capacity)) if capacity > 0 else int(capacity),
+                  headroom_bytes=init_free - used, margin_bytes=margin, transient_bytes=transient,
+                  capacity_kv_cache_bytes=int(capacity))

@@ -298,7 +298,9 @@ def lookup_kwargs(request) -> dict:
     tc = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
     config_dtype = str((tc or {}).get("torch_dtype") or (tc or {}).get("dtype") or top.get("torch_dtype")
                        or "float16").replace("torch.", "")
-    era = era_for(str(d.engine_version), request.engine_kind, enforce_eager=bool(d.enforce_eager))
+    from tuner.job import drop_era
+
+    era = drop_era(d, request.engine_kind)
     name = str(request.device["name"])
     known = lookup(name)
     return {"model": d.model or None, "device_name": known.name if known else name, "era": era.name,

@@ -1,7 +1,9 @@
 """``ctx-tuner check``: will this ``vllm serve`` line (or ``--config`` YAML) start?
 
-serve line / config → :mod:`tuner.serve_args` (the parsing seam) → the equivalent drop (validated
-by :func:`tuner.drop.parse_drop`, so every rule a drop file obeys applies) → the same worker job
+serve line / config (or a deploy file's container, :mod:`tuner.deploy`) → :mod:`tuner.serve_args`
+(the parsing seam) → the equivalent drop through the one mapping :mod:`tuner.vllm_args` (validated
+by :func:`tuner.drop.parse_drop`, so every rule a drop file obeys applies; what it does not model is
+named in ``not_modelled``) → the same worker job
 ``explain`` runs for that drop at the line's ``gpu_memory_utilization`` and ``max_model_len`` →
 "starts" / "does not start", the engine's own error text, the budget behind it and the nearest
 settings that start, each as a ``vllm serve`` line. Never imports torch or vLLM.
@@ -21,12 +23,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import yaml
 
-from tuner.drop import _FIELDS_BY_NAME, Drop, parse_drop
-from tuner.errors import DropError, TunerError
-from tuner.serve_args import (AUTO, AUTO_FIT_SINCE, KV_CACHE_MEMORY_BYTES_SINCE, ServeArgs,
-                              ServeParser, option_for, parse_serve)
+from tuner.drop import _FIELDS_BY_NAME
+from tuner.errors import DropError, EraError
+from tuner.serve_args import AUTO, ServeParser
+from tuner.vllm_args import (ArgsInputError, NotModelled, build_drop, equivalent_drop, parse_line,
+                             spelled_for_field)
 
 EXIT_STARTS, EXIT_FAILED, EXIT_INVALID, EXIT_DOES_NOT_START = 0, 1, 2, 3
 GiB = 1 << 30
@@ -35,13 +37,9 @@ GiB = 1 << 30
 AUTO_FIT_REFUSAL = ("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single token. "
                     "Try increasing `gpu_memory_utilization`.")
 
-#: Destinations ``check`` itself uses (not drop keys).
-_OWN = ("max_model_len", "gpu_memory_utilization")
 
-
-class CheckInputError(TunerError):
-    """Invalid input to ``check`` (exit 2): a flag vLLM would reject, a flag ctx-tuner cannot
-    model, a setting the release does not have; ``where`` names the flag or file."""
+#: Invalid input to ``check`` (exit 2): the mapping's error (:class:`tuner.vllm_args.ArgsInputError`).
+CheckInputError = ArgsInputError
 
 
 @dataclass
@@ -56,13 +54,6 @@ class CheckResult:
     @property
     def exit_code(self) -> int:
         return EXIT_STARTS if self.starts else EXIT_DOES_NOT_START
-
-
-def _version_tuple(text: str) -> tuple:
-    from tuner.eras import parse_version
-
-    v = parse_version(text)
-    return (v.major, v.minor, v.patch)
 
 
 def default_engine_version() -> tuple[str | None, str]:
@@ -81,91 +72,13 @@ def default_engine_version() -> tuple[str | None, str]:
     return None, "no vLLM installed here"
 
 
-def _model_value(model: str, cwd: str) -> str:
-    """``vllm serve``'s model argument as a drop's ``model``: an existing local path made absolute
-    (vLLM reads it relative to where it runs), an HF id unchanged."""
-    p = os.path.expanduser(model)
-    full = p if os.path.isabs(p) else os.path.join(cwd, p)
-    if os.path.exists(full):
-        return os.path.normpath(os.path.abspath(full))
-    return model
-
-
-def _drop_name(model: str) -> str:
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(model.rstrip("/")) or "model").strip(".-") or "model"
-    return f"check-{base}"[:128]
-
-
-def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str | None = None,
-                    allow_unmodelled: bool = False) -> tuple[dict, list[dict]]:
-    """The drop (as a dict) that asks what ``sa`` asks, and the flags moved to "not modelled"
-    because this build's drop schema has no key for them.
-
-    Raises:
-        CheckInputError: a flag that changes memory in a way ctx-tuner does not model (unless
-            ``allow_unmodelled``), or a setting the release does not have.
-    """
-    cwd = cwd or os.getcwd()
-    extra: list[dict] = []
-    d: dict[str, Any] = {"name": _drop_name(sa.model or "model"), "model": _model_value(sa.model or "", cwd),
-                         "device": device, "engine_version": engine_version}
-    version = _version_tuple(engine_version)
-    for dest, value in sa.values.items():
-        if dest in _OWN:
-            continue
-        if dest == "kv_cache_memory_bytes" and version < KV_CACHE_MEMORY_BYTES_SINCE:
-            raise CheckInputError("unrecognized arguments: --kv-cache-memory-bytes (vLLM "
-                                  f"{'.'.join(map(str, KV_CACHE_MEMORY_BYTES_SINCE))}+)", where=sa.spelled[dest])
-        if dest not in _FIELDS_BY_NAME:
-            extra.append({"flag": option_for(dest), "value": value, "source": "command line",
-                          "as_written": sa.spelled.get(dest), "note": "this build's drops do not model it"})
-            continue
-        d[dest] = value
-    unmodelled = list(sa.unmodelled) + [e for e in extra if not (
-        (e["flag"] == "--data-parallel-size" and e["value"] == 1)
-        or (e["flag"] == "--enable-expert-parallel" and e["value"] is False))]
-    if sa.unknown and not allow_unmodelled:
-        # vLLM's parser exits on a flag it does not know ("unrecognized arguments"): a misspelled
-        # --max-model-len must never pass a deploy gate with the model's derived maximum instead.
-        names = " ".join(e["flag"] + (f" {e['value']}" if e.get("value") else "") for e in sa.unknown)
-        raise CheckInputError(f"unrecognized arguments: {names} (vLLM refuses flags it does not know: check the "
-                              "spelling; --allow-unmodelled checks without them)", where="command line")
-    if unmodelled and not allow_unmodelled:
-        names = ", ".join(f"{e['as_written'] or e['flag']} ({e['note']})" if e.get("note") else
-                          (e["as_written"] or e["flag"]) for e in unmodelled)
-        raise CheckInputError(f"ctx-tuner does not model {names}: the verdict would be a guess "
-                              "(--allow-unmodelled checks without them)", where="command line")
-    from tuner.protocol import point_of
-
-    u, m = point_of(sa.values)
-    if u is None:
-        from tuner.eras import era_for
-
-        u = era_for(engine_version).default_gpu_memory_utilization
-    d["candidates"] = {"gpu_memory_utilization": [u]}
-    if m == AUTO and version < AUTO_FIT_SINCE:
-        raise CheckInputError(f"invalid int value: 'auto' (vLLM {engine_version} has no auto-fit; it came in "
-                              f"{'.'.join(map(str, AUTO_FIT_SINCE))})", where=point_of(sa.spelled).max_model_len)
-    if isinstance(m, int) and m not in (AUTO,):
-        if m <= 0:
-            raise CheckInputError(f"max_model_len must be positive, not {m}", where=point_of(sa.spelled).max_model_len)
-        d["candidates"].update(max_model_len=[m])
-    return d, unmodelled
-
-
-def _spelled_for_field(sa: ServeArgs, fld: str | None) -> str | None:
-    if not fld:
+def models_dir_config(model: str | None, models_dir: str | None) -> str | None:
+    """``--models-dir``: an HF id ``org/name`` as ``DIR/org--name`` when that directory holds a
+    config.json (the layout ``validate`` and ``import-log`` read), else None (the id as given)."""
+    if not models_dir or not model or model.count("/") != 1 or model.startswith((".", "/", "~")):
         return None
-    key = fld.split(".")[-1].split("[")[0]
-    return sa.spelled.get(key) or (f"model {sa.model}" if key == "model" else None)
-
-
-def build_drop(sa: ServeArgs, d: dict, *, label: str) -> Drop:
-    """Validate the equivalent drop; a drop error names the flag as it was written."""
-    try:
-        return parse_drop(yaml.safe_dump(d, sort_keys=False), label)
-    except DropError as exc:
-        raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field or label) from None
+    p = os.path.join(models_dir, model.replace("/", "--"))
+    return os.path.abspath(p) if os.path.isfile(os.path.join(p, "config.json")) else None
 
 
 def derived_max(config_path: str, hf_overrides: dict | None = None) -> tuple[int, str]:
@@ -191,11 +104,16 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               engine_version: str | None = None, parser: ServeParser | None = None,
               worker: Callable[..., dict] | None = None, timeout_s: float = 600.0, variants: bool = True,
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
-              progress: Callable[[str], None] | None = None,
-              other_processes_memory_gib: float | None = None) -> CheckResult:
+              progress: Callable[[str], None] | None = None, extra_not_modelled: Sequence[NotModelled] = (),
+              models_dir: str | None = None, label: str | None = None,
+              notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
+              strict_release: bool = False) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
-    the drop default.
+    the newest modelled release (:func:`tuner.eras.resolve_release`; a newer one is answered with the
+    newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
+    ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
+    hold at start, the drop field of that name.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -203,8 +121,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     """
     from tuner.explain import explain_drop
 
-    sa = parse_serve(argv, config_file, parser=parser)
-    warnings: list[str] = []
+    sa = parse_line(argv, config_file, parser=parser)
+    warnings: list[str] = list(notes)
     parsed_by = sa.parser_info.get("vllm_version") if sa.parser_info.get("name") == "vllm" else None
     release = re.match(r"\d+\.\d+(?:\.\d+)?", str(parsed_by or ""))
     if engine_version is None and release:  # the release whose parser read the line
@@ -214,19 +132,25 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     elif engine_version is not None and parsed_by and not str(parsed_by).startswith(str(engine_version)):
         warnings.append(f"the line was parsed by vLLM {parsed_by}'s parser; the memory rules are vLLM "
                         f"{engine_version}'s (--engine-version)")
-    if engine_version is None:
-        engine_version, why = default_engine_version()
-        if engine_version is None:
-            engine_version = str(_FIELDS_BY_NAME["engine_version"].default)
-            warnings.append(f"--engine-version not given and {why}: checked against vLLM {engine_version} "
-                            "(the drop default)")
-        else:
-            warnings.append(f"--engine-version not given: checked against the {why}")
+    from tuner.eras import release_warning, resolve_release
+
+    installed, why = (None, "") if engine_version is not None else default_engine_version()
+    try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
+        engine_version, release_assumed = resolve_release(engine_version, installed=installed,
+                                                          installed_from=f"this Python ({why.split()[1]})" if installed else "",
+                                                          strict=strict_release)
+    except EraError as exc:
+        raise CheckInputError(exc.message, where="--engine-version") from None
+    if release_assumed:
+        warnings.append(release_warning(release_assumed))
+    local = models_dir_config(sa.model, models_dir)
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
-                                    engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled)
+                                    engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled,
+                                    extra_not_modelled=extra_not_modelled, model=local)
     if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
         d["other_processes_memory_gib"] = other_processes_memory_gib
-    drop = build_drop(sa, d, label=config_file or "vllm serve")
+    label = label or config_file or "vllm serve"
+    drop = build_drop(sa, d, label=label)
     from tuner.explain import prepare
 
     job = prepare(None, nvml=nvml, drop=drop)
@@ -239,16 +163,16 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     u = drop.candidates.gpu_memory_utilization[0]
     if "max_model_len" not in d["candidates"]:
         d["candidates"].update(max_model_len=[m])
-        drop = build_drop(sa, d, label=config_file or "vllm serve")
+        drop = build_drop(sa, d, label=label)
     try:
         doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
                            timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
                            calibrate=False)
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
-        raise CheckInputError(exc.message, where=_spelled_for_field(sa, exc.field) or exc.field) from None
+        raise CheckInputError(exc.message, where=spelled_for_field(sa, exc.field) or exc.field) from None
     e = doc["explanations"][0]
     values = dict(sa.values)
-    model = doc["model"]
+    model = sa.model if local else doc["model"]  # --models-dir: the lines name the HF id, as deployed
     picked = m
     reason = e.get("reason") if not e["starts"] else None
     starts = bool(e["starts"])
@@ -256,12 +180,24 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                                      "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
                                      "available_kv_cache_bytes", "kv_block_bytes", "num_gpu_blocks",
                                      "kv_cache_tokens", "max_concurrency", "max_num_batched_tokens", "block_size")}
+    if e.get("extensible_headroom_bytes") is not None:  # vLLM 0.34's extensible KV cache terms
+        numbers.update({k: e.get(k) for k in ("extensible_headroom_bytes", "extensible_margin_bytes",
+                                              "extensible_withheld_bytes", "extensible_u_withheld_bytes")})
+        from tuner.search import gpu_memory_utilization_warning
+
+        u_warn = gpu_memory_utilization_warning({**numbers, "gpu_memory_utilization": u})
+        if u_warn:
+            warnings.append(f"vLLM would warn: {u_warn}")
     if auto:  # what _auto_fit_max_model_len picks: the derived length if it fits, else the largest that does
         largest = ((e.get("remedies") or {}).get("largest_max_model_len") or {})
+        extensible = bool(e.get("extensible_headroom_bytes") is not None)
         if e["starts"]:
             picked, reason, starts = m, None, True
             auto_note = (f"Auto-fit max_model_len: full model context length {m} fits in available KV cache memory "
                          f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+            if extensible:  # vllm/v1/core/kv_cache_planning.py _auto_fit_max_model_len(after_warmup=True), 0.34
+                auto_note = (f"Auto-fit max_model_len: using max_model_len={m}, which fits in the KV cache memory left "
+                             f"after CUDA graph capture and warmup ({e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU)")
         elif e.get("max_len_refused"):
             picked, starts, auto_note = None, False, None
         elif point_of(largest).max_model_len:
@@ -270,6 +206,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                            num_gpu_blocks=largest.get("num_gpu_blocks") or numbers["num_gpu_blocks"])
             auto_note = (f"Auto-fit max_model_len: reduced from {m} to {picked} to fit in available KV cache memory "
                          f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+            if extensible:  # 0.34: fitted again after warmup; a warning below 8192 tokens (AUTO_FIT_SHORT_MAX_MODEL_LEN)
+                left = f"{e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU left for the KV cache after CUDA graph " \
+                       "capture and warmup"
+                auto_note = f"--max-model-len auto reduced max_model_len from {m} to {picked} ({left})."
+                if picked < 8192:
+                    auto_note += (f" Requests longer than {picked} tokens will be rejected. "
+                                  + ("Increase `gpu_memory_utilization` or set --max-model-len explicitly." if u < 1.0
+                                     else "Use more GPUs or set --max-model-len explicitly."))
         else:
             picked, reason, starts, auto_note = None, AUTO_FIT_REFUSAL, False, None
         if auto_note:
@@ -289,9 +233,10 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "starts": starts,
         "engine_error": reason,
         "model": model,
-        "model_path": model,
+        "model_path": doc["model"],
         "device": doc["device"],
         "engine_version": engine_version,
+        "release_assumed": release_assumed,
         "era": doc["era"],
         "plugin": doc["plugin"],
         "gpu_memory_utilization": u,
@@ -305,9 +250,10 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "nearest": nearest,
         "parser": sa.parser,
         "read": sa.to_dict(),
-        "not_modelled": unmodelled,
+        "not_modelled": [n.to_dict() for n in unmodelled],
         "drop": {k: v for k, v in d.items()},
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+        "assumptions": list(doc.get("assumptions") or []),
     }
     return CheckResult(starts, out, e)
 
@@ -356,9 +302,10 @@ def render(res: CheckResult) -> str:
     d = res.doc
     n = d["numbers"]
     read = d["read"]
+    from tuner.devices import device_label
+
     lines = [f"check: {d['command']}",
-             f"model {d['model']} (plugin {d['plugin']}), device {d['device']['name']} "
-             f"({d['device']['total_memory_bytes'] / GiB:.2f} GiB), vLLM {d['era']}"]
+             f"model {d['model']} (plugin {d['plugin']}), device {device_label(d['device'])}, vLLM {d['era']}"]
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"
@@ -370,7 +317,9 @@ def render(res: CheckResult) -> str:
     for e in read["ignored"]:
         lines.append(f"ignored: {e['as_written']} ({e['note']})")
     for e in d["not_modelled"]:
-        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})")
+        src = e.get("source")
+        lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})"
+                     + (f" [{src}]" if src and src != "command line" else ""))
     for e in read["unknown"]:
         lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
     for w in d["warnings"]:
@@ -406,8 +355,11 @@ def render(res: CheckResult) -> str:
     else:
         lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
                      f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
-                     f"{_gib(n['cuda_graph_bytes'])} = KV cache {_gib(n['available_kv_cache_bytes'])} "
-                     f"({n['available_kv_cache_bytes']:,} bytes)")
+                     f"{_gib(n['cuda_graph_bytes'])}"
+                     + (f" - headroom cap {_gib(n['extensible_withheld_bytes'])} (0.34 extensible KV cache: device "
+                        f"memory after warmup less the {_gib(n.get('extensible_margin_bytes') or 0)} margin)"
+                        if n.get("extensible_withheld_bytes") else "")
+                     + f" = KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes)")
     if n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")

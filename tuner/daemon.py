@@ -858,7 +858,7 @@ class Daemon:
         hit = cache.get(key)
         if hit is None:
             try:
-                hit = parse_drop_keys(raw, path)
+                hit = parse_drop_keys(raw, path, worker_python=self.settings.worker_python)
             except DropError as exc:
                 hit = exc
             if len(cache) >= self._PARSED_MAX:

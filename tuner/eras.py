@@ -16,7 +16,10 @@ _VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.+-]?(?
 
 #: Oldest and newest releases whose rules are modelled.
 OLDEST = (0, 4, 0)
-NEWEST = (0, 33, 0)
+NEWEST = (0, 34, 0)
+#: The newest modelled release as vLLM spells it: what a drop without ``engine_version`` (and no
+#: installed vLLM) is answered for, and what a newer release is answered with.
+NEWEST_RELEASE = "0.34.0"
 
 
 @total_ordering
@@ -35,11 +38,17 @@ class VllmVersion:
     raw: str = ""
 
     @classmethod
-    def parse(cls, text: str | "VllmVersion") -> "VllmVersion":
+    def parse(cls, text: str | "VllmVersion", *, newer: str = "newest") -> "VllmVersion":
         """Parse ``"0.19.0"``, ``"v0.6.4.post1"``, ``"0.10.1.1"``.
 
+        ``newer``: what a release newer than :data:`NEWEST` does — ``"newest"`` (default) answers
+        with the newest modelled rules (the version is returned as :data:`NEWEST_RELEASE`; callers
+        say so out loud, :func:`release_assumption`), ``"refuse"`` raises (strict mode,
+        ``--strict-release`` / the drop's ``strict_release``).
+
         Raises:
-            EraError: the text is not a version, or lies outside 0.4 – 0.33.
+            EraError: the text is not a version, lies before 0.4, or (``newer="refuse"``) after
+                the newest modelled release.
         """
         if isinstance(text, VllmVersion):
             return text
@@ -47,11 +56,15 @@ class VllmVersion:
         if not m:
             raise EraError(f"cannot parse vLLM version {text!r} (expected e.g. '0.19.0')")
         v = cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), str(text).strip())
-        if v.key < OLDEST or v.key > NEWEST:
+        if v.key < OLDEST or (v.key > NEWEST and newer == "refuse"):
             raise EraError(
                 f"vLLM version {text!r} is outside the modelled eras "
                 f"{'.'.join(map(str, OLDEST))} – {'.'.join(map(str, NEWEST))}"
+                + (" (strict release mode: a newer release is refused rather than answered with the newest "
+                   "modelled rules)" if v.key > NEWEST else "")
             )
+        if v.key > NEWEST:
+            return cls(*NEWEST, raw=str(text).strip())
         return v
 
     @property
@@ -83,9 +96,69 @@ class VllmVersion:
         return ".".join(map(str, self.key))
 
 
-def parse_version(text: str | VllmVersion) -> VllmVersion:
+def parse_version(text: str | VllmVersion, *, newer: str = "newest") -> VllmVersion:
     """Shorthand for :meth:`VllmVersion.parse`."""
-    return VllmVersion.parse(text)
+    return VllmVersion.parse(text, newer=newer)
+
+
+def is_newer_than_modelled(text: str) -> bool:
+    """The text is a vLLM version newer than the newest modelled release (:data:`NEWEST`)."""
+    m = _VERSION_RE.match(str(text or ""))
+    return bool(m) and (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) > NEWEST
+
+
+def resolve_release(requested: str | None, *, installed: str | None = None, installed_from: str = "",
+                    strict: bool = False) -> tuple[str, dict | None]:
+    """The release whose rules answer, and what was assumed to pick it (None = nothing assumed).
+
+    * ``requested`` within the modelled releases: itself, nothing assumed.
+    * ``requested`` newer than :data:`NEWEST`: the newest modelled release's rules, with a
+      ``release_assumed`` marker (``strict`` refuses instead: :class:`EraError`).
+    * no ``requested``: ``installed`` (the vLLM installed in the worker's Python, ``installed_from``
+      says which), else :data:`NEWEST_RELEASE` — marked either way.
+
+    The marker is plain data, ``{"value", "requested", "kind", "reason"}`` (``kind``:
+    ``newer_release``, ``installed``, ``newest_modelled``), carried by the drop, the job result, the
+    store and the proposal file so that a band can be widened for it (issue 27).
+    """
+    newest = NEWEST_RELEASE
+    if requested:
+        if not is_newer_than_modelled(requested):
+            parse_version(requested)  # EraError for junk or a release before the oldest
+            return requested, None
+        if strict:
+            parse_version(requested, newer="refuse")  # raises
+        return newest, {"value": newest, "requested": requested, "kind": "newer_release",
+                        "reason": f"vLLM {requested} is newer than the newest modelled release {newest}: answered "
+                                  f"with {newest}'s memory rules, which {requested} may have changed (strict_release "
+                                  "refuses instead)"}
+    if installed:
+        m = _VERSION_RE.match(installed)
+        base = ".".join(m.group(i) or "0" for i in (1, 2, 3)) if m else installed
+        if is_newer_than_modelled(base):
+            return newest, {"value": newest, "requested": None, "kind": "newer_release",
+                            "reason": f"engine_version not given; vLLM {installed}, installed in "
+                                      f"{installed_from or 'the worker Python'}, is newer than the newest modelled "
+                                      f"release {newest}: answered with {newest}'s rules"}
+        try:
+            parse_version(base)
+        except EraError:
+            pass
+        else:
+            return base, {"value": base, "requested": None, "kind": "installed",
+                          "reason": f"engine_version not given: vLLM {installed}, installed in "
+                                    f"{installed_from or 'the worker Python'}"}
+    return newest, {"value": newest, "requested": None, "kind": "newest_modelled",
+                    "reason": f"engine_version not given and no vLLM installed in the worker's Python: the newest "
+                              f"modelled release {newest}"}
+
+
+def release_warning(assumed: dict | None) -> str | None:
+    """The loud line output, JSON warnings and proposal files carry for a ``release_assumed``."""
+    if not assumed:
+        return None
+    loud = "WARNING: " if assumed.get("kind") == "newer_release" else ""
+    return f"{loud}release assumed: vLLM {assumed['value']} ({assumed['reason']})"
 
 
 GiB = 1 << 30
@@ -97,7 +170,12 @@ V0_WHOLE_GPU = "v0_whole_gpu"  # V0 0.6.4: T·u − (torch peak + everything els
 V0_PROFILING = "v0_profiling"  # V0 0.6.5–0.10.2: T·u − (W + torch_peak_increase + non_torch_increase)
 V1_WHOLE_GPU = "v1_whole_gpu"  # V1 0.7.0–0.9.0: as V0 0.6.4 (context and other processes count)
 V1_PROFILING = "v1_profiling"  # V1 0.9.1–0.26: requested − (W + peak increase + non-torch) [− graphs]
-V1_CONSUMED = "v1_consumed"  # V1 0.27–0.33: requested − (total_consumed + transient headroom) − graphs
+V1_CONSUMED = "v1_consumed"  # V1 0.27+: requested − (total_consumed + transient headroom) − graphs
+#: V1 0.34+ with the extensible KV cache (vllm/v1/worker/extensible_kv_cache.py
+#: ``measure_kv_cache_bytes``): sized after warmup and CUDA-graph capture,
+#: ``min(requested − non-KV used, headroom − margin) − max(transient peak, torch reserve growth)``;
+#: the profile (V1_CONSUMED, no graph estimate) only sizes the address-space reservation.
+EXTENSIBLE_KV_CACHE_SINCE = (0, 34, 0)
 
 
 @dataclass(frozen=True)
@@ -115,6 +193,10 @@ class Era:
         null_block: the block pool reserves block 0 (V1 0.8.3+, vllm/v1/core/block_pool.py).
         compiled: the V1 profile runs the torch.compile'd model (buffers freed at last use);
             V0 runs eager code, whose locals keep intermediates alive until a function returns.
+        extensible_kv_cache: the KV cache is sized after warmup from measured memory (V1 0.34+ on
+            CUDA and ROCm unless ``kv_cache_memory_bytes`` is set or it is turned off: vllm/config/vllm.py
+            ``VllmConfig._resolve_extensible_kv_cache``); default ``gpu_memory_utilization`` then 1.0
+            (vllm/config/cache.py ``CacheConfig.resolved_gpu_memory_utilization``, 0.34).
     """
 
     version: VllmVersion
@@ -125,10 +207,12 @@ class Era:
     default_gpu_memory_utilization: float
     null_block: bool
     compiled: bool
+    extensible_kv_cache: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.engine} {self.version} ({self.budget_formula})"
+        extra = ", extensible KV cache" if self.extensible_kv_cache else ""
+        return f"{self.engine} {self.version} ({self.budget_formula}{extra})"
 
 
 def default_engine(version: VllmVersion) -> str:
@@ -136,13 +220,18 @@ def default_engine(version: VllmVersion) -> str:
     return "V1" if version >= (0, 8, 0) else "V0"
 
 
-def era_for(version: str | VllmVersion, engine: str | None = None, *, enforce_eager: bool = False) -> Era:
+def era_for(version: str | VllmVersion, engine: str | None = None, *, enforce_eager: bool = False,
+            extensible_kv_cache: bool | None = None, kv_cache_memory_bytes: int | None = None) -> Era:
     """Return the :class:`Era` for a vLLM release and engine.
 
     Args:
         version: e.g. ``"0.19.0"``.
         engine: ``"V0"``/``"V1"``/``None`` (= the release's default engine).
         enforce_eager: the user passed ``--enforce-eager`` (no torch.compile, no CUDA graphs).
+        extensible_kv_cache: vLLM's ``--[no-]enable-extensible-kv-cache`` (None = the release's
+            default: on from 0.34; off where vLLM turns it off — ``kv_cache_memory_bytes`` set, no
+            virtual memory management, NIXL without IMEX — which the caller states as False).
+        kv_cache_memory_bytes: the drop's ``kv_cache_memory_bytes`` (turns the extensible cache off).
 
     Raises:
         EraError: unparsable version, or an engine the release does not have (V1 before 0.7,
@@ -170,15 +259,26 @@ def era_for(version: str | VllmVersion, engine: str | None = None, *, enforce_ea
             formula = V1_PROFILING
         else:
             formula = V1_CONSUMED
+    extensible = (eng == "V1" and v >= EXTENSIBLE_KV_CACHE_SINCE and extensible_kv_cache is not False
+                  and kv_cache_memory_bytes is None)
+    if extensible_kv_cache and not extensible:
+        raise EraError(f"enable_extensible_kv_cache: vLLM {v} has no extensible KV cache (it came in 0.34.0)"
+                       if v < EXTENSIBLE_KV_CACHE_SINCE or eng != "V1" else
+                       "enable_extensible_kv_cache: it sizes the KV cache from measured memory, which "
+                       "kv_cache_memory_bytes overrides.")
     return Era(
         version=v,
         engine=eng,
         budget_formula=formula,
         requested_rounds_up=eng == "V1" and v >= (0, 14, 0),
+        # with the extensible cache vLLM estimates no graphs before sizing
+        # (vllm/v1/worker/gpu/model_runner.py ``profile_cudagraph_memory`` returns 0, 0.34): the
+        # captured graphs are in the memory measured after warmup, so the budget still loses them
         subtracts_cudagraph_estimate=eng == "V1" and v >= (0, 20, 0) and not enforce_eager,
-        default_gpu_memory_utilization=0.92 if v >= (0, 20, 0) else 0.90,
+        default_gpu_memory_utilization=1.0 if extensible else 0.92 if v >= (0, 20, 0) else 0.90,
         null_block=eng == "V1" and v >= (0, 8, 3),
         compiled=eng == "V1" and not enforce_eager,
+        extensible_kv_cache=extensible,
     )
 
 
@@ -229,6 +329,7 @@ def profile_batch(
     enable_chunked_prefill: bool | None = None,
     has_sliding_window: bool = False,
     is_multimodal: bool = False,
+    compute_capability: str | None = None,
 ) -> ProfileBatch:
     """Size the profile run's dummy batch the way the era's engine does.
 
@@ -236,7 +337,8 @@ def profile_batch(
     chunked prefill auto-enabled when ``max_model_len > 32768`` (0.5.4+, no sliding window,
     not multimodal); N = ``max(M, 2048)`` without chunked prefill, else 512 (≤0.6.4) or 2048
     (0.6.5+). V1 (vllm/engine/arg_utils.py, reference §4.10): defaults by GPU tier and entry
-    point; chunked prefill always on unless disabled; ``S = min(S, N)``.
+    point; chunked prefill always on unless disabled; ``S = min(S, N)``. ``compute_capability``
+    (``"12.1"``) picks 0.33+'s GB10 tier; default: the catalog's for ``device_name``.
 
     Returns:
         A :class:`ProfileBatch` (tokens, sequences, requests).
@@ -281,9 +383,15 @@ def profile_batch(
         serve_n, offline_n = (8192, 16384) if big else (2048, 8192)
         s_default = 1024 if big else 256
     else:
-        # 0.33 (vllm/engine/arg_utils.py get_batch_defaults) also keeps GB10 (cc 12.1) in the
-        # small tier; 0.28 and 0.30 do not test it.
-        if v >= (0, 33, 0) and "gb10" in name:
+        # 0.33 (vllm/engine/arg_utils.py get_batch_defaults: ``is_device_capability((12, 1))``)
+        # also keeps GB10 in the small tier, by compute capability (any 12.1 card, whatever its
+        # name); 0.28–0.32 do not test it. Capability not given: the catalog's for the name.
+        if compute_capability is None and device_name:
+            from tuner.devices import lookup
+
+            known = lookup(device_name, total_memory_bytes=total_memory_bytes or None)
+            compute_capability = known.compute_capability if known is not None else None
+        if v >= (0, 33, 0) and str(compute_capability or "") == "12.1":
             big = False
         if total_memory_bytes >= 160 * GiB:
             serve_n, offline_n, s_default = 16384, 16384, 1024
@@ -398,6 +506,8 @@ def v2_runner_runs_speculative_method(version: "VllmVersion | str", method: str 
         allowed = {"eagle", "eagle3", "mtp"} | ({"dflash"} if v >= (0, 24, 0) else set()) \
             | ({"dspark"} if v >= (0, 25, 0) else set())
         return m in allowed
+    if v >= (0, 34, 0):  # the only runner: every method it has (suffix included, v1/worker/gpu/spec_decode/)
+        return True
     refused = {"suffix", "custom_class"}
     if v < (0, 33, 0):
         refused |= {"medusa", "mlp_speculator"}
@@ -419,7 +529,9 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
     * 0.24: architecture in a six-entry list;
     * 0.25–0.27: listed architecture or not MoE; never hybrid (Mamba) or attention-free;
     * 0.28–0.29: as 0.25, hybrid allowed when the architecture is listed;
-    * 0.30+: every generative model (unless a feature it lacks is configured).
+    * 0.30–0.33: every generative model (unless a feature it lacks is configured);
+    * 0.34+: every model — the V1 runner is removed (vllm/platforms/interface.py
+      ``validate_environ``: "Model Runner V1 has been removed").
     Pooling models (``generate=False``) stay on V1 before 0.30. A ``speculative_method`` V2 lacks
     in the release (:func:`v2_runner_runs_speculative_method`) keeps the V1 runner.
     """
@@ -427,6 +539,8 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
     archs = set(architectures or ())
     if era.engine != "V1" or v < (0, 22, 0):
         return False
+    if v >= (0, 34, 0):  # vllm/v1/worker/gpu_model_runner.py is gone: "Model Runner V1 has been removed"
+        return True
     if not v2_runner_runs_speculative_method(v, speculative_method):
         return False
     if v >= (0, 30, 0):

@@ -56,6 +56,26 @@ FORMULA_TEXT = {
 }
 
 
+#: vLLM 0.34 with the extensible KV cache (tuner.budget.extensible_kv_budget).
+EXTENSIBLE_FORMULA_TEXT = ("vLLM V1 0.34 (extensible KV cache, sized after warmup and CUDA-graph capture): available = "
+                           "min(requested - non-KV used, headroom - margin) - transient peak "
+                           "(vllm/v1/worker/extensible_kv_cache.py measure_kv_cache_bytes)")
+
+
+def _extensible_steps(cand: dict, withheld: int) -> list[dict]:
+    """0.34's extra budget terms: the headroom cap (device memory free after warmup and capture less
+    the margin) where it binds, else an info line saying the requested budget did."""
+    head, margin = int(cand.get("extensible_headroom_bytes") or 0), int(cand.get("extensible_margin_bytes") or 0)
+    text = (f"headroom after warmup and CUDA-graph capture {_gib(head)} GiB (total - other processes - CUDA context "
+            f"and start-up baseline - non-KV memory) less the margin max(1 GiB, 0.75 x transient peak) = "
+            f"{_gib(margin)} GiB (3 GiB floor on ROCm)")
+    if withheld > 0:
+        return [{"name": "extensible_headroom", "op": "-", "bytes": withheld,
+                 "text": f"{text}: binds, takes this beyond requested - terms"}]
+    return [{"name": "extensible_headroom", "op": "info", "bytes": head - margin,
+             "text": f"{text}: does not bind (requested - terms is smaller)"}]
+
+
 class ExplainInputError(TunerError):
     """The point to explain does not exist (no such stored run, no candidate at the given u/M)."""
 
@@ -144,7 +164,9 @@ def prepare(drop_path: str | None, *, nvml: Any = None, drop: Drop | None = None
     from tuner.app import prepare_job
 
     drop = drop if drop is not None else load_drop(drop_path)
-    era_for(drop.engine_version, enforce_eager=drop.enforce_eager)  # EraError early, naming the version
+    from tuner.job import drop_era
+
+    drop_era(drop)  # EraError / DropError early, naming the version
     request, dev = prepare_job(drop, nvml=nvml)
     return PreparedJob(drop, dev, request.config_path, request)
 
@@ -591,7 +613,8 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                               "graphs are captured after the cache is sized)"})
     elif subtracts_graphs:
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g,
-                      "text": "CUDA graph memory estimate"})
+                      "text": "CUDA graphs captured before the cache is sized (in the memory measured after warmup)"
+                              if getattr(era, "extensible_kv_cache", False) else "CUDA graph memory estimate"})
         if drafter_g:
             steps.append({"name": "drafter_cuda_graphs", "op": "-", "bytes": drafter_g,
                           "text": "the drafter's PIECEWISE graphs, captured with the target's in the CUDA-graph "
@@ -604,6 +627,9 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         parts = ", ".join(f"{k} {v / GiB:+.3f} GiB" for k, v in
                           (("activation", act_corr), ("non-torch", nt_corr), ("graphs", g_corr)) if v)
         steps.append(_signed("calibration", corr, f"calibration corrections from measured runs ({parts})"))
+    withheld = 0 if measured else int(cand.get("extensible_withheld_bytes") or 0)
+    if cand.get("extensible_headroom_bytes") is not None and not measured:
+        steps.extend(_extensible_steps(cand, withheld))
     gap = steps_add_up(steps + [{"name": "available_kv"}]) - avail
     # --kv-cache-memory-bytes: vLLM returns the given bytes (gpu_worker.py determine_available_memory)
     kv_fixed = None if measured else drop.get("kv_cache_memory_bytes")
@@ -637,7 +663,10 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         per = f"{block_size} tokens" if block_size else "the run's block size, not stored,"
         steps.append({"name": "blocks", "op": "->", "value": blocks, "block_bytes": block_bytes,
                       "block_bytes_exact": block_bytes_exact,
-                      "text": f"blocks = {avail:,} // {bb} ({per} x every layer's K and V)"})
+                      "text": f"blocks = {avail:,} // {bb} ({per} x every layer's K and V)"
+                              + (" less what whole 2 MiB granules per layer segment leave out (0.34 extensible "
+                                 "KV cache, blocks_within)" if block_bytes and avail > 0 and blocks < avail // block_bytes
+                                 and cand.get("extensible_headroom_bytes") is not None else "")})
     # blocks per full-length request, from the (4-decimal) concurrency: a dense model's is cdiv(M, bs)
     per_req = round(blocks / conc) if conc and blocks and block_size else 0
     if per_req and abs(blocks / conc - _cdiv(m, block_size)) <= 1e-3 * _cdiv(m, block_size) + 0.5:
@@ -674,7 +703,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     out = {
         "drop": drop.get("name"), "model": drop.get("model"), "device": dict(device), "era": era.name,
         "engine": era.engine, "budget_formula": era.budget_formula,
-        "formula_text": FORMULA_TEXT.get(era.budget_formula) if kv_fixed is None else (
+        "formula_text": (EXTENSIBLE_FORMULA_TEXT if getattr(era, "extensible_kv_cache", False) else FORMULA_TEXT.get(era.budget_formula)) if kv_fixed is None else (
             "kv_cache_memory_bytes: the KV cache is the given bytes; the profile run still runs, gpu_memory_utilization "
             "is not used (vllm/v1/worker/gpu_worker.py determine_available_memory)"),
         "dtype": dtype, "kv_cache_dtype": drop.get("kv_cache_dtype", "auto"), "tensor_parallel_size": tp,
@@ -695,6 +724,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         "max_len_refused": refused_len,
         "surface": surf, "non_monotone": is_non_monotone(surf), "notes": [], "remedies": None,
     }
+    if cand.get("extensible_headroom_bytes") is not None and not measured:  # vLLM 0.34's extensible cache
+        out.update(extensible_headroom_bytes=int(cand["extensible_headroom_bytes"]),
+                   extensible_margin_bytes=int(cand.get("extensible_margin_bytes") or 0),
+                   extensible_withheld_bytes=withheld,
+                   extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"))
     if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     if not out["fits"]:
@@ -710,6 +744,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
                            blocks=blocks_needed(era, m, block_size, min_concurrency)),
                 "approximate": not block_bytes_exact, "verified": None})
+            if withheld > 0:  # 0.34: the device headroom, not gpu_memory_utilization, caps the cache
+                rem["gpu_memory_utilization"].update(
+                    possible=False, value=None,
+                    why="the extensible KV cache is capped by the device memory left after warmup and CUDA-graph "
+                        "capture less its margin; a larger gpu_memory_utilization does not add to it")
         out["remedies"] = rem
     return out
 
@@ -828,7 +867,9 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
                     worker=worker, timeout_s=timeout_s, progress=progress)["profile"]
     if isinstance(base, TunerError):
         raise base
-    era = era_for(d.engine_version, enforce_eager=d.enforce_eager)
+    from tuner.job import drop_era
+
+    era = drop_era(d)
     dd = {**d.to_dict(), "model": model_dir}
     targets = []
     for prop in base["proposals"]:
@@ -862,7 +903,9 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     if variants:
         _fill_remedies(job, explanations, base, worker=worker, timeout_s=timeout_s, progress=progress)
     return {"drop": d.name, "model": model_dir, "device": job.device, "era": base["era"], "plugin": base["plugin"],
+            "engine_version": d.engine_version, "release_assumed": base.get("release_assumed"),
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
+            "assumptions": list(base.get("assumptions") or []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "pass_source": base.get("pass_source"), "explanations": explanations}
 

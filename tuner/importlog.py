@@ -144,7 +144,14 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         era = era_for(version, eng)
     except EraError as exc:
         raise DropError(exc.message, path=source, field="engine_version") from exc
-    dev = devices.resolve_device(device)
+    dev = None
+    if isinstance(device, str) and device.strip().lower() != "auto" and parsed.total_memory_bytes is not None:
+        # the total the log printed picks among a name's cards ("NVIDIA H100": SXM, PCIe, NVL) and
+        # gives a card the catalog lacks its total
+        dev = devices.lookup(device, total_memory_bytes=parsed.total_memory_bytes) or devices.Device(
+            name=device.strip(), total_memory_bytes=int(parsed.total_memory_bytes), source="printed by the log")
+    if dev is None:
+        dev = devices.resolve_device(device)
     total = dev.total_memory_bytes
     if parsed.total_memory_bytes is not None and abs(parsed.total_memory_bytes - total) > _TOTAL_TOLERANCE:
         total = parsed.total_memory_bytes  # the log's device total is what the engine saw
@@ -169,20 +176,33 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     if mml is None:
         raise DropError("the log does not print max_model_len and the model config has no "
                         "max_position_embeddings; give --max-model-len", path=source, field="max_model_len")
-    doc: dict[str, Any] = {
-        "name": _safe_name(Path(source or "log")), "model": model,
-        "device": {"name": dev_name, "total_memory_bytes": int(total)},
-        "engine_version": str(version), "method": "simulate",
-        "candidates": {"gpu_memory_utilization": [gmu], "max_model_len": [mml]},
-    }
+    values: dict[str, Any] = {"gpu_memory_utilization": gmu, "max_model_len": mml}
     for key in _DROP_KEYS:
         value = pick(key)
-        if value is not None:
-            doc[key] = value
-    if isinstance(doc.get("dtype"), str) and doc["dtype"].startswith("torch."):
-        doc["dtype"] = doc["dtype"][len("torch."):]
+        if value is not None and key != "entry_point":
+            values[key] = value
+    if isinstance(values.get("dtype"), str) and values["dtype"].startswith("torch."):
+        values["dtype"] = values["dtype"][len("torch."):]
+    # the one mapping from vLLM arguments to a drop (tuner.vllm_args), validated by the drop schema
+    from tuner.vllm_args import ArgsInputError, equivalent_drop, from_settings
+
+    try:
+        sa = from_settings(values, model=model, source=source or "log")
+        # the topology a --device NAME:GIB:IC or mapping states travels with the drop
+        dev = {"name": dev_name, "total_memory_bytes": int(total),
+               **{k: device[k] for k in ("interconnect", "p2p", "compute_capability")
+                  if isinstance(device, dict) and device.get(k) is not None}}
+        doc, not_modelled = equivalent_drop(sa, device=dev,
+                                            engine_version=str(version), allow_unmodelled=True,
+                                            name=_safe_name(Path(source or "log")), model=model)
+    except ArgsInputError as exc:
+        raise DropError(exc.message, path=source, field=None) from None
+    doc["method"] = "simulate"
+    if pick("entry_point") is not None:
+        doc["entry_point"] = pick("entry_point")
     drop = parse_drop(json.dumps(doc), source or "log")
     return drop, {"engine": eng, "device_name": dev_name, "total_memory_bytes": int(total), "warnings": warnings,
+                  "not_modelled": [n.to_dict() for n in not_modelled],
                   "release": release.to_dict() if release is not None else None}
 
 

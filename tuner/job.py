@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from tuner import __version__
 from tuner.drop import Drop
+from tuner.errors import DropError, EraError
 from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
-from tuner.eras import v0_uses_sliding_window
+from tuner.eras import release_warning, v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
                                  check_architecture, check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
@@ -176,6 +177,13 @@ def _compute_capability(device: dict) -> str | None:
     return dev.compute_capability if dev is not None else None
 
 
+def _platform(device: dict) -> str:
+    """:func:`tuner.platforms.platform_of` for a request's card."""
+    from tuner.platforms import platform_of
+
+    return platform_of(device)
+
+
 def _free_memory_from_host(device: dict, era: Any) -> bool:
     """:func:`tuner.budget.free_memory_from_host` for the request's device (catalog ``integrated``)."""
     from tuner.budget import free_memory_from_host
@@ -275,7 +283,7 @@ def mamba_cache_mode(drop: Drop | dict, era, plugin, warnings: list[str]) -> str
         return None
     if era.version < MAMBA_CACHE_MODE_SINCE or mode != "align":
         warnings.append(f"enable_prefix_caching on a hybrid model: mamba_cache_mode {mode!r} in vLLM "
-                        f"{'.'.join(map(str, era.version))} is not modelled (state blocks counted as without it)")
+                        f"{era.version} is not modelled (state blocks counted as without it)")
         return None
     return mode
 
@@ -325,20 +333,89 @@ def num_speculative_tokens(drop: Drop | dict, era) -> int:
     return int(sc.get("num_speculative_tokens") or 0)
 
 
+#: The interconnect taken for a card neither the request nor the catalog describes: PCIe without
+#: CUDA peer access, what is true of most cards (GeForce, workstation and most PCIe data-centre
+#: cards in a plain host). With it vLLM keeps custom all-reduce off past two GPUs and without P2P
+#: (vllm/distributed/device_communicators/custom_all_reduce.py ``CustomAllreduce.__init__``,
+#: 0.5–0.34: ``is_fully_connected`` / ``_can_p2p``) and NCCL allocates no NVLink SHARP (NVLS)
+#: buffers (those need an NVSwitch fabric, :func:`tuner.budget.nccl_profile_bytes`). The old
+#: default, the calibration centre (an H100 SXM box behind NVSwitch), charged an unknown card's TP
+#: group 1.8 GiB of NVLS buffers it does not have.
+ASSUMED_INTERCONNECT = "pcie"
+ASSUMED_P2P = False
+
+
+def topology_source(device: dict) -> str:
+    """Where the card's interconnect comes from: ``"stated"`` (the request's ``interconnect``: a
+    drop mapping's ``device.interconnect``, ``--device NAME:GIB:IC``), ``"catalog"`` (the catalog
+    card's usual board) or ``"assumed"`` (:data:`ASSUMED_INTERCONNECT`, no P2P)."""
+    from tuner.devices import lookup
+
+    if device.get("interconnect"):
+        return "stated"
+    known = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
+    return "catalog" if known is not None and known.interconnect else "assumed"
+
+
 def topology_for(device: dict, drop: Drop | dict):
     """The TP group's :class:`tuner.budget.Topology`: the device's ``interconnect`` / ``p2p`` as the
-    request states them, else the catalog's for its name (and total), else the calibration centre
-    (NVSwitch, P2P); ``disable_custom_all_reduce`` from the drop."""
+    request states them, else the catalog's for its name (and total), else
+    :data:`ASSUMED_INTERCONNECT` without P2P (an unknown card is not an NVSwitch box; the job's
+    ``assumptions`` say so, :func:`device_assumptions`); ``disable_custom_all_reduce`` from the drop.
+    A stated interconnect without a stated ``p2p``: P2P on NVLink/NVSwitch/xGMI fabrics, the
+    catalog's (else none) over PCIe."""
     from tuner.budget import Topology
     from tuner.devices import lookup
 
     known = lookup(str(device.get("name", "")), total_memory_bytes=device.get("total_memory_bytes"))
-    ic = device.get("interconnect") or (known.interconnect if known is not None else None) or "nvswitch"
+    ic = device.get("interconnect") or (known.interconnect if known is not None else None) or ASSUMED_INTERCONNECT
     p2p = device.get("p2p")
     if p2p is None:
-        p2p = known.p2p if known is not None and known.p2p is not None else True
+        if known is not None:
+            p2p = known.p2p if known.p2p is not None else True
+        else:
+            p2p = ic != "pcie" or ASSUMED_P2P
+    from tuner.platforms import platform_of
+
     return Topology(interconnect=ic, p2p=bool(p2p), compute_capability=_compute_capability(device),
-                    disable_custom_all_reduce=bool(_typed(drop).disable_custom_all_reduce))
+                    disable_custom_all_reduce=bool(_typed(drop).disable_custom_all_reduce),
+                    platform=platform_of(device))
+
+
+def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list[dict]:
+    """What the job assumed about the device(s) rather than was told, as data (the job result's
+    ``assumptions``; each widens the uncertainty band): ``{"name", "value", "where", "effect":
+    "widens", "note", "kind": "not_modelled"}`` (the fields of :class:`tuner.uncertainty.Unmodelled`
+    where that module exists). The interconnect of a TP group on a card the catalog does not know
+    (:data:`ASSUMED_INTERCONNECT`); the platform rules a ROCm or unified-memory card follows
+    (:func:`tuner.platforms.platform_assumptions`)."""
+    from tuner import platforms
+
+    d = _typed(drop)
+    out: list[dict] = []
+    tp = int(d.tensor_parallel_size or 1)
+    for i, card in enumerate(stage_devices(device, int(d.pipeline_parallel_size or 1))):
+        where = f"device[{i}]" if device.get("stages") else "device"
+        if tp > 1 and topology_source(card) == "assumed":
+            entry = platforms.assumption(
+                "device.interconnect", f"{ASSUMED_INTERCONNECT}, no P2P", where,
+                f"{card.get('name')!s} is not in the catalog and no interconnect was stated (device.interconnect "
+                "in a drop, --device NAME:GIB:nvlink|nvswitch|pcie|xgmi); it decides the TP group's non-torch "
+                "memory: no NVLS buffers, custom all-reduce off")
+            if entry not in out:
+                out.append(entry)
+        if _compute_capability(card) is None:
+            entry = platforms.assumption(
+                "device.compute_capability", "9.0 or newer", where,
+                f"{card.get('name')!s} is not in the catalog and no compute_capability was stated (a drop mapping's "
+                "compute_capability); the larger cuBLAS workspace (torch CublasHandlePool.cpp), Hopper's MLA block "
+                "size and kernels are assumed")
+            if entry not in out:
+                out.append(entry)
+        for entry in platforms.platform_assumptions(card, era, where=where):
+            if entry not in out:
+                out.append(entry)
+    return out
 
 
 def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:
@@ -425,7 +502,10 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings: list[str] = []
     model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
-    era = era_for(drop.engine_version, req.engine_kind, enforce_eager=bool(drop.enforce_eager))
+    era = drop_era(drop, req.engine_kind)
+    loud = release_warning(drop.release_assumed)
+    if loud:
+        warnings.append(loud)
     ranks = rank_settings(drop, model, era, device, warnings)
     if pass_memo is not None:
         import os
@@ -447,6 +527,13 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     method, calibration = method_for(req, (lambda: False) if pass_memo is not None else torch.cuda.is_available,
                                      warnings)
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
+    assumptions = device_assumptions(device, drop, era)
+    warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
+    if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
+        from tuner.platforms import assumption
+
+        assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
+                                      str(drop.release_assumed["reason"])))
     memoizable = method == "simulate" and req.fake and engine_use is None
     if pass_memo is not None and not memoizable:
         raise passmemo.MemoMiss(f"method {method} is not memoized")
@@ -460,6 +547,15 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
+    if era.extensible_kv_cache:  # vLLM 0.34 warns where an explicit u < 1.0 withholds free memory
+        from tuner.search import gpu_memory_utilization_warning
+
+        warned: set[float] = set()
+        for c in candidates:  # one per u (its largest length decides the batch)
+            w = gpu_memory_utilization_warning(c)
+            if w and c["gpu_memory_utilization"] not in warned:
+                warned.add(c["gpu_memory_utilization"])
+                warnings.append(f"vLLM would warn: {w}")
     if engine_use is not None and engine_use.session is not None:
         verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
     if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
@@ -484,9 +580,43 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
+    out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
+    out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.platforms)
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
     return out
+
+
+#: vLLM 0.34's default KV block size (vllm/config/cache.py ``CacheConfig.DEFAULT_BLOCK_SIZE = 64``, 16
+#: through 0.33), which ``Platform.update_block_size_for_backend`` keeps where the attention backend
+#: supports it (FlashAttention, FlashInfer, Triton: multiples of 16).
+DEFAULT_BLOCK_SIZE_0_34 = 64
+
+
+def default_block_size(era: Any, spec: Any, plugin: Any) -> int | None:
+    """The block size a drop without ``block_size`` gets before the plugin's own rules: None (the
+    plugin's default, 16) through 0.33; 64 from 0.34. Hybrid models take it as the floor of the
+    attention block aligned to the state page, as vLLM does (``Platform._align_hybrid_block_size``:
+    ``if cache_config.block_size < attn_block_size``). MLA models (a ``kv_lora_rank`` in the config)
+    keep their plugin's backend sizes (FlashMLA 64, CUTLASS MLA 128; not re-read for 0.34's default)."""
+    if era.engine != "V1" or era.version < (0, 34, 0):
+        return None
+    raw = getattr(spec, "raw", None) or {}
+    if raw.get("kv_lora_rank"):
+        return None
+    return DEFAULT_BLOCK_SIZE_0_34
+
+
+def drop_era(drop: Drop | dict, engine: str | None = None):
+    """The :class:`tuner.eras.Era` a drop's settings select: its release, engine, ``enforce_eager``,
+    and from 0.34 whether the extensible KV cache sizes the cache (``enable_extensible_kv_cache``,
+    off with ``kv_cache_memory_bytes``)."""
+    d = _typed(drop)
+    try:
+        return era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
+                       extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
+    except EraError as exc:
+        raise DropError(exc.message, path=d.path or None, field="enable_extensible_kv_cache") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -565,11 +695,12 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
+    block_size = drop.block_size if drop.block_size is not None else default_block_size(era, spec, plugin)
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
-                     block_size=drop.block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
+                     block_size=block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
                      compiled=era.compiled, runs_attention=era.engine == "V0", quantization=drop.quantization,
-                     compute_capability=_compute_capability(cards[r]),
+                     compute_capability=_compute_capability(cards[r]), platform=_platform(cards[r]),
                      data_parallel_size=int(drop.data_parallel_size or 1),
                      enable_expert_parallel=bool(drop.enable_expert_parallel),
                      max_model_len=max(drop.candidates.max_model_len or [model_max_len(spec)[0]]),
@@ -791,6 +922,7 @@ class Passes:
         device = stage_devices(self.req.device, self.ranks.pp)[0]  # the engine's defaults read GPU 0
         batch = profile_batch(era, max_model_len=m, entry_point=d.entry_point,
                               device_name=device["name"], total_memory_bytes=int(device["total_memory_bytes"]),
+                              compute_capability=_compute_capability(device),
                               max_num_batched_tokens=d.max_num_batched_tokens
                               or self.engine_batch.get("max_num_batched_tokens"),
                               max_num_seqs=d.max_num_seqs or self.engine_batch.get("max_num_seqs"),

@@ -905,7 +905,34 @@ def _fmt_gib(v: VllmVersion, b: int) -> str:
     return f"{b / GiB:.2f}"
 
 
-def _no_memory_error(v: VllmVersion) -> KVCacheError:
+#: vLLM 0.34's hint where the estimate-based sizing runs (vllm/v1/core/kv_cache_planning.py
+#: ``_more_kv_cache_memory_hint``, extensible KV cache off).
+HINT_0_34 = ("Try increasing `gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory "
+             "reservation on the CPU backend, despite its name).")
+CONSERVING_MEMORY = "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+
+
+def more_kv_cache_memory_hint(*, extensible: bool, gpu_memory_utilization: float, after_warmup: bool = False) -> str:
+    """How vLLM 0.34 tells the user to make room for the KV cache (vllm/v1/core/kv_cache_planning.py
+    ``_more_kv_cache_memory_hint``): by the sizing mode, ``gpu_memory_utilization`` below 1.0 or
+    not, and whether the cache was sized after CUDA-graph capture and warmup (text as vLLM's,
+    including its missing space before "CUDA graphs" when the utilization is 1.0)."""
+    if not extensible:
+        return HINT_0_34
+    used_by = "the model, its activations, CUDA graphs and warmup" if after_warmup else "the model and its activations"
+    graphs = (" CUDA graphs take less with fewer or smaller capture sizes in the compilation config."
+              if after_warmup else "")
+    if gpu_memory_utilization < 1.0:
+        return (f"The KV cache gets what is left after {used_by} within `gpu_memory_utilization`={gpu_memory_utilization}; "
+                "increase it (with the extensible KV cache it defaults to 1.0) or decrease `max_model_len` or "
+                f"`max_num_seqs`.{graphs}")
+    return (f"The extensible KV cache already takes all device memory left after {used_by}; decrease `max_model_len` "
+            f"or `max_num_seqs`, or the model needs a device with more memory.{graphs}")
+
+
+def _no_memory_error(v: VllmVersion, hint: str | None = None) -> KVCacheError:
+    if v >= "0.34.0":
+        return KVCacheError(f"No available memory for the cache blocks. {hint or HINT_0_34} {CONSERVING_MEMORY}")
     msg = "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine"
     if v >= "0.22.0":
         msg += (" (this flag also controls CPU memory reservation on the CPU backend, despite its name)."
@@ -917,7 +944,8 @@ def _no_memory_error(v: VllmVersion) -> KVCacheError:
     return KVCacheError(msg)
 
 
-def _too_small_error(v: VllmVersion, max_model_len: int, needed: int, avail: int, estimated: int) -> KVCacheError:
+def _too_small_error(v: VllmVersion, max_model_len: int, needed: int, avail: int, estimated: int,
+                     hint: str | None = None) -> KVCacheError:
     unit = "GiB" if v >= "0.8.5" else "GB"
     owner = "model's" if v >= "0.22.0" else "models's"
     est = ""
@@ -926,7 +954,9 @@ def _too_small_error(v: VllmVersion, max_model_len: int, needed: int, avail: int
     head = (f"To serve at least one request with the {owner} max seq len ({max_model_len}), "
             f"({_fmt_gib(v, needed)} {unit} KV cache is needed, which is larger than the available KV "
             f"cache memory ({_fmt_gib(v, avail)} {unit}). ")
-    if v >= "0.22.0":
+    if v >= "0.34.0":  # vllm/v1/core/kv_cache_planning.py _check_enough_kv_cache_memory (0.34)
+        tail = f"{hint or HINT_0_34} Decreasing `max_model_len` also reduces what is needed. {CONSERVING_MEMORY}"
+    elif v >= "0.22.0":
         tail = ("Try increasing `gpu_memory_utilization` (which also controls CPU memory on the CPU backend) "
                 "or decreasing `max_model_len` when initializing the engine. "
                 "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.")
@@ -940,13 +970,13 @@ def _too_small_error(v: VllmVersion, max_model_len: int, needed: int, avail: int
     return KVCacheError(head + est + tail)
 
 
-def _check(v: VllmVersion, avail: int, needed_fn, max_model_len: int, estimate_fn) -> None:
+def _check(v: VllmVersion, avail: int, needed_fn, max_model_len: int, estimate_fn, hint: str | None = None) -> None:
     if avail <= 0:
-        raise _no_memory_error(v)
+        raise _no_memory_error(v, hint)
     needed = needed_fn(max_model_len)
     if needed > avail:
         est = estimate_fn(avail) if v >= "0.8.5" else 0
-        raise _too_small_error(v, max_model_len, needed, avail, est)
+        raise _too_small_error(v, max_model_len, needed, avail, est, hint)
 
 
 def _ctx(max_model_len: int, max_num_batched_tokens: int, kw: dict) -> _Ctx:
@@ -1115,7 +1145,8 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
             continue
         _check(v, a, lambda m, g=groups: _needed_from_groups(v, g, _ctx(m, max_num_batched_tokens, kw)), mml,
                lambda am, g=groups: _search_len(
-                   lambda m: _needed_from_groups(v, g, _ctx(m, max_num_batched_tokens, kw)) <= am, mml))
+                   lambda m: _needed_from_groups(v, g, _ctx(m, max_num_batched_tokens, kw)) <= am, mml),
+               kw.get("hint"))
     cfgs = []
     for (spec, _), groups, a in zip(workers, projected, avail):
         if sum(len(g.layer_names) for g in groups) != len(spec):

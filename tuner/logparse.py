@@ -121,6 +121,12 @@ class ParsedLog:
     gpu_memory_utilization: float | None = None
     error_message: str | None = None
     estimated_max_model_len: int | None = None
+    #: vLLM 0.34's "Memory after warmup" line: device memory free after warmup and capture, and the
+    #: transient peak kept free (the extensible KV cache's terms); the length ``--max-model-len auto``
+    #: reduced from ("--max-model-len auto reduced max_model_len from A to B", 0.14+ "Auto-fit … reduced").
+    free_after_warmup_bytes: int | None = None
+    transient_kept_bytes: int | None = None
+    auto_fit_from_max_model_len: int | None = None
     settings: dict = field(default_factory=dict)
     matched_lines: int = 0
     #: ``{worker label: {field: value}}`` for :data:`PER_WORKER_FIELDS` printed on worker-prefixed
@@ -214,6 +220,19 @@ _rule("available_kv_cache_bytes", r"the rest of the memory reserved for KV Cache
 _rule("available_kv_cache_bytes", r"available KV cache memory \(" + _NUM + _G + r"\)", prec=1)
 _rule("available_kv_cache_bytes", r"Current kv cache memory in use is\s*" + _NUM + _G, prec=2)
 _rule("available_kv_cache_bytes", r"(?:Explicitly|Auto) set \(" + _NUM + r"/[\d.]+\)\s*GiB for KV cache", prec=3)
+# vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py measure_kv_cache_blocks): the
+# cache sized after warmup wins over "Available KV cache memory" (the profile's reservation there)
+_rule("free_after_warmup_bytes", r"Memory after warmup:\s*" + _NUM + _G + r" free")
+_rule("transient_kept_bytes", r"GiB committed to the KV cache,\s*" + _NUM + _G + r" kept for transient")
+_rule("available_kv_cache_bytes", r"Memory after warmup:.*?\d[\d,]*\s*KV cache blocks \(" + _NUM + _G + r"\)", prec=-1)
+_rule("num_gpu_blocks", r"Memory after warmup:.*?(\d[\d,]*)\s*KV cache blocks", kind="int", prec=-1)
+_rule("requested_memory_bytes", r"fit within the requested\s*" + _NUM + _G, prec=-1)
+_rule("num_gpu_blocks", r"Extended KV cache to\s*" + _INT + r"\s*blocks", kind="int")
+# --max-model-len auto (0.34 kv_cache_planning.py _auto_fit_max_model_len; 0.14+ "Auto-fit max_model_len: reduced")
+_rule("max_model_len", r"--max-model-len auto reduced max_model_len from\s*\d+\s*to\s*" + _INT, kind="int", prec=-1)
+_rule("auto_fit_from_max_model_len", r"--max-model-len auto reduced max_model_len from\s*" + _INT, kind="int")
+_rule("auto_fit_from_max_model_len", r"Auto-fit max_model_len: reduced from\s*" + _INT, kind="int", prec=1)
+_rule("max_model_len", r"Auto-fit max_model_len: reduced from\s*\d+\s*to\s*" + _INT, kind="int", prec=-1)
 # blocks, tokens, concurrency
 _rule("num_gpu_blocks", r"#\s*(?!CPU\b)[A-Za-z]+ blocks:\s*" + _INT, kind="int")
 _rule("num_cpu_blocks", r"#\s*CPU blocks:\s*" + _INT, kind="int")

@@ -72,6 +72,9 @@ class RankSettings:
     max_model_len: int | None = None
     num_speculative_tokens: int = 0
     mamba_cache_mode: str | None = None
+    #: vLLM's platform on this rank's card: ``"cuda"`` or ``"rocm"`` (:mod:`tuner.platforms`); the
+    #: attention backends, and with them an MLA model's block size, differ.
+    platform: str = "cuda"
 
 
 class ModelPlugin:

@@ -84,6 +84,8 @@ def proposal_document(store: "Store", drop_id: int, *, job_id: int | None = None
         "model": drop.model,
         "device": drop.device_name,
         "engine_version": drop.engine_version,
+        # what was assumed to pick the release (tuner.eras.resolve_release), or null
+        "release_assumed": _release_assumed(getattr(drop, "release_assumed", None)),
         "method": drop.method,
         "created_at": drop.created_at,
     }
@@ -94,6 +96,19 @@ def proposal_document(store: "Store", drop_id: int, *, job_id: int | None = None
     doc["warnings"] = _warnings(drop.warnings)
     doc["proposals"] = out_props
     return doc
+
+
+def _release_assumed(text: str | None) -> dict | None:
+    """``drops.release_assumed`` (JSON, revision 0012) as a dict, None when absent or unreadable."""
+    import json
+
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _warnings(text: str | None) -> list[str]:

@@ -340,6 +340,10 @@ def ledger(point: Mapping[str, Any], sources: Mapping[str, Any] | None,
     sources = sources or {}
     terms = [BudgetTerm(name, int(point.get(col) or 0), str(sources.get(src) or "unknown"), op)
              for name, col, src, op in LEDGER]
+    withheld = int(point.get("extensible_withheld_bytes") or 0)
+    if withheld and kv_cache_memory_bytes is None:  # vLLM 0.34's headroom cap (tuner.budget.extensible_kv_budget)
+        terms.insert(len(terms) - 1, BudgetTerm("extensible_headroom", withheld, str(sources.get("budget_formula")
+                                                                                    or "unknown"), "-"))
     if kv_cache_memory_bytes is not None:
         gap = ledger_sum(terms) - terms[-1].bytes
         if gap:

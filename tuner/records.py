@@ -123,7 +123,8 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
                 "content": outcome.content if outcome.content is not None
                 else (open(d.path, encoding="utf-8").read() if d.path else ""),
                 "model": serve_model(d), "device_name": dev["name"], "engine_version": d.engine_version, "method": d.method,
-                "warnings": json.dumps([str(w) for w in outcome.warnings]) if outcome.warnings else None}
+                "warnings": json.dumps([str(w) for w in outcome.warnings]) if outcome.warnings else None,
+                "release_assumed": json.dumps(d.release_assumed) if getattr(d, "release_assumed", None) else None}
     runs = []
     stages = dev.get("stages") or []
     for run in r["runs"]:

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from tuner import kvcache
-from tuner.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, free_memory_refusal, kv_budget,
+from tuner.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
+                          free_memory_refusal, kv_budget, platform_of, startup_baseline_bytes,
                           non_torch_bytes, unexplained_bytes)
 from tuner.eras import V1_CONSUMED, Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
@@ -65,7 +66,8 @@ class Layout:
     #: The config's ``model_max_length`` (None when absent), also named in the refusal.
     model_max_length: int | None = None
     #: The TP group's interconnect and custom all-reduce (:class:`tuner.budget.Topology`); None =
-    #: the calibration centre (H100 SXM, NVSwitch).
+    #: the calibration centre (H100 SXM, NVSwitch) for direct callers; a job always sets it
+    #: (:func:`tuner.job.topology_for`: an unknown card is PCIe without P2P).
     topology: object = None
     #: Speculative decoding's draft tokens per request (1 + k tokens per decode step size the
     #: CUDA-graph captures, :func:`tuner.budget.cudagraph_capture_sizes`).
@@ -212,9 +214,23 @@ class Candidate:
     #: The part of ``cuda_graph_bytes`` that is the drafter's captures
     #: (:func:`tuner.specdecode.drafter_graph_layer_hidden`), bytes.
     drafter_cuda_graph_bytes: int = 0
+    #: vLLM 0.34's extensible KV cache (:func:`tuner.budget.extensible_kv_budget`; None in other
+    #: releases): the device memory free after warmup and capture (the committed prefix included),
+    #: the margin kept beyond the transient peak, and what the headroom cap withholds beyond the
+    #: ledger's ``requested − terms`` (the ledger's ``extensible_headroom`` term), bytes.
+    extensible_headroom_bytes: int | None = None
+    extensible_margin_bytes: int | None = None
+    extensible_withheld_bytes: int | None = None
+    #: What ``gpu_memory_utilization`` below 1.0 keeps out of the cache: the budget with all memory
+    #: free at start-up requested, less this one (vLLM 0.34 warns from 1 GiB at 0.7 < u < 1.0), bytes.
+    extensible_u_withheld_bytes: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        for k in ("extensible_headroom_bytes", "extensible_margin_bytes", "extensible_withheld_bytes",
+                  "extensible_u_withheld_bytes"):
+            if d[k] is None:
+                d.pop(k)
         out = {}
         if not d["stages"]:  # one stage: the single-GPU shape is unchanged
             d.pop("stages")
@@ -329,16 +345,20 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
-        budgets.append(kv_budget(
-            era,
-            total_memory_bytes=card.total_memory_bytes,
-            gpu_memory_utilization=u,
-            weights_bytes=int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes
-                                                            if stage == len(passes) - 1 else 0),
-            activation_peak_bytes=act,
-            non_torch_bytes=nt,
-            cuda_graph_bytes=g,
-        ))
+        w = int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes if stage == len(passes) - 1 else 0)
+        if era.extensible_kv_cache:  # 0.34+: sized after warmup and capture (tuner.budget.extensible_kv_budget)
+            persistent = int((p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", 0))
+                             or 0) + drafter_buf
+            budgets.append(extensible_kv_budget(
+                era, total_memory_bytes=card.total_memory_bytes, gpu_memory_utilization=u, weights_bytes=w,
+                activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g, persistent_bytes=persistent,
+                other_processes_bytes=layout.other_processes_bytes,
+                baseline_bytes=startup_baseline_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
+                                                      topology=card.topology),
+                platform=platform_of(card.topology)))
+        else:
+            budgets.append(kv_budget(era, total_memory_bytes=card.total_memory_bytes, gpu_memory_utilization=u,
+                                     weights_bytes=w, activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g))
         corrs.append((act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0))
     if layout.kv_cache_memory_bytes is not None:  # the user's KV bytes replace the budget's
         import dataclasses
@@ -351,6 +371,11 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     if any(b.available_kv_cache_bytes <= 0 for b in budgets):
         reason = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
                   "when initializing the engine.")
+        if era.version >= (0, 34, 0):  # vllm/v1/core/kv_cache_planning.py (0.34), the hint by sizing mode
+            after = era.extensible_kv_cache and all((b.capacity_kv_cache_bytes or 0) > 0 for b in budgets)
+            reason = ("No available memory for the cache blocks. " + kvcache.more_kv_cache_memory_hint(
+                extensible=era.extensible_kv_cache, gpu_memory_utilization=u, after_warmup=after)
+                + " " + kvcache.CONSERVING_MEMORY)
     elif era.engine == "V0":
         per_stage = []
         for b, specs in zip(budgets, layout.kv_specs):
@@ -375,10 +400,31 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                   max_in_flight_tokens=kvcache.max_in_flight_tokens(
                       era.version, n, async_scheduling=True, pipeline_parallel_size=layout.pipeline_parallel_size,
                       model_runner_v2=layout.model_runner_v2))
+        if era.extensible_kv_cache:  # 0.34: checked on the reservation, then again after warmup
+            hint = dict(extensible=True, gpu_memory_utilization=u)
+            try:
+                kvcache.get_kv_cache_configs(era.version, [(sp, b.capacity_kv_cache_bytes) for (sp, _a), b
+                                                           in zip(workers, budgets)], max_model_len=m,
+                                             hint=kvcache.more_kv_cache_memory_hint(**hint), **kw)
+                kw["hint"] = kvcache.more_kv_cache_memory_hint(**hint, after_warmup=True)
+            except KVCacheError as exc:
+                reason = exc.message
+        elif era.version >= (0, 34, 0):
+            kw["hint"] = kvcache.more_kv_cache_memory_hint(extensible=False, gpu_memory_utilization=u)
         try:  # the engine's own check for the release runs inside get_kv_cache_configs
             configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
+            if era.extensible_kv_cache:  # 0.34 commits whole granules per segment: blocks_within
+                from tuner.budget import blocks_within, kv_segment_strides
+
+                fit = [blocks_within(a, kv_segment_strides(c), capacity=c.num_blocks) if kv_segment_strides(c)
+                       else c.num_blocks for (_s, a), c in zip(workers, configs)]
+                # finalize_extensible_kv_cache / shrink_kv_cache_configs check (blocks - 1) x bytes per block
+                committed = [(sp, min(fit) * int(c.bytes_per_block)) for (sp, _a), c in zip(workers, configs)]
+                if committed != workers:
+                    workers = committed
+                    configs = kvcache.get_kv_cache_configs(era.version, workers, max_model_len=m, **kw)
         except KVCacheError as exc:
-            reason = exc.message
+            reason = reason or exc.message
             configs = None
         try:
             if configs is None:  # still report the blocks the engine would have found
@@ -401,7 +447,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             reason = reason or exc.message
     if reason is None and era.engine == "V1":
         reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
-    for i, b in enumerate(budgets):  # every card checks its own free memory in init_device
+    for i, b in enumerate(budgets if not era.extensible_kv_cache else ()):  # every card checks its own free
+        # memory in init_device (not with the extensible cache: vllm/v1/worker/utils.py request_memory, 0.34)
         refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
                                       other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
                                       requested_memory_bytes=b.requested_memory_bytes)
@@ -444,7 +491,37 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
-                     limiting_stage=worst, stages=stages)
+                     limiting_stage=worst, stages=stages, **_extensible_fields(b))
+
+
+def _extensible_fields(b) -> dict:
+    """The extensible-cache fields of :class:`Candidate` from one stage's budget (none before 0.34)."""
+    if b.headroom_bytes is None:
+        return {}
+    by_terms = (b.requested_memory_bytes - b.weights_bytes - b.activation_peak_bytes - b.non_torch_bytes
+                - b.cuda_graph_bytes)
+    unbounded = max(0, int(b.headroom_bytes) - int(b.margin_bytes or 0) - int(b.transient_bytes or 0))
+    return {"extensible_headroom_bytes": int(b.headroom_bytes), "extensible_margin_bytes": int(b.margin_bytes or 0),
+            "extensible_withheld_bytes": int(by_terms - b.available_kv_cache_bytes),
+            "extensible_u_withheld_bytes": max(0, unbounded - max(0, int(b.available_kv_cache_bytes)))}
+
+
+def gpu_memory_utilization_warning(c: "Candidate | dict") -> str | None:
+    """vLLM 0.34's warning where an explicit ``gpu_memory_utilization`` in (0.7, 1.0) keeps at least
+    1 GiB of free device memory out of the extensible KV cache
+    (vllm/v1/worker/extensible_kv_cache.py ``measure_kv_cache_blocks``), else None."""
+    get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+    u, withheld = float(get("gpu_memory_utilization")), get("extensible_u_withheld_bytes")
+    if withheld is None or not 0.7 < u < 1.0 or withheld < (1 << 30):
+        return None
+    gib = 1 << 30
+    return (f"gpu_memory_utilization={u:g} caps this instance at {round(get('requested_memory_bytes') / gib, 2)} GiB, "
+            f"keeping {round(withheld / gib, 2)} GiB of free device memory out of the KV cache. The extensible KV "
+            "cache is sized from the memory measured after warmup and CUDA graph capture, so vLLM's own use needs "
+            "no headroom below 1.0. Leave gpu_memory_utilization unset unless it leaves room for memory vLLM does "
+            "not measure: other processes sharing the GPU (including ones that allocate on it later), the CPU on a "
+            "unified-memory device, weight transfer buffers for weight updates, or a KV connector's own device "
+            "buffers.")
 
 
 def graph_capture_oom(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:

@@ -200,6 +200,8 @@ FLAGS: tuple[Flag, ...] = (
        note="sizes the state blocks of hybrid (Mamba / DeltaNet) models; nothing for attention-only ones"),
     _m("enforce_eager", ["--enforce-eager"], kind="bool"),
     _m("kv_cache_memory_bytes", ["--kv-cache-memory-bytes"], human_readable_int),
+    _m("enable_extensible_kv_cache", ["--enable-extensible-kv-cache"], kind="bool",
+       note="0.34+: the KV cache sized after warmup and CUDA-graph capture (vllm/config/cache.py)"),
     _m("revision", ["--revision"], str, field="revision",
        note="the model revision whose config.json is read (HF ids)"),
     # no effect on start-up memory
@@ -232,7 +234,8 @@ FLAGS: tuple[Flag, ...] = (
     _i("async_scheduling", ["--async-scheduling"], "bool"),
     _i("max_num_partial_prefills", ["--max-num-partial-prefills"]),
     _i("long_prefill_token_threshold", ["--long-prefill-token-threshold"]),
-    _i("disable_custom_all_reduce", ["--disable-custom-all-reduce"], "bool"),
+    _m("disable_custom_all_reduce", ["--disable-custom-all-reduce"], kind="bool",
+       note="custom all-reduce buffers are not allocated (TP > 1)"),
     # change start-up memory in ways ctx-tuner does not model
     _u("cpu_offload_gb", ["--cpu-offload-gb"], note="weights offloaded to the CPU"),
     _u("num_gpu_blocks_override", ["--num-gpu-blocks-override"], note="replaces the block count"),

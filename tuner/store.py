@@ -137,6 +137,9 @@ drops_table = sa.Table(
     sa.Column("result_sha256", _SHA, nullable=True, index=True),
     sa.Column("answered_from_drop_id", _INT, sa.ForeignKey("drops.id"), nullable=True),
     sa.Column("warnings", _TEXT, nullable=True),  # revision 0006: JSON list of the run's warnings
+    # revision 0012: the release assumed for the drop (JSON {value, requested, kind, reason}; null = the
+    # drop named a modelled release; tuner.eras.resolve_release)
+    sa.Column("release_assumed", _TEXT, nullable=True),
 )
 
 profile_runs_table = sa.Table(

@@ -138,14 +138,59 @@ def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = N
     return derived_max(str(config_path), hf_overrides)[0]
 
 
-def _device(case: dict) -> dict:
-    from tuner.devices import resolve_device
+def _one_device(name: Any, gib: Any) -> dict:
+    """One card of a case: ``{name, total_memory_bytes}`` with the total the log printed
+    (``gpu_total_gib``) when there is one, else the catalog card the name names."""
+    from tuner.devices import candidates_for, lookup, resolve_device
+    from tuner.errors import DeviceError
 
-    gib = case.get("gpu_total_gib")
     if gib:
-        return {"name": str(case["gpu"]), "total_memory_bytes": int(round(float(gib) * GiB))}
-    dev = resolve_device(str(case["gpu"]))
-    return {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+        return {"name": str(name), "total_memory_bytes": int(round(float(gib) * GiB))}
+    try:
+        dev = resolve_device(str(name))
+    except DeviceError:
+        several = candidates_for(str(name))
+        if len(several) < 2:
+            raise
+        # a name that fits several cards ("NVIDIA H100": SXM, PCIe, NVL) without a printed total: the
+        # card's usual value (cases README), the first of them in catalog order
+        dev = several[0]
+    out = {"name": dev.name, "total_memory_bytes": int(dev.total_memory_bytes)}
+    known = lookup(dev.name)
+    if known is not None and dev.interconnect and known.interconnect != dev.interconnect:
+        out["interconnect"] = dev.interconnect  # a board word in the printed name ("... PCIe")
+    return out
+
+
+def _device(case: dict) -> dict:
+    """The request's device for a case. ``gpu`` may be a list, one card per pipeline stage (as a
+    drop's device list, :func:`tuner.app.prepare_job`): the request then carries the first stage's
+    card and ``stages``, each stage sized on its own card (the engine takes the fewest blocks over
+    the stages, vllm/v1/core/kv_cache_utils.py ``get_kv_cache_configs``); ``gpu_total_gib`` may be
+    a list of the same length or one total for every stage.
+
+    Raises:
+        DeviceError: an unknown card (``gpu`` / ``gpu[I]``) without a stated total; a list whose
+            length is not ``pipeline_parallel_size``."""
+    from tuner.errors import DeviceError
+
+    gpu, gib = case.get("gpu"), case.get("gpu_total_gib")
+    if not isinstance(gpu, list):
+        return _one_device(gpu, gib)
+    pp = int(case.get("pipeline_parallel_size") or 1)
+    if len(gpu) != pp:
+        raise DeviceError(f"a gpu list names one card per pipeline stage: {len(gpu)} entries for "
+                          f"pipeline_parallel_size {pp}", where="gpu")
+    gibs = gib if isinstance(gib, list) else [gib] * len(gpu)
+    if len(gibs) != len(gpu):
+        raise DeviceError(f"gpu_total_gib lists {len(gibs)} totals for {len(gpu)} cards", where="gpu_total_gib")
+    stages = []
+    for i, (name, g) in enumerate(zip(gpu, gibs)):
+        try:
+            stages.append(_one_device(name, g))
+        except DeviceError as exc:
+            raise DeviceError(exc.message, where=f"gpu[{i}]") from exc
+    return {**stages[0], "stages": stages}
 
 
 def _speculative(value: Any) -> dict | None:
@@ -171,41 +216,64 @@ def _hf_overrides(settings: dict) -> dict | None:
     return out or None
 
 
+def case_arguments(case: dict) -> dict:
+    """A case's vLLM arguments by destination name: its top-level ``dtype``, ``kv_cache_dtype``,
+    ``quantization``, ``tensor_parallel_size``, ``pipeline_parallel_size`` and every ``settings`` key
+    (``speculative_config`` in the drop's keys, ``rope_scaling`` folded into ``hf_overrides``);
+    what ctx-tuner does not model stays in, for :func:`tuner.vllm_args.from_settings` to name."""
+    s = dict(case.get("settings") or {})
+    values = {k: v for k, v in s.items() if k not in ("rope_scaling", "hf_overrides", "speculative_config")}
+    values.update(dtype=_DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto"),
+                  kv_cache_dtype=case.get("kv_cache_dtype") or "auto", quantization=case.get("quantization"),
+                  tensor_parallel_size=int(case.get("tensor_parallel_size") or 1),
+                  pipeline_parallel_size=int(case.get("pipeline_parallel_size") or 1),
+                  speculative_config=_speculative(s.get("speculative_config")), hf_overrides=_hf_overrides(s))
+    return values
+
+
+def case_drop(case: dict, models_dir: str | Path):
+    """The case's settings through the one mapping (:mod:`tuner.vllm_args`): the
+    :class:`~tuner.vllm_args.MappedArgs` whose drop asks what the case ran (one candidate: its
+    ``gpu_memory_utilization`` — the release's default when not stated — and its
+    ``max_model_len`` or the derived one), with what ctx-tuner does not model named.
+
+    Raises:
+        TunerError / DeviceError / ArgsInputError: missing model config, unknown GPU without a
+            stated total, a setting the drop schema refuses.
+    """
+    from tuner.vllm_args import NotModelled, drop_name, from_settings, to_drop
+
+    version, _engine = infer_version(case, models_dir)
+    config_path = config_path_for(case, models_dir)
+    values = case_arguments(case)
+    source = f"case {case['id']}"
+    sa = from_settings(values, model=str(case["model"]), source=source)
+    raw_spec = (case.get("settings") or {}).get("speculative_config")
+    extra = [NotModelled("--speculative-config", raw_spec, "no method: the drop's speculative_config needs one",
+                         source)] if raw_spec and values["speculative_config"] is None else []
+    from tuner.protocol import point_of
+
+    max_model_len = point_of(sa.values).max_model_len or derived_max_model_len(config_path, values["hf_overrides"])
+    return to_drop(sa, device=_device(case), engine_version=version, allow_unmodelled=True,
+                   name=drop_name(str(case["id"]), "case"), model=str(config_path.parent), max_model_len=max_model_len,
+                   label=source, extra_not_modelled=extra)
+
+
 def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None = None) -> dict:
-    """The job request (:func:`tuner.job.run_job`) that reproduces one case: its release, engine,
-    device total, dtype, KV dtype, quantization, TP/PP and settings, one candidate
-    (the case's ``gpu_memory_utilization`` × ``max_model_len``), no search.
+    """The job request (:func:`tuner.job.run_job`) that reproduces one case: the drop of
+    :func:`case_drop` (its release, engine, device total, dtype, KV dtype, quantization, TP/PP and
+    settings, one candidate), no search; ``not_modelled``: the case's arguments ctx-tuner does not
+    model (:class:`tuner.vllm_args.NotModelled` as dicts).
 
     Raises:
         TunerError / DeviceError: missing model config, unknown GPU without a stated total.
     """
-    s = case.get("settings") or {}
     version, engine = infer_version(case, models_dir)
     config_path = config_path_for(case, models_dir)
-    from tuner.protocol import point_of
-
-    stated = point_of(s)
-    max_model_len = stated.max_model_len or derived_max_model_len(config_path, _hf_overrides(s))
-    dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
-    kv = case.get("kv_cache_dtype") or "auto"
-    u = stated.gpu_memory_utilization
-    from tuner.drop import Candidates, Drop
+    mapped = case_drop(case, models_dir)
+    drop = mapped.drop
     from tuner.protocol import JobRequest
 
-    drop = Drop(name="", model="", device="", engine_version=version, dtype=dtype, kv_cache_dtype=kv,
-                quantization=case.get("quantization"),
-                tensor_parallel_size=int(case.get("tensor_parallel_size") or 1),
-                pipeline_parallel_size=int(case.get("pipeline_parallel_size") or 1),
-                max_num_seqs=s.get("max_num_seqs"), max_num_batched_tokens=s.get("max_num_batched_tokens"),
-                block_size=s.get("block_size"), enable_chunked_prefill=s.get("enable_chunked_prefill"),
-                enable_prefix_caching=s.get("enable_prefix_caching"),
-                enforce_eager=bool(s.get("enforce_eager")),
-                disable_custom_all_reduce=bool(s.get("disable_custom_all_reduce")),
-                data_parallel_size=int(s.get("data_parallel_size") or 1),
-                enable_expert_parallel=bool(s.get("enable_expert_parallel")),
-                speculative_config=_speculative(s.get("speculative_config")), hf_overrides=_hf_overrides(s),
-                entry_point="serve",
-                candidates=Candidates(gpu_memory_utilization=(u,) if u else (), max_model_len=(max_model_len,)))
     draft_path = draft_error = None
     spec = drop.speculative_config or {}
     if spec.get("model"):  # a drafter checkpoint: its config beside the target's in the models directory
@@ -217,10 +285,11 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     import os
 
     # the engine adapter costs seconds per case: validate leaves it off unless CTX_TUNER_ENGINE says so
-    return JobRequest(drop=drop, config_path=str(config_path), device=_device(case), fake=True, search=False,
-                      engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
-                      calibration=dict(calibration) if calibration else None,
-                      draft_config_path=draft_path, draft_config_error=draft_error).to_wire()
+    req = JobRequest(drop=drop, config_path=str(config_path), device=_device(case), fake=True, search=False,
+                     engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
+                     calibration=dict(calibration) if calibration else None,
+                     draft_config_path=draft_path, draft_config_error=draft_error).to_wire()
+    return req
 
 
 def _pct(pred: float | None, obs: float | None) -> float | None:
@@ -286,6 +355,7 @@ def compare(case: dict, result: dict) -> dict:
         "error_pct": err,
         "unsafe": bool(unsafe),
         "warnings": result.get("warnings") or [],
+        "assumptions": result.get("assumptions") or [],
     }
 
 
@@ -306,6 +376,7 @@ def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: di
         try:
             req = case_request(case, models_dir, calibration=(calibrations or {}).get(case["id"]))
             row = compare(case, run(req))
+            row["not_modelled"] = case_drop(case, models_dir).not_modelled_dicts()
         except TunerError as exc:
             row = _error_row(case, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # one broken case never hides the others
@@ -393,6 +464,11 @@ def render(report: dict) -> str:
                   f"{len(report.get('calibration_better') or [])} better, {len(report.get('calibration_worse') or [])} worse"]
     for c in s["could_not_run"]:
         lines.append(f"could not run: {c['id']}: {c['reason']}")
+    for r in report["cases"]:  # the case's arguments ctx-tuner does not model (tuner.vllm_args): named, not dropped
+        if r.get("not_modelled"):
+            lines.append(f"not modelled: {r['id']}: " + ", ".join(
+                f"{n['argument']} {n['value']!r}" if not isinstance(n["value"], (dict, list)) else n["argument"]
+                for n in r["not_modelled"]))
     for c in s.get("release_assumed") or []:
         rng = c["release_range"]
         span = "-" if not rng else rng[0] if rng[0] == rng[1] else f"{rng[0]} – {rng[1]}"
@@ -473,7 +549,6 @@ def measured_from_case(case: dict, models_dir) -> dict:
     import hashlib
     import json
 
-    from tuner.calibrate import GIB
     from tuner.errors import LogParseError
     from tuner.importlog import config_path_for, read_config, resolve_settings, run_row
     from tuner.logparse import parse_lines
@@ -493,13 +568,13 @@ def measured_from_case(case: dict, models_dir) -> dict:
                "max_num_seqs": s.get("max_num_seqs"), "max_num_batched_tokens": s.get("max_num_batched_tokens"),
                "block_size": s.get("block_size"), "enable_chunked_prefill": s.get("enable_chunked_prefill"),
                "enforce_eager": bool(s.get("enforce_eager"))}
-    device: Any = str(case["gpu"])
-    if case.get("gpu_total_gib"):
-        from tuner.devices import lookup
+    # the card as a prediction resolves the record (:func:`_device`; a gpu list's first stage)
+    from tuner.devices import lookup
 
-        known = lookup(str(case["gpu"]))
-        device = {"name": known.name if known else str(case["gpu"]),
-                  "total_memory_bytes": int(round(float(case["gpu_total_gib"]) * GIB))}
+    card = _device(case)
+    known = lookup(str(card["name"]), total_memory_bytes=int(card["total_memory_bytes"]))
+    device: Any = {"name": known.name if known else str(card["name"]),
+                   "total_memory_bytes": int(card["total_memory_bytes"])}
     cfg_path = config_path_for(str(case["model"]), models_dir=models_dir)
     config, sha = read_config(cfg_path)
     drop, extra = resolve_settings(parsed, model=str(case["model"]), device=device, engine_version=version,

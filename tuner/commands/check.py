@@ -1,6 +1,8 @@
-"""``ctx-tuner check [--config vllm.yaml] [--device D] [--engine-version V] [--json] -- vllm serve MODEL …``:
-will this vLLM start? Exit codes: 0 starts, 3 does not start, 2 invalid input (a flag vLLM would
-reject or ctx-tuner cannot model, an invalid setting, unknown model), 1 the job failed."""
+"""``ctx-tuner check [--config vllm.yaml] [--device D] [--engine-version V] [--json] -- vllm serve MODEL …``
+or ``ctx-tuner check [--deploy-files] DEPLOY.yaml …``: will this vLLM start? Exit codes: 0 starts,
+3 does not start, 2 invalid input (a flag vLLM would reject or ctx-tuner cannot model, an invalid
+setting, unknown model, an unreadable deploy file), 1 the job failed. Several workloads (deploy
+files): the worst, 3 before 2 before 1 before 0 (:mod:`tuner.deploy.verdicts`)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,50 @@ NAME = "check"
 
 
 def _device(text: str):
-    """``--device``: a catalog name/alias, ``auto``, or ``NAME:GIB`` (a total in GiB)."""
-    if ":" in text:
-        name, _, gib = text.rpartition(":")
+    """``--device``: one card, or a comma-separated list of cards, one per pipeline stage (the drop's
+    device list: ``'RTX 5070 Ti,RTX 5090 D'`` with ``-pp 2``); each as :func:`_one_device`."""
+    if "," in text:
+        items = [t.strip() for t in text.split(",")]
+        if any(not t for t in items):
+            raise argparse.ArgumentTypeError(f"an empty entry in the device list {text!r}")
+        if any(t.lower() == "auto" for t in items):
+            raise argparse.ArgumentTypeError("'auto' reads GPU 0 only: in a device list name each stage's card")
+        return [_one_device(t) for t in items]
+    return _one_device(text)
+
+
+def _one_device(text: str):
+    """One card: a catalog name/alias, ``auto``, ``NAME:GIB`` (a total in GiB), and either may end
+    in ``:INTERCONNECT`` (``nvswitch``, ``nvlink``, ``pcie``, ``xgmi``; ``pcie`` may be followed by
+    ``:p2p`` or ``:no-p2p``): ``'My card:24:pcie'``, ``'A100-80GB:pcie'`` (a catalog card on another board)."""
+    from tuner.devices import INTERCONNECTS
+
+    parts = text.split(":")
+    p2p = None
+    if len(parts) > 1 and parts[-1].strip().lower() in ("p2p", "no-p2p", "nop2p"):
+        p2p = parts.pop().strip().lower() == "p2p"
+    ic = None
+    if len(parts) > 1 and parts[-1].strip().lower() in INTERCONNECTS:
+        ic = parts.pop().strip().lower()
+    elif p2p is not None:
+        raise argparse.ArgumentTypeError(f"':p2p' / ':no-p2p' follows an interconnect (NAME:GIB:pcie:p2p): {text!r}")
+    out: dict = {}
+    if len(parts) > 1:
+        name, gib = ":".join(parts[:-1]), parts[-1]
         try:
-            return {"name": name, "total_memory_gib": float(gib)}
+            out = {"name": name, "total_memory_gib": float(gib)}
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not NAME:GIB: {text!r}") from None
-    return text
+            raise argparse.ArgumentTypeError(
+                f"not NAME:GIB[:INTERCONNECT]: {text!r} (INTERCONNECT one of {', '.join(INTERCONNECTS)})") from None
+    elif ic is None:
+        return text
+    else:
+        out = {"name": parts[0]}
+    if ic is not None:
+        out["interconnect"] = ic
+    if p2p is not None:
+        out["p2p"] = p2p
+    return out
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -31,14 +69,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("serve", nargs=argparse.REMAINDER,
                    help="the vLLM command line after --: vllm serve MODEL [options] (or serve MODEL …)")
     p.add_argument("--config", dest="config_file", default=None, metavar="VLLM_YAML",
-                   help="the YAML file `vllm serve --config` reads (the command line wins over it, as in vLLM)")
+                   help="the YAML file `vllm serve --config` reads (the command line wins over it, as in vLLM); "
+                        "a deploy file (Kubernetes, Helm values, compose, KServe, llm-d) is checked as one")
+    p.add_argument("--deploy-files", action="store_true",
+                   help="the positional arguments are deploy files (Kubernetes manifests, helm template output, "
+                        "production-stack or llm-d Helm values, KServe resources, docker compose files, vLLM "
+                        "--config YAML): every vLLM container in them is checked; exit = the worst "
+                        "(docs/deploy-files.md). Without --, existing *.yaml/*.yml files are read so anyway")
+    p.add_argument("--skip-non-vllm", action="store_true",
+                   help="with deploy files (hooks on every changed YAML): skip files that are not a deploy format "
+                        "or run no vLLM container instead of exit 2 (they are listed)")
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="directory of <org>--<name>/config.json per HF id (as validate and import-log read)")
     p.add_argument("--device", type=_device, default=None,
-                   help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB")
+                   help="GPU: catalog name (H100-80GB), auto (GPU 0 via NVML; default), or NAME:GIB; either may end "
+                        "in :nvswitch, :nvlink, :pcie or :xgmi (how the TP group's cards connect; a card the catalog "
+                        "lacks is taken as PCIe without P2P); a comma-separated list names one card per pipeline "
+                        "stage (-pp)")
     p.add_argument("--engine-version", default=None,
-                   help="vLLM release whose rules apply (default: the installed vllm's version, else 0.19.0)")
+                   help="vLLM release whose rules apply (default: the installed vllm's version, else the newest "
+                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning)")
+    p.add_argument("--strict-release", action="store_true",
+                   help="refuse an --engine-version newer than the newest modelled release (exit 2)")
     p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
                    help="GPU memory other processes hold when vLLM starts (co-tenants; the drop field "
-                        "other_processes_memory_gib); default: none, or with --device auto what NVML reports in use")
+                        "other_processes_memory_gib; on a unified-memory device such as GB10 the host RAM in use): "
+                        "the total minus the free memory vLLM prints at start; default: none, or with --device auto "
+                        "what NVML (on GB10 the host's MemAvailable) reports in use")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -64,8 +121,14 @@ def run(args) -> int:
     from tuner.serve_args import ServeArgsError
 
     argv = list(args.serve or [])
-    if argv and argv[0] == "--":
+    dashed = bool(argv) and argv[0] == "--"
+    if dashed:
         argv = argv[1:]
+    deploy = _deploy_files(args, argv, dashed)
+    if isinstance(deploy, int):
+        return deploy
+    if deploy:
+        return _run_deploy(args, deploy)
     if not argv and not args.config_file:
         print("ctx-tuner check: give the vllm command line after -- (ctx-tuner check -- vllm serve MODEL …) "
               "or --config vllm.yaml", file=sys.stderr)
@@ -88,7 +151,8 @@ def run(args) -> int:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
                         other_processes_memory_gib=args.other_processes_memory_gib,
-                        parser=make_parser(args.parser, python), **kw)
+                        parser=make_parser(args.parser, python), models_dir=args.models_dir,
+                        strict_release=args.strict_release, **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID
@@ -111,6 +175,79 @@ def run(args) -> int:
     else:
         print(render(res))
     return res.exit_code
+
+
+def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
+    """The deploy files to check: the positional arguments with ``--deploy-files`` (or, without
+    ``--``, when they are existing ``.yaml``/``.yml`` files), or a ``--config`` file that is a
+    deploy file; [] for a serve line; an exit code for a conflict."""
+    import os
+
+    from tuner.check import EXIT_INVALID
+    from tuner.deploy import is_deploy_file
+
+    if args.deploy_files:
+        if args.config_file:
+            print("ctx-tuner check: --deploy-files reads the files given; --config is for a serve line",
+                  file=sys.stderr)
+            return EXIT_INVALID
+        if not argv:
+            print("ctx-tuner check: --deploy-files needs at least one file", file=sys.stderr)
+            return EXIT_INVALID
+        return argv
+    if argv and not dashed and all(a.lower().endswith((".yaml", ".yml")) and os.path.isfile(a) for a in argv):
+        return argv
+    if args.config_file and os.path.isfile(args.config_file) and is_deploy_file(args.config_file):
+        if argv:
+            print(f"ctx-tuner check: invalid input: {args.config_file}: a deploy file, not a `vllm serve --config` "
+                  "YAML: it names its own vLLM command; check it without a serve line (ctx-tuner check "
+                  f"{args.config_file})", file=sys.stderr)
+            if args.json:
+                print(json.dumps({"verdict": "invalid input", "error": f"{args.config_file}: a deploy file given "
+                                  "with a serve line", "error_type": "CheckInputError", "exit_code": EXIT_INVALID}))
+            return EXIT_INVALID
+        return [args.config_file]
+    return []
+
+
+def _run_deploy(args, files: list[str]) -> int:
+    """Check every vLLM workload of the deploy files; print each; exit = the worst."""
+    from tuner.check import EXIT_INVALID
+    from tuner.deploy.verdicts import check_files, render
+    from tuner.errors import TunerError
+    from tuner.vllm_serve_parser import make_parser
+
+    try:
+        python = _python(args)
+    except TunerError as exc:
+        _fail(args, "invalid input", exc)
+        return EXIT_INVALID
+    kw = {}
+    if python is not None:
+        import functools
+
+        from tuner.worker import run_in_worker
+
+        kw["worker"] = functools.partial(run_in_worker, python=python)
+    skipped: list = []
+    verdicts, code = check_files(files, device=args.device, engine_version=args.engine_version,
+                                 skip_non_vllm=args.skip_non_vllm, skipped=skipped,
+                                 timeout_s=args.timeout, variants=not args.no_variants,
+                                 allow_unmodelled=args.allow_unmodelled, parser=make_parser(args.parser, python),
+                                 models_dir=args.models_dir,
+                                 other_processes_memory_gib=args.other_processes_memory_gib, **kw)
+    if args.json:
+        print(json.dumps({"files": list(files), "workloads": [v.to_dict() for v in verdicts],
+                          "skipped": [{"file": f, "why": why} for f, why in skipped], "exit_code": code},
+                         indent=2, default=str))
+    else:
+        for f, why in skipped:
+            print(f"skipped {f}: {why}")
+        if verdicts:
+            print(render(verdicts))
+        elif skipped:
+            print(f"no vLLM workload in {len(skipped)} file(s); exit {code}")
+    return code
 
 
 def _python(args) -> str | None:

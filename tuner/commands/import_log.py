@@ -47,7 +47,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("log", help="the vLLM log file")
     p.add_argument("--model", required=True, help="HF id or local path of the model (its config.json is read offline)")
     p.add_argument("--models-dir", default=None, help="directory of <org>--<name>/config.json per HF id")
-    p.add_argument("--device", required=True, help="GPU: catalog name/alias, or 'auto' (GPU 0 of this host)")
+    from tuner.commands.check import _one_device
+
+    p.add_argument("--device", required=True, type=_one_device,
+                   help="GPU: catalog name/alias as NVML or vLLM print it, 'auto' (GPU 0 of this host), or NAME:GIB "
+                        "(optionally :nvswitch / :nvlink / :pcie / :xgmi); a total the log prints picks among a "
+                        "name's cards and sizes a card the catalog lacks")
     p.add_argument("--engine-version", default=None, help="vLLM version (default: what the log prints)")
     p.add_argument("--engine", choices=("V0", "V1"), default=None, help="engine (default: what the log shows)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)

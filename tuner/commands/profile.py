@@ -136,7 +136,9 @@ def to_json(outcome) -> dict:
              for p in vllm_form_entries(outcome)]
     return {
         "drop": outcome.drop.name, "drop_id": outcome.drop_id, "model": r["model"], "model_path": model,
-        "plugin": r["plugin"], "era": r["era"], "device": outcome.device, "warnings": outcome.warnings,
+        "plugin": r["plugin"], "era": r["era"], "device": outcome.device,
+        "engine_version": outcome.drop.engine_version, "release_assumed": r.get("release_assumed"),
+        "warnings": outcome.warnings,
         "term_sources": r.get("term_sources"), "engine_check": r.get("engine_check"),
         "pass_source": r.get("pass_source"), "candidates": cands, "proposals": props,
         "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
@@ -243,6 +245,10 @@ def run(args) -> int:
             print(f"ctx-tuner: --worker-python {wp}: not an executable Python", file=sys.stderr)
             return EXIT_USAGE
         kw["worker"] = functools.partial(run_in_worker, python=path)
+        # a drop without engine_version takes the vLLM installed there (tuner.drop.installed_vllm)
+        from tuner.worker import WORKER_PYTHON_ENV
+
+        os.environ[WORKER_PYTHON_ENV] = path
     missing = _missing_db_parent(args.db)
     if missing is not None:
         print(f"ctx-tuner profile: --db {args.db}: directory {missing} does not exist (create it first; only the "

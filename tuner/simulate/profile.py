@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tuner.budget import persistent_bytes
-from tuner.eras import Era, ProfileBatch, sampler_family
+from tuner.eras import SAMPLER_V1_FLASHINFER, SAMPLER_V1_SORT, Era, ProfileBatch, sampler_family
 from tuner.plugin import RankSettings
 from tuner.simulate.sampler import run_dummy_sampler
 from tuner.simulate.tracker import MemoryTracker
@@ -111,8 +111,12 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
             before_sampler = tracker.live_bytes
             tracker.reset_peak()
             if last:
-                run_dummy_sampler(sampler_family(era, model_runner_v2=model_runner_v2), model, out, num_reqs=r,
-                                  num_sms=num_sms, version=era.version.key)
+                family = sampler_family(era, model_runner_v2=model_runner_v2)
+                if getattr(settings, "platform", "cuda") == "rocm" and family == SAMPLER_V1_FLASHINFER:
+                    # FlashInfer's top-k/top-p is CUDA-only (vllm/v1/sample/ops/topk_topp_sampler.py
+                    # ``TopKTopPSampler.__init__``: ``current_platform.is_cuda()``, 0.8–0.16): ROCm sorts
+                    family = SAMPLER_V1_SORT
+                run_dummy_sampler(family, model, out, num_reqs=r, num_sms=num_sms, version=era.version.key)
             sampler_peak = tracker.peak_bytes - before_sampler
             del out
         peak = max(forward_peak, before_sampler + sampler_peak)

@@ -348,7 +348,7 @@ MXFP4_TRTLLM_I128_FROM = (0, 27, 0)
 MXFP4_HOPPER_SCALE_PAD4_FROM = (0, 26, 0)
 
 
-def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...]) -> str:
+def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str = "cuda") -> str:
     """The MXFP4 MoE backend vLLM picks for gpt-oss on a CUDA GPU of compute capability ``cc``
     (no ``moe_backend`` / ``VLLM_USE_FLASHINFER_MOE_MXFP4_*`` override).
 
@@ -368,7 +368,14 @@ def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...]) -> str:
 
     Releases before 0.19 are assumed to pick the same way (their wheels were not read for
     Blackwell; the Hopper branches are the ones checked against the visible H100 start-ups).
+
+    On ROCm (``platform="rocm"``; the MI300X's torch capability 9.4 is no Hopper) the AITER
+    backends need ``VLLM_ROCM_USE_AITER`` (off by default) and gfx950, so the default is Triton
+    (triton_kernels ``StridedLayout`` values and scales on CDNA, mxfp4_utils.py ``_swizzle_mxfp4``,
+    0.33): ``rocm_triton``, padded as :func:`mxfp4_alignment` says.
     """
+    if platform == "rocm":
+        return "rocm_triton"
     if (10, 0) <= cc < (11, 0):
         return "flashinfer_trtllm"
     if (9, 0) <= cc < (10, 0):
@@ -380,7 +387,12 @@ def mxfp4_alignment(backend: str, version: tuple[int, ...]) -> tuple[int, int]:
     """``(hidden, intermediate)`` multiples the backend pads the per-rank expert sizes to
     (``mxfp4_round_up_hidden_size_and_intermediate_size``, fused_moe/oracle/mxfp4.py, 0.19-0.28):
     Triton I to 64 (H as is: 1); Marlin H to 256 and I to 128; TRT-LLM H to 256 and I to 256
-    (128 from :data:`MXFP4_TRTLLM_I128_FROM`)."""
+    (128 from :data:`MXFP4_TRTLLM_I128_FROM`). ROCm (``rocm_triton``): I to 128 (0.10,
+    quantization/mxfp4.py ``create_weights``), H and I to 256 from 0.11 (the same file, then
+    fused_moe/oracle/mxfp4.py ``mxfp4_round_up_hidden_size_and_intermediate_size``'s ROCm branch,
+    0.19–0.33: gpt-oss's SwiGLU-OAI activation is not SiLU, so not the 128 of AITER/K3)."""
+    if backend == "rocm_triton":
+        return (1, 128) if tuple(version[:3]) < (0, 11, 0) else (256, 256)
     if backend == "marlin":
         return 256, 128
     if backend == "flashinfer_trtllm":
@@ -410,6 +422,8 @@ class Mxfp4ExpertsFormat:
       per expert at the same size (``gptq_marlin_repack``: ``[in/16, out·2]`` int32), scales
       permuted through the model dtype and back to e8m0 (same size), biases permuted in the model
       dtype; ``replace_parameter`` drops the loaded tensors.
+    - ``rocm_triton`` (ROCm, :func:`mxfp4_backend`): values and scales as loaded at the ROCm
+      padded sizes (``StridedLayout``), biases fp32.
     - ``flashinfer_trtllm`` (Blackwell 10.x): rows shuffled for the transposed MMA
       (``get_w2_permute_indices_with_cache``), scales interleaved (``nvfp4_block_scale_interleave``,
       reshaped back to ``[E, out, in/32]``), biases fp32; the loaded tensors are replaced.
@@ -823,7 +837,7 @@ def scheme_for(spec, settings) -> QuantScheme | None:
         return QuantScheme("auto-round", linear_format=f, expert_format=f, per_layer=per_layer,
                            only_under=list(blocks) if blocks else None)
     if method == "mxfp4":
-        backend = mxfp4_backend(cc, ver)
+        backend = mxfp4_backend(cc, ver, str(getattr(settings, "platform", "cuda") or "cuda"))
         # HopperMXValueLayout pre-pad to 64: in the triton_kernels vendored by 0.17.0-0.19.0, not in
         # 0.13.0 / 0.15.0 / 0.33.0 (read by the gpt-oss plugin work); 0.20-0.32 assumed like 0.19.
         prepad = (0, 17, 0) <= ver[:3] < (0, 33, 0)
