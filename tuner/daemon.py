@@ -240,10 +240,11 @@ def clean_temporaries(settings: Settings) -> list[str]:
 def _proposal_summary(props: list[dict]) -> str:
     from tuner.protocol import ProposalResult
 
+    # "gmu 0.9 → nothing starts: …", never "max_model_len None"
     return "; ".join(
-        f"gmu {gmu_text(p.gpu_memory_utilization)} → max_model_len {p.max_model_len}"
-        + (f" ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)" if p.max_model_len else
-           f" (nothing fits: {p.reason})")
+        f"gmu {gmu_text(p.gpu_memory_utilization)} → "
+        + (f"max_model_len {p.max_model_len} ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)"
+           if p.max_model_len else f"nothing starts: {p.reason}")
         for p in map(ProposalResult.from_wire, props)) or "no proposals"
 
 
@@ -709,11 +710,12 @@ class Daemon:
             log.warning("%s: %s; no drop is retired until it can be listed", s.watch_dir, sc.problem)
         for path in sorted(gone):
             names = self.queue.retire_path(path)
+            what = (f"retired {', '.join(names)} (results kept)" if names else
+                    "its job retired (it had no results)")  # not "retired no results yet (results kept)"
             if path in outside:
-                log.info("drop file %s is no longer under watch_dir %s: retired %s (results kept)", path, root,
-                         ", ".join(names) or "no results yet")
+                log.info("drop file %s is no longer under watch_dir %s: %s", path, root, what)
             else:
-                log.info("drop file %s deleted: retired %s (results kept)", path, ", ".join(names) or "no results yet")
+                log.info("drop file %s deleted: %s", path, what)
             self._sync_proposals(names)
             self._snapshot_dirty = self._status_dirty = True
         self._sync_outputs()
@@ -790,6 +792,24 @@ class Daemon:
         db = self.store.engine.url
         if db.get_backend_name() == "sqlite" and db.database and not self.settings.snapshot_file.exists():
             self._snapshot_dirty = True
+        self._sync_failures()
+
+    def _sync_failures(self) -> None:
+        """``proposals/failed/NAME.yaml`` per failed drop (its reason; read-only for operators),
+        removed once the drop succeeds, is retried or deleted (:mod:`tuner.failures`)."""
+        from tuner.failures import failed_drops, sync_failure_files
+
+        try:
+            with self.store.reader.connect() as conn:
+                failures = failed_drops(conn, self.queue.owner_id)
+            written, removed = sync_failure_files(self.settings.proposals_dir, failures)
+        except OSError as exc:
+            log.error("%s: cannot write failed-drop files: %s", self.settings.proposals_dir, exc.strerror or exc)
+            return
+        for path in written:
+            log.info("failed drop written to %s", path)
+        for path in removed:
+            log.info("failed-drop file %s removed (the drop no longer fails)", path)
 
     @staticmethod
     def _file_key(path: Path, drop_id: int) -> tuple[int, int, int, int] | None:
@@ -903,6 +923,7 @@ class Daemon:
             err = DropError(state.error, path=path)
             job = self.queue.record_invalid(path, state.sha256, None, err, name=self._invalid_drop_name(path, None))
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
+            self._sync_failures()
             return
         assert state.raw is not None
         text = state.raw.decode("utf-8", "replace")
@@ -912,6 +933,7 @@ class Daemon:
             job = self.queue.record_invalid(path, state.sha256, text, err,
                                             name=self._invalid_drop_name(path, state.raw))
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
+            self._sync_failures()
             return
         job = self.queue.enqueue(path, state.sha256, text, name=drop.name)
         log.info("drop %s %s: job %d queued", path, "changed" if changed else "found", job.id)
@@ -1151,6 +1173,7 @@ class Daemon:
             self._retry_at = self.clock() + SAVE_RETRY_S
             raise
         self._unsaved_failure = None
+        self._sync_failures()
         what = f"{type(outcome).__name__}: {_one_line(outcome)}"
         if row is not None and row.status == "pending":
             log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,

@@ -465,3 +465,23 @@ def parse_file(path: str | Path) -> ParsedLog:
 def field_names() -> list[str]:
     """Names of the :class:`ParsedLog` fields (for docs and JSON output)."""
     return [f.name for f in fields(ParsedLog)]
+
+
+#: Lines by which a vLLM log says whether FlashInfer is installed
+#: (vllm/v1/sample/ops/topk_topp_sampler.py 0.8–0.11.0 ``TopKTopPSampler.__init__``; the attention
+#: backend selector's "Using FlashInfer backend" needs the package too).
+FLASHINFER_MISSING = ("FlashInfer is not available",)
+FLASHINFER_PRESENT = ("Using FlashInfer for top-p & top-k sampling", "FlashInfer is available, but it is not enabled",
+                      "Using FlashInfer backend", "FLASHINFER backend", "FlashInfer backend")
+
+
+def flashinfer_installed(texts) -> bool | None:
+    """What a log (or a case's notes) says about the FlashInfer package: False where it prints
+    "FlashInfer is not available", True where it uses or offers FlashInfer, None where it says
+    nothing (the missing line wins: it is printed only when the import failed)."""
+    joined = "\n".join(str(t) for t in texts or () if t)
+    if any(m in joined for m in FLASHINFER_MISSING):
+        return False
+    if any(m in joined for m in FLASHINFER_PRESENT):
+        return True
+    return None

@@ -53,12 +53,16 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
             searched.append(f"HF cache for {model}")
         except Exception as exc:  # pragma: no cover - depends on the local hub install
             searched.append(f"HF cache for {model} ({exc})")
-        from tuner.hub import fetch_config, offline
+        from tuner.hub import HubUnreachable, fetch_config, offline
 
-        if download:
-            return fetch_config(model, revision=revision)
-        searched.append("not fetched from the Hub: " + ("HF_HUB_OFFLINE is set" if offline() else
-                                                         "hub downloads are off (daemon setting allow_hub_download)"))
+        if download and not offline():
+            try:
+                return fetch_config(model, revision=revision)
+            except HubUnreachable as exc:  # the same message as offline, with what failed
+                searched.append(f"not fetched: {exc.why}")
+        else:
+            searched.append("not fetched from the Hub: " + ("HF_HUB_OFFLINE is set" if offline() else
+                                                             "hub downloads are off (daemon setting allow_hub_download)"))
     hint = ""
     if model.count("/") == 1 and not model.startswith(("/", ".")):
         cli = "hf"  # huggingface_hub 0.34+; `huggingface-cli` before (removed in 1.0)

@@ -216,6 +216,21 @@ def _hf_overrides(settings: dict) -> dict | None:
     return out or None
 
 
+def case_config_format(case: dict) -> str:
+    """``mistral`` where the case's command line (raw lines or notes) passes
+    ``--config-format mistral``, else ``auto``."""
+    text = " ".join(str(x) for x in list(case.get("raw_lines") or []) + [case.get("notes") or ""])
+    return "mistral" if re.search(r"--config[-_]format[= ]+mistral", text) else "auto"
+
+
+def case_env(settings: dict) -> dict | None:
+    """A case's environment variables (``env_NAME`` settings, cases/README.md) as a drop's
+    ``env``."""
+    out = {k[len("env_"):]: ("1" if v is True else "0" if v is False else str(v))
+           for k, v in (settings or {}).items() if k.startswith("env_") and v is not None}
+    return out or None
+
+
 def case_arguments(case: dict) -> dict:
     """A case's vLLM arguments by destination name: its top-level ``dtype``, ``kv_cache_dtype``,
     ``quantization``, ``tensor_parallel_size``, ``pipeline_parallel_size`` and every ``settings`` key
@@ -272,6 +287,15 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     config_path = config_path_for(case, models_dir)
     mapped = case_drop(case, models_dir)
     drop = mapped.drop
+    # what the case's lines and notes say beyond its settings: the FlashInfer package (the sampler
+    # path before 0.17) and a --config-format given on its command line
+    installed = logparse.flashinfer_installed(
+        list(case.get("raw_lines") or []) + [case.get("notes"), case.get("source_context")])
+    fmt = (case.get("settings") or {}).get("config_format") or case_config_format(case)
+    if installed is not None or fmt != "auto":
+        import dataclasses
+
+        drop = dataclasses.replace(drop, flashinfer_installed=installed, config_format=fmt)
     from tuner.protocol import JobRequest
 
     draft_path = draft_error = None
