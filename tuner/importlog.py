@@ -21,7 +21,7 @@ from typing import Any, Callable
 from tuner import __version__, devices
 from tuner.drop import Drop, parse_drop
 from tuner.eras import default_engine, era_for, parse_version, profile_batch, resolve_dtype
-from tuner.errors import DropError, EraError, LogParseError, ModelConfigError
+from tuner.errors import DeviceError, DropError, EraError, LogParseError, ModelConfigError
 from tuner.logparse import ParsedLog, parse_file
 from tuner.modelspec import resolve_model_path
 from tuner.store import Store, utc_text
@@ -71,11 +71,9 @@ def config_path_for(model: str, *, models_dir: str | Path | None = None, base_di
 
 
 def read_config(path: Path) -> tuple[dict, str]:
-    try:
-        raw = path.read_bytes()
-        top = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    from tuner.modelspec import parse_config_json, read_config_bytes
+
+    top = parse_config_json(read_config_bytes(path), str(path))  # a regular file, bounded size and depth
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
     from tuner.modelspec import config_hash
@@ -174,8 +172,9 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     if mml is None and config is not None:
         mml = _text_config(config).get("max_position_embeddings")
     if mml is None:
-        raise DropError("the log does not print max_model_len and the model config has no "
-                        "max_position_embeddings; give --max-model-len", path=source, field="max_model_len")
+        raise DropError("the log does not print max_model_len and " + (
+            "the model config has no max_position_embeddings" if config is not None else
+            "no config.json of the model was found") + "; give --max-model-len", path=source, field="max_model_len")
     values: dict[str, Any] = {"gpu_memory_utilization": gmu, "max_model_len": mml}
     for key in _DROP_KEYS:
         value = pick(key)
@@ -206,7 +205,7 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
                   "release": release.to_dict() if release is not None else None}
 
 
-def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str,
+def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str | None,
             log_sha256: str, started_at: str | None = None) -> dict:
     """The ``profile_runs`` row of an imported log (``method='import'``, ``source`` = the log file).
 
@@ -302,20 +301,35 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
     path = Path(path)
     if parsed is None:
         parsed = parse_file(path)
-    elif not parsed.has_memory_lines:
+    elif not parsed.has_memory_lines and parsed.error_message is None:
         raise LogParseError("no vLLM memory lines found", where=str(path))
     try:
         log_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else \
             hashlib.sha256(json.dumps(parsed.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     except OSError as exc:
         raise LogParseError(f"cannot read log: {exc}", where=str(path)) from exc
-    config_path = config_path_for(model, models_dir=models_dir)
-    config, config_sha = read_config(config_path)
+    # what the log printed is stored first; modelling it (the config, a prediction) comes second: a
+    # model no config.json (hence no plugin) is found for is still recorded, with what that leaves out
+    config_path: Path | None
+    try:
+        config_path = config_path_for(model, models_dir=models_dir)
+        config, config_sha = read_config(config_path)
+        no_config = None
+    except ModelConfigError as exc:
+        config_path, config, config_sha, no_config = None, None, None, exc
     drop, extra = resolve_settings(parsed, model=model, device=device, engine_version=engine_version,
                                    engine=engine, options=options, config=config, source=str(path))
-    row = run_row(parsed, drop, extra, config=config, config_sha256=config_sha, log_sha256=log_sha)
+    row = run_row(parsed, drop, extra, config=config or {}, config_sha256=config_sha, log_sha256=log_sha)
     outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])),
                             release=extra.get("release"))
+    if no_config is not None:
+        predict = False
+        outcome.warnings.append(
+            f"no config.json of {model} ({no_config.message}): the log is stored as printed, without the model's "
+            f"config hash or architecture, and with dtype {row['dtype']}"
+            + (" as the log printed it" if drop.dtype not in (None, "auto") else " assumed (the log does not print it)")
+            + "; no prediction or calibration residual: give --models-dir or a local model path and import "
+              "again with --force to model it")
     earlier = store.find_run(row["pass_sha256"])
     if earlier is not None and not force:
         outcome.drop_id, outcome.already = earlier["drop_id"], True

@@ -9,6 +9,7 @@ memoized per (max_num_batched_tokens, num_reqs, stage): under V1 one pass serves
 from __future__ import annotations
 
 import dataclasses
+import json
 import platform
 from pathlib import Path
 import sys
@@ -496,6 +497,10 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                     "python": platform.python_version()}
     req = request if isinstance(request, JobRequest) else JobRequest.from_wire(request, required=False)
     memo_entries: list[dict] = []
+    # the key of the whole answer where an installed engine takes part (tuner.passmemo.ENGINE_ANSWER):
+    # taken before the engine adapter touches the environment, as the parent will take it
+    engine_key = (passmemo.engine_answer_key(req) if pass_memo is None and req.method == "simulate" and req.fake
+                  and passmemo.engine_takes_part(req) else None)
     t_start = time.perf_counter()
     drop, device = req.drop, req.device
     total = int(device["total_memory_bytes"])
@@ -590,6 +595,15 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.platforms)
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
+    elif pass_memo is None and engine_use is not None and engine_key is not None and method == "simulate":
+        # the engine's answer, whole: a repeated question is answered from the store by the parent
+        # (tuner.memoanswer.answer_from_memo) without importing vLLM or torch
+        from tuner.modelspec import config_hash
+
+        out[passmemo.ENTRIES] = [{"memo_key": engine_key, "kind": passmemo.ENGINE_ANSWER,
+                                  "model_config_sha256": config_hash(read_top(req.config_path)),
+                                  "tool_version": __version__, "method": method, "device_name": device.get("name"),
+                                  "era": era.name, "value": json.loads(json.dumps(out))}]
     return out
 
 

@@ -220,6 +220,7 @@ _rule("available_kv_cache_bytes", r"the rest of the memory reserved for KV Cache
 _rule("available_kv_cache_bytes", r"available KV cache memory \(" + _NUM + _G + r"\)", prec=1)
 _rule("available_kv_cache_bytes", r"Current kv cache memory in use is\s*" + _NUM + _G, prec=2)
 _rule("available_kv_cache_bytes", r"(?:Explicitly|Auto) set \(" + _NUM + r"/[\d.]+\)\s*GiB for KV cache", prec=3)
+_rule("available_kv_cache_bytes", r"\bavailable_kv_cache_memory\s*[=:]\s*" + _NUM + _G, prec=4)
 # vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py measure_kv_cache_blocks): the
 # cache sized after warmup wins over "Available KV cache memory" (the profile's reservation there)
 _rule("free_after_warmup_bytes", r"Memory after warmup:\s*" + _NUM + _G + r" free")
@@ -333,8 +334,37 @@ def _settings_from_config(text: str) -> dict:
     return out
 
 
+#: The start of a line the logger wrote (a level, a ``MM-DD hh:mm:ss`` time, a worker prefix): any
+#: other line continues the message above it (vLLM 0.6.5–0.10's profiling summary is one message
+#: of three lines, and a copied log may wrap a long line anywhere).
+_LOG_START = re.compile(r"^\s*(?:\(\w[^)]*\)\s*|\[rank\d+\]:\s*)?(?:(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\b|"
+                        r"\d{2}-\d{2} \d{2}:\d{2}:\d{2}|\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2})")
+#: Most physical lines joined into one logical line (a wrapped message is a few lines).
+MAX_CONTINUATION = 12
+
+
+def _messages(lines: list[str]) -> Iterable[str]:
+    """Each multi-line message of the log joined into one line: a line the logger started and the
+    lines after it that no logger started (single lines are not repeated)."""
+    group: list[str] = []
+    for line in lines:
+        if _LOG_START.match(line) or len(group) >= MAX_CONTINUATION:
+            if len(group) > 1:
+                yield " ".join(part.strip() for part in group)
+            group = [line]
+        elif line.strip():
+            group.append(line)
+    if len(group) > 1:
+        yield " ".join(part.strip() for part in group)
+
+
 def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
     """Parse log lines (any era, any prefixes); unknown lines are ignored. Never raises.
+
+    Every line is matched on its own; then each message the logger wrote over several lines (vLLM
+    0.6.5+'s "Memory profiling takes … / the current vLLM instance can use … / model weights take
+    …" summary, or a line a copy wrapped, a figure split from its label) is matched as one joined
+    line for the figures no single line gave.
 
     Returns a :class:`ParsedLog`; check :attr:`ParsedLog.has_memory_lines` before using it.
     """
@@ -342,8 +372,10 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
     best: dict[str, int] = {}
     worker_prec: dict[tuple[str, str], int] = {}
     v1 = v0 = False
+    cleaned: list[str] = []
     for raw in lines:
         line = _ANSI.sub("", raw[:MAX_LINE]).rstrip("\r\n")
+        cleaned.append(line)
         hit = False
         worker = _worker_label(line)
         for fld, pat, group, kind, prec in _RULES:
@@ -401,6 +433,22 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
         if _V0_MARKERS.search(line):
             v0 = True
         out.matched_lines += hit
+    if any(getattr(out, fld) is None for fld, *_ in _RULES):
+        for message in _messages(cleaned):  # figures split over the lines of one message
+            hit = False
+            for fld, pat, group, kind, prec in _RULES:
+                if getattr(out, fld) is not None:
+                    continue
+                m = pat.search(message)
+                if m is None:
+                    continue
+                try:
+                    setattr(out, fld, _convert(kind, m.group(group)))
+                except ValueError:
+                    continue
+                best[fld] = prec
+                hit = True
+            out.matched_lines += hit
     for fld in _MIN_OVER_WORKERS:  # the engine sizes every worker's cache by the smallest
         vals = [w[fld] for key, w in out.per_worker.items() if fld in w and worker_prec[(key, fld)] == best.get(fld)]
         if len(vals) > 1 or (vals and getattr(out, fld) is not None and min(vals) < getattr(out, fld)):
@@ -427,8 +475,8 @@ def parse_file(path: str | Path) -> ParsedLog:
 
     Raises:
         LogParseError: the file cannot be read, is not a regular file (a FIFO, a device or a
-            directory would block or never end), or holds no memory line at all (naming the file
-            and the lines looked for).
+            directory would block or never end), or holds no memory line and no engine refusal at
+            all (naming the file and the lines looked for).
     """
     p = Path(path)
     try:
@@ -454,7 +502,7 @@ def parse_file(path: str | Path) -> ParsedLog:
         if fd >= 0:
             os.close(fd)
     parsed = parse_text(data.decode("utf-8", "replace"), source=str(path))
-    if not parsed.has_memory_lines:
+    if not parsed.has_memory_lines and parsed.error_message is None:  # a refusal alone is a record too
         raise LogParseError(
             "no vLLM memory lines found (looked for 'Model loading took', 'Available KV cache memory', "
             "'# GPU blocks', 'GPU KV cache size', 'Maximum concurrency', 'Memory profiling …'); "
