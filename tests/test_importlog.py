@@ -136,9 +136,12 @@ def test_log_without_version_gets_one_from_its_log_format(tmp_path, shared_dir, 
     log = _write(tmp_path, case)
     out = import_log(log, model=case["model"], device="H100-80GB", store=store, models_dir=shared_dir / "models",
                      predict=False)
-    assert out.drop.engine_version == "0.10.0" and out.run["era"].startswith("V1")
-    assert any("does not print the vLLM version; assumed 0.10.0 (V1)" in w and "Available KV cache memory" in w
-               for w in out.warnings), out.warnings
+    # its [gpu_worker.py:436] "Available KV cache memory" is printed by 0.19.0 and 0.19.1 only (the
+    # case ran 0.19.0: same rules); before, such a log was taken as 0.10.0
+    assert out.drop.engine_version == "0.19.1" and out.run["era"].startswith("V1")
+    assert out.release["release_range"] == ["0.19.0", "0.19.1"] and out.release["release_assumed"] is True
+    assert any("does not print the vLLM version; assumed vLLM 0.19.1 (V1)" in w and "0.19.0 – 0.19.1" in w
+               and "[gpu_model_runner.py:4820] Model loading took" in w for w in out.warnings), out.warnings
 
 
 def test_v0_064_log_gives_weights_and_activation_from_its_summary(tmp_path, shared_dir, observed_cases, store):
@@ -149,7 +152,7 @@ def test_v0_064_log_gives_weights_and_activation_from_its_summary(tmp_path, shar
     log = _write(tmp_path, case)
     out = import_log(log, model=case["model"], device="RTX-3090", store=store, models_dir=shared_dir / "models",
                      options={"gpu_memory_utilization": 0.9, "max_model_len": 29000}, predict=False)
-    assert out.drop.engine_version == "0.6.4"
+    assert out.drop.engine_version == "0.6.4.post1"  # only 0.6.4(.post1) prints initial_memory_usage=
     assert out.run["weights_bytes"] == round(15.34 * GIB) - round(0.35 * GIB)
     assert out.run["activation_peak_bytes"] == round(17.98 * GIB) - out.run["weights_bytes"]
     assert abs(out.run["weights_bytes"] / GIB - case["observed"]["weights_gib"]) < 0.01
@@ -166,10 +169,16 @@ def test_inferred_version_and_default_gmu_are_reported(tmp_path, tiny_config, st
     log = tmp_path / "noversion.log"
     log.write_text(_V1_LOG_NO_VERSION)
     out = import_log(log, model=str(tiny_config), device="H100-80GB", store=store, predict=False)
-    assert out.drop.engine_version == "0.10.0"
+    # made-up line numbers ([gpu_worker.py:2]) are set aside; nothing else narrows it: the newest
+    # modelled release, with the range and what was set aside said in the warning
+    from tuner.eras import NEWEST
+    from tuner.release_facts import release_key
+
+    newest = out.drop.engine_version
+    assert release_key(newest) == NEWEST and out.release["release_range"][1] == newest
     text = "\n".join(out.warnings)
-    assert "assumed 0.10.0 (V1) from its 'Available KV cache memory' lines" in text
-    assert "no gpu_memory_utilization line; assumed vLLM 0.10.0's default 0.9" in text
+    assert f"assumed vLLM {newest} (V1), the newest of the" in text and "set aside" in text
+    assert f"no gpu_memory_utilization line; assumed vLLM {newest}'s default" in text
     assert "--gpu-memory-utilization" in text
     # given on the command line: no gmu warning
     again = import_log(log, model=str(tiny_config), device="H100-80GB", store=store, predict=False, force=True,
@@ -185,7 +194,8 @@ def test_import_log_command_prints_the_assumptions(tmp_path, tiny_config, capsys
                "--db", str(tmp_path / "x.sqlite")])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "warning: the log does not print the vLLM version; assumed 0.10.0 (V1)" in out
+    assert "warning: the log does not print the vLLM version; assumed vLLM 0." in out
+    assert "vLLM release assumed: 0." in out and "consistent: 0.9.1 – 0." in out
     assert "warning: the log has no gpu_memory_utilization line" in out
 
 
@@ -200,13 +210,16 @@ def test_import_log_refuses_a_fifo_at_once(tmp_path, capsys):
     assert rc == 2 and str(fifo) in err and "FIFO" in err and "regular" in err
 
 
-def test_version_rule_lives_in_logparse_only():
-    from tuner import logparse, validate
+def test_version_rule_lives_in_release_infer_only():
+    from tuner import logparse, release_infer, validate
 
-    assert not hasattr(validate, "_VERSION_BY_LOG_FORMAT") and not hasattr(validate, "_DEFAULT_VERSION")
-    lines = ["INFO ... the current vLLM instance can use total_gpu_memory (23.58GiB) x ..."]
-    assert validate.infer_version({"raw_lines": lines}) == logparse.infer_version(lines)[:2] == ("0.6.5", "V0")
-    assert logparse.parse_text("\n".join(lines)).log_formats == ["the current vLLM instance can use"]
+    assert not hasattr(logparse, "infer_version") and not hasattr(logparse, "VERSION_BY_LOG_FORMAT")
+    assert not hasattr(logparse, "DEFAULT_VERSION")
+    lines = ["INFO 01-02 03:04:05 worker.py:241] the current vLLM instance can use total_gpu_memory (23.58GiB) x ..."]
+    assert validate.infer_version({"raw_lines": lines}) == ("0.6.6.post1", "V0")
+    inferred = release_infer.infer_for_log(logparse.parse_text("\n".join(lines)).release_lines)
+    assert (inferred.release, inferred.engine) == ("0.6.6.post1", "V0")
+    assert inferred.release_range == ("0.6.5", "0.6.6.post1")
 
 
 def test_import_log_command(tmp_path, shared_dir, observed_cases, capsys):
@@ -264,6 +277,22 @@ def test_run_and_residual_are_one_transaction(tmp_path, shared_dir, observed_cas
     assert len(runs) == 1 and [r["profile_run_id"] for r in rows] == [runs[0]["id"]]
     assert rows[0]["id"] == out.calibration["id"]
     assert rows[0]["activation_peak_delta_bytes"] == round(1.89 * GIB) - round(1.5 * GIB)
+
+
+def test_import_log_json_says_which_release_was_assumed(tmp_path, tiny_config, capsys):
+    log = tmp_path / "noversion.log"
+    log.write_text(_V1_LOG_NO_VERSION)
+    rc = main(["import-log", str(log), "--model", str(tiny_config), "--device", "H100-80GB", "--no-predict",
+               "--db", str(tmp_path / "x.sqlite"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["release"]["release_assumed"] is True
+    assert doc["release"]["release"] == doc["run"]["engine_version"] == doc["release"]["release_range"][1]
+    # made-up line numbers and "1.0 seconds" (vLLM prints %.6f) are set aside, said in the JSON
+    assert [e["kind"] for e in doc["release"]["ignored"]] == ["log marker", "log marker", "log marker", "log format"]
+    # a version given: nothing assumed
+    rc = main(["import-log", str(log), "--model", str(tiny_config), "--device", "H100-80GB", "--no-predict",
+               "--db", str(tmp_path / "y.sqlite"), "--json", "--engine-version", "0.19.0"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["release"] is None
 
 
 def test_log_total_picks_among_a_names_cards(shared_dir):

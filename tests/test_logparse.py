@@ -242,14 +242,19 @@ def test_tp_workers_keep_their_own_values_and_the_smallest_kv_wins():
 
 
 def test_release_from_the_source_line_of_the_memory_summary():
-    """The line numbers come from the wheels: V0 worker.py logs its summary at line 267 in 0.7.3–0.8.4
-    (bracketed from 0.8.0), V1 gpu_worker.py "Available KV cache memory" at 436 (0.19.0) and 508 (0.24.0)."""
-    from tuner.logparse import infer_version
+    """The line numbers come from the wheels (tuner/data/release_facts.json): V0 worker.py logs its
+    summary at line 267 in 0.7.3–0.8.4 (bracketed from 0.8.0), V1 gpu_worker.py "Available KV cache
+    memory" at 508 in 0.24.0 only."""
+    from tuner.release_infer import infer_for_log
 
     v0 = "(VllmWorkerProcess pid=1866) INFO 04-20 16:26:30 [worker.py:267] the current vLLM instance can use x"
-    assert infer_version([v0]) == ("0.8.0", "V0", "[worker.py:267]")
-    assert infer_version(["INFO 01-02 03:04:05 worker.py:267] the current vLLM instance can use x"])[0] == "0.7.3"
+    got = infer_for_log([v0])
+    assert (got.release, got.engine) == ("0.8.4", "V0") and got.release_range == ("0.8.0", "0.8.4")
+    old = infer_for_log(["INFO 01-02 03:04:05 worker.py:267] the current vLLM instance can use x"])
+    assert (old.release, old.release_range) == ("0.7.3", ("0.7.2", "0.7.3"))
     v1 = "(Worker_TP0 pid=129) INFO 07-05 17:28:28 [gpu_worker.py:508] Available KV cache memory: 15.72 GiB"
-    assert infer_version([v1])[:2] == ("0.24.0", "V1")
-    # an unknown line number falls back to the format marker
-    assert infer_version(["INFO 07-05 17:28:28 [gpu_worker.py:1] Available KV cache memory: 1 GiB"])[0] == "0.10.0"
+    got = infer_for_log([v1])
+    assert (got.release, got.engine, got.candidates) == ("0.24.0", "V1", ["0.24.0"])
+    # a line number no release prints is set aside, not fatal: the text alone still counts
+    odd = infer_for_log(["INFO 07-05 17:28:28 [gpu_worker.py:1] Available KV cache memory: 1 GiB"])
+    assert [e.kind for e in odd.ignored] == ["log marker"] and odd.release_range[0] == "0.14.0"  # "1 GiB": format_gib

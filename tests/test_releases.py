@@ -168,14 +168,16 @@ LOG_034 = [
 
 
 def test_memory_after_warmup_line_wins_over_the_reservation():
-    from tuner.logparse import gib_to_bytes, infer_version, parse_lines
+    from tuner.logparse import gib_to_bytes, parse_lines
+    from tuner.release_infer import infer_for_log
 
     p = parse_lines(LOG_034)
     assert p.available_kv_cache_bytes == gib_to_bytes(56.25)  # not the profile's 61.20 GiB reservation
     assert p.num_gpu_blocks == 24512 and p.requested_memory_bytes == gib_to_bytes(79.19)
     assert p.free_after_warmup_bytes == gib_to_bytes(60.10) and p.transient_kept_bytes == gib_to_bytes(2.31)
     assert (p.auto_fit_from_max_model_len, p.max_model_len) == (262144, 196352)
-    assert infer_version(LOG_034) == ("0.34.0", "V1", "Memory after warmup:")
+    got = infer_for_log(LOG_034)  # "Memory after warmup" and [gpu_worker.py:795]: 0.34.0 only (release facts)
+    assert (got.release, got.engine, got.candidates) == ("0.34.0", "V1", ["0.34.0"])
 
 
 def test_blocks_within_rounds_each_segment_to_the_granule():

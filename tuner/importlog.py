@@ -22,7 +22,7 @@ from tuner import __version__, devices
 from tuner.drop import Drop, parse_drop
 from tuner.eras import default_engine, era_for, parse_version, profile_batch, resolve_dtype
 from tuner.errors import DeviceError, DropError, EraError, LogParseError, ModelConfigError
-from tuner.logparse import ParsedLog, infer_version, parse_file
+from tuner.logparse import ParsedLog, parse_file
 from tuner.modelspec import resolve_model_path
 from tuner.store import Store, utc_text
 
@@ -50,6 +50,10 @@ class ImportOutcome:
     predicted: dict | None = None
     calibration: dict | None = None
     warnings: list[str] = field(default_factory=list)
+    #: the release assumed for a log that does not print its version (``release_assumed``,
+    #: ``release_range``, evidence: :meth:`tuner.release_infer.ReleaseInference.to_dict`); None
+    #: when the version was given or printed.
+    release: dict | None = None
 
 
 def config_path_for(model: str, *, models_dir: str | Path | None = None, base_dir: str | Path | None = None) -> Path:
@@ -104,8 +108,11 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         ``(drop, extra)``: a validated :class:`~tuner.drop.Drop` with one ``gpu_memory_utilization``
         and one ``max_model_len`` candidate, and ``{"engine": "V0"|"V1", "device_name": canonical
         name, "total_memory_bytes": int, "warnings": [what was assumed]}``. A log that prints no
-        version gets one from its log-line formats (:func:`tuner.logparse.infer_version`, the rule
-        ``validate`` uses), with a warning; a missing ``gpu_memory_utilization`` is the release's
+        version gets the newest modelled release consistent with what it names
+        (:func:`tuner.release_infer.infer_for_log`: its lines, the model's architecture and names, the rule
+        ``validate`` uses), with a warning and ``extra["release"]`` (the range and evidence,
+        :meth:`tuner.release_infer.ReleaseInference.to_dict`; None when the version was given or
+        printed); a missing ``gpu_memory_utilization`` is the release's
         default, with a warning.
 
     Raises:
@@ -115,12 +122,19 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     printed = parsed.settings
     warnings: list[str] = []
     version = engine_version or parsed.vllm_version
+    release = None
     if not version:
-        version, inferred_engine, marker = infer_version(parsed.log_formats, engine or parsed.engine)
-        engine = engine or inferred_engine
-        how = (f"from its {marker!r} lines (the earliest release that prints them)" if marker is not None
-               else "the engine's default (no log-line format identifies the release)")
-        warnings.append(f"the log does not print the vLLM version; assumed {version} ({inferred_engine}) {how}; "
+        from tuner.release_infer import infer_for_log
+
+        release = infer_for_log(parsed.release_lines, engine=engine or parsed.engine, config=config,
+                                quantization=(options or {}).get("quantization") or printed.get("quantization"),
+                                kv_cache_dtype=(options or {}).get("kv_cache_dtype") or printed.get("kv_cache_dtype"))
+        if release.release is None:
+            raise DropError("the log does not print the vLLM version and no modelled release is consistent with "
+                            "what it names; give --engine-version", path=source, field="engine_version")
+        version = release.release
+        engine = engine or release.engine
+        warnings.append(f"the log does not print the vLLM version; {release.describe()}; "
                         "give --engine-version if it was another release")
     try:
         v = parse_version(version)
@@ -187,7 +201,8 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         doc["entry_point"] = pick("entry_point")
     drop = parse_drop(json.dumps(doc), source or "log")
     return drop, {"engine": eng, "device_name": dev_name, "total_memory_bytes": int(total), "warnings": warnings,
-                  "not_modelled": [n.to_dict() for n in not_modelled]}
+                  "not_modelled": [n.to_dict() for n in not_modelled],
+                  "release": release.to_dict() if release is not None else None}
 
 
 def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str | None,
@@ -305,7 +320,8 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
     drop, extra = resolve_settings(parsed, model=model, device=device, engine_version=engine_version,
                                    engine=engine, options=options, config=config, source=str(path))
     row = run_row(parsed, drop, extra, config=config or {}, config_sha256=config_sha, log_sha256=log_sha)
-    outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])))
+    outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])),
+                            release=extra.get("release"))
     if no_config is not None:
         predict = False
         outcome.warnings.append(
@@ -319,7 +335,7 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
         outcome.drop_id, outcome.already = earlier["drop_id"], True
         return outcome
     content = json.dumps({"log": str(path), "parsed": parsed.to_dict(), "settings": drop.to_dict(),
-                          "engine": extra["engine"]}, sort_keys=True, default=str)
+                          "engine": extra["engine"], "release": extra.get("release")}, sort_keys=True, default=str)
     drop_row = {"name": drop.name, "path": str(path), "content_sha256": log_sha, "content": content,
                 "model": model, "device_name": extra["device_name"], "engine_version": drop.engine_version,
                 "method": "import"}

@@ -23,7 +23,7 @@ from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import release_warning, v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
-                                 check_quantization)
+                                 check_architecture, check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
 from tuner.kvcache import with_kv_quant_mode
 from tuner.plugin import RankSettings, load_registry
@@ -762,6 +762,7 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     and what vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers
     vs PP."""
     spec, plugin, path = model.spec, model.plugin, drop.path or None
+    check_architecture(spec.architectures, version=era.version, path=path)
     warnings.extend(check_quantization(drop.quantization, spec.quantization_config, version=era.version, path=path))
     dtype = resolve_dtype(drop.dtype, spec.torch_dtype)
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
