@@ -269,7 +269,9 @@ def case_drop(case: dict, models_dir: str | Path):
     from tuner.protocol import point_of
 
     max_model_len = point_of(sa.values).max_model_len or derived_max_model_len(config_path, values["hf_overrides"])
-    return to_drop(sa, device=_device(case), engine_version=version, allow_unmodelled=True,
+    device = _device(case)
+    # a drop states per-stage cards as a device list (the request carries the resolved ``stages``)
+    return to_drop(sa, device=device.get("stages") or device, engine_version=version, allow_unmodelled=True,
                    name=drop_name(str(case["id"]), "case"), model=str(config_path.parent), max_model_len=max_model_len,
                    label=source, extra_not_modelled=extra)
 
