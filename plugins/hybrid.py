@@ -49,7 +49,8 @@ from __future__ import annotations
 import math
 
 from tuner.errors import PluginError
-from tuner.kvcache import FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_heads_per_rank
+from tuner.kvcache import (FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_content_bytes, kv_heads_per_rank,
+                           kv_quant_mode_for)
 from tuner.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -146,7 +147,14 @@ class _HybridPlugin(ModelPlugin):
         kv_total, head = self.attn_geometry(spec)
         kv = kv_heads_per_rank(kv_total, settings.tensor_parallel_size)
         dt = dtype_bytes_for(settings.kv_cache_dtype, settings.dtype)
-        per_token = 2 * kv * head * dt
+        # the attention page of one token as vLLM aligns it (vllm/platforms/interface.py
+        # ``_align_hybrid_block_size``, 0.20 and 0.24 read: ``FullAttentionSpec(block_size=1, …,
+        # kv_quant_mode=get_kv_quant_mode(cache_dtype)).page_size_bytes``): per-token-head scales and
+        # packed NVFP4 / int4 included, so the padded state page equals the attention page that
+        # :func:`tuner.kvcache.with_kv_quant_mode` later gives the attention layers
+        mode = kv_quant_mode_for(settings.kv_cache_dtype)
+        mode = None if mode in (None, "FP8_PER_TENSOR") or str(mode).startswith("TURBOQUANT") else mode
+        per_token = kv * kv_content_bytes(mode, head, head, dt)
         stage = stage_layers(spec, settings, num_layers=len(kinds))
         if settings.runs_attention:  # V0 engine: the profile runs attention; only attention layers hold KV
             bs = settings.block_size or 16
@@ -160,7 +168,7 @@ class _HybridPlugin(ModelPlugin):
         out = {}
         for i in stage:
             if kinds[i] == "attention":
-                out[self.layer_name(i, "attention")] = FullAttentionSpec(bs, kv, head, dt)
+                out[self.layer_name(i, "attention")] = FullAttentionSpec(bs, kv, head, dt, kv_quant_mode=mode)
             elif kinds[i] == "state":
                 out[self.layer_name(i, "state")] = MambaSpec(bs, shapes, dts, page_size_padded=pad,
                                                              mamba_cache_mode=settings.mamba_cache_mode)

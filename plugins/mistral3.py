@@ -105,7 +105,10 @@ class Mistral3Plugin(GenericDecoderPlugin):
         v0 = settings.runs_attention
         vision = None
         if settings.pp_rank == 0 or not v0:
-            vision = VisionTower(self.top_config(spec), dtype, kind=self.vision_kind, tp=settings.tensor_parallel_size,
+            # the Mistral format (PixtralForConditionalGeneration, vllm/model_executor/models/pixtral.py
+            # 0.19: VisionTransformer of plain nn.Linear) holds the whole encoder on every TP rank
+            tower_tp = 1 if getattr(settings, "config_format", "hf") == "mistral" else settings.tensor_parallel_size
+            vision = VisionTower(self.top_config(spec), dtype, kind=self.vision_kind, tp=tower_tp,
                                  quant=scheme_for(spec, settings), engine_version=settings.engine_version, v0=v0)
         return MultimodalCausalLM(text, vision, spec.hidden_size, v0=v0)
 

@@ -271,7 +271,9 @@ def test_yaml_anchors_within_limits_are_fine():
         (MINIMAL + "enforce_eager: null\n", "enforce_eager", "true or false"),
         (MINIMAL + "enable_chunked_prefill: 1\n", "enable_chunked_prefill", "true or false"),
         # candidates
-        (MINIMAL.replace("[0.9]", "0.9"), "candidates.gpu_memory_utilization", "list"),
+        # a scalar is taken as a one-element list (issue 31); a boolean or mapping is not
+        (MINIMAL.replace("[0.9]", "true"), "candidates.gpu_memory_utilization", "list"),
+        (MINIMAL.replace("[0.9]", "1.5"), "candidates.gpu_memory_utilization[0]", "(0, 1]"),
         (MINIMAL.replace("[0.9]", "[]"), "candidates.gpu_memory_utilization", "1–64"),
         (MINIMAL.replace("[0.9]", "[0.5, 0.7, 0]"), "candidates.gpu_memory_utilization[2]", "(0, 1]"),
         (MINIMAL.replace("[0.9]", "[1.5]"), "candidates.gpu_memory_utilization[0]", "(0, 1]"),
@@ -284,7 +286,7 @@ def test_yaml_anchors_within_limits_are_fine():
         (MINIMAL + "  max_model_len: [4096.0]\n", "candidates.max_model_len[0]", "integer"),
         (MINIMAL + "  max_model_len: [true]\n", "candidates.max_model_len[0]", "integer"),
         (MINIMAL + "  max_model_len: []\n", "candidates.max_model_len", "1–4096"),
-        (MINIMAL + "  max_model_len: 8192\n", "candidates.max_model_len", "list of integers"),
+        (MINIMAL + "  max_model_len: true\n", "candidates.max_model_len", "list of integers"),
         (MINIMAL + "  max_model_len: {min: 9000, max: 8000, step: 1}\n", "candidates.max_model_len.min",
          "greater than max"),
         (MINIMAL + "  max_model_len: {min: 1, max: 100000, step: 1}\n", "candidates.max_model_len.step",

@@ -165,3 +165,64 @@ def test_explain_shows_engine_defaults_next_to_the_era_rules():
     text = "\n".join(engine_check_lines(rep))
     assert "scheduler defaults (engine / era rule): max_num_batched_tokens 16384 / 8192, max_num_seqs 1024 / 1024" in text
     assert "default differs: max_num_batched_tokens: engine 16384, era rule 8192 (engine's applied)" in text
+
+
+# -- issue 34: the engine trace isolated -------------------------------------------------------------
+
+def test_trace_killed_by_sigsegv_failed_the_job(monkeypatch):
+    """The traced profile run died with SIGSEGV inside a compiled kernel fed a fake tensor's data
+    pointer (Qwen3-Next), and took the worker and its job with it (``WorkerError … killed by
+    signal 11``, exit 1). The trace runs in a sacrificial child now: this process lives on, and
+    the pass falls back to the plugin's with the crash named in the warning and the report."""
+    import os
+    import signal
+
+    import tuner.simulate.profile as profile
+
+    def segfault(s, **kw):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+    use = _use(monkeypatch, segfault)
+    monkeypatch.setattr(profile, "run_pass", lambda *a, **k: "plugin pass")
+    spec, settings, era, batch = _pass_args()
+    assert use.run_pass("plugin", spec, settings, era, batch, model_runner_v2=False) == "plugin pass"
+    assert use.approximate_activation and not use.traced
+    (w,) = use.warnings
+    assert w.startswith("engine-trace not run (engine-trace: the traced profile run crashed: its process was killed by "
+                        "signal 11 (SIGSEGV); the crash stayed in that sacrificial process)")
+    assert use.report["trace"] == [{"error": w[len("engine-trace not run ("):w.index("); activation peak")],
+                                    "crash": "SIGSEGV"}]
+
+
+def test_isolated_trace_returns_results_and_typed_errors_and_names_aborts():
+    import os
+
+    from tuner.engine.isolate import EngineTraceCrashed, run_isolated
+
+    assert run_isolated(lambda a, b=0: {"sum": a + b, "pid": os.getpid()}, 2, b=3)["sum"] == 5
+    assert run_isolated(lambda: os.getpid()) != os.getpid()  # it ran elsewhere
+
+    def typed():
+        raise EngineTraceUnavailable("op _C::foo has no fake kernel", where="/m")
+
+    try:
+        run_isolated(typed)
+    except EngineTraceUnavailable as exc:
+        assert type(exc) is EngineTraceUnavailable and (exc.message, exc.where) == ("op _C::foo has no fake kernel", "/m")
+    else:  # pragma: no cover
+        raise AssertionError("no error")
+    for fn, needle in ((os.abort, "killed by signal 6 (SIGABRT)"), (lambda: os._exit(3), "exit status 3")):
+        try:
+            run_isolated(fn, where="m")
+        except EngineTraceCrashed as exc:
+            assert needle in exc.message and exc.where == "m"
+        else:  # pragma: no cover
+            raise AssertionError("no crash")
+
+    def untyped():
+        raise RuntimeError("Accessing the data pointer of FakeTensor is deprecated")
+
+    try:
+        run_isolated(untyped)
+    except EngineTraceUnavailable as exc:
+        assert exc.message == "RuntimeError: Accessing the data pointer of FakeTensor is deprecated"

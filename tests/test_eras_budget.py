@@ -73,7 +73,8 @@ def test_v1_defaults_by_gpu_tier():
 def test_sampler_families():
     assert sampler_family(era_for("0.6.4")) == "v0_sort"
     assert sampler_family(era_for("0.7.0", "V1")) == "v1_all_logits"
-    assert sampler_family(era_for("0.10.1")) == "v1_flashinfer"
+    assert sampler_family(era_for("0.10.1")) == "v1_sort"  # a pip install: no FlashInfer before 0.11.1
+    assert sampler_family(era_for("0.10.1"), flashinfer=True) == "v1_flashinfer"
     assert sampler_family(era_for("0.13.0")) == "v1_sort"
     assert sampler_family(era_for("0.19.0")) == "v1_triton"
 

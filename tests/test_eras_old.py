@@ -13,7 +13,7 @@ from tuner.eras import (
     v0_multimodal_min_batched_tokens,
     v0_uses_sliding_window,
 )
-from tuner.simulate.sampler import FLASHINFER_WORKSPACE_FP32_BUFFERS, run_dummy_sampler
+from tuner.simulate.sampler import FLASHINFER_DEFAULT_BUFFERS, FLASHINFER_WORKSPACE_FP32_BUFFERS, run_dummy_sampler
 from tuner.simulate.tracker import MemoryTracker
 
 
@@ -79,12 +79,12 @@ class _Head(torch.nn.Module):
         return torch.nn.functional.linear(h, self.w)
 
 
-def _sampler_peak(version: str, r: int, v: int, h: int = 64) -> int:
+def _sampler_peak(version: str, r: int, v: int, h: int = 64, flashinfer: bool | None = None) -> int:
     head = _Head(v, h)
     hidden = torch.empty(r, h, dtype=torch.bfloat16)
     e = era_for(version)
     with torch.no_grad(), MemoryTracker() as t:
-        run_dummy_sampler(sampler_family(e), head, hidden, num_reqs=r, version=e.version.key)
+        run_dummy_sampler(sampler_family(e, flashinfer=flashinfer), head, hidden, num_reqs=r, version=e.version.key)
     return t.peak_bytes
 
 
@@ -93,14 +93,13 @@ def test_flashinfer_sampler_buffers_by_release():
     [R, V] buffer; 0.9.0–0.10.x ``top_k_top_p_sampling_from_logits`` → FlashInfer
     ``top_k_mask_logits`` (empty_like) + softmax → two (vllm/v1/sample/ops/topk_topp_sampler.py)."""
     assert FLASHINFER_WORKSPACE_FP32_BUFFERS[(0, 8)] == 1
-    assert FLASHINFER_WORKSPACE_FP32_BUFFERS[(0, 9)] == 2
-    assert FLASHINFER_WORKSPACE_FP32_BUFFERS[(0, 10)] == 2
+    assert FLASHINFER_DEFAULT_BUFFERS == 2  # 0.9–0.16
     r, v, h = 8, 1024, 64  # every allocation a multiple of 512 B
     # [R, H] rand_like copy (bf16) + [R, V] bf16 logits + fp32 logits + k fp32 buffers (+ [R] argmax)
     base = r * h * 2 + r * v * 2 + r * v * 4
     argmax = 512
-    assert _sampler_peak("0.8.5", r, v, h) == base + 1 * r * v * 4 + argmax
-    assert _sampler_peak("0.10.1", r, v, h) == base + 2 * r * v * 4 + argmax
+    assert _sampler_peak("0.8.5", r, v, h, flashinfer=True) == base + 1 * r * v * 4 + argmax
+    assert _sampler_peak("0.10.1", r, v, h, flashinfer=True) == base + 2 * r * v * 4 + argmax
 
 
 def test_flashinfer_sampler_opt_in_from_0_11_1():
@@ -108,11 +107,11 @@ def test_flashinfer_sampler_opt_in_from_0_11_1():
     unless ``VLLM_USE_FLASHINFER_SAMPLER=0``; 0.11.0→0.11.1 turns it into an opt-in
     (``if envs.VLLM_USE_FLASHINFER_SAMPLER:``), so 0.11.1 and 0.11.2 profile the PyTorch sort path
     that 0.12 keeps (same ``apply_top_k_top_p``)."""
-    assert sampler_family(era_for("0.11.0")) == "v1_flashinfer"
+    assert sampler_family(era_for("0.11.0"), flashinfer=True) == "v1_flashinfer"
     assert sampler_family(era_for("0.11.1")) == sampler_family(era_for("0.11.2")) == "v1_sort"
     r, v, h = 8, 1024, 64
     assert _sampler_peak("0.11.1", r, v, h) == _sampler_peak("0.12.0", r, v, h)
-    assert _sampler_peak("0.11.1", r, v, h) != _sampler_peak("0.11.0", r, v, h)
+    assert _sampler_peak("0.11.1", r, v, h) != _sampler_peak("0.11.0", r, v, h, flashinfer=True)
 
 
 def test_v0_sampler_peak_is_32_bytes_per_logit():

@@ -213,28 +213,31 @@ def _named(*specs) -> dict:
     return {f"model.layers.{i}.attn": s for i, s in enumerate(specs)}
 
 
-def test_non_divisible_sliding_window_page_is_padded_not_refused_from_0_32():
-    # full page 16·2·256·2 = 16,384; SW page 16·2·192·2 = 12,288 does not divide it: 0.32 pads
-    # the SW page to 16,384 (two buckets of two → bytes per block 2 · 16,384).
+def test_non_divisible_sliding_window_page_is_padded_not_refused_from_0_24():
+    # full page 16·2·256·2 = 16,384; SW page 16·2·192·2 = 12,288 does not divide it: vLLM pads
+    # the SW page to 16,384 from 0.24 (kv_cache_utils.py unify_kv_cache_spec_page_size: 0.24–0.28 for
+    # block-stride backends, 0.29+ any non-MLA spec; read in 0.24, 0.26, 0.29, 0.30) and refuses
+    # before (0.20: NotImplementedError) (two buckets of two → bytes per block 2 · 16,384).
     specs = _named(_bf16(2, 128), kv.SlidingWindowSpec(16, 2, 96, 2, 1024), _bf16(2, 128),
                    kv.SlidingWindowSpec(16, 2, 96, 2, 1024))
     cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192)
     assert (cfg.num_blocks, cfg.bytes_per_block, len(cfg.kv_cache_groups)) == (32_768, 32_768, 2)
     assert kv.kv_cache_tokens("0.32.0", cfg, 8192) == 380_759  # vLLM 0.32.0
     with pytest.raises(kv.UnsupportedKVCacheError):
-        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192)
+        kv.get_kv_cache_config("0.23.0", specs, GiB, max_model_len=8192)
 
 
-def test_smaller_mamba_page_is_padded_not_refused_from_0_32():
+def test_smaller_mamba_page_is_padded_not_refused_from_0_26():
     # Mamba page 3·256·2 + 4·16·16·4 = 5,632 B (bf16 conv, fp32 state) beside 16,384 B attention
-    # pages: 0.32 pads the state page to 16,384 instead of refusing.
+    # pages: unify_kv_cache_spec_page_size pads the state page to 16,384 from 0.26 (0.26, 0.29, 0.30
+    # read) instead of refusing (0.25: only the config's hybrid alignment pads it).
     mamba = kv.MambaSpec(16, ((3, 256), (4, 16, 16)), (2, 4))
     specs = _named(_bf16(2, 128), mamba, _bf16(2, 128), mamba)
     cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192)
     assert (cfg.num_blocks, len(cfg.kv_cache_groups)) == (32_768, 2)
     assert kv.kv_cache_tokens("0.32.0", cfg, 8192) == 523_265  # vLLM 0.32.0
     with pytest.raises(kv.UnsupportedKVCacheError):
-        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192)
+        kv.get_kv_cache_config("0.25.0", specs, GiB, max_model_len=8192)
 
 
 def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_32():

@@ -254,7 +254,7 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
                                   "first_drop_id": 1}
     assert forced["pass_source"] == {"source": "worker", "stored_passes": 0, "computed_passes": n,
                                      "reason": "no-cache"}
-    assert doc.pop("drop_id") != forced.pop("drop_id")
+    assert doc.pop("drop_id") == forced.pop("drop_id")  # the same drop and results: its row reused (issue 31)
     assert _strip(doc) == _strip(forced)
     assert [p["gpu_memory_utilization"] for p in doc["proposals"]] == [0.5, 0.7]
 
@@ -430,3 +430,58 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
         assert answer is not None
         assert _strip(answer["candidates"]) == _strip(fresh["candidates"])
         assert _strip(answer["proposals"]) == _strip(fresh["proposals"])
+
+
+# -- issue 34: the engine's answers memoized ---------------------------------------------------------
+
+def test_repeated_question_with_vllm_installed_was_not_memoizable(tmp_path, monkeypatch):
+    """With vLLM installed every answer was "not memoizable: … an engine adapter" — a repeated
+    question paid the worker, torch and ``import vllm`` every time. The worker now returns the
+    engine's whole answer as a memo entry keyed by the request and the vLLM build, and a repeat is
+    answered in this process (no worker, no ``import vllm``); another build, or other settings,
+    miss. (Here the engine takes part without vLLM being imported at all: a V0 release, where the
+    adapter only records that it skipped the cross-check.)"""
+    import tuner.engine as engine_pkg
+
+    build = {"dist": "vllm", "version": "0.32.0", "origin": "/venv/vllm/__init__.py", "mtime_ns": 1}
+    monkeypatch.setattr(engine_pkg, "vllm_importable", lambda: True)
+    monkeypatch.setattr(passmemo, "engine_build", lambda: dict(build))
+    request = _request("llama-3.1-8b-h100.yaml")
+    request["drop"]["engine_version"] = "0.6.5"  # V0: the adapter takes part without importing vLLM
+    request["drop"]["candidates"]["max_model_len"] = [4096, 8192]  # V0 without chunked prefill
+    db = tmp_path / "memo.sqlite"
+    open_store(str(db)).close()
+    calls = []
+
+    def inner(req, **_kw):
+        calls.append(1)
+        return _worker_run(req)
+
+    worker = memoanswer.memo_worker(str(db), inner)
+    first = worker(copy.deepcopy(request), job="j")
+    assert len(calls) == 1 and first[memoanswer.PASS_SOURCE]["source"] == "worker"
+    assert any("engine cross-check skipped" in w for w in first["warnings"])
+    again = worker(copy.deepcopy(request), job="j")
+    assert len(calls) == 1, "answered by a worker again"
+    assert again[memoanswer.PASS_SOURCE] == {"source": "memo", "stored_passes": 0, "computed_passes": 0,
+                                             "engine_answer": True}
+    assert _strip(again) == _strip(first)
+    assert "vllm" not in sys.modules
+    assert memoanswer.pass_source_line(again[memoanswer.PASS_SOURCE]) == (
+        "passes: memo (the engine's stored answer for this request and vLLM build; no worker, no torch, "
+        "no vLLM import)")
+    # another drop name, same question: the same answer
+    renamed = copy.deepcopy(request)
+    renamed["drop"]["name"] = "other-name"
+    worker(renamed, job="j")
+    assert len(calls) == 1
+    # another vLLM build, or another setting: a worker
+    build["mtime_ns"] = 2
+    worker(copy.deepcopy(request), job="j")
+    assert len(calls) == 2
+    worker(_with(request, gpu_memory_utilization=[0.8]), job="j")
+    assert len(calls) == 3
+    # the engine off: no engine answer is looked for (the plain pass memo, as without vLLM)
+    key = passmemo.engine_answer_key(memoanswer.job_request(request))
+    monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
+    assert memoanswer.answer_from_memo(request, {key: first}) == (None, {})

@@ -240,5 +240,9 @@ def test_rocm_profile_sampler_sorts_where_cuda_runs_flashinfer(shared_dir):
                 "gpu": gpu, "gpu_total_gib": gib, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                 "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 8192, "max_num_seqs": 1024,
                              "max_num_batched_tokens": 8192}, "observed": {}}
-        peaks[gpu] = run_job(case_request(case, shared_dir / "models"))["candidates"][0]["activation_peak_bytes"]
-    assert peaks == {"AMD Instinct MI300X": 3367511780, "NVIDIA H100 80GB HBM3": 2047603633}
+        req = case_request(case, shared_dir / "models")
+        # FlashInfer installed (drop field flashinfer_installed): CUDA runs it, ROCm still sorts
+        req = {**req, "drop": {**req["drop"], "flashinfer_installed": True}}
+        peaks[gpu] = run_job(req)["candidates"][0]["activation_peak_bytes"]
+    # ROCm sorts with PyTorch (38 B per sampled logit at >= 128 rows, issue 28 #1) though FlashInfer is installed
+    assert peaks == {"AMD Instinct MI300X": 5215383186, "NVIDIA H100 80GB HBM3": 2047603633}

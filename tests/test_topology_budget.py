@@ -89,10 +89,12 @@ def test_cudagraph_estimate_scales_with_the_capture_count():
     full = cudagraph_estimate_bytes(v20, num_layers=32, max_num_seqs=1024, max_num_batched_tokens=8192)
     assert abs(full / GiB - 0.84) < 0.001
     one_seq = cudagraph_estimate_bytes(v20, num_layers=32, max_num_seqs=1, max_num_batched_tokens=8192)
-    assert one_seq == int(0.84 * GiB * 2 / 51)
+    # PIECEWISE [1, 2] + FULL [1] (sizes in [1, 1 · max_num_seqs]) of the anchor's 51 + 51
+    assert one_seq == int(0.84 * GiB * 3 / 102)
     spec = cudagraph_estimate_bytes(v20, num_layers=32, max_num_seqs=4, max_num_batched_tokens=8192,
                                     num_speculative_tokens=3)
-    assert spec == int(0.84 * GiB * 7 / 51)
+    # PIECEWISE 7 sizes up to 32 + FULL 4, 8, 16 (in [q, q · 4], q = 4)
+    assert spec == int(0.84 * GiB * 10 / 102)
 
 
 _DROP = """name: d

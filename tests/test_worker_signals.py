@@ -40,12 +40,14 @@ def test_interrupt_while_waiting_kills_the_worker_group_and_reraises(tmp_path, e
     def popen(*args, **kw):  # the real Popen; its wait is interrupted like Ctrl-C / SIGTERM would
         proc = subprocess.Popen(*args, **kw)
         started.append(proc)
+        real_wait = proc.wait
 
-        def communicate(*_a, **_kw):
-            proc.stdin.close()  # an empty request: the worker goes on to start its child and hang
-            poll(marker.exists, 20, what="the worker and its child started")
-            raise exc_type()
-        proc.communicate = communicate
+        def wait(timeout=None):  # the wait for the worker's exit (tuner.worker watches that, not its pipes)
+            if not marker.exists() or timeout is None or timeout > 30:
+                poll(marker.exists, 20, what="the worker and its child started")
+                raise exc_type()
+            return real_wait(timeout)
+        proc.wait = wait
         return proc
 
     with pytest.raises(exc_type):

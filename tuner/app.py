@@ -325,7 +325,12 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
                 residuals(conn, drop_id)
             store.put_memo(memo_entries, conn)
 
-        outcome.drop_id = store.save_result(*rows, also=also)
+        same = same_stored_drop(store, *rows) if outcome.method == "simulate" and residuals is None else None
+        if same is not None:  # the same drop file with the same results: its row, not a copy
+            outcome.drop_id, outcome.reused = same, True
+            store.put_memo(memo_entries)
+        else:
+            outcome.drop_id = store.save_result(*rows, also=also)
     finally:
         if ahead is not None:
             ahead.cancel()  # unused (the memo answered, an error on the way); a used one is reaped
@@ -336,6 +341,62 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
         if store is not None:
             store.close()
     return outcome
+
+
+def _store_rows(store: Any, sql: str, params: dict) -> list[tuple]:
+    """A read on either store kind (:class:`tuner.store.Store` or the standard-library
+    :class:`tuner.litestore.LiteStore`): ``:name`` parameters, rows as tuples."""
+    if hasattr(store, "_query"):  # LiteStore: sqlite3 takes :name with a dict
+        return [tuple(r) for r in store._query(sql, params)]
+    import sqlalchemy as sa
+
+    with store.reader.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text(sql), params).all()]
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return bool(a) == bool(b)
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)))
+    return a == b
+
+
+def same_stored_drop(store: Any, drop: dict, runs: list[dict], candidates: list[dict],
+                     proposals: list[dict]) -> int | None:
+    """The id of the newest stored drop row this result would repeat — the same name, file, bytes,
+    model, device, release and method (no owner: ``profile``'s own rows), the same passes and the
+    same candidates and proposals, column by column — or None. ``profile`` run again on an
+    unchanged drop then reuses that row instead of storing a copy each time."""
+    rows = _store_rows(store, "SELECT id FROM drops WHERE name = :name AND content_sha256 = :sha AND "
+                              "coalesce(path, '') = :path AND model = :model AND device_name = :device AND "
+                              "engine_version = :ev AND method = :method AND retired_at IS NULL AND owner_id IS NULL "
+                              "ORDER BY id DESC LIMIT 1",
+                       {"name": drop["name"], "sha": drop["content_sha256"], "path": drop.get("path") or "",
+                        "model": drop["model"], "device": drop["device_name"], "ev": drop["engine_version"],
+                        "method": drop["method"]})
+    if not rows:
+        return None
+    drop_id = int(rows[0][0])
+    passes = sorted(r["pass_sha256"] for r in runs)
+    stored = sorted(r[0] for r in _store_rows(store, "SELECT pass_sha256 FROM profile_runs WHERE drop_id = :d",
+                                              {"d": drop_id}))
+    if passes != stored:
+        return None
+    for table, new in (("candidates", candidates), ("proposals", proposals)):
+        cols = sorted({k for row in new for k in row if k not in ("run_key", "key")})
+        if not cols:
+            if _store_rows(store, f"SELECT count(*) FROM {table} WHERE drop_id = :d", {"d": drop_id})[0][0]:
+                return None
+            continue
+        old = _store_rows(store, f"SELECT {', '.join(cols)} FROM {table} WHERE drop_id = :d ORDER BY id",
+                          {"d": drop_id})
+        if len(old) != len(new):
+            return None
+        for o, n in zip(old, new):
+            if not all(_same_values(o[i], n.get(c)) for i, c in enumerate(cols)):
+                return None
+    return drop_id
 
 
 def _needs_worker(request: JobRequest, db_url: str | None, cache: bool, python: str | None = None) -> bool:

@@ -201,15 +201,25 @@ def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
     return int(out * GiB)
 
 
+def tp_group_bytes(era: Era, world_size: int, topology: Topology) -> int:
+    """A TP group's communication memory where the era charges all of it (V0 and V1 ≤ 0.10, whose
+    snapshot precedes ``init_worker_distributed_environment``, and the whole-GPU formulas): NCCL's
+    buffers by fabric (:func:`nccl_profile_bytes`) and vLLM's custom all-reduce and symmetric-memory
+    buffers where they come up (:func:`custom_all_reduce_buffer_bytes`, :func:`symm_mem_buffer_bytes`)."""
+    return (nccl_profile_bytes(era, world_size, topology) + custom_all_reduce_buffer_bytes(era, world_size, topology)
+            + symm_mem_buffer_bytes(era, world_size, topology))
+
+
 def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                     topology: Topology | None = None) -> int:
     """Non-torch memory the era charges to the instance (bytes, per rank).
 
     What it contains depends on the era (reference §8):
     - V0 0.6.4 and V1 0.7–0.9.0 count everything used on the GPU outside torch's allocations,
-      the CUDA context included: 0.35 GiB on one RTX 3090 (case vllm-10517, 0.6.4).
-    - V0 0.6.5–0.6.6 charge NCCL and workspaces since init: 1.79 GiB TP1, 3.58 GiB TP2
-      (PR #10511 sanity log, reference §7A).
+      the CUDA context included: 0.35 GiB on one RTX 3090 (case vllm-10517, 0.6.4); TP ≥ 2 adds the
+      group's buffers by topology (:func:`tp_group_bytes`), not a flat charge.
+    - V0 0.6.5–0.6.6 charge NCCL and workspaces since init: 1.79 GiB TP1, + the TP group's buffers
+      by topology (3.58 GiB at TP2 on H100 NVSwitch, PR #10511 sanity log, reference §7A).
     - V1 0.9.1–0.10.x at TP1: :data:`V1_0910_TP1_NON_TORCH_GIB` (module loads only).
     - V0 ≤0.6.3 charges the free-memory drop since init: not the CUDA context (created before the
       baseline) but the torch cache the profile leaves (no ``empty_cache``), cuBLAS and NCCL;
@@ -227,10 +237,14 @@ def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_paralle
     v = era.version
     f = era.budget_formula
     if f in (V0_WHOLE_GPU, V1_WHOLE_GPU, V0_FREE_DELTA):
-        base = 0.35 * GiB
-        return int(base + (1.8 * GiB if tp > 1 else 0))
+        # whole-GPU formulas: the TP group's NCCL and custom all-reduce buffers count wherever they
+        # are, by topology (no longer a flat 1.8 GiB: 2x RTX 4090 over PCIe print 0.25 GiB in all)
+        base = int(0.35 * GiB)
+        return base + (tp_group_bytes(era, tp, topo) if tp > 1 else 0)
     if f == V0_PROFILING and v < (0, 7, 0):
-        return int(1.79 * GiB * (2 if tp > 1 else 1))
+        # 0.6.5-0.6.6: 1.79 GiB at TP1; the TP group's buffers by topology (the PR #10511 H100 TP2 log's
+        # 3.58 GiB = 1.79 + 1.79 on NVSwitch)
+        return int(1.79 * GiB) + (tp_group_bytes(era, tp, topo) if tp > 1 else 0)
     if f == V0_PROFILING:
         base = int(0.25 * GiB)
     elif v < (0, 11, 0):
@@ -517,9 +531,11 @@ def cudagraph_estimate_bytes(
     CodeLlama-7B, Qwen3-8B, Gemma-2-9B and Mistral-Small-24B all print 0.84), proportional below
     with a 0.5 GiB floor (Gemma-2-2B 0.52, 8-16-layer pipeline stages 0.49-0.54), +1.5 GiB per 10⁶
     above (Qwen2.5-72B: 1.63). Fit: median |error| 0.03 GiB on dense models; MoE/MLA models print
-    0.3-0.9 GiB more (not modelled). Other capture-size counts (:func:`cudagraph_capture_sizes`:
-    small ``max_num_seqs``, spec decode's ``1 + num_speculative_tokens`` tokens per request, a
-    user list) scale it by ``n / 51``, vLLM's own extrapolation. ``always`` returns the estimate
+    0.3-0.9 GiB more (not modelled). Other graph counts scale it by ``graphs / 102``, vLLM's own
+    extrapolation (``first + per_graph·(n − 1)`` per mode, the modes' growth added): the anchor's
+    102 graphs are 51 PIECEWISE + 51 FULL (:func:`full_decode_capture_sizes`); small
+    ``max_num_seqs`` captures fewer FULL graphs, spec decode's ``1 + num_speculative_tokens`` tokens
+    per request and a user list change both (:func:`cudagraph_capture_sizes`). ``always`` returns the estimate
     even where the era does not subtract it (for reports). ``extra_layer_hidden``: a
     speculative-decoding drafter's layers × hidden captured with the target's
     (:func:`tuner.specdecode.drafter_graph_layer_hidden`), added to the residual stream.
@@ -547,7 +563,21 @@ def cudagraph_estimate_bytes(
     sizes = capture_sizes if capture_sizes is not None else cudagraph_capture_sizes(
         era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
         compute_capability=compute_capability)
-    return int(est * len(sizes) / CUDAGRAPH_ANCHOR_SIZES)
+    graphs = len(sizes) + len(full_decode_capture_sizes(sizes, max_num_seqs, num_speculative_tokens))
+    return int(est * graphs / (2 * CUDAGRAPH_ANCHOR_SIZES))
+
+
+def full_decode_capture_sizes(sizes: list[int], max_num_seqs: int, num_speculative_tokens: int = 0) -> list[int]:
+    """The FULL (uniform-decode) graphs vLLM captures beside the PIECEWISE ones under the default
+    ``cudagraph_mode`` FULL_AND_PIECEWISE (vllm/v1/cudagraph_dispatcher.py
+    ``initialize_cudagraph_keys``, 0.19–0.20 read): the capture sizes ``x`` with
+    ``q ≤ x ≤ q · max_num_seqs``, ``q = 1 + num_speculative_tokens`` (the uniform decode query
+    length). ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py 0.19, 0.20) estimates
+    each mode as its first capture plus ``(n − 1)`` times the second capture's growth, and adds the
+    modes' growth: the graph count is PIECEWISE + FULL (the anchor's 0.19 logs: 51 + 51 at 1024
+    sequences; 0.21 at 256 sequences prints "PIECEWISE=51 (largest=512), FULL=35 (largest=256)")."""
+    q = 1 + int(num_speculative_tokens)
+    return [x for x in sizes if q <= x <= q * int(max_num_seqs)]
 
 
 #: vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py): the margin kept free

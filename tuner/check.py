@@ -170,6 +170,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if "max_model_len" not in d["candidates"]:
         d["candidates"].update(max_model_len=[m])
         drop = build_drop(sa, d, label=label)
+    # the store's pass memo is read, never written: a check leaves no trace in the store it reads
+    from tuner.explain import _default_worker
+    from tuner.memoanswer import memo_worker
+    from tuner.store import store_exists
+    from tuner.storerules import DEFAULT_PATH
+
+    store_used = DEFAULT_PATH if store_exists(None) else None
+    memo = memo_worker(None, worker or _default_worker(), write=False)
     named = unmodelled_for_job(sa, unmodelled)
     import dataclasses
 
@@ -177,7 +185,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     # safe end's answer travels beside it (max_model_len_safe: "starts for sure")
     drop = dataclasses.replace(drop, constraints=dataclasses.replace(drop.constraints, risk="expected"))
     try:
-        doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=worker,
+        doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=memo,
                            timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
                            calibrate=False, unmodelled=named)
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
@@ -273,12 +281,15 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "command": serve_line(model, checked_values),
         "numbers": numbers,
         "nearest": nearest,
+        "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None),
         "parser": sa.parser,
         "read": sa.to_dict(),
         "not_modelled": [n.to_dict() for n in unmodelled],
         "drop": {k: v for k, v in d.items()},
         "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
         "assumptions": list(doc.get("assumptions") or []),
+        "store": {"path": os.path.abspath(store_used) if store_used else None, "read": "pass memo" if store_used else None,
+                  "written": False},
     }
     return CheckResult(starts, out, e)
 
@@ -356,6 +367,38 @@ def nearest_settings(e: dict, *, model: str, values: dict) -> list[dict]:
     return out
 
 
+def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
+    """The remedies ``explain`` tried that do not make the line start, in its words ("no
+    gpu_memory_utilization <= 1 is enough: …", "--kv-cache-dtype fp8: still does NOT start …")."""
+    rem = e.get("remedies") or {}
+    out: list[str] = []
+    from tuner.protocol import point_of
+
+    u = point_of(e).gpu_memory_utilization
+    lm = rem.get("largest_max_model_len")
+    if lm is not None and not point_of(lm).max_model_len:
+        out.append(f"another --max-model-len: none starts at gpu_memory_utilization {u:g}")
+    un = point_of(rem).gpu_memory_utilization or {}
+    if not kv_fixed and un and not un.get("possible") and un.get("exact") is not None:
+        out.append(f"--gpu-memory-utilization: no value <= 1 is enough (it would take {un['exact']:.3f} of total, "
+                   f"{_gib(un.get('needed_requested_bytes'))})")
+    elif not kv_fixed and un.get("possible") and (un.get("verified") or {}).get("fits") is False:
+        out.append(f"--gpu-memory-utilization {un['value']:g}: checked, still does not start")
+    for key, flag, setting in (("fp8_kv_cache", "--kv-cache-dtype", "kv_cache_dtype"),
+                               ("tensor_parallel", "--tensor-parallel-size", "tensor_parallel_size")):
+        r = rem.get(key) or {}
+        if r and not r.get("error") and r.get("fits") is False:
+            largest = r.get("largest_max_model_len")
+            out.append(f"{flag} {r.get(setting)}: still does not start ({r.get('num_gpu_blocks')} blocks, "
+                       f"{r.get('kv_cache_tokens')} KV tokens; largest max_model_len at {u:g}: "
+                       f"{largest if largest else 'none starts'})")
+    return out
+
+
+#: The store ``check`` reads the pass memo from (``profile``'s default, relative to the directory).
+DEFAULT_STORE = "var/ctx-tuner.sqlite"
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f} GiB"
 
@@ -387,6 +430,9 @@ def render(res: CheckResult) -> str:
         lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
     for w in d["warnings"]:
         lines.append(f"note: {w}")
+    st = d.get("store") or {}
+    lines.append(f"store: {st['path']} (its pass memo read; nothing written)" if st.get("path") else
+                 f"store: none ({DEFAULT_STORE} does not exist here; nothing read or written)")
     lines.append("")
     asked = d["max_model_len_requested"]
     from tuner.protocol import point_of
@@ -413,8 +459,16 @@ def render(res: CheckResult) -> str:
                      f"{n['max_concurrency']:.2f}x concurrency")
     else:
         lines.append(f"DOES NOT START: {at}")
-        lines.append(f"  vLLM: {d['engine_error']}")
-    if kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
+        from tuner.search import WEIGHTS_DO_NOT_FIT
+
+        if str(d["engine_error"]).startswith(WEIGHTS_DO_NOT_FIT):  # ctx-tuner's finding, not vLLM's words
+            lines.append(f"  {d['engine_error']}")
+            n = {**n, "kv_block_bytes": None}
+        else:
+            lines.append(f"  vLLM: {d['engine_error']}")
+    if not d["starts"] and str(d["engine_error"]).startswith("the weights do not fit"):
+        pass  # no budget to show: vLLM never gets to the memory profile
+    elif kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
         used = sum(int(n[k] or 0) for k in ("weights_bytes", "non_torch_bytes", "cuda_graph_bytes",
                                              "available_kv_cache_bytes"))
         lines.append(f"  KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes) = "
@@ -428,13 +482,16 @@ def render(res: CheckResult) -> str:
                      "tuner.search.kv_cache_memory_refusal)")
     else:
         lines.append(f"  requested {_gib(n['requested_memory_bytes'])} - weights {_gib(n['weights_bytes'])} - activation "
-                     f"peak {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
+                     f"(peak + cuBLAS workspace + reserve) {_gib(n['activation_peak_bytes'])} - non-torch {_gib(n['non_torch_bytes'])} - CUDA graphs "
                      f"{_gib(n['cuda_graph_bytes'])}"
                      + (f" - headroom cap {_gib(n['extensible_withheld_bytes'])} (0.34 extensible KV cache: device "
                         f"memory after warmup less the {_gib(n.get('extensible_margin_bytes') or 0)} margin)"
                         if n.get("extensible_withheld_bytes") else "")
                      + f" = KV cache {_gib(n['available_kv_cache_bytes'])} ({n['available_kv_cache_bytes']:,} bytes)")
-    if n.get("kv_block_bytes"):
+    if n.get("kv_block_bytes") and (n["available_kv_cache_bytes"] or 0) <= 0:  # not "-7,463,945,203 // … = 0"
+        lines.append(f"  a KV budget of {n['available_kv_cache_bytes']:,} bytes holds no block "
+                     f"({n['kv_block_bytes']:,} bytes per block of {n['block_size']} tokens)")
+    elif n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
     iv = d.get("interval")
@@ -458,4 +515,7 @@ def render(res: CheckResult) -> str:
             extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else ""
             lines.append(f"  {s['change']}{extra}:")
             lines.append(f"      {s['command']}")
+    if d.get("not_helping"):
+        lines += ["", "settings that do not help:"]
+        lines += [f"  {t}" for t in d["not_helping"]]
     return "\n".join(lines)

@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:  # bare ``ctx-tuner``: the help with every command, not argparse's "required" error
         build_parser().print_help()
         return EXIT_USAGE
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the command's usage, not the top-level one, and a close spelling when there is one
+        _unrecognized(parser, args, extras)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     in_main_thread = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
@@ -162,6 +165,33 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
             if old_int is not None:
                 signal.signal(signal.SIGINT, old_int)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Exit 2 for arguments the command does not know, with that command's usage (``ctx-tuner check
+    --max-modle-len …`` printed the top-level usage) and "did you mean" for a misspelled option."""
+    import difflib
+
+    sub = next((a.choices.get(args.command) for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+               None) or parser
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    vllm_options: list[str] = []
+    if args.command == "check":  # a vLLM flag before `--` belongs to the serve line after it
+        from tuner.serve_args import _BY_OPTION
+
+        vllm_options = [o for o in _BY_OPTION if o.startswith("--")]
+    hints = []
+    for x in extras:
+        if x.startswith("--"):
+            name = x.split("=", 1)[0]
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+            if close:
+                hints.append(close[0])
+                continue
+            close = difflib.get_close_matches(name, vllm_options, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{close[0]} in the vllm serve line after `--`")
+    sub.error(f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
 
 
 #: ``OSError`` numbers that mean the output could not be written (no space, I/O error, a bad or

@@ -212,15 +212,29 @@ def make_state_dir(settings: Settings) -> None:
         raise SettingsError(f"state_dir {d} cannot be created: {exc.strerror or exc}", path=settings.source,
                             field="state_dir") from None
     if not os.access(d, os.W_OK | os.X_OK):
+        try:  # a read-only mount refuses every user: say that, not "this user"
+            readonly = bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+        except (OSError, AttributeError):
+            readonly = False
+        if readonly:
+            raise SettingsError(f"state_dir {d} is on a read-only filesystem (mounted read-only; systemd's "
+                                "ProtectSystem= / ReadWritePaths= decide that for the unit)", path=settings.source,
+                                field="state_dir")
         raise SettingsError(f"state_dir {d} is not writable by this user", path=settings.source, field="state_dir")
 
 
 def clean_temporaries(settings: Settings) -> list[str]:
     """Remove what a crash can leave in the state directory: atomic-write temporaries of the
-    snapshot and of proposal files (``.NAME.XXXX.tmp``) and their SQLite ``-journal``. Returns the
-    paths removed. Only names this daemon creates are touched."""
+    snapshot, of proposal files and of their ``vllm serve --config`` files in
+    ``proposals/NAME.vllm/`` (``.NAME.XXXX.tmp``) and their SQLite ``-journal``. Returns the paths
+    removed. Only names this daemon creates are touched."""
     removed = []
     dirs = {Path(settings.state_dir), settings.proposals_dir, settings.snapshot_file.parent}
+    try:  # the per-proposal config directories (tuner.proposals.vllm_config_dir)
+        dirs |= {Path(e.path) for e in os.scandir(settings.proposals_dir)
+                 if e.name.endswith(".vllm") and e.is_dir(follow_symlinks=False)}
+    except OSError:
+        pass
     for d in dirs:
         try:
             entries = list(os.scandir(d))
@@ -237,13 +251,43 @@ def clean_temporaries(settings: Settings) -> list[str]:
     return sorted(removed)
 
 
+def state_dir_condition(exc: BaseException) -> str | None:
+    """What a failed write under ``state_dir`` says about the directory — "full (no space left on
+    the device)", "over its disk quota", "on a read-only filesystem", "not writable by this user"
+    — from the OS error (or SQLite's text for the snapshot copy) in ``exc`` or its causes; None for
+    another failure."""
+    import errno
+
+    seen: BaseException | None = exc
+    texts = []
+    while seen is not None:
+        code = getattr(seen, "errno", None)
+        if code in (errno.ENOSPC,):
+            return "full (no space left on the device)"
+        if code == errno.EDQUOT:
+            return "over its disk quota"
+        if code == errno.EROFS:
+            return "on a read-only filesystem"
+        if code in (errno.EACCES, errno.EPERM):
+            return "not writable by this user"
+        texts.append(str(seen).lower())
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(texts)
+    if "disk is full" in text or "no space left" in text:
+        return "full (no space left on the device)"
+    if "read-only file system" in text or "readonly database" in text:
+        return "on a read-only filesystem"
+    return None
+
+
 def _proposal_summary(props: list[dict]) -> str:
     from tuner.protocol import ProposalResult
 
+    # "gmu 0.9 → nothing starts: …", never "max_model_len None"
     return "; ".join(
-        f"gmu {gmu_text(p.gpu_memory_utilization)} → max_model_len {p.max_model_len}"
-        + (f" ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)" if p.max_model_len else
-           f" (nothing fits: {p.reason})")
+        f"gmu {gmu_text(p.gpu_memory_utilization)} → "
+        + (f"max_model_len {p.max_model_len} ({p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens)"
+           if p.max_model_len else f"nothing starts: {p.reason}")
         for p in map(ProposalResult.from_wire, props)) or "no proposals"
 
 
@@ -329,6 +373,14 @@ class Daemon:
         #: caller should end the process at once (``os._exit``) rather than wait on it at exit
         self.work_stuck = False
         self.control = Waker()
+        #: what :meth:`run` returns: 0, or 1 once the daemon stopped on an error of its own
+        #: (the store file replaced under it: systemd's Restart= then starts it on the new file)
+        self.exit_status = 0
+        #: (path, st_dev, st_ino) of the SQLite file the store opened (None: a server database)
+        self._store_file: tuple[str, int, int] | None = None
+        self._store_replaced: str | None = None
+        #: the condition of ``state_dir`` logged once (full, read-only, …; :meth:`_state_dir_failed`)
+        self._state_problem: str | None = None
 
     # -- composition -----------------------------------------------------------------------------
 
@@ -357,16 +409,20 @@ class Daemon:
             log.info("removed %s (a temporary file left by a crash)", path)
         self.notifier.status("migrating the database")
         self.store = self.store_factory(s.db_url)
+        self._store_file = self._sqlite_identity()
         self._register(s)
+        stopped = self._stopped_jobs_noted()
         requeued, failed = self.queue.recover(backoff_base_s=s.retry_backoff_s, backoff_max_s=s.retry_backoff_max_s,
-                                              now=self._utc_now())
+                                              now=self._utc_now(), stopped=stopped)
+        self._forget_stopped_jobs()
         for job in requeued + failed:
             if job.owner_id == self.owner.id:
                 self._kill_orphan(job)
         for job in requeued:
-            log.warning("job %d (%s) was interrupted by a daemon crash; queued again (not counted: %d of %d "
-                        "attempts used; interrupted %d time(s))", job.id, job.path, max(job.attempts - 1, 0),
-                        s.max_attempts, (job.interruptions or 0) + 1)
+            how = ("was stopped with the daemon (SIGTERM) before it could be returned to the queue"
+                   if job.id in stopped and job.owner_id == self.owner.id else "was interrupted by a daemon crash")
+            log.warning("job %d (%s) %s; queued again (not counted: %d of %d attempts used; interrupted %d time(s))",
+                        job.id, job.path, how, max(job.attempts - 1, 0), s.max_attempts, (job.interruptions or 0) + 1)
         self._note_retry()
         self._start_metrics()
         self.watcher.start()
@@ -382,6 +438,84 @@ class Daemon:
         self.notifier.ready(self._status_text())
         log.info("ready: watching %s as host %s (hosts.id %d), store %s", s.watch_dir, self.owner.host_id,
                  self.owner.id, self.store.where)
+
+    #: The file (in ``state_dir``) where a daemon stopped by SIGTERM notes the jobs it could not
+    #: return to the queue (the store failing or locked): the next start requeues them as stopped,
+    #: not as interrupted by a crash.
+    STOPPED_JOBS_FILE = "stopped-jobs.json"
+
+    def _stopped_path(self) -> Path:
+        return Path(self.settings.state_dir) / self.STOPPED_JOBS_FILE
+
+    def _note_stopped_jobs(self, ids: set[int]) -> None:
+        """Note ``ids`` as stopped by SIGTERM (:data:`STOPPED_JOBS_FILE`); best effort."""
+        if not ids:
+            return
+        path = self._stopped_path()
+        try:
+            old = set(self._stopped_jobs_noted())
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps({"jobs": sorted(old | ids), "at": utc_text()}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("cannot note the stopped jobs in %s: %s", path, exc)
+
+    def _stopped_jobs_noted(self) -> set[int]:
+        try:
+            doc = json.loads(self._stopped_path().read_text())
+            return {int(i) for i in doc.get("jobs", [])}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return set()
+
+    def _forget_stopped_jobs(self) -> None:
+        try:
+            self._stopped_path().unlink()
+        except OSError:
+            pass
+
+    def _sqlite_identity(self) -> tuple[str, int, int] | None:
+        """(path, device, inode) of the store's SQLite file as opened now; None for a server
+        database (or a store without an engine URL, in tests)."""
+        url = getattr(getattr(self.store, "engine", None), "url", None)
+        if url is None or url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+            return None
+        path = os.path.abspath(url.database)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (path, st.st_dev, st.st_ino)
+
+    def _store_file_intact(self) -> bool:
+        """False once the SQLite file at the store's path is no longer the file this daemon opened
+        (deleted, or replaced — say by an older backup): every later commit would go into the
+        unlinked file and be lost at the next start. The first time, it logs one ERROR naming the
+        file and both identities, and stops the daemon with exit status 1 (systemd's ``Restart=``
+        starts it again on the file now at that path). One ``stat`` a loop step."""
+        if self._store_replaced is not None:
+            return False
+        ident = self._store_file
+        if ident is None:
+            return True
+        path, dev, ino = ident
+        try:
+            st = os.stat(path)
+            now = f"device {st.st_dev}, inode {st.st_ino}"
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                return True
+            what = f"replaced by another file ({now})"
+        except FileNotFoundError:
+            what = "deleted"
+        except OSError as exc:  # unreadable for a moment (a remount): not proof of a swap
+            log.warning("store file %s cannot be checked: %s", path, exc.strerror or exc)
+            return True
+        self._store_replaced = what
+        self.exit_status = 1
+        log.error("store file %s was %s under the running daemon (it opened device %d, inode %d); stopping so "
+                  "that no result is committed into a file that is no longer there; the next start opens the "
+                  "file now at that path (jobs not in it run again)", path, what, dev, ino)
+        self.request_stop()
+        return False
 
     def _gpus(self) -> list[dict]:
         from tuner.devices import list_gpus
@@ -440,7 +574,7 @@ class Daemon:
             self._control_loop()
         finally:
             self.shutdown()
-        return 0
+        return self.exit_status
 
     def _work_loop(self) -> None:  # work thread: every database write of a running daemon
         try:
@@ -534,6 +668,8 @@ class Daemon:
 
     def _step(self) -> None:
         self._step_failed = False
+        if not self._store_file_intact():
+            return
         self._guard(self._drain_events)
         if self.stop_requested:
             return
@@ -709,11 +845,12 @@ class Daemon:
             log.warning("%s: %s; no drop is retired until it can be listed", s.watch_dir, sc.problem)
         for path in sorted(gone):
             names = self.queue.retire_path(path)
+            what = (f"retired {', '.join(names)} (results kept)" if names else
+                    "its job retired (it had no results)")  # not "retired no results yet (results kept)"
             if path in outside:
-                log.info("drop file %s is no longer under watch_dir %s: retired %s (results kept)", path, root,
-                         ", ".join(names) or "no results yet")
+                log.info("drop file %s is no longer under watch_dir %s: %s", path, root, what)
             else:
-                log.info("drop file %s deleted: retired %s (results kept)", path, ", ".join(names) or "no results yet")
+                log.info("drop file %s deleted: %s", path, what)
             self._sync_proposals(names)
             self._snapshot_dirty = self._status_dirty = True
         self._sync_outputs()
@@ -770,8 +907,9 @@ class Daemon:
                 doc = proposal_document(self.store, drop_id)
                 written = write_proposal_file(directory, doc)
             except OSError as exc:
-                log.error("%s: cannot write proposal file: %s", directory, exc.strerror or exc)
+                self._state_dir_failed(f"proposal file of {name}", exc)
                 continue
+            self._state_dir_ok()
             self._written[name] = self._file_key(written, drop_id)  # type: ignore[assignment]
             log.info("drop %s: proposal file %s re-derived from the store (it was %s; drop id %d): %s", name,
                      written, why, drop_id, _proposal_summary(doc["proposals"]))
@@ -790,6 +928,24 @@ class Daemon:
         db = self.store.engine.url
         if db.get_backend_name() == "sqlite" and db.database and not self.settings.snapshot_file.exists():
             self._snapshot_dirty = True
+        self._sync_failures()
+
+    def _sync_failures(self) -> None:
+        """``proposals/failed/NAME.yaml`` per failed drop (its reason; read-only for operators),
+        removed once the drop succeeds, is retried or deleted (:mod:`tuner.failures`)."""
+        from tuner.failures import failed_drops, sync_failure_files
+
+        try:
+            with self.store.reader.connect() as conn:
+                failures = failed_drops(conn, self.queue.owner_id)
+            written, removed = sync_failure_files(self.settings.proposals_dir, failures)
+        except OSError as exc:
+            log.error("%s: cannot write failed-drop files: %s", self.settings.proposals_dir, exc.strerror or exc)
+            return
+        for path in written:
+            log.info("failed drop written to %s", path)
+        for path in removed:
+            log.info("failed-drop file %s removed (the drop no longer fails)", path)
 
     @staticmethod
     def _file_key(path: Path, drop_id: int) -> tuple[int, int, int, int] | None:
@@ -903,6 +1059,7 @@ class Daemon:
             err = DropError(state.error, path=path)
             job = self.queue.record_invalid(path, state.sha256, None, err, name=self._invalid_drop_name(path, None))
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
+            self._sync_failures()
             return
         assert state.raw is not None
         text = state.raw.decode("utf-8", "replace")
@@ -912,6 +1069,7 @@ class Daemon:
             job = self.queue.record_invalid(path, state.sha256, text, err,
                                             name=self._invalid_drop_name(path, state.raw))
             log.error("invalid drop %s (job %d failed)", _one_line(err), job.id)
+            self._sync_failures()
             return
         job = self.queue.enqueue(path, state.sha256, text, name=drop.name)
         log.info("drop %s %s: job %d queued", path, "changed" if changed else "found", job.id)
@@ -949,7 +1107,14 @@ class Daemon:
         return datetime.fromtimestamp(self.wall_clock(), timezone.utc)
 
     def _popen(self, args: Any, **kw: Any) -> subprocess.Popen:  # job thread
+        """Start a worker (one-shot or warm) for the running job: without systemd's notify
+        variables, in the working directory ``/`` (every path a daemon's request names is
+        absolute: nothing of the directory the daemon was started from is read or imported; the
+        environment has ``PYTHONSAFEPATH``, :func:`tuner.worker.worker_env`)."""
         env = {k: v for k, v in (kw.pop("env", None) or os.environ).items() if k not in NOTIFY_ENV}
+        kw.setdefault("cwd", "/")
+        if isinstance(args, (list, tuple)) and args and os.sep in str(args[0]) and not os.path.isabs(str(args[0])):
+            args = [os.path.abspath(str(args[0])), *args[1:]]  # a relative worker_python, from here
         with self._lock:
             r = self._running
             if self.stop_requested or r is None:
@@ -1059,7 +1224,8 @@ class Daemon:
                 result, hits = memoanswer.answer_from_memo(request, entries, kw.get("on_progress"))
                 if result is not None:
                     result[memoanswer.PASS_SOURCE] = {"source": "memo", "stored_passes": len(hits),
-                                                      "computed_passes": 0}
+                                                      "computed_passes": 0,
+                                                      **(result.get(memoanswer.PASS_SOURCE) or {})}
                     return result
                 if hits:
                     request = {**request, passmemo.KNOWN_PASSES: hits}
@@ -1090,6 +1256,12 @@ class Daemon:
                         f"but {exc.message}; set `method` in the drop or change default_method",
                         path=s.source or "settings", field="default_method") from exc
                 raise
+            if getattr(s, "model_roots", None):  # before anything of the model file is read (tuner.modelroots)
+                from tuner.modelroots import check_model_roots
+
+                check_model_roots([("model", request.get("config_path")),
+                                   ("speculative_config.model", request.get("draft_config_path"))],
+                                  s.model_roots, drop_path=drop.path)
             python = s.python_for(drop.engine_version)
             memo: dict | None = {} if getattr(s, "pass_memo", True) else None
             # calibration, shared result and pass memo entries (the job thread's read-only store)
@@ -1144,6 +1316,8 @@ class Daemon:
         assert self._unsaved_failure is not None
         job, outcome, _started = self._unsaved_failure
         s = self.settings
+        if not self._store_file_intact():
+            return
         try:
             row = self.queue.fail(job.id, outcome, max_attempts=s.max_attempts, backoff_base_s=s.retry_backoff_s,
                                   backoff_max_s=s.retry_backoff_max_s, now=self._utc_now())
@@ -1151,6 +1325,7 @@ class Daemon:
             self._retry_at = self.clock() + SAVE_RETRY_S
             raise
         self._unsaved_failure = None
+        self._sync_failures()
         what = f"{type(outcome).__name__}: {_one_line(outcome)}"
         if row is not None and row.status == "pending":
             log.warning("drop %s: job %d run failed (attempt %d of %d), retried at %s: %s", job.path, job.id,
@@ -1167,6 +1342,8 @@ class Daemon:
     def _save_unsaved(self) -> None:
         assert self._unsaved is not None
         job, outcome, started = self._unsaved
+        if not self._store_file_intact():
+            return  # kept in memory: the daemon stops; the job runs again after the restart
         try:
             drop_row, runs, cands, props = self._rows(outcome, started)
             memo_entries = getattr(outcome, "memo_entries", None) or []
@@ -1230,6 +1407,7 @@ class Daemon:
                 if name in active:
                     written[name] = write_proposal_file(self.settings.proposals_dir,
                                                         proposal_document(self.store, active[name]))
+                    self._state_dir_ok()
                     key = self._file_key(written[name], active[name])
                     if key is not None:
                         self._written[name] = key
@@ -1238,7 +1416,7 @@ class Daemon:
                     if remove_proposal_file(self.settings.proposals_dir, name):
                         log.info("proposal file for %s removed (drop retired)", name)
             except OSError as exc:
-                log.error("%s: cannot write proposal file: %s", self.settings.proposals_dir, exc.strerror or exc)
+                self._state_dir_failed(f"proposal file of {name}", exc)
         return written
 
     # -- orphans, snapshot, status, reload -------------------------------------------------------
@@ -1267,7 +1445,41 @@ class Daemon:
         self._snapshot_dirty = False
         if db.get_backend_name() != "sqlite" or not db.database:
             return  # a server database has no snapshot (and must not leave a past deadline armed)
-        write_snapshot(db.database, self.settings.snapshot_file)
+        try:
+            write_snapshot(db.database, self.settings.snapshot_file)
+        except StoreError as exc:
+            if state_dir_condition(exc) is None:
+                raise
+            self._snapshot_dirty = True  # tried again every SNAPSHOT_MIN_INTERVAL_S: the end is noticed
+            self._state_dir_failed("snapshot", exc)
+            return
+        self._state_dir_ok()
+
+    def _state_dir_failed(self, what: str, exc: BaseException) -> None:
+        """A write under ``state_dir`` failed (a proposal file, the snapshot). A full or read-only
+        filesystem, or a directory this user may not write, is a condition, not an event: one
+        ERROR when it begins (naming it, and what could not be written) and one INFO when it ends
+        (:meth:`_state_dir_ok`), as the database outage is; meanwhile DEBUG only, and the loop's
+        health (the watchdog) is not charged. Another error is logged each time."""
+        cond = state_dir_condition(exc)
+        reason = _one_line(Exception(getattr(exc, "strerror", None) or exc), 300)
+        if cond is None:
+            log.error("%s: cannot write %s: %s", self.settings.state_dir, what, reason)
+            return
+        if self._state_problem == cond:
+            log.debug("%s still %s: %s not written", self.settings.state_dir, cond, what)
+            return
+        self._state_problem = cond
+        log.error("state_dir %s is %s (%s: %s); proposal files and the snapshot are not written until it is "
+                  "fixed (results are kept in the store and the files written then)", self.settings.state_dir,
+                  cond, what, reason)
+
+    def _state_dir_ok(self) -> None:
+        """A write under ``state_dir`` succeeded: the end of a condition :meth:`_state_dir_failed` logged."""
+        if self._state_problem is not None:
+            log.info("state_dir %s is writable again (it was %s); proposal files and the snapshot are written",
+                     self.settings.state_dir, self._state_problem)
+            self._state_problem = None
 
     def _status_text(self) -> str:
         r = self._running
@@ -1350,6 +1562,7 @@ class Daemon:
                 work.join(timeout=STOP_GRACE_S)
                 self.work_stuck = work.is_alive()
                 if work.is_alive():
+                    self._note_stopped_jobs(self._held_job_ids())
                     self.watcher.stop()
                     log.warning("the database is busy (another writer holds its lock): stopping without waiting; "
                                 "an interrupted job is requeued at the next start (not counted)")
@@ -1391,16 +1604,26 @@ class Daemon:
             r = self._running
             if r is not None:
                 r.thread.join(timeout=30)
+            held = self._held_job_ids()
             self._close_reader()
             self._drain_finished_at_stop()
-            if self.queue is not None:
-                for job in self.queue.jobs("running"):  # this owner's only
-                    self.queue.requeue(job.id)
-                    log.info("job %d (%s) returned to the queue", job.id, job.path)
-                if self.owner is not None:
-                    fleet.end_lease(self.store, self.owner.id, wall_clock=self.wall_clock)
-                if self._snapshot_dirty:
-                    self._snapshot()
+            if self.queue is not None and self._store_replaced is None:
+                try:
+                    for job in self.queue.jobs("running"):  # this owner's only
+                        self.queue.requeue(job.id)
+                        log.info("job %d (%s) returned to the queue", job.id, job.path)
+                        held.discard(job.id)
+                    held.clear()
+                    if self.owner is not None:
+                        fleet.end_lease(self.store, self.owner.id, wall_clock=self.wall_clock)
+                    if self._snapshot_dirty:
+                        self._snapshot()
+                except TunerError as exc:  # the store failing as we stop: one line, no traceback
+                    self._note_stopped_jobs(held)
+                    log.error("stopping without finishing the store's bookkeeping: %s: %s%s", type(exc).__name__,
+                              _one_line(exc, 300),
+                              f"; job(s) {', '.join(map(str, sorted(held)))} go back to the queue at the next start "
+                              "(not counted)" if held else "")
         except Exception:
             log.exception("error while stopping")
 

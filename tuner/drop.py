@@ -17,7 +17,9 @@ the document as a whole: bad YAML, YAML bomb, empty file, top level not a mappin
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import logging
 import math
 import os
 import re
@@ -379,6 +381,43 @@ def _hf_overrides(v: Any) -> dict | None:
     return out
 
 
+#: vLLM environment variables ctx-tuner models (vllm/envs.py), by what they size:
+#: ``VLLM_USE_FLASHINFER_SAMPLER`` (the profile run's sampler, :func:`tuner.eras.sampler_path`),
+#: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (the CUDA-graph estimate subtracted, 0.18+),
+#: ``VLLM_PP_LAYER_PARTITION`` (layers per pipeline stage, ``get_pp_indices``). Others are
+#: accepted and named as not modelled.
+MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION",
+                "VLLM_USE_V2_MODEL_RUNNER")
+_ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
+
+
+def _env(v: Any) -> dict | None:
+    """vLLM's environment variables as a mapping of ``VLLM_*`` names to values (strings, numbers
+    or booleans; kept as the strings vLLM reads: ``true`` → ``"1"``)."""
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise _Invalid(f"must be a mapping of VLLM_* names to values or null, not {_type_name(v)} {v!r}")
+    out: dict[str, str] = {}
+    for k, val in v.items():
+        if not isinstance(k, str) or not _ENV_NAME_RE.match(k.strip()):
+            raise _Invalid(f"keys must be vLLM environment variable names (VLLM_…), not {k!r}")
+        if isinstance(val, bool):
+            val = "1" if val else "0"
+        if not isinstance(val, (str, int, float)):
+            raise _Invalid(f"must be a string or a number, not {_type_name(val)}", sub=f".{k}")
+        out[k.strip()] = str(val)
+    if "VLLM_PP_LAYER_PARTITION" in out:
+        try:
+            parts = [int(x) for x in out["VLLM_PP_LAYER_PARTITION"].split(",")]
+        except ValueError:
+            raise _Invalid("must be comma-separated layer counts, e.g. \"16,32\"",
+                           sub=".VLLM_PP_LAYER_PARTITION") from None
+        if any(x < 0 for x in parts):
+            raise _Invalid("layer counts must not be negative", sub=".VLLM_PP_LAYER_PARTITION")
+    return out
+
+
 def _speculative_config(v: Any) -> dict | None:
     """vLLM's ``--speculative-config`` as a mapping: ``method`` (one of :data:`SPEC_METHODS`),
     ``num_speculative_tokens`` (1–1024), optional ``model``, ``prompt_lookup_min`` /
@@ -559,6 +598,25 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "e.g. `{rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}` for a "
               "long-context Qwen2.5 (the allowed max_model_len and the rotary cache follow it). null = the "
               "checkpoint's config as is.", _hf_overrides),
+    DropField("env", "mapping of VLLM_* names to values | null", None,
+              "vLLM environment variables of the start-up, as the engine would read them: "
+              "`VLLM_USE_FLASHINFER_SAMPLER` (the profile run's sampler path, 0.8–0.16), "
+              "`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (whether the CUDA-graph estimate is taken off the KV "
+              "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`), "
+              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given). Others are "
+              "accepted and named in the answer as not modelled. null = none set.", _env),
+    DropField("config_format", "auto | hf | mistral", "auto",
+              "As vLLM's --config-format. `auto` is vLLM's choice: the Mistral format when the model directory "
+              "holds params.json and consolidated*.safetensors (vllm/transformers_utils/config.py get_config), else "
+              "HF. It changes memory where vLLM's Mistral-format model differs: Pixtral's vision encoder is plain "
+              "replicated linears on every TP rank (PixtralForConditionalGeneration) instead of TP-sharded ones.",
+              _choice(("auto", "hf", "mistral"))),
+    DropField("flashinfer_installed", "boolean | null", None,
+              "Whether the FlashInfer package is installed beside vLLM. Before 0.11.1 it decides the profile run's "
+              "sampler (FlashInfer's kernels, about 14 bytes per sampled logit, or PyTorch's sort, about 38); from "
+              "0.11.1 vLLM depends on it and only `VLLM_USE_FLASHINFER_SAMPLER=1` selects it. null = what "
+              "`pip install vllm==X` gets (not installed before 0.11.1), named in the answer as an assumption.",
+              _bool(nullable=True)),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("use_v2_model_runner", "boolean | null", None,
@@ -674,6 +732,9 @@ class Drop:
     disable_custom_all_reduce: bool = False
     speculative_config: dict | None = field(default=None, hash=False)
     hf_overrides: dict | None = field(default=None, hash=False)
+    env: dict | None = field(default=None, hash=False)
+    flashinfer_installed: bool | None = None
+    config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None
     entry_point: str = "serve"
@@ -851,6 +912,7 @@ def _join(prefix: str, key: str) -> str:
 
 def _safe_yaml(text: str, path: str) -> Any:
     loader = _DropLoader(text)
+    loader.name = path  # YAML errors name the file, not "<unicode string>"
     try:
         try:
             node = loader.get_single_node()
@@ -1019,6 +1081,33 @@ def parse_drop_keys(text: str | bytes, path: str, *, worker_python: str | None =
     ), frozenset(data)
 
 
+log = logging.getLogger(__name__)
+
+
+def _did_you_mean(key: str, dotted: str) -> list[str]:
+    """Fields a mistyped or misplaced ``key`` may mean: the same leaf elsewhere
+    (``max_model_len`` → ``candidates.max_model_len``), else close spellings of any field
+    (``gpu_memory_utilisation`` → ``candidates.gpu_memory_utilization``)."""
+    same = [f for f in _FIELDS_BY_NAME if f.rsplit(".", 1)[-1] == key and f != dotted]
+    if same:
+        return same
+    leaves: dict[str, list[str]] = {}
+    for f in _FIELDS_BY_NAME:
+        leaves.setdefault(f.rsplit(".", 1)[-1], []).append(f)
+    close = difflib.get_close_matches(key, list(leaves), n=3, cutoff=0.8)
+    return [f for leaf in close for f in leaves[leaf]]
+
+
+def _as_list(value: Any, check: Callable, path: str, dotted: str) -> Any:
+    """A scalar where a list is expected (``gpu_memory_utilization: 0.9``) taken as a one-element
+    list, and said (a warning naming the file and field)."""
+    if check in (_gmu_list, _len_list) and value is not None and not isinstance(value, (list, Mapping, bool)) \
+            and (_is_number(value) or isinstance(value, str)):
+        log.warning("%s:%s: %r taken as the one-element list [%r] (the field is a list)", path, dotted, value, value)
+        return [value]
+    return value
+
+
 def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) -> dict[str, Any]:
     """Check keys of one mapping level and run each field's validator; sections are skipped."""
     for key in data:
@@ -1028,7 +1117,7 @@ def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) ->
         if key in _FORBIDDEN:
             raise DropError(_FORBIDDEN[key], path=path, field=_join(prefix, key))
         if key not in allowed:
-            elsewhere = [f for f in _FIELDS_BY_NAME if f.rsplit(".", 1)[-1] == key and f != _join(prefix, key)]
+            elsewhere = _did_you_mean(key, _join(prefix, key))
             hint = f" (did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
             raise DropError(f"unknown key {key!r}{hint}; allowed here: {', '.join(allowed)}", path=path,
                             field=_join(prefix, key))
@@ -1047,7 +1136,7 @@ def _validate_mapping(data: dict, prefix: str, allowed: list[str], path: str) ->
         if value is None and spec.required:
             raise DropError(f"required key {dotted!r} is null", path=path, field=dotted)
         try:
-            out[key] = spec.check(value)
+            out[key] = spec.check(_as_list(value, spec.check, path, dotted))
         except _Invalid as exc:
             raise DropError(exc.message, path=path, field=dotted + exc.sub) from None
     return out

@@ -12,7 +12,11 @@ drop key at fault (``where`` = ``DROP:FIELD``):
   ``max_num_seqs``; ≥ ``max_model_len`` when chunked prefill is off);
 - :func:`check_quantization` — ``ModelConfig._verify_quantization`` (a method name the release
   knows, the checkpoint's own method not contradicted) and ``get_quant_config`` (methods that
-  need a quantized checkpoint).
+  need a quantized checkpoint); a checkpoint whose own ``quant_method`` the release does not
+  know is refused the same way;
+- :func:`check_architecture` — ``ModelRegistry`` (``vllm/model_executor/models/registry.py``): an
+  architecture absent from the release's registry (:mod:`tuner.release_facts`, read from each
+  wheel) is refused with the release's own message.
 
 No torch, no I/O.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from tuner import release_facts as _release_facts
 from tuner.errors import DropError, ModelConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -135,24 +140,13 @@ def check_unchunked_lengths(*, max_num_batched_tokens: int, max_model_lens: Iter
 # ---------------------------------------------------------------------------------------------
 
 #: vLLM 0.19.0's ``QUANTIZATION_METHODS`` (vllm/model_executor/layers/quantization/__init__.py,
-#: ``QuantizationMethods``), in its order: what ``--quantization`` accepts in 0.19.x.
-VLLM_019_QUANTIZATION_METHODS = (
-    "awq", "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed",
-    "gguf", "gptq_marlin", "awq_marlin", "gptq", "compressed-tensors", "bitsandbytes", "experts_int8", "quark",
-    "moe_wna16", "torchao", "inc", "mxfp4", "mxfp8", "petit_nvfp4", "cpu_awq",
-)
+#: ``QuantizationMethods``), in its order: what ``--quantization`` accepts in 0.19.x (generated
+#: data, :mod:`tuner.release_facts`).
+VLLM_019_QUANTIZATION_METHODS = _release_facts.quantization_methods("0.19.0")
 #: 0.19.0's ``DEPRECATED_QUANTIZATION_METHODS`` present in its list: refused unless the engine is
 #: started with ``--allow-deprecated-quantization``.
-VLLM_019_DEPRECATED = ("fbgemm_fp8", "fp_quant", "experts_int8", "petit_nvfp4")
-#: Names other releases accept (the 0.10.1, 0.11.0 and 0.33.0 lists), for drops of releases
-#: other than 0.19.x: ctx-tuner does not carry each release's list, so these drops are checked
-#: against the union of the lists it has read.
-OTHER_RELEASES_QUANTIZATION_METHODS = (
-    "deepspeedfp", "tpu_int8", "ptpc_fp8", "marlin", "bitblas", "gptq_marlin_24", "gptq_bitblas", "qqq", "hqq",
-    "neuron_quant", "ipex", "auto-round", "rtn", "auto_awq", "auto_gptq", "humming", "gpt_oss_mxfp4",
-    "deepseek_v4_fp8", "online", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
-    "int8_per_channel_weight_only", "nvfp4_per_token",
-)
+VLLM_019_DEPRECATED = tuple(q for q in _release_facts.deprecated_quantization_methods("0.19.0")
+                            if q in VLLM_019_QUANTIZATION_METHODS)
 #: Methods that quantize a 16-bit checkpoint while loading it (their config class reads no
 #: config file: ``get_config_filenames() == []`` and a usable default config). Every other method
 #: needs a checkpoint quantized with it (vLLM: "Cannot find the config file for ...").
@@ -198,12 +192,13 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
         DropError: ``field`` ``quantization``.
         ModelConfigError: a valid online method whose weights are not modelled.
     """
+    qc = quantization_config or {}
+    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
     if override is None:
+        _check_checkpoint_method(ckpt, version=version, path=path)
         return []
     q = str(override).lower()
     known = quantization_methods(version)
-    qc = quantization_config or {}
-    ckpt = str(qc.get("quant_method") or qc.get("quantization_method") or "").lower()
     if ckpt in ("auto-round", "autoround"):
         # vllm/config/model.py ``_verify_quantization`` (0.19–0.33) runs the checkpoint overrides
         # before the name check, and INCConfig.override_quantization_method returns "inc" for an
@@ -240,6 +235,56 @@ def check_quantization(override: str | None, quantization_config: dict | None, *
                                f"by ctx-tuner (modelled: {', '.join(MODELLED_ONLINE_METHODS)})",
                                where=f"{path}:quantization" if path else "quantization")
     return warnings
+
+
+def _check_checkpoint_method(ckpt: str, *, version: Any, path: str | None) -> None:
+    """A checkpoint's ``quant_method`` the release does not know: vLLM's ``_verify_quantization``
+    takes the checkpoint's method as the quantization and refuses it with "Unknown quantization
+    method". Only names some release accepts are checked (a checkpoint spelling vLLM maps first —
+    auto-round → ``inc`` — or a name of no release is left to the weights model)."""
+    from tuner.vllm_names import ALL_QUANTIZATION_METHODS, first_release_accepting
+
+    if not ckpt or ckpt in ("auto-round", "autoround", "auto_round") or ckpt not in ALL_QUANTIZATION_METHODS:
+        return
+    known = quantization_methods(version)
+    if ckpt in known:
+        return
+    first = first_release_accepting("quantization", ckpt)
+    later = f"; first accepted in {'.'.join(map(str, first))}" if first and first > _key(version) else ""
+    raise DropError(f"Unknown quantization method: {ckpt}. Must be one of {list(known)}. (the checkpoint's "
+                    f"quant_method; vLLM {_release(version)} does not know it{later})", path=path,
+                    field="quantization")
+
+
+def check_architecture(architectures: Iterable[str], *, version: Any, path: str | None) -> None:
+    """The model's ``architectures`` against the release's model registry (generated from the
+    wheels, :func:`tuner.release_facts.architectures`): vLLM loads a config when its registry has
+    any of them, and otherwise raises ``ModelRegistry._raise_for_unsupported``'s error. Checked
+    only for names another release registers (added later, or removed): a name no release
+    registers is remote code or the Transformers backend, left to the plugin.
+
+    Raises:
+        DropError: ``field`` ``engine_version``: the release's message, the release where the
+            architecture first appears (or the last that had it).
+    """
+    from tuner import release_facts as rf
+
+    archs = [str(a) for a in architectures or () if a]
+    known = rf.architectures(version)
+    if not archs or not known or any(a in known for a in archs):
+        return
+    having = frozenset().union(*(rf.with_architecture(a) for a in archs))
+    if not having:
+        # no release registers it: remote code or vLLM's Transformers backend, which the plugin
+        # (generic decoder) answers for; only a name other releases register proves a refusal
+        return
+    release = _release(version)
+    if rf.release_key(rf.first_release(having)) > _key(version):
+        hint = f"registered from vLLM {rf.first_release(having)}"
+    else:
+        hint = f"last registered in vLLM {rf.newest(having)}"
+    raise DropError(f"vLLM {release} refuses the model: {rf.architecture_error(version, archs)} ({hint})",
+                    path=path, field="engine_version")
 
 
 def _key(version: Any) -> tuple[int, int, int]:

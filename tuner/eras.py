@@ -421,15 +421,84 @@ def profile_batch(
 SAMPLER_V0_SORT = "v0_sort"  # V0: fp32 upcast, sort-based top-k/top-p, probs + logprobs
 SAMPLER_V1_ALL_LOGITS = "v1_all_logits"  # V1 0.7.0–0.7.2: logits for all N tokens, no sampler
 SAMPLER_V1_LOGITS_ONLY = "v1_logits_only"  # V1 0.7.3: logits for R rows, no sampler
-SAMPLER_V1_FLASHINFER = "v1_flashinfer"  # V1 0.8–0.11.0: FlashInfer sampler is the CUDA default
-SAMPLER_V1_SORT = "v1_sort"  # V1 0.11.1–0.16: PyTorch sort path (FlashInfer opt-in from 0.11.1)
+SAMPLER_V1_FLASHINFER = "v1_flashinfer"  # V1 0.8–0.16: FlashInfer top-k/top-p (sampler_path decides)
+SAMPLER_V1_SORT = "v1_sort"  # V1 0.8–0.16: PyTorch sort path (FlashInfer missing, or opt-in from 0.11.1)
 SAMPLER_V1_TRITON = "v1_triton"  # V1 0.17+: Triton top-k/top-p in place for batches ≥ 8
 SAMPLER_V2_LOGITS = "v2_logits"  # Model Runner V2 0.22–0.32: default params, model-dtype logits only
 SAMPLER_V2_FP32_PASS = "v2_fp32_pass"  # Model Runner V2 0.33: + warm-up pass on fp32 logits (FlashInfer)
 
 
-def sampler_family(era: Era, *, model_runner_v2: bool = False) -> str:
+#: vLLM's wheel requires ``flashinfer-python`` from 0.11.1 (``Requires-Dist: flashinfer-python==0.5.2``;
+#: 0.12.0 0.5.3, 0.16.0 0.6.3, 0.17.0 0.6.4 — read in each wheel's METADATA); before, FlashInfer is
+#: only the ``flashinfer`` extra (0.10.1.1 ``flashinfer-python==0.2.11; extra == "flashinfer"``, 0.10.2,
+#: 0.11.0) or not named at all (0.8.5, 0.9.2, 0.10.0): ``pip install vllm`` leaves it out.
+FLASHINFER_DEPENDENCY_SINCE = (0, 11, 1)
+
+
+@dataclass(frozen=True)
+class SamplerPath:
+    """Which top-k/top-p implementation the profile run's dummy sampler runs, and why.
+
+    ``flashinfer``: FlashInfer's kernels (else PyTorch's sort-based ``forward_native``);
+    ``assumption``: None where the inputs decide it, else the named assumption made
+    (``{"name": "flashinfer_installed", "value": bool, "why": str}``) — the uncertainty band
+    and the answer's text read it from there."""
+
+    flashinfer: bool
+    assumption: dict | None = None
+
+
+def _env_flag(value) -> bool | None:
+    """``VLLM_USE_FLASHINFER_SAMPLER`` as vllm/envs.py reads it: unset → None, else
+    ``bool(int(value))``."""
+    if value is None or str(value).strip() == "":
+        return None
+    try:
+        return bool(int(str(value).strip()))
+    except ValueError:
+        return str(value).strip().lower() in ("true", "yes", "on")
+
+
+def sampler_path(era: Era, *, flashinfer_installed: bool | None = None,
+                 use_flashinfer_sampler: str | int | None = None) -> SamplerPath:
+    """Whether the V1 dummy sampler runs FlashInfer's top-k/top-p or PyTorch's sort
+    (vllm/v1/sample/ops/topk_topp_sampler.py ``TopKTopPSampler.__init__`` on CUDA).
+
+    * 0.8.0–0.11.0 (0.10.1.1 and 0.11.0 read): FlashInfer when ``import flashinfer.sampling``
+      succeeds (version ≥ 0.2.3) and ``VLLM_USE_FLASHINFER_SAMPLER`` is not ``0`` (unset means
+      on); else "FlashInfer is not available. Falling back to the PyTorch-native
+      implementation" (or "available, but it is not enabled").
+    * 0.11.1–0.16 (0.11.1, 0.16.0 read): opt-in: FlashInfer only with
+      ``VLLM_USE_FLASHINFER_SAMPLER=1`` (it is installed: a dependency from 0.11.1).
+    * 0.17+ and V0: not decided here (Triton / V0 sampler; ``flashinfer`` False).
+
+    ``flashinfer_installed`` None: what ``pip install vllm==X`` gets
+    (:data:`FLASHINFER_DEPENDENCY_SINCE`), returned as the named assumption.
+    """
+    v = era.version
+    flag = _env_flag(use_flashinfer_sampler)
+    if era.engine != "V1" or v < (0, 8, 0) or v >= (0, 17, 0):
+        return SamplerPath(False)
+    if v >= FLASHINFER_DEPENDENCY_SINCE:
+        # installed with vLLM; the env var alone decides (opt-in)
+        return SamplerPath(bool(flag) and flashinfer_installed is not False)
+    assumption = None
+    installed = flashinfer_installed
+    if installed is None:
+        installed = False
+        assumption = {"name": "flashinfer_installed", "value": False,
+                      "why": f"vLLM {v} as `pip install vllm=={v}` installs it: FlashInfer is not a dependency "
+                             "before 0.11.1, so the profile run's sampler sorts with PyTorch (about 38 bytes per "
+                             "sampled logit instead of FlashInfer's 14); say flashinfer_installed: true for an "
+                             "image that ships it"}
+    return SamplerPath(bool(installed) and flag is not False, assumption)
+
+
+def sampler_family(era: Era, *, model_runner_v2: bool = False, flashinfer: bool | None = None) -> str:
     """The dummy-sampler implementation the era's profile run executes (see constants).
+
+    ``flashinfer``: the V1 top-k/top-p path of 0.8–0.16 (:func:`sampler_path`); None = what a
+    ``pip install`` of the release runs (:func:`sampler_path` without inputs).
 
     ``model_runner_v2``: the release runs Model Runner V2 for this model
     (:func:`uses_model_runner_v2`). Its ``_dummy_sampler_run``
@@ -446,10 +515,10 @@ def sampler_family(era: Era, *, model_runner_v2: bool = False) -> str:
         return SAMPLER_V1_ALL_LOGITS
     if v < (0, 8, 0):
         return SAMPLER_V1_LOGITS_ONLY
-    if v < (0, 11, 1):  # 0.11.1 makes FlashInfer opt-in (VLLM_USE_FLASHINFER_SAMPLER=1)
-        return SAMPLER_V1_FLASHINFER
     if v < (0, 17, 0):
-        return SAMPLER_V1_SORT
+        if flashinfer is None:
+            flashinfer = sampler_path(era).flashinfer
+        return SAMPLER_V1_FLASHINFER if flashinfer else SAMPLER_V1_SORT
     return SAMPLER_V1_TRITON
 
 

@@ -883,7 +883,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     for prop in base["proposals"]:
         u = point_of(prop).gpu_memory_utilization
         m = max_model_len if max_model_len is not None else (
-            point_of(prop).max_model_len or (grid or d.candidates.max_model_len or [base["block_size"]])[0])
+            point_of(prop).max_model_len or _wanted_length(job, base))
         targets.append((prop, u, m))
     missing = [(u, m) for _, u, m in targets if _find(base["candidates"], u, m) is None]
     extra: dict = {"candidates": [], "runs": []}
@@ -917,6 +917,24 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "uncertainty": base.get("uncertainty"),
             "pass_source": base.get("pass_source"), "explanations": explanations}
+
+
+def _wanted_length(job: PreparedJob, base: dict) -> int:
+    """The length to explain where nothing starts at a utilization: the longest of the drop's grid,
+    else the model's derived maximum (what ``vllm serve`` without ``--max-model-len`` asks for),
+    within ``constraints.max_model_len_cap`` — not the search's first probe (one block, 16 tokens,
+    which no one serves)."""
+    d = job.drop
+    if d.candidates.max_model_len:
+        return int(max(d.candidates.max_model_len))
+    try:
+        from tuner.check import derived_max
+
+        m = int(derived_max(job.config_path, d.hf_overrides)[0])
+    except (TunerError, OSError, ValueError, TypeError, KeyError):
+        m = int(base["model"].get("max_position_embeddings") or base["block_size"])
+    cap = getattr(d.constraints, "max_model_len_cap", None)
+    return min(m, int(cap)) if cap else m
 
 
 def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw: Any) -> None:
@@ -1199,8 +1217,13 @@ def render_point(e: dict) -> str:
     lines = [f"gpu_memory_utilization {u:g}, max_model_len {m}: {verdict}{src}"]
     if e.get("formula_text"):
         lines.append(f"  budget rule: {e['formula_text']}")
+    from tuner.search import WEIGHTS_DO_NOT_FIT
+
+    weights_refused = not e["fits"] and str(e.get("reason") or "").startswith(WEIGHTS_DO_NOT_FIT)
+    # vLLM fails loading the weights: the budget below them is never computed
+    steps = e["steps"][:2] if weights_refused else e["steps"]
     k = 0
-    for s in e["steps"]:
+    for s in steps:
         k += 1
         if "bytes" in s:
             lines.append(f"  {k}. {s['text']:<84} {_term(s)}")
@@ -1212,7 +1235,9 @@ def render_point(e: dict) -> str:
     if e.get("command"):
         lines.append(f"  {e['command']}")
     lines += interval_lines(e.get("interval"))
-    if not e["fits"]:
+    if weights_refused:
+        lines.append(f"  {e['reason']}")
+    elif not e["fits"]:
         lines.append(f"  {'vLLM' if not e.get('starts', False) else 'constraint'}: {e['reason']}")
     cal = e.get("calibration")
     if cal:
@@ -1289,7 +1314,7 @@ def render_point(e: dict) -> str:
                 lines.append(f"    - {label}: {'starts' if v['fits'] else 'still does NOT start'} with "
                              f"{v['num_gpu_blocks']} blocks, {v['kv_cache_tokens']} KV tokens, "
                              f"{v['max_concurrency']:.2f}x concurrency (largest max_model_len at {u:g}: "
-                             f"{v['largest_max_model_len']})")
+                             f"{v['largest_max_model_len'] or 'none starts'})")
     return "\n".join(lines)
 
 

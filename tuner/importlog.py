@@ -21,8 +21,8 @@ from typing import Any, Callable
 from tuner import __version__, devices
 from tuner.drop import Drop, parse_drop
 from tuner.eras import default_engine, era_for, parse_version, profile_batch, resolve_dtype
-from tuner.errors import DropError, EraError, LogParseError, ModelConfigError
-from tuner.logparse import ParsedLog, infer_version, parse_file
+from tuner.errors import DeviceError, DropError, EraError, LogParseError, ModelConfigError
+from tuner.logparse import ParsedLog, parse_file
 from tuner.modelspec import resolve_model_path
 from tuner.store import Store, utc_text
 
@@ -50,6 +50,10 @@ class ImportOutcome:
     predicted: dict | None = None
     calibration: dict | None = None
     warnings: list[str] = field(default_factory=list)
+    #: the release assumed for a log that does not print its version (``release_assumed``,
+    #: ``release_range``, evidence: :meth:`tuner.release_infer.ReleaseInference.to_dict`); None
+    #: when the version was given or printed.
+    release: dict | None = None
 
 
 def config_path_for(model: str, *, models_dir: str | Path | None = None, base_dir: str | Path | None = None) -> Path:
@@ -67,11 +71,9 @@ def config_path_for(model: str, *, models_dir: str | Path | None = None, base_di
 
 
 def read_config(path: Path) -> tuple[dict, str]:
-    try:
-        raw = path.read_bytes()
-        top = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    from tuner.modelspec import parse_config_json, read_config_bytes
+
+    top = parse_config_json(read_config_bytes(path), str(path))  # a regular file, bounded size and depth
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
     from tuner.modelspec import config_hash
@@ -106,8 +108,11 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         ``(drop, extra)``: a validated :class:`~tuner.drop.Drop` with one ``gpu_memory_utilization``
         and one ``max_model_len`` candidate, and ``{"engine": "V0"|"V1", "device_name": canonical
         name, "total_memory_bytes": int, "warnings": [what was assumed]}``. A log that prints no
-        version gets one from its log-line formats (:func:`tuner.logparse.infer_version`, the rule
-        ``validate`` uses), with a warning; a missing ``gpu_memory_utilization`` is the release's
+        version gets the newest modelled release consistent with what it names
+        (:func:`tuner.release_infer.infer_for_log`: its lines, the model's architecture and names, the rule
+        ``validate`` uses), with a warning and ``extra["release"]`` (the range and evidence,
+        :meth:`tuner.release_infer.ReleaseInference.to_dict`; None when the version was given or
+        printed); a missing ``gpu_memory_utilization`` is the release's
         default, with a warning.
 
     Raises:
@@ -117,12 +122,19 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     printed = parsed.settings
     warnings: list[str] = []
     version = engine_version or parsed.vllm_version
+    release = None
     if not version:
-        version, inferred_engine, marker = infer_version(parsed.log_formats, engine or parsed.engine)
-        engine = engine or inferred_engine
-        how = (f"from its {marker!r} lines (the earliest release that prints them)" if marker is not None
-               else "the engine's default (no log-line format identifies the release)")
-        warnings.append(f"the log does not print the vLLM version; assumed {version} ({inferred_engine}) {how}; "
+        from tuner.release_infer import infer_for_log
+
+        release = infer_for_log(parsed.release_lines, engine=engine or parsed.engine, config=config,
+                                quantization=(options or {}).get("quantization") or printed.get("quantization"),
+                                kv_cache_dtype=(options or {}).get("kv_cache_dtype") or printed.get("kv_cache_dtype"))
+        if release.release is None:
+            raise DropError("the log does not print the vLLM version and no modelled release is consistent with "
+                            "what it names; give --engine-version", path=source, field="engine_version")
+        version = release.release
+        engine = engine or release.engine
+        warnings.append(f"the log does not print the vLLM version; {release.describe()}; "
                         "give --engine-version if it was another release")
     try:
         v = parse_version(version)
@@ -160,8 +172,9 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
     if mml is None and config is not None:
         mml = _text_config(config).get("max_position_embeddings")
     if mml is None:
-        raise DropError("the log does not print max_model_len and the model config has no "
-                        "max_position_embeddings; give --max-model-len", path=source, field="max_model_len")
+        raise DropError("the log does not print max_model_len and " + (
+            "the model config has no max_position_embeddings" if config is not None else
+            "no config.json of the model was found") + "; give --max-model-len", path=source, field="max_model_len")
     values: dict[str, Any] = {"gpu_memory_utilization": gmu, "max_model_len": mml}
     for key in _DROP_KEYS:
         value = pick(key)
@@ -188,10 +201,11 @@ def resolve_settings(parsed: ParsedLog, *, model: str, device: Any, engine_versi
         doc["entry_point"] = pick("entry_point")
     drop = parse_drop(json.dumps(doc), source or "log")
     return drop, {"engine": eng, "device_name": dev_name, "total_memory_bytes": int(total), "warnings": warnings,
-                  "not_modelled": [n.to_dict() for n in not_modelled]}
+                  "not_modelled": [n.to_dict() for n in not_modelled],
+                  "release": release.to_dict() if release is not None else None}
 
 
-def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str,
+def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_sha256: str | None,
             log_sha256: str, started_at: str | None = None) -> dict:
     """The ``profile_runs`` row of an imported log (``method='import'``, ``source`` = the log file).
 
@@ -287,25 +301,41 @@ def import_log(path: str | Path, *, model: str, device: Any, store: Store, engin
     path = Path(path)
     if parsed is None:
         parsed = parse_file(path)
-    elif not parsed.has_memory_lines:
+    elif not parsed.has_memory_lines and parsed.error_message is None:
         raise LogParseError("no vLLM memory lines found", where=str(path))
     try:
         log_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else \
             hashlib.sha256(json.dumps(parsed.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     except OSError as exc:
         raise LogParseError(f"cannot read log: {exc}", where=str(path)) from exc
-    config_path = config_path_for(model, models_dir=models_dir)
-    config, config_sha = read_config(config_path)
+    # what the log printed is stored first; modelling it (the config, a prediction) comes second: a
+    # model no config.json (hence no plugin) is found for is still recorded, with what that leaves out
+    config_path: Path | None
+    try:
+        config_path = config_path_for(model, models_dir=models_dir)
+        config, config_sha = read_config(config_path)
+        no_config = None
+    except ModelConfigError as exc:
+        config_path, config, config_sha, no_config = None, None, None, exc
     drop, extra = resolve_settings(parsed, model=model, device=device, engine_version=engine_version,
                                    engine=engine, options=options, config=config, source=str(path))
-    row = run_row(parsed, drop, extra, config=config, config_sha256=config_sha, log_sha256=log_sha)
-    outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])))
+    row = run_row(parsed, drop, extra, config=config or {}, config_sha256=config_sha, log_sha256=log_sha)
+    outcome = ImportOutcome(parsed=parsed, drop=drop, run=row, warnings=list(extra.get("warnings", [])),
+                            release=extra.get("release"))
+    if no_config is not None:
+        predict = False
+        outcome.warnings.append(
+            f"no config.json of {model} ({no_config.message}): the log is stored as printed, without the model's "
+            f"config hash or architecture, and with dtype {row['dtype']}"
+            + (" as the log printed it" if drop.dtype not in (None, "auto") else " assumed (the log does not print it)")
+            + "; no prediction or calibration residual: give --models-dir or a local model path and import "
+              "again with --force to model it")
     earlier = store.find_run(row["pass_sha256"])
     if earlier is not None and not force:
         outcome.drop_id, outcome.already = earlier["drop_id"], True
         return outcome
     content = json.dumps({"log": str(path), "parsed": parsed.to_dict(), "settings": drop.to_dict(),
-                          "engine": extra["engine"]}, sort_keys=True, default=str)
+                          "engine": extra["engine"], "release": extra.get("release")}, sort_keys=True, default=str)
     drop_row = {"name": drop.name, "path": str(path), "content_sha256": log_sha, "content": content,
                 "model": model, "device_name": extra["device_name"], "engine_version": drop.engine_version,
                 "method": "import"}

@@ -9,6 +9,7 @@ memoized per (max_num_batched_tokens, num_reqs, stage): under V1 one pass serves
 from __future__ import annotations
 
 import dataclasses
+import json
 import platform
 from pathlib import Path
 import sys
@@ -22,7 +23,7 @@ from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
 from tuner.eras import release_warning, v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
-                                 check_quantization)
+                                 check_architecture, check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
 from tuner.kvcache import with_kv_quant_mode
 from tuner.plugin import RankSettings, load_registry
@@ -496,6 +497,10 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                     "python": platform.python_version()}
     req = request if isinstance(request, JobRequest) else JobRequest.from_wire(request, required=False)
     memo_entries: list[dict] = []
+    # the key of the whole answer where an installed engine takes part (tuner.passmemo.ENGINE_ANSWER):
+    # taken before the engine adapter touches the environment, as the parent will take it
+    engine_key = (passmemo.engine_answer_key(req) if pass_memo is None and req.method == "simulate" and req.fake
+                  and passmemo.engine_takes_part(req) else None)
     t_start = time.perf_counter()
     drop, device = req.drop, req.device
     total = int(device["total_memory_bytes"])
@@ -507,6 +512,9 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     if loud:
         warnings.append(loud)
     ranks = rank_settings(drop, model, era, device, warnings)
+    fmt = config_format(drop, req.config_path)
+    if fmt != "hf":
+        ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
     if pass_memo is not None:
         import os
 
@@ -529,8 +537,11 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
     assumptions = device_assumptions(device, drop, era)
     warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
+    from tuner.platforms import assumption
+
+    for a in ranks.assumptions:  # what the ranks' settings assumed (the sampler's path), said in rank_settings
+        assumptions.append(assumption(str(a["name"]), str(a["value"]).lower(), str(a["name"]), str(a["why"])))
     if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
-        from tuner.platforms import assumption
 
         assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
                                       str(drop.release_assumed["reason"])))
@@ -587,6 +598,15 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.platforms)
     if pass_memo is None and memoizable and memo_entries:
         out[passmemo.ENTRIES] = memo_entries
+    elif pass_memo is None and engine_use is not None and engine_key is not None and method == "simulate":
+        # the engine's answer, whole: a repeated question is answered from the store by the parent
+        # (tuner.memoanswer.answer_from_memo) without importing vLLM or torch
+        from tuner.modelspec import config_hash
+
+        out[passmemo.ENTRIES] = [{"memo_key": engine_key, "kind": passmemo.ENGINE_ANSWER,
+                                  "model_config_sha256": config_hash(read_top(req.config_path)),
+                                  "tool_version": __version__, "method": method, "device_name": device.get("name"),
+                                  "era": era.name, "value": json.loads(json.dumps(out))}]
     return out
 
 
@@ -640,10 +660,12 @@ def drop_era(drop: Drop | dict, engine: str | None = None):
     off with ``kv_cache_memory_bytes``)."""
     d = _typed(drop)
     try:
-        return era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
-                       extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
+        era = era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
+                      extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
     except EraError as exc:
         raise DropError(exc.message, path=d.path or None, field="enable_extensible_kv_cache") from None
+    # the drop's environment (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS) as vLLM reads it
+    return era_with_env(era, drop_env(d), enforce_eager=bool(d.enforce_eager))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -709,6 +731,57 @@ class Ranks:
     pp: int
     #: the cache dtype the release runs (:func:`_kv_cache_dtype`: ``auto`` resolved from a ModelOpt checkpoint).
     kv_cache_dtype: str = "auto"
+    #: what was assumed for inputs the drop leaves open (``{"name", "value", "why"}`` each), reported
+    #: with the result under ``assumptions`` (:func:`job_result`).
+    assumptions: tuple = ()
+
+
+def config_format(drop: Drop, config_path: str | None) -> str:
+    """vLLM's ``--config-format`` resolved as ``get_config`` does (vllm/transformers_utils/config.py,
+    0.19 read): ``auto`` is ``mistral`` when the model directory holds ``params.json`` and
+    ``consolidated*.safetensors`` (``is_mistral_model_repo``), else ``hf``."""
+    fmt = str(getattr(drop, "config_format", None) or "auto")
+    if fmt != "auto":
+        return fmt
+    if config_path:
+        d = Path(config_path).parent
+        if (d / "params.json").is_file() and any(d.glob("consolidated*.safetensors")):
+            return "mistral"
+    return "hf"
+
+
+def pp_layer_partition(env: dict) -> tuple[int, ...] | None:
+    """``VLLM_PP_LAYER_PARTITION`` of a drop's ``env`` as layer counts (None when unset)."""
+    text = (env or {}).get("VLLM_PP_LAYER_PARTITION")
+    return tuple(int(x) for x in str(text).split(",")) if text else None
+
+
+def era_with_env(era: Any, env: dict, *, enforce_eager: bool = False) -> Any:
+    """The era as the drop's environment changes it: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``
+    (vllm/envs.py 0.18+: default "0" in 0.18–0.19, "1" from 0.20; vllm/v1/worker/gpu_worker.py
+    ``determine_available_memory`` subtracts the estimate only when it is set) decides whether the
+    CUDA-graph estimate comes off the KV budget; earlier releases have no such variable."""
+    from tuner.eras import _env_flag
+
+    flag = _env_flag((env or {}).get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"))
+    if flag is None or era.engine != "V1" or era.version < (0, 18, 0):
+        return era
+    return dataclasses.replace(era, subtracts_cudagraph_estimate=bool(flag) and not enforce_eager)
+
+
+def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
+    """The drop's ``env`` (vLLM environment variables); each one no rule reads is named in
+    ``warnings`` as not modelled (:data:`tuner.drop.MODELLED_ENV`)."""
+    from tuner.drop import MODELLED_ENV
+
+    env = dict((drop.get("env") if isinstance(drop, dict) else drop.env) or {})
+    if warnings is not None:
+        for name in sorted(env):
+            if name not in MODELLED_ENV:
+                note = f"env {name}={env[name]!r} is not modelled: no rule reads it"
+                if note not in warnings:
+                    warnings.append(note)
+    return env
 
 
 def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnings: list[str]) -> Ranks:
@@ -716,12 +789,19 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     and what vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers
     vs PP."""
     spec, plugin, path = model.spec, model.plugin, drop.path or None
+    check_architecture(spec.architectures, version=era.version, path=path)
     warnings.extend(check_quantization(drop.quantization, spec.quantization_config, version=era.version, path=path))
     dtype = resolve_dtype(drop.dtype, spec.torch_dtype)
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
     block_size = drop.block_size if drop.block_size is not None else default_block_size(era, spec, plugin)
+    env = drop_env(drop, warnings)
+    from tuner.eras import sampler_path
+
+    sampler = sampler_path(era, flashinfer_installed=drop.flashinfer_installed,
+                           use_flashinfer_sampler=env.get("VLLM_USE_FLASHINFER_SAMPLER"))
+    assumptions = (sampler.assumption,) if sampler.assumption else ()
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
                      block_size=block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
@@ -731,14 +811,19 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      enable_expert_parallel=bool(drop.enable_expert_parallel),
                      max_model_len=max(drop.candidates.max_model_len or [model_max_len(spec)[0]]),
                      num_speculative_tokens=num_speculative_tokens(drop, era),
-                     mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings))
+                     mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings),
+                     flashinfer_sampler=sampler.flashinfer if era.engine == "V1" and era.version < (0, 17, 0)
+                     else None,
+                     pp_layer_partition=pp_layer_partition(env))
         for r in range(pp)
     ]
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
                           kv_heads=per_head_kv_totals(plugin, spec, stages[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=path)
     check_draft_tensor_parallel_size(drop.speculative_config, tensor_parallel_size=tp, engine=era.engine, path=path)
-    return Ranks(dtype, stages, tp, pp, kv_dtype)
+    for a in assumptions:
+        warnings.append(f"assumed {a['name']} = {str(a['value']).lower()}: {a['why']}")
+    return Ranks(dtype, stages, tp, pp, kv_dtype, assumptions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -849,7 +934,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
                     drafter_pass=kv.drafter_pass,
                     other_processes_bytes=other_processes_bytes(device, drop),
-                    kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era))
+                    kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era),
+                    pp_layer_partition=pp_layer_partition(drop_env(drop)))
     cards = stage_devices(device, ranks.pp)
     if len({tuple(sorted((k, str(v)) for k, v in c.items())) for c in cards}) > 1:
         # a device list: each stage sized on its own card (tuner.search.evaluate, StageCard)
@@ -898,6 +984,10 @@ def _runner_asked_for(drop: Drop, era, default_v2: bool, warnings: list) -> bool
         DropError: V2 asked for before it is modelled (0.22), or V1 asked for where vLLM removed it.
     """
     asked = drop.use_v2_model_runner
+    if asked is None:  # the same variable given in the drop's env
+        from tuner.eras import _env_flag
+
+        asked = _env_flag((drop.env or {}).get("VLLM_USE_V2_MODEL_RUNNER"))
     if asked is None or era.engine != "V1":
         return default_v2
     from tuner.errors import DropError
@@ -1164,7 +1254,7 @@ def measure(req: "JobRequest", era: Any, method: str, passes: Passes, candidates
 def job_result(*, method: str, calibration: dict, layout: Layout, measured: list, model: LoadedModel,
                warnings: list[str], sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
                candidates: list[dict], proposals: list[dict], versions: dict, elapsed_s: float,
-               total: int, uncertainty: Any = None) -> dict[str, Any]:
+               total: int, assumptions: list | None = None, uncertainty: Any = None) -> dict[str, Any]:
     """Stage 11: the job's :class:`tuner.protocol.JobResult`, as its wire object (each candidate and
     proposal with its ``budget`` ledger, sources from ``term_sources``)."""
     from tuner.protocol import JobResult
@@ -1177,6 +1267,8 @@ def job_result(*, method: str, calibration: dict, layout: Layout, measured: list
         "model": model.spec.to_dict(),
         "plugin": model.plugin.name,
         "warnings": warnings,
+        # inputs the drop left open and what was assumed for them ({name, value, why})
+        "assumptions": list(assumptions or []),
         "term_sources": sources,
         # what the prediction does not know (tuner.uncertainty): inputs with no rule, the device total's source
         "uncertainty": uncertainty.to_dict() if uncertainty is not None else None,

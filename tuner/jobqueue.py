@@ -392,7 +392,7 @@ class JobQueue:
 
     def recover(self, max_attempts: int = 0, *, backoff_base_s: float = 0.0, backoff_max_s: float = 3600.0,
                 now: datetime | str | None = None, include_own: bool = True,
-                keep: Iterable[int] | None = None) -> tuple[list[Job], list[Job]]:
+                keep: Iterable[int] | None = None, stopped: Iterable[int] = ()) -> tuple[list[Job], list[Job]]:
         """Jobs left ``running`` by a daemon crash — this owner's (unless ``include_own`` is false:
         the periodic check of a running daemon), and those of owners whose lease expired before
         ``now`` (UTC ``datetime`` or UTC text; default: the current time), never a live owner's —
@@ -408,8 +408,13 @@ class JobQueue:
         ``keep`` (the ids of the jobs this owner's live daemon holds): this owner's other
         ``running`` jobs are stranded — claimed by a transaction whose COMMIT reply the connection
         lost (a database restart), so no job thread runs them — and go back to ``pending`` too,
-        uncounted, without backoff (the drop did nothing wrong)."""
+        uncounted, without backoff (the drop did nothing wrong).
+
+        ``stopped`` (ids the previous daemon noted as stopped by SIGTERM while the store could not
+        be written, :meth:`tuner.daemon.Daemon.shutdown`): requeued the same way, uncounted and
+        without backoff, their history saying so instead of "crash"."""
         del max_attempts
+        stopped = set(stopped)
         t = _utc(now)
         sweep = keep is not None
         owners = ([self.owner_id] if include_own or sweep else []) + self._expired_owner_ids(utc_text(t))
@@ -427,11 +432,15 @@ class JobQueue:
                                                              J.c.owner_id == j.owner_id)).first()
                 n = (j.interruptions or 0) + 1
                 stranded = sweep and not include_own and j.owner_id == self.owner_id
+                by_stop = j.id in stopped and j.owner_id == self.owner_id
                 entry = {"at": at, "attempt": j.attempts, "kind": "interrupted", "error_type": None,
                          "reason": ("claimed but never started: the database connection was lost as the claim "
                                     "committed; not counted") if stranded else
+                         ("the daemon was stopped (SIGTERM) during the job and could not return it to the queue "
+                          "(the store could not be written); not counted") if by_stop else
                          "the daemon stopped during the job (crash, kill -9, power loss); not counted"}
-                retry = at if stranded else utc_text(t + timedelta(seconds=backoff_s(n, backoff_base_s, backoff_max_s)))
+                retry = (at if stranded or by_stop
+                         else utc_text(t + timedelta(seconds=backoff_s(n, backoff_base_s, backoff_max_s))))
                 if newer is not None:
                     conn.execute(J.update().where(J.c.id == j.id, J.c.status == "running").values(
                         status="cancelled", error="superseded by newer content", finished_at=at))

@@ -638,11 +638,25 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     return out
 
 
+#: Releases from which ``unify_kv_cache_spec_page_size`` pads pages it cannot divide
+#: (see :func:`unify_kv_cache_spec_page_size`).
+UNIFY_PADS_ATTENTION_SINCE = "0.24.0"
+UNIFY_PADS_MAMBA_SINCE = "0.26.0"
+
+
 def unify_kv_cache_spec_page_size(version: str | VllmVersion, kv_cache_spec: dict) -> dict:
     """Give every layer the largest page size (``unify_kv_cache_spec_page_size``, 0.9.1+).
 
-    Smaller pages grow their block size by the ratio; 0.32+ pads Mamba pages and non-MLA
-    attention pages that do not divide the largest one.
+    Smaller pages grow their block size by the ratio where it divides the largest one; else
+    (vllm/v1/core/kv_cache_utils.py, read in 0.20, 0.24, 0.26, 0.29):
+
+    * Mamba pages are padded to the largest from 0.26 (before, the hybrid block-size alignment
+      pads them to the attention page in the config step);
+    * non-MLA attention pages are padded from 0.24: 0.24–0.28 for backends that index KV by the
+      block stride (``AttentionSpec.indexes_kv_by_block_stride``: FlashAttention, FlashInfer and
+      Triton, whose layered stride order puts ``num_blocks`` first), 0.29+ for every non-MLA spec;
+    * anything else is vLLM's ``NotImplementedError`` (0.20: "The page size of the layer is not
+      divisible by the maximum page size. Cannot unify by adjusting block_size.").
 
     Raises:
         UnsupportedKVCacheError: a page cannot be unified in this release.
@@ -657,11 +671,12 @@ def unify_kv_cache_spec_page_size(version: str | VllmVersion, kv_cache_spec: dic
         p = s.page_size_bytes
         if p == top:
             out[name] = s
-        elif v >= _LAYER_PLAN and isinstance(s, MambaSpec):
+        elif v >= UNIFY_PADS_MAMBA_SINCE and isinstance(s, MambaSpec):
             out[name] = replace(s, page_size_padded=top)
         elif top % p == 0 and not isinstance(s, MambaSpec):
             out[name] = s.with_block_size(s.block_size * (top // p))
-        elif v >= _LAYER_PLAN and isinstance(s, _ATTN) and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):
+        elif v >= UNIFY_PADS_ATTENTION_SINCE and isinstance(s, _ATTN) \
+                and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):
             out[name] = replace(s, page_size_padded=top)
         else:
             raise UnsupportedKVCacheError(
@@ -1451,11 +1466,21 @@ def kv_heads_per_rank(total_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, total_kv_heads // tp)
 
 
-def layers_per_pp_rank(num_layers: int, pp: int) -> list[int]:
-    """Layers on each PP stage (``get_pp_indices``): ``n // pp`` each, the remainder one each to
-    stages −2, −3, … (never the last)."""
+def layers_per_pp_rank(num_layers: int, pp: int, partition: "tuple[int, ...] | list[int] | None" = None) -> list[int]:
+    """Layers on each PP stage (``get_pp_indices``, vllm/distributed/utils.py): ``n // pp`` each,
+    the remainder one each to stages −2, −3, … (never the last); ``partition`` is
+    ``VLLM_PP_LAYER_PARTITION`` (0.19 read: used as given, its length must be ``pp`` and its sum
+    ``n``, else vLLM's ValueError)."""
     if pp <= 0:
         raise KVCacheError(f"invalid pipeline_parallel_size {pp}")
+    if partition:
+        parts = [int(x) for x in partition]
+        if len(parts) != pp:
+            raise KVCacheError(f"VLLM_PP_LAYER_PARTITION: len(partitions)={len(parts)} does not match pp_size={pp}.")
+        if sum(parts) != num_layers:
+            raise KVCacheError(f"VLLM_PP_LAYER_PARTITION: sum(partitions)={sum(parts)} does not match "
+                               f"num_hidden_layers={num_layers}.")
+        return parts
     parts = [num_layers // pp] * pp
     for i in range(2, num_layers % pp + 2):
         parts[-i] += 1

@@ -65,52 +65,6 @@ MAX_LOG_BYTES = 256 << 20
 __all__ = ["ParsedLog", "parse_lines", "parse_text", "parse_file", "gib_to_bytes", "MEMORY_FIELDS"]
 
 
-#: Log-line formats that identify the release when a log does not print its version: the earliest
-#: release that prints the format (vllm/worker/worker.py 0.6.4 "Memory profiling results: …
-#: initial_memory_usage=…"; 0.6.5–0.6.6 "the current vLLM instance can use …"; V1
-#: "Available KV cache memory" from 0.7), as ``(marker, engine, version)``, first match wins.
-VERSION_BY_LOG_FORMAT = (
-    # vllm/v1/worker/extensible_kv_cache.py measure_kv_cache_blocks (0.34): the extensible KV cache
-    ("Memory after warmup:", "V1", "0.34.0"),
-    ("initial_memory_usage=", "V0", "0.6.4"),
-    ("the current vLLM instance can use", "V0", "0.6.5"),
-    ("Available KV cache memory", "V1", "0.10.0"),
-)
-#: Source lines that print the memory summary, by release (read from the wheels): the V0 worker's
-#: ``logger.info(msg)`` after "the current vLLM instance can use" (vllm/worker/worker.py) and the V1
-#: "Available KV cache memory" call (vllm/v1/worker/gpu_worker.py). The logger prints
-#: ``[file:line]`` with an opening bracket from 0.8.0 (vllm/logger.py ``_FORMAT``; 0.7.3 and before
-#: ``file:line]``). ``(marker, engine, earliest release printing it)``; checked before the formats.
-VERSION_BY_SOURCE_LINE = (
-    ("[worker.py:295]", "V0", "0.10.1"),
-    ("[worker.py:287]", "V0", "0.8.5"),
-    ("[worker.py:267]", "V0", "0.8.0"),  # 0.8.0–0.8.4
-    (" worker.py:267]", "V0", "0.7.3"),
-    (" worker.py:241]", "V0", "0.6.6"),
-    ("[gpu_worker.py:276] Available KV cache memory", "V1", "0.10.1"),
-    ("[gpu_worker.py:436] Available KV cache memory", "V1", "0.19.0"),
-    ("[gpu_worker.py:508] Available KV cache memory", "V1", "0.24.0"),
-    ("[gpu_worker.py:578] Available KV cache memory", "V1", "0.28.0"),
-)
-#: The release assumed for an engine when no log-line format identifies one.
-DEFAULT_VERSION = {"V0": "0.6.4", "V1": "0.10.0"}
-
-
-def infer_version(lines: str | Iterable[str], engine: str | None = None) -> tuple[str, str, str | None]:
-    """``(version, engine, marker)`` of a log that does not print its vLLM version: the first
-    :data:`VERSION_BY_SOURCE_LINE` or :data:`VERSION_BY_LOG_FORMAT` marker found in ``lines`` whose engine agrees with ``engine``
-    (when known), else the engine's :data:`DEFAULT_VERSION` (``marker`` None; engine V1 when
-    unknown). The one rule shared by ``validate`` and ``import-log``."""
-    text = lines if isinstance(lines, str) else "\n".join(lines)
-    eng = (engine or "").upper()
-    eng = eng if eng in ("V0", "V1") else None
-    for marker, marker_engine, version in VERSION_BY_SOURCE_LINE + VERSION_BY_LOG_FORMAT:
-        if marker in text and eng in (None, marker_engine):
-            return version, marker_engine, marker
-    eng = eng or "V1"
-    return DEFAULT_VERSION[eng], eng, None
-
-
 def gib_to_bytes(value: float | str) -> int:
     """GiB (2**30 bytes, as vLLM prints them) to integer bytes: ``round(x * 2**30)``."""
     return int(round(float(value) * GIB))
@@ -178,9 +132,11 @@ class ParsedLog:
     #: ``{worker label: {field: value}}`` for :data:`PER_WORKER_FIELDS` printed on worker-prefixed
     #: lines (label = the prefix without its ``pid=``/``ip=`` parts, e.g. ``"Worker_TP1"``).
     per_worker: dict = field(default_factory=dict)
-    #: the :data:`VERSION_BY_LOG_FORMAT` markers the log contains (for :func:`infer_version` when
-    #: it does not print the version).
-    log_formats: list = field(default_factory=list)
+    #: the lines that name something release-specific (a memory or settings line of
+    #: :func:`tuner.release_facts.log_fragments`, a command line), ANSI-stripped, at most
+    #: :data:`MAX_RELEASE_LINES`: what :func:`tuner.release_infer.infer_for_log` reads when the
+    #: log does not print its version.
+    release_lines: list = field(default_factory=list)
 
     @property
     def has_memory_lines(self) -> bool:
@@ -264,6 +220,7 @@ _rule("available_kv_cache_bytes", r"the rest of the memory reserved for KV Cache
 _rule("available_kv_cache_bytes", r"available KV cache memory \(" + _NUM + _G + r"\)", prec=1)
 _rule("available_kv_cache_bytes", r"Current kv cache memory in use is\s*" + _NUM + _G, prec=2)
 _rule("available_kv_cache_bytes", r"(?:Explicitly|Auto) set \(" + _NUM + r"/[\d.]+\)\s*GiB for KV cache", prec=3)
+_rule("available_kv_cache_bytes", r"\bavailable_kv_cache_memory\s*[=:]\s*" + _NUM + _G, prec=4)
 # vLLM 0.34's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py measure_kv_cache_blocks): the
 # cache sized after warmup wins over "Available KV cache memory" (the profile's reservation there)
 _rule("free_after_warmup_bytes", r"Memory after warmup:\s*" + _NUM + _G + r" free")
@@ -317,7 +274,8 @@ _VERSION = [re.compile(p) for p in (
 _V1_MARKERS = re.compile(r"Initializing a V1 LLM engine|EngineCore|\[v1/|gpu_worker\.py|kv_cache_utils\.py|"
                          r"Available KV cache memory|GPU KV cache size")
 _V0_MARKERS = re.compile(r"#\s*(?!CPU\b)[A-Za-z]+ blocks:\s*\d+,\s*#\s*CPU blocks|Memory profiling results:|"
-                         r"the rest of the memory reserved for KV Cache")
+                         r"the rest of the memory reserved for KV Cache|the current vLLM instance can use|"
+                         r"PyTorch activation peak memory takes|non_torch_memory takes")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _NON_DEFAULT = re.compile(r"non-default args:\s*(\{.*\})")
 _CONFIG = re.compile(r"with config:\s*(.*)")
@@ -328,6 +286,18 @@ _CONFIG_KEYS = {"max_seq_len": "max_model_len", "tensor_parallel_size": "tensor_
 _SETTING_KEYS = ("model", "max_model_len", "gpu_memory_utilization", "tensor_parallel_size",
                  "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "dtype", "kv_cache_dtype",
                  "block_size", "enforce_eager", "enable_chunked_prefill", "quantization")
+
+
+#: Most lines kept in :attr:`ParsedLog.release_lines`, and characters kept of each.
+MAX_RELEASE_LINES = 200
+_RELEASE_LINE_CHARS = 4096
+_COMMAND_LINE = re.compile(r"\bvllm serve\b|\bapi_server\b|vllm\.entrypoints|\bLLM\(")
+
+
+def _names_release(line: str) -> bool:
+    from tuner.release_facts import log_fragments
+
+    return bool(_COMMAND_LINE.search(line)) or any(f in line for f in log_fragments())
 
 
 def _convert(kind: str, text: str):
@@ -364,8 +334,37 @@ def _settings_from_config(text: str) -> dict:
     return out
 
 
+#: The start of a line the logger wrote (a level, a ``MM-DD hh:mm:ss`` time, a worker prefix): any
+#: other line continues the message above it (vLLM 0.6.5–0.10's profiling summary is one message
+#: of three lines, and a copied log may wrap a long line anywhere).
+_LOG_START = re.compile(r"^\s*(?:\(\w[^)]*\)\s*|\[rank\d+\]:\s*)?(?:(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\b|"
+                        r"\d{2}-\d{2} \d{2}:\d{2}:\d{2}|\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2})")
+#: Most physical lines joined into one logical line (a wrapped message is a few lines).
+MAX_CONTINUATION = 12
+
+
+def _messages(lines: list[str]) -> Iterable[str]:
+    """Each multi-line message of the log joined into one line: a line the logger started and the
+    lines after it that no logger started (single lines are not repeated)."""
+    group: list[str] = []
+    for line in lines:
+        if _LOG_START.match(line) or len(group) >= MAX_CONTINUATION:
+            if len(group) > 1:
+                yield " ".join(part.strip() for part in group)
+            group = [line]
+        elif line.strip():
+            group.append(line)
+    if len(group) > 1:
+        yield " ".join(part.strip() for part in group)
+
+
 def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
     """Parse log lines (any era, any prefixes); unknown lines are ignored. Never raises.
+
+    Every line is matched on its own; then each message the logger wrote over several lines (vLLM
+    0.6.5+'s "Memory profiling takes … / the current vLLM instance can use … / model weights take
+    …" summary, or a line a copy wrapped, a figure split from its label) is matched as one joined
+    line for the figures no single line gave.
 
     Returns a :class:`ParsedLog`; check :attr:`ParsedLog.has_memory_lines` before using it.
     """
@@ -373,8 +372,10 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
     best: dict[str, int] = {}
     worker_prec: dict[tuple[str, str], int] = {}
     v1 = v0 = False
+    cleaned: list[str] = []
     for raw in lines:
         line = _ANSI.sub("", raw[:MAX_LINE]).rstrip("\r\n")
+        cleaned.append(line)
         hit = False
         worker = _worker_label(line)
         for fld, pat, group, kind, prec in _RULES:
@@ -423,9 +424,8 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
             for k, v in _settings_from_config(m.group(1)).items():
                 out.settings.setdefault(k, v)
             hit = True
-        for marker, _eng, _version in VERSION_BY_LOG_FORMAT:
-            if marker not in out.log_formats and marker in line:
-                out.log_formats.append(marker)
+        if len(out.release_lines) < MAX_RELEASE_LINES and _names_release(line):
+            out.release_lines.append(line[:_RELEASE_LINE_CHARS])
         if "Initializing a V1 LLM engine" in line:
             v1 = True
         elif _V1_MARKERS.search(line):
@@ -433,6 +433,22 @@ def parse_lines(lines: Iterable[str], *, source: str = "") -> ParsedLog:
         if _V0_MARKERS.search(line):
             v0 = True
         out.matched_lines += hit
+    if any(getattr(out, fld) is None for fld, *_ in _RULES):
+        for message in _messages(cleaned):  # figures split over the lines of one message
+            hit = False
+            for fld, pat, group, kind, prec in _RULES:
+                if getattr(out, fld) is not None:
+                    continue
+                m = pat.search(message)
+                if m is None:
+                    continue
+                try:
+                    setattr(out, fld, _convert(kind, m.group(group)))
+                except ValueError:
+                    continue
+                best[fld] = prec
+                hit = True
+            out.matched_lines += hit
     for fld in _MIN_OVER_WORKERS:  # the engine sizes every worker's cache by the smallest
         vals = [w[fld] for key, w in out.per_worker.items() if fld in w and worker_prec[(key, fld)] == best.get(fld)]
         if len(vals) > 1 or (vals and getattr(out, fld) is not None and min(vals) < getattr(out, fld)):
@@ -459,8 +475,8 @@ def parse_file(path: str | Path) -> ParsedLog:
 
     Raises:
         LogParseError: the file cannot be read, is not a regular file (a FIFO, a device or a
-            directory would block or never end), or holds no memory line at all (naming the file
-            and the lines looked for).
+            directory would block or never end), or holds no memory line and no engine refusal at
+            all (naming the file and the lines looked for).
     """
     p = Path(path)
     try:
@@ -486,7 +502,7 @@ def parse_file(path: str | Path) -> ParsedLog:
         if fd >= 0:
             os.close(fd)
     parsed = parse_text(data.decode("utf-8", "replace"), source=str(path))
-    if not parsed.has_memory_lines:
+    if not parsed.has_memory_lines and parsed.error_message is None:  # a refusal alone is a record too
         raise LogParseError(
             "no vLLM memory lines found (looked for 'Model loading took', 'Available KV cache memory', "
             "'# GPU blocks', 'GPU KV cache size', 'Maximum concurrency', 'Memory profiling …'); "
@@ -497,3 +513,23 @@ def parse_file(path: str | Path) -> ParsedLog:
 def field_names() -> list[str]:
     """Names of the :class:`ParsedLog` fields (for docs and JSON output)."""
     return [f.name for f in fields(ParsedLog)]
+
+
+#: Lines by which a vLLM log says whether FlashInfer is installed
+#: (vllm/v1/sample/ops/topk_topp_sampler.py 0.8–0.11.0 ``TopKTopPSampler.__init__``; the attention
+#: backend selector's "Using FlashInfer backend" needs the package too).
+FLASHINFER_MISSING = ("FlashInfer is not available",)
+FLASHINFER_PRESENT = ("Using FlashInfer for top-p & top-k sampling", "FlashInfer is available, but it is not enabled",
+                      "Using FlashInfer backend", "FLASHINFER backend", "FlashInfer backend")
+
+
+def flashinfer_installed(texts) -> bool | None:
+    """What a log (or a case's notes) says about the FlashInfer package: False where it prints
+    "FlashInfer is not available", True where it uses or offers FlashInfer, None where it says
+    nothing (the missing line wins: it is printed only when the import failed)."""
+    joined = "\n".join(str(t) for t in texts or () if t)
+    if any(m in joined for m in FLASHINFER_MISSING):
+        return False
+    if any(m in joined for m in FLASHINFER_PRESENT):
+        return True
+    return None

@@ -8,7 +8,7 @@ Every result that passes through :func:`memo_worker` says where its passes came 
 :data:`PASS_SOURCE` (``result["pass_source"]``): ``{"source": "memo", "stored_passes": N,
 "computed_passes": 0}`` for an answer from the memo, ``{"source": "worker", "stored_passes": K,
 "computed_passes": M, "reason": …}`` for a worker run (``reason``: ``no-cache``,
-``not memoizable`` — a measured method, real tensors, another interpreter or an engine adapter —,
+``not memoizable`` — a measured method, real tensors or another interpreter —,
 ``no store`` or ``missing``: the memo lacked the spec or a pass). ``profile`` adds the
 ``profile_runs.id`` / ``drops.id`` that first computed a memo answer's passes (``first_run_id``,
 ``first_drop_id``).
@@ -51,7 +51,9 @@ def memo_applies(request: Any, python: str | None = None) -> bool:
     """Whether the parent may answer ``request`` (a :class:`~tuner.protocol.JobRequest` or its
     wire object) from the memo: a simulate job with fake tensors (not ``validate``), run by a
     worker in this interpreter (``python`` and ``$CTX_TUNER_WORKER_PYTHON`` unset or this one),
-    where no vLLM is importable or the engine adapter is off (``engine`` / ``$CTX_TUNER_ENGINE``)."""
+    where no vLLM is importable or the engine adapter is off (``engine`` / ``$CTX_TUNER_ENGINE``) —
+    or, where an installed vLLM takes part, from the engine's whole stored answer for the request
+    and that vLLM build (:data:`tuner.passmemo.ENGINE_ANSWER`, :func:`answer_from_memo`)."""
     job = job_request(request)
     if job is None or (job.method or "simulate") != "simulate" or not job.fake:
         return False
@@ -61,12 +63,6 @@ def memo_applies(request: Any, python: str | None = None) -> bool:
 
     if os.path.realpath(worker_python(python)) != os.path.realpath(sys.executable):
         return False
-    mode = str(job.engine or os.environ.get("CTX_TUNER_ENGINE") or "auto")
-    if mode != "off":
-        from tuner.engine import vllm_importable
-
-        if vllm_importable():
-            return False
     return True
 
 
@@ -97,6 +93,17 @@ def answer_from_memo(request: Any, entries: dict[str, dict],
     job = job_request(request)
     if job is None:
         return None, {}
+    from tuner import passmemo
+
+    if passmemo.engine_takes_part(job):  # the engine's whole answer for this request and vLLM build, or none
+        key = passmemo.engine_answer_key(job)
+        value = entries.get(key) if key else None
+        if not isinstance(value, dict):
+            return None, {}
+        result = json.loads(json.dumps(value))
+        result.pop(ENTRIES, None)
+        result[PASS_SOURCE] = {"engine_answer": True}
+        return result, {}
     src = MemoSource(entries)
     if on_progress is not None:
         src.progress = []
@@ -182,7 +189,8 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
             if entries:
                 result, hits = answer_from_memo(request, entries, on_progress)
                 if result is not None:
-                    result[PASS_SOURCE] = {"source": "memo", "stored_passes": len(hits), "computed_passes": 0}
+                    result[PASS_SOURCE] = {"source": "memo", "stored_passes": len(hits), "computed_passes": 0,
+                                           **(result.get(PASS_SOURCE) or {})}
                     return result
                 if hits:  # the request as the caller gave it (a JobRequest or its wire object), topped up
                     from tuner.protocol import JobRequest
@@ -246,6 +254,8 @@ def pass_source_line(source: dict | None) -> str | None:
         return None
     n = int(source.get("stored_passes") or 0)
     stored = f"{n} stored pass{'' if n == 1 else 'es'}"
+    if source["source"] == "memo" and source.get("engine_answer"):
+        return "passes: memo (the engine's stored answer for this request and vLLM build; no worker, no torch, no vLLM import)"
     if source["source"] == "memo":
         first = ""
         if source.get("first_run_id") is not None:
@@ -255,8 +265,8 @@ def pass_source_line(source: dict | None) -> str | None:
         return f"passes: memo ({stored}{first}; no worker, no torch)"
     computed = source.get("computed_passes")
     done = "computed" if computed is None else f"{computed} computed"
-    why = {"no-cache": "--no-cache", "not memoizable": "not memoizable: measured, real tensors, another "
-           "interpreter or an engine adapter", "no store": "no store yet", "missing": "not all in the memo"}
+    why = {"no-cache": "--no-cache", "not memoizable": "not memoizable: measured, real tensors or another "
+           "interpreter", "no store": "no store yet", "missing": "not all in the memo"}
     reason = why.get(source.get("reason"), source.get("reason"))
     return f"passes: worker ({done}, {n} from the memo{'; ' + reason if reason else ''})"
 

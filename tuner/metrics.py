@@ -12,6 +12,9 @@ so the metrics are rebuildable from the store and survive restarts:
 - ``ctx_tuner_kv_residual_bytes{model,device,method}``: measured − predicted available KV bytes of
   the newest measured or imported run per model and device kind (view ``measured_vs_simulated``;
   negative = ctx-tuner promised more than the engine had);
+- ``ctx_tuner_drop_failed{drop,kind,error_type}``: 1 per failed drop (its current job failed;
+  ``kind`` ``drop`` = invalid input, ``run`` = given up after its attempts; :mod:`tuner.failures`);
+  the reason itself is in ``ctx-tuner status --failed`` and ``proposals/failed/NAME.yaml``;
 - ``ctx_tuner_up``: 1 while the daemon serves metrics; ``ctx_tuner_store_up``: the store answered.
 
 Served on a loopback TCP address (``127.0.0.1:9464``) or a Unix socket (``unix:/run/ctx-tuner/
@@ -111,6 +114,9 @@ class StoreCollector:
                 props = conn.execute(sa.text("SELECT drop_name, gpu_memory_utilization, max_model_len, "
                                              f"kv_cache_tokens, num_gpu_blocks FROM latest_proposals WHERE {mine}"),
                                      arg).all()
+                from tuner.failures import failed_drops
+
+                failed = failed_drops(conn, owner)
                 resid = conn.execute(sa.text(
                     "SELECT m.model, m.device_name, m.method, v.measured_available_kv_cache_bytes, "
                     "v.simulated_available_kv_cache_bytes FROM measured_vs_simulated v JOIN profile_runs m "
@@ -144,6 +150,12 @@ class StoreCollector:
             for fam, value in zip(fams, values):
                 fam.add_metric(labels, int(value or 0))
         yield from fams
+        bad = GaugeMetricFamily("ctx_tuner_drop_failed", "1 per failed drop (kind: drop = invalid input, run = given "
+                                "up after its attempts); reasons: ctx-tuner status --failed",
+                                labels=["drop", "kind", "error_type"])
+        for f in failed:
+            bad.add_metric([f.name, f.kind, f.error_type], 1)
+        yield bad
         res = GaugeMetricFamily("ctx_tuner_kv_residual_bytes", "Measured minus predicted available KV cache bytes "
                                 "(newest measured/imported run per model, device kind and method)",
                                 labels=["model", "device", "method"])

@@ -43,6 +43,11 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
             return (c / "config.json").resolve()
         if c.is_file() and c.suffix == ".json":
             return c.resolve()
+        # there, but no regular file (a FIFO, a socket, a link to /dev/zero): say so; never open it
+        for odd in ([c / "config.json"] if c.is_dir() else [c] if c.suffix == ".json" else []):
+            if os.path.lexists(odd):
+                raise ModelConfigError(f"{_not_regular(odd)}; a model config must be a regular file",
+                                       where=str(odd))
     if model.count("/") == 1 and ".." not in model and not model.startswith(("/", ".")):
         try:
             from huggingface_hub import try_to_load_from_cache
@@ -53,12 +58,16 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
             searched.append(f"HF cache for {model}")
         except Exception as exc:  # pragma: no cover - depends on the local hub install
             searched.append(f"HF cache for {model} ({exc})")
-        from tuner.hub import fetch_config, offline
+        from tuner.hub import HubUnreachable, fetch_config, offline
 
-        if download:
-            return fetch_config(model, revision=revision)
-        searched.append("not fetched from the Hub: " + ("HF_HUB_OFFLINE is set" if offline() else
-                                                         "hub downloads are off (daemon setting allow_hub_download)"))
+        if download and not offline():
+            try:
+                return fetch_config(model, revision=revision)
+            except HubUnreachable as exc:  # the same message as offline, with what failed
+                searched.append(f"not fetched: {exc.why}")
+        else:
+            searched.append("not fetched from the Hub: " + ("HF_HUB_OFFLINE is set" if offline() else
+                                                             "hub downloads are off (daemon setting allow_hub_download)"))
     hint = ""
     if model.count("/") == 1 and not model.startswith(("/", ".")):
         cli = "hf"  # huggingface_hub 0.34+; `huggingface-cli` before (removed in 1.0)
@@ -74,6 +83,99 @@ def resolve_model_path(model: str, base_dir: str | os.PathLike | None = None, *,
         hint = (f"; the HF cache is {cache} (HF_HOME / HF_HUB_CACHE move it): fill it on a host with network "
                 f"with `{cli} download {model} config.json`, or give a local directory holding config.json")
     raise ModelConfigError(f"no config.json found (searched: {', '.join(searched)}){hint}", where=model)
+
+
+def _not_regular(path: Path) -> str:
+    """Why ``path`` (which exists as a name) is not read as a config: "not a regular file (a FIFO)"
+    and the like, "a dangling symbolic link" for a link to nothing."""
+    import stat as _stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a dangling symbolic link" if os.path.islink(path) else "not readable"
+    kind = ("a FIFO" if _stat.S_ISFIFO(mode) else "a socket" if _stat.S_ISSOCK(mode)
+            else "a character device" if _stat.S_ISCHR(mode) else "a block device" if _stat.S_ISBLK(mode)
+            else "a directory" if _stat.S_ISDIR(mode) else "a special file")
+    return f"not a regular file ({kind}{', through a symbolic link' if os.path.islink(path) else ''})"
+
+
+#: Deepest nesting of objects and lists accepted in a model config (real ``config.json`` files nest
+#: 3–5 levels; the readers and hashes walk the tree recursively).
+MAX_CONFIG_DEPTH = 64
+
+
+def parse_config_json(raw: bytes | str, where: str) -> Any:
+    """``json.loads`` of a model config's bytes, with its nesting bounded by
+    :data:`MAX_CONFIG_DEPTH` (a 100,000-level file is a :class:`ModelConfigError` naming the file,
+    not a ``RecursionError`` in whatever walks it next).
+
+    Raises:
+        ModelConfigError: invalid JSON or nested too deeply (``where`` = the file).
+    """
+    depth = _max_depth(raw)
+    if depth > MAX_CONFIG_DEPTH:
+        raise ModelConfigError(f"config nests objects/lists {depth if depth < 10**6 else 'over a million'} levels deep; "
+                               f"model configs are read up to {MAX_CONFIG_DEPTH} levels (MAX_CONFIG_DEPTH)", where=where)
+    try:
+        return json.loads(raw)
+    except RecursionError:  # pragma: no cover - bounded above
+        raise ModelConfigError("config nests too deeply to be read", where=where) from None
+    except ValueError as exc:
+        raise ModelConfigError(f"cannot read config: {exc}", where=where) from exc
+
+
+def _max_depth(raw: bytes | str) -> int:
+    """Deepest ``[``/``{`` nesting of JSON text, outside strings (a linear scan, no recursion)."""
+    import re
+
+    text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else raw
+    if "[" not in text and "{" not in text:
+        return 0
+    depth = deepest = 0
+    # strings (with their escapes) are skipped whole; only brackets outside them count
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', text):
+        tok = m.group()
+        if tok == "[" or tok == "{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif tok == "]" or tok == "}":
+            depth -= 1
+    return deepest
+
+
+def shown(value: Any) -> str:
+    """A config value as an error may show it: numbers, booleans, null and short name-like strings
+    (``'int8'``, ``'llama'``) as written; anything else only by its kind and size (``a string of
+    64 characters``, ``a list of 3 items``). ``model:`` may name any readable JSON file, and errors
+    go to logs, the jobs table and the world-readable snapshot: no raw value of a file that is not
+    a model config is echoed there."""
+    import re
+
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        if len(value) <= 40 and re.fullmatch(r"[A-Za-z0-9_.:+/-]*", value):
+            return repr(value)
+        return f"a string of {len(value)} characters"
+    if isinstance(value, dict):
+        return f"a JSON object of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def require_model_config(top: dict, where: str) -> None:
+    """Refuse a JSON object that is no model config — neither ``architectures`` nor ``model_type``
+    (every HF ``config.json`` has one) — before any of its values is read or shown.
+
+    Raises:
+        ModelConfigError: naming the file, none of its values.
+    """
+    if "architectures" not in top and "model_type" not in top:
+        raise ModelConfigError("not a model config: the JSON object has neither `architectures` nor `model_type` "
+                               "(its values are not shown)", where=where)
 
 
 def _first(obj: Any, *names: str, default: Any = None) -> Any:
@@ -166,7 +268,7 @@ def _positive_int(value: Any, field_name: str, path: str) -> int:
     """``value`` if it is a positive int (bools, strings, floats, NaN rejected) no larger than its
     :data:`MAX_CONFIG_SIZES` bound, else ``ModelConfigError`` naming ``path:field``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelConfigError(f"{field_name} must be a positive integer, not {value!r}", where=f"{path}:{field_name}")
+        raise ModelConfigError(f"{field_name} must be a positive integer, not {shown(value)}", where=f"{path}:{field_name}")
     limit = MAX_CONFIG_SIZES.get(field_name.rsplit(".", 1)[-1])
     if limit is not None and value > limit:
         raise ModelConfigError(f"{field_name} is {value:,}, more than {limit:,}, the largest this tool accepts "
@@ -301,9 +403,9 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     path = Path(config_path)
     try:
         text = read_config_bytes(path)
-        top = json.loads(text)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    top = parse_config_json(text, str(path))
     from tuner.transformers_lean import import_transformers  # worker side only: imports torch
 
     transformers = import_transformers()  # without the scan of every model's source
@@ -312,6 +414,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     transformers.logging.set_verbosity_error()
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
+    require_model_config(top, str(path))
     try:
         hf = AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path),
                                         trust_remote_code=False, local_files_only=True)
@@ -421,7 +524,7 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         rope_params = {}
     partial_value = raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
     if isinstance(partial_value, bool) or not isinstance(partial_value, (int, float)) or not 0 < partial_value <= 1:
-        raise ModelConfigError(f"partial_rotary_factor must be a number in (0, 1], not {partial_value!r}",
+        raise ModelConfigError(f"partial_rotary_factor must be a number in (0, 1], not {shown(partial_value)}",
                                where=f"{where}:{prefix}partial_rotary_factor")
     partial = float(partial_value)
     dtype_field, dtype_value = "torch_dtype", None
@@ -433,11 +536,11 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         dtype_value = defaults.get("torch_dtype") or _first(hf, "dtype", default=None)
     if dtype_value is not None and not isinstance(dtype_value, str) and "torch." not in str(dtype_value):
         raise ModelConfigError(f"{dtype_field} must be a floating-point dtype name ({', '.join(FLOAT_DTYPES)}), "
-                               f"not {dtype_value!r}", where=f"{where}:{dtype_field}")
+                               f"not {shown(dtype_value)}", where=f"{where}:{dtype_field}")
     dtype = _dtype_name(dtype_value)
     if dtype not in FLOAT_DTYPES:
         raise ModelConfigError(f"{dtype_field} must be a floating-point dtype ({', '.join(FLOAT_DTYPES)}), "
-                               f"not {dtype_value!r}", where=f"{where}:{dtype_field}")
+                               f"not {shown(dtype_value)}", where=f"{where}:{dtype_field}")
     # The checkpoint's own key wins over a transformers class default.
     if "tie_word_embeddings" in top:
         tie = bool(top["tie_word_embeddings"])
@@ -449,11 +552,11 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
     sw_name, window = pick("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ModelConfigError(f"sliding_window must be null or a non-negative integer, not {window!r}",
+        raise ModelConfigError(f"sliding_window must be null or a non-negative integer, not {shown(window)}",
                                where=f"{where}:{sw_name}")
     qc = top.get("quantization_config") or raw.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
-        raise ModelConfigError(f"quantization_config must be a JSON object, not {qc!r}",
+        raise ModelConfigError(f"quantization_config must be a JSON object, not {shown(qc)}",
                                where=f"{where}:quantization_config")
     spec = ModelSpec(
         path=str(path),
@@ -488,7 +591,7 @@ def _architectures(top: dict, where: str) -> tuple[str, ...]:
     if isinstance(archs, str):
         return (archs,)
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ModelConfigError(f"architectures must be a list of class names, not {archs!r}",
+        raise ModelConfigError(f"architectures must be a list of class names, not {shown(archs)}",
                                where=f"{where}:architectures")
     return tuple(archs)
 
@@ -569,9 +672,10 @@ def read_top(config_path: str | os.PathLike) -> dict:
     """
     path = Path(config_path)
     try:
-        top = json.loads(read_config_bytes(path))
-    except (OSError, ValueError) as exc:
+        raw = read_config_bytes(path)
+    except OSError as exc:
         raise ModelConfigError(f"cannot read config: {exc}", where=str(path)) from exc
+    top = parse_config_json(raw, str(path))
     if not isinstance(top, dict):
         raise ModelConfigError("config.json is not a JSON object", where=str(path))
     return top

@@ -117,6 +117,77 @@ def spec_key(config_path: str, top: dict, plugin: Any, defaults: dict) -> str:
                    "plugin_module": type(plugin).__module__, "defaults": defaults})
 
 
+#: The kind of a whole job's answer that an installed engine (vLLM) took part in (:func:`engine_answer_key`).
+ENGINE_ANSWER = "engine-answer"
+#: Environment variables the engine adapter sets itself (tuner.engine.adapter._prepare_env): not
+#: part of an engine answer's key (a warm worker has them from its first job, its parent never).
+_ADAPTER_ENV = frozenset({"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"})
+
+
+def engine_takes_part(job: Any) -> bool:
+    """Whether an installed vLLM takes part in ``job`` (a :class:`tuner.protocol.JobRequest`): the
+    engine adapter is not off (``engine`` / ``$CTX_TUNER_ENGINE``) and ``vllm`` is importable here
+    (found, not imported)."""
+    import os
+
+    from tuner.engine import vllm_importable
+
+    return str(job.engine or os.environ.get("CTX_TUNER_ENGINE") or "auto") != "off" and vllm_importable()
+
+
+def engine_build() -> dict | None:
+    """The installed vLLM build, without importing it: distribution, version, and the location and
+    modification time of its ``__init__.py`` (a rebuild or reinstall of the same version is another
+    build); None when none is importable."""
+    import importlib.util
+    import os
+
+    from tuner.engine import installed_release
+
+    try:
+        found = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin:
+        return None
+    dist, version = installed_release()
+    try:
+        mtime = os.stat(found.origin).st_mtime_ns
+    except OSError:
+        mtime = None
+    return {"dist": dist, "version": version, "origin": found.origin, "mtime_ns": mtime}
+
+
+def engine_answer_key(job: Any) -> str | None:
+    """The memo key of a whole simulate job's answer that an installed engine took part in
+    (issue 34: a repeated question on a host with vLLM is answered from the store, no ``import
+    vllm``, no torch): the request (the drop's settings without its name, path and content hash;
+    the device, method, engine mode, calibration), the model config's content and path (and the
+    drafter's), this tool and its environment, the vLLM build (:func:`engine_build`) and the
+    ``VLLM_*`` environment the caller set. None when there is no build or a config cannot be read
+    (no memo then)."""
+    import os
+
+    from tuner.errors import TunerError
+    from tuner.modelspec import config_hash, read_top
+
+    build = engine_build()
+    if build is None:
+        return None
+    wire = job.to_wire()
+    drop = {k: v for k, v in wire["drop"].items() if k not in ("name", "path", "content_sha256")}
+    request = {k: v for k, v in wire.items() if k not in ("protocol", "drop", "progress", KNOWN_PASSES)}
+    try:
+        config = config_hash(read_top(job.config_path))
+        draft = config_hash(read_top(job.draft_config_path)) if job.draft_config_path else None
+    except TunerError:
+        return None
+    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k not in _ADAPTER_ENV}
+    env["CTX_TUNER_ENGINE"] = os.environ.get("CTX_TUNER_ENGINE")
+    return digest({"v": MEMO_VERSION, "kind": ENGINE_ANSWER, "tool": __version__, "versions": env_versions(),
+                   "vllm": build, "config": config, "draft": draft, "request": request, "drop": drop, "env": env})
+
+
 def pass_key(*, spec: Any, plugin: Any, settings: Any, era: Any, batch: Any, fake: bool, model_runner_v2: bool,
              device_name: str, method: str = "simulate") -> str:
     """The memo key of one rank's profile pass (see the module docstring for what goes in)."""
@@ -219,5 +290,6 @@ def entry(kind: str, key: str, value: dict, *, spec: Any, device_name: str | Non
             "method": method, "device_name": device_name, "era": era, "value": value}
 
 
-__all__ = ["ENTRIES", "KNOWN_PASSES", "MEMO_VERSION", "MemoMiss", "MemoSource", "digest", "entry", "env_versions",
+__all__ = ["ENGINE_ANSWER", "ENTRIES", "KNOWN_PASSES", "MEMO_VERSION", "engine_answer_key", "engine_build",
+           "engine_takes_part", "MemoMiss", "MemoSource", "digest", "entry", "env_versions",
            "pass_key", "spec_from_value", "spec_key", "spec_to_value", "with_persistent"]

@@ -94,9 +94,7 @@ def frontier_from_drop(drop_path: str, *, gpu_memory_utilization: list[float] | 
         frontiers.append({"label": f"largest max_model_len, >= {c:g} full-length request{'s' if c != 1 else ''}",
                           "min_concurrency": c,
                           "points": [[p.gpu_memory_utilization, p.max_model_len] for p in r.proposals]})
-    surface = [{"gpu_memory_utilization": c.gpu_memory_utilization, "max_model_len": c.max_model_len,
-                "max_num_batched_tokens": c.get("max_num_batched_tokens"), "fits": c.get("fits"),
-                "kv_cache_tokens": c.get("kv_cache_tokens")} for c in JobResult.from_wire(base).candidates]
+    surface = [_surface_point(c) for c in JobResult.from_wire(base).candidates]
     measured = _measured(store, device_name=job.device["name"], engine_version=d.engine_version,
                          tensor_parallel_size=d.tensor_parallel_size, pipeline_parallel_size=d.pipeline_parallel_size,
                          kv_cache_dtype=d.kv_cache_dtype, model=d.model, config_sha256=base["model"]["config_sha256"])
@@ -105,12 +103,59 @@ def frontier_from_drop(drop_path: str, *, gpu_memory_utilization: list[float] | 
             "non_monotone_at": _non_monotone_us(surface)}
 
 
+def _starts(c: Any) -> bool:
+    """Starts as far as memory goes: fits, or refused only for ``min_concurrency`` (the search's
+    "only N full-length requests" reason), which is not a start-up failure."""
+    return bool(c.get("fits")) or (c.get("reason") or "").startswith("only ")
+
+
+def _surface_point(c: Any, **extra: Any) -> dict:
+    return {**extra, "gpu_memory_utilization": c.gpu_memory_utilization, "max_model_len": c.max_model_len,
+            "max_num_batched_tokens": c.get("max_num_batched_tokens"), "fits": c.get("fits"),
+            "starts": _starts(c), "kv_cache_tokens": c.get("kv_cache_tokens")}
+
+
+def _resimulated(dr: dict, us: list[float], cs: list[float], *, worker: Callable[..., dict] | None,
+                 timeout_s: float) -> tuple[dict[float, list] | None, str | None]:
+    """The exact frontier per concurrency of a stored drop: its content searched again (simulate,
+    the pass memo answers repeated passes) with ``min_concurrency`` = each of ``cs`` at the stored
+    utilizations ``us``. ``({c: [[u, M | None], …]}, None)``, or ``(None, why)`` when the drop
+    cannot be prepared here (its model config is not found on this host, …)."""
+    from tuner.drop import parse_drop
+
+    import dataclasses
+
+    try:
+        drop = parse_drop(dr["content"], dr.get("path") or f"{dr['name']}.yaml")
+        job = prepare(None, drop=dataclasses.replace(drop, method="simulate"))  # a measured drop too: no GPU here
+        jobs = [(f"concurrency {c:g}", job.request(gpu_memory_utilization=us, min_concurrency=c)) for c in cs]
+        res = run_jobs(jobs, job_name=dr["name"], worker=worker, timeout_s=timeout_s)
+    except TunerError as exc:
+        return None, str(exc)
+    out = {}
+    for c in cs:
+        r = res[f"concurrency {c:g}"]
+        if isinstance(r, TunerError):
+            return None, str(r)
+        by_u = {round(p.gpu_memory_utilization, 9): p.max_model_len for p in JobResult.from_wire(r).proposals}
+        out[c] = [[u, by_u.get(round(u, 9))] for u in us]
+    return out, None
+
+
 def frontier_from_store(store: Store, *, model: str, device: str | None = None,
-                        concurrency: list[float] | None = None, host: str | None = None) -> dict:
+                        concurrency: list[float] | None = None, host: str | None = None,
+                        worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     """The same picture from stored results: the latest drops whose model (and device) contain the
-    given text — their proposals, grid points and the concurrency lines the grid supports — and
-    the measured runs of that model. In a fleet store each series is labelled ``NAME@HOST`` (as
-    ``results`` labels proposals); ``host`` keeps only that ``host_id``'s drops."""
+    given text — their proposals, grid points and one line per concurrency — and the measured runs
+    of that model. In a fleet store each series is labelled ``NAME@HOST`` (as ``results`` labels
+    proposals); ``host`` keeps only that ``host_id``'s drops.
+
+    The concurrency lines are the drop searched again with each ``min_concurrency`` (simulate, at
+    the stored utilizations): the stored grid is the search's sparse probes for the drop's own
+    ``min_concurrency``, and its largest point with enough concurrency is not the largest length
+    that has it (Qwen2.5-7B on an L4 at 0.85: 16 tokens for 4 requests where 13568 start). Where a
+    drop cannot be searched here (its model config is not on this host) it has no concurrency
+    lines, and ``notes`` says why."""
     drops = latest_drops(store, model=model, device=device)
     if host is not None:
         drops = [dr for dr in drops if dr.get("host_id") == host]
@@ -119,9 +164,11 @@ def frontier_from_store(store: Store, *, model: str, device: str | None = None,
                          + (f" and device contains {device!r}" if device else "")
                          + (f" on host {host!r}" if host is not None else ""), where=store.where)
     cs = sorted({1.0, *(float(c) for c in (concurrency or (2, 4)))})
-    frontiers, surface = [], []
+    frontiers, surface, notes = [], [], []
+    paths = _drop_paths(store, [dr["id"] for dr in drops])
     for dr in drops:
-        dr = {**dr, "name": dr["name"] + (f"@{dr['host_id']}" if dr.get("host_id") else "")}
+        dr = {**dr, "name": dr["name"] + (f"@{dr['host_id']}" if dr.get("host_id") else ""),
+              "path": paths.get(dr["id"])}
         try:
             min_c = float(((yaml.safe_load(dr["content"]) or {}).get("constraints") or {}).get("min_concurrency") or 1)
         except yaml.YAMLError:
@@ -131,26 +178,27 @@ def frontier_from_store(store: Store, *, model: str, device: str | None = None,
                           "drop": dr["name"],
                           "points": [[p.gpu_memory_utilization, p.max_model_len] for p in props]})
         cands = records.candidates_of_drop(store, dr["id"])
-        for c in cands:
-            surface.append({"drop": dr["name"], "gpu_memory_utilization": c.gpu_memory_utilization,
-                            "max_model_len": c.max_model_len, "max_num_batched_tokens": c.max_num_batched_tokens,
-                            "fits": c.fits, "kv_cache_tokens": c.kv_cache_tokens})
-        us = sorted({c.gpu_memory_utilization for c in cands})
+        surface += [_surface_point(c, drop=dr["name"]) for c in cands]
+        us = sorted({c.gpu_memory_utilization for c in cands} | {p.gpu_memory_utilization for p in props})
+        lines, why = _resimulated(dr, us, cs, worker=worker, timeout_s=timeout_s)
+        if lines is None:
+            notes.append(f"{dr['name']}: no concurrency lines (the drop cannot be searched again here: {why})")
+            continue
         for k in cs:
-            pts = []
-            for u in us:
-                # starts as far as memory goes (a min_concurrency refusal is not a start-up failure)
-                ok = [c.max_model_len for c in cands if _same_u(c.gpu_memory_utilization, u)
-                      and (c.fits or (c.reason or "").startswith("only "))
-                      and (c.max_concurrency or 0) >= k]
-                pts.append([u, max(ok) if ok else None])
-            frontiers.append({"label": f"{dr['name']}: grid, >= {k:g} requests", "min_concurrency": k,
-                              "drop": dr["name"], "points": pts})
+            frontiers.append({"label": f"{dr['name']}: largest max_model_len, >= {k:g} full-length request"
+                                       f"{'s' if k != 1 else ''}", "min_concurrency": k, "drop": dr["name"],
+                              "points": lines[k]})
     measured = _measured(store, model_like=model, device_like=device)
     title = (f"stored results for model ~ {model!r}" + (f", device ~ {device!r}" if device else "")
              + (f", host {host}" if host is not None else ""))
     return {"title": title, "source": "store", "frontiers": frontiers, "surface": surface, "measured": measured,
-            "non_monotone_at": _non_monotone_us(surface)}
+            "non_monotone_at": _non_monotone_us(surface), "notes": notes}
+
+
+def _drop_paths(store: Store, ids: list[int]) -> dict[int, str | None]:
+    from tuner.store import drops_table as d
+
+    return {r["id"]: r["path"] for r in store.select(sa.select(d.c.id, d.c.path).where(d.c.id.in_(ids)))}
 
 
 def _import_pyplot():
@@ -180,11 +228,17 @@ def render_png(data: dict, out: str | Path) -> dict:
             if pts:
                 ax.plot([u for u, _ in pts], [m for _, m in pts], marker="o", markersize=3, linewidth=1.5,
                         label=f["label"])
-        sf = [tuple(point_of(p)) for p in data["surface"] if p["fits"]]
-        sn = [tuple(point_of(p)) for p in data["surface"] if not p["fits"]]
+        # a point refused only for min_concurrency starts: drawn apart, never as "does not start"
+        starts = [p.get("starts", p["fits"]) for p in data["surface"]]
+        sf = [tuple(point_of(p)) for p, st in zip(data["surface"], starts) if p["fits"]]
+        sc = [tuple(point_of(p)) for p, st in zip(data["surface"], starts) if st and not p["fits"]]
+        sn = [tuple(point_of(p)) for p, st in zip(data["surface"], starts) if not st]
         if sf:
             ax.scatter(*zip(*sf), marker="o", facecolors="none", edgecolors="tab:green", s=36,
                        label="simulated grid point: starts")
+        if sc:
+            ax.scatter(*zip(*sc), marker="o", facecolors="none", edgecolors="tab:orange", s=36,
+                       label="simulated grid point: starts, below min_concurrency")
         if sn:
             ax.scatter(*zip(*sn), marker="x", color="tab:red", s=40, label="simulated grid point: does not start")
         mf = [tuple(point_of(p)) for p in data["measured"] if p["fits"]]

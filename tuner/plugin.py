@@ -51,6 +51,7 @@ class RankSettings:
             Mamba / DeltaNet conv state keeps ``k − 1 + num_speculative_tokens`` columns.
         mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode`` for hybrid models (``"none"``,
             ``"align"`` with prefix caching; ``None`` = the release's default, ``"none"``).
+        flashinfer_sampler: the dummy sampler runs FlashInfer (see the field).
     """
 
     engine_version: str
@@ -72,6 +73,13 @@ class RankSettings:
     max_model_len: int | None = None
     num_speculative_tokens: int = 0
     mamba_cache_mode: str | None = None
+    #: the V1 dummy sampler's top-k/top-p path, 0.8–0.16 (:func:`tuner.eras.sampler_path`): True
+    #: FlashInfer, False PyTorch's sort, None what a ``pip install`` of the release runs.
+    flashinfer_sampler: bool | None = None
+    #: ``VLLM_PP_LAYER_PARTITION`` as layer counts per stage (None = vLLM's even split).
+    pp_layer_partition: tuple[int, ...] | None = None
+    #: vLLM's config format (``"hf"`` / ``"mistral"``, :func:`tuner.job.config_format`).
+    config_format: str = "hf"
     #: vLLM's platform on this rank's card: ``"cuda"`` or ``"rocm"`` (:mod:`tuner.platforms`); the
     #: attention backends, and with them an MLA model's block size, differ.
     platform: str = "cuda"
@@ -115,7 +123,7 @@ def stage_layers(spec: Any, settings: RankSettings, *, num_layers: int | None = 
     layer list is longer or shorter, e.g. ``hybrid_override_pattern``).
     """
     n = spec.num_hidden_layers if num_layers is None else num_layers
-    counts = layers_per_pp_rank(n, settings.pipeline_parallel_size)
+    counts = layers_per_pp_rank(n, settings.pipeline_parallel_size, getattr(settings, "pp_layer_partition", None))
     start = sum(counts[: settings.pp_rank])
     return range(start, start + counts[settings.pp_rank])
 

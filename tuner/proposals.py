@@ -187,18 +187,20 @@ def _atomic_write(dest: Path, text: str) -> None:
 
 def write_vllm_configs(directory: str | os.PathLike, doc: dict[str, Any]) -> list[Path]:
     """Write each proposal of ``doc`` as ``vllm serve --config`` files in ``directory/NAME.vllm/``
-    (``gpu-memory-utilization-U.yaml`` and, vLLM 0.10.2+, ``kv-cache-memory-bytes-U.yaml``),
-    atomically; files of proposals no longer in ``doc`` are removed. Returns the paths written."""
+    (``gpu-memory-utilization-U.yaml`` and, vLLM 0.10.2+, ``kv-cache-memory-bytes-U.yaml``; in the
+    form the release accepts, :func:`tuner.vllm_forms.release_form`: ``.sh`` command lines before
+    vLLM 0.6.0), atomically; files of proposals no longer in ``doc`` are removed. Returns the paths written."""
     from tuner.vllm_forms import proposal_documents
 
     d = vllm_config_dir(directory, doc["drop"])
     d.mkdir(parents=True, exist_ok=True)
-    model = next((p["vllm_config"]["model"] for p in doc.get("proposals", []) if p.get("vllm_config")), doc["model"])
+    model = next((p["vllm_config"]["model"] for p in doc.get("proposals", []) if (p.get("vllm_config") or {}).get("model")),
+                 doc["model"])
     written = []
     for fname, text in proposal_documents(model, doc["engine_version"], doc.get("proposals", [])):
         _atomic_write(d / fname, text)
         written.append(d / fname)
-    for old in d.glob("*.yaml"):
+    for old in [*d.glob("*.yaml"), *d.glob("*.sh")]:  # .sh: a release without --config
         if old not in written:
             old.unlink()
     return written

@@ -48,6 +48,9 @@ class ProfileOutcome:
     content: str | None = None
     #: the fleet's shared result key (:func:`tuner.fleet.result_key`) when the daemon computed one.
     result_sha256: str | None = None
+    #: ``drop_id`` is an earlier row holding the same drop and results (``profile`` run again on an
+    #: unchanged drop stores no copy; :func:`tuner.app.same_stored_drop`).
+    reused: bool = False
 
     @property
     def method(self) -> str:

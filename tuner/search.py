@@ -89,6 +89,8 @@ class Layout:
     #: still runs but its terms no longer size the cache and ``gpu_memory_utilization`` is ignored
     #: (vllm/v1/worker/gpu_worker.py ``determine_available_memory``). None = sized by the budget.
     kv_cache_memory_bytes: int | None = None
+    #: ``VLLM_PP_LAYER_PARTITION`` (layers per stage) or None (vLLM's even split).
+    pp_layer_partition: tuple | None = None
     #: The release runs Model Runner V2 for this model (:func:`tuner.eras.uses_model_runner_v2`):
     #: with async scheduling it keeps pp + 1 batches in flight (:func:`tuner.kvcache.max_in_flight_tokens`).
     model_runner_v2: bool = False
@@ -397,6 +399,11 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         if refusal:  # vLLM checks free memory in init_device, before it loads anything
             reason = other = refusal
             break
+    if reason is None or reason.startswith("No available memory"):
+        # loading happens after init_device's free-memory check and before the profile
+        refused = weights_refusal(layout, budgets)
+        if refused:
+            reason = other = refused
     if layout.kv_cache_memory_bytes is not None and reason is None:
         reason = other = kv_cache_memory_refusal(layout, budgets, captured)
     elif reason is None and era.engine == "V1":
@@ -412,7 +419,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     ca, cn, cg = corrs[worst]
     stages = ()
     if len(budgets) > 1:
-        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets)) \
+        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets), layout.pp_layer_partition) \
             if layout.num_layers >= len(budgets) else [0] * len(budgets)
         starts_at = [sum(counts[:i]) for i in range(len(budgets))]
         stages = tuple({"pp_rank": i, "device_name": layout.card(i).name or None,
@@ -586,6 +593,44 @@ def gpu_memory_utilization_warning(c: "Candidate | dict") -> str | None:
             "not measure: other processes sharing the GPU (including ones that allocate on it later), the CPU on a "
             "unified-memory device, weight transfer buffers for weight updates, or a KV connector's own device "
             "buffers.")
+
+
+#: The start of :func:`weights_refusal`'s message (``check`` and ``explain`` recognise it).
+WEIGHTS_DO_NOT_FIT = "the weights do not fit the GPU"
+
+
+def weights_refusal(layout: Layout, budgets: Sequence) -> str | None:
+    """Why vLLM fails loading the weights, or None: a stage whose weights (drafter included) and
+    non-torch memory (the CUDA context is created before loading) exceed its card's total memory
+    (less other processes). vLLM loads the weights onto the GPU in ``load_model``
+    (vllm/v1/worker/gpu_model_runner.py; vllm/worker/model_runner.py in V0) after ``init_device``
+    and before the memory profile, so no ``gpu_memory_utilization`` helps: torch raises CUDA out
+    of memory while loading — not the profile's "No available memory for the cache blocks. Try
+    increasing `gpu_memory_utilization`". The message has the bytes and what would fit: the
+    tensor-parallel size that splits the weights small enough, a quantized checkpoint (8-bit
+    weights are about half of 16-bit ones, 4-bit about a quarter), or a card with more memory."""
+    gib = 1 << 30
+    for i, b in enumerate(budgets):
+        card = layout.card(i)
+        room = int(card.total_memory_bytes) - int(layout.other_processes_bytes)
+        w, nt = int(b.weights_bytes), int(b.non_torch_bytes)
+        if w + nt <= room:
+            continue
+        where = f" of pipeline stage {i}" if len(budgets) > 1 else ""
+        whole = w * layout.tensor_parallel_size  # the model's weights before the TP split (about)
+        tp = layout.tensor_parallel_size
+        while tp < 64 and whole / (tp * 2) + nt > room:
+            tp *= 2
+        tp_text = f"--tensor-parallel-size {tp * 2} (about {whole / (tp * 2) / gib:.2f} GiB of weights per GPU)" \
+            if tp < 64 else "more GPUs"
+        return (f"{WEIGHTS_DO_NOT_FIT}: vLLM fails loading them (CUDA out of memory in load_model, before the "
+                f"memory profile; no gpu_memory_utilization helps): the weights{where} are {w:,} bytes "
+                f"({w / gib:.2f} GiB) and with the non-torch memory ({nt:,} bytes) need {w + nt:,} bytes, more "
+                f"than the GPU's {room:,} bytes ({room / gib:.2f} GiB)"
+                + (" left by other processes" if layout.other_processes_bytes else "")
+                + f"; what would fit: {tp_text}, a quantized checkpoint (8-bit weights are about half, 4-bit about "
+                  f"a quarter of 16-bit ones), or a GPU with more than {(w + nt) / gib:.2f} GiB plus the KV cache")
+    return None
 
 
 def graph_capture_oom(layout: Layout, budgets: Sequence, captured_graph_bytes: Sequence[int]) -> str | None:

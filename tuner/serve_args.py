@@ -202,6 +202,8 @@ FLAGS: tuple[Flag, ...] = (
     _m("kv_cache_memory_bytes", ["--kv-cache-memory-bytes"], human_readable_int),
     _m("enable_extensible_kv_cache", ["--enable-extensible-kv-cache"], kind="bool",
        note="0.34+: the KV cache sized after warmup and CUDA-graph capture (vllm/config/cache.py)"),
+    _m("config_format", ["--config-format"], _lower,
+       note="the Mistral format holds Pixtral's vision encoder whole on every TP rank"),
     _m("revision", ["--revision"], str, field="revision",
        note="the model revision whose config.json is read (HF ids)"),
     # no effect on start-up memory
@@ -215,7 +217,7 @@ FLAGS: tuple[Flag, ...] = (
        "config.json is read without remote code; the architecture decides the plugin"),
     _i("download_dir", ["--download-dir"]), _i("load_format", ["--load-format"],
                                                note="weights bytes come from the config, not the files"),
-    _i("config_format", ["--config-format"]), _i("hf_token", ["--hf-token"], "optional"),
+    _i("hf_token", ["--hf-token"], "optional"),
     _i("disable_log_stats", ["--disable-log-stats"], "bool"),
     _i("enable_log_requests", ["--enable-log-requests"], "bool"),
     _i("disable_log_requests", ["--disable-log-requests"], "bool"),

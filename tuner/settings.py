@@ -83,6 +83,16 @@ def _opt_bytes(v: Any) -> int | None:
     return v
 
 
+def _roots(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise _Bad(f"must be a list of directories or null (any readable path), not {type(v).__name__}")
+    return tuple(_path(p) for p in v)
+
+
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise _Bad(f"must be true or false, not {type(v).__name__} {v!r}")
@@ -211,6 +221,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Answer a drop whose model spec and profile passes are already in the store's pass memo (any drop, "
             "any host of a fleet; keyed by content hash) in the daemon's own process, without a worker; false = "
             "always run a worker (the memo is still filled).", _bool),
+    Setting("model_roots", None,
+            "Directories a drop's local `model` (and speculative draft model) must lie in, after following "
+            "symbolic links; a drop naming a path outside them fails as an invalid drop, and nothing of that "
+            "file is read. HF ids resolved from the HF cache are always allowed. null = any readable path (the "
+            "default; the shipped settings file restricts it). See docs/model-roots.md.", _roots),
     Setting("allow_hub_download", False,
             "Fetch `config.json` (and the small quantization / processor JSON files, never weights) of an HF id "
             "that is not in the local HF cache through `huggingface_hub` (honours HF_ENDPOINT, HF_TOKEN, "
@@ -246,6 +261,7 @@ class Settings:
     engine_pythons: dict = field(default_factory=dict)
     metrics_listen: str | None = None
     pass_memo: bool = True
+    model_roots: tuple[str, ...] | None = None
     allow_hub_download: bool = False
     #: the file these settings came from (None = defaults).
     source: str | None = None
@@ -330,6 +346,9 @@ def settings_from_mapping(data: Any, *, source: str | None = None, base_dir: str
         v = values.get(key)
         if v is not None and base is not None and not os.path.isabs(os.path.expanduser(v)):
             values[key] = str(base / v)
+    if values.get("model_roots") and base is not None:
+        values["model_roots"] = tuple(r if os.path.isabs(os.path.expanduser(r)) else str(base / r)
+                                      for r in values["model_roots"])
     if values.get("engine_pythons") and base is not None:
         values["engine_pythons"] = {k: v if os.path.isabs(os.path.expanduser(v)) else str(base / v)
                                     for k, v in values["engine_pythons"].items()}

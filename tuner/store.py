@@ -655,7 +655,29 @@ def _upgrade(u: URL, busy_timeout_s: float, engine: Engine) -> None:
         _upgrade_locked(u, busy_timeout_s, command)
 
 
+class _MigrationLogFilter:
+    """Alembic logs each step with its script's docstring ("Running upgrade 0001 -> 0002, Daemon job
+    queue and drop retirement (issue 3)."): the project's internal issue numbers are dropped, and
+    the text is one line."""
+
+    _ISSUE = re.compile(r"\s*\((?:[^()]*?;\s*)?issues? \d+[^()]*\)")
+
+    def filter(self, record: Any) -> bool:
+        msg = record.getMessage()
+        if msg.startswith("Running upgrade"):
+            record.msg, record.args = " ".join(self._ISSUE.sub("", msg).split()), ()
+        return True
+
+
+_MIGRATION_LOG_FILTER = _MigrationLogFilter()
+
+
 def _upgrade_locked(u: URL, busy_timeout_s: float, command: Any) -> None:
+    import logging
+
+    mig_log = logging.getLogger("alembic.runtime.migration")
+    if _MIGRATION_LOG_FILTER not in mig_log.filters:
+        mig_log.addFilter(_MIGRATION_LOG_FILTER)
     mig = make_engine(u, foreign_keys=False, busy_timeout_s=busy_timeout_s)
     try:
         with mig.begin() as conn:  # one transaction: every step plus alembic_version

@@ -62,15 +62,55 @@ def load_cases(path: str | Path) -> list[dict]:
     return cases
 
 
-def infer_version(case: dict) -> tuple[str, str]:
-    """``(version, engine)`` of a case: as stated, else from its log-line formats, else the
-    engine's default release (:func:`tuner.logparse.infer_version`)."""
+def case_release(case: dict, models_dir: str | Path | None = None):
+    """The release assumed for a case whose record has no ``vllm_version``: the newest modelled
+    release consistent with its engine, names, settings, ``raw_lines`` and (with ``models_dir``)
+    its model's config (:func:`tuner.release_infer.infer_for_case`); None when the case states
+    its version."""
+    if case.get("vllm_version"):
+        return None
+    from tuner.release_infer import infer_for_case
+
+    config = None
+    if models_dir is not None:
+        path = Path(models_dir) / _model_dir_name(str(case.get("model"))) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            config = None
+    return infer_for_case(case, config)
+
+
+def infer_version(case: dict, models_dir: str | Path | None = None) -> tuple[str, str]:
+    """``(version, engine)`` of a case: as stated, else :func:`case_release`'s (the one rule
+    ``validate`` and ``import-log`` share: :mod:`tuner.release_infer`).
+
+    Raises:
+        DropError: no modelled release is consistent with what the case names.
+    """
     engine = (case.get("engine") or "").upper()
     engine = engine if engine in ("V0", "V1") else None
     if case.get("vllm_version"):
         return str(case["vllm_version"]), engine
-    version, eng, _marker = logparse.infer_version(case.get("raw_lines") or [], engine)
-    return version, eng
+    inferred = case_release(case, models_dir)
+    if inferred.release is None:
+        raise DropError(f"case {case.get('id')!r} has no vllm_version and no modelled release is consistent "
+                        "with what it names", field="vllm_version")
+    return inferred.release, inferred.engine
+
+
+def _release_fields(case: dict, models_dir) -> dict:
+    """``release_assumed`` / ``release`` / ``release_range`` of a report row (assumed: the case
+    states no version; the uncertainty of the answer widens with the range)."""
+    try:
+        inferred = case_release(case, models_dir)
+    except Exception:  # noqa: BLE001 - the row's own error says what failed
+        inferred = None
+    if inferred is None:
+        return {"release_assumed": False, "release": case.get("vllm_version"), "release_range": None}
+    d = inferred.to_dict()
+    return {"release_assumed": True, "release": d["release"], "release_range": d["release_range"],
+            "release_evidence": d["evidence"], "release_ignored": d["ignored"]}
 
 
 def _model_dir_name(model: str) -> str:
@@ -207,6 +247,21 @@ def _hf_overrides(settings: dict) -> dict | None:
     return out or None
 
 
+def case_config_format(case: dict) -> str:
+    """``mistral`` where the case's command line (raw lines or notes) passes
+    ``--config-format mistral``, else ``auto``."""
+    text = " ".join(str(x) for x in list(case.get("raw_lines") or []) + [case.get("notes") or ""])
+    return "mistral" if re.search(r"--config[-_]format[= ]+mistral", text) else "auto"
+
+
+def case_env(settings: dict) -> dict | None:
+    """A case's environment variables (``env_NAME`` settings, cases/README.md) as a drop's
+    ``env``."""
+    out = {k[len("env_"):]: ("1" if v is True else "0" if v is False else str(v))
+           for k, v in (settings or {}).items() if k.startswith("env_") and v is not None}
+    return out or None
+
+
 def case_arguments(case: dict) -> dict:
     """A case's vLLM arguments by destination name: its top-level ``dtype``, ``kv_cache_dtype``,
     ``quantization``, ``tensor_parallel_size``, ``pipeline_parallel_size`` and every ``settings`` key
@@ -234,7 +289,7 @@ def case_drop(case: dict, models_dir: str | Path):
     """
     from tuner.vllm_args import NotModelled, drop_name, from_settings, to_drop
 
-    version, _engine = infer_version(case)
+    version, _engine = infer_version(case, models_dir)
     config_path = config_path_for(case, models_dir)
     values = case_arguments(case)
     source = f"case {case['id']}"
@@ -245,7 +300,9 @@ def case_drop(case: dict, models_dir: str | Path):
     from tuner.protocol import point_of
 
     max_model_len = point_of(sa.values).max_model_len or derived_max_model_len(config_path, values["hf_overrides"])
-    return to_drop(sa, device=_device(case), engine_version=version, allow_unmodelled=True,
+    device = _device(case)
+    # a drop states per-stage cards as a device list (the request carries the resolved ``stages``)
+    return to_drop(sa, device=device.get("stages") or device, engine_version=version, allow_unmodelled=True,
                    name=drop_name(str(case["id"]), "case"), model=str(config_path.parent), max_model_len=max_model_len,
                    label=source, extra_not_modelled=extra)
 
@@ -259,10 +316,19 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     Raises:
         TunerError / DeviceError: missing model config, unknown GPU without a stated total.
     """
-    version, engine = infer_version(case)
+    version, engine = infer_version(case, models_dir)
     config_path = config_path_for(case, models_dir)
     mapped = case_drop(case, models_dir)
     drop = mapped.drop
+    # what the case's lines and notes say beyond its settings: the FlashInfer package (the sampler
+    # path before 0.17) and a --config-format given on its command line
+    installed = logparse.flashinfer_installed(
+        list(case.get("raw_lines") or []) + [case.get("notes"), case.get("source_context")])
+    fmt = (case.get("settings") or {}).get("config_format") or case_config_format(case)
+    if installed is not None or fmt != "auto":
+        import dataclasses
+
+        drop = dataclasses.replace(drop, flashinfer_installed=installed, config_format=fmt)
     from tuner.protocol import JobRequest
 
     draft_path = draft_error = None
@@ -425,11 +491,12 @@ def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: di
             req = case_request(case, models_dir, calibration=(calibrations or {}).get(case["id"]))
             row = compare(case, run(req))
             row["not_modelled"] = case_drop(case, models_dir).not_modelled_dicts()
-            rows.append(row)
         except TunerError as exc:
-            rows.append(_error_row(case, f"{type(exc).__name__}: {exc}"))
+            row = _error_row(case, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # one broken case never hides the others
-            rows.append(_error_row(case, f"{type(exc).__name__}: {exc}"))
+            row = _error_row(case, f"{type(exc).__name__}: {exc}")
+        row.update(_release_fields(case, models_dir))
+        rows.append(row)
     return rows
 
 
@@ -469,6 +536,8 @@ def summarize(rows: list[dict]) -> dict:
         "could_not_run": [{"id": r["id"], "reason": r["reason"]} for r in rows if r["status"] != "ok"],
         "interval": interval_summary(ok),
         "interval_high_confidence": interval_summary([r for r in ok if r.get("confidence", "high") != "low"]),
+        "release_assumed": [{"id": r["id"], "release": r.get("release"), "release_range": r.get("release_range")}
+                            for r in rows if r.get("release_assumed")],
     }
 
 
@@ -545,6 +614,10 @@ def render(report: dict) -> str:
             lines.append(f"not modelled: {r['id']}: " + ", ".join(
                 f"{n['argument']} {n['value']!r}" if not isinstance(n["value"], (dict, list)) else n["argument"]
                 for n in r["not_modelled"]))
+    for c in s.get("release_assumed") or []:
+        rng = c["release_range"]
+        span = "-" if not rng else rng[0] if rng[0] == rng[1] else f"{rng[0]} – {rng[1]}"
+        lines.append(f"release assumed: {c['id']}: vLLM {c['release']} (no vllm_version; consistent: {span})")
     return "\n".join(lines)
 
 
@@ -628,7 +701,7 @@ def measured_from_case(case: dict, models_dir) -> dict:
     parsed = parse_lines(case.get("raw_lines") or [], source=f"case:{case['id']}")
     if not parsed.has_memory_lines:
         raise LogParseError("no vLLM memory lines", where=f"case {case['id']}")
-    version, engine = infer_version(case)
+    version, engine = infer_version(case, models_dir)
     s = case.get("settings") or {}
     dtype = _DTYPES.get(str(case.get("dtype") or "auto").lower(), "auto")
     from tuner.protocol import point_of
@@ -701,7 +774,7 @@ def leave_one_out(cases: list[dict], models_dir, *, run: Callable[[dict], dict] 
                   total_known=[measured[o]["total_known"] for o in others])
         if any(cal.values()):
             calibrations[cid] = cal
-    before = [compare(c, results[c["id"]]) if c["id"] in results else
+    before = [{**compare(c, results[c["id"]]), **_release_fields(c, models_dir)} if c["id"] in results else
               predict_cases([c], models_dir, run=run)[0] for c in selected]
     after = []
     for c, b in zip(selected, before):

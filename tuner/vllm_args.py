@@ -137,6 +137,14 @@ def from_settings(settings: Mapping[str, Any], *, model: str, source: str) -> Se
         if value is None or key == "non_default_args":
             continue
         if key.startswith("env_"):
+            from tuner.drop import MODELLED_ENV
+
+            if key[4:] in MODELLED_ENV:  # read by a rule: the drop's env carries it
+                env = dict(out.values.get("env") or {})
+                env[key[4:]] = "1" if value is True else "0" if value is False else str(value)
+                out.values["env"] = env
+                out.spelled.setdefault("env", f"{key}: {value!r} (from {source})")
+                continue
             nm, ig = env_not_modelled({key[4:]: value}, source=source)
             out.unmodelled += [n.to_dict() for n in nm]
             out.ignored += ig
@@ -237,8 +245,15 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
     if sa.unknown and not allow_unmodelled:
         # vLLM's parser exits on a flag it does not know ("unrecognized arguments"): a misspelled
         # --max-model-len must never pass a deploy gate with the model's derived maximum instead.
+        import difflib
+
+        from tuner.serve_args import _BY_OPTION
+
         names = " ".join(e["flag"] + (f" {e['value']}" if e.get("value") else "") for e in sa.unknown)
-        raise ArgsInputError(f"unrecognized arguments: {names} (vLLM refuses flags it does not know: check the "
+        close = [m for e in sa.unknown if str(e["flag"]).startswith("--")
+                 for m in difflib.get_close_matches(e["flag"], list(_BY_OPTION), n=1, cutoff=0.8)]
+        hint = f"did you mean {' / '.join(close)}? " if close else ""  # --max-modle-len -> --max-model-len
+        raise ArgsInputError(f"unrecognized arguments: {names} ({hint}vLLM refuses flags it does not know: check the "
                              "spelling; --allow-unmodelled checks without them)", where=_where(sa.unknown))
     if unmodelled and not allow_unmodelled:
         names = ", ".join(f"{n.as_written or n.argument} ({n.why})" for n in unmodelled)

@@ -35,8 +35,8 @@ import threading
 from typing import Any, Callable
 
 from tuner.errors import WorkerError, WorkerTimeout
-from tuner.worker import (_RUNNING, DEADLINE_GRACE_S, DEFAULT_TIMEOUT_S, PROGRESS_PREFIX, _wire, error_from_reply,
-                          worker_python)
+from tuner.worker import (_RUNNING, DEADLINE_GRACE_S, DEFAULT_TIMEOUT_S, PIPE_GRACE_S, PROGRESS_PREFIX, _wire,
+                          crash_error, error_from_reply, worker_env, worker_python)
 
 #: Jobs one warm worker runs before it is replaced (setting ``worker_max_jobs``).
 DEFAULT_MAX_JOBS = 50
@@ -44,6 +44,8 @@ DEFAULT_MAX_JOBS = 50
 DEFAULT_MAX_RSS_BYTES = 2 << 30
 #: Seconds a recycled worker gets to exit after its stdin closes, before its group is killed.
 EXIT_GRACE_S = 2.0
+#: How often a job's wait checks that the worker process is still alive (seconds).
+POLL_S = 0.25
 
 
 def read_rss_bytes(pid: int) -> int | None:
@@ -166,10 +168,7 @@ class WarmWorker:
     def _spawn(self, key: tuple, popen: Callable[..., subprocess.Popen]) -> _Proc:
         from tuner.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT
 
-        env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env["PYTHONUNBUFFERED"] = "1"
+        env = worker_env()  # isolated from the daemon's working directory (tuner.worker.worker_env)
         env[ENV_PARENT] = str(os.getpid())
         env.pop(ENV_DEADLINE, None)  # per job, in each request
         if key[1]:
@@ -185,7 +184,7 @@ class WarmWorker:
         try:
             w.proc.stdin.write(json.dumps(req).encode() + b"\n")
             w.proc.stdin.flush()
-            line = w.lines.get(timeout=timeout_s)
+            line = self._next_line(w, timeout_s)
         except queue.Empty:
             self._kill(w)
             raise WorkerTimeout(f"profile pass exceeded {timeout_s:g} s; worker process group killed", where=job)
@@ -199,19 +198,44 @@ class WarmWorker:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            code = w.proc.returncode
+            self._kill(w)  # its group too: a helper holding stderr open would keep the reader waiting
             w.err_reader.join(timeout=2)  # what it wrote on stderr before dying
             tail = w.take_err()
-            code = w.proc.returncode
-            self._kill(w)
-            how = (f"killed by signal {-code}" if code is not None and code < 0
-                   else f"exit status {code}" if code is not None else "closed its output")
-            raise WorkerError(f"worker crashed ({how}): {tail or 'no output'}", where=job)
+            raise crash_error(code, tail, job=job, memory_max_bytes=w.key[1] or None)
         try:
             return json.loads(line.decode())
         except ValueError as exc:
             tail = w.take_err()
             self._kill(w)
             raise WorkerError(f"worker wrote no valid JSON reply: {tail or line[-200:]!r}", where=job) from exc
+
+    @staticmethod
+    def _next_line(w: _Proc, timeout_s: float) -> bytes | None:
+        """The worker's next stdout line; None once the worker process itself has exited (its own
+        exit, not its pipe's end: a helper a ``worker_python`` wrapper left running keeps the pipe
+        open) and no line came within :data:`tuner.worker.PIPE_GRACE_S` after it.
+
+        Raises:
+            queue.Empty: ``timeout_s`` passed without a line.
+        """
+        import time
+
+        end = time.monotonic() + timeout_s
+        exited_at = None
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            try:
+                return w.lines.get(timeout=min(left, POLL_S))
+            except queue.Empty:
+                pass
+            if w.proc.poll() is not None:
+                now = time.monotonic()
+                exited_at = exited_at or now
+                if now - exited_at >= PIPE_GRACE_S:
+                    return None
 
     def _kill(self, w: _Proc) -> None:
         try:

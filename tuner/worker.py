@@ -102,16 +102,41 @@ def run_in_worker(request: "JobRequest | ValidateRequest | dict[str, Any]", *, j
 _RUN_IN_WORKER = run_in_worker
 
 
+def worker_env(environ: "dict[str, str] | None" = None, *, cwd: str | None = None) -> dict[str, str]:
+    """The environment every worker process starts with: ``environ`` (default ``os.environ``) with
+    the offline hub flags (unless set), unbuffered output and the worker isolated from the
+    caller's working directory:
+
+    * ``PYTHONSAFEPATH=1`` (Python 3.11+, which the worker needs anyway; inherited by what it
+      starts): ``python -m tuner.worker_main`` puts no working directory on ``sys.path``, so a
+      planted ``yaml/`` or ``json.py`` where the daemon was started is never imported;
+    * ``PYTHONPATH`` only as configured, each entry made absolute against ``cwd`` (default: this
+      process's working directory) and empty entries dropped (an empty entry *is* the working
+      directory).
+    """
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONSAFEPATH"] = "1"
+    if "PYTHONPATH" in env:
+        base = cwd or os.getcwd()
+        parts = [os.path.join(base, p) if not os.path.isabs(p) else p
+                 for p in env["PYTHONPATH"].split(os.pathsep) if p.strip()]
+        if parts:
+            env["PYTHONPATH"] = os.pathsep.join(parts)
+        else:
+            env.pop("PYTHONPATH")
+    return env
+
+
 def _start_worker(args: list[str], *, timeout_s: float, python: str | None, memory_max_bytes: int | None,
                   popen: Callable[..., subprocess.Popen]) -> subprocess.Popen:
     """Start ``python -m tuner.worker_main ARGS`` in its own process group, with the environment
     every one-shot worker gets (offline hub, unbuffered output, the :mod:`tuner.worker_guard`
     limits: this process as its parent, the deadline ``timeout_s`` + :data:`DEADLINE_GRACE_S`
     from now, the memory limit)."""
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    env["PYTHONUNBUFFERED"] = "1"
+    env = worker_env()
     from tuner.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT
 
     env[ENV_PARENT] = str(os.getpid())
@@ -122,10 +147,15 @@ def _start_worker(args: list[str], *, timeout_s: float, python: str | None, memo
         env.pop(ENV_MEMORY, None)
     exe = worker_python(python)
     try:
-        return popen([exe, "-m", "tuner.worker_main", *args], stdin=subprocess.PIPE,
+        proc = popen([exe, "-m", "tuner.worker_main", *args], stdin=subprocess.PIPE,
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
     except OSError as exc:  # a missing interpreter, a bad #! line, no permission, no memory
         raise WorkerError(f"cannot start the worker Python {exe}: {exc.strerror or exc}", where="worker") from exc
+    try:  # what a crash is read against (crash_error): the limit this process runs under
+        proc.ctx_tuner_memory_max_bytes = int(memory_max_bytes) if memory_max_bytes else None
+    except AttributeError:  # a test's stand-in without attributes
+        pass
+    return proc
 
 
 class WorkerHandle:
@@ -271,14 +301,18 @@ def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str
     """Send the request, wait ``wait_s`` seconds at most (what is left of ``timeout_s``, the limit
     named in the timeout error) and read the reply."""
     try:
-        if on_progress is None:
+        if on_progress is not None:
+            request = {**request, "progress": True}
+        if proc.stdout is None:  # a test's stand-in without pipes
             out, err = proc.communicate(json.dumps(request).encode(), timeout=wait_s)
         else:
-            out, err = _communicate_relaying(proc, json.dumps({**request, "progress": True}).encode(), wait_s,
-                                             on_progress)
+            out, err = _communicate_relaying(proc, json.dumps(request).encode(), wait_s, on_progress, killpg)
     except subprocess.TimeoutExpired:
         _kill_group(proc, killpg)
-        proc.communicate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # SIGKILLed: a zombie the kernel reaps with us
+            pass
         raise WorkerTimeout(f"profile pass exceeded {timeout_s:g} s; worker process group killed", where=job)
     except BaseException:
         # KeyboardInterrupt (Ctrl-C), SystemExit (the CLI's SIGTERM handler), or anything else
@@ -291,8 +325,7 @@ def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str
         raise
     tail = err.decode(errors="replace")[-2000:].strip()
     if proc.returncode != 0 and not out:
-        how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-        raise WorkerError(f"worker crashed ({how}): {tail or 'no output'}", where=job)
+        raise crash_error(proc.returncode, tail, job=job, memory_max_bytes=memory_limit_of(proc))
     try:
         reply = json.loads(out.decode())
     except ValueError as exc:
@@ -304,6 +337,46 @@ def _wait_for_reply(proc: subprocess.Popen, request: dict[str, Any], *, job: str
     from tuner.protocol import reply_result
 
     return reply_result(reply, job=job)
+
+
+#: What a worker's stderr says when an allocation failed (Python, C++, glibc, PyTorch's allocator).
+_ALLOC_FAILED = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "Unable to allocate",
+                 "DefaultCPUAllocator: can't allocate memory", "failed to allocate", "mmap failed",
+                 "can't start new thread")
+
+
+def memory_limit_of(proc: Any) -> int | None:
+    """The memory limit a worker started with (the ``RLIMIT_DATA`` of :mod:`tuner.worker_guard`,
+    from the environment :func:`_start_worker` gave it), or None."""
+    value = getattr(proc, "ctx_tuner_memory_max_bytes", None)
+    return int(value) if value else None
+
+
+def crash_error(returncode: int | None, tail: str, *, job: str, memory_max_bytes: int | None = None) -> WorkerError:
+    """The error for a worker that ended without a reply (``returncode``: its exit status, a
+    negative signal number, or None when unknown) and wrote ``tail`` on stderr.
+
+    With a memory limit set, a death that is how a process over ``RLIMIT_DATA`` dies — an
+    allocation failure named on stderr (``MemoryError``, ``std::bad_alloc``, "Cannot allocate
+    memory", …), or SIGABRT / SIGSEGV / SIGBUS (a C++ ``terminate`` or an unchecked failed ``malloc``)
+    — is reported as the limit, with its bytes and the setting, not as "worker crashed (exit
+    status 1)". Still a :class:`WorkerError` (a run failure)."""
+    how = ("closed its output" if returncode is None else f"killed by signal {-returncode}" if returncode < 0
+           else f"exit status {returncode}")
+    if memory_max_bytes:
+        said = next((m for m in _ALLOC_FAILED if m.lower() in tail.lower()), None)
+        by_signal = returncode is not None and -returncode in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+        if said or by_signal:
+            why = f"it reported {said!r}" if said else f"it was {how}, as a process whose allocation failed is"
+            return WorkerError(f"the profile pass exceeded the worker memory limit ({memory_max_bytes:,} bytes, "
+                               f"setting worker_memory_max_bytes): {why}; raise the setting or give the worker "
+                               f"less to build (worker {how}; last output: {_last_line(tail) or 'none'})", where=job)
+    return WorkerError(f"worker crashed ({how}): {tail or 'no output'}", where=job)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def _kill_group(proc: subprocess.Popen, killpg: Callable[[int, int], None]) -> None:
@@ -350,9 +423,20 @@ def error_from_reply(reply: dict[str, Any], *, job: str) -> TunerError:
     return exc
 
 
+#: After the worker process itself exited, how long its pipes may stay open (seconds) before its
+#: process group is killed: a helper a ``worker_python`` wrapper left running holds them.
+PIPE_GRACE_S = 2.0
+
+
 def _communicate_relaying(proc: subprocess.Popen, data: bytes, timeout_s: float,
-                          on_progress: Callable[[str], None]) -> tuple[bytes, bytes]:
-    """``communicate`` that hands progress lines from stderr to ``on_progress`` as they arrive.
+                          on_progress: Callable[[str], None] | None,
+                          killpg: Callable[[int, int], None] = os.killpg) -> tuple[bytes, bytes]:
+    """``communicate`` that watches the worker's own exit, not its pipes' end: a helper process
+    that a ``worker_python`` wrapper started (and that inherited stdout/stderr) would otherwise
+    keep them open, and a worker killed meanwhile would be noticed only at the timeout. Once the
+    process exited, the pipes get :data:`PIPE_GRACE_S` to drain; then the worker's process group
+    (the helper with it) is killed and what was read is returned. Progress lines on stderr go to
+    ``on_progress`` (when given) as they arrive.
 
     Raises ``subprocess.TimeoutExpired`` like ``communicate`` (the caller kills the group)."""
     import threading
@@ -361,18 +445,29 @@ def _communicate_relaying(proc: subprocess.Popen, data: bytes, timeout_s: float,
     err_lines: list[bytes] = []
 
     def read_out() -> None:
-        out_chunks.append(proc.stdout.read())
+        fd = proc.stdout.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            out_chunks.append(chunk)
 
     def read_err() -> None:
-        for line in iter(proc.stderr.readline, b""):
-            text = line.decode(errors="replace")
-            if text.startswith(PROGRESS_PREFIX):
-                try:
-                    on_progress(text[len(PROGRESS_PREFIX):].rstrip("\n"))
-                except Exception:  # a broken progress sink must not break the job
-                    pass
-            else:
-                err_lines.append(line)
+        try:
+            for line in iter(proc.stderr.readline, b""):
+                text = line.decode(errors="replace")
+                if on_progress is not None and text.startswith(PROGRESS_PREFIX):
+                    try:
+                        on_progress(text[len(PROGRESS_PREFIX):].rstrip("\n"))
+                    except Exception:  # a broken progress sink must not break the job
+                        pass
+                else:
+                    err_lines.append(line)
+        except (OSError, ValueError):
+            pass
 
     readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
     for t in readers:
@@ -384,11 +479,15 @@ def _communicate_relaying(proc: subprocess.Popen, data: bytes, timeout_s: float,
     finally:
         proc.stdin.close()
     try:
-        proc.wait(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)  # the worker's own exit
     except subprocess.TimeoutExpired:
         # the readers own the pipes: let the caller's communicate() after the kill only wait
         proc.stdin = proc.stdout = proc.stderr = None
         raise
     for t in readers:
-        t.join()
+        t.join(timeout=PIPE_GRACE_S)
+    if any(t.is_alive() for t in readers):  # something else holds the pipes: the worker's group goes
+        _kill_group(proc, killpg)
+        for t in readers:
+            t.join(timeout=PIPE_GRACE_S)
     return b"".join(out_chunks), b"".join(err_lines)

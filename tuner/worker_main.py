@@ -87,15 +87,27 @@ def handle(data: dict) -> dict:
             result = run_job(request)
     except TunerError as exc:
         return error_reply(exc)
-    except MemoryError:
+    except (MemoryError, RuntimeError) as exc:
+        # MemoryError, or PyTorch's "DefaultCPUAllocator: can't allocate memory" (a RuntimeError):
+        # under the worker memory limit that is the limit, said with its bytes
         from tuner.worker_guard import ENV_MEMORY
 
         limit = os.environ.get(ENV_MEMORY)
+        if isinstance(exc, RuntimeError) and not (limit and _allocation_failed(str(exc))):
+            raise
         exc = WorkerError("the profile pass ran out of memory" + (
             f" (worker memory limit {int(limit):,} bytes, setting worker_memory_max_bytes)" if limit else ""),
             where=where)
         return error_reply(exc)
     return ok_reply(result)
+
+
+def _allocation_failed(text: str) -> bool:
+    """Whether an error's text is an allocation failure (:data:`tuner.worker._ALLOC_FAILED`)."""
+    from tuner.worker import _ALLOC_FAILED
+
+    low = text.lower()
+    return any(m.lower() in low for m in _ALLOC_FAILED)
 
 
 def _reply_channel():

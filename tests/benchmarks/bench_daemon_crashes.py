@@ -13,6 +13,10 @@ Real ``ctx-tuner daemon`` processes, real SQLite files and signals, the fast fak
    N times, then run to the end.
 3. ``--workers`` (default 10): N slow drops; each one's worker is SIGKILLed once (what the OOM
    killer does), plus one drop whose first pass exceeds the worker memory limit.
+4. ``--real`` (default 0; CI runs 2): part 1 with the *real* worker (``python -m
+   tuner.worker_main``, torch imported, the warm worker kept between jobs) on 12 drops of a tiny
+   Llama, the daemon SIGKILLed N times while it works (issue 34: a share of the runs with real
+   workers), then run to the end.
 
 Each part then counts: lost proposal files (an active drop without ``proposals/NAME.yaml`` holding
 its newest drop row), drops left failed, duplicate or half-written rows (two unretired drop rows
@@ -135,6 +139,26 @@ def part_random(n_kills: int, rng: random.Random) -> dict:
     return {"kills": n_kills, "final_run_s": round(wall, 1), **audit(root, db), "dir": str(root)}
 
 
+def part_real(n_kills: int, rng: random.Random) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="bench-real-"))
+    settings, db = setup(root, worker_python=sys.executable, job_timeout_s=300)
+    n = 12
+    for i in range(n):
+        (root / "conf.d" / f"real-{i:02d}.yaml").write_text(drop_text(f"real-{i:02d}", root / "model",
+                                                                      max_num_seqs=16 + i))  # one pass each
+    log = root / "daemon.log"
+    for _ in range(n_kills):
+        readies = log.read_text().count("ready: watching") if log.exists() else 0
+        proc = spawn(settings, log)
+        poll(lambda: log.read_text().count("ready: watching") > readies or proc.poll() is not None, 60,
+             what="the daemon ready")
+        time.sleep(rng.uniform(0.3, 4.0))  # a real worker imports torch first: kills land in imports and passes
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    wall = run_to_end(settings, db, n, log, timeout_s=600)
+    return {"kills": n_kills, "final_run_s": round(wall, 1), **audit(root, db), "dir": str(root)}
+
+
 def part_window(n: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="bench-window-"))
     settings, db = setup(root)
@@ -191,15 +215,20 @@ def main() -> int:
     ap.add_argument("--random", type=int, default=50)
     ap.add_argument("--window", type=int, default=30)
     ap.add_argument("--workers", type=int, default=10)
+    ap.add_argument("--real", type=int, default=0)
     ap.add_argument("--seed", type=int, default=15)
     args = ap.parse_args()
     rng = random.Random(args.seed)
     results = {}
     for name, fn in (("random_kill_9", lambda: part_random(args.random, rng)),
                      ("commit_window_kill_9", lambda: part_window(args.window)),
-                     ("worker_kill_9", lambda: part_workers(args.workers))):
+                     ("worker_kill_9", lambda: part_workers(args.workers)),
+                     ("real_worker_kill_9", lambda: part_real(args.real, rng) if args.real else None)):
         t0 = time.monotonic()
-        results[name] = fn()
+        out = fn()
+        if out is None:
+            continue
+        results[name] = out
         results[name]["wall_s"] = round(time.monotonic() - t0, 1)
         print(name, json.dumps(results[name], indent=1), flush=True)
     bad = any(r["lost_proposal_files"] or r["failed"] or r["duplicate_drop_rows"] or r["integrity"] != "ok"

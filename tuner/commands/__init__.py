@@ -42,3 +42,26 @@ def add_cache_option(p: argparse.ArgumentParser) -> None:
     """``--no-cache``: run every pass in a worker even where the store's pass memo holds it."""
     p.add_argument("--no-cache", action="store_true",
                    help="run the profile passes in a worker even where the store's pass memo already holds them")
+
+
+def add_settings_option(p: argparse.ArgumentParser) -> None:
+    """``--settings FILE``: read the store of a daemon's settings (as ``status`` and ``retry`` do);
+    ``--db`` overrides it."""
+    p.add_argument("--settings", default=None, metavar="FILE",
+                   help="daemon settings whose store to read (as status and retry); --db overrides it")
+
+
+def store_from_args(args) -> str | None:
+    """The store a reading command uses: ``--db``, else the ``--settings`` file's store, else None
+    (the default ``var/ctx-tuner.sqlite``).
+
+    Raises:
+        SettingsError: the settings file is invalid.
+    """
+    if getattr(args, "db", None):
+        return args.db
+    if getattr(args, "settings", None):
+        from tuner.settings import load_settings
+
+        return load_settings(args.settings).db_url
+    return None

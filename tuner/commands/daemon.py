@@ -23,7 +23,29 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def add_parser(sub) -> argparse.ArgumentParser:
     from tuner.settings import DEFAULT_SETTINGS_PATH
 
-    p = sub.add_parser("daemon", help="watch a directory of drops and profile each one (systemd service)")
+    p = sub.add_parser(
+        "daemon", help="watch a directory of drops and profile each one (systemd service)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Watch a directory of drop files and profile each new or changed one; runs in the foreground "
+                    "(systemd Type=notify).",
+        epilog=f"""default paths (settings keys; --settings {DEFAULT_SETTINGS_PATH}):
+  drops        watch_dir  /etc/ctx-tuner/conf.d (every *.yaml / *.yml below it)
+  state        state_dir  /var/lib/ctx-tuner: ctx-tuner.sqlite (the store, unless database_url),
+                          proposals/NAME.yaml and NAME.vllm/ (one per drop), proposals/failed/NAME.yaml
+                          (one per failed drop, with its reason), ctx-tuner-snapshot.sqlite (read-only copy)
+
+signals:
+  SIGTERM, SIGINT  stop: the running job's worker is killed and the job queued again; exit 0
+  SIGHUP           reload the settings file (a new watch_dir is scanned, drops outside it retired)
+
+logs:
+  stderr only (journald under systemd), at the settings' log_level (default INFO); --json writes one
+  JSON object per line. Each drop found, queued, started, finished (its proposals) or failed (its
+  reason) is one line; `ctx-tuner status` reports health and names failed drops,
+  `ctx-tuner status --failed` lists them, `ctx-tuner retry NAME` runs one again.
+
+exit codes: 0 stopped by a signal; 1 start-up failed (store cannot be opened or migrated);
+  2 invalid settings (the message names the file and the key)""")
     p.add_argument("--settings", default=None,
                    help=f"settings YAML (default {DEFAULT_SETTINGS_PATH} if it exists, else built-in defaults)")
     p.add_argument("--json", action="store_true",

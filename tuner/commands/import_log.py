@@ -118,7 +118,8 @@ def run(args) -> int:
     run_row = {k: v for k, v in out.run.items() if k != "key"}
     if args.json:
         print(json.dumps({"drop_id": out.drop_id, "already_imported": out.already, "run": run_row,
-                          "predicted": out.predicted, "calibration": out.calibration, "warnings": out.warnings},
+                          "predicted": out.predicted, "calibration": out.calibration, "warnings": out.warnings,
+                          "release": out.release},
                          indent=2, default=str))
         return EXIT_OK
     from tuner.records import StoredRun
@@ -129,6 +130,10 @@ def run(args) -> int:
     print(f"{args.log}: {head} drop id {out.drop_id} ({run.era}, {run.device_name}, "
           f"TP {run.tensor_parallel_size} PP {run.pipeline_parallel_size}, gmu {run.gpu_memory_utilization}, "
           f"max_model_len {run.max_model_len})")
+    if out.release is not None:
+        lo, hi = out.release["release_range"]
+        print(f"  vLLM release assumed: {out.release['release']} (the log prints none; consistent: "
+              f"{lo if lo == hi else lo + ' – ' + hi}, {len(out.release['release_candidates'])} release(s))")
     print(f"  weights {_gib(r['weights_bytes'])}, activation peak {_gib(r['activation_peak_bytes'])}, "
           f"non-torch {_gib(r['non_torch_bytes'])}, CUDA graphs {_gib(r['cuda_graph_bytes'])}")
     print(f"  available KV {_gib(r['available_kv_cache_bytes'])}, blocks {r['num_gpu_blocks'] or '-'}, "

@@ -52,6 +52,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_conc, nargs="+", metavar="C",
                    help="extra concurrency lines (default 2 4; 1 and the drop's min_concurrency are always drawn)")
     p.add_argument("--db", default=None, help="store for measured points / --model (default var/ctx-tuner.sqlite)")
+    from tuner.commands import add_settings_option
+
+    add_settings_option(p)
     p.add_argument("--json", action="store_true", help="print the plotted series as JSON")
     from tuner.commands import add_cache_option
 
@@ -71,6 +74,14 @@ def run(args) -> int:
     if (args.drop is None) == (args.model is None):
         print("ctx-tuner plot: give a drop file or --model TEXT (one of them)", file=sys.stderr)
         return EXIT_USAGE
+    from tuner.commands import store_from_args
+    from tuner.errors import SettingsError
+
+    try:
+        args.db = store_from_args(args)
+    except SettingsError as exc:
+        print(f"ctx-tuner plot: invalid settings: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     store = None
     try:
         _import_pyplot()  # fail before any job runs
@@ -80,8 +91,11 @@ def run(args) -> int:
             return EXIT_USAGE
         if args.model is not None:
             store = open_for_read(args.db)
+            from tuner.memoanswer import memo_worker
+
             data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency,
-                                       host=args.host)
+                                       host=args.host, timeout_s=args.timeout,
+                                       worker=memo_worker(args.db, None, enabled=not args.no_cache, write=False))
         else:
             from tuner.store import store_exists
 
@@ -107,6 +121,8 @@ def run(args) -> int:
         print(f"wrote {args.output} ({len(series)} series; data in {sidecar_path(args.output)})")
         for label, pts in series.items():
             print(f"  {label}: {len(pts)} points")
+        for note in data.get("notes") or []:
+            print(f"  note: {note}")
         if data.get("non_monotone_at"):
             print(f"  note: not monotone at gpu_memory_utilization {', '.join(f'{u:g}' for u in data['non_monotone_at'])}")
     return EXIT_OK

@@ -21,7 +21,7 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
-def render_table(outcome) -> str:
+def render_table(outcome, store: str | None = None) -> str:
     """Human-readable report: the memory terms, every candidate, the proposals.
 
     Each candidate shows ``starts`` (vLLM's verdict) and ``ok`` (starts and meets the drop's
@@ -58,20 +58,27 @@ def render_table(outcome) -> str:
         lines.append(passes)
     lines += engine_check_lines(r.get("engine_check"))
     lines.append("")
-    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'act.peak':>8} " \
+    head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'activ.':>8} " \
            f"{'non-torch':>9} {'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
     lines += [head, "-" * len(head)]
     from tuner.protocol import JobResult
 
     res = JobResult.from_wire(r)
+    seen: set[str] = set()
     for t in res.candidates:
         c = t.data
+        reason = c["reason"] or ""
+        if len(reason) > 60 and reason in seen:  # a long refusal once, then "as above"
+            reason = "as above"
+        seen.add(c["reason"] or "")
         lines.append(
             f"{gmu_text(t.gpu_memory_utilization):>5} {t.max_model_len:>13} {c['max_num_batched_tokens']:>6} "
             f"{'yes' if candidate_starts(c) else 'NO':>6} {'yes' if t.fits else 'NO':>3} "
             f"{_gib(c['weights_bytes']):>8} {_gib(c['activation_peak_bytes']):>8} "
             f"{_gib(c['non_torch_bytes']):>9} {_gib(c['cuda_graph_bytes']):>6} {_gib(c['available_kv_cache_bytes']):>7} "
-            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {c['reason'] or ''}".rstrip())
+            f"{c['num_gpu_blocks']:>8} {c['kv_cache_tokens']:>10} {c['max_concurrency']:>7.2f}  {reason}".rstrip())
+    lines.append("activ. = the profile run's activation peak + cuBLAS workspace + start-up reserve, one budget term "
+                 "(explain lists them apart)")
     rows = sorted(res.candidates, key=lambda c: (c.gpu_memory_utilization, c.max_model_len))
     if any(a.gpu_memory_utilization == b.gpu_memory_utilization and not candidate_starts(a.data)
            and candidate_starts(b.data) and a.get("max_num_batched_tokens") != b.get("max_num_batched_tokens")
@@ -86,7 +93,8 @@ def render_table(outcome) -> str:
     lines += ["", f"proposals (largest max_model_len that starts{with_conc}{at_risk}):"]
     for p in res.proposals:
         if p.max_model_len is None:
-            lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: nothing fits: {p.reason}")
+            why = "as in the table above" if p.reason and len(p.reason) > 60 and p.reason in seen else p.reason
+            lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: nothing fits: {why}")
         else:
             extra = f" ({p.reason})" if p.reason else ""
             lines.append(f"  gmu {gmu_text(p.gpu_memory_utilization)}: max_model_len {p.max_model_len}, "
@@ -96,7 +104,9 @@ def render_table(outcome) -> str:
             lines += risk_lines(p)
             lines += stage_lines(p)
     if outcome.drop_id is not None:
-        lines.append(f"\nstored as drop id {outcome.drop_id}")
+        where = f" in {store}" if store else ""
+        lines.append(f"\nalready stored as drop id {outcome.drop_id}{where} (the same drop and results: nothing new "
+                     "written)" if outcome.reused else f"\nstored as drop id {outcome.drop_id}{where}")
     return "\n".join(lines)
 
 
@@ -280,6 +290,11 @@ def run(args) -> int:
     show = progress_printer(args)
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
         kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)
+    from tuner.litestore import store_missing  # no SQLAlchemy import: a cold profile answered from the memo
+    from tuner.storerules import DEFAULT_PATH
+
+    # the default store is relative to the current directory: say where it is (and that it is new)
+    new_default = args.db is None and store_missing(None)
     try:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache,
                           risk=getattr(args, "risk", None), **kw)
@@ -294,5 +309,9 @@ def run(args) -> int:
     elif fmt == "vllm-config":
         print(render_vllm_config(outcome))
     else:
-        print(render_table(outcome))
+        store = None
+        if args.db is None:
+            store = f"{DEFAULT_PATH} under {os.getcwd()}" + (" (created now; --db names another store)"
+                                                              if new_default else "")
+        print(render_table(outcome, store))
     return EXIT_OK

@@ -26,6 +26,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", help="only models whose name contains this text (case-insensitive)")
     p.add_argument("--device", help="only devices whose name contains this text (case-insensitive)")
     p.add_argument("--db", default=None, help="SQLAlchemy URL or SQLite path (default var/ctx-tuner.sqlite)")
+    from tuner.commands import add_settings_option
+
+    add_settings_option(p)
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print JSON (bytes as integers)")
     fmt.add_argument("--csv", action="store_true", help="print one table as CSV (see --table)")
@@ -41,6 +44,14 @@ def run(args) -> int:
     if args.table is not None and not args.csv:
         print("ctx-tuner results: --table goes with --csv (the table and --json outputs show every table)",
               file=sys.stderr)
+        return EXIT_USAGE
+    from tuner.commands import store_from_args
+    from tuner.errors import SettingsError
+
+    try:
+        args.db = store_from_args(args)
+    except SettingsError as exc:
+        print(f"ctx-tuner results: invalid settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         store = open_for_read(args.db)

@@ -70,7 +70,10 @@ def run(args) -> int:
         what = "no failed drop" if args.failed else f"no failed drop named {', '.join(args.names)}"
         print(f"ctx-tuner retry: {what}", file=sys.stderr)
         return EXIT_FAILED
+    from tuner.failures import short
+
     for j in jobs:
+        # the reason on one line, cut at a word with "…" (a cut at 200 characters lost "(ratio 4.2)")
         print(f"queued again: {j.name or '-'} ({j.path}; job {j.id}, was {j.failure_kind or 'drop'} failure "
-              f"{j.error_type}: {(j.error or '').splitlines()[0][:200] if j.error else ''})")
+              f"{j.error_type}: {short(j.error or '', 300)})")
     return EXIT_OK

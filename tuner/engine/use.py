@@ -68,7 +68,10 @@ class EngineUse:
         except EngineTraceUnavailable as exc:
             self.trace_activation = False
             self.approximate_activation = True
-            self.report.setdefault("trace", []).append({"error": str(exc)})
+            entry = {"error": str(exc)}
+            if getattr(exc, "signal_name", None):  # tuner.engine.isolate.EngineTraceCrashed: the crash, named
+                entry["crash"] = exc.signal_name
+            self.report.setdefault("trace", []).append(entry)
             self.warnings.append(f"engine-trace not run ({exc}); activation peak approximated by the generic "
                                  "decoder's simulated forward (approximate)")
             return run_pass(plugin, spec, settings, era, batch, **kw)
@@ -276,9 +279,14 @@ def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, 
     from tuner.engine.trace import approximate_margin_bytes, trace_profile_run
     from tuner.simulate.profile import PassResult
 
+    from tuner.engine.isolate import run_isolated
+
     t0 = time.perf_counter()
     n, r = int(batch.max_num_batched_tokens), int(batch.max_num_seqs)
-    tr = trace_profile_run(use.session, max_num_batched_tokens=n, max_num_seqs=r)
+    # in a sacrificial child: a crash of vLLM's code under fake tensors (a SIGSEGV in a compiled
+    # kernel) is an EngineTraceCrashed here, and the job falls back (EngineUse.run_pass)
+    tr = run_isolated(trace_profile_run, use.session, max_num_batched_tokens=n, max_num_seqs=r,
+                      where=getattr(use.session, "model_dir", None) or "engine-trace")
     parts = list(tr["approximate"])
     if model_runner_v2:  # the CPU build has no Model Runner V2 (it needs Triton): V1's sampler traced
         parts.append("Model Runner V2 sampler (the V1 runner's traced)")

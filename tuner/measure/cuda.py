@@ -89,7 +89,7 @@ def measure_pass(plugin, spec, settings, era, batch, *, gpu_memory_utilization: 
             with torch.device(dev):
                 hidden = model(input_ids, positions, intermediate)
                 if settings.pp_rank == settings.pipeline_parallel_size - 1:
-                    run_dummy_sampler(sampler_family(era), model, hidden, num_reqs=r,
+                    run_dummy_sampler(sampler_family(era, flashinfer=settings.flashinfer_sampler), model, hidden, num_reqs=r,
                                       num_sms=torch.cuda.get_device_properties(dev).multi_processor_count,
                                       version=era.version.key)
             torch.cuda.synchronize(dev)

@@ -214,6 +214,7 @@ class FusedMoE(nn.Module):
         if kernel not in ("triton", "oai_triton"):
             raise ValueError(f"unknown MoE kernel {kernel!r}")
         layout = _EXPERT_LAYOUT.get()
+        self.dp = int(layout[1]) if layout is not None else 1
         if layout is not None and (layout[1] > 1 or layout[2]):
             from tuner.budget import moe_rank_shape
 
@@ -298,7 +299,31 @@ class FusedMoE(nn.Module):
         del scratch, inter, routing
         return out
 
+    def _dispatch(self, x: torch.Tensor, router_logits: torch.Tensor):
+        """Data parallelism: every DP rank's tokens reach every rank's MoE layer
+        (vllm/model_executor/layers/fused_moe/layer.py ``forward_impl``: ``get_ep_group().dispatch``
+        when ``dp_size > 1``; vllm/distributed/device_communicators/all2all.py: the ``naive``
+        backend (``VLLM_ALL2ALL_BACKEND`` default ≤ 0.10.2) broadcasts into a new
+        ``[Σ tokens, H]`` buffer and one for the router logits, ``allgather_reducescatter`` (the
+        default from 0.11.0) all-gathers both). In the profile every rank runs the same N tokens,
+        so the experts see ``dp × N``."""
+        m = x.shape[0] * self.dp
+        return x.new_empty(m, x.shape[1]), router_logits.new_empty(m, router_logits.shape[1])
+
+    def _combine(self, out: torch.Tensor, local_tokens: int) -> torch.Tensor:
+        """Back to this rank's tokens: ``naive`` all-reduces over the DP group (an out-of-place
+        ``[dp × N, H]`` whose slice stays a view of it), ``allgather_reducescatter`` reduce-scatters
+        into a new ``[N, H]``."""
+        if self.version < (0, 11, 0):
+            reduced = torch.empty_like(out)
+            return reduced[:local_tokens]
+        return out.new_empty(local_tokens, out.shape[1])
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        local_tokens = x.shape[0]
+        gathered = None
+        if self.dp > 1:
+            x, router_logits = gathered = self._dispatch(x, router_logits)
         padded = None
         if self.hidden_padded != self.hidden:  # F.pad to the method's hidden size (a new [N, H_pad])
             padded = x = x.new_empty(x.shape[0], self.hidden_padded)
@@ -310,6 +335,9 @@ class FusedMoE(nn.Module):
         else:
             out = self._triton_chunked(x)
         del topk, padded, x
+        if gathered is not None:
+            del gathered, router_logits
+            out = self._combine(out, local_tokens)
         if self.reduce_results and self.tp > 1:
             reduced = torch.empty_like(out)  # custom all-reduce: out of place
             del out

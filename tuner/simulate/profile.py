@@ -111,7 +111,7 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
             before_sampler = tracker.live_bytes
             tracker.reset_peak()
             if last:
-                family = sampler_family(era, model_runner_v2=model_runner_v2)
+                family = sampler_family(era, model_runner_v2=model_runner_v2, flashinfer=settings.flashinfer_sampler)
                 if getattr(settings, "platform", "cuda") == "rocm" and family == SAMPLER_V1_FLASHINFER:
                     # FlashInfer's top-k/top-p is CUDA-only (vllm/v1/sample/ops/topk_topp_sampler.py
                     # ``TopKTopPSampler.__init__``: ``current_platform.is_cuda()``, 0.8–0.16): ROCm sorts

@@ -1,0 +1,337 @@
+"""Accuracy mechanisms of issue 28, each pinned from the vLLM source of the releases it applies to.
+
+Every test states the bytes for a given release, settings and card, and names the file it was
+read from; a regression test is named after the failure it pins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tuner.eras import GiB, era_for, sampler_family, sampler_path
+from tuner.logparse import flashinfer_installed
+from tuner.simulate.sampler import run_dummy_sampler, sort_workspace
+from tuner.simulate.tracker import MemoryTracker
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(vocab, hidden, dtype=torch.bfloat16), requires_grad=False)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.w)
+
+
+def _sampler_peak(version: str, r: int, v: int, h: int = 64, flashinfer: bool | None = None) -> int:
+    e = era_for(version)
+    with torch.device("meta"):
+        head = _Head(v, h)
+        hidden = torch.empty(r, h, dtype=torch.bfloat16)
+        with torch.no_grad(), MemoryTracker() as t:
+            run_dummy_sampler(sampler_family(e, flashinfer=flashinfer), head, hidden, num_reqs=r,
+                              version=e.version.key)
+    return t.peak_bytes
+
+
+# --- 1. the sampler's dummy run by path ----------------------------------------------------------
+
+def test_sampler_path_by_release_and_install():
+    """vllm/v1/sample/ops/topk_topp_sampler.py: 0.10.1.1 / 0.11.0 use FlashInfer when it imports
+    (``VLLM_USE_FLASHINFER_SAMPLER`` unset or 1), 0.11.1 / 0.16.0 only with the env var = 1; the
+    wheel lists flashinfer-python only as an extra before 0.11.1 (METADATA), so a pip install
+    samples with PyTorch's sort — the assumption is named."""
+    p = sampler_path(era_for("0.10.1.1"))
+    assert p.flashinfer is False and p.assumption["name"] == "flashinfer_installed"
+    assert p.assumption["value"] is False
+    assert sampler_path(era_for("0.10.1.1"), flashinfer_installed=True) == sampler_path(
+        era_for("0.11.0"), flashinfer_installed=True)
+    assert sampler_path(era_for("0.11.0"), flashinfer_installed=True).flashinfer is True
+    assert sampler_path(era_for("0.11.0"), flashinfer_installed=True, use_flashinfer_sampler="0").flashinfer is False
+    assert sampler_path(era_for("0.16.0")).flashinfer is False and sampler_path(era_for("0.16.0")).assumption is None
+    assert sampler_path(era_for("0.16.0"), use_flashinfer_sampler="1").flashinfer is True
+    assert sampler_path(era_for("0.19.0"), use_flashinfer_sampler="1").flashinfer is False  # Triton path
+
+
+def test_sort_sampler_peak_is_38_bytes_per_logit_at_1024_rows():
+    """The PyTorch path (0.10.1.1 and 0.16.0 ``apply_top_k_top_p``) at R = 1024 rows of a 128,256-
+    token vocabulary: bf16 logits 2 + fp32 copy 4 + the sort's values 4 and int64 indices 8 + its
+    workspace (reverse indices 8, cub's alternate keys 4 and values 8) = 38 B per sampled logit,
+    beside the [R, H] random rows; FlashInfer (0.10.1.1): 2 + 4 + two fp32 buffers = 14 B."""
+    r, v, h = 1024, 128256, 4096
+    rows, greedy = r * h * 2, r * 8  # the random [R, H] rows; the greedy argmax (int64 [R]) stays alive
+    assert _sampler_peak("0.10.1.1", r, v, h, flashinfer=False) == rows + 38 * r * v + greedy
+    assert _sampler_peak("0.16.0", r, v, h) == rows + 38 * r * v + greedy
+    assert _sampler_peak("0.10.1.1", r, v, h, flashinfer=True) == rows + 14 * r * v + greedy
+    # 4.65 GiB vs 1.71 GiB: the gap the 0.11.0 H100 logs show (Llama-3.1-8B activation 4.76 GiB)
+    assert round(38 * r * v / GiB, 2) == 4.65
+
+
+def test_sort_workspace_by_segment_count():
+    """PyTorch SortStable.cu: one segment → iota + cub alternates of V (20 B per element of a row);
+    < 128 segments → full sort over (key, int2) pairs (8 + 8 + 4 + 4 + 8 = 32 B); else segmented
+    radix sort (8 + 4 + 8 = 20 B)."""
+    def ws(r, v):
+        t = torch.empty(r, v, device="meta")
+        return sum(x.numel() * x.element_size() for x in sort_workspace(t))
+    assert ws(1, 1000) == 20 * 1000
+    assert ws(64, 1000) == 32 * 64 * 1000
+    assert ws(256, 1000) == 20 * 256 * 1000
+
+
+def test_flashinfer_missing_line_read_from_log():
+    """The log line vLLM 0.8–0.11.0 prints without FlashInfer decides the path; a FlashInfer
+    attention backend proves it installed; silence leaves the pip-install assumption."""
+    assert flashinfer_installed(["(RayWorkerWrapper pid=1) WARNING [topk_topp_sampler.py:60] FlashInfer is not "
+                                 "available. Falling back to the PyTorch-native implementation"]) is False
+    assert flashinfer_installed(["INFO [cuda.py:1] Using FlashInfer backend."]) is True
+    assert flashinfer_installed(["Model loading took 14.2488 GiB"]) is None
+
+
+# --- 3. non-torch memory under TP in older eras ------------------------------------------------
+
+def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
+    """V0 0.6.4 (vllm/worker/worker.py: non_torch = (T − free) − allocated, whole GPU): the TP
+    group's buffers count by topology. 2x RTX 4090 over PCIe without P2P (custom all-reduce off,
+    no NVSwitch): 0.35 GiB + the NCCL communicator's 0.12 GiB, where a flat 1.8 GiB was charged
+    (the log prints 0.25 GiB); on H100 NVSwitch the NVLink buffers stay (1.82 GiB at TP2)."""
+    from tuner.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
+
+    pcie = Topology(interconnect="pcie", p2p=False, compute_capability="8.9")
+    assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2, topology=pcie) == (
+        int(0.35 * GiB) + int(0.12 * GiB))
+    assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2) == (
+        int(0.35 * GiB) + int((1.82 + 0.12) * GiB) + CUSTOM_ALL_REDUCE_META_SIZE + 2 * 8 * 1024 * 1024)
+    assert non_torch_bytes(era_for("0.6.5", "V0"), tensor_parallel_size=2, topology=pcie) == (
+        int(1.79 * GiB) + int(0.12 * GiB))
+
+
+# --- 4. MoE activation under data parallelism ---------------------------------------------------
+
+def _moe_peak(version: str, dp: int, n: int = 512, h: int = 256, i: int = 128, e: int = 16, k: int = 2) -> tuple[int, int]:
+    from tuner.simulate.moe import FusedMoE, expert_layout
+
+    with torch.device("meta"), expert_layout(1, dp, True):
+        moe = FusedMoE(h, i, e, k, torch.bfloat16, engine_version=version, global_num_experts=e)
+        x = torch.empty(n, h, dtype=torch.bfloat16)
+        logits = torch.empty(n, e, dtype=torch.bfloat16)
+        with torch.no_grad(), MemoryTracker() as t:
+            out = moe(x, logits)
+            shape = tuple(out.shape)
+            del out
+    assert shape == (n, h)  # back to this rank's tokens
+    return t.peak_bytes, moe.num_experts
+
+
+def test_moe_under_data_parallelism_ran_on_one_ranks_tokens():
+    """vllm/model_executor/layers/fused_moe/layer.py ``forward_impl`` (0.10.1.1): with dp_size > 1
+    ``get_ep_group().dispatch`` hands every rank all DP ranks' tokens — the naive backend
+    (all2all.py ``naive_multicast``, default ≤ 0.10.2) into new ``[dp·N, H]`` / ``[dp·N, E]``
+    buffers — so the fused experts' caches are sized on dp × N (65,536 tokens for DP 8 at N 8192),
+    where a pass sized them on N; combine all-reduces out of place (another ``[dp·N, H]``)."""
+    n, h, i, e, k = 512, 256, 128, 16, 2
+    one, experts1 = _moe_peak("0.10.1", 1, n, h, i, e, k)
+    eight, experts8 = _moe_peak("0.10.1", 8, n, h, i, e, k)
+    assert experts1 == e and experts8 == e // 8  # expert parallelism: E / (dp · tp) experts per rank
+    # dp 1, m = 512: top-k weights/ids/indices 3 · m·k·4 = 12,288; cache13 m·k·max(2I, H)·2 = 524,288;
+    # cache2 m·k·I·2 = 262,144; output [m, H] 262,144; align buffers 9,216
+    assert one == 12_288 + 524_288 + 262_144 + 262_144 + 9_216 == 1_070_080
+    # dp 8, m = 4096: + the dispatched [m, H] and [m, E] (2,097,152 + 131,072), every buffer on m
+    assert eight == (2_097_152 + 131_072) + 98_304 + (4_194_304 + 2_097_152) + 2_097_152 + 38_400 == 10_753_536
+
+
+# --- 2. the CUDA-graph estimate from 0.20 --------------------------------------------------------
+
+def test_cudagraph_estimate_counted_piecewise_graphs_only():
+    """vllm/v1/worker/gpu_model_runner.py ``profile_cudagraph_memory`` (0.19, 0.20): per mode,
+    first capture + (n − 1) × the second capture's growth, modes added; under FULL_AND_PIECEWISE
+    (vllm/v1/cudagraph_dispatcher.py ``initialize_cudagraph_keys``) FULL graphs are the capture
+    sizes in [q, q · max_num_seqs]. At 256 sequences (vLLM 0.21 on an RTX A5000 prints
+    "PIECEWISE=51 (largest=512), FULL=35 (largest=256)") the estimate is 86/102 of the anchor's
+    (51 + 51 graphs at 1024 sequences), where it was taken as 51/51."""
+    from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
+
+    e = era_for("0.21.0")
+    sizes = cudagraph_capture_sizes(e, 256, 2048)
+    assert len(sizes) == 51 and max(sizes) == 512
+    assert len(full_decode_capture_sizes(sizes, 256)) == 35
+    anchor = cudagraph_estimate_bytes(e, num_layers=36, max_num_seqs=1024, max_num_batched_tokens=8192,
+                                      hidden_size=4096)
+    small = cudagraph_estimate_bytes(e, num_layers=36, max_num_seqs=256, max_num_batched_tokens=2048,
+                                     hidden_size=4096)
+    assert abs(small - anchor * 86 / 102) <= 1  # both truncated from the same float
+    # MTP with 3 draft tokens (q = 4) at 2 sequences: FULL graphs only for 4 and 8 tokens
+    assert full_decode_capture_sizes([1, 2, 4, 8, 16], 2, 3) == [4, 8]
+
+
+# --- 7. settings a record carries that were not read ---------------------------------------------
+
+def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
+    """vllm/envs.py: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (0.18+, default "0" in 0.18–0.19,
+    "1" from 0.20) gates the estimate in gpu_worker.py ``determine_available_memory``;
+    ``VLLM_PP_LAYER_PARTITION`` is taken as given by distributed/utils.py ``get_pp_indices``
+    (0.19), with vLLM's length / sum errors. A case's ``env_*`` settings reach the drop."""
+    import pytest
+
+    from tuner.errors import KVCacheError
+    from tuner.job import era_with_env, pp_layer_partition
+    from tuner.kvcache import layers_per_pp_rank
+    from tuner.validate import case_env
+
+    e20, e19, e17 = era_for("0.20.0"), era_for("0.19.0"), era_for("0.17.0")
+    assert e20.subtracts_cudagraph_estimate and not e19.subtracts_cudagraph_estimate
+    assert not era_with_env(e20, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0"}).subtracts_cudagraph_estimate
+    assert era_with_env(e19, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "1"}).subtracts_cudagraph_estimate
+    assert era_with_env(e17, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "1"}) == e17  # no such variable yet
+    assert not era_with_env(e19, {"VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "1"},
+                            enforce_eager=True).subtracts_cudagraph_estimate
+    assert layers_per_pp_rank(48, 2) == [24, 24]
+    assert layers_per_pp_rank(48, 2, pp_layer_partition({"VLLM_PP_LAYER_PARTITION": "16,32"})) == [16, 32]
+    with pytest.raises(KVCacheError, match="sum\\(partitions\\)=47 does not match num_hidden_layers=48"):
+        layers_per_pp_rank(48, 2, (16, 31))
+    assert case_env({"env_VLLM_PP_LAYER_PARTITION": "16,32", "env_VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": 0,
+                     "max_num_seqs": 8}) == {"VLLM_PP_LAYER_PARTITION": "16,32",
+                                             "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0"}
+
+
+def test_drop_env_names_what_it_does_not_model():
+    from tuner.drop import parse_drop
+    from tuner.errors import DropError
+    from tuner.job import drop_env
+
+    text = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
+            "env: {VLLM_PP_LAYER_PARTITION: '16,32', VLLM_ROCM_USE_AITER: 1}\nflashinfer_installed: true\n")
+    d = parse_drop(text, "d.yaml")
+    assert d.env == {"VLLM_PP_LAYER_PARTITION": "16,32", "VLLM_ROCM_USE_AITER": "1"} and d.flashinfer_installed is True
+    warnings: list[str] = []
+    drop_env(d, warnings)
+    assert warnings == ["env VLLM_ROCM_USE_AITER='1' is not modelled: no rule reads it"]
+    import pytest
+
+    with pytest.raises(DropError, match="env"):
+        parse_drop(text.replace("VLLM_ROCM_USE_AITER", "ROCM_AITER"), "d.yaml")
+
+
+# --- 5. KV page alignment for hybrid models with per-token-head KV caches -------------------------
+
+def test_hybrid_int8_per_token_head_cannot_unify_page_sizes(shared_dir):
+    """vllm/platforms/interface.py ``_align_hybrid_block_size`` (0.20, 0.24 read) sizes the
+    attention block from ``FullAttentionSpec(block_size=1, …, kv_quant_mode).page_size_bytes`` —
+    the per-token-head fp32 scales included — and pads the state page to that attention page. The
+    plugin aligned on the scale-less bytes and the scales were added afterwards, so the padded
+    state page (1,605,632 B) no longer matched the attention page (1,630,720 B): "cannot unify
+    page sizes" on a start-up vLLM 0.24 served (Qwen3.6-27B, TP 2, int8_per_token_head)."""
+    from tuner import kvcache
+    from tuner.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+
+    spec = load_model_spec(shared_dir / "models" / "Qwen--Qwen3.5-27B" / "config.json")[0]
+    plugin = load_registry().by_name("qwen3_5")
+    s = RankSettings(engine_version="0.24.0", dtype="bfloat16", kv_cache_dtype="int8_per_token_head",
+                     tensor_parallel_size=2)
+    specs = with_kv_quant_mode(plugin.kv_cache_spec(spec, s), "int8_per_token_head")
+    state = next(x for x in specs.values() if isinstance(x, MambaSpec))
+    attn = next(x for x in specs.values() if isinstance(x, FullAttentionSpec))
+    per_token = 2 * ((256 + 256) * 1 + 2 * 4)  # 2 KV heads per rank, int8 K and V + two fp32 scales
+    conv, rec = 3 * 5120 * 2, 24 * 128 * 128 * 4
+    assert state.unpadded_page_size_bytes == conv + rec == 1_603_584
+    assert attn.block_size == 16 * -(-(conv + rec) // (16 * per_token)) == 1552
+    assert attn.page_size_bytes == state.page_size_bytes == 1552 * per_token == 1_614_080
+    cfg = kvcache.get_kv_cache_config("0.24.0", specs, 1 << 33, max_model_len=262144, max_num_batched_tokens=2048)
+    assert cfg.bytes_per_block == 16 * 1_614_080
+
+
+def test_unify_pads_by_release():
+    """vllm/v1/core/kv_cache_utils.py ``unify_kv_cache_spec_page_size``: 0.20 refuses a page that
+    does not divide the largest; 0.24 pads non-MLA attention (block-stride backends); 0.26 pads
+    Mamba pages too (Gemma-4's int8_per_token_head pages on 0.26 start in vLLM)."""
+    import pytest
+
+    from tuner import kvcache as kv
+
+    full, sw = kv.FullAttentionSpec(16, 2, 256, 1, kv_quant_mode="INT8_PER_TOKEN_HEAD"), \
+        kv.SlidingWindowSpec(16, 4, 128, 1, 1024, kv_quant_mode="INT8_PER_TOKEN_HEAD")
+    assert full.page_size_bytes == 16 * 2 * 520 and sw.page_size_bytes == 16 * 4 * 264  # 16,640 vs 16,896
+    specs = {"model.layers.0.attn": full, "model.layers.1.attn": sw}
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.unify_kv_cache_spec_page_size("0.20.0", specs)
+    out = kv.unify_kv_cache_spec_page_size("0.26.0", specs)
+    assert {x.page_size_bytes for x in out.values()} == {16 * 4 * 264}
+    mamba = kv.MambaSpec(16, ((3, 256), (4, 16, 16)), (2, 4))
+    with pytest.raises(kv.UnsupportedKVCacheError):
+        kv.unify_kv_cache_spec_page_size("0.25.0", {"a": full, "m": mamba})
+    assert kv.unify_kv_cache_spec_page_size("0.26.0", {"a": full, "m": mamba})["m"].page_size_bytes == 16_640
+
+
+# --- 8. weights the product misses: the Mistral-format vision encoder on every TP rank -----------
+
+def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
+    """vllm/transformers_utils/config.py ``get_config`` (0.19): ``--config-format auto`` picks the
+    Mistral format when the repository has params.json and consolidated*.safetensors; its model,
+    PixtralForConditionalGeneration (vllm/model_executor/models/pixtral.py), builds the vision
+    encoder from plain ``nn.Linear`` — the whole encoder on every TP rank — where the HF format's
+    PixtralHFVisionModel shards it. Mistral-Small-3.1-24B at TP 2: the rank holds half the tower
+    more (the llm-d 0.19 logs: 22.80 GiB printed, 22.40 predicted with a sharded tower)."""
+    from tuner.drop import Drop, Candidates
+    from tuner.job import config_format
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+    from tuner.simulate.vision import vision_tower_bytes
+
+    src = shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json"
+    spec = load_model_spec(src)[0]
+    plugin = load_registry().by_name("mistral3")
+
+    def weights(fmt: str) -> int:
+        s = RankSettings(engine_version="0.19.0", dtype="bfloat16", tensor_parallel_size=2, config_format=fmt)
+        with torch.device("meta"):
+            module = plugin.build_model(spec, s)
+        return plugin.weights_bytes(spec, s, module)
+
+    top = plugin.top_config(spec)
+    tower = vision_tower_bytes(top["vision_config"], 2, kind="pixtral", top=top, tp=1)
+    tower2 = vision_tower_bytes(top["vision_config"], 2, kind="pixtral", top=top, tp=2)
+    # the Pixtral tower is 881,013,760 B in bf16: half of it more per rank (0.40 GiB; TP 4: 0.61 GiB)
+    assert tower == 881_013_760 and weights("mistral") - weights("hf") == tower - tower2 == 434_110_464
+    d = Drop(name="d", model="m", device="H100-80GB", candidates=Candidates((0.9,)))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "config.json").write_text("{}")
+    assert config_format(d, str(repo / "config.json")) == "hf"
+    (repo / "params.json").write_text("{}")
+    (repo / "consolidated.safetensors").write_bytes(b"")
+    assert config_format(d, str(repo / "config.json")) == "mistral"
+    from tuner.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
+
+    sa = parse_line(["vllm", "serve", "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "--config-format", "mistral"])
+    assert sa.values["config_format"] == "mistral" and not sa.unmodelled
+
+
+def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int = 1, **settings) -> dict:
+    from tuner.validate import run_validate_request
+
+    case = {"id": f"{model}@{version}/{kv}", "model": model, "vllm_version": version, "engine": "V1", "gpu": gpu,
+            "tensor_parallel_size": tp, "kv_cache_dtype": kv, "observed": {"kv_cache_gib": 1.0},
+            "settings": {"gpu_memory_utilization": 0.9, **settings}}
+    return run_validate_request({"cases": [case], "models_dir": str(shared_dir / "models")})["cases"][0]
+
+
+def test_nvfp4_kv_on_hybrid_exited_cannot_unify_page_sizes(shared_dir):
+    """Issue 33: ``kv_cache_dtype nvfp4`` on a hybrid (Gated DeltaNet) model, vLLM 0.29, exited 1
+    with "cannot unify page sizes" where vLLM starts: the state page is now padded to the NVFP4
+    attention page (packed fp4 + fp8 block scales per token and head) as vLLM aligns it."""
+    row = _run_case(shared_dir, "Qwen/Qwen3.6-35B-A3B-FP8", "0.29.0", "nvfp4", "NVIDIA H100 80GB",
+                    max_model_len=131072)
+    assert row["status"] == "ok", row.get("reason")
+    assert row["predicted_num_gpu_blocks"] > 0
+
+
+def test_int8_per_token_head_on_gemma4_exited_cannot_unify_page_sizes(shared_dir):
+    """Issue 33: ``int8_per_token_head`` on Gemma-4 (256- and 512-wide heads: 16·h·520 and
+    16·h·1032 B pages, neither dividing the other), vLLM 0.26: vLLM pads the smaller attention
+    page (``unify_kv_cache_spec_page_size``, block-stride backends from 0.24); 0.23 refuses."""
+    row = _run_case(shared_dir, "google/gemma-4-26B-A4B", "0.26.0", "int8_per_token_head", "NVIDIA A100 80GB",
+                    max_model_len=131072, enforce_eager=True)
+    assert row["status"] == "ok", row.get("reason")
+    assert row["predicted_num_gpu_blocks"] > 0
