@@ -229,7 +229,11 @@ def test_max_model_len_auto_picks_what_auto_fit_picks(tmp_path):
 
     req, _ = prepare_request(load_drop(p))
     prop = inproc_worker(req, job="x")["proposals"][0]
-    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len"] == 8784
+    # auto-fit is vLLM's own pick: the expected value's (the drop's proposal is at its risk, safe by default)
+    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len_expected"] == 8784
+    p.write_text(p.read_text() + "constraints: {risk: expected}\n")
+    req, _ = prepare_request(load_drop(p))
+    prop = inproc_worker(req, job="x")["proposals"][0]
     assert res.doc["numbers"]["kv_cache_tokens"] == prop["kv_cache_tokens"]
     assert any("Auto-fit max_model_len: reduced from 131072 to 8784" in w for w in res.doc["warnings"])
     # the whole context fits on 8 GPUs' worth of memory: auto keeps the derived length
@@ -486,3 +490,32 @@ def test_kv_cache_memory_bytes_oom_counted_the_cuda_graphs_only_where_the_era_su
     assert "CUDA graphs (15.27 GiB) needs 85,063,630,848 bytes" in eager.doc["engine_error"]
     assert check("vllm", "serve", str(L8B), "--max-model-len", "70000", "--kv-cache-memory-bytes", "67000000000",
                  version="0.27.0").starts
+
+
+def test_check_says_uncertain_where_the_interval_straddles_the_verdict():
+    """A length between the KV tokens at the interval's safe end and at its expected value starts
+    at the expected value and not at the safe end: ``uncertain``, exit 4 (tuner.check.EXIT_UNCERTAIN),
+    naming the terms that make it so and the length that starts for sure; ``--risk expected``
+    answers by the expected value (exit 0)."""
+    from tuner.check import EXIT_UNCERTAIN
+
+    probe = check("vllm", "serve", str(L8B), "--max-model-len", "8192", device="RTX-3090")
+    iv = probe.doc["interval"]
+    low, mid = iv["kv_cache_tokens_low"], probe.doc["numbers"]["kv_cache_tokens"]
+    assert low < mid
+    m = (low + mid) // 2 // 16 * 16
+    assert low < m <= mid
+    res = check("vllm", "serve", str(L8B), "--max-model-len", str(m), device="RTX-3090")
+    assert res.doc["verdict"] == "uncertain" and res.exit_code == EXIT_UNCERTAIN == 4
+    assert res.starts  # at the expected value
+    terms = [t["name"] for t in res.doc["uncertain"]["terms"]]
+    assert terms and "reserve" in terms
+    (sure,) = res.doc["uncertain"]["starts_for_sure"]
+    assert sure["setting"] == "max_model_len" and sure["value"] <= low < m
+    assert f"--max-model-len {sure['value']}" in sure["command"]
+    from tuner.check import render
+
+    text = render(res)
+    assert "UNCERTAIN:" in text and "settings that start for sure" in text
+    expected = check("vllm", "serve", str(L8B), "--max-model-len", str(m), device="RTX-3090", risk="expected")
+    assert expected.doc["verdict"] == "starts" and expected.exit_code == 0

@@ -133,7 +133,7 @@ def test_values_are_normalised():
     assert d.constraints == Constraints(2.0, 65536)
     out = d.to_dict()
     assert out["candidates"] == {"gpu_memory_utilization": [0.9, 0.95, 1.0], "max_model_len": [1024, 4096]}
-    assert out["constraints"] == {"min_concurrency": 2.0, "max_model_len_cap": 65536}
+    assert out["constraints"] == {"min_concurrency": 2.0, "max_model_len_cap": 65536, "risk": "safe"}
     assert json.loads(json.dumps(out)) == out
 
 

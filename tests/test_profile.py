@@ -85,8 +85,10 @@ def test_min_concurrency_lowers_the_proposal(tmp_path, shared_dir):
     assert p4["max_model_len"] < p1["max_model_len"]
     assert p4["max_concurrency"] >= 4
     blocks = p4["num_gpu_blocks"]
-    # the largest block multiple with 4 full-length requests: 4·cdiv(M, 16) ≤ blocks
-    assert p4["max_model_len"] == (blocks // 4) * 16
+    # the largest block multiple with 4 full-length requests: 4·cdiv(M, 16) ≤ blocks (the expected
+    # value; the proposal itself is taken at the interval's safe end, constraints.risk safe)
+    assert p4["max_model_len_expected"] == (blocks // 4) * 16
+    assert p4["risk"] == "safe" and p4["max_model_len"] == p4["max_model_len_safe"] <= p4["max_model_len_expected"]
 
 
 def test_profile_command_end_to_end(tmp_path, tiny_config):
@@ -191,7 +193,9 @@ def test_off_grid_proposal_carries_its_ledger(tmp_path):
 
     d = _json_of(V0_DROP, tmp_path)
     (p,) = d["proposals"]
-    assert p["max_model_len"] == 40064 and p["max_model_len"] not in [c["max_model_len"] for c in d["candidates"]]
+    assert p["max_model_len_expected"] == 40064  # the safe end's answer is the proposal (risk safe)
+    assert p["max_model_len"] == p["max_model_len_safe"] < 40064
+    assert p["max_model_len"] not in [c["max_model_len"] for c in d["candidates"]]
     names = [t["name"] for t in p["budget"]]
     assert names == ["requested", "weights", "activation_peak", "non_torch", "cuda_graphs", "available_kv"]
     terms = {t["name"]: t["bytes"] for t in p["budget"]}

@@ -37,7 +37,8 @@ def test_v0_proposal_file_numbers_are_the_proposed_points_own(tmp_path):
 
     body = yaml.safe_load(V0_DROP.read_text())
     body.update(model=str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
-                candidates={"gpu_memory_utilization": [0.87], "max_model_len": [29000, 31000]})
+                candidates={"gpu_memory_utilization": [0.87], "max_model_len": [29000, 31000]},
+                constraints={**(body.get("constraints") or {}), "risk": "expected"})  # the expected value's point
     drop = tmp_path / "v0.yaml"
     drop.write_text(yaml.safe_dump(body))
     db = tmp_path / "r.sqlite"

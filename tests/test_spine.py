@@ -131,7 +131,10 @@ def test_proposal_fields_were_declared_twice_in_search_and_protocol():
                    "max_concurrency", "reason", "vllm_args", "limiting_stage", "stages",
                    # the proposed point's own numbers (None, and left out of to_dict, where unset)
                    "max_num_batched_tokens", "requested_memory_bytes", "weights_bytes", "activation_peak_bytes",
-                   "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes"]
+                   "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes",
+                   # the risk it was taken at, both answers and the interval's ends (tuner/uncertainty.py)
+                   "risk", "max_model_len_safe", "max_model_len_expected", "available_kv_cache_bytes_low",
+                   "available_kv_cache_bytes_high", "kv_cache_tokens_low", "kv_cache_tokens_high"]
     assert [f.name for f in dataclasses.fields(ProposalResult)] == own + ["budget", "data"]
     prop = Proposal(0.9, 8192, 3, 48, 0.0059, None, "--max-model-len 8192 --gpu-memory-utilization 0.9")
     assert prop.to_dict() == dict(zip(own, (0.9, 8192, 3, 48, 0.0059, None,  # one stage: no stage fields

@@ -41,6 +41,9 @@ EXPECTED = {
         "max_num_batched_tokens", "fits", "reason", "requested_memory_bytes", "weights_bytes",
         "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
         "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+        # revision 0010: the interval's ends
+        "available_kv_cache_bytes_low", "available_kv_cache_bytes_high", "kv_cache_tokens_low",
+        "kv_cache_tokens_high", "num_gpu_blocks_low", "num_gpu_blocks_high",
     ],
     "proposals": [
         "id", "drop_id", "gpu_memory_utilization", "max_model_len", "num_gpu_blocks",
@@ -48,6 +51,9 @@ EXPECTED = {
         # revision 0009: the proposed point's own numbers
         "max_num_batched_tokens", "requested_memory_bytes", "weights_bytes", "activation_peak_bytes",
         "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes",
+        # revision 0010: the interval's ends, the risk and both answers
+        "available_kv_cache_bytes_low", "available_kv_cache_bytes_high", "kv_cache_tokens_low",
+        "kv_cache_tokens_high", "risk", "max_model_len_safe", "max_model_len_expected",
     ],
     "jobs": [
         "id", "path", "content_sha256", "content", "status", "attempts", "error_type", "error",

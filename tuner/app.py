@@ -244,8 +244,10 @@ def make_new_store(db_url: str | None) -> Any:
 def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             store_factory: Callable[..., "Store"] | None = None, worker: Callable[..., dict] = run_in_worker,
             nvml: Any = None, calibrate: bool = True, cache: bool = True,
-            spawner: Callable[..., Any] | None = None) -> ProfileOutcome:
+            spawner: Callable[..., Any] | None = None, risk: str | None = None) -> ProfileOutcome:
     """Run the main job for one drop file and store everything in one transaction.
+
+    ``risk`` (``--risk``): the drop's ``constraints.risk`` replaced (``safe`` | ``expected``).
 
     With ``calibrate`` (default) and an existing store, a simulate run applies the corrections
     learned from the store's measured runs of the same model, device kind, era and layout
@@ -275,6 +277,10 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
     from tuner.vllm_args import from_drop_file
 
     drop = from_drop_file(drop_path).drop  # a drop's fields: the one mapping's drop source
+    if risk is not None:
+        import dataclasses
+
+        drop = dataclasses.replace(drop, constraints=dataclasses.replace(drop.constraints, risk=risk))
     request, dev = prepare_job(drop, nvml=nvml)
     ahead = _spawn_ahead(request, db_url, cache, worker, spawner, timeout_s)
     store = warming = None

@@ -31,6 +31,10 @@ from tuner.vllm_args import (ArgsInputError, NotModelled, build_drop, equivalent
                              spelled_for_field)
 
 EXIT_STARTS, EXIT_FAILED, EXIT_INVALID, EXIT_DOES_NOT_START = 0, 1, 2, 3
+#: The verdict flips inside the prediction's interval (tuner/uncertainty.py): it starts at one end
+#: and not at the other (risk ``safe``, the default; ``--risk expected`` answers 0 or 3 by the
+#: expected value and still names the interval).
+EXIT_UNCERTAIN = 4
 GiB = 1 << 30
 
 #: vLLM's refusal when auto-fit finds no length (vllm/v1/core/kv_cache_utils.py, 0.14+).
@@ -53,6 +57,8 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
+        if self.doc.get("verdict") == "uncertain":
+            return EXIT_UNCERTAIN
         return EXIT_STARTS if self.starts else EXIT_DOES_NOT_START
 
 
@@ -107,7 +113,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               progress: Callable[[str], None] | None = None, extra_not_modelled: Sequence[NotModelled] = (),
               models_dir: str | None = None, label: str | None = None,
               notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
-              strict_release: bool = False) -> CheckResult:
+              strict_release: bool = False, risk: str = "safe") -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the newest modelled release (:func:`tuner.eras.resolve_release`; a newer one is answered with the
@@ -172,10 +178,16 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
 
     store_used = DEFAULT_PATH if store_exists(None) else None
     memo = memo_worker(None, worker or _default_worker(), write=False)
+    named = unmodelled_for_job(sa, unmodelled)
+    import dataclasses
+
+    # the nearest settings are the expected value's (vLLM's own verdict at the point estimate); the
+    # safe end's answer travels beside it (max_model_len_safe: "starts for sure")
+    drop = dataclasses.replace(drop, constraints=dataclasses.replace(drop.constraints, risk="expected"))
     try:
         doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=memo,
                            timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
-                           calibrate=False)
+                           calibrate=False, unmodelled=named)
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
         raise CheckInputError(exc.message, where=spelled_for_field(sa, exc.field) or exc.field) from None
     e = doc["explanations"][0]
@@ -236,8 +248,21 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if kv_bytes is not None:
         nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
     checked_values = {**values, **u_echo, "max_model_len": picked if picked is not None else m}
+    iv = e.get("interval") if not auto else None
+    verdict = "starts" if starts else "does not start"
+    uncertain: dict[str, Any] | None = None
+    if iv and bool(iv.get("starts_low")) != bool(iv.get("starts_high")) and not e.get("max_len_refused"):
+        uncertain = uncertain_detail(e, iv, model=model, values={**values, **u_echo, "max_model_len": m})
+        if risk == "safe":
+            verdict = "uncertain"
+        else:
+            warnings.append("uncertain: the verdict flips inside the interval; --risk expected answers by the expected "
+                            "value")
     out = {
-        "verdict": "starts" if starts else "does not start",
+        "verdict": verdict,
+        "risk": risk,
+        "interval": iv,
+        "uncertain": uncertain,
         "starts": starts,
         "engine_error": reason,
         "model": model,
@@ -267,6 +292,44 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                   "written": False},
     }
     return CheckResult(starts, out, e)
+
+
+def unmodelled_for_job(sa: ServeArgs, unmodelled: Sequence[dict]) -> list[dict]:
+    """The flags the check reads but does not model, as the job's named inputs
+    (:class:`tuner.uncertainty.Unmodelled` dicts): those ``--allow-unmodelled`` let through widen
+    the interval; those the parser ignored as having no effect are listed as such."""
+    from tuner.uncertainty import classify_setting
+
+    out = []
+    def name_of(x: dict) -> str:
+        text = str(x.get("argument") or x.get("flag") or x.get("as_written") or "").replace("env ", "env_", 1)
+        return text.split()[0].lstrip("-").split("=")[0].replace("-", "_")
+
+    for x in unmodelled:
+        x = x.to_dict() if hasattr(x, "to_dict") else dict(x)  # a tuner.vllm_args.NotModelled
+        name = name_of(x)
+        out.append(classify_setting(name, x.get("value"), where="command line", note=str(x.get("note") or "")).to_dict())
+    for x in getattr(sa, "ignored", None) or []:
+        name = name_of(x)
+        out.append({"name": name, "value": x.get("value"), "where": "command line", "effect": "no effect on memory",
+                    "note": str(x.get("note") or "")})
+    return out
+
+
+def uncertain_detail(e: dict, iv: dict, *, model: str, values: dict) -> dict:
+    """Why a check is uncertain: the terms whose bands make the verdict flip (the widest first, each
+    with its half-width), and the settings that start for sure (at the interval's safe end): the
+    largest ``max_model_len`` that starts there."""
+    terms = [{"name": b["name"], "half_width_bytes": (int(b["high_bytes"]) - int(b["low_bytes"])) // 2,
+              "source": b["source"], "band_source": b["band_source"], "widened_by": b.get("widened_by") or ""}
+             for b in iv.get("bands") or []]
+    sure = []
+    safe = e.get("max_model_len_safe")
+    if safe:
+        v = {**values, "max_model_len": int(safe)}
+        sure.append({"change": f"--max-model-len {safe}", "setting": "max_model_len", "value": int(safe),
+                     "command": serve_line(model, v)})
+    return {"terms": terms, "starts_for_sure": sure}
 
 
 def nearest_settings(e: dict, *, model: str, values: dict) -> list[dict]:
@@ -362,7 +425,7 @@ def render(res: CheckResult) -> str:
     for e in d["not_modelled"]:
         src = e.get("source")
         lines.append(f"NOT MODELLED (ignored for this check): {e.get('as_written') or e['flag']} ({e.get('note')})"
-                     + (f" [{src}]" if src and src != "command line" else ""))
+                     + (f" [{src}]" if src and src != "command line" else "") + "; it widens the interval")
     for e in read["unknown"]:
         lines.append(f"unknown flag: {e['flag']}{' ' + e['value'] if e.get('value') else ''} ({e['note']})")
     for w in d["warnings"]:
@@ -380,7 +443,18 @@ def render(res: CheckResult) -> str:
                                                        " (the model's derived maximum)" if asked is None else "")
           + (f" with kv_cache_memory_bytes {kv_fixed:,}" if kv_fixed is not None else
              f" at gpu_memory_utilization {checked.gpu_memory_utilization:g}"))
-    if d["starts"]:
+    if d.get("verdict") == "uncertain":
+        iv = d["interval"]
+        lines.append(f"UNCERTAIN: {at}: starts at the expected value ({n['num_gpu_blocks']} blocks)"
+                     if d["starts"] else f"UNCERTAIN: {at}: does not start at the expected value")
+        lines.append(f"  the verdict flips inside the interval: {iv['num_gpu_blocks_low']}-{iv['num_gpu_blocks_high']} "
+                     f"blocks, {iv['kv_cache_tokens_low']}-{iv['kv_cache_tokens_high']} KV tokens (docs/uncertainty.md)")
+        for t in (d.get("uncertain") or {}).get("terms", [])[:5]:
+            why = f"; {t['widened_by']}" if t.get("widened_by") else ""
+            lines.append(f"  uncertain term: {t['name']} ±{t['half_width_bytes'] / GiB:.3f} GiB ({t['band_source']}{why})")
+        if not d["starts"]:
+            lines.append(f"  vLLM at the expected value: {d['engine_error']}")
+    elif d["starts"]:
         lines.append(f"STARTS: {at}: {n['num_gpu_blocks']} blocks, {n['kv_cache_tokens']} KV tokens, "
                      f"{n['max_concurrency']:.2f}x concurrency")
     else:
@@ -420,6 +494,21 @@ def render(res: CheckResult) -> str:
     elif n.get("kv_block_bytes"):
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
+    iv = d.get("interval")
+    if iv and d.get("verdict") != "uncertain":
+        lines.append(f"  interval: KV {_gib(iv['available_kv_cache_bytes_low'])} to "
+                     f"{_gib(iv['available_kv_cache_bytes_high'])}, {iv['num_gpu_blocks_low']}-{iv['num_gpu_blocks_high']} "
+                     f"blocks, {iv['kv_cache_tokens_low']}-{iv['kv_cache_tokens_high']} KV tokens; "
+                     + ("starts at both ends" if iv["starts_low"] and iv["starts_high"] else
+                        "does not start at either end" if not iv["starts_low"] and not iv["starts_high"] else
+                        "the verdict flips inside it (--risk expected answers by the expected value)")
+                     + " (docs/uncertainty.md)")
+    sure = (d.get("uncertain") or {}).get("starts_for_sure") or []
+    if sure:
+        lines += ["", "settings that start for sure (at the interval's safe end):"]
+        for s in sure:
+            lines.append(f"  {s['change']}:")
+            lines.append(f"      {s['command']}")
     if d["nearest"]:
         lines += ["", "nearest settings that start:"]
         for s in d["nearest"]:

@@ -641,6 +641,10 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("constraints.max_model_len_cap", "integer 1–16777216 | null", None,
               "Never propose a max_model_len above this (`128K`-style values accepted).",
               _length_range(1, MAX_MODEL_LEN_LIMIT, nullable=True)),
+    DropField("constraints.risk", "safe | expected", "safe",
+              "The risk a proposal is taken at: `safe` = the largest max_model_len that starts at the safe (low-KV) "
+              "end of the prediction's interval; `expected` = at the expected value. Both lengths are reported "
+              "either way (docs/uncertainty.md).", _choice(("safe", "expected"))),
 )
 
 _FIELDS_BY_NAME = {f.name: f for f in DROP_FIELDS}
@@ -688,6 +692,8 @@ class Constraints:
 
     min_concurrency: float = 1.0
     max_model_len_cap: int | None = None
+    #: ``safe`` | ``expected`` (:data:`tuner.uncertainty.RISKS`).
+    risk: str = "safe"
 
 
 @dataclass(frozen=True)

@@ -723,6 +723,11 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         "starts": starts, "fits": bool(cand["fits"]), "reason": cand.get("reason"), "steps": steps,
         "max_len_refused": refused_len,
         "surface": surf, "non_monotone": is_non_monotone(surf), "notes": [], "remedies": None,
+        "interval": interval_of(cand),
+        # the proposal at this u: the largest length that starts at the interval's safe end and at the
+        # expected value (tuner.search.propose), for check's "starts for sure" setting
+        "max_model_len_safe": (proposal or {}).get("max_model_len_safe"),
+        "max_model_len_expected": (proposal or {}).get("max_model_len_expected"),
     }
     if cand.get("extensible_headroom_bytes") is not None and not measured:  # vLLM 0.34's extensible cache
         out.update(extensible_headroom_bytes=int(cand["extensible_headroom_bytes"]),
@@ -735,7 +740,8 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
         if proposal is not None:
             rem["largest_max_model_len"] = {k: proposal.get(k) for k in
-                                            ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")}
+                                            ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+                                             "risk", "max_model_len_expected")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
         elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
@@ -829,7 +835,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
                  worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Progress | None = None, variants: bool = True, nvml: Any = None,
                  db_url: str | None = None, calibrate: bool = True, drop: Drop | None = None,
-                 cache: bool = True) -> dict:
+                 cache: bool = True, unmodelled: Sequence[dict] = ()) -> dict:
     """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
 
     Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
@@ -857,6 +863,8 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         cal, cal_warning = None, f"calibration skipped: {exc}"
     if cal is not None:  # measured runs of this model/device/era correct the simulation
         job.base = job.base_request.replace(calibration=cal)
+    if unmodelled:  # inputs read but not modelled (check's flags): named, and they widen the interval
+        job.base = job.base_request.replace(unmodelled=tuple(dict(x) for x in unmodelled))
     us = [gpu_memory_utilization] if gpu_memory_utilization is not None else None
     grid = None
     if max_model_len is not None:
@@ -907,6 +915,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             "warnings": base.get("warnings", []) + ([cal_warning] if cal_warning else []),
             "assumptions": list(base.get("assumptions") or []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
+            "uncertainty": base.get("uncertainty"),
             "pass_source": base.get("pass_source"), "explanations": explanations}
 
 
@@ -1164,6 +1173,42 @@ def verdict_text(e: dict) -> str:
     return "does NOT start"
 
 
+def interval_of(cand: dict) -> dict | None:
+    """A candidate's interval (:mod:`tuner.uncertainty`) as ``explain`` shows it: the KV bytes,
+    blocks, tokens and concurrency at the low (safe) and high ends, whether it starts at each, and
+    the term bands that are not exact, the widest first. None for a candidate without bands (a
+    stored row, a measured run)."""
+    if not cand.get("bands"):
+        return None
+    from tuner.uncertainty import TermBand, widest_first
+
+    bands = [TermBand(**{k: b[k] for k in TermBand.__dataclass_fields__ if k in b}) for b in cand["bands"]]
+    out = {f"{k}_{end}": cand.get(f"{k}_{end}") for k in ("available_kv_cache_bytes", "num_gpu_blocks",
+                                                         "kv_cache_tokens", "max_concurrency", "starts")
+           for end in ("low", "high")}
+    out["bands"] = [b.to_dict() for b in widest_first(bands)]
+    return out
+
+
+def interval_lines(iv: dict | None, indent: str = "  ") -> list[str]:
+    """The interval in words: both ends, then each band, the widest first, with its source and
+    what widened it."""
+    if not iv:
+        return []
+    lines = [f"{indent}interval: KV {_gib(iv['available_kv_cache_bytes_low'])}-{_gib(iv['available_kv_cache_bytes_high'])}"
+             f" GiB, {iv['num_gpu_blocks_low']}-{iv['num_gpu_blocks_high']} blocks, {iv['kv_cache_tokens_low']}-"
+             f"{iv['kv_cache_tokens_high']} KV tokens; at the safe end it "
+             f"{'starts' if iv['starts_low'] else 'does NOT start'}, at the high end it "
+             f"{'starts' if iv['starts_high'] else 'does NOT start'} (tuner/uncertainty.py)"]
+    if iv["bands"]:
+        lines.append(f"{indent}bands, widest first (± on the KV; source -> band):")
+    for b in iv["bands"]:
+        half = (int(b["high_bytes"]) - int(b["low_bytes"])) / 2
+        why = f"; {b['widened_by']}" if b.get("widened_by") else ""
+        lines.append(f"{indent}  {b['name']:<40} ±{half / GiB:.3f} GiB  ({b['source']} -> {b['band_source']}{why})")
+    return lines
+
+
 def render_point(e: dict) -> str:
     """One explanation as numbered plain-text steps."""
     u, m = point_of(e).gpu_memory_utilization, point_of(e).max_model_len
@@ -1189,6 +1234,7 @@ def render_point(e: dict) -> str:
             lines.append(f"  {k}. {s['text']:<84} = {approx}{s['value']}")
     if e.get("command"):
         lines.append(f"  {e['command']}")
+    lines += interval_lines(e.get("interval"))
     if weights_refused:
         lines.append(f"  {e['reason']}")
     elif not e["fits"]:
@@ -1229,8 +1275,11 @@ def render_point(e: dict) -> str:
                       if point_of(lm).max_model_len > m else "")
             mc = e.get("min_concurrency") or 1
             cond = f"starts with at least {mc:g} full-length requests" if mc != 1 else "starts"
-            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g} is {point_of(lm).max_model_len} "
-                         f"({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV tokens){longer}")
+            at_risk = (f" at the interval's safe end ({lm['max_model_len_expected']} at the expected value)"
+                       if lm.get("risk") == "safe" and lm.get("max_model_len_expected") else "")
+            lines.append(f"    - another max_model_len: the largest that {cond} at {u:g}{at_risk} is "
+                         f"{point_of(lm).max_model_len} ({lm['num_gpu_blocks']} blocks, {lm['kv_cache_tokens']} KV "
+                         f"tokens){longer}")
             shorter = [point_of(p).max_model_len for p in surf if p["fits"] and point_of(p).max_model_len < m]
             if shorter:
                 lines.append(f"    - a shorter one from the grid: {max(shorter)} starts")
@@ -1267,6 +1316,14 @@ def render_point(e: dict) -> str:
                              f"{v['max_concurrency']:.2f}x concurrency (largest max_model_len at {u:g}: "
                              f"{v['largest_max_model_len'] or 'none starts'})")
     return "\n".join(lines)
+
+
+def unmodelled_line(x: dict) -> str:
+    """``not modelled: NAME VALUE (where): widens the interval — why`` or ``… no effect on memory``."""
+    val = f" {x['value']}" if x.get("value") is not None else ""
+    effect = "widens the interval" if x.get("effect") == "widens" else str(x.get("effect"))
+    note = f" ({x['note']})" if x.get("note") else ""
+    return f"not modelled: {x.get('name')}{val} [{x.get('where')}]: {effect}{note}"
 
 
 def term_sources_line(sources: dict) -> str:
@@ -1354,6 +1411,8 @@ def render(doc: dict) -> str:
         lines.append(f"warning: {w}")
     if doc.get("term_sources"):
         lines.append(term_sources_line(doc["term_sources"]))
+    for x in (doc.get("uncertainty") or {}).get("unmodelled") or []:
+        lines.append(unmodelled_line(x))
     from tuner.memoanswer import pass_source_line
 
     passes = pass_source_line(doc.get("pass_source"))

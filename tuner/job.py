@@ -14,7 +14,7 @@ import platform
 from pathlib import Path
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tuner import __version__
 from tuner.drop import Drop
@@ -557,6 +557,19 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
+    from tuner.engine.crosscheck import term_sources
+
+    sources = term_sources(plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
+                           engine_weights=bool(engine_use and engine_use.weights),
+                           approximate_activation=bool(engine_use and engine_use.approximate_activation),
+                           traced_activation=bool(engine_use and engine_use.traced),
+                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
+                           calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
+                           engine_defaults=bool(passes.engine_batch) or bool(
+                               engine_use and engine_use.report.get("releases_match")
+                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+    context = uncertainty_context(req, device, era, sources, kv, warnings, assumptions)
+    layout = dataclasses.replace(layout, uncertainty=context)
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
     if era.extensible_kv_cache:  # vLLM 0.34 warns where an explicit u < 1.0 withholds free memory
         from tuner.search import gpu_memory_utilization_warning
@@ -571,23 +584,13 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
     if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
         warnings.extend(w for w in engine_use.warnings if w not in warnings)
-    from tuner.engine.crosscheck import term_sources
-
-    sources = term_sources(plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
-                           engine_weights=bool(engine_use and engine_use.weights),
-                           approximate_activation=bool(engine_use and engine_use.approximate_activation),
-                           traced_activation=bool(engine_use and engine_use.traced),
-                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
-                           calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-                           engine_defaults=bool(passes.engine_batch) or bool(
-                               engine_use and engine_use.report.get("releases_match")
-                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
     measured = measure(req, era, method, passes, candidates, proposals, total, warnings)
     warnings.extend(req.warnings)  # what the worker saw before the job (a calibration lookup that failed)
     if pass_memo is not None:
         versions = {**(pass_memo.versions or {}), "python": platform.python_version()}
     out = job_result(
         method=method, calibration=calibration, layout=layout, measured=measured, model=model, warnings=warnings,
+        uncertainty=context,
         sources=sources, engine_use=engine_use, era=era, dtype=ranks.dtype, kv=kv, runs=passes.runs,
         candidates=candidates, proposals=proposals, versions=versions,
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
@@ -605,6 +608,30 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                                   "tool_version": __version__, "method": method, "device_name": device.get("name"),
                                   "era": era.name, "value": json.loads(json.dumps(out))}]
     return out
+
+
+def uncertainty_context(req: "JobRequest", device: dict, era: Any, sources: dict, kv: "KvLayout",
+                        warnings: list[str], assumptions: Sequence[dict] = ()) -> Any:
+    """What the job does not know (:class:`tuner.uncertainty.Context`): the terms' sources, whether
+    the device total was stated (the request's ``device_total_stated``; else a total other than
+    the catalog's), and the inputs with no rule — the request's own (a serve line's
+    flags, a case's settings, a release not stated), the device ``assumptions``
+    (:func:`device_assumptions`) and a drafter method whose memory is not modelled."""
+    from tuner import uncertainty as unc
+
+    items = [unc.Unmodelled.from_dict(u) for u in req.unmodelled]
+    # what the job assumed about the device(s) (device_assumptions: an unknown card's interconnect or
+    # capability, the ROCm platform, unified memory)
+    for a in assumptions:  # the release answered for is a release not stated (its own, wider band)
+        items.append(unc.Unmodelled.from_dict({**a, "kind": "release_not_stated"} if a.get("name") == "release" else a))
+    spec_cfg = req.drop.speculative_config or {}
+    if spec_cfg and not kv.drafter_modelled:
+        items.append(unc.Unmodelled("speculative_config.method", spec_cfg.get("method"), "drop", "widens",
+                                    "the drafter's weights, KV layers and profile run are not modelled"))
+    stated = req.device_total_stated
+    if stated is None:
+        stated = not _device_from_catalog(device)
+    return unc.Context(tuple(sorted(sources.items())), bool(stated), tuple(items))
 
 
 #: vLLM 0.34's default KV block size (vllm/config/cache.py ``CacheConfig.DEFAULT_BLOCK_SIZE = 64``, 16
@@ -1139,7 +1166,8 @@ def search_points(req: "JobRequest", era: Any, layout: Layout, passes: Passes,
         searched = []
         if req.search or not grid_m:
             kw = dict(gpu_memory_utilization=u, batch_for=passes.batch_for, passes_at=passes.passes_at,
-                      min_concurrency=min_conc, max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d))
+                      min_concurrency=min_conc, max_model_len_cap=cap, regions=regions, extra_args=_extra_args(d),
+                      risk=d.constraints.risk)
             prop, searched = propose(era, layout, **kw)
             proposals.append(prop.to_dict())
             if layout.corrections:
@@ -1226,7 +1254,7 @@ def measure(req: "JobRequest", era: Any, method: str, passes: Passes, candidates
 def job_result(*, method: str, calibration: dict, layout: Layout, measured: list, model: LoadedModel,
                warnings: list[str], sources: dict, engine_use: Any, era: Any, dtype: str, kv: KvLayout, runs: list,
                candidates: list[dict], proposals: list[dict], versions: dict, elapsed_s: float,
-               total: int, assumptions: list | None = None) -> dict[str, Any]:
+               total: int, assumptions: list | None = None, uncertainty: Any = None) -> dict[str, Any]:
     """Stage 11: the job's :class:`tuner.protocol.JobResult`, as its wire object (each candidate and
     proposal with its ``budget`` ledger, sources from ``term_sources``)."""
     from tuner.protocol import JobResult
@@ -1242,6 +1270,8 @@ def job_result(*, method: str, calibration: dict, layout: Layout, measured: list
         # inputs the drop left open and what was assumed for them ({name, value, why})
         "assumptions": list(assumptions or []),
         "term_sources": sources,
+        # what the prediction does not know (tuner.uncertainty): inputs with no rule, the device total's source
+        "uncertainty": uncertainty.to_dict() if uncertainty is not None else None,
         "engine_check": engine_use.report if engine_use is not None else None,
         "era": era.name,
         "engine": era.engine,

@@ -70,6 +70,10 @@ def proposal_document(store: "Store", drop_id: int, *, job_id: int | None = None
             "command": f"vllm serve {model} {prop.vllm_args}" if prop.vllm_args else None,
             "reason": prop.reason,
         }
+        if getattr(prop, "risk", None):  # the risk it was taken at and both answers (tuner/uncertainty.py)
+            entry.update(risk=prop.risk, max_model_len_safe=prop.max_model_len_safe,
+                         max_model_len_expected=prop.max_model_len_expected,
+                         kv_cache_tokens_low=prop.kv_cache_tokens_low, kv_cache_tokens_high=prop.kv_cache_tokens_high)
         numbers = point_numbers(prop, cands)
         if numbers is not None:
             entry["numbers"] = {k: numbers[k] for k in _NUMBERS}

@@ -146,6 +146,13 @@ class JobRequest:
     #: profile passes the parent found in the pass memo (``{memo_key: row}``, :mod:`tuner.passmemo`),
     #: so the worker runs only the ones missing; None = none.
     known_passes: Mapping[str, Any] | None = field(default=None, hash=False)
+    #: inputs the parent read but the drop does not model (:class:`tuner.uncertainty.Unmodelled`
+    #: as dicts: a serve line's flags, a case's settings, a release not stated): each widens the
+    #: interval and is named in the result's ``uncertainty``.
+    unmodelled: tuple = field(default=(), hash=False)
+    #: the device total was stated (a log, a case, the user) rather than read from the catalog;
+    #: None = the worker judges from the device (a total other than the catalog's is stated).
+    device_total_stated: bool | None = None
 
     kind = KIND_JOB
 
@@ -183,6 +190,10 @@ class JobRequest:
             out["_warnings"] = list(self.warnings)
         if self.known_passes:
             out["known_passes"] = dict(self.known_passes)
+        if self.unmodelled:
+            out["unmodelled"] = [dict(u) for u in self.unmodelled]
+        if self.device_total_stated is not None:
+            out["device_total_stated"] = bool(self.device_total_stated)
         return out
 
     @classmethod
@@ -211,7 +222,10 @@ class JobRequest:
                    engine_timeout_s=(float(data["engine_timeout_s"]) if data.get("engine_timeout_s") is not None
                                      else None),
                    progress=bool(data.get("progress")), warnings=tuple(data.get("_warnings") or ()),
-                   known_passes=dict(data["known_passes"]) if data.get("known_passes") else None)
+                   known_passes=dict(data["known_passes"]) if data.get("known_passes") else None,
+                   unmodelled=tuple(dict(u) for u in data.get("unmodelled") or ()),
+                   device_total_stated=(None if data.get("device_total_stated") is None
+                                        else bool(data["device_total_stated"])))
 
 
 @dataclass(frozen=True)
@@ -330,6 +344,11 @@ LEDGER = (("requested", "requested_memory_bytes", "budget_formula", "="),
 POINT_NUMBERS = ("max_num_batched_tokens",) + tuple(col for _n, col, _s, _o in LEDGER)
 
 
+#: A proposed point's interval numbers (:class:`Proposal`; absent when none).
+INTERVAL_NUMBERS = ("available_kv_cache_bytes_low", "available_kv_cache_bytes_high", "kv_cache_tokens_low",
+                    "kv_cache_tokens_high")
+
+
 def ledger(point: Mapping[str, Any], sources: Mapping[str, Any] | None,
            kv_cache_memory_bytes: int | None = None) -> tuple[BudgetTerm, ...]:
     """The itemised budget of one point (a candidate, a proposal with its numbers, a stored row):
@@ -431,6 +450,17 @@ class Proposal:
     non_torch_bytes: int | None = None
     cuda_graph_bytes: int | None = None
     available_kv_cache_bytes: int | None = None
+    #: The risk the proposal was taken at (``safe``: the largest length that starts at the safe end
+    #: of the interval, :mod:`tuner.uncertainty`; ``expected``), and both answers: the largest
+    #: ``max_model_len`` that starts at the safe end and at the expected value (None: none does).
+    risk: str | None = None
+    max_model_len_safe: int | None = None
+    max_model_len_expected: int | None = None
+    #: The proposed point's KV bytes and tokens at the interval's low (safe) and high ends.
+    available_kv_cache_bytes_low: int | None = None
+    available_kv_cache_bytes_high: int | None = None
+    kv_cache_tokens_low: int | None = None
+    kv_cache_tokens_high: int | None = None
 
     def to_dict(self) -> dict:
         """The proposal's own fields (a :class:`ProposalResult`'s ledger and wire object left out;
@@ -442,8 +472,11 @@ class Proposal:
             d.pop("limiting_stage")
         else:
             d["stages"] = [dict(x) for x in d["stages"]]
-        for k in POINT_NUMBERS:
+        for k in POINT_NUMBERS + INTERVAL_NUMBERS:
             if d[k] is None:
+                d.pop(k)
+        if d["risk"] is None:  # a proposal made before the interval (a stored row)
+            for k in ("risk", "max_model_len_safe", "max_model_len_expected"):
                 d.pop(k)
         return d
 
@@ -476,7 +509,10 @@ class ProposalResult(_LedgerWire, Proposal):
         return cls(float(data["gpu_memory_utilization"]), data.get("max_model_len"), data.get("num_gpu_blocks"),
                    data.get("kv_cache_tokens"), data.get("max_concurrency"), data.get("reason"), data.get("vllm_args"),
                    limiting_stage=int(data.get("limiting_stage") or 0), stages=tuple(data.get("stages") or ()),
-                   **nums, budget=tuple(budget), data=dict(data))
+                   **nums, risk=data.get("risk"), max_model_len_safe=data.get("max_model_len_safe"),
+                   max_model_len_expected=data.get("max_model_len_expected"),
+                   **{k: (None if data.get(k) is None else int(data[k])) for k in INTERVAL_NUMBERS},
+                   budget=tuple(budget), data=dict(data))
 
 
 

@@ -171,13 +171,20 @@ def rows_for_store(outcome: ProfileOutcome, *, started_at: str) -> tuple[dict, l
     cand_cols = ("gpu_memory_utilization", "max_model_len", "max_num_batched_tokens", "fits", "reason",
                  "requested_memory_bytes", "weights_bytes", "activation_peak_bytes", "non_torch_bytes",
                  "cuda_graph_bytes", "available_kv_cache_bytes", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency")
-    candidates = [{**{k: c[k] for k in cand_cols}, "run_key": c["run_key"]} for c in r["candidates"]]
+    from tuner.protocol import INTERVAL_NUMBERS
+
+    # revision 0010: the interval's ends (tuner/uncertainty.py; absent on a candidate without one)
+    cand_iv = INTERVAL_NUMBERS + ("num_gpu_blocks_low", "num_gpu_blocks_high")
+    candidates = [{**{k: c[k] for k in cand_cols}, **{k: c.get(k) for k in cand_iv}, "run_key": c["run_key"]}
+                  for c in r["candidates"]]
     prop_cols = ("gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
                  "vllm_args", "reason")
     from tuner.protocol import POINT_NUMBERS
 
     # the proposed point's own numbers (absent: nothing fits)
-    proposals = [{**{k: p[k] for k in prop_cols}, **{k: p.get(k) for k in POINT_NUMBERS}} for p in r["proposals"]]
+    prop_iv = INTERVAL_NUMBERS + ("risk", "max_model_len_safe", "max_model_len_expected")
+    proposals = [{**{k: p[k] for k in prop_cols}, **{k: p.get(k) for k in POINT_NUMBERS},
+                  **{k: p.get(k) for k in prop_iv}} for p in r["proposals"]]
     return drop_row, runs, candidates, proposals
 
 

@@ -97,6 +97,10 @@ class Layout:
     #: One :class:`StageCard` per pipeline stage when the stages run on different cards (a drop's
     #: device list); empty = every stage on ``total_memory_bytes`` / ``topology``.
     stage_cards: tuple = ()
+    #: What the prediction does not know (:class:`tuner.uncertainty.Context`: the terms' sources,
+    #: whether the device total was stated, the inputs with no rule); None = every term from its
+    #: default source (plugin, catalog), nothing unmodelled.
+    uncertainty: object = None
 
     def card(self, stage: int) -> StageCard:
         """The card ``stage`` runs on (the layout's own device when no device list gives one)."""
@@ -216,6 +220,22 @@ class Candidate:
     #: The part of ``cuda_graph_bytes`` that is the drafter's captures
     #: (:func:`tuner.specdecode.drafter_graph_layer_hidden`), bytes.
     drafter_cuda_graph_bytes: int = 0
+    #: The interval (:mod:`tuner.uncertainty`): the KV bytes, blocks, tokens and concurrency at the
+    #: low (safe) and high ends of the term bands, whether it starts (and meets ``min_concurrency``:
+    #: ``fits_*``) at each end, and the limiting stage's term bands (dicts, bytes).
+    available_kv_cache_bytes_low: int = 0
+    available_kv_cache_bytes_high: int = 0
+    num_gpu_blocks_low: int = 0
+    num_gpu_blocks_high: int = 0
+    kv_cache_tokens_low: int = 0
+    kv_cache_tokens_high: int = 0
+    max_concurrency_low: float = 0.0
+    max_concurrency_high: float = 0.0
+    starts_low: bool = True
+    starts_high: bool = True
+    fits_low: bool = True
+    fits_high: bool = True
+    bands: tuple = ()
     #: vLLM 0.34's extensible KV cache (:func:`tuner.budget.extensible_kv_budget`; None in other
     #: releases): the device memory free after warmup and capture (the committed prefix included),
     #: the margin kept beyond the transient peak, and what the headroom cap withholds beyond the
@@ -239,6 +259,7 @@ class Candidate:
             d.pop("limiting_stage")
         else:
             d["stages"] = [dict(x) for x in d["stages"]]
+        d["bands"] = [dict(x) for x in d["bands"]]
         for k, v in d.items():  # ``starts`` next to ``fits``
             if k == "starts":
                 continue
@@ -366,6 +387,100 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         import dataclasses
 
         budgets = [dataclasses.replace(b, available_kv_cache_bytes=int(layout.kv_cache_memory_bytes)) for b in budgets]
+    reason, blocks, tokens, conc, worst, own_blocks = _size(era, layout, budgets, m, n, u)
+    if reason is None and era.engine == "V1":
+        reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
+    other = None  # refusals that do not depend on the KV bytes
+    for i, b in enumerate(budgets if not era.extensible_kv_cache else ()):  # every card checks its own free
+        # memory in init_device (not with the extensible cache: vllm/v1/worker/utils.py request_memory, 0.34)
+        refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
+                                      other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
+                                      requested_memory_bytes=b.requested_memory_bytes)
+        if refusal:  # vLLM checks free memory in init_device, before it loads anything
+            reason = other = refusal
+            break
+    if reason is None or reason.startswith("No available memory"):
+        # loading happens after init_device's free-memory check and before the profile
+        refused = weights_refusal(layout, budgets)
+        if refused:
+            reason = other = refused
+    if layout.kv_cache_memory_bytes is not None and reason is None:
+        reason = other = kv_cache_memory_refusal(layout, budgets, captured)
+    elif reason is None and era.engine == "V1":
+        reason = other = graph_capture_oom(layout, budgets, captured)
+    limit = layout.max_model_len_limit
+    if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
+        reason = other = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
+    starts = reason is None
+    if starts and conc < min_concurrency:
+        reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
+    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
+    b = budgets[worst]
+    ca, cn, cg = corrs[worst]
+    stages = ()
+    if len(budgets) > 1:
+        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets), layout.pp_layer_partition) \
+            if layout.num_layers >= len(budgets) else [0] * len(budgets)
+        starts_at = [sum(counts[:i]) for i in range(len(budgets))]
+        stages = tuple({"pp_rank": i, "device_name": layout.card(i).name or None,
+                        "decoder_layers": [starts_at[i], starts_at[i] + counts[i]],
+                        "kv_layers": len(layout.kv_specs[i]) if i < len(layout.kv_specs) else 0,
+                        "total_memory_bytes": int(layout.card(i).total_memory_bytes),
+                        "requested_memory_bytes": int(x.requested_memory_bytes), "weights_bytes": int(x.weights_bytes),
+                        "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
+                        "cuda_graph_bytes": int(x.cuda_graph_bytes),
+                        "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
+                        "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
+                       for i, x in enumerate(budgets))
+    return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
+                     b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
+                     blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
+                     workspace_bytes=layout.card(worst).activation_overhead_bytes, activation_correction_bytes=ca,
+                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
+                     drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
+                     drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
+                     drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
+                     drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
+                     limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
+
+
+def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[int], m: int, n: int,
+              other_refusal: str | None, min_concurrency: float, max_num_seqs: int, u: float) -> dict:
+    """The candidate's interval (:mod:`tuner.uncertainty`): each stage's term bands, its KV bytes at
+    the low (safe) and high ends, and the release's sizing at both ends (blocks, tokens,
+    concurrency, whether it starts); the bands of the stage that limits at the safe end."""
+    import dataclasses
+
+    from tuner import uncertainty as unc
+
+    ctx = layout.uncertainty or unc.Context()
+    per_stage = [unc.term_bands(requested_memory_bytes=b.requested_memory_bytes, weights_bytes=b.weights_bytes,
+                                activation_peak_bytes=b.activation_peak_bytes, reserve_bytes=r,
+                                non_torch_bytes=b.non_torch_bytes, cuda_graph_bytes=b.cuda_graph_bytes,
+                                sources=dict(ctx.sources), device_total_stated=ctx.device_total_stated,
+                                unmodelled=ctx.unmodelled, kv_cache_memory_bytes=layout.kv_cache_memory_bytes)
+                 for b, r in zip(budgets, reserves)]
+    ends = [unc.kv_interval(b.available_kv_cache_bytes, bands) for b, bands in zip(budgets, per_stage)]
+    out: dict = {}
+    for end, k in (("low", 0), ("high", 1)):
+        shifted = [dataclasses.replace(b, available_kv_cache_bytes=int(e[k])) for b, e in zip(budgets, ends)]
+        reason, blocks, tokens, conc, worst, _own = _size(era, layout, shifted, m, n, u)
+        if reason is None and era.engine == "V1":
+            reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=max_num_seqs, num_blocks=blocks)
+        starts = reason is None and other_refusal is None
+        out.update({f"available_kv_cache_bytes_{end}": int(shifted[worst].available_kv_cache_bytes),
+                    f"num_gpu_blocks_{end}": int(blocks), f"kv_cache_tokens_{end}": int(tokens),
+                    f"max_concurrency_{end}": round(float(conc), 4), f"starts_{end}": bool(starts),
+                    f"fits_{end}": bool(starts and conc >= min_concurrency)})
+        if end == "low":
+            out["bands"] = tuple(b.to_dict() for b in per_stage[worst])
+    return out
+
+
+def _size(era: Era, layout: Layout, budgets: Sequence, m: int, n: int, u: float) -> tuple:
+    """The release's KV sizing of per-stage budgets at ``max_model_len`` ``m`` and ``n`` batched
+    tokens: ``(reason, blocks, tokens, concurrency, worst stage, each stage's own blocks)``
+    (the expected budget and, for the interval, its low and high ends)."""
     reason = None
     blocks, tokens, conc = 0, 0, 0.0
     worst = min(range(len(budgets)), key=lambda i: budgets[i].available_kv_cache_bytes)
@@ -447,56 +562,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                                                  max_in_flight_tokens=kw["max_in_flight_tokens"]))
         except TunerError as exc:
             reason = reason or exc.message
-    if reason is None and era.engine == "V1":
-        reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
-    for i, b in enumerate(budgets if not era.extensible_kv_cache else ()):  # every card checks its own free
-        # memory in init_device (not with the extensible cache: vllm/v1/worker/utils.py request_memory, 0.34)
-        refusal = free_memory_refusal(era, total_memory_bytes=layout.card(i).total_memory_bytes,
-                                      other_processes_bytes=layout.other_processes_bytes, gpu_memory_utilization=u,
-                                      requested_memory_bytes=b.requested_memory_bytes)
-        if refusal:  # vLLM checks free memory in init_device, before it loads anything
-            reason = refusal
-            break
-    if reason is None or reason.startswith("No available memory"):
-        # loading happens after init_device's free-memory check and before the profile
-        reason = weights_refusal(layout, budgets) or reason
-    if layout.kv_cache_memory_bytes is not None and reason is None:
-        reason = kv_cache_memory_refusal(layout, budgets, captured)
-    elif reason is None and era.engine == "V1":
-        reason = graph_capture_oom(layout, budgets, captured)
-    limit = layout.max_model_len_limit
-    if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
-        reason = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
-    starts = reason is None
-    if starts and conc < min_concurrency:
-        reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
-    b = budgets[worst]
-    ca, cn, cg = corrs[worst]
-    stages = ()
-    if len(budgets) > 1:
-        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets), layout.pp_layer_partition) \
-            if layout.num_layers >= len(budgets) else [0] * len(budgets)
-        starts_at = [sum(counts[:i]) for i in range(len(budgets))]
-        stages = tuple({"pp_rank": i, "device_name": layout.card(i).name or None,
-                        "decoder_layers": [starts_at[i], starts_at[i] + counts[i]],
-                        "kv_layers": len(layout.kv_specs[i]) if i < len(layout.kv_specs) else 0,
-                        "total_memory_bytes": int(layout.card(i).total_memory_bytes),
-                        "requested_memory_bytes": int(x.requested_memory_bytes), "weights_bytes": int(x.weights_bytes),
-                        "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
-                        "cuda_graph_bytes": int(x.cuda_graph_bytes),
-                        "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
-                        "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
-                       for i, x in enumerate(budgets))
-    return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
-                     b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
-                     blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
-                     workspace_bytes=layout.card(worst).activation_overhead_bytes, activation_correction_bytes=ca,
-                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
-                     drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
-                     drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
-                     drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
-                     drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
-                     limiting_stage=worst, stages=stages, **_extensible_fields(b))
+    return reason, blocks, tokens, conc, worst, own_blocks
 
 
 def _extensible_fields(b) -> dict:
@@ -715,7 +781,8 @@ def _largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | Non
 
 def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_for: Callable[[int], ProfileBatch],
             passes_at: PassAtLength, min_concurrency: float = 1.0, max_model_len_cap: int | None = None,
-            regions: Sequence[tuple[int, int]] = (), extra_args: str = "") -> tuple[Proposal, list[Candidate]]:
+            regions: Sequence[tuple[int, int]] = (), extra_args: str = "",
+            risk: str = "expected") -> tuple[Proposal, list[Candidate]]:
     """Search the largest ``max_model_len`` that fits at one utilization: a block multiple, or the
     cap itself (the model's derived maximum, a drop's cap) when that is not one.
 
@@ -725,6 +792,9 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
             by the caller; the runner's length-sized buffers, V1 0.27+, at the point's own length).
         regions: token ranges inside which the batch keeps its shape (fit monotone); defaults to
             one region ``[block_size, cap]``.
+        risk: ``safe`` proposes the largest length that starts at the interval's safe (low-KV) end
+            (:attr:`Candidate.fits_low`), ``expected`` at the expected value; both lengths are
+            carried (``max_model_len_safe``, ``max_model_len_expected``).
     Returns:
         The proposal and every candidate evaluated during the search.
     """
@@ -742,24 +812,34 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
                                max_model_len=m, min_concurrency=min_concurrency)
         return seen[m]
 
-    best: int | None = None
-    for lo, hi in (regions or [(1, cap)]):
-        hi = min(hi, cap)
-        # Block multiples, and the region's top itself when it is not one: a length inside a block
-        # costs the whole block (V1 ``max_memory_usage_bytes``: cdiv(max_model_len, block_size)
-        # pages), so only the top can lie between multiples. Hybrid models' attention blocks are
-        # hundreds to thousands of tokens (2080 for Nemotron-H on 0.19): without the top, a model
-        # whose max_position_embeddings starts (8192) was proposed at the multiple below (6240).
-        def length(k: int, hi: int = hi) -> int:
-            return min(k * bs, hi)
+    def largest(ok: Callable[[Candidate], bool]) -> int | None:
+        best: int | None = None
+        for lo, hi in (regions or [(1, cap)]):
+            hi = min(hi, cap)
+            # Block multiples, and the region's top itself when it is not one: a length inside a block
+            # costs the whole block (V1 ``max_memory_usage_bytes``: cdiv(max_model_len, block_size)
+            # pages), so only the top can lie between multiples. Hybrid models' attention blocks are
+            # hundreds to thousands of tokens (2080 for Nemotron-H on 0.19): without the top, a model
+            # whose max_position_embeddings starts (8192) was proposed at the multiple below (6240).
+            def length(k: int, hi: int = hi) -> int:
+                return min(k * bs, hi)
 
-        k = _largest_fitting(-(-max(lo, 1) // bs), -(-hi // bs), lambda k: cand(length(k)).fits)
-        if k is not None and length(k) >= max(lo, 1) and (best is None or length(k) > best):
-            best = length(k)
+            k = _largest_fitting(-(-max(lo, 1) // bs), -(-hi // bs), lambda k: ok(cand(length(k))))
+            if k is not None and length(k) >= max(lo, 1) and (best is None or length(k) > best):
+                best = length(k)
+        return best
+
+    expected = largest(lambda c: c.fits)
+    safe = largest(lambda c: c.fits and c.fits_low) if expected is not None else None
+    best = safe if risk == "safe" else expected
+    both = dict(risk=risk, max_model_len_safe=safe, max_model_len_expected=expected)
     if best is None:
         smallest = cand(bs)
-        return Proposal(gpu_memory_utilization, None, None, None, None,
-                        smallest.reason or "nothing fits", None), list(seen.values())
+        why = smallest.reason or "nothing fits"
+        if expected is not None:  # starts at the expected value only
+            why = (f"nothing starts at the safe end of the interval (max_model_len {expected} starts at the expected "
+                   "value; constraints.risk: expected proposes it)")
+        return Proposal(gpu_memory_utilization, None, None, None, None, why, None, **both), list(seen.values())
     c = cand(best)
     args = f"--max-model-len {best} --gpu-memory-utilization {float(gpu_memory_utilization)!r}"  # the point as evaluated
     if extra_args:
@@ -770,7 +850,11 @@ def propose(era: Era, layout: Layout, *, gpu_memory_utilization: float, batch_fo
                else f"model's derived max_model_len ({layout.derived_max_len_key}={limit})")
     return Proposal(gpu_memory_utilization, best, c.num_gpu_blocks, c.kv_cache_tokens, c.max_concurrency,
                     f"capped by the {why}" if why else None, args, limiting_stage=c.limiting_stage,
-                    stages=c.stages, **point_numbers(c)), list(seen.values())
+                    stages=c.stages, **point_numbers(c), **both,
+                    available_kv_cache_bytes_low=c.available_kv_cache_bytes_low,
+                    available_kv_cache_bytes_high=c.available_kv_cache_bytes_high,
+                    kv_cache_tokens_low=c.kv_cache_tokens_low, kv_cache_tokens_high=c.kv_cache_tokens_high), \
+        list(seen.values())
 
 
 def point_numbers(c: Candidate) -> dict[str, int]:

@@ -100,6 +100,13 @@ def _budget_columns() -> list[sa.Column]:
                                 "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes")]
 
 
+def _interval_columns() -> list[sa.Column]:
+    """Revision 0010: a point's interval ends (tuner/uncertainty.py), candidates' and proposals'."""
+    return [_bytes("available_kv_cache_bytes_low"), _bytes("available_kv_cache_bytes_high"),
+            sa.Column("kv_cache_tokens_low", _BIGINT, nullable=True),
+            sa.Column("kv_cache_tokens_high", _BIGINT, nullable=True)]
+
+
 #: Revision 0007 (fleet): one row per daemon identity (host id + watch directory) with its lease.
 #: ``gpus`` is JSON text (a list of ``{name, total_memory_bytes}``); times are UTC text.
 hosts_table = sa.Table(
@@ -211,6 +218,10 @@ candidates_table = sa.Table(
     sa.Column("num_gpu_blocks", _INT, nullable=True),
     sa.Column("kv_cache_tokens", _BIGINT, nullable=True),
     sa.Column("max_concurrency", _FLOAT, nullable=True),
+    # revision 0010: the interval's ends (tuner/uncertainty.py); null for rows stored before it.
+    *_interval_columns(),
+    sa.Column("num_gpu_blocks_low", _INT, nullable=True),
+    sa.Column("num_gpu_blocks_high", _INT, nullable=True),
 )
 
 proposals_table = sa.Table(
@@ -230,6 +241,11 @@ proposals_table = sa.Table(
     # when nothing fits, and for proposals stored before this revision).
     sa.Column("max_num_batched_tokens", _INT, nullable=True),
     *_budget_columns(),
+    # revision 0010: the risk the proposal was taken at, both answers, the interval's ends
+    *_interval_columns(),
+    sa.Column("risk", _TEXT, nullable=True),
+    sa.Column("max_model_len_safe", _INT, nullable=True),
+    sa.Column("max_model_len_expected", _INT, nullable=True),
 )
 
 #: Revision 0002: the daemon's durable job queue (see :mod:`tuner.jobqueue`). One row per

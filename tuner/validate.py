@@ -193,6 +193,37 @@ def _device(case: dict) -> dict:
     return {**stages[0], "stages": stages}
 
 
+def unmodelled_inputs(case: dict, mapped=None) -> list[dict]:
+    """What a case states that the drop it becomes does not model, each classified for the interval
+    (:func:`tuner.uncertainty.classify_setting`: widens the band, or no effect on memory): the
+    arguments the one mapping names (:func:`case_drop`'s ``not_modelled``, :mod:`tuner.vllm_args`;
+    ``env_NAME`` variables included), those it ignores as not touching memory, and a release that
+    was not stated (inferred from the log's formats) or is a development build."""
+    from tuner.uncertainty import Unmodelled, classify_setting
+
+    out: list[dict] = []
+    if mapped is not None:
+        for n in mapped.not_modelled:
+            name = str(n.argument).replace("env ", "env_", 1).lstrip("-").replace("-", "_")
+            where = "environment" if name.startswith("env_") else str(n.source or "case settings")
+            out.append(classify_setting(name, n.value, where=where, note=str(n.why or "")).to_dict())
+        for e in (getattr(mapped.args, "ignored", None) or []) if mapped.args is not None else []:
+            name = str(e.get("flag") or e.get("as_written") or "").split()[0].lstrip("-").replace("-", "_")
+            out.append(Unmodelled(name, e.get("value"), "case settings", "no effect on memory",
+                                  str(e.get("note") or "")).to_dict())
+    version = case.get("vllm_version")
+    if not version:
+        inferred, _engine = infer_version(case)
+        out.append(Unmodelled("vllm_version", inferred, "case", "widens",
+                              f"not stated: vLLM {inferred} inferred from the log's formats",
+                              "release_not_stated").to_dict())
+    elif ".dev" in str(version):
+        out.append(Unmodelled("vllm_version", str(version), "case", "widens",
+                              "a development build: the rules of the nearest release",
+                              "release_not_stated").to_dict())
+    return out
+
+
 def _speculative(value: Any) -> dict | None:
     """A case's ``settings.speculative_config`` as a drop's (vLLM's key names; unknown keys of the
     case, such as ``num_spec_tokens`` spellings, are mapped or dropped)."""
@@ -311,11 +342,12 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     import os
 
     # the engine adapter costs seconds per case: validate leaves it off unless CTX_TUNER_ENGINE says so
-    req = JobRequest(drop=drop, config_path=str(config_path), device=_device(case), fake=True, search=False,
-                     engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
-                     calibration=dict(calibration) if calibration else None,
-                     draft_config_path=draft_path, draft_config_error=draft_error).to_wire()
-    return req
+    return JobRequest(drop=drop, config_path=str(config_path), device=_device(case), fake=True, search=False,
+                      engine=os.environ.get("CTX_TUNER_ENGINE") or "off", engine_kind=engine,
+                      calibration=dict(calibration) if calibration else None,
+                      draft_config_path=draft_path, draft_config_error=draft_error,
+                      unmodelled=tuple(unmodelled_inputs(case, mapped)),
+                      device_total_stated=bool(case.get("gpu_total_gib"))).to_wire()
 
 
 def _pct(pred: float | None, obs: float | None) -> float | None:
@@ -354,10 +386,16 @@ def compare(case: dict, result: dict) -> dict:
     else:
         unsafe = False
     observed_failed = bool(o.get("error_message")) or (obs_gib is not None and obs_gib < 0)
-    return {
+    interval = _interval_row(c, basis, obs_blocks, obs_gib, obs_tokens, block)
+    unc = result.get("uncertainty") or {}
+    return {**interval,
+            "uncertain_inputs": [{k: u.get(k) for k in ("name", "value", "where", "effect", "note")}
+                             for u in unc.get("unmodelled") or []],
         "id": case["id"],
         "status": "ok",
         "model": case["model"],
+        "model_family": case.get("model_family"),
+        "confidence": case.get("confidence") or "high",
         "plugin": result.get("plugin"),
         "era": result.get("era"),
         "predicted_num_gpu_blocks": pred_blocks,
@@ -383,6 +421,56 @@ def compare(case: dict, result: dict) -> dict:
         "warnings": result.get("warnings") or [],
         "assumptions": result.get("assumptions") or [],
     }
+
+
+def _interval_row(c: dict, basis: str | None, obs_blocks, obs_gib, obs_tokens, block: int) -> dict:
+    """A row's interval (:mod:`tuner.uncertainty`): the predicted blocks, KV GiB and KV tokens at
+    the low (safe) and high ends; whether the observation lies inside (``covered``, on the error's
+    basis, allowing one block or the printed GiB's ±0.005 rounding); ``unsafe_at_safe_end``: the
+    safe end above the observation by more than 1 %; the half-width in % of the expected value;
+    and ``band_basis`` — the bytes each fitted band scales (:func:`tuner.uncertainty_fit.fit_bands`)."""
+    lo_kv, hi_kv = c.get("available_kv_cache_bytes_low"), c.get("available_kv_cache_bytes_high")
+    out: dict = {
+        "predicted_num_gpu_blocks_low": c.get("num_gpu_blocks_low"),
+        "predicted_num_gpu_blocks_high": c.get("num_gpu_blocks_high"),
+        "predicted_kv_cache_gib_low": None if lo_kv is None else round(lo_kv / GiB, 4),
+        "predicted_kv_cache_gib_high": None if hi_kv is None else round(hi_kv / GiB, 4),
+        "predicted_kv_cache_tokens_low": c.get("kv_cache_tokens_low"),
+        "predicted_kv_cache_tokens_high": c.get("kv_cache_tokens_high"),
+    }
+    pred = {"num_gpu_blocks": c["num_gpu_blocks"], "kv_cache_gib": c["available_kv_cache_bytes"] / GiB,
+            "kv_cache_tokens": c["kv_cache_tokens"]}
+    lows = {"num_gpu_blocks": c.get("num_gpu_blocks_low"),
+            "kv_cache_gib": None if lo_kv is None else lo_kv / GiB, "kv_cache_tokens": c.get("kv_cache_tokens_low")}
+    highs = {"num_gpu_blocks": c.get("num_gpu_blocks_high"),
+             "kv_cache_gib": None if hi_kv is None else hi_kv / GiB, "kv_cache_tokens": c.get("kv_cache_tokens_high")}
+    obs = {"num_gpu_blocks": obs_blocks, "kv_cache_gib": obs_gib, "kv_cache_tokens": obs_tokens}.get(basis or "")
+    lo, hi, p = lows.get(basis or ""), highs.get(basis or ""), pred.get(basis or "")
+    covered = unsafe_low = half = None
+    if obs is not None and lo is not None and hi is not None:
+        tol = {"num_gpu_blocks": 1, "kv_cache_gib": 0.005, "kv_cache_tokens": block}[basis]
+        covered = lo - tol <= obs <= hi + tol
+        unsafe_low = lo - obs > max(tol, 0.01 * abs(obs))
+        half = round((hi - lo) / 2 / abs(p) * 100, 3) if p else None
+    kv = int(c["available_kv_cache_bytes"])
+    basis_bytes: dict[str, int] = {}
+    for b in c.get("bands") or []:
+        if b.get("parameter"):
+            basis_bytes[b["parameter"]] = basis_bytes.get(b["parameter"], 0) + int(b.get("basis_bytes") or 0)
+    from tuner.uncertainty import fitted
+
+    now = fitted()  # the part of each band that is no fitted fraction (floors, unfitted bands)
+    fixed = sum((int(b["bytes"]) - int(b["low_bytes"]) if b.get("op") == "=" else int(b["high_bytes"]) - int(b["bytes"]))
+                - (int(now[b["parameter"]] * int(b.get("basis_bytes") or 0)) if b.get("parameter") else 0)
+                for b in c.get("bands") or [])
+    per = {"num_gpu_blocks": kv / c["num_gpu_blocks"] if c["num_gpu_blocks"] else None, "kv_cache_gib": GiB,
+           "kv_cache_tokens": kv / c["kv_cache_tokens"] if c["kv_cache_tokens"] else None}.get(basis or "")
+    out.update(covered=covered, unsafe_at_safe_end=unsafe_low, half_width_pct=half,
+               band_basis={"expected_kv_bytes": kv, "observed_kv_bytes": None if obs is None or per is None
+                           else int(obs * per), "bytes_per_unit": per, "tolerance_units":
+                           {"num_gpu_blocks": 1, "kv_cache_gib": 0.005, "kv_cache_tokens": block}.get(basis or ""),
+                           "fixed_half_bytes": int(fixed), "bytes": basis_bytes})
+    return out
 
 
 def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: dict | None = None,
@@ -446,8 +534,33 @@ def summarize(rows: list[dict]) -> dict:
         "unsafe_cases": [r["id"] for r in ok if r["unsafe"]],
         "fit_verdict_agrees": sum(1 for r in ok if r["predicted_fits"] == r["observed_fits"]),
         "could_not_run": [{"id": r["id"], "reason": r["reason"]} for r in rows if r["status"] != "ok"],
+        "interval": interval_summary(ok),
+        "interval_high_confidence": interval_summary([r for r in ok if r.get("confidence", "high") != "low"]),
         "release_assumed": [{"id": r["id"], "release": r.get("release"), "release_range": r.get("release_range")}
                             for r in rows if r.get("release_assumed")],
+    }
+
+
+def interval_summary(rows: list[dict]) -> dict:
+    """The interval's figures over predicted rows (:func:`_interval_row`): ``coverage_pct`` (the
+    observation inside the interval), ``median_half_width_pct`` (of the expected value),
+    ``unsafe_at_safe_end`` (the safe end above the observation by more than 1 %, with the case
+    ids), and the expected value's median / p90 |error| over the same rows."""
+    judged = [r for r in rows if r.get("covered") is not None]
+    halves = [r["half_width_pct"] for r in judged if r.get("half_width_pct") is not None]
+    errs = [abs(r["error_pct"]) for r in rows if r.get("error_pct") is not None]
+    unsafe = [r["id"] for r in judged if r.get("unsafe_at_safe_end")]
+    return {
+        "cases": len(rows),
+        "judged": len(judged),
+        "coverage_pct": round(100.0 * sum(1 for r in judged if r["covered"]) / len(judged), 2) if judged else None,
+        "not_covered": [r["id"] for r in judged if not r["covered"]],
+        "median_half_width_pct": round(statistics.median(halves), 3) if halves else None,
+        "unsafe_at_safe_end": len(unsafe),
+        "unsafe_at_safe_end_pct": round(100.0 * len(unsafe) / len(judged), 2) if judged else None,
+        "unsafe_at_safe_end_cases": unsafe,
+        "median_abs_error_pct": round(statistics.median(errs), 3) if errs else None,
+        "p90_abs_error_pct": round(_percentile(errs, 90), 3) if errs else None,
     }
 
 
@@ -474,6 +587,12 @@ def render(report: dict) -> str:
     lines += ["", f"cases {s['cases']}, predicted {s['predicted']}, median |error| {f(s['median_abs_error_pct'], '.2f')} %, "
               f"p90 {f(s['p90_abs_error_pct'], '.2f')} %, max {f(s['max_abs_error_pct'], '.2f')} %, unsafe {s['unsafe']}, "
               f"fit verdict agrees on {s['fit_verdict_agrees']}/{s['predicted']}"]
+    for key, label in (("interval", "all"), ("interval_high_confidence", "high confidence")):
+        iv = s.get(key)
+        if iv and iv.get("judged"):
+            lines.append(f"interval ({label}, {iv['judged']} cases): coverage {f(iv['coverage_pct'], '.1f')} %, median "
+                         f"half-width {f(iv['median_half_width_pct'], '.2f')} %, unsafe at the safe end "
+                         f"{iv['unsafe_at_safe_end']} ({f(iv['unsafe_at_safe_end_pct'], '.1f')} %) (docs/uncertainty.md)")
     if "summary_calibrated" in report:  # validate --calibrate: before/after per case and a second summary
         c = report["summary_calibrated"]
         lines += ["", f"{'calibrated (leave-one-out)':<52} {'pred blocks':>11} {'cal blocks':>10} {'err %':>7} "

@@ -1,6 +1,7 @@
 """``ctx-tuner check [--config vllm.yaml] [--device D] [--engine-version V] [--json] -- vllm serve MODEL …``
 or ``ctx-tuner check [--deploy-files] DEPLOY.yaml …``: will this vLLM start? Exit codes: 0 starts,
-3 does not start, 2 invalid input (a flag vLLM would reject or ctx-tuner cannot model, an invalid
+3 does not start, 4 uncertain (the verdict flips inside the
+prediction's interval: it starts at one end and not at the other; docs/uncertainty.md), 2 invalid input (a flag vLLM would reject or ctx-tuner cannot model, an invalid
 setting, unknown model, an unreadable deploy file), 1 the job failed. Several workloads (deploy
 files): the worst, 3 before 2 before 1 before 0 (:mod:`tuner.deploy.verdicts`)."""
 
@@ -63,7 +64,7 @@ def _one_device(text: str):
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("check", help="will this `vllm serve` line or config start? (exit 0 starts, 3 does not)",
+    p = sub.add_parser("check", help="will this `vllm serve` line or config start? (exit 0 starts, 3 does not, 4 uncertain)",
                        description="Check a `vllm serve` command line (after --) and/or a `vllm serve --config` "
                                    "YAML before deploying it.")
     p.add_argument("serve", nargs=argparse.REMAINDER,
@@ -110,6 +111,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--settings", default=None, metavar="FILE",
                    help="daemon settings whose engine_pythons (by --engine-version) / worker_python choose the "
                         "worker Python")
+    p.add_argument("--risk", choices=("safe", "expected"), default="safe",
+                   help="safe (default): exit 4 'uncertain' when the line starts at one end of the interval and not "
+                        "at the other; expected: answer 0/3 by the expected value (the interval is still named)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds")
     return p
@@ -152,7 +156,7 @@ def run(args) -> int:
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
                         other_processes_memory_gib=args.other_processes_memory_gib,
                         parser=make_parser(args.parser, python), models_dir=args.models_dir,
-                        strict_release=args.strict_release, **kw)
+                        strict_release=args.strict_release, risk=getattr(args, "risk", "safe"), **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID

