@@ -192,6 +192,16 @@ def test_worst_exit_precedence():
     assert worst_exit([]) == 0
 
 
+def test_uncertain_workload_was_outranked_by_a_failed_one():
+    """The failure: exit 4 (uncertain) was missing from the precedence, so a file with an uncertain
+    and a starting workload exited 0, and an uncertain one beside a failed job exited 1."""
+    from tuner.deploy.verdicts import worst_exit
+
+    assert worst_exit([0, 4]) == 4
+    assert worst_exit([4, 1, 2]) == 4
+    assert worst_exit([4, 3]) == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # The readers' rules (pure)
 # ------------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ device: the GPU product the manifest schedules it on (``nvidia.com/gpu.product``
 (``vllm/config/parallel.py`` ``ParallelConfig.__post_init__``, 0.32.0 and 0.34.0: "World size (N) is
 larger than the number of available GPUs (G) in this node"), whatever the memory says.
 
-Exit code of a run: the worst workload's, in the order 3 (does not start) > 2 (invalid input) >
-1 (the job failed) > 0 (starts).
+Exit code of a run: the worst workload's, in the order 3 (does not start) > 4 (uncertain: the
+verdict flips inside the interval, :data:`tuner.check.EXIT_UNCERTAIN`) > 2 (invalid input) > 1 (the
+job failed) > 0 (starts).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from tuner.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS
+from tuner.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS, EXIT_UNCERTAIN
 from tuner.deploy import Workload
 
 #: Which exit code wins when workloads disagree (first = worst).
-EXIT_PRECEDENCE = (EXIT_DOES_NOT_START, EXIT_INVALID, EXIT_FAILED, EXIT_STARTS)
+EXIT_PRECEDENCE = (EXIT_DOES_NOT_START, EXIT_UNCERTAIN, EXIT_INVALID, EXIT_FAILED, EXIT_STARTS)
 
 
 def worst_exit(codes: Sequence[int]) -> int:
@@ -181,6 +182,7 @@ def render(verdicts: Sequence[WorkloadVerdict]) -> str:
     summary = (f"{len(verdicts)} workload(s): " + ", ".join(
         f"{sum(1 for c in codes if c == k)} {name}" for k, name in ((EXIT_STARTS, "start"),
                                                                    (EXIT_DOES_NOT_START, "do not start"),
+                                                                   (EXIT_UNCERTAIN, "uncertain"),
                                                                    (EXIT_INVALID, "invalid input"),
                                                                    (EXIT_FAILED, "failed")) if k in codes)
         + f"; exit {worst_exit(codes)}")
