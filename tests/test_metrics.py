@@ -165,3 +165,49 @@ def test_metrics_of_a_fleet_database_count_each_daemons_own_jobs_and_proposals(t
         assert jobs(None)["pending"] == 4  # no owner: the whole store
     finally:
         store.close()
+
+
+def test_metrics_give_each_proposals_safe_and_expected_max_model_len(tmp_path):
+    """``ctx_tuner_proposal_max_model_len_bound{bound=safe|expected}``: both answers of each latest
+    proposal as stored (the V0 RTX 3090 example: 39536 at the safe end, 40064 at the expected
+    value); a proposal stored without an interval (before revision 0010) gets no bound samples."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests._results_db import profiled_db
+    from tuner.metrics import StoreCollector
+    from tuner.store import open_store
+
+    def scrape_bounds(path):
+        store = open_store(str(path), readonly=True)
+        try:
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(StoreCollector(store.engine.connect))
+            fams = _samples(generate_latest(reg).decode())
+        finally:
+            store.close()
+        return {(s.labels["drop"], s.labels["gpu_memory_utilization"], s.labels["bound"]): s.value
+                for s in fams.get("ctx_tuner_proposal_max_model_len_bound", [])}, fams
+
+    db = tmp_path / "r.sqlite"
+    shutil.copy(profiled_db(), db)
+    con = sqlite3.connect(db)
+    stored = con.execute("SELECT d.name, p.gpu_memory_utilization, p.max_model_len_safe, p.max_model_len_expected "
+                         "FROM proposals p JOIN drops d ON d.id = p.drop_id").fetchall()
+    con.close()
+    bounds, fams = scrape_bounds(db)
+    assert bounds == {k: v for n, u, safe, exp in stored
+                      for k, v in (((n, f"{u:g}", "safe"), safe), ((n, f"{u:g}", "expected"), exp))}
+    assert bounds[("llama-3.1-8b-rtx3090-v0", "0.9", "safe")] == 39536
+    assert bounds[("llama-3.1-8b-rtx3090-v0", "0.9", "expected")] == 40064
+    mml = {s.labels["drop"]: s.value for s in fams["ctx_tuner_proposal_max_model_len"]}
+    assert mml["llama-3.1-8b-rtx3090-v0"] == 39536  # risk safe: the proposal is the safe answer
+    con = sqlite3.connect(db)
+    with con:
+        con.execute("UPDATE proposals SET risk = NULL, max_model_len_safe = NULL, max_model_len_expected = NULL "
+                    "WHERE drop_id = (SELECT id FROM drops WHERE name = 'llama-3.1-8b-rtx3090-v0')")
+    con.close()
+    bounds, fams = scrape_bounds(db)
+    assert {k[0] for k in bounds} == {"llama-3.1-8b-h100"} and len(bounds) == 6
+    assert fams["ctx_tuner_store_up"][0].value == 1

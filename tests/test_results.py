@@ -129,3 +129,50 @@ def test_reading_commands_never_import_torch(db, tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+_INTERVAL = ("risk", "max_model_len_safe", "max_model_len_expected", "kv_cache_tokens_low", "kv_cache_tokens_high",
+             "available_kv_cache_bytes_low", "available_kv_cache_bytes_high")
+
+
+def test_proposals_show_the_interval(db):
+    """JSON, CSV and text carry each proposal's risk, both answers and the KV ends as stored (revision 0010)."""
+    stored = {(n, u): dict(zip(_INTERVAL, rest)) for n, u, *rest in _sql(
+        db, f"SELECT d.name, p.gpu_memory_utilization, {', '.join('p.' + c for c in _INTERVAL)} "
+            "FROM proposals p JOIN drops d ON d.id = p.drop_id")}
+    v0 = stored[("llama-3.1-8b-rtx3090-v0", 0.9)]
+    # the V0 example at the safe end (docs/uncertainty.md): 39536 there, 40064 at the expected value
+    assert v0["risk"] == "safe" and v0["max_model_len_safe"] == 39536 and v0["max_model_len_expected"] == 40064
+    assert v0["kv_cache_tokens_low"] == 39536 < v0["kv_cache_tokens_high"]
+    rc, out, err = _cli("results", "--db", db, "--json")
+    assert rc == 0, err
+    got = {(p["drop_name"], p["gpu_memory_utilization"]): {k: p[k] for k in _INTERVAL}
+           for p in json.loads(out)["proposals"]}
+    assert got == stored
+    rc, out, _ = _cli("results", "--db", db, "--csv")
+    rows = {(r["drop_name"], float(r["gpu_memory_utilization"])): r for r in csv.DictReader(io.StringIO(out))}
+    assert {k: rows[("llama-3.1-8b-rtx3090-v0", 0.9)][k] for k in _INTERVAL} == {k: str(v) for k, v in v0.items()}
+    rc, text, _ = _cli("results", "--db", db, "--device", "3090")
+    head = next(x for x in text.splitlines() if x.strip().startswith("drop "))
+    line = next(x for x in text.splitlines() if x.strip().startswith("llama-3.1-8b-rtx3090-v0"))
+    assert head.split()[-6:] == ["risk", "safe", "expected", "KV", "tokens", "low-high"]
+    assert line.split()[-4:] == ["safe", "39536", "40064", f"39536-{v0['kv_cache_tokens_high']}"]
+
+
+def test_proposals_stored_before_the_interval_show_blanks(db, tmp_path):
+    import shutil
+
+    old = tmp_path / "old.sqlite"
+    shutil.copy(db, old)
+    con = sqlite3.connect(old)
+    with con:
+        con.execute(f"UPDATE proposals SET {', '.join(c + ' = NULL' for c in _INTERVAL)}")
+    con.close()
+    rc, out, _ = _cli("results", "--db", str(old), "--json", "--device", "3090")
+    [p] = json.loads(out)["proposals"]
+    assert rc == 0 and p["max_model_len"] == 39536 and all(p[k] is None for k in _INTERVAL)
+    rc, out, _ = _cli("results", "--db", str(old), "--csv")
+    assert all(r[k] == "" for r in csv.DictReader(io.StringIO(out)) for k in _INTERVAL)
+    rc, text, _ = _cli("results", "--db", str(old), "--device", "3090")
+    line = next(x for x in text.splitlines() if x.strip().startswith("llama-3.1-8b-rtx3090-v0"))
+    assert rc == 0 and line.split()[-4:] == ["-", "-", "-", "-"]

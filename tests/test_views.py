@@ -147,6 +147,47 @@ def pg_profiled():
     eng.dispose()
     drop()
 
+INTERVAL = ("risk", "max_model_len_safe", "max_model_len_expected", "kv_cache_tokens_low", "kv_cache_tokens_high",
+            "available_kv_cache_bytes_low", "available_kv_cache_bytes_high")
+
+
+def test_latest_proposals_carry_the_interval(con):
+    """Migration 0014: the view shows each proposal's risk, both answers and the KV ends as stored."""
+    cols = ", ".join(INTERVAL)
+    view = con.execute(f"SELECT drop_name, gpu_memory_utilization, {cols} FROM latest_proposals "
+                       "ORDER BY drop_name, gpu_memory_utilization").fetchall()
+    raw = con.execute(f"SELECT d.name, p.gpu_memory_utilization, {', '.join('p.' + c for c in INTERVAL)} "
+                      "FROM proposals p JOIN drops d ON d.id = p.drop_id ORDER BY d.name, p.gpu_memory_utilization")
+    assert [tuple(r) for r in view] == [tuple(r) for r in raw.fetchall()]
+    v0 = dict(view[-1])
+    assert v0["drop_name"] == "llama-3.1-8b-rtx3090-v0" and v0["risk"] == "safe"
+    assert (v0["max_model_len_safe"], v0["max_model_len_expected"]) == (39536, 40064)  # docs/uncertainty.md
+    assert v0["kv_cache_tokens_low"] <= 40064 <= v0["kv_cache_tokens_high"]  # the expected value's KV tokens
+    assert v0["available_kv_cache_bytes_low"] < v0["available_kv_cache_bytes_high"]
+
+
+def test_downgrade_to_0010_restores_the_views_without_the_interval(tmp_path):
+    url = f"sqlite:///{tmp_path / 'v.sqlite'}"
+    open_store(url).close()
+
+    def view_columns():
+        c = sqlite3.connect(tmp_path / "v.sqlite")
+        try:
+            return {v: {r[1] for r in c.execute(f"PRAGMA table_info({v})")}
+                    for v in ("latest_proposals", "fleet_latest_proposals", "fleet_by_device")}
+        finally:
+            c.close()
+
+    after = view_columns()
+    assert set(INTERVAL) <= after["latest_proposals"]
+    assert {"risk", "max_model_len_safe", "max_model_len_expected"} <= after["fleet_latest_proposals"]
+    command.downgrade(alembic_config(url), "0010")
+    before = view_columns()
+    assert not set(INTERVAL) & (before["latest_proposals"] | before["fleet_latest_proposals"])
+    assert before["fleet_by_device"] == after["fleet_by_device"] and "max_max_model_len" in before["fleet_by_device"]
+    open_store(url).close()
+    assert view_columns() == after
+
 
 @pytest.mark.parametrize("i", range(7))
 def test_readme_query_runs_on_postgresql(pg_profiled, con, i):
@@ -162,8 +203,8 @@ def test_readme_query_runs_on_postgresql(pg_profiled, con, i):
 
 
 def test_views_agree_between_sqlite_and_postgresql(pg_profiled, con):
-    sql = ("SELECT drop_name, gpu_memory_utilization, max_model_len, kv_cache_tokens FROM latest_proposals "
-           "ORDER BY drop_name, gpu_memory_utilization")
+    sql = (f"SELECT drop_name, gpu_memory_utilization, max_model_len, kv_cache_tokens, {', '.join(INTERVAL)} "
+           "FROM latest_proposals ORDER BY drop_name, gpu_memory_utilization")
     with pg_profiled.connect() as c:
         assert [tuple(r) for r in c.exec_driver_sql(sql)] == [tuple(r) for r in con.execute(sql).fetchall()]
     sql = "SELECT measured_run_id, num_gpu_blocks_residual, kv_cache_tokens_residual FROM measured_vs_simulated"

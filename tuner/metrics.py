@@ -9,6 +9,10 @@ so the metrics are rebuildable from the store and survive restarts:
 - ``ctx_tuner_proposal_max_model_len{drop,gpu_memory_utilization}``, ``…_kv_cache_tokens``,
   ``…_num_gpu_blocks``: the latest proposal per active drop and utilization (view
   ``latest_proposals``; a proposal where nothing starts has ``max_model_len`` 0);
+- ``ctx_tuner_proposal_max_model_len_bound{drop,gpu_memory_utilization,bound}``: the latest
+  proposal's two answers (revision 0010, :mod:`tuner.uncertainty`): ``bound="safe"`` the largest
+  max_model_len that starts at the interval's safe end, ``bound="expected"`` at the expected value
+  (0: nothing starts there; absent for proposals stored without an interval);
 - ``ctx_tuner_kv_residual_bytes{model,device,method}``: measured − predicted available KV bytes of
   the newest measured or imported run per model and device kind (view ``measured_vs_simulated``;
   negative = ctx-tuner promised more than the engine had);
@@ -81,6 +85,18 @@ def _seconds(start: Any, end: Any) -> float | None:
     return max(0.0, (b - a).total_seconds())
 
 
+def _bounds(conn, mine: str, arg: dict) -> list:
+    """(drop_name, gpu_memory_utilization, risk, max_model_len_safe, max_model_len_expected) of the
+    latest proposals; [] on a view without the interval columns (a store before revision 0014)."""
+    import sqlalchemy as sa
+
+    cols = {c["name"] for c in sa.inspect(conn).get_columns("latest_proposals")}
+    if "max_model_len_safe" not in cols:
+        return []
+    return conn.execute(sa.text("SELECT drop_name, gpu_memory_utilization, risk, max_model_len_safe, "
+                                f"max_model_len_expected FROM latest_proposals WHERE {mine}"), arg).all()
+
+
 class StoreCollector:
     """A ``prometheus_client`` collector whose families are queried from the store per scrape.
     ``connect`` returns a SQLAlchemy connection context (``store.engine.connect``). ``owner``
@@ -114,6 +130,7 @@ class StoreCollector:
                 props = conn.execute(sa.text("SELECT drop_name, gpu_memory_utilization, max_model_len, "
                                              f"kv_cache_tokens, num_gpu_blocks FROM latest_proposals WHERE {mine}"),
                                      arg).all()
+                bounds = _bounds(conn, mine, arg)
                 from tuner.failures import failed_drops
 
                 failed = failed_drops(conn, owner)
@@ -150,6 +167,16 @@ class StoreCollector:
             for fam, value in zip(fams, values):
                 fam.add_metric(labels, int(value or 0))
         yield from fams
+        bound = GaugeMetricFamily("ctx_tuner_proposal_max_model_len_bound", "Latest proposal's largest max_model_len "
+                                  "that starts at the interval's safe end (bound=safe) or the expected value "
+                                  "(bound=expected); 0: nothing starts there",
+                                  labels=["drop", "gpu_memory_utilization", "bound"])
+        for name, u, risk, safe, expected in bounds:
+            if risk is None:  # stored before the interval (revision 0010): no bounds to report
+                continue
+            for label, value in (("safe", safe), ("expected", expected)):
+                bound.add_metric([str(name), f"{u:g}", label], int(value or 0))
+        yield bound
         bad = GaugeMetricFamily("ctx_tuner_drop_failed", "1 per failed drop (kind: drop = invalid input, run = given "
                                 "up after its attempts); reasons: ctx-tuner status --failed",
                                 labels=["drop", "kind", "error_type"])

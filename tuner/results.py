@@ -4,6 +4,10 @@ Reads the tables (not the views, so a store at any revision works) through SQLAl
 read-only connection (SQLite ``mode=ro``, read-only PostgreSQL sessions). Bytes stay ints here;
 GiB appear only in :func:`render`. In a fleet (revision 0007) the latest drop is per drop name *and*
 owner, and each proposal names its ``host_id`` (null for drops stored by ``profile``).
+
+Each proposal carries its interval (revision 0010, :mod:`tuner.uncertainty`): the ``risk`` it was
+taken at, both answers (``max_model_len_safe``, ``max_model_len_expected``) and the KV tokens and
+bytes at the interval's low (safe) and high ends; null (``-`` in the text) for older rows.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from tuner.store import (DEFAULT_PATH, Store, candidates_table, drops_table, hos
 GiB = 1 << 30
 MEASURED_METHODS = ("cuda", "vllm", "import")
 
+#: A proposal's interval (revision 0010; null for older rows): the risk, both answers, the KV ends.
+INTERVAL_COLUMNS = ("risk", "max_model_len_safe", "max_model_len_expected", "kv_cache_tokens_low",
+                    "kv_cache_tokens_high", "available_kv_cache_bytes_low", "available_kv_cache_bytes_high")
 #: CSV/JSON columns per table (``--table``).
 PROPOSAL_COLUMNS = ("drop_id", "drop_name", "host_id", "model", "device_name", "engine_version",
                     "gpu_memory_utilization", "max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
-                    "vllm_args", "reason", "created_at")
+                    "vllm_args", "reason", "created_at", *INTERVAL_COLUMNS)
 RUN_COLUMNS = ("id", "drop_id", "method", "status", "model", "device_name", "engine_version", "era", "dtype",
                "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_num_batched_tokens",
                "max_num_seqs", "num_sampled_rows", "gpu_memory_utilization", "max_model_len",
@@ -156,6 +163,16 @@ def _gib(n: Any) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
+def _opt(n: Any) -> str:
+    return "-" if n is None else str(n)
+
+
+def _span(p: dict) -> str:
+    """The KV tokens at the interval's low-high ends (``-`` where not stored)."""
+    lo, hi = p.get("kv_cache_tokens_low"), p.get("kv_cache_tokens_high")
+    return "-" if lo is None and hi is None else f"{_opt(lo)}-{_opt(hi)}"
+
+
 def render(doc: dict) -> str:
     """Text report: proposals, fit surfaces (non-monotone ones marked), runs."""
     lines = ["latest proposals (largest max_model_len that starts):"]
@@ -163,7 +180,8 @@ def render(doc: dict) -> str:
         lines.append("  (none)")
     # a device list's joined names ("H100-80GB | A100-40GB") widen the column instead of running into vLLM's
     dw = max([12] + [len(str(p["device_name"])) for p in doc["proposals"]])
-    head = f"  {'drop':<28} {'device':<{dw}} {'vLLM':<7} {'gmu':>5} {'max_model_len':>13} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}"
+    head = (f"  {'drop':<28} {'device':<{dw}} {'vLLM':<7} {'gmu':>5} {'max_model_len':>13} {'blocks':>8} "
+            f"{'KV tokens':>10} {'conc.':>7}  {'risk':<8} {'safe':>7} {'expected':>8} {'KV tokens low-high':>18}")
     if doc["proposals"]:
         lines.append(head)
     for p in doc["proposals"]:
@@ -172,7 +190,9 @@ def render(doc: dict) -> str:
         name = p["drop_name"] + (f"@{p['host_id']}" if p.get("host_id") else "")
         lines.append(f"  {name:<28} {p['device_name']:<{dw}} {p['engine_version']:<7} "
                      f"{gmu_text(u):>5} {mml:>13} {p['num_gpu_blocks'] or '-':>8} "
-                     f"{p['kv_cache_tokens'] or '-':>10} {p['max_concurrency'] or 0:>7.2f}")
+                     f"{p['kv_cache_tokens'] or '-':>10} {p['max_concurrency'] or 0:>7.2f}  "
+                     f"{p.get('risk') or '-':<8} {_opt(p.get('max_model_len_safe')):>7} "
+                     f"{_opt(p.get('max_model_len_expected')):>8} {_span(p):>18}")
     lines += ["", "fit surfaces (max_model_len:fits at each gpu_memory_utilization):"]
     if not doc["surfaces"]:
         lines.append("  (none)")

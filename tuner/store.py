@@ -18,7 +18,8 @@ Tables (a public interface — users write SQL against them):
 Views for readers (migration 0004, SQL in ``migrations/versions/0004_views.py``, not declared
 here so metadata comparisons see tables only): ``latest_proposals``, ``run_breakdown_gib``,
 ``candidate_breakdown_gib``, ``fit_surface``, ``measured_vs_simulated``; revision 0007 makes
-``latest_proposals`` per owner and adds ``fleet_latest_proposals`` and ``fleet_by_device``.
+``latest_proposals`` per owner and adds ``fleet_latest_proposals`` and ``fleet_by_device``;
+revision 0014 adds the proposals' interval (risk, both answers, KV ends) to the first two.
 
 Conventions: byte columns are integers (BigInteger) and end in ``_bytes``; times are UTC
 ISO-8601 text, ``YYYY-MM-DDTHH:MM:SS.ffffffZ`` (fixed width, so text order is time order);
