@@ -255,9 +255,11 @@ def test_plot_model_drew_concurrency_lines_from_the_searchs_sparse_points(tmp_pa
     capsys.readouterr()
     assert main(["plot", "--model", "Qwen2.5", "--db", str(db), "-o", str(tmp_path / "f.png"), "--json"]) == 0
     series = json.loads(capsys.readouterr().out)["series"]
-    assert series["qwen-l4: proposals (>= 2.3 requests)"] == [[0.85, 29392.0]]
+    # the stored proposal is the interval's safe end (constraints.risk safe, issue 27); 29392 expected
+    assert series["qwen-l4: proposals (>= 2.3 requests)"] == [[0.85, 28304.0]]
     assert series["qwen-l4: largest max_model_len, >= 1 full-length request"] == [[0.85, 32768.0]]
-    assert series["qwen-l4: largest max_model_len, >= 4 full-length requests"] == [[0.85, 16896.0]]
+    # searched again at the safe end too (16896 = 4226 // 4 blocks x 16 at the expected value)
+    assert series["qwen-l4: largest max_model_len, >= 4 full-length requests"] == [[0.85, 16272.0]]
     assert "qwen-l4: grid, >= 4 requests" not in series
     assert [m for _, m in series["simulated grid point: starts, below min_concurrency"]] == [
         29408.0, 29424.0, 29456.0, 29712.0, 30736.0]

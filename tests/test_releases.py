@@ -247,7 +247,9 @@ def test_rtx3090_drop_without_engine_version_was_0_19s_44064(tmp_path, monkeypat
     (prop,) = doc["proposals"]
     # 36288 with the PIECEWISE-only graph count; 37312 since the FULL decode graphs are counted apart
     # (0.71 GiB of graphs on the 3090, issue 28 #2)
-    assert prop["max_model_len"] == 37312 and prop["max_model_len"] != 44064
+    assert prop["max_model_len_expected"] == 37312 and prop["max_model_len"] != 44064
+    # the proposal is the safe end, and the release assumed widens the interval (issue 27)
+    assert prop["risk"] == "safe" and prop["max_model_len"] == prop["max_model_len_safe"] < 37312
     row = sqlite3.connect(db).execute("select engine_version, release_assumed from drops").fetchone()
     assert row[0] == "0.34.0" and json.loads(row[1])["value"] == "0.34.0"
 
@@ -311,3 +313,21 @@ def test_extensible_margin_floor_is_3_gib_on_rocm():
     rocm = extensible_kv_budget(era_for("0.34.0"), **kw, platform="rocm")
     assert (cuda.margin_bytes, rocm.margin_bytes) == (GiB, 3 * GiB)
     assert cuda.available_kv_cache_bytes - rocm.available_kv_cache_bytes == 2 * GiB
+
+
+def test_check_did_not_widen_the_interval_for_the_release_it_assumed():
+    """The failure (a new user's check): `check --engine-version 0.35.0` (and a check without
+    --engine-version) said "release assumed" but answered STARTS with the interval of a stated 0.34.0
+    (KV 5.45-5.80 GiB), where the same question as a drop widened it by the release band and did not
+    start at the safe end. The drop check builds now carries the release it assumed."""
+    from tests.conftest import REPO
+    from tuner.check import run_check
+
+    line = ["vllm", "serve", str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+            "--max-model-len", "40000"]
+    stated = run_check(line, device="RTX-3090", engine_version="0.34.0", variants=False)
+    newer = run_check(line, device="RTX-3090", engine_version="0.35.0", variants=False)
+    assert stated.exit_code == 0
+    assert newer.exit_code == 4
+    assert newer.doc["release_assumed"]["kind"] == "newer_release"
+    assert sum(w.count("release assumed") for w in newer.doc["warnings"]) == 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 
-from tuner.drop import _FIELDS_BY_NAME
+from tuner.drop import _FIELDS_BY_NAME, Drop
 from tuner.errors import DropError, EraError
 from tuner.serve_args import AUTO, ServeParser
 from tuner.vllm_args import (ArgsInputError, NotModelled, build_drop, equivalent_drop, parse_line,
@@ -60,6 +60,17 @@ class CheckResult:
         if self.doc.get("verdict") == "uncertain":
             return EXIT_UNCERTAIN
         return EXIT_STARTS if self.starts else EXIT_DOES_NOT_START
+
+
+def _with_release(drop: Drop, release_assumed: dict | None) -> Drop:
+    """The drop with the release check assumed (none given, or one newer than the modelled ones):
+    the job widens the interval for it (the ``release`` band) as it does for a drop without
+    ``engine_version``."""
+    if not release_assumed:
+        return drop
+    import dataclasses
+
+    return dataclasses.replace(drop, release_assumed=dict(release_assumed))
 
 
 def default_engine_version() -> tuple[str | None, str]:
@@ -156,7 +167,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
         d["other_processes_memory_gib"] = other_processes_memory_gib
     label = label or config_file or "vllm serve"
-    drop = build_drop(sa, d, label=label)
+    drop = _with_release(build_drop(sa, d, label=label), release_assumed)
     from tuner.explain import prepare
 
     job = prepare(None, nvml=nvml, drop=drop)
@@ -169,7 +180,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     u = drop.candidates.gpu_memory_utilization[0]
     if "max_model_len" not in d["candidates"]:
         d["candidates"].update(max_model_len=[m])
-        drop = build_drop(sa, d, label=label)
+        drop = _with_release(build_drop(sa, d, label=label), release_assumed)
     # the store's pass memo is read, never written: a check leaves no trace in the store it reads
     from tuner.explain import _default_worker
     from tuner.memoanswer import memo_worker
@@ -286,7 +297,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "read": sa.to_dict(),
         "not_modelled": [n.to_dict() for n in unmodelled],
         "drop": {k: v for k, v in d.items()},
-        "warnings": warnings + list(doc.get("warnings") or []) + list(sa.notes),
+        "warnings": list(dict.fromkeys(warnings + list(doc.get("warnings") or []) + list(sa.notes))),
         "assumptions": list(doc.get("assumptions") or []),
         "store": {"path": os.path.abspath(store_used) if store_used else None, "read": "pass memo" if store_used else None,
                   "written": False},
