@@ -354,3 +354,48 @@ spec:
     assert ws[0].argv == ["vllm", "serve", "m/x", "--max-model-len", "1024"]
     assert ws[3].argv == ["vllm", "serve", "m/y", "--port", "8000", "--tensor-parallel-size", "2",
                           "--max-model-len", "2048"]
+
+
+def _manifest(tmp_path, *, image: str, product: str, max_len: str) -> str:
+    text = (FIX / "k8s-deployment.yaml").read_text()
+    text = text.replace("vllm/vllm-openai:v0.19.0", image).replace("NVIDIA-H100-80GB-HBM3", product)
+    text = text.replace('value: "131072"', f'value: "{max_len}"').replace('"0.25"', '"0.9"')
+    p = tmp_path / "dep.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_image_tag_release_was_ignored_and_the_verdict_flipped(tmp_path):
+    """The failure (a new user's Deployment): `image: vllm/vllm-openai:v0.19.0` on an RTX 3090 at
+    44400 tokens was checked as 0.34.0 (the newest modelled release, STARTS, exit 0) unless
+    --engine-version was given. The image's tag names the release it runs."""
+    path = _manifest(tmp_path, image="vllm/vllm-openai:v0.19.0", product="NVIDIA-GeForce-RTX-3090", max_len="44400")
+    rc, out, err = _cli("check", "--json", "--no-variants", "--models-dir", MODELS, path)
+    doc = json.loads(out)
+    [w] = doc["workloads"]
+    assert w["check"]["engine_version"] == "0.19.0" and w["check"]["release_assumed"] is None
+    assert any("the release the image vllm/vllm-openai:v0.19.0 is tagged with" in n for n in w["check"]["warnings"])
+    same = run_check(["vllm", "serve", str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+                      "--max-model-len", "44400", "--gpu-memory-utilization", "0.9"],
+                     device="RTX-3090", engine_version="0.19.0", variants=False)
+    assert rc == same.exit_code != 0
+    # --engine-version wins over the tag
+    rc, out, _ = _cli("check", "--json", "--no-variants", "--models-dir", MODELS, "--engine-version", "0.32.0", path)
+    assert json.loads(out)["workloads"][0]["check"]["engine_version"] == "0.32.0"
+
+
+def test_unknown_gpu_product_was_checked_on_another_card(tmp_path):
+    """The failure: a manifest pinning a GPU product the catalog does not know was checked on
+    whatever --device named (an H100 for an RTX 4000 Ada: STARTS, exit 0). Only a card stated with its
+    memory (--device NAME:GIB) stands in for it; otherwise it is invalid input naming the product."""
+    path = _manifest(tmp_path, image="vllm/vllm-openai:v0.19.0", product="NVIDIA-RTX-4000-Ada-Generation",
+                     max_len="8192")
+    rc, out, err = _cli("check", "--device", "H100-80GB", "--no-variants", "--models-dir", MODELS, path)
+    assert rc == 2
+    assert "NVIDIA-RTX-4000-Ada-Generation' names no catalog card" in out + err
+    assert "--device H100-80GB names another card" in out + err
+    rc, out, err = _cli("check", "--json", "--device", "RTX 4000 Ada:19.6", "--no-variants", "--models-dir", MODELS,
+                        path)
+    doc = json.loads(out)
+    assert doc["workloads"][0]["check"]["device"]["total_memory_bytes"] == round(19.6 * 2**30)
+    assert rc in (0, 3, 4)

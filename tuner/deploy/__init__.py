@@ -64,6 +64,8 @@ class Workload:
     ignored: list[dict] = field(default_factory=list)
     #: the format reader that found it (``k8s``, ``helm``, ``kserve``, ``llm-d``, ``compose``, ``vllm-config``)
     format: str = ""
+    #: the container image (``vllm/vllm-openai:v0.19.0``; None = not said): its tag names the release
+    image: str | None = None
 
     @property
     def where(self) -> str:
@@ -72,7 +74,8 @@ class Workload:
     def to_dict(self) -> dict:
         return {"file": self.file, "path": self.path, "where": self.where, "format": self.format, "kind": self.kind,
                 "argv": list(self.argv), "config_file": self.config_file, "env": dict(self.env), "gpus": self.gpus,
-                "gpu_product": self.gpu_product, "notes": list(self.notes), "ignored": list(self.ignored)}
+                "gpu_product": self.gpu_product, "notes": list(self.notes), "ignored": list(self.ignored),
+                "image": self.image}
 
 
 def load_documents(path: str) -> list[Any]:

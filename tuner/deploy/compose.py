@@ -170,5 +170,6 @@ def workloads(doc: Mapping[str, Any], file: str, *, environ: Mapping[str, str] |
             notes.append(f"${{{var}}} is not set (environment or .env): compose uses an empty string")
         field = "command" if svc.get("command") else "entrypoint"
         out.append(Workload(file=file, path=f"services.{name}.{field}", argv=argv, kind="compose service", env=env,
-                            gpus=_gpus(svc), notes=notes, format="compose"))
+                            gpus=_gpus(svc), notes=notes, format="compose",
+                            image=str(svc["image"]) if svc.get("image") else None))
     return out

@@ -158,7 +158,8 @@ def pod_workloads(pod_spec: Any, *, file: str, prefix: str, kind: str, maps: dic
         field = "args" if c.get("args") else "command" if c.get("command") else "image"
         out.append(Workload(file=file, path=f"{where}.{field}", argv=argv, kind=kind, env=env,
                             gpus=gpu_count(c.get("resources")) if gpu_count(c.get("resources")) is not None
-                            else gpus_default, gpu_product=product, config_file=cfg, notes=notes, format=fmt))
+                            else gpus_default, gpu_product=product, config_file=cfg, notes=notes, format=fmt,
+                            image=str(c["image"]) if c.get("image") else None))
     return out
 
 

@@ -16,8 +16,9 @@ job failed) > 0 (starts).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tuner.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS, EXIT_UNCERTAIN
 from tuner.deploy import Workload
@@ -62,16 +63,38 @@ def workload_device(w: Workload, device: Any) -> tuple[Any, list[str]]:
     if w.gpu_product:
         known = devices.lookup(w.gpu_product)
         if known is None:
-            if device is None:
+            if not isinstance(device, Mapping):
+                # a verdict on another card would be wrong: only a card stated with its memory
+                # (--device NAME:GIB) stands in for a product the catalog does not know
                 raise DeviceError(f"the manifest's GPU product {w.gpu_product!r} names no catalog card "
-                                  f"({devices.unknown_message(w.gpu_product)}); give --device", where=w.where)
-            return device, [f"GPU product {w.gpu_product!r} from the manifest names no catalog card: checked on "
-                            f"--device {device}"]
+                                  f"({devices.unknown_message(w.gpu_product)}); state that card with its memory: "
+                                  "--device NAME:GIB" + (f" (--device {device} names another card)"
+                                                         if device not in (None, "auto") else ""), where=w.where)
+            return device, [f"GPU product {w.gpu_product!r} from the manifest names no catalog card: checked as "
+                            f"--device {device.get('name')} states it"]
         note = f"device {known.name}: the manifest's GPU product {w.gpu_product!r}"
         if device is not None and device != "auto":
             note += f" (it wins over --device {device})"
         return known.name, [note]
     return device, []
+
+
+#: A vLLM image tag that names a release: ``v0.19.0``, ``0.10.1.1``, ``v0.11.0-cu128`` (vllm/vllm-openai,
+#: vllm-cpu, the llm-d and KServe vLLM images tag their releases so); ``latest``, ``nightly`` and
+#: digests name none.
+_RELEASE_TAG = re.compile(r"^v?(\d+\.\d+\.\d+(?:\.\d+)?)(?:$|[-+_.](?!\d))")
+
+
+def image_release(image: str | None) -> str | None:
+    """The vLLM release a vLLM image's tag names (``vllm/vllm-openai:v0.19.0`` -> ``0.19.0``), else None."""
+    from tuner.deploy.commandline import is_vllm_image
+
+    if not image or not is_vllm_image(image):
+        return None
+    name = str(image).split("@")[0]
+    tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else ""
+    m = _RELEASE_TAG.match(tag)
+    return m.group(1) if m else None
 
 
 def gpu_count_refusal(w: Workload, values: dict, ignored: Sequence[dict] = ()) -> str | None:
@@ -107,6 +130,10 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
     run = run or run_check
     try:
         dev, notes = workload_device(w, device)
+        release = image_release(w.image)
+        if release and kw.get("engine_version") is None:  # the image names the release it runs
+            kw = {**kw, "engine_version": release}
+            notes.append(f"vLLM {release}: the release the image {w.image} is tagged with (--engine-version wins)")
         env_nm, env_ignored = env_not_modelled(w.env, source=w.where)
         res = run(list(w.argv), config_file=w.config_file, device=dev, extra_not_modelled=env_nm, label=w.where,
                   notes=list(w.notes) + notes, **kw)
