@@ -135,3 +135,24 @@ def test_interval_meets_its_targets_on_the_shared_cases(shared_rows):
     # mechanism no other family shows is unsafe there (4.4 % of the rows on the 2026-12-06 cases)
     cv = fit.cross_validate(shared_rows)
     assert cv["coverage_pct"] >= 90.0 and cv["unsafe_pct"] <= 5.0
+
+
+def test_check_suggested_a_length_it_calls_uncertain():
+    """The failure (a new user's check): at risk safe (the default) `check` suggested
+    `--max-model-len 45504` for a Llama-3.1-8B line on an RTX 3090 (0.34.0) that does not start, and
+    checking 45504 answered UNCERTAIN (exit 4): the suggestion was the expected value's. It is the
+    interval's safe end now, which checks as STARTS; --risk expected keeps the expected value's."""
+    from tests.conftest import REPO
+    from tuner.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    res = run_check(["vllm", "serve", model, "--max-model-len", "131072"], device="RTX-3090", engine_version="0.34.0")
+    [length] = [n for n in res.doc["nearest"] if n["setting"] == "max_model_len"]
+    assert length["risk"] == "safe" and length["value"] < length["max_model_len_expected"]
+    again = run_check(["vllm", "serve", model, "--max-model-len", str(length["value"])], device="RTX-3090",
+                      engine_version="0.34.0", variants=False)
+    assert again.exit_code == 0
+    expected = run_check(["vllm", "serve", model, "--max-model-len", "131072"], device="RTX-3090",
+                         engine_version="0.34.0", risk="expected")
+    [length_e] = [n for n in expected.doc["nearest"] if n["setting"] == "max_model_len"]
+    assert length_e["value"] == length["max_model_len_expected"]

@@ -255,7 +255,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                         "sizing it from the memory profile and ignores gpu_memory_utilization")
     # With --kv-cache-memory-bytes vLLM ignores gpu_memory_utilization: echo it only where the line has it.
     u_echo = {} if kv_bytes is not None and "gpu_memory_utilization" not in values else {"gpu_memory_utilization": u}
-    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo})
+    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo},
+                                                 risk=risk)
     if kv_bytes is not None:
         nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
     checked_values = {**values, **u_echo, "max_model_len": picked if picked is not None else m}
@@ -343,16 +344,25 @@ def uncertain_detail(e: dict, iv: dict, *, model: str, values: dict) -> dict:
     return {"terms": terms, "starts_for_sure": sure}
 
 
-def nearest_settings(e: dict, *, model: str, values: dict) -> list[dict]:
+def nearest_settings(e: dict, *, model: str, values: dict, risk: str = "expected") -> list[dict]:
     """The settings closest to the checked line that start (from ``explain``'s remedies), each
-    with the setting changed and the full ``vllm serve`` line."""
+    with the setting changed and the full ``vllm serve`` line. With ``risk`` safe the largest
+    ``max_model_len`` is the interval's safe end (a length that starts only at the expected value
+    would itself be "uncertain"), the expected one named beside it."""
     rem = e.get("remedies") or {}
     out: list[dict] = []
     from tuner.protocol import point_of
 
     largest = rem.get("largest_max_model_len") or {}
     longest = point_of(largest).max_model_len
-    if longest:
+    safe = largest.get("max_model_len_safe")
+    if longest and risk == "safe" and safe and int(safe) < int(longest):
+        v = {**values, "max_model_len": int(safe)}
+        out.append({"change": f"--max-model-len {safe}", "setting": "max_model_len", "value": int(safe),
+                    "risk": "safe", "max_model_len_expected": int(longest),
+                    "note": f"the interval's safe end; {longest} at the expected value",
+                    "command": serve_line(model, v)})
+    elif longest:
         v = {**values, "max_model_len": int(longest)}
         out.append({"change": f"--max-model-len {longest}", "setting": "max_model_len",
                     "value": int(longest), "num_gpu_blocks": largest.get("num_gpu_blocks"),
@@ -523,7 +533,8 @@ def render(res: CheckResult) -> str:
     if d["nearest"]:
         lines += ["", "nearest settings that start:"]
         for s in d["nearest"]:
-            extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else ""
+            extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else \
+                f" ({s['note']})" if s.get("note") else ""
             lines.append(f"  {s['change']}{extra}:")
             lines.append(f"      {s['command']}")
     if d.get("not_helping"):

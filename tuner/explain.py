@@ -741,7 +741,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         if proposal is not None:
             rem["largest_max_model_len"] = {k: proposal.get(k) for k in
                                             ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
-                                             "risk", "max_model_len_expected")}
+                                             "risk", "max_model_len_expected", "max_model_len_safe")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
         elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
