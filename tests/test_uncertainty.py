@@ -156,3 +156,20 @@ def test_check_suggested_a_length_it_calls_uncertain():
                          engine_version="0.34.0", risk="expected")
     [length_e] = [n for n in expected.doc["nearest"] if n["setting"] == "max_model_len"]
     assert length_e["value"] == length["max_model_len_expected"]
+
+
+def test_explain_exited_0_where_its_interval_said_the_safe_end_does_not_start(tmp_path):
+    """The failure: `explain` headed a point "starts" and exited 0 while its own interval said "at the
+    safe end it does NOT start", where `check` answers 4 (uncertain). Llama-3.1-8B on an RTX 3090,
+    0.34.0, gmu 0.9: 37000 tokens start at the expected value (36288 at the safe end)."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    drop = tmp_path / "l.yaml"
+    drop.write_text(f"name: l\nmodel: {REPO / 'configs' / 'models' / 'meta-llama--Llama-3.1-8B-Instruct'}\n"
+                    "device: RTX-3090\nengine_version: '0.34.0'\ncandidates: {gpu_memory_utilization: [0.9]}\n")
+    db = "sqlite:///" + str(tmp_path / "e.sqlite")
+    rc, out, _ = run_cli("explain", str(drop), "--db", db, "--no-variants", "-m", "37000")
+    assert rc == 4 and "at the safe end it does NOT start" in out
+    rc, _, _ = run_cli("explain", str(drop), "--db", db, "--no-variants", "-m", "30000")
+    assert rc == 0

@@ -13,7 +13,7 @@ import sys
 
 from tuner.errors import TunerError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DOES_NOT_START = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DOES_NOT_START, EXIT_UNCERTAIN = 0, 1, 2, 3, 4
 NAME = "explain"
 
 
@@ -62,7 +62,7 @@ def progress_printer(args):
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="explain the KV-cache budget of one point step by step, and what would make it "
-                                       "fit (exit 0 starts, 3 does not)")
+                                       "fit (exit 0 starts, 3 does not, 4 uncertain: starts at the expected value, not at the safe end)")
     p.add_argument("drop", nargs="?", help="path to a drop YAML file (or use --run)")
     p.add_argument("--run", type=int, metavar="ID", help="explain a stored profile run (profile_runs.id) without re-running")
     p.add_argument("--gpu-memory-utilization", "-u", type=_gmu, metavar="U",
@@ -114,4 +114,9 @@ def run(args) -> int:
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     # vLLM's verdict, as check's exit code: "starts, but fewer than min_concurrency" still starts
     starts = all(e.get("starts", e.get("fits")) for e in doc["explanations"])
-    return EXIT_OK if starts else EXIT_DOES_NOT_START
+    if not starts:
+        return EXIT_DOES_NOT_START
+    # as check at risk safe: a point that starts at the expected value but not at the interval's
+    # safe end is uncertain (exit 4, docs/uncertainty.md)
+    unsure = any((e.get("interval") or {}).get("starts_low") is False for e in doc["explanations"])
+    return EXIT_UNCERTAIN if unsure else EXIT_OK
