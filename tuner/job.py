@@ -557,17 +557,25 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
-    from tuner.engine.crosscheck import term_sources
+    def run_sources(*, before_passes: bool) -> dict:
+        """Which source gave each term. Before the passes run (for the uncertainty context) a trace
+        the engine will attempt counts as traced; after them, what really happened does."""
+        from tuner.engine.crosscheck import term_sources
 
-    sources = term_sources(plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
-                           engine_weights=bool(engine_use and engine_use.weights),
-                           approximate_activation=bool(engine_use and engine_use.approximate_activation),
-                           traced_activation=bool(engine_use and engine_use.traced),
-                           approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
-                           calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-                           engine_defaults=bool(passes.engine_batch) or bool(
-                               engine_use and engine_use.report.get("releases_match")
-                               and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+        traced = bool(engine_use and (engine_use.traced or (before_passes and engine_use.trace_activation
+                                                            and engine_use.session is not None)))
+        return term_sources(
+            plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
+            engine_weights=bool(engine_use and engine_use.weights),
+            approximate_activation=bool(engine_use and engine_use.approximate_activation),
+            traced_activation=traced,
+            approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
+            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
+            engine_defaults=bool(passes.engine_batch) or bool(
+                engine_use and engine_use.report.get("releases_match")
+                and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+
+    sources = run_sources(before_passes=True)
     context = uncertainty_context(req, device, era, sources, kv, warnings, assumptions)
     layout = dataclasses.replace(layout, uncertainty=context)
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
@@ -588,6 +596,8 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings.extend(req.warnings)  # what the worker saw before the job (a calibration lookup that failed)
     if pass_memo is not None:
         versions = {**(pass_memo.versions or {}), "python": platform.python_version()}
+    if engine_use is not None:  # what the passes really did (a trace that ran, or its fallback)
+        sources = run_sources(before_passes=False)
     out = job_result(
         method=method, calibration=calibration, layout=layout, measured=measured, model=model, warnings=warnings,
         uncertainty=context,
