@@ -399,3 +399,26 @@ def test_unknown_gpu_product_was_checked_on_another_card(tmp_path):
     doc = json.loads(out)
     assert doc["workloads"][0]["check"]["device"]["total_memory_bytes"] == round(19.6 * 2**30)
     assert rc in (0, 3, 4)
+
+
+def test_modelled_env_in_a_manifest_was_refused_as_not_modelled(tmp_path):
+    """The failure: a container env the rules read (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, which
+    decides whether vLLM 0.18+ takes the CUDA-graph estimate off the budget) was "not modelled" in a
+    deploy file (exit 2) though a drop's `env` models it. It reaches the drop now: 0 leaves the
+    0.84 GiB of Llama-3.1-8B's graphs in the cache (28714 blocks), 1 takes them off."""
+    blocks = {}
+    for value in ("0", "1"):
+        p = tmp_path / f"pod{value}.yaml"
+        p.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: llama}\nspec:\n"
+                     "  nodeSelector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}\n  containers:\n"
+                     "    - name: vllm\n      image: vllm/vllm-openai:v0.32.0\n"
+                     "      args: [meta-llama/Llama-3.1-8B-Instruct, --max-model-len, '32768']\n"
+                     f"      env: [{{name: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, value: '{value}'}}]\n"
+                     "      resources: {limits: {nvidia.com/gpu: '1'}}\n")
+        rc, out, err = _cli("check", "--json", "--no-variants", "--models-dir", MODELS, str(p))
+        assert rc == 0, err
+        check = json.loads(out)["workloads"][0]["check"]
+        assert not any("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS" in str(n) for n in check["not_modelled"])
+        blocks[value] = (check["numbers"]["num_gpu_blocks"], check["numbers"]["cuda_graph_bytes"])
+    assert blocks["0"][0] == 28714 and blocks["0"][1] == 0
+    assert blocks["1"][0] < 28714 and blocks["1"][1] > 0

@@ -122,6 +122,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               worker: Callable[..., dict] | None = None, timeout_s: float = 600.0, variants: bool = True,
               allow_unmodelled: bool = False, cwd: str | None = None, nvml: Any = None,
               progress: Callable[[str], None] | None = None, extra_not_modelled: Sequence[NotModelled] = (),
+              env: dict | None = None,
               models_dir: str | None = None, label: str | None = None,
               notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
               strict_release: bool = False, risk: str = "safe") -> CheckResult:
@@ -164,6 +165,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled,
                                     extra_not_modelled=extra_not_modelled, model=local)
+    if env:  # the environment variables the rules read (a deploy file's container env)
+        d["env"] = {**(d.get("env") or {}), **env}
     if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
         d["other_processes_memory_gib"] = other_processes_memory_gib
     label = label or config_file or "vllm serve"

@@ -118,11 +118,27 @@ def env_not_modelled(env: Mapping[str, Any], *, source: str) -> tuple[list[NotMo
                 ignored.append({"flag": f"env {name}", "value": value, "source": source,
                                 "as_written": f"{name}={value}", "note": "no effect on start-up memory"})
             continue
+        if name in _modelled_env_names():  # read by the rules through the drop's env (modelled_env)
+            continue
         if name.startswith("VLLM_"):
             out.append(NotModelled(f"env {name}", value, "a vLLM environment variable (vllm/envs.py) ctx-tuner "
                                                          "does not model; it may change start-up memory",
                                    source, f"{name}={value}"))
     return out, ignored
+
+
+def _modelled_env_names() -> tuple[str, ...]:
+    from tuner.drop import MODELLED_ENV
+
+    return MODELLED_ENV
+
+
+def modelled_env(env: Mapping[str, Any]) -> dict[str, str]:
+    """The variables of a container's environment the rules read (:data:`tuner.drop.MODELLED_ENV`:
+    the sampler path, the CUDA-graph estimate, the pipeline layer split, the model runner), for the
+    drop's ``env``."""
+    names = _modelled_env_names()
+    return {k: str(v) for k, v in env.items() if k in names}
 
 
 def from_settings(settings: Mapping[str, Any], *, model: str, source: str) -> ServeArgs:

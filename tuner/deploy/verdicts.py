@@ -125,7 +125,7 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
     from tuner.check import run_check
     from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
     from tuner.serve_args import ServeArgsError
-    from tuner.vllm_args import ArgsInputError, env_not_modelled
+    from tuner.vllm_args import ArgsInputError, env_not_modelled, modelled_env
 
     run = run or run_check
     try:
@@ -135,8 +135,9 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
             kw = {**kw, "engine_version": release}
             notes.append(f"vLLM {release}: the release the image {w.image} is tagged with (--engine-version wins)")
         env_nm, env_ignored = env_not_modelled(w.env, source=w.where)
+        env = modelled_env(w.env)
         res = run(list(w.argv), config_file=w.config_file, device=dev, extra_not_modelled=env_nm, label=w.where,
-                  notes=list(w.notes) + notes, **kw)
+                  notes=list(w.notes) + notes, **({"env": env} if env else {}), **kw)
     except (ServeArgsError, ArgsInputError, DropError, DeviceError, EraError, ModelConfigError) as exc:
         return WorkloadVerdict(w, EXIT_INVALID, error=str(exc), error_type=type(exc).__name__, notes=list(w.notes))
     except TunerError as exc:
