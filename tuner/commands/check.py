@@ -289,6 +289,7 @@ def _fail(args, kind: str, exc: Exception) -> None:
 
 def _device_form_hint(exc: Exception) -> None:
     """A device error's advice is a drop's mapping form; on check's command line it is NAME:GIB."""
-    if "total_memory_gib: ...}" in (getattr(exc, "message", None) or str(exc)):
+    text = getattr(exc, "message", None) or str(exc)
+    if "total_memory_gib: ...}" in text and "did you mean" not in text:  # a near miss is named already
         print("ctx-tuner check: on the command line a card with its total is --device NAME:GIB "
               "(e.g. --device 'H100 40GB:39.5'), not a {name, total_memory_gib} mapping", file=sys.stderr)
