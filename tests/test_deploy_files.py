@@ -422,3 +422,17 @@ def test_modelled_env_in_a_manifest_was_refused_as_not_modelled(tmp_path):
         blocks[value] = (check["numbers"]["num_gpu_blocks"], check["numbers"]["cuda_graph_bytes"])
     assert blocks["0"][0] == 28714 and blocks["0"][1] == 0
     assert blocks["1"][0] < 28714 and blocks["1"][1] > 0
+
+
+def test_options_after_a_deploy_file_were_read_as_vllm_flags(monkeypatch):
+    """The failure (a new user, following docs/deploy-files.md's synopsis `check FILE … [--device D]`):
+    `check k8s-deployment.yaml --device H100-80GB` answered "unrecognized arguments: --device H100-80GB
+    (vLLM refuses flags it does not know…)", exit 2; with --deploy-files the option and its value were
+    read as file names. Options after the files are check's own."""
+    monkeypatch.chdir(FIX)
+    rc, out, err = _cli("check", "k8s-deployment.yaml", "--device", "H100-80GB", "--engine-version", "0.19.0",
+                        "--no-variants", "--models-dir", MODELS)
+    assert rc == 3 and out.rstrip().endswith("1 workload(s): 1 do not start; exit 3"), err
+    rc, out, err = _cli("check", "--deploy-files", "k8s-deployment.yaml", "--device", "H100-80GB", "--engine-version",
+                        "0.19.0", "--no-variants", "--models-dir", MODELS, "compose/docker-compose.yaml")
+    assert rc == 3 and out.rstrip().endswith("2 workload(s): 2 do not start; exit 3"), err

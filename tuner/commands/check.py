@@ -128,6 +128,8 @@ def run(args) -> int:
     dashed = bool(argv) and argv[0] == "--"
     if dashed:
         argv = argv[1:]
+    else:
+        argv = _options_after_files(args, argv)
     deploy = _deploy_files(args, argv, dashed)
     if isinstance(deploy, int):
         return deploy
@@ -179,6 +181,28 @@ def run(args) -> int:
     else:
         print(render(res))
     return res.exit_code
+
+
+def _options_after_files(args, argv: list[str]) -> list[str]:
+    """``check FILE … [--device D] …``: options after deploy files are check's own (the synopsis of
+    docs/deploy-files.md), not a serve line's. argparse's remainder took them with the files; they are
+    parsed into ``args`` here and the files returned. A serve line (``vllm serve …``) is left as is."""
+    import os
+
+    files = []
+    for a in argv:
+        if a.startswith("-"):
+            break
+        files.append(a)
+    rest = argv[len(files):]
+    deploy_like = files and (args.deploy_files or all(
+        f.lower().endswith((".yaml", ".yml")) and os.path.isfile(f) for f in files))
+    if not rest or not deploy_like:
+        return argv
+    parser = argparse.ArgumentParser(prog="ctx-tuner")
+    add_parser(parser.add_subparsers(dest="command")).parse_args(rest, namespace=args)
+    more = [a for a in (args.serve or []) if a != "--"]
+    return files + _options_after_files(args, more) if more else files
 
 
 def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
