@@ -516,7 +516,11 @@ def render(res: CheckResult) -> str:
         lines.append(f"  a KV budget of {n['available_kv_cache_bytes']:,} bytes holds no block "
                      f"({n['kv_block_bytes']:,} bytes per block of {n['block_size']} tokens)")
     elif n.get("kv_block_bytes"):
-        lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block = "
+        whole = n["available_kv_cache_bytes"] // n["kv_block_bytes"]
+        granules = (" less what whole 2 MiB granules per layer segment leave out (0.34 extensible KV cache, "
+                    "blocks_within)" if n.get("num_gpu_blocks") is not None and n["num_gpu_blocks"] < whole
+                    and n.get("extensible_withheld_bytes") is not None else "")
+        lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block{granules} = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
     iv = d.get("interval")
     if iv and d.get("verdict") != "uncertain":
