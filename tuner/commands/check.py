@@ -168,7 +168,7 @@ def run(args) -> int:
         return EXIT_INVALID
     except (DropError, DeviceError, EraError, ModelConfigError) as exc:
         _fail(args, "invalid input", exc)
-        if isinstance(exc, DeviceError) and args.device is None:  # the default, auto, found no GPU here
+        if isinstance(exc, DeviceError) and args.device in (None, "auto"):  # the default, auto, found no GPU here
             print("ctx-tuner check: without --device the GPU is read from this host (auto); name it where there "
                   "is none: --device H100-80GB (a catalog name) or --device NAME:GIB", file=sys.stderr)
         _device_form_hint(exc)
