@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 
 from tuner.drop import _FIELDS_BY_NAME, Drop
+from tuner.modelspec import derived_max  # noqa: F401 - check's derived maximum (one definition)
 from tuner.errors import DropError, EraError
 from tuner.serve_args import AUTO, ServeParser
 from tuner.vllm_args import (ArgsInputError, NotModelled, build_drop, equivalent_drop, parse_line,
@@ -96,18 +97,6 @@ def models_dir_config(model: str | None, models_dir: str | None) -> str | None:
         return None
     p = os.path.join(models_dir, model.replace("/", "--"))
     return os.path.abspath(p) if os.path.isfile(os.path.join(p, "config.json")) else None
-
-
-def derived_max(config_path: str, hf_overrides: dict | None = None) -> tuple[int, str]:
-    """vLLM's derived ``max_model_len`` of a config (text config of a multimodal wrapper), with
-    ``--hf-overrides`` applied first as vLLM applies them (a RoPE scaling override raises it)."""
-    from tuner.modelspec import overrides_applied, read_top
-    from tuner.search import derived_max_model_len
-
-    top = read_top(config_path)
-    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
-    text = overrides_applied(text, hf_overrides)
-    return derived_max_model_len(text, model_type=str(text.get("model_type") or top.get("model_type") or ""))
 
 
 def serve_line(model: str, values: dict[str, Any]) -> str:

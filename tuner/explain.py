@@ -928,7 +928,7 @@ def _wanted_length(job: PreparedJob, base: dict) -> int:
     if d.candidates.max_model_len:
         return int(max(d.candidates.max_model_len))
     try:
-        from tuner.check import derived_max
+        from tuner.modelspec import derived_max
 
         m = int(derived_max(job.config_path, d.hf_overrides)[0])
     except (TunerError, OSError, ValueError, TypeError, KeyError):

@@ -690,3 +690,14 @@ def read_architectures(config_path: str | os.PathLike) -> tuple[str, ...]:
             of strings (names the file and the field).
     """
     return _architectures(read_top(config_path), str(config_path))
+
+
+def derived_max(config_path: str, hf_overrides: dict | None = None) -> tuple[int, str]:
+    """vLLM's derived ``max_model_len`` of a config (text config of a multimodal wrapper), with
+    ``--hf-overrides`` applied first as vLLM applies them (a RoPE scaling override raises it)."""
+    from tuner.search import derived_max_model_len
+
+    top = read_top(config_path)
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    text = overrides_applied(text, hf_overrides)
+    return derived_max_model_len(text, model_type=str(text.get("model_type") or top.get("model_type") or ""))

@@ -130,10 +130,10 @@ def config_path_for(case: dict, models_dir: str | Path) -> Path:
 
 
 def derived_max_model_len(config_path: str | Path, hf_overrides: dict | None = None) -> int:
-    """The ``max_model_len`` vLLM derives when none is given (:func:`tuner.check.derived_max`:
+    """The ``max_model_len`` vLLM derives when none is given (:func:`tuner.modelspec.derived_max`:
     :func:`tuner.search.derived_max_model_len` over the text config with the case's
     ``hf_overrides`` applied, so a RoPE scaling override raises it)."""
-    from tuner.check import derived_max
+    from tuner.modelspec import derived_max
 
     return derived_max(str(config_path), hf_overrides)[0]
 

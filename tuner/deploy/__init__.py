@@ -7,7 +7,7 @@ One entry function, :func:`read_deploy_file`: a file (any of the formats below) 
 the built-in one otherwise, so the later argument wins as vLLM parses it), its environment, the
 GPUs the manifest gives it and the GPU product it asks for. One module per format:
 
-- :mod:`tuner.deploy.k8s`: Kubernetes Deployment / StatefulSet / DaemonSet / ReplicaSet / Pod /
+- :mod:`tuner.deploy.manifests` (each resource to its reader), :mod:`tuner.deploy.k8s`: Kubernetes Deployment / StatefulSet / DaemonSet / ReplicaSet / Pod /
   Job / CronJob / LeaderWorkerSet, ``kind: List``, multi-document YAML and ``helm template`` output;
 - :mod:`tuner.deploy.helm`: vLLM production-stack Helm values (``servingEngineSpec.modelSpec[]``);
 - :mod:`tuner.deploy.kserve`: KServe ``LLMInferenceService``, ``ServingRuntime`` /
@@ -214,9 +214,9 @@ def read_deploy_file(path: str, *, environ: dict[str, str] | None = None) -> lis
     docs = load_documents(path)
     fmt = detect_format(docs)
     if fmt == "k8s":
-        from tuner.deploy import k8s
+        from tuner.deploy import manifests
 
-        found = k8s.workloads(docs, path)
+        found = manifests.workloads(docs, path)
     elif fmt == "helm":
         from tuner.deploy import helm
 

@@ -9,7 +9,8 @@ Pod templates are found where each kind keeps them (Kubernetes API reference): `
 ``requests``) ``nvidia.com/gpu`` / ``amd.com/gpu``; the GPU product: the pod's ``nodeSelector`` or
 required node affinity on ``nvidia.com/gpu.product`` (GPU feature discovery's label) or
 ``cloud.google.com/gke-accelerator``. A ``--config FILE`` whose file a ConfigMap of the same file
-holds (by key) is read from that ConfigMap. KServe and llm-d resources go to their own modules.
+holds (by key) is read from that ConfigMap. KServe and llm-d resources go to their own modules;
+:mod:`tuner.deploy.manifests` sends each resource of a file to its reader.
 """
 
 from __future__ import annotations
@@ -160,36 +161,4 @@ def pod_workloads(pod_spec: Any, *, file: str, prefix: str, kind: str, maps: dic
                             gpus=gpu_count(c.get("resources")) if gpu_count(c.get("resources")) is not None
                             else gpus_default, gpu_product=product, config_file=cfg, notes=notes, format=fmt,
                             image=str(c["image"]) if c.get("image") else None))
-    return out
-
-
-def workloads(docs: list[Any], file: str) -> list[Workload]:
-    """Every vLLM workload of a file's Kubernetes documents, in order."""
-    maps = config_maps(docs)
-    flat: list[Any] = []
-    for d in docs:  # kind: List (kubectl get -o yaml) holds its resources under items
-        if isinstance(d, Mapping) and d.get("kind") == "List" and isinstance(d.get("items"), list):
-            flat += [x for x in d["items"] if isinstance(x, Mapping)]
-        else:
-            flat.append(d)
-    out: list[Workload] = []
-    for d in flat:
-        kind = str(d.get("kind"))
-        name = str(_get(d, "metadata", "name") or "?")
-        prefix = f"{kind}/{name}"
-        if kind in KSERVE_KINDS:
-            from tuner.deploy import kserve
-
-            out += kserve.resource_workloads(d, flat, file=file, maps=maps)
-        elif kind in LLMD_KINDS:
-            from tuner.deploy import llmd
-
-            out += llmd.resource_workloads(d, file=file)
-        elif kind in POD_PATHS:
-            out += pod_workloads(_get(d, *POD_PATHS[kind]), file=file, prefix=prefix, kind=kind, maps=maps)
-        elif kind == "LeaderWorkerSet":
-            lwt = _get(d, "spec", "leaderWorkerTemplate") or {}
-            for part in ("leaderTemplate", "workerTemplate"):
-                out += pod_workloads(_get(lwt, part, "spec"), file=file, prefix=f"{prefix}:{part}", kind=kind,
-                                     maps=maps)
     return out
