@@ -8,6 +8,7 @@ files): the worst, 3 before 2 before 1 before 0 (:mod:`tuner.deploy.verdicts`)."
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import json
 import sys
 
@@ -139,20 +140,12 @@ def run(args) -> int:
         print("ctx-tuner check: give the vllm command line after -- (ctx-tuner check -- vllm serve MODEL …) "
               "or --config vllm.yaml", file=sys.stderr)
         return EXIT_INVALID
-    try:
-        python = _python(args)
-    except TunerError as exc:
-        _fail(args, "invalid input", exc)
-        return EXIT_INVALID
+    python_kw = _worker_python(args)
+    if isinstance(python_kw, int):
+        return python_kw
+    python, kw = python_kw
     from tuner.vllm_serve_parser import VllmParserUnavailable, make_parser
 
-    kw = {}
-    if python is not None:
-        import functools
-
-        from tuner.worker import run_in_worker
-
-        kw["worker"] = functools.partial(run_in_worker, python=python)
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
@@ -181,6 +174,27 @@ def run(args) -> int:
     else:
         print(render(res))
     return res.exit_code
+
+
+def _worker_python(args) -> tuple[Any, dict] | int:
+    """The worker Python (``--worker-python`` / ``--settings``) and the ``run_check`` keyword that
+    runs jobs in it, or exit 2 for an invalid choice (printed)."""
+    from tuner.check import EXIT_INVALID
+    from tuner.errors import TunerError
+
+    try:
+        python = _python(args)
+    except TunerError as exc:
+        _fail(args, "invalid input", exc)
+        return EXIT_INVALID
+    kw: dict = {}
+    if python is not None:
+        import functools
+
+        from tuner.worker import run_in_worker
+
+        kw["worker"] = functools.partial(run_in_worker, python=python)
+    return python, kw
 
 
 def _options_after_files(args, argv: list[str]) -> list[str]:
@@ -245,18 +259,10 @@ def _run_deploy(args, files: list[str]) -> int:
     from tuner.errors import TunerError
     from tuner.vllm_serve_parser import make_parser
 
-    try:
-        python = _python(args)
-    except TunerError as exc:
-        _fail(args, "invalid input", exc)
-        return EXIT_INVALID
-    kw = {}
-    if python is not None:
-        import functools
-
-        from tuner.worker import run_in_worker
-
-        kw["worker"] = functools.partial(run_in_worker, python=python)
+    python_kw = _worker_python(args)
+    if isinstance(python_kw, int):
+        return python_kw
+    python, kw = python_kw
     skipped: list = []
     verdicts, code = check_files(files, device=args.device, engine_version=args.engine_version,
                                  skip_non_vllm=args.skip_non_vllm, skipped=skipped,
