@@ -98,7 +98,7 @@ NEW_PACKAGES = sorted({new.split(".")[0] for new in MOVES.values()})
 
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".ini", ".cfg", ".yaml", ".yml", ".txt", ".service", ".sh",
                  ".json", ".mako", ".j2", ""}
-SKIP = ("tools/relayout.py", "docs/accuracy/", "tuner/data/")
+SKIP = ("tools/relayout.py", "docs/accuracy/", "docs/api/", "tuner/data/")
 
 
 def _submodules(package: str) -> set[str]:
@@ -114,8 +114,8 @@ def _dotted_pattern(old: str) -> re.Pattern[str]:
         # tuner.OLD import name`` where attr/name is none of the new package's modules, and ``import
         # tuner.OLD`` alone; a bare ``tuner.OLD`` is the package (left alone)
         subs = "|".join(sorted(_submodules(old)))
-        return re.compile(rf"(?<![\w.])tuner\.{re.escape(old)}(?=\.(?!(?:{subs})\b)[A-Za-z_]| import (?!(?:{subs})\b)"
-                          rf"[A-Za-z_(]|[ \t]*$|[ \t]+as[ \t])", re.M)
+        return re.compile(rf"(?:(?<![\w.])tuner\.{re.escape(old)}(?=\.(?!(?:{subs})\b)[A-Za-z_]| import (?!(?:{subs})\b)"
+                          rf"[A-Za-z_(])|(?<=^import )tuner\.{re.escape(old)}(?=[ \t]*$|[ \t]+as[ \t]))", re.M)
     return re.compile(rf"(?<![\w.])tuner\.{re.escape(old)}(?![\w])")
 
 
