@@ -152,3 +152,25 @@ def test_sample_copies_in_the_docs_are_the_readmes():
                 copies += 1
                 assert out == readme[cmd], (name, cmd)
     assert copies == 3  # profile (getting-started), check (check), explain (explain)
+
+
+@pytest.mark.slow
+def test_readme_check_sample_lacked_the_interval_line_and_had_a_stale_tp2_figure(monkeypatch, capsys):
+    """The README's ``check`` sample had no ``interval:`` line and said ``--tensor-parallel-size 2
+    (159360 KV tokens)`` where ``check`` prints 186880 (as ``explain`` does); it is now the command's
+    real output, line for line (the ``store:`` line depends on whether ./var holds a store)."""
+    from tuner.cli import main
+
+    command = ("ctx-tuner check --device RTX-3090 --engine-version 0.6.4 -- vllm serve "
+               "configs/models/meta-llama--Llama-3.1-8B-Instruct --max-model-len 29000 "
+               "--gpu-memory-utilization 0.9 --port 8000")
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
+    monkeypatch.delenv("CTX_TUNER_WORKER_PYTHON", raising=False)
+    assert main(command.split()[1:]) == 3
+    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
+    sample = _samples(page("README.md"))[command].replace("/src/ctx-tuner", str(REPO)).splitlines()
+    assert sample[-2:] == ["$ echo $?", "3"]
+    keep = [i for i, ln in enumerate(sample[:-2]) if not ln.startswith(("store: ", "parser: "))]
+    assert [out[i] for i in keep] == [sample[i] for i in keep] and len(out) == len(sample) - 2
+    assert "  --tensor-parallel-size 2 (186880 KV tokens):" in out
