@@ -6,8 +6,8 @@ import tomllib
 
 from tests._docs import page
 from tests.conftest import REPO
-from tuner.drop import DROP_FIELDS
-from tuner.plugin import builtin_entry_points, load_registry
+from tuner.question.drop import DROP_FIELDS
+from tuner.model.plugin import builtin_entry_points, load_registry
 
 
 def test_every_drop_field_is_in_the_readme():
