@@ -109,11 +109,14 @@ def _submodules(package: str) -> set[str]:
 def _dotted_pattern(old: str) -> re.Pattern[str]:
     # tuner.OLD not followed by more identifier; when OLD is now a package, not followed by one of
     # its new submodules (idempotence).
-    tail = ""
     if old in NEW_PACKAGES:
+        # now a package's name too: only old uses are rewritten — ``tuner.OLD.attr`` and ``from
+        # tuner.OLD import name`` where attr/name is none of the new package's modules, and ``import
+        # tuner.OLD`` alone; a bare ``tuner.OLD`` is the package (left alone)
         subs = "|".join(sorted(_submodules(old)))
-        tail = rf"(?!\.(?:{subs})\b)(?! import (?:{subs})\b)"
-    return re.compile(rf"(?<![\w.])tuner\.{re.escape(old)}(?![\w]){tail}")
+        return re.compile(rf"(?<![\w.])tuner\.{re.escape(old)}(?=\.(?!(?:{subs})\b)[A-Za-z_]| import (?!(?:{subs})\b)"
+                          rf"[A-Za-z_(]|[ \t]*$|[ \t]+as[ \t])", re.M)
+    return re.compile(rf"(?<![\w.])tuner\.{re.escape(old)}(?![\w])")
 
 
 def _path_pattern(old: str) -> tuple[re.Pattern[str], str]:
