@@ -174,3 +174,25 @@ def test_readme_check_sample_lacked_the_interval_line_and_had_a_stale_tp2_figure
     keep = [i for i, ln in enumerate(sample[:-2]) if not ln.startswith(("store: ", "parser: "))]
     assert [out[i] for i in keep] == [sample[i] for i in keep] and len(out) == len(sample) - 2
     assert "  --tensor-parallel-size 2 (186880 KV tokens):" in out
+
+
+#: One API page per package (issue 32): the packages of the relayout.
+API_PACKAGES = ("releases", "memory", "question", "logs", "model", "seam", "engine", "measure", "store", "jobs",
+                "reports", "accuracy", "daemon", "deploy", "commands")
+
+
+@pytest.mark.parametrize("package", API_PACKAGES)
+def test_api_page_renders_every_module_of_its_package(package):
+    """docs/api/PACKAGE.md renders the package's docstring and every module (or sub-package) in it, so
+    a module added later is not left out of the API pages."""
+    text = page(f"api/{package}.md")
+    shown = re.findall(r"^::: (tuner\.[\w.]+)$", text, flags=re.M)
+    d = REPO / "tuner" / package
+    modules = {p.stem for p in d.glob("*.py") if p.stem != "__init__"}
+    modules |= {p.name for p in d.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert shown[0] == f"tuner.{package}" and sorted(shown[1:]) == sorted(f"tuner.{package}.{m}" for m in modules)
+
+
+def test_every_package_has_an_api_page():
+    packages = {p.parent.name for p in (REPO / "tuner").glob("*/__init__.py")} - {"data", "simulate"}
+    assert packages <= set(API_PACKAGES) and (DOCS / "api" / "index.md").is_file()
