@@ -200,7 +200,7 @@ def test_explain_names_the_safety_reserve():
     assert (_step(e, "activation_peak")["bytes"] + 32 * MIB + reserve["bytes"]) == e["activation_peak_bytes"]
     assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
     assert e["available_kv_cache_bytes"] // e["kv_block_bytes"] == e["num_gpu_blocks"] == 29707
-    assert "safety reserve for start-up memory no term explains, see README" in render(doc)
+    assert "safety reserve for start-up memory no term explains, see docs/prediction.md" in render(doc)
 
 
 # -- 5. the vllm serve command names the resolved model directory -----------------------------------

@@ -1,4 +1,4 @@
-"""Daemon settings: the one table, the file loader's typed errors, the README table."""
+"""Daemon settings: the one table, the file loader's typed errors, the docs table (docs/daemon.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_table_declares_every_setting_once_with_default_and_help():
 
 
 def test_readme_renders_the_settings_table():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "daemon.md").read_text()
     assert settings_markdown() in readme
     missing = [s.name for s in SETTINGS if f"`{s.name}`" not in readme]
     assert missing == []

@@ -1,4 +1,4 @@
-"""README "Write a plugin": the example is the source of ``tests/thirdparty_plugin/``, and that
+"""docs/plugins.md "Write a plugin": the example is the source of ``tests/thirdparty_plugin/``, and that
 package, installed by pip as a real distribution, serves a GLM-4 config end to end."""
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ PACKAGE = REPO / "tests" / "thirdparty_plugin"
 
 
 def _readme_section(title: str) -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    from tests._docs import section
+
+    return section("plugins.md", title)
 
 
 def _code_blocks(section: str, lang: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""SQL views (migration 0004) and the README's example queries, on a profiled store."""
+"""SQL views (migration 0004) and the documented example queries (docs/results-sql.md, docs/fleet.md),
+on a profiled store."""
 
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ def con():
 
 
 def _readme_queries() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Results in SQL", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "results-sql.md").read_text()
     return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
 
 
@@ -36,7 +36,7 @@ def test_migration_creates_the_views(con):
 
 
 def test_readme_documents_every_view_and_at_least_five_queries():
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "results-sql.md").read_text() + (REPO / "docs" / "fleet.md").read_text()
     for v in VIEWS:
         assert f"`{v}`" in text
     assert len(_readme_queries()) >= 5
@@ -108,7 +108,7 @@ def test_downgrade_drops_the_views_and_upgrade_restores_them(tmp_path):
     assert set(VIEWS) <= names
 
 
-# -- the same views and README queries on PostgreSQL; the fleet views and queries on both ------------
+# -- the same views and documented queries on PostgreSQL; the fleet views and queries on both ------------
 
 
 def _copy_store(src_url: str, dst_url: str) -> None:
@@ -213,8 +213,9 @@ def test_views_agree_between_sqlite_and_postgresql(pg_profiled, con):
 
 
 def _fleet_queries() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("### Fleet SQL", 1)[1].split("\n### ", 1)[0]
+    from tests._docs import section as doc_section
+
+    section = doc_section("fleet.md", "Fleet SQL")
     return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
 
 

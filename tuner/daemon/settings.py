@@ -1,7 +1,7 @@
 """Daemon settings: one table of (name, default, help), a YAML file, typed errors.
 
 :data:`SETTINGS` declares every key once; it drives validation (:func:`load_settings`), the
-:class:`Settings` defaults and the README's reference table (:func:`settings_markdown`, kept
+:class:`Settings` defaults and the reference table of docs/daemon.md (:func:`settings_markdown`, kept
 complete by a test). A settings file is ``yaml.safe_load``-ed; unknown keys, wrong types and
 out-of-range values raise :class:`~tuner.errors.SettingsError` naming the file and the key.
 
@@ -150,7 +150,7 @@ class Setting:
     check: Callable[[Any], Any]
 
 
-#: Every daemon settings key, declared once. Order = README order.
+#: Every daemon settings key, declared once. Order = the order of docs/daemon.md.
 SETTINGS: tuple[Setting, ...] = (
     Setting("watch_dir", "/etc/ctx-tuner/conf.d",
             "Directory of drops: every `*.yaml` / `*.yml` (any case) below it (subdirectories included; hidden "
@@ -469,7 +469,7 @@ def _check_python(settings: Settings, wp: str | None, name: str) -> None:
 
 
 def settings_markdown() -> str:
-    """The settings reference as a Markdown table (for the README)."""
+    """The settings reference as a Markdown table (for docs/daemon.md)."""
     rows = ["| setting | default | description |", "| --- | --- | --- |"]
     for s in SETTINGS:
         if s.default is None:

@@ -38,8 +38,8 @@ from typing import Any
 from tuner.errors import EngineError
 
 #: Margin added to a traced activation peak per kernel-dependent part met (fraction of the traced
-#: forward peak): a fake kernel does not see a kernel's own workspace. Documented in the README
-#: ("Engine adapter"); 0 for a trace that meets none (a dense decoder: the trace is exact up to
+#: forward peak): a fake kernel does not see a kernel's own workspace. Documented in docs/engine-adapter.md
+#: (the approximate parts); 0 for a trace that meets none (a dense decoder: the trace is exact up to
 #: the kernels' scratch, which the GEMMs and norms of a dense model do not allocate through torch).
 MARGIN_PER_PART = 0.10
 

@@ -30,7 +30,7 @@ lines. Forms recognised (file:line as in the released wheels):
   the cache blocks…", V1 0.9.1+ "Free memory on device … is less than desired GPU memory
   utilization…", "Cannot auto-fit max_model_len…", and "CUDA out of memory".
 - settings: "non-default args: {…}" (0.10+ ``vllm serve``), the engine's "with config: key=value, …"
-  line, and the version from "vLLM API server version V" / "Initializing a[n] [V1] LLM engine (vV)".
+  line, and the version from ``vLLM API server version V`` / ``Initializing a[n] [V1] LLM engine (vV)``.
 
 Values are printed in GiB (early logs say "GB" but divide by 2**30, reference §2.4); they become
 integer bytes with ``round(x * 2**30)``. When a value is printed more than once (one line per

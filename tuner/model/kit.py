@@ -3,7 +3,7 @@
 A model plugin tells ctx-tuner what one rank of a model family holds in memory: its KV cache
 (per-layer KV specs) and a memory-equivalent ``torch.nn.Module`` that the profile pass runs. The
 contract, the helpers and the building blocks below are the same ones the built-in plugins in
-``plugins/`` use; README "Write a plugin" has a complete example, installed and run end to end by
+``plugins/`` use; docs/plugins.md "Write a plugin" has a complete example, installed and run end to end by
 ``tests/test_thirdparty_plugin.py``.
 
 The contract (:mod:`tuner.model.plugin`)

@@ -2,7 +2,7 @@
 
 A drop is parsed with a safe YAML loader hardened against YAML bombs, then validated against
 :data:`DROP_FIELDS`, the one table of every key (dotted name, type, default, help) that also
-drives the README's reference table. Parsing is pure (no network, no torch); the only I/O is
+drives the reference table of docs/drops.md. Parsing is pure (no network, no torch); the only I/O is
 reading the drop file itself (:func:`load_drop`) and, for a named catalog device, reading the
 packaged GPU catalog.
 
@@ -661,7 +661,7 @@ _FORBIDDEN = {
 
 
 def fields_markdown() -> str:
-    """The drop reference as a Markdown table (for the README)."""
+    """The drop reference as a Markdown table (for docs/drops.md)."""
     rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
     for f in DROP_FIELDS:
         default = "**required**" if f.required else ("`null`" if f.default is None else f"`{f.default!r}`"

@@ -589,7 +589,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                                         "keeps them together)"))
     if reserve and not measured:
         steps.append({"name": "safety_reserve", "op": "-", "bytes": reserve,
-                      "text": "safety reserve for start-up memory no term explains, see README"})
+                      "text": "safety reserve for start-up memory no term explains, see docs/prediction.md"})
     nt_text = ("non-torch memory (as the engine logged it)" if measured
                else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
     comm = [] if measured else _communication_steps(era, drop, device, nt - nt_corr)
