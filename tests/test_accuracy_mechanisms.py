@@ -335,3 +335,66 @@ def test_int8_per_token_head_on_gemma4_exited_cannot_unify_page_sizes(shared_dir
                     max_model_len=131072, enforce_eager=True)
     assert row["status"] == "ok", row.get("reason")
     assert row["predicted_num_gpu_blocks"] > 0
+
+
+# --- 8. pipeline parallel: which stage the check and the log use ----------------------------------
+
+def _stage_layers(first: int, n: int, spec) -> dict:
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(first, first + n)}
+
+
+def test_pp_stage_checked_alone_where_0_15_checks_the_whole_model():
+    """vllm/v1/core/kv_cache_utils.py ``get_kv_cache_configs``: 0.14.0 – 0.16.0 check the whole
+    model's KV groups against ``min(available_memory)`` (vLLM issue 34076: Qwen3-30B-A3B, 48 layers of
+    4 KV heads × 128 in bf16, VLLM_PP_LAYER_PARTITION=16,32); 0.13 and 0.17+ check each stage's own
+    layers. One token of 48 layers = 48 · 2 · 4 · 128 · 2 = 98,304 B, so 262,144 tokens need 24 GiB,
+    of which stage 0's 16 layers need 8 GiB."""
+    import pytest
+
+    from tuner import kvcache as kv
+    from tuner.errors import KVCacheError
+
+    spec = kv.FullAttentionSpec(16, 4, 128, 2)
+    # stage 0 (RTX 5070 Ti) 3,414,700,000 B ("3.18 GiB"), stage 1 (RTX 5090 D) 7.26 GiB
+    workers = [(_stage_layers(0, 16, spec), 3_414_700_000), (_stage_layers(16, 32, spec), int(7.26 * GiB))]
+    assert kv.kv_check_scope("0.13.0") == "worker"
+    assert kv.kv_check_scope("0.14.0") == kv.kv_check_scope("0.15.2rc1.dev93+g11a4c9d30") == "global"
+    assert kv.kv_check_scope("0.16.0") == "global" and kv.kv_check_scope("0.17.0") == "worker"
+    # 0.15: 24.0 GiB for all 48 layers against the smallest stage's 3.18 GiB; the estimate is
+    # floor(3,414,700,000 / (98,304 · 16 B per block)) · 16 = 2,171 · 16 = 34,736 tokens (the issue's)
+    with pytest.raises(KVCacheError, match=r"\(24\.0 GiB KV cache is needed.*\(3\.18 GiB\).*length is 34736"):
+        kv.get_kv_cache_configs("0.15.1", workers, max_model_len=262_144)
+    # 0.19: stage 0 alone, 16 layers: 8.0 GiB needed, 3,414,700,000 // 524,288 · 16 = 104,208 tokens
+    with pytest.raises(KVCacheError, match=r"\(8\.0 GiB KV cache is needed.*\(3\.18 GiB\).*length is 104208"):
+        kv.get_kv_cache_configs("0.19.0", workers, max_model_len=262_144)
+    # what fits both: min over stages of blocks (stage 0: 6,513 of 16 · 32 KiB; stage 1: 7,434 of 1 MiB)
+    cfgs = kv.get_kv_cache_configs("0.15.1", workers, max_model_len=32_768)
+    assert [c.num_blocks for c in cfgs] == [6513, 6513]
+    # auto-fit (-1) in 0.15 sizes all 48 layers on 3.18 GiB, in 0.19 each stage's own
+    assert kv.get_kv_cache_configs("0.15.1", workers, max_model_len=262_144, auto_fit=True)[0].max_model_len == 34_736
+    assert kv.get_kv_cache_configs("0.19.0", workers, max_model_len=262_144, auto_fit=True)[0].max_model_len == 104_208
+
+
+def test_pp_log_compared_with_the_limiting_stage_not_the_printing_one():
+    """vllm/v1/worker/gpu_worker.py: 0.11.1 – 0.19.x print "Available KV cache memory" from the
+    node's first local rank only (``scope="local"``: pipeline stage 0); 0.14 – 0.16's refusal names
+    the smallest stage's memory; 0.11.0 and 0.20+ print every worker's (no stage known). The
+    llm-d 0.19 PP4 log prints 69.8 GiB (stage 0's) while its tokens are stage 3's blocks."""
+    from tuner import kvcache as kv
+    from tuner.validate import _logged_stage_candidate
+
+    avail = [5 * GiB, 3 * GiB, 4 * GiB]
+    assert kv.logged_kv_stage("0.19.0", avail, refused=False) == 0
+    assert kv.logged_kv_stage("0.15.1", avail, refused=True) == 1
+    assert kv.logged_kv_stage("0.19.0", avail, refused=True) == 0
+    assert kv.logged_kv_stage("0.11.0", avail, refused=False) is None
+    assert kv.logged_kv_stage("0.20.0", avail, refused=False) is None
+    stages = [{"available_kv_cache_bytes": 3 * GiB, "available_kv_cache_bytes_low": 2 * GiB,
+               "available_kv_cache_bytes_high": 4 * GiB},
+              {"available_kv_cache_bytes": 7 * GiB, "available_kv_cache_bytes_low": 6 * GiB,
+               "available_kv_cache_bytes_high": 8 * GiB}]
+    c = {"available_kv_cache_bytes": 7 * GiB, "available_kv_cache_bytes_low": 6 * GiB,
+         "available_kv_cache_bytes_high": 8 * GiB, "limiting_stage": 1, "stages": stages}
+    got = _logged_stage_candidate(c, "0.15.2rc1.dev93+g11a4c9d30", refused=True)
+    assert (got["available_kv_cache_bytes"], got["available_kv_cache_bytes_low"]) == (3 * GiB, 2 * GiB)
+    assert _logged_stage_candidate(c, "0.20.0", refused=False) is c

@@ -205,7 +205,7 @@ class Candidate:
     #: Each stage's own terms and blocks before the minimum (PP > 1 only; dicts, bytes):
     #: ``pp_rank``, ``device_name``, ``total_memory_bytes``, ``requested_memory_bytes``,
     #: ``weights_bytes``, ``activation_peak_bytes``, ``non_torch_bytes``, ``cuda_graph_bytes``,
-    #: ``available_kv_cache_bytes``, ``num_gpu_blocks``.
+    #: ``available_kv_cache_bytes`` (and its ``_low`` / ``_high`` interval ends), ``num_gpu_blocks``.
     stages: tuple = ()
     #: The part of ``activation_peak_bytes`` the drafter's own forward adds above the target's
     #: peak (:func:`tuner.specdecode.drafter_profile_extra_bytes`), bytes.
@@ -415,6 +415,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     if starts and conc < min_concurrency:
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
     interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
+    stage_ends = interval.pop("stage_kv_ends")
     b = budgets[worst]
     ca, cn, cg = corrs[worst]
     stages = ()
@@ -430,6 +431,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                         "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
                         "cuda_graph_bytes": int(x.cuda_graph_bytes),
                         "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
+                        "available_kv_cache_bytes_low": stage_ends[i][0],
+                        "available_kv_cache_bytes_high": stage_ends[i][1],
                         "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
                        for i, x in enumerate(budgets))
     return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
@@ -474,6 +477,8 @@ def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[in
                     f"fits_{end}": bool(starts and conc >= min_concurrency)})
         if end == "low":
             out["bands"] = tuple(b.to_dict() for b in per_stage[worst])
+    # each stage's own KV bytes at both ends (a log may print another stage's figure than the limiting one)
+    out["stage_kv_ends"] = tuple((int(e[0]), int(e[1])) for e in ends)
     return out
 
 
