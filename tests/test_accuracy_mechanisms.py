@@ -398,3 +398,25 @@ def test_pp_log_compared_with_the_limiting_stage_not_the_printing_one():
     got = _logged_stage_candidate(c, "0.15.2rc1.dev93+g11a4c9d30", refused=True)
     assert (got["available_kv_cache_bytes"], got["available_kv_cache_bytes_low"]) == (3 * GiB, 2 * GiB)
     assert _logged_stage_candidate(c, "0.20.0", refused=False) is c
+
+
+# --- 11. unified memory: host RAM the runner takes after the snapshot -------------------------------
+
+def test_gb10_runner_host_buffers_were_not_counted_as_device_memory():
+    """vllm/utils/mem_utils.py ``MemorySnapshot.measure``: on an integrated GPU (GB10) free memory is
+    ``psutil.virtual_memory().available`` (0.20+ by ``is_integrated``), so the V1 runner's
+    ``InputBatch`` token history built after ``init_device``'s snapshot (vllm/v1/worker/gpu_input_batch.py:
+    int32 ``token_ids_cpu_tensor`` + bool ``is_token_ids_tensor``, ``[max_num_seqs, max_model_len]``) is
+    consumed device memory. vLLM 0.29 on GB10 (default 1024 sequences on a ≥ 70 GiB card), max_model_len
+    196,608 (eugr/spark-vllm-docker issue 396): 5 · 1024 · 196,608 = 1,006,632,960 B; Model Runner V2's
+    pinned ``all_token_ids`` (vllm/v1/worker/gpu/states.py) 4 B per slot-token; nothing on a discrete card."""
+    from tuner.budget import free_memory_from_host, uma_host_buffer_bytes
+
+    e = era_for("0.29.0")
+    assert free_memory_from_host(e, compute_capability="12.1", integrated=True)
+    assert not free_memory_from_host(e, compute_capability="9.0", integrated=False)
+    kw = dict(max_num_seqs=1024, max_model_len=196_608)
+    assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=False, **kw) == 1_006_632_960
+    assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=True, **kw) == 805_306_368
+    assert uma_host_buffer_bytes(e, free_from_host=False, model_runner_v2=False, **kw) == 0
+    assert uma_host_buffer_bytes(era_for("0.34.0"), free_from_host=True, model_runner_v2=True, **kw) == 0

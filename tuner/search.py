@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from tuner import kvcache
-from tuner.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
+from tuner.budget import (co_tenant_non_torch_bytes, uma_host_buffer_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
                           free_memory_refusal, kv_budget, platform_of, startup_baseline_bytes,
                           non_torch_bytes, unexplained_bytes)
 from tuner.eras import V1_CONSUMED, Era, ProfileBatch
@@ -94,6 +94,10 @@ class Layout:
     #: The release runs Model Runner V2 for this model (:func:`tuner.eras.uses_model_runner_v2`):
     #: with async scheduling it keeps pp + 1 batches in flight (:func:`tuner.kvcache.max_in_flight_tokens`).
     model_runner_v2: bool = False
+    #: The release reads free memory from the host on this device (unified memory,
+    #: :func:`tuner.budget.free_memory_from_host`): host RAM the runner takes counts as consumed
+    #: (:func:`tuner.budget.uma_host_buffer_bytes`).
+    free_memory_from_host: bool = False
     #: One :class:`StageCard` per pipeline stage when the stages run on different cards (a drop's
     #: device list); empty = every stage on ``total_memory_bytes`` / ``topology``.
     stage_cards: tuple = ()
@@ -364,7 +368,10 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         drafter_fwds.append(drafter_fwd)
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                               pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
-            + co_tenant_non_torch_bytes(era, layout.other_processes_bytes)
+            + co_tenant_non_torch_bytes(era, layout.other_processes_bytes) \
+            + uma_host_buffer_bytes(era, free_from_host=layout.free_memory_from_host,
+                                    model_runner_v2=layout.model_runner_v2, max_num_seqs=batch.max_num_seqs,
+                                    max_model_len=m)
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
