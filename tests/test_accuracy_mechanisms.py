@@ -420,3 +420,18 @@ def test_gb10_runner_host_buffers_were_not_counted_as_device_memory():
     assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=True, **kw) == 805_306_368
     assert uma_host_buffer_bytes(e, free_from_host=False, model_runner_v2=False, **kw) == 0
     assert uma_host_buffer_bytes(era_for("0.34.0"), free_from_host=True, model_runner_v2=True, **kw) == 0
+
+
+def test_pp_5070ti_5090d_compared_stage1_kv_with_stage0_log(observed_cases, shared_dir):
+    """vLLM issue 34076 (0.15.2 dev, RTX 5070 Ti + RTX 5090 D, VLLM_PP_LAYER_PARTITION=16,32): the
+    refusal checks all 48 layers (24.0 GiB) against the smaller stage's memory and names it (3.18 GiB);
+    the product compared that figure with the 5090 D stage's 7.26 GiB (+128 %, unsafe at the safe
+    end). Now: vLLM's reason, stage 0's bytes, the safe end below the log."""
+    from tuner.validate import predict_cases
+
+    row = predict_cases([observed_cases["vllm-34076-5070ti+5090d-pp2-qwen3-coder-30b-a3b-fp8-262k-fail"]],
+                        shared_dir / "models")[0]
+    assert "(24.0 GiB KV cache is needed" in row["predicted_reason"]
+    assert row["predicted_fits"] is False and row["observed_fits"] is False
+    assert 3.5 < row["predicted_kv_cache_gib"] < 3.8  # stage 0 (16 layers + embedding on 15.47 GiB)
+    assert row["predicted_kv_cache_gib_low"] < 3.18 and row["unsafe_at_safe_end"] is False
