@@ -435,3 +435,22 @@ def test_pp_5070ti_5090d_compared_stage1_kv_with_stage0_log(observed_cases, shar
     assert row["predicted_fits"] is False and row["observed_fits"] is False
     assert 3.5 < row["predicted_kv_cache_gib"] < 3.8  # stage 0 (16 layers + embedding on 15.47 GiB)
     assert row["predicted_kv_cache_gib_low"] < 3.18 and row["unsafe_at_safe_end"] is False
+
+
+def test_pp_worker_label_names_the_printing_stage():
+    """vllm/v1/executor/multiproc_executor.py (0.24 read): a PP worker's process is ``Worker_PP{k}``
+    (``Worker_TP{t}_PP{k}`` with TP): the label on the "Available KV cache memory" line names the stage
+    whose figure the record holds (the llm-d 0.19 PP4 log: "(Worker_PP0 pid=441) … 69.8 GiB")."""
+    from tuner.validate import _logged_stage_candidate, printed_kv_stage
+
+    lines = ["(Worker_PP0 pid=441) INFO 04-22 01:44:15 [v1/worker/gpu_worker.py:436] Available KV cache memory: "
+             "69.80 GiB", "(Worker_TP1_PP2 pid=9) INFO x Available KV cache memory: 3.00 GiB"]
+    assert printed_kv_stage(lines, 69.8) == 0
+    assert printed_kv_stage(lines, 3.0) == 2
+    assert printed_kv_stage(lines, 5.0) is None and printed_kv_stage(["Available KV cache memory: 3.00 GiB"], 3.0) is None
+    stages = [{"available_kv_cache_bytes": i * GiB, "available_kv_cache_bytes_low": i * GiB - 1,
+               "available_kv_cache_bytes_high": i * GiB + 1} for i in (5, 6, 3)]
+    c = {"available_kv_cache_bytes": 3 * GiB, "limiting_stage": 2, "stages": stages}
+    # 0.20+ prints every worker's line: the label decides
+    assert _logged_stage_candidate(c, "0.24.0", refused=False, printed_stage=1)["available_kv_cache_bytes"] == 6 * GiB
+    assert _logged_stage_candidate(c, "0.24.0", refused=False) is c

@@ -368,7 +368,8 @@ def compare(case: dict, result: dict, *, version: str | None = None) -> dict:
     """
     o = case.get("observed") or {}
     c = _logged_stage_candidate(result["candidates"][0], version or case.get("vllm_version"),
-                                refused=bool(o.get("error_message")))
+                                refused=bool(o.get("error_message")),
+                                printed_stage=printed_kv_stage(case.get("raw_lines") or [], o.get("kv_cache_gib")))
     pred_blocks, pred_tokens = c["num_gpu_blocks"], c["kv_cache_tokens"]
     pred_kv = c["available_kv_cache_bytes"]
     block = int(result.get("block_size") or 16)
@@ -426,19 +427,42 @@ def compare(case: dict, result: dict, *, version: str | None = None) -> dict:
     }
 
 
-def _logged_stage_candidate(c: dict, version: str | None, *, refused: bool) -> dict:
+_PP_WORKER = re.compile(r"^\s*\([^)]*Worker[^)]*?_PP(\d+)\b")
+_AVAILABLE_KV = re.compile(r"Available KV cache memory:\s*(-?\d+(?:\.\d+)?)\s*GiB")
+
+
+def printed_kv_stage(lines: list, kv_cache_gib: float | None) -> int | None:
+    """The pipeline stage a case's "Available KV cache memory" line names through its worker label
+    (vllm/v1/executor/multiproc_executor.py / ray_utils.py name PP workers ``Worker_PP{k}`` or
+    ``Worker_TP{t}_PP{k}``), for the line that printed the case's ``kv_cache_gib``; None otherwise."""
+    if kv_cache_gib is None:
+        return None
+    for line in lines:
+        if not isinstance(line, str):
+            continue
+        m, v = _PP_WORKER.match(line), _AVAILABLE_KV.search(line)
+        if m and v and abs(float(v.group(1)) - float(kv_cache_gib)) < 0.006:
+            return int(m.group(1))
+    return None
+
+
+def _logged_stage_candidate(c: dict, version: str | None, *, refused: bool, printed_stage: int | None = None) -> dict:
     """The candidate with its KV bytes (and interval ends) those of the pipeline stage whose figure
-    the release prints (:func:`tuner.kvcache.logged_kv_stage`); unchanged with one stage, an
-    unknown release, or a release that does not say which stage prints."""
+    the log prints: the stage its worker label names (``printed_stage``), else the release's rule
+    (:func:`tuner.kvcache.logged_kv_stage`); unchanged with one stage, an unknown release, or a
+    release that does not say which stage prints."""
     stages = c.get("stages") or []
-    if len(stages) < 2 or not version:
+    if len(stages) < 2:
         return c
     from tuner import kvcache
 
-    try:
-        i = kvcache.logged_kv_stage(version, [int(s["available_kv_cache_bytes"]) for s in stages], refused=refused)
-    except TunerError:
-        return c
+    i = printed_stage if printed_stage is not None and 0 <= printed_stage < len(stages) else None
+    if i is None and version:
+        try:
+            i = kvcache.logged_kv_stage(version, [int(s["available_kv_cache_bytes"]) for s in stages],
+                                        refused=refused)
+        except TunerError:
+            return c
     if i is None or i == c.get("limiting_stage"):
         return c
     st = stages[i]
