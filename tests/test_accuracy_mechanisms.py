@@ -408,15 +408,17 @@ def test_gb10_runner_host_buffers_were_not_counted_as_device_memory():
     ``InputBatch`` token history built after ``init_device``'s snapshot (vllm/v1/worker/gpu_input_batch.py:
     int32 ``token_ids_cpu_tensor`` + bool ``is_token_ids_tensor``, ``[max_num_seqs, max_model_len]``) is
     consumed device memory. vLLM 0.29 on GB10 (default 1024 sequences on a ≥ 70 GiB card), max_model_len
-    196,608 (eugr/spark-vllm-docker issue 396): 5 · 1024 · 196,608 = 1,006,632,960 B; Model Runner V2's
-    pinned ``all_token_ids`` (vllm/v1/worker/gpu/states.py) 4 B per slot-token; nothing on a discrete card."""
+    196,608 (eugr/spark-vllm-docker issue 396): 5 · 1024 · 196,608 = 1,006,632,960 B, plus the block
+    table's pinned host twin (vllm/v1/worker/block_table.py) 4 · 1024 · 12,288 = 50,331,648 B; Model
+    Runner V2's pinned ``all_token_ids`` (vllm/v1/worker/gpu/states.py) 4 B per slot-token; nothing on
+    a discrete card."""
     from tuner.budget import free_memory_from_host, uma_host_buffer_bytes
 
     e = era_for("0.29.0")
     assert free_memory_from_host(e, compute_capability="12.1", integrated=True)
     assert not free_memory_from_host(e, compute_capability="9.0", integrated=False)
     kw = dict(max_num_seqs=1024, max_model_len=196_608)
-    assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=False, **kw) == 1_006_632_960
+    assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=False, **kw) == 1_056_964_608
     assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=True, **kw) == 805_306_368
     assert uma_host_buffer_bytes(e, free_from_host=False, model_runner_v2=False, **kw) == 0
     assert uma_host_buffer_bytes(era_for("0.34.0"), free_from_host=True, model_runner_v2=True, **kw) == 0

@@ -371,7 +371,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
             + co_tenant_non_torch_bytes(era, layout.other_processes_bytes) \
             + uma_host_buffer_bytes(era, free_from_host=layout.free_memory_from_host,
                                     model_runner_v2=layout.model_runner_v2, max_num_seqs=batch.max_num_seqs,
-                                    max_model_len=m)
+                                    max_model_len=m, block_size=layout.block_size)
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
