@@ -356,16 +356,20 @@ def _pct(pred: float | None, obs: float | None) -> float | None:
     return round((pred - obs) / abs(obs) * 100.0, 3)
 
 
-def compare(case: dict, result: dict) -> dict:
+def compare(case: dict, result: dict, *, version: str | None = None) -> dict:
     """One report row: the case's observation beside the job's single candidate.
 
     ``error_pct`` is measured on ``num_gpu_blocks`` when the log printed them, else on the KV
     cache GiB, else on the KV tokens. ``unsafe``: the prediction promises more KV than the engine
     had by more than one block (tokens when the log printed them, else bytes, allowing the
-    ±0.005 GiB rounding of the printed GiB).
+    ±0.005 GiB rounding of the printed GiB). With pipeline stages, the KV GiB compared is the
+    stage whose figure the release prints (:func:`tuner.memory.kvcache.logged_kv_stage`, ``version`` the
+    case's release; the case's own ``vllm_version`` when not given), else the limiting stage's.
     """
     o = case.get("observed") or {}
-    c = result["candidates"][0]
+    c = _logged_stage_candidate(result["candidates"][0], version or case.get("vllm_version"),
+                                refused=bool(o.get("error_message")),
+                                printed_stage=printed_kv_stage(case.get("raw_lines") or [], o.get("kv_cache_gib")))
     pred_blocks, pred_tokens = c["num_gpu_blocks"], c["kv_cache_tokens"]
     pred_kv = c["available_kv_cache_bytes"]
     block = int(result.get("block_size") or 16)
@@ -421,6 +425,49 @@ def compare(case: dict, result: dict) -> dict:
         "warnings": result.get("warnings") or [],
         "assumptions": result.get("assumptions") or [],
     }
+
+
+_PP_WORKER = re.compile(r"^\s*\([^)]*Worker[^)]*?_PP(\d+)\b")
+_AVAILABLE_KV = re.compile(r"Available KV cache memory:\s*(-?\d+(?:\.\d+)?)\s*GiB")
+
+
+def printed_kv_stage(lines: list, kv_cache_gib: float | None) -> int | None:
+    """The pipeline stage a case's "Available KV cache memory" line names through its worker label
+    (vllm/v1/executor/multiproc_executor.py / ray_utils.py name PP workers ``Worker_PP{k}`` or
+    ``Worker_TP{t}_PP{k}``), for the line that printed the case's ``kv_cache_gib``; None otherwise."""
+    if kv_cache_gib is None:
+        return None
+    for line in lines:
+        if not isinstance(line, str):
+            continue
+        m, v = _PP_WORKER.match(line), _AVAILABLE_KV.search(line)
+        if m and v and abs(float(v.group(1)) - float(kv_cache_gib)) < 0.006:
+            return int(m.group(1))
+    return None
+
+
+def _logged_stage_candidate(c: dict, version: str | None, *, refused: bool, printed_stage: int | None = None) -> dict:
+    """The candidate with its KV bytes (and interval ends) those of the pipeline stage whose figure
+    the log prints: the stage its worker label names (``printed_stage``), else the release's rule
+    (:func:`tuner.memory.kvcache.logged_kv_stage`); unchanged with one stage, an unknown release, or a
+    release that does not say which stage prints."""
+    stages = c.get("stages") or []
+    if len(stages) < 2:
+        return c
+    from tuner.memory import kvcache
+
+    i = printed_stage if printed_stage is not None and 0 <= printed_stage < len(stages) else None
+    if i is None and version:
+        try:
+            i = kvcache.logged_kv_stage(version, [int(s["available_kv_cache_bytes"]) for s in stages],
+                                        refused=refused)
+        except TunerError:
+            return c
+    if i is None or i == c.get("limiting_stage"):
+        return c
+    st = stages[i]
+    return {**c, **{k: st[k] for k in ("available_kv_cache_bytes", "available_kv_cache_bytes_low",
+                                       "available_kv_cache_bytes_high") if st.get(k) is not None}}
 
 
 def _interval_row(c: dict, basis: str | None, obs_blocks, obs_gib, obs_tokens, block: int) -> dict:
@@ -489,7 +536,7 @@ def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: di
     for case in cases:
         try:
             req = case_request(case, models_dir, calibration=(calibrations or {}).get(case["id"]))
-            row = compare(case, run(req))
+            row = compare(case, run(req), version=infer_version(case, models_dir)[0])
             row["not_modelled"] = case_drop(case, models_dir).not_modelled_dicts()
         except TunerError as exc:
             row = _error_row(case, f"{type(exc).__name__}: {exc}")
@@ -774,7 +821,8 @@ def leave_one_out(cases: list[dict], models_dir, *, run: Callable[[dict], dict] 
                   total_known=[measured[o]["total_known"] for o in others])
         if any(cal.values()):
             calibrations[cid] = cal
-    before = [{**compare(c, results[c["id"]]), **_release_fields(c, models_dir)} if c["id"] in results else
+    before = [{**compare(c, results[c["id"]], version=infer_version(c, models_dir)[0]),
+               **_release_fields(c, models_dir)} if c["id"] in results else
               predict_cases([c], models_dir, run=run)[0] for c in selected]
     after = []
     for c, b in zip(selected, before):

@@ -976,7 +976,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_quantized=bool(spec.quantization_config or drop.quantization),
         speculative_method=(drop.speculative_config or {}).get("method"))
     runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
-    return dataclasses.replace(layout, model_runner_v2=runner_v2)
+    return dataclasses.replace(layout, model_runner_v2=runner_v2,
+                               free_memory_from_host=_free_memory_from_host(device, era))
 
 
 #: Model Runner V2's first release modelled here (:func:`tuner.memory.eras.uses_model_runner_v2`).

@@ -378,6 +378,34 @@ def free_memory_from_host(era: Era, *, compute_capability: str | None, integrate
     return bool(integrated)
 
 
+def uma_host_buffer_bytes(era: Era, *, free_from_host: bool, model_runner_v2: bool, max_num_seqs: int,
+                          max_model_len: int, block_size: int = 16) -> int:
+    """Host RAM the model runner takes after the start-up snapshot that a unified-memory device
+    counts as consumed device memory (bytes; 0 where free memory is not read from the host,
+    :func:`free_memory_from_host`).
+
+    On such a device ``MemorySnapshot.measure`` (vllm/utils/mem_utils.py) reads free memory from
+    ``psutil.virtual_memory().available``, so host allocations between ``init_device``'s snapshot
+    and the end of the profile enter ``non_torch_increase`` (0.11.1 – 0.26) or ``total_consumed``
+    (0.27+). The runner is built after the snapshot (vllm/v1/worker/gpu_worker.py ``init_device``,
+    0.11.1 – 0.33 read) and holds one token-history row of ``max_model_len`` per request slot:
+    V1 runner ``InputBatch.__init__`` (vllm/v1/worker/gpu_input_batch.py, 0.11.1 – 0.33 read):
+    ``token_ids_cpu_tensor`` int32 and ``is_token_ids_tensor`` bool, ``[max_num_seqs,
+    max_model_len]`` each, zero-filled (5 B per slot-token), and the placeholder block table's pinned
+    host twin (vllm/v1/worker/block_table.py ``CpuGpuBuffer``, int32 ``[max_num_seqs,
+    cdiv(max_model_len, block_size)]``); Model Runner V2 ``RequestState``
+    (vllm/v1/worker/gpu/states.py, 0.22 – 0.33 read): ``all_token_ids`` int32 in pinned host
+    memory (``uva_instead_of_gpu=True``; 4 B). Not modelled: 0.34 (its runner keeps the history
+    dense on the GPU for some models), the process's other host growth (libraries, kernels loaded
+    lazily, the page cache is available memory)."""
+    if not free_from_host or era.engine != "V1" or era.version >= (0, 34, 0):
+        return 0
+    s, m = int(max_num_seqs), int(max_model_len)
+    if model_runner_v2:  # its block tables are built with the KV cache, after the profile
+        return 4 * s * m
+    return 5 * s * m + 4 * s * -(-m // max(1, int(block_size)))
+
+
 def free_memory_refusal(era: Era, *, total_memory_bytes: int, other_processes_bytes: int,
                         gpu_memory_utilization: float, requested_memory_bytes: int) -> str | None:
     """vLLM's start-up refusal when free memory is below the request (V1 0.9.1+,

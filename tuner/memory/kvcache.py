@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 from functools import reduce
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from tuner.memory.eras import VllmVersion, parse_version
 from tuner.errors import KVCacheError, TunerError
@@ -1153,9 +1153,14 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
         check_mem = [a - _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                      for g, a in zip(projected, avail)]
     mml = max_model_len
+    # what the admission check and auto-fit size: each worker's own layers, or (0.14 – 0.16) the
+    # whole model's groups against the smallest worker's memory (:func:`kv_check_scope`)
+    checked = list(zip(projected, check_mem))
+    if kv_check_scope(v) == "global" and any(g.layer_names for g in global_groups):
+        checked = [(global_groups, min(check_mem))]
     if auto_fit and v >= "0.14.0":
-        mml = _auto_fit(v, projected, check_mem, mml, max_num_batched_tokens, kw)
-    for groups, a in zip(projected, check_mem):
+        mml = _auto_fit(v, [g for g, _a in checked], [a for _g, a in checked], mml, max_num_batched_tokens, kw)
+    for groups, a in checked:
         if not any(g.layer_names for g in groups):
             continue
         _check(v, a, lambda m, g=groups: _needed_from_groups(v, g, _ctx(m, max_num_batched_tokens, kw)), mml,
@@ -1189,6 +1194,45 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
         if planned:
             c.kv_tp_replicas = kv_cache_groups_tp_replicas(c.kv_cache_groups, tensor_parallel_size, kw.get("dcp", 1))
     return cfgs
+
+
+#: Releases whose ``get_kv_cache_configs`` checks the whole model's KV groups against
+#: ``min(available_memory)`` over the workers (vllm/v1/core/kv_cache_utils.py 0.14.0, 0.14.1, 0.15.0,
+#: 0.15.1, 0.16.0 read: ``_check_enough_kv_cache_memory(min(available_memory), … global_kv_cache_groups
+#: …)`` and ``_auto_fit_max_model_len``'s ``min_available_memory``); 0.11 – 0.13 check each worker's
+#: own spec and 0.17+ each worker's projected groups (``_project_kv_cache_groups_to_worker``).
+GLOBAL_KV_CHECK = ("0.14.0", "0.17.0")
+
+
+def kv_check_scope(version: str | VllmVersion) -> str:
+    """What a release's KV admission check and ``--max-model-len -1`` auto-fit size (V1):
+    ``"global"`` — every layer of the model (all pipeline stages) against the smallest worker's
+    available memory, so a pipeline stage that holds a third of the layers is refused (and
+    auto-fitted) as if it held them all (0.14 – 0.16; vLLM issue 34076) — or ``"worker"``: each
+    worker's own layers against its own memory (before 0.14, 0.17+)."""
+    v = _ver(version)
+    return "global" if v >= GLOBAL_KV_CHECK[0] and v < GLOBAL_KV_CHECK[1] else "worker"
+
+
+def logged_kv_stage(version: str | VllmVersion, available: Sequence[int], *, refused: bool) -> int | None:
+    """The pipeline stage whose available KV bytes a single-node log prints, or None where the
+    release does not say which (every worker prints its own line).
+
+    * The error "… larger than the available KV cache memory (X GiB)" names the smallest worker's
+      memory in 0.14 – 0.16 (:func:`kv_check_scope` ``"global"``): the stage with the least.
+    * "Available KV cache memory: X GiB" is printed by the node's first local rank only in
+      0.11.1 – 0.19.x (vllm/v1/worker/gpu_worker.py ``logger.info_once(…, scope="local")``; read in
+      0.11.1, 0.13.0, 0.15.1, 0.19.1; plain ``logger.info`` in 0.11.0, no scope from 0.20.0):
+      ranks are laid out TP innermost, so the first local rank is pipeline stage 0.
+    """
+    v = _ver(version)
+    if not available:
+        return None
+    if refused and kv_check_scope(v) == "global":
+        return min(range(len(available)), key=lambda i: available[i])
+    if v >= "0.11.1" and v < "0.20.0":
+        return 0
+    return None
 
 
 def _auto_fit(v: VllmVersion, projected: list[list[KVCacheGroup]], mem: list[int], max_model_len: int,

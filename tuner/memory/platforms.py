@@ -117,11 +117,14 @@ def platform_assumptions(card: dict, era: Any = None, *, where: str = "device") 
         host = era is not None and free_memory_from_host(
             era, compute_capability=card.get("compute_capability") or _catalog_cc(card), integrated=True)
         out.append(assumption(
-            "unified memory", "no host RAM growth during start-up", where,
+            "unified memory", "no host RAM growth during start-up" + (
+                " beyond the runner's token-history buffers" if host else ""), where,
             f"{card.get('name')!s} shares one memory with the CPU"
             + (f"; vLLM {era.version} reads free memory from the host's available memory (vllm/utils/mem_utils.py), "
-               "so host RAM the start-up takes after its first snapshot (its own CPU memory, compile workers, other "
-               "processes) is consumed device memory" if host else
+               "so host RAM the start-up takes after its first snapshot is consumed device memory: the model "
+               "runner's [max_num_seqs, max_model_len] token history is charged (tuner.memory.budget.uma_host_buffer_bytes), "
+               "the rest (libraries and kernels loaded lazily, CUDA-graph captures measured on the OS's free "
+               "memory, other processes) is not" if host else
                "; cudaMemGetInfo's free memory there leaves out reclaimable page cache")
             + ": the KV cache may be smaller; RAM in use at start is other_processes_memory_gib "
               "(check: --other-processes-memory-gib)"))

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from tuner.memory import kvcache
 from tuner.memory.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
                           free_memory_refusal, kv_budget, platform_of, startup_baseline_bytes,
-                          non_torch_bytes, unexplained_bytes)
+                          non_torch_bytes, uma_host_buffer_bytes, unexplained_bytes)
 from tuner.memory.eras import V1_CONSUMED, Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
 from tuner.memory.ledger import Proposal  # noqa: F401 - the one definition (the wire's typed fields too)
@@ -94,6 +94,10 @@ class Layout:
     #: The release runs Model Runner V2 for this model (:func:`tuner.memory.eras.uses_model_runner_v2`):
     #: with async scheduling it keeps pp + 1 batches in flight (:func:`tuner.memory.kvcache.max_in_flight_tokens`).
     model_runner_v2: bool = False
+    #: The release reads free memory from the host on this device (unified memory,
+    #: :func:`tuner.memory.budget.free_memory_from_host`): host RAM the runner takes counts as consumed
+    #: (:func:`tuner.memory.budget.uma_host_buffer_bytes`).
+    free_memory_from_host: bool = False
     #: One :class:`StageCard` per pipeline stage when the stages run on different cards (a drop's
     #: device list); empty = every stage on ``total_memory_bytes`` / ``topology``.
     stage_cards: tuple = ()
@@ -205,7 +209,7 @@ class Candidate:
     #: Each stage's own terms and blocks before the minimum (PP > 1 only; dicts, bytes):
     #: ``pp_rank``, ``device_name``, ``total_memory_bytes``, ``requested_memory_bytes``,
     #: ``weights_bytes``, ``activation_peak_bytes``, ``non_torch_bytes``, ``cuda_graph_bytes``,
-    #: ``available_kv_cache_bytes``, ``num_gpu_blocks``.
+    #: ``available_kv_cache_bytes`` (and its ``_low`` / ``_high`` interval ends), ``num_gpu_blocks``.
     stages: tuple = ()
     #: The part of ``activation_peak_bytes`` the drafter's own forward adds above the target's
     #: peak (:func:`tuner.memory.specdecode.drafter_profile_extra_bytes`), bytes.
@@ -364,7 +368,10 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         drafter_fwds.append(drafter_fwd)
         nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                               pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
-            + co_tenant_non_torch_bytes(era, layout.other_processes_bytes)
+            + co_tenant_non_torch_bytes(era, layout.other_processes_bytes) \
+            + uma_host_buffer_bytes(era, free_from_host=layout.free_memory_from_host,
+                                    model_runner_v2=layout.model_runner_v2, max_num_seqs=batch.max_num_seqs,
+                                    max_model_len=m, block_size=layout.block_size)
         act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
         nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
         g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
@@ -415,6 +422,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     if starts and conc < min_concurrency:
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
     interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
+    stage_ends = interval.pop("stage_kv_ends")
     b = budgets[worst]
     ca, cn, cg = corrs[worst]
     stages = ()
@@ -430,6 +438,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                         "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
                         "cuda_graph_bytes": int(x.cuda_graph_bytes),
                         "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
+                        "available_kv_cache_bytes_low": stage_ends[i][0],
+                        "available_kv_cache_bytes_high": stage_ends[i][1],
                         "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
                        for i, x in enumerate(budgets))
     return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
@@ -474,6 +484,8 @@ def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[in
                     f"fits_{end}": bool(starts and conc >= min_concurrency)})
         if end == "low":
             out["bands"] = tuple(b.to_dict() for b in per_stage[worst])
+    # each stage's own KV bytes at both ends (a log may print another stage's figure than the limiting one)
+    out["stage_kv_ends"] = tuple((int(e[0]), int(e[1])) for e in ends)
     return out
 
 
