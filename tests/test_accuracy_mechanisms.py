@@ -335,3 +335,43 @@ def test_int8_per_token_head_on_gemma4_exited_cannot_unify_page_sizes(shared_dir
                     max_model_len=131072, enforce_eager=True)
     assert row["status"] == "ok", row.get("reason")
     assert row["predicted_num_gpu_blocks"] > 0
+
+
+# --- 6. backends chosen by the environment: MXFP4 on Hopper before 0.12 ---------------------------
+
+def test_mxfp4_on_hopper_ran_triton_without_triton_kernels():
+    """quantization/mxfp4.py ``_should_use_marlin`` (0.10.1.1) / ``get_mxfp4_backend`` (0.10.2 – 0.11.2):
+    on a 9.x card, Marlin unless ``has_triton_kernels()`` and torch >= 2.8. The 0.10.1.1 wheel pins
+    torch 2.7.1 (Marlin whatever is installed); no wheel before 0.12 requires triton_kernels (0.12
+    vendors it). gpt-oss-120b on one H100: Marlin pads H 2880 -> 3072 and I 2880 -> 2944, so each of
+    the 36 layers keeps w13 128x5888x1536 + scales 128x5888x96, w2 128x3072x1472 + 128x3072x92
+    (uint8) and bf16 biases 128x(5888+3072): 1,847,263,232 bytes, against the Triton strided layout's
+    1,692,057,600 + the scale copy 99,532,800 + fp32 biases 4,423,680."""
+    from types import SimpleNamespace
+
+    from tuner.logparse import triton_kernels_installed
+    from tuner.plugin import RankSettings
+    from tuner.simulate.quant import layout_bytes, mxfp4_hopper_triton, scheme_for
+
+    assert mxfp4_hopper_triton((0, 10, 1), True) == (False, None)  # torch 2.7.1
+    ok, why = mxfp4_hopper_triton((0, 11, 0), None)
+    assert ok is False and why["name"] == "triton_kernels_installed" and why["value"] is False
+    assert mxfp4_hopper_triton((0, 11, 0), True) == (True, None)
+    assert mxfp4_hopper_triton((0, 11, 2), None)[0] is False
+    assert mxfp4_hopper_triton((0, 12, 0), None) == (True, None)  # vendored
+
+    qc = {"quant_method": "mxfp4"}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def bank(version: str, installed):
+        s = scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability="9.0",
+                                          triton_kernels_installed=installed))
+        return s.expert_format.backend, layout_bytes(s.expert_layout(128, 2880, 2880, "bfloat16", has_bias=True))
+
+    assert bank("0.10.1", True) == ("marlin", 1_847_263_232)
+    assert bank("0.11.0", None) == ("marlin", 1_847_263_232)
+    assert bank("0.11.0", True) == ("triton_strided", 1_692_057_600 + 99_532_800 + 4_423_680)
+    # 36 layers: +1,844,969,472 bytes (1.72 GiB) on Marlin; what the log shows and an official image runs
+    assert triton_kernels_installed(["Weight-only FP4 compression will be used leveraging the Marlin kernel. x"]) is False
+    assert triton_kernels_installed(["vLLM 0.11.0 per the pod spec (vllm/vllm-openai:v0.11.0)"]) is True
+    assert triton_kernels_installed(["vllm serve openai/gpt-oss-120b"]) is None

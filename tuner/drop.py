@@ -617,6 +617,12 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "0.11.1 vLLM depends on it and only `VLLM_USE_FLASHINFER_SAMPLER=1` selects it. null = what "
               "`pip install vllm==X` gets (not installed before 0.11.1), named in the answer as an assumption.",
               _bool(nullable=True)),
+    DropField("triton_kernels_installed", "boolean | null", None,
+              "Whether the `triton_kernels` package is installed beside vLLM 0.10.2 – 0.11.x (0.12 ships it). "
+              "MXFP4 experts (gpt-oss) on a Hopper card run Triton with it and Marlin without "
+              "(quantization/mxfp4.py `_should_use_marlin`): Marlin pads the experts' hidden size to 256 and "
+              "intermediate size to 128. null = what `pip install vllm==X` gets (not installed), named in the "
+              "answer as an assumption.", _bool(nullable=True)),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("use_v2_model_runner", "boolean | null", None,
@@ -734,6 +740,7 @@ class Drop:
     hf_overrides: dict | None = field(default=None, hash=False)
     env: dict | None = field(default=None, hash=False)
     flashinfer_installed: bool | None = None
+    triton_kernels_installed: bool | None = None
     config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None

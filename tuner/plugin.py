@@ -76,6 +76,10 @@ class RankSettings:
     #: the V1 dummy sampler's top-k/top-p path, 0.8–0.16 (:func:`tuner.eras.sampler_path`): True
     #: FlashInfer, False PyTorch's sort, None what a ``pip install`` of the release runs.
     flashinfer_sampler: bool | None = None
+    #: the ``triton_kernels`` package beside a vLLM older than 0.12 (MXFP4 experts on Hopper run
+    #: Triton with it, Marlin without: :func:`tuner.simulate.quant.mxfp4_hopper_triton`); None =
+    #: what ``pip install`` gets.
+    triton_kernels_installed: bool | None = None
     #: ``VLLM_PP_LAYER_PARTITION`` as layer counts per stage (None = vLLM's even split).
     pp_layer_partition: tuple[int, ...] | None = None
     #: vLLM's config format (``"hf"`` / ``"mistral"``, :func:`tuner.job.config_format`).

@@ -348,7 +348,45 @@ MXFP4_TRTLLM_I128_FROM = (0, 27, 0)
 MXFP4_HOPPER_SCALE_PAD4_FROM = (0, 26, 0)
 
 
-def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str = "cuda") -> str:
+#: First release whose wheel ships ``triton_kernels`` (vendored as ``vllm/third_party/triton_kernels``,
+#: which ``has_triton_kernels`` accepts from 0.12.0, vllm/utils/import_utils.py); 0.10.1 – 0.11.2
+#: import a separately installed ``triton_kernels`` only (no wheel requires it: METADATA of
+#: 0.10.1.1, 0.11.1).
+TRITON_KERNELS_VENDORED_FROM = (0, 12, 0)
+#: The torch each release's CUDA wheel pins (METADATA ``Requires-Dist: torch==``): 2.7.1 through
+#: 0.10.1.1 (read), 2.8.0 for 0.10.2 – 0.11.0, 2.9.0 from 0.11.1 (read). Only ``>= 2.8.0`` matters
+#: here (the MXFP4 Triton path's ``is_torch_equal_or_newer("2.8.0")``).
+TORCH_2_8_FROM = (0, 10, 2)
+
+
+def mxfp4_hopper_triton(version: tuple[int, ...], triton_kernels_installed: bool | None) -> tuple[bool, dict | None]:
+    """Whether gpt-oss's MXFP4 experts can run Triton on a Hopper card, and the assumption made.
+
+    vLLM 0.10.1 – 0.11.2 (quantization/mxfp4.py ``_should_use_marlin`` / ``get_mxfp4_backend``, read
+    in 0.10.1.1, 0.10.2, 0.11.0, 0.11.1, 0.11.2): on CUDA below Blackwell, Marlin unless the card is
+    9.x **and** ``has_triton_kernels()`` **and** ``is_torch_equal_or_newer("2.8.0")``. The torch is
+    the release's pin (:data:`TORCH_2_8_FROM`); ``triton_kernels`` is a separate package until the
+    wheel vendors it (:data:`TRITON_KERNELS_VENDORED_FROM`). ``triton_kernels_installed`` None:
+    what ``pip install vllm==X`` gets (not installed before 0.12), returned as the named
+    assumption ``{"name": "triton_kernels_installed", "value": False, "why": ...}``.
+    """
+    v = tuple(version[:3])
+    if v >= TRITON_KERNELS_VENDORED_FROM:
+        return True, None
+    if v < TORCH_2_8_FROM:  # torch 2.7.1: Marlin whatever is installed
+        return False, None
+    if triton_kernels_installed is not None:
+        return bool(triton_kernels_installed), None
+    return False, {"name": "triton_kernels_installed", "value": False,
+                   "why": f"vLLM {'.'.join(map(str, v))} as `pip install` installs it: triton_kernels is not a "
+                          "dependency before 0.12, so MXFP4 experts on Hopper run Marlin (hidden padded to 256, "
+                          "intermediate to 128) instead of Triton; say triton_kernels_installed: true for an "
+                          "image that ships it (the vllm/vllm-openai images' gpt-oss start-ups load the Triton "
+                          "layout)"}
+
+
+def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str = "cuda",
+                  triton_kernels: bool = True) -> str:
     """The MXFP4 MoE backend vLLM picks for gpt-oss on a CUDA GPU of compute capability ``cc``
     (no ``moe_backend`` / ``VLLM_USE_FLASHINFER_MOE_MXFP4_*`` override).
 
@@ -368,6 +406,8 @@ def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str =
 
     Releases before 0.19 are assumed to pick the same way (their wheels were not read for
     Blackwell; the Hopper branches are the ones checked against the visible H100 start-ups).
+    ``triton_kernels`` False (:func:`mxfp4_hopper_triton`: before 0.12 without the package, or
+    torch < 2.8): Hopper runs Marlin too.
 
     On ROCm (``platform="rocm"``; the MI300X's torch capability 9.4 is no Hopper) the AITER
     backends need ``VLLM_ROCM_USE_AITER`` (off by default) and gfx950, so the default is Triton
@@ -378,7 +418,7 @@ def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str =
         return "rocm_triton"
     if (10, 0) <= cc < (11, 0):
         return "flashinfer_trtllm"
-    if (9, 0) <= cc < (10, 0):
+    if (9, 0) <= cc < (10, 0) and triton_kernels:
         return "triton_strided" if version[:3] <= (0, 11, 0) else "triton_swizzle"
     return "marlin"
 
@@ -837,7 +877,8 @@ def scheme_for(spec, settings) -> QuantScheme | None:
         return QuantScheme("auto-round", linear_format=f, expert_format=f, per_layer=per_layer,
                            only_under=list(blocks) if blocks else None)
     if method == "mxfp4":
-        backend = mxfp4_backend(cc, ver, str(getattr(settings, "platform", "cuda") or "cuda"))
+        triton, _ = mxfp4_hopper_triton(ver, getattr(settings, "triton_kernels_installed", None))
+        backend = mxfp4_backend(cc, ver, str(getattr(settings, "platform", "cuda") or "cuda"), triton)
         # HopperMXValueLayout pre-pad to 64: in the triton_kernels vendored by 0.17.0-0.19.0, not in
         # 0.13.0 / 0.15.0 / 0.33.0 (read by the gpt-oss plugin work); 0.20-0.32 assumed like 0.19.
         prepad = (0, 17, 0) <= ver[:3] < (0, 33, 0)
