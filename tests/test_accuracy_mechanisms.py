@@ -375,3 +375,33 @@ def test_mxfp4_on_hopper_ran_triton_without_triton_kernels():
     assert triton_kernels_installed(["Weight-only FP4 compression will be used leveraging the Marlin kernel. x"]) is False
     assert triton_kernels_installed(["vLLM 0.11.0 per the pod spec (vllm/vllm-openai:v0.11.0)"]) is True
     assert triton_kernels_installed(["vllm serve openai/gpt-oss-120b"]) is None
+
+
+def test_block_fp8_on_ampere_kept_fp32_block_scales():
+    """utils/marlin_utils_fp8.py ``prepare_fp8_layer_for_marlin`` (0.10.1.1, 0.24.0): below compute
+    capability 8.9 FP8 runs weight-only through Marlin; a [128, 128] block scale ``[out/128, in/128]``
+    fp32 becomes ``[in/128, out]`` in the model dtype, plus an int32 workspace of one int per SM.
+    Qwen3.6-27B's MLP gate_up on a TP2 rank (in 5120, out 2 x 17408 / 2 = 17408): weight 89,128,960
+    fp8 bytes on both cards; scales 40 x 17408 x 2 = 1,392,640 bytes on an RTX 3090 (8.6) against
+    136 x 40 x 4 = 21,760 on an H100; no fp8 input copy on Marlin."""
+    from types import SimpleNamespace
+
+    from tuner.plugin import RankSettings
+    from tuner.simulate.quant import MARLIN_SMS, fp8_uses_marlin, layout_bytes, scheme_for
+
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def linear(cc: str):
+        s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability=cc))
+        return s.linear_layout(5120, 17408, "bfloat16", "model.layers.0.mlp.gate_up_proj")
+
+    lay, act = linear("8.6")
+    assert layout_bytes(lay) == 89_128_960 + 1_392_640 + 4 * MARLIN_SMS and act is None
+    lay, act = linear("9.0")
+    assert layout_bytes(lay) == 89_128_960 + 21_760 and act == ("float8_e4m3fn", 40)
+    assert fp8_uses_marlin((8, 0)) and fp8_uses_marlin((8, 6)) and not fp8_uses_marlin((8, 9))
+    # expert banks: [E, in/128, out] model-dtype scales, a 4-blocks-per-SM workspace
+    s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability="8.0"))
+    bank = s.expert_layout(8, 2048, 768, "bfloat16", "model.layers.0.mlp.experts")
+    assert ("w13_weight_scale", (8, 16, 1536), "bfloat16") in bank and ("w2_weight_scale", (8, 6, 2048), "bfloat16") in bank

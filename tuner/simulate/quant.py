@@ -181,9 +181,25 @@ class Fp8Format:
     static_input: bool = False
     quantize_activations: bool = True
     scale_dtype: str = "float32"
+    #: weight-only FP8 through Marlin on a card without native FP8 (:func:`fp8_uses_marlin`).
+    marlin: bool = False
+
+    def _marlin_scales(self, i: int, o: int, dtype: str, e: int | None = None) -> Layout:
+        """utils/marlin_utils_fp8.py ``prepare_fp8_layer_for_marlin`` / ``prepare_fp8_moe_layer_for_marlin``
+        (0.10.1.1, 0.24.0): the scales go to the model dtype (``.to(layer.orig_dtype)``) and become
+        group-wise — a block scale ``[out/bn, in/bk]`` is ``repeat_interleave``-d to ``[in/bk, out]``
+        (one per ``bk`` inputs and per output) — or channel-wise ``[1, out]`` (tensor / channel
+        scales); the int32-repacked weight keeps the fp8 bytes; an ``int32 [SMs]`` workspace per
+        layer (``marlin_make_workspace_new``; 4 blocks per SM for the experts)."""
+        rows = _cdiv(i, self.block[1]) if self.strategy == "block" else 1
+        lead = () if e is None else (e,)
+        return [("weight_scale", lead + (rows, o), dtype),
+                ("marlin_workspace", (MARLIN_SMS * (1 if e is None else 4),), "int32")]
 
     def linear(self, i: int, o: int, dtype: str) -> tuple[Layout, tuple | None]:
         lay: Layout = [("weight", (o, i), "float8_e4m3fn")]
+        if self.marlin:  # W8A16: no input quantization, no input scale kept
+            return lay + self._marlin_scales(i, o, dtype), None
         if self.strategy == "block":
             bn, bk = self.block
             lay.append(("weight_scale_inv", (_cdiv(o, bn), _cdiv(i, bk)), self.scale_dtype))
@@ -200,6 +216,8 @@ class Fp8Format:
 
     def bank(self, e: int, i: int, o: int, dtype: str) -> Layout:
         lay: Layout = [("weight", (e, o, i), "float8_e4m3fn")]
+        if self.marlin:
+            return lay + self._marlin_scales(i, o, dtype, e)
         if self.strategy == "block":
             bn, bk = self.block
             lay.append(("weight_scale_inv", (e, _cdiv(o, bn), _cdiv(i, bk)), self.scale_dtype))
@@ -680,6 +698,15 @@ def _version(settings) -> tuple[int, ...]:
     return tuple(out)
 
 
+def fp8_uses_marlin(cc: tuple[int, int]) -> bool:
+    """FP8 weights on a card without native FP8 (compute capability below 8.9: Ampere, Turing) run
+    weight-only through Marlin: fp8.py ``use_marlin = not has_device_capability(89)`` (0.9 – 0.13),
+    ``MarlinFP8ScaledMMLinearKernel.is_supported`` (``compute_capability >= 89`` refuses it,
+    0.19 – 0.34); compressed-tensors ``CompressedTensorsW8A16Fp8`` below 8.9 (compressed_tensors.py
+    ``_get_scheme_from_parts``). ``VLLM_TEST_FORCE_FP8_MARLIN`` is not modelled."""
+    return cc < (8, 9)
+
+
 def _wna16_kernel(cc: tuple[int, int], override: str | None) -> str:
     if override in ("gptq", "awq"):
         return "plain"  # forced exllama / AWQ GEMM kernels keep the checkpoint layout
@@ -717,10 +744,11 @@ def _ct_format(w: dict, inp: dict | None, fmt: str | None, cc: tuple[int, int], 
     if bits == 8 and typ == "float":
         if strategy == "block":
             bs = w.get("block_structure") or [128, 128]
-            return Fp8Format(strategy="block", block=(int(bs[0]), int(bs[1])), quantize_activations=bool(inp))
+            return Fp8Format(strategy="block", block=(int(bs[0]), int(bs[1])), quantize_activations=bool(inp),
+                             marlin=fp8_uses_marlin(cc))
         static = bool(inp) and not inp.get("dynamic", False)
         return Fp8Format(strategy="channel" if strategy == "channel" else "tensor", static_input=static,
-                         quantize_activations=bool(inp) and cc >= (8, 9))
+                         quantize_activations=bool(inp) and cc >= (8, 9), marlin=fp8_uses_marlin(cc))
     if bits == 8 and typ == "int" and inp:
         return Int8Format(strategy="channel" if strategy == "channel" else "tensor",
                           static_input=not inp.get("dynamic", True) if "dynamic" in inp else False,
@@ -820,7 +848,7 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     ver = _version(settings)
     if not qc:
         if override in ("fp8", "fbgemm_fp8"):
-            f = Fp8Format(strategy="tensor", quantize_activations=cc >= (8, 9))
+            f = Fp8Format(strategy="tensor", quantize_activations=cc >= (8, 9), marlin=fp8_uses_marlin(cc))
             return QuantScheme("fp8", linear_format=f, expert_format=f)
         if override == "ptpc_fp8":
             f = Fp8Format(strategy="channel")
@@ -839,8 +867,9 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     if method == "fp8":
         wbs = qc.get("weight_block_size")
         static = str(qc.get("activation_scheme", "dynamic")).lower() == "static"
-        f = (Fp8Format(strategy="block", block=(int(wbs[0]), int(wbs[1])))
-             if wbs else Fp8Format(strategy="tensor", static_input=static, quantize_activations=cc >= (8, 9)))
+        f = (Fp8Format(strategy="block", block=(int(wbs[0]), int(wbs[1])), marlin=fp8_uses_marlin(cc))
+             if wbs else Fp8Format(strategy="tensor", static_input=static, quantize_activations=cc >= (8, 9),
+                                   marlin=fp8_uses_marlin(cc)))
         ignore = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
         return QuantScheme("fp8", linear_format=f, expert_format=f, ignore=ignore)
     if method == "compressed-tensors":
@@ -892,8 +921,8 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     if method == "bitsandbytes":
         return QuantScheme("bitsandbytes", linear_format=Fp4Format(group=64, scale_dtype="float32", globals_fp32=False),
                            ignore=list(qc.get("llm_int8_skip_modules") or []))
-    if method == "fbgemm-fp8":
-        f = Fp8Format(strategy="channel")
+    if method == "fbgemm-fp8":  # fbgemm_fp8.py: use_marlin = not has_device_capability(89)
+        f = Fp8Format(strategy="channel", marlin=fp8_uses_marlin(cc))
         return QuantScheme("fbgemm_fp8", linear_format=f, ignore=list(qc.get("modules_to_not_convert") or []))
     from tuner.errors import ModelConfigError
 
