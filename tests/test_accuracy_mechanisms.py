@@ -405,3 +405,33 @@ def test_block_fp8_on_ampere_kept_fp32_block_scales():
     s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability="8.0"))
     bank = s.expert_layout(8, 2048, 768, "bfloat16", "model.layers.0.mlp.experts")
     assert ("w13_weight_scale", (8, 16, 1536), "bfloat16") in bank and ("w2_weight_scale", (8, 6, 2048), "bfloat16") in bank
+
+
+def test_awq_gemm_kernel_dequantized_weight_was_not_charged():
+    """awq.py ``AWQLinearMethod.apply`` (0.6.4, 0.10.1.1, 0.19.0): from 256 rows the AWQ kernel
+    dequantizes the whole weight to ``[in, out]`` fp16 and multiplies with torch.matmul. Qwen2-7B's
+    gate_up (in 3584, out 2 x 18944) at 2048 tokens: the output 2048 x 37888 x 2 = 155,189,248 bytes
+    plus the dequantized weight 3584 x 37888 x 2 = 271,581,184; at 128 tokens only the output.
+    Marlin (awq_marlin, every card from 7.5) has no such temporary."""
+    from types import SimpleNamespace
+
+    from tuner.plugin import RankSettings
+    from tuner.simulate.layers import Linear
+    from tuner.simulate.quant import scheme_for
+
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def peak(quantization, rows: int) -> int:
+        s = scheme_for(spec, RankSettings(engine_version="0.10.1.1", dtype="float16", compute_capability="8.6",
+                                          quantization=quantization))
+        with torch.device("meta"):
+            lin = Linear(3584, 37888, torch.float16, quant=s, prefix="model.layers.0.mlp.gate_up_proj")
+            x = torch.empty(rows, 3584, dtype=torch.float16)
+            with MemoryTracker() as t:
+                lin(x)
+        return t.peak_bytes
+
+    assert peak("awq", 2048) == 155_189_248 + 271_581_184
+    assert peak("awq", 128) == 128 * 37888 * 2
+    assert peak(None, 2048) == 155_189_248  # awq_marlin

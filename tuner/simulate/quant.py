@@ -315,6 +315,16 @@ class WNA16Format:
                 lay.append(("g_idx", (i,), "int32"))
         return lay, None
 
+    def gemm_temp(self, i: int, o: int, dtype: str) -> tuple[int, tuple[int, int], str] | None:
+        """A temporary the profile run's GEMM allocates next to its output, as ``(min_rows, shape,
+        dtype)``: AWQ's own kernel (awq.py ``AWQLinearMethod.apply``, 0.6.4, 0.10.1.1, 0.19.0 — the
+        forced ``--quantization awq``, or a layer awq_marlin.py hands back to it) dequantizes the
+        whole weight (``ops.awq_dequantize`` -> ``[in, out]`` in the scales' dtype) and multiplies
+        with ``torch.matmul`` once ``x.shape[:-1].numel() >= 256``. None for the other kernels."""
+        if self.flavor == "awq" and self._kernel_for(i, o, dtype) == "plain":
+            return 256, (i, o), dtype
+        return None
+
     def bank(self, e: int, i: int, o: int, dtype: str) -> Layout:
         """Marlin MoE (gptq_marlin.py / awq_marlin.py / compressed_tensors_moe.py): the repacked
         weight keeps its size; zero points only for asymmetric schemes; ``g_idx`` + sort indices
@@ -645,6 +655,9 @@ class QuantScheme:
         lay, act = got
         _register(module, lay)
         module.input_quant = act
+        fmt = self._format_for(prefix, "linear")
+        module.gemm_temp = fmt.gemm_temp(in_features, out_features, _dtype_name(dtype)) \
+            if hasattr(fmt, "gemm_temp") else None
         return True
 
     def make_expert_weights(self, module, num_experts: int, hidden: int, intermediate: int, dtype, prefix: str = "",
