@@ -287,7 +287,8 @@ def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):
 
     Gemma 4 (gemma4_mm.py) uses ``kind="gemma4"`` (transformers ``Gemma4VisionModel`` +
     ``Gemma4MultimodalEmbedder``; 16-bit whatever the checkpoint's scheme, replicated on every TP
-    rank; weights only).
+    rank; weights only), and with an ``audio_config`` the audio tower + ``embed_audio``
+    (:func:`tuner.simulate.towers.gemma4.audio_tower`, weights only).
     """
     vc = spec.top.get("vision_config")
     if not isinstance(vc, dict) or "text_config" not in spec.top or gen not in (3, 4):
@@ -299,7 +300,13 @@ def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):
     kind = "siglip" if gen == 3 else "gemma4"
     tower = VisionTower(spec.top, dtype, kind=kind, tp=settings.tensor_parallel_size, quant=quant,
                         engine_version=settings.engine_version, v0=settings.runs_attention)
-    return MultimodalCausalLM(text, tower, spec.hidden_size, v0=settings.runs_attention)
+    mm = MultimodalCausalLM(text, tower, spec.hidden_size, v0=settings.runs_attention)
+    ac = spec.top.get("audio_config")
+    if gen == 4 and isinstance(ac, dict):  # gemma4_mm.py: the audio tower of the variants that have one
+        from tuner.simulate.towers.gemma4 import audio_tower
+
+        mm.audio = audio_tower(ac, spec.top, dtype)
+    return mm
 
 
 _CLASSES = None

@@ -435,3 +435,36 @@ def test_awq_gemm_kernel_dequantized_weight_was_not_charged():
     assert peak("awq", 2048) == 155_189_248 + 271_581_184
     assert peak("awq", 128) == 128 * 37888 * 2
     assert peak(None, 2048) == 155_189_248  # awq_marlin
+
+
+# --- 7. weights the product missed: Gemma 4's audio tower ------------------------------------------
+
+def test_gemma4_audio_tower_was_not_loaded(shared_dir, tmp_path):
+    """vLLM 0.19 gemma4_mm.py ``Gemma4ForConditionalGeneration.__init__``: with an ``audio_config``
+    (the E2B / E4B variants) it builds ``AutoModel.from_config(config.audio_config)`` (transformers
+    ``Gemma4AudioModel``: 304,824,608 parameters at transformers' defaults, bf16 = 609,649,216 bytes,
+    plus 2,008 bytes of buffers from ``post_init``) and ``embed_audio`` (ReplicatedLinear 1536 ->
+    text hidden 2816, bf16 = 8,650,752 bytes), on every rank."""
+    import json
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+
+    cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    plugin = load_registry().by_name("gemma")
+    settings = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0")
+
+    def weights(c: dict) -> int:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        spec = load_model_spec(d / "config.json")[0]
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            return plugin.weights_bytes(spec, settings, plugin.build_model(spec, settings))
+
+    assert cfg.get("audio_config") is None
+    with_audio = weights({**cfg, "audio_config": {"model_type": "gemma4_audio"}})
+    assert with_audio - weights(cfg) == 609_649_216 + 2_008 + 1536 * 2816 * 2
