@@ -468,3 +468,53 @@ def test_gemma4_audio_tower_was_not_loaded(shared_dir, tmp_path):
     assert cfg.get("audio_config") is None
     with_audio = weights({**cfg, "audio_config": {"model_type": "gemma4_audio"}})
     assert with_audio - weights(cfg) == 609_649_216 + 2_008 + 1536 * 2816 * 2
+
+
+def test_limit_mm_per_prompt_zero_still_loaded_the_tower(shared_dir):
+    """vllm/model_executor/models/interfaces.py ``_mark_tower_model`` (0.15.0+, read in 0.19.0): a
+    tower whose modalities are all limited to 0 is not built (``no_init_weights`` ->
+    ``StageMissingLayer``); ``--language-model-only`` sets every limit to 0
+    (vllm/config/multimodal.py ``get_limit_per_prompt``). Mistral-Small-3.1 (Pixtral tower) on one
+    H100: ``{"image": 0}`` takes the tower's weights off at 0.19, not at 0.14; ``{"audio": 0}``
+    changes nothing (video stays 999, and the model has no audio tower)."""
+    import dataclasses
+
+    from tuner.drop import _mm_limits
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+    from tuner.simulate.profile import ModelCache
+    from tuner.simulate.vision import mm_limit
+
+    spec = load_model_spec(shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json")[0]
+    plugin = load_registry().by_name("mistral3")
+    base = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0")
+
+    def weights(**kw) -> int:
+        return ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(base, **kw), backend="meta").weights_bytes
+
+    full = weights()
+    tower = full - weights(mm_limits=(("image", 0),))
+    assert 0.8 * 2**30 < tower < 0.9 * 2**30  # Pixtral-12B's encoder + projector, bf16
+    assert weights(mm_limits=(("*", 0),)) == full - tower
+    assert weights(mm_limits=(("audio", 0),)) == full
+    assert weights(engine_version="0.14.0", mm_limits=(("image", 0),)) == weights(engine_version="0.14.0")
+    assert mm_limit(RankSettings("0.19.0", "bfloat16", mm_limits=(("image", 2),)), "video") == 999
+    assert _mm_limits('{"image": 0, "video": {"count": 1, "num_frames": 8}}') == {"image": 0, "video": 1}
+
+
+def test_limit_mm_per_prompt_flag_was_not_modelled():
+    """``--limit-mm-per-prompt`` and ``--language-model-only`` reach the drop (they were named as not
+    modelled); vLLM before 0.17 has no --language-model-only (vllm/config/multimodal.py)."""
+    import shlex
+
+    import pytest
+
+    from tuner.vllm_args import ArgsInputError, parse_line, to_drop
+
+    line = """vllm serve m --limit-mm-per-prompt '{"image": 0, "video": 0}' --language-model-only"""
+    sa = parse_line(shlex.split(line))
+    assert sa.unmodelled == []
+    m = to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.19.0", model="/tmp/m", max_model_len=4096)
+    assert m.drop.limit_mm_per_prompt == {"image": 0, "video": 0} and m.drop.language_model_only is True
+    with pytest.raises(ArgsInputError, match="0.17"):
+        to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.16.0", model="/tmp/m", max_model_len=4096)

@@ -794,6 +794,15 @@ def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
     return env
 
 
+def _mm_limits(drop: Drop) -> tuple | None:
+    """The drop's ``limit_mm_per_prompt`` / ``language_model_only`` as :attr:`RankSettings.mm_limits`."""
+    if drop.language_model_only:
+        return (("*", 0),)
+    if not drop.limit_mm_per_prompt:
+        return None
+    return tuple(sorted((str(k), int(v)) for k, v in drop.limit_mm_per_prompt.items()))
+
+
 def _mxfp4_triton_assumption(drop: Drop, spec: Any, era: Any, cards: Sequence[dict]) -> dict | None:
     """The ``triton_kernels_installed`` assumption (:func:`tuner.simulate.quant.mxfp4_hopper_triton`)
     where it decides something: an MXFP4 checkpoint on a CUDA Hopper card, the drop not saying."""
@@ -842,7 +851,8 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      flashinfer_sampler=sampler.flashinfer if era.engine == "V1" and era.version < (0, 17, 0)
                      else None,
                      pp_layer_partition=pp_layer_partition(env),
-                     triton_kernels_installed=drop.triton_kernels_installed)
+                     triton_kernels_installed=drop.triton_kernels_installed,
+                     mm_limits=_mm_limits(drop))
         for r in range(pp)
     ]
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,

@@ -80,6 +80,9 @@ class RankSettings:
     #: Triton with it, Marlin without: :func:`tuner.simulate.quant.mxfp4_hopper_triton`); None =
     #: what ``pip install`` gets.
     triton_kernels_installed: bool | None = None
+    #: ``--limit-mm-per-prompt`` as ``((modality, count), ...)`` (``("*", 0)``: ``--language-model-only``);
+    #: None = none given (every modality 999). :func:`tuner.simulate.vision.mm_limit` reads it.
+    mm_limits: tuple | None = None
     #: ``VLLM_PP_LAYER_PARTITION`` as layer counts per stage (None = vLLM's even split).
     pp_layer_partition: tuple[int, ...] | None = None
     #: vLLM's config format (``"hf"`` / ``"mistral"``, :func:`tuner.job.config_format`).

@@ -151,6 +151,41 @@ def encoder_profile_items(num_batched_tokens: int, tokens_per_item: int, engine_
     return max(1, budget // t)
 
 
+#: First release whose multimodal models mark their towers (vllm/model_executor/models/interfaces.py
+#: ``_mark_tower_model``, 64 models in 0.15.0, 77 in 0.19.0; none in 0.14.0) and skip building one
+#: whose modalities are all limited to 0 (``no_init_weights`` -> ``StageMissingLayer``).
+TOWER_SKIP_FROM = (0, 15, 0)
+
+
+def mm_limit(settings, modality: str) -> int:
+    """``MultiModalConfig.get_limit_per_prompt`` (vllm/config/multimodal.py 0.19): 0 for every modality
+    under ``--language-model-only``, else the given count, else 999."""
+    limits = dict(getattr(settings, "mm_limits", None) or ())
+    if limits.get("*") == 0:
+        return 0
+    return int(limits.get(modality, 999))
+
+
+def drop_unbuilt_towers(model, settings) -> list[str]:
+    """Take off ``model`` (a :class:`MultimodalCausalLM`) the towers vLLM does not build: from
+    :data:`TOWER_SKIP_FROM`, the vision tower when every modality it serves is limited to 0 (the
+    tower module's ``MODALITIES``: ``image``, or ``image`` and ``video`` — as each model marks it),
+    the audio tower (an ``audio`` child) when ``audio`` is; without them the weights and the
+    encoder profile go too. Returns the names taken off (before 0.15: none, as those releases
+    build every tower whatever the limits, except a few models' own checks not modelled here)."""
+    if not isinstance(model, MultimodalCausalLM) or _ver(getattr(settings, "engine_version", "0.19.0")) < TOWER_SKIP_FROM:
+        return []
+    gone = []
+    modalities = getattr(getattr(model.vision, "tower", None), "MODALITIES", ("image",))
+    if model.vision is not None and all(mm_limit(settings, m) == 0 for m in modalities):
+        model.vision = None
+        gone.append("vision")
+    if getattr(model, "audio", None) is not None and mm_limit(settings, "audio") == 0:
+        model.audio = None
+        gone.append("audio")
+    return gone
+
+
 # -- module ----------------------------------------------------------------------------------
 _TORCH = {"f32": torch.float32, "i64": torch.int64, "c64": torch.complex64}
 

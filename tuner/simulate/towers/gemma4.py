@@ -18,6 +18,9 @@ KIND = "gemma4"
 #: Whether the checkpoint's quantization scheme may take the tower's quantizable linears (vLLM
 #: passes ``quant_config`` to this tower).
 QUANTIZABLE = False
+#: The modalities the tower serves (vLLM 0.19 gemma4_mm.py ``_mark_tower_model(vllm_config, {"image", "video"})``):
+#: it is not built only when both are limited to 0 (:func:`tuner.simulate.vision.drop_unbuilt_towers`).
+MODALITIES = ("image", "video")
 
 
 def geometry(vc: dict, top: dict) -> Geometry:
