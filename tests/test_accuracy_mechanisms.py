@@ -518,3 +518,33 @@ def test_limit_mm_per_prompt_flag_was_not_modelled():
     assert m.drop.limit_mm_per_prompt == {"image": 0, "video": 0} and m.drop.language_model_only is True
     with pytest.raises(ArgsInputError, match="0.17"):
         to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.16.0", model="/tmp/m", max_model_len=4096)
+
+
+def test_encoder_profile_items_ignored_max_num_seqs_and_the_image_limit(shared_dir):
+    """``MultiModalBudget._get_max_items`` (vllm/v1/worker/utils.py 0.11.0; vllm/multimodal/
+    encoder_budget.py 0.24.0): items = max(1, min(encoder budget // T, max_num_seqs x max(1,
+    min(limit, max_model_len // T)))). Gemma-3 (SigLIP, T = 256) at 8192 batched tokens: 32 images
+    by the encoder budget; 4 with max_num_seqs 4 and --limit-mm-per-prompt image 1; 16 with one
+    sequence of 4096 tokens."""
+    import dataclasses
+
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+    from tuner.simulate.profile import ModelCache
+    from tuner.simulate.vision import encoder_profile_items
+
+    assert encoder_profile_items(8192, 256, "0.19.0") == 32
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=4, mm_limit=1, max_model_len=131072) == 4
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=1, max_model_len=4096) == 16
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=256, max_model_len=131072) == 32
+    assert encoder_profile_items(8192, 16384, "0.19.0", max_num_seqs=1, mm_limit=0, max_model_len=4096) == 1
+
+    spec = load_model_spec(shared_dir / "models" / "google--gemma-3-4b-it" / "config.json")[0]
+    plugin = load_registry().by_name("gemma")
+    s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0",
+                     max_num_batched_tokens=8192, max_num_seqs=4, max_model_len=131072, mm_limits=(("image", 1),))
+    built = ModelCache(enabled=False).take(plugin, spec, s, backend="meta")
+    assert built.model.vision.profile_items(8192)[:2] == (4, 256)
+    built = ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(s, mm_limits=None, max_num_seqs=256),
+                                           backend="meta")
+    assert built.model.vision.profile_items(8192)[:2] == (32, 256)
