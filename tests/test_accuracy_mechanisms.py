@@ -548,3 +548,39 @@ def test_encoder_profile_items_ignored_max_num_seqs_and_the_image_limit(shared_d
     built = ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(s, mm_limits=None, max_num_seqs=256),
                                            backend="meta")
     assert built.model.vision.profile_items(8192)[:2] == (32, 256)
+
+
+def test_gemma4_per_layer_embeddings_buffer_and_inputs_were_not_charged(shared_dir, tmp_path):
+    """vLLM 0.19 gemma4.py / gemma4_mm.py with ``hidden_size_per_layer_input`` (the E2B / E4B
+    variants): the weights (``embed_tokens_per_layer [V_ple, L·ple]``, ``per_layer_model_projection
+    [L·ple, H]``, per layer ``per_layer_input_gate`` / ``per_layer_projection``) plus the
+    multimodal wrapper's persistent PLE buffer ``[max_num_batched_tokens, L, ple]`` (counted in
+    "Model loading took"), and in the forward the projected per-layer inputs ``[N, L·ple]`` alive
+    through every layer. The 26B-A4B config (L 30, H 2816) given ple 256 and V_ple 262144 at
+    8192 tokens: weights +4,026,531,840 + 43,253,760 + 512 + 86,507,520 + 168,960 + 125,829,120
+    bytes; the forward peak +8192 x 7680 x 2 = 125,829,120."""
+    import json
+
+    from tuner.eras import ProfileBatch, era_for
+    from tuner.modelspec import load_model_spec
+    from tuner.plugin import RankSettings, load_registry
+    from tuner.simulate.profile import run_pass
+
+    cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    plugin = load_registry().by_name("gemma")
+
+    def run(c: dict):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        spec = load_model_spec(d / "config.json")[0]
+        s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0",
+                         max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192)
+        return run_pass(plugin, spec, s, era_for("0.19.0"), ProfileBatch(8192, 256, 256, True))
+
+    ple = json.loads(json.dumps(cfg))
+    ple["text_config"].update(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
+    base, with_ple = run(cfg), run(ple)
+    assert with_ple.weights_bytes - base.weights_bytes == (4_026_531_840 + 43_253_760 + 512 + 86_507_520 + 168_960
+                                                          + 125_829_120)
+    assert with_ple.forward_peak_bytes - base.forward_peak_bytes == 8192 * 7680 * 2
