@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tuner.eras import GiB, era_for, sampler_family, sampler_path
-from tuner.logparse import flashinfer_installed
-from tuner.simulate.sampler import run_dummy_sampler, sort_workspace
-from tuner.simulate.tracker import MemoryTracker
+from tuner.memory.eras import GiB, era_for, sampler_family, sampler_path
+from tuner.logs.logparse import flashinfer_installed
+from tuner.model.simulate.sampler import run_dummy_sampler, sort_workspace
+from tuner.model.simulate.tracker import MemoryTracker
 
 
 class _Head(torch.nn.Module):
@@ -95,7 +95,7 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
     group's buffers count by topology. 2x RTX 4090 over PCIe without P2P (custom all-reduce off,
     no NVSwitch): 0.35 GiB + the NCCL communicator's 0.12 GiB, where a flat 1.8 GiB was charged
     (the log prints 0.25 GiB); on H100 NVSwitch the NVLink buffers stay (1.82 GiB at TP2)."""
-    from tuner.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
+    from tuner.memory.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
 
     pcie = Topology(interconnect="pcie", p2p=False, compute_capability="8.9")
     assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2, topology=pcie) == (
@@ -109,7 +109,7 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
 # --- 4. MoE activation under data parallelism ---------------------------------------------------
 
 def _moe_peak(version: str, dp: int, n: int = 512, h: int = 256, i: int = 128, e: int = 16, k: int = 2) -> tuple[int, int]:
-    from tuner.simulate.moe import FusedMoE, expert_layout
+    from tuner.model.simulate.moe import FusedMoE, expert_layout
 
     with torch.device("meta"), expert_layout(1, dp, True):
         moe = FusedMoE(h, i, e, k, torch.bfloat16, engine_version=version, global_num_experts=e)
@@ -149,7 +149,7 @@ def test_cudagraph_estimate_counted_piecewise_graphs_only():
     sizes in [q, q · max_num_seqs]. At 256 sequences (vLLM 0.21 on an RTX A5000 prints
     "PIECEWISE=51 (largest=512), FULL=35 (largest=256)") the estimate is 86/102 of the anchor's
     (51 + 51 graphs at 1024 sequences), where it was taken as 51/51."""
-    from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
 
     e = era_for("0.21.0")
     sizes = cudagraph_capture_sizes(e, 256, 2048)
@@ -174,9 +174,9 @@ def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
     import pytest
 
     from tuner.errors import KVCacheError
-    from tuner.job import era_with_env, pp_layer_partition
-    from tuner.kvcache import layers_per_pp_rank
-    from tuner.validate import case_env
+    from tuner.jobs.job import era_with_env, pp_layer_partition
+    from tuner.memory.kvcache import layers_per_pp_rank
+    from tuner.accuracy.validate import case_env
 
     e20, e19, e17 = era_for("0.20.0"), era_for("0.19.0"), era_for("0.17.0")
     assert e20.subtracts_cudagraph_estimate and not e19.subtracts_cudagraph_estimate
@@ -195,9 +195,9 @@ def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
 
 
 def test_drop_env_names_what_it_does_not_model():
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
-    from tuner.job import drop_env
+    from tuner.jobs.job import drop_env
 
     text = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
             "env: {VLLM_PP_LAYER_PARTITION: '16,32', VLLM_ROCM_USE_AITER: 1}\nflashinfer_installed: true\n")
@@ -221,10 +221,10 @@ def test_hybrid_int8_per_token_head_cannot_unify_page_sizes(shared_dir):
     plugin aligned on the scale-less bytes and the scales were added afterwards, so the padded
     state page (1,605,632 B) no longer matched the attention page (1,630,720 B): "cannot unify
     page sizes" on a start-up vLLM 0.24 served (Qwen3.6-27B, TP 2, int8_per_token_head)."""
-    from tuner import kvcache
-    from tuner.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.memory import kvcache
+    from tuner.memory.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
 
     spec = load_model_spec(shared_dir / "models" / "Qwen--Qwen3.5-27B" / "config.json")[0]
     plugin = load_registry().by_name("qwen3_5")
@@ -248,7 +248,7 @@ def test_unify_pads_by_release():
     Mamba pages too (Gemma-4's int8_per_token_head pages on 0.26 start in vLLM)."""
     import pytest
 
-    from tuner import kvcache as kv
+    from tuner.memory import kvcache as kv
 
     full, sw = kv.FullAttentionSpec(16, 2, 256, 1, kv_quant_mode="INT8_PER_TOKEN_HEAD"), \
         kv.SlidingWindowSpec(16, 4, 128, 1, 1024, kv_quant_mode="INT8_PER_TOKEN_HEAD")
@@ -273,11 +273,11 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     encoder from plain ``nn.Linear`` — the whole encoder on every TP rank — where the HF format's
     PixtralHFVisionModel shards it. Mistral-Small-3.1-24B at TP 2: the rank holds half the tower
     more (the llm-d 0.19 logs: 22.80 GiB printed, 22.40 predicted with a sharded tower)."""
-    from tuner.drop import Drop, Candidates
-    from tuner.job import config_format
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.vision import vision_tower_bytes
+    from tuner.question.drop import Drop, Candidates
+    from tuner.jobs.job import config_format
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.vision import vision_tower_bytes
 
     src = shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json"
     spec = load_model_spec(src)[0]
@@ -302,14 +302,14 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     (repo / "params.json").write_text("{}")
     (repo / "consolidated.safetensors").write_bytes(b"")
     assert config_format(d, str(repo / "config.json")) == "mistral"
-    from tuner.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
+    from tuner.question.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
 
     sa = parse_line(["vllm", "serve", "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "--config-format", "mistral"])
     assert sa.values["config_format"] == "mistral" and not sa.unmodelled
 
 
 def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int = 1, **settings) -> dict:
-    from tuner.validate import run_validate_request
+    from tuner.accuracy.validate import run_validate_request
 
     case = {"id": f"{model}@{version}/{kv}", "model": model, "vllm_version": version, "engine": "V1", "gpu": gpu,
             "tensor_parallel_size": tp, "kv_cache_dtype": kv, "observed": {"kv_cache_gib": 1.0},
@@ -349,9 +349,9 @@ def test_mxfp4_on_hopper_ran_triton_without_triton_kernels():
     1,692,057,600 + the scale copy 99,532,800 + fp32 biases 4,423,680."""
     from types import SimpleNamespace
 
-    from tuner.logparse import triton_kernels_installed
-    from tuner.plugin import RankSettings
-    from tuner.simulate.quant import layout_bytes, mxfp4_hopper_triton, scheme_for
+    from tuner.logs.logparse import triton_kernels_installed
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import layout_bytes, mxfp4_hopper_triton, scheme_for
 
     assert mxfp4_hopper_triton((0, 10, 1), True) == (False, None)  # torch 2.7.1
     ok, why = mxfp4_hopper_triton((0, 11, 0), None)
@@ -386,8 +386,8 @@ def test_block_fp8_on_ampere_kept_fp32_block_scales():
     136 x 40 x 4 = 21,760 on an H100; no fp8 input copy on Marlin."""
     from types import SimpleNamespace
 
-    from tuner.plugin import RankSettings
-    from tuner.simulate.quant import MARLIN_SMS, fp8_uses_marlin, layout_bytes, scheme_for
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import MARLIN_SMS, fp8_uses_marlin, layout_bytes, scheme_for
 
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
@@ -415,9 +415,9 @@ def test_awq_gemm_kernel_dequantized_weight_was_not_charged():
     Marlin (awq_marlin, every card from 7.5) has no such temporary."""
     from types import SimpleNamespace
 
-    from tuner.plugin import RankSettings
-    from tuner.simulate.layers import Linear
-    from tuner.simulate.quant import scheme_for
+    from tuner.model.plugin import RankSettings
+    from tuner.model.simulate.layers import Linear
+    from tuner.memory.quant import scheme_for
 
     qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
     spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
@@ -450,8 +450,8 @@ def test_gemma4_audio_tower_was_not_loaded(shared_dir, tmp_path):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
 
     cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
     plugin = load_registry().by_name("gemma")
@@ -479,11 +479,11 @@ def test_limit_mm_per_prompt_zero_still_loaded_the_tower(shared_dir):
     changes nothing (video stays 999, and the model has no audio tower)."""
     import dataclasses
 
-    from tuner.drop import _mm_limits
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.profile import ModelCache
-    from tuner.simulate.vision import mm_limit
+    from tuner.question.drop import _mm_limits
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import ModelCache
+    from tuner.model.simulate.vision import mm_limit
 
     spec = load_model_spec(shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json")[0]
     plugin = load_registry().by_name("mistral3")
@@ -509,7 +509,7 @@ def test_limit_mm_per_prompt_flag_was_not_modelled():
 
     import pytest
 
-    from tuner.vllm_args import ArgsInputError, parse_line, to_drop
+    from tuner.question.vllm_args import ArgsInputError, parse_line, to_drop
 
     line = """vllm serve m --limit-mm-per-prompt '{"image": 0, "video": 0}' --language-model-only"""
     sa = parse_line(shlex.split(line))
@@ -528,10 +528,10 @@ def test_encoder_profile_items_ignored_max_num_seqs_and_the_image_limit(shared_d
     sequence of 4096 tokens."""
     import dataclasses
 
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.profile import ModelCache
-    from tuner.simulate.vision import encoder_profile_items
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import ModelCache
+    from tuner.model.simulate.vision import encoder_profile_items
 
     assert encoder_profile_items(8192, 256, "0.19.0") == 32
     assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=4, mm_limit=1, max_model_len=131072) == 4
@@ -561,10 +561,10 @@ def test_gemma4_per_layer_embeddings_buffer_and_inputs_were_not_charged(shared_d
     bytes; the forward peak +8192 x 7680 x 2 = 125,829,120."""
     import json
 
-    from tuner.eras import ProfileBatch, era_for
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.profile import run_pass
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import run_pass
 
     cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
     plugin = load_registry().by_name("gemma")
