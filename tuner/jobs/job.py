@@ -794,6 +794,29 @@ def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
     return env
 
 
+def _mm_limits(drop: Drop) -> tuple | None:
+    """The drop's ``limit_mm_per_prompt`` / ``language_model_only`` as :attr:`RankSettings.mm_limits`."""
+    if drop.language_model_only:
+        return (("*", 0),)
+    if not drop.limit_mm_per_prompt:
+        return None
+    return tuple(sorted((str(k), int(v)) for k, v in drop.limit_mm_per_prompt.items()))
+
+
+def _mxfp4_triton_assumption(drop: Drop, spec: Any, era: Any, cards: Sequence[dict]) -> dict | None:
+    """The ``triton_kernels_installed`` assumption (:func:`tuner.memory.quant.mxfp4_hopper_triton`)
+    where it decides something: an MXFP4 checkpoint on a CUDA Hopper card, the drop not saying."""
+    qc = getattr(spec, "quantization_config", None) or {}
+    if str(qc.get("quant_method") or "").lower() != "mxfp4":
+        return None
+    if not any(_platform(c) == "cuda" and str(_compute_capability(c) or "").startswith("9.") for c in cards):
+        return None
+    from tuner.memory.quant import mxfp4_hopper_triton
+
+    v = era.version
+    return mxfp4_hopper_triton((v.major, v.minor, v.patch), drop.triton_kernels_installed)[1]
+
+
 def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnings: list[str]) -> Ranks:
     """Stage 2: the quantization check, the dtype, one :class:`RankSettings` per pipeline stage,
     and what vLLM refuses before loading anything (every plugin): heads / KV heads vs TP, layers
@@ -812,6 +835,9 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     sampler = sampler_path(era, flashinfer_installed=drop.flashinfer_installed,
                            use_flashinfer_sampler=env.get("VLLM_USE_FLASHINFER_SAMPLER"))
     assumptions = (sampler.assumption,) if sampler.assumption else ()
+    triton_assumption = _mxfp4_triton_assumption(drop, spec, era, cards)
+    if triton_assumption:
+        assumptions += (triton_assumption,)
     stages = [
         RankSettings(engine_version=str(era.version), dtype=dtype, kv_cache_dtype=kv_dtype,
                      block_size=block_size, tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_rank=r,
@@ -824,7 +850,9 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      mamba_cache_mode=mamba_cache_mode(drop, era, plugin, warnings),
                      flashinfer_sampler=sampler.flashinfer if era.engine == "V1" and era.version < (0, 17, 0)
                      else None,
-                     pp_layer_partition=pp_layer_partition(env))
+                     pp_layer_partition=pp_layer_partition(env),
+                     triton_kernels_installed=drop.triton_kernels_installed,
+                     mm_limits=_mm_limits(drop))
         for r in range(pp)
     ]
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,

@@ -391,6 +391,29 @@ MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CU
 _ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
 
 
+def _mm_limits(v: Any) -> dict | None:
+    """``--limit-mm-per-prompt`` as vLLM's MultiModalConfig reads it: modality → count (a
+    non-negative integer) or an options mapping with a ``count``; kept as modality → count."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        import json
+
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise _Invalid(f"must be a JSON mapping of modality to count, e.g. '{{\"image\": 0}}', not {v!r}") from None
+    if not isinstance(v, Mapping):
+        raise _Invalid(f"must be a mapping of modality to count or null, not {_type_name(v)} {v!r}")
+    out: dict[str, int] = {}
+    for k, val in v.items():
+        count = val.get("count") if isinstance(val, Mapping) else val
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise _Invalid(f"must be a non-negative integer (or {{\"count\": n, ...}}), not {val!r}", sub=f".{k}")
+        out[str(k)] = count
+    return out
+
+
 def _env(v: Any) -> dict | None:
     """vLLM's environment variables as a mapping of ``VLLM_*`` names to values (strings, numbers
     or booleans; kept as the strings vLLM reads: ``true`` → ``"1"``)."""
@@ -617,6 +640,20 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "0.11.1 vLLM depends on it and only `VLLM_USE_FLASHINFER_SAMPLER=1` selects it. null = what "
               "`pip install vllm==X` gets (not installed before 0.11.1), named in the answer as an assumption.",
               _bool(nullable=True)),
+    DropField("limit_mm_per_prompt", "mapping of modality to count | null", None,
+              "As vLLM's --limit-mm-per-prompt (`{\"image\": 0, \"audio\": 0}`; a modality not named is 999). "
+              "From 0.15 a multimodal model does not build a tower whose modalities are all 0 (its weights are not "
+              "loaded, vllm/model_executor/models/interfaces.py `_mark_tower_model`), and the profile run encodes "
+              "no item of a modality at 0. null = none given.", _mm_limits),
+    DropField("language_model_only", "boolean", False,
+              "As vLLM's --language-model-only (0.17+): every modality's limit is 0 (vllm/config/multimodal.py "
+              "`get_limit_per_prompt`), so no tower is built and no encoder profile runs.", _bool()),
+    DropField("triton_kernels_installed", "boolean | null", None,
+              "Whether the `triton_kernels` package is installed beside vLLM 0.10.2 – 0.11.x (0.12 ships it). "
+              "MXFP4 experts (gpt-oss) on a Hopper card run Triton with it and Marlin without "
+              "(quantization/mxfp4.py `_should_use_marlin`): Marlin pads the experts' hidden size to 256 and "
+              "intermediate size to 128. null = what `pip install vllm==X` gets (not installed), named in the "
+              "answer as an assumption.", _bool(nullable=True)),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("use_v2_model_runner", "boolean | null", None,
@@ -734,6 +771,9 @@ class Drop:
     hf_overrides: dict | None = field(default=None, hash=False)
     env: dict | None = field(default=None, hash=False)
     flashinfer_installed: bool | None = None
+    triton_kernels_installed: bool | None = None
+    limit_mm_per_prompt: dict | None = field(default=None, hash=False)
+    language_model_only: bool = False
     config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None

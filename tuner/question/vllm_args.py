@@ -248,6 +248,9 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
         if dest == "kv_cache_memory_bytes" and version < KV_CACHE_MEMORY_BYTES_SINCE:
             raise ArgsInputError("unrecognized arguments: --kv-cache-memory-bytes (vLLM "
                                  f"{'.'.join(map(str, KV_CACHE_MEMORY_BYTES_SINCE))}+)", where=sa.spelled[dest])
+        if dest == "language_model_only" and version < (0, 17, 0):  # vllm/config/multimodal.py: 0.17.0+
+            raise ArgsInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--language-model-only'} "
+                                 "(vLLM 0.17+)", where=sa.spelled[dest])
         if dest == "enable_extensible_kv_cache" and version < (0, 34, 0):
             raise ArgsInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--enable-extensible-kv-cache'} "
                                  "(vLLM 0.34+)", where=sa.spelled[dest])
