@@ -387,7 +387,7 @@ def _hf_overrides(v: Any) -> dict | None:
 #: ``VLLM_PP_LAYER_PARTITION`` (layers per pipeline stage, ``get_pp_indices``). Others are
 #: accepted and named as not modelled.
 MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION",
-                "VLLM_USE_V2_MODEL_RUNNER")
+                "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V1")
 _ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
 
 
@@ -603,7 +603,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "`VLLM_USE_FLASHINFER_SAMPLER` (the profile run's sampler path, 0.8–0.16), "
               "`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (whether the CUDA-graph estimate is taken off the KV "
               "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`), "
-              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given). Others are "
+              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given), `VLLM_USE_V1` "
+              "(before 0.11: 0 runs the V0 engine; from 0.11 V1 is the only engine and vLLM does not read it: a "
+              "no-op, said in the answer). Others are "
               "accepted and named in the answer as not modelled. null = none set.", _env),
     DropField("config_format", "auto | hf | mistral", "auto",
               "As vLLM's --config-format. `auto` is vLLM's choice: the Mistral format when the model directory "

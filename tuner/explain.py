@@ -744,12 +744,29 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                              "risk", "max_model_len_expected", "max_model_len_safe")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
+        elif str(cand.get("reason") or "").startswith(__import__("tuner.search").search.WEIGHTS_DO_NOT_FIT):
+            # vLLM fails loading the weights before the memory profile: no gpu_memory_utilization helps
+            rem.update(gpu_memory_utilization={
+                "possible": False, "value": None, "exact": None, "verified": None,
+                "why": "the weights do not load; vLLM fails before it sizes anything from gpu_memory_utilization"})
         elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
             fixed = w + act + nt + (g if subtracts_graphs else 0)
             rem.update(gpu_memory_utilization={
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
                            blocks=blocks_needed(era, m, block_size, min_concurrency)),
                 "approximate": not block_bytes_exact, "verified": None})
+            from tuner.budget import co_tenant_non_torch_bytes
+            from tuner.job import other_processes_bytes
+
+            others = other_processes_bytes(device, drop)
+            un = rem["gpu_memory_utilization"]
+            if others and not co_tenant_non_torch_bytes(era, others) \
+                    and un["needed_requested_bytes"] > total - others:
+                # init_device's free-memory check (vllm/v1/worker/gpu_worker.py): the requested budget
+                # total × u must not exceed the memory other processes leave free
+                un.update(possible=False, value=None, free_bytes=int(total - others),
+                          why=f"other processes leave {(total - others) / (1 << 30):.2f} GiB free, less than the "
+                              f"{un['needed_requested_bytes'] / (1 << 30):.2f} GiB it would take")
             if withheld > 0:  # 0.34: the device headroom, not gpu_memory_utilization, caps the cache
                 rem["gpu_memory_utilization"].update(
                     possible=False, value=None,
@@ -1234,7 +1251,7 @@ def render_point(e: dict) -> str:
             lines.append(f"  {k}. {s['text']:<84} = {approx}{s['value']}")
     if e.get("command"):
         lines.append(f"  {e['command']}")
-    lines += interval_lines(e.get("interval"))
+    lines += [] if weights_refused else interval_lines(e.get("interval"))
     if weights_refused:
         lines.append(f"  {e['reason']}")
     elif not e["fits"]:

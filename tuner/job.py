@@ -383,6 +383,21 @@ def topology_for(device: dict, drop: Drop | dict):
                     platform=platform_of(device))
 
 
+def _catalog_hint(card: dict) -> str:
+    """A did-you-mean for a card name the catalog lacks but nearly spells (``RTX4090`` → RTX-4090):
+    named with its total (``--device RTX4090:23.53``) the card is taken as given, so the near miss
+    is said where the assumptions it causes are."""
+    from tuner.devices import did_you_mean
+
+    name = card.get("name")
+    near = did_you_mean(name) if isinstance(name, str) else []
+    if not near:
+        return ""
+    gib = f":{int(card['total_memory_bytes']) / (1 << 30):.2f}" if card.get("total_memory_bytes") else ""
+    return (f" (did you mean {' or '.join(repr(x.name) for x in near)}? named so, e.g. --device "
+            f"'{near[0].name}{gib}', the catalog's compute capability and interconnect are used)")
+
+
 def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list[dict]:
     """What the job assumed about the device(s) rather than was told, as data (the job result's
     ``assumptions``; each widens the uncertainty band): ``{"name", "value", "where", "effect":
@@ -397,10 +412,11 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
     tp = int(d.tensor_parallel_size or 1)
     for i, card in enumerate(stage_devices(device, int(d.pipeline_parallel_size or 1))):
         where = f"device[{i}]" if device.get("stages") else "device"
+        unknown = f"{card.get('name')!s} is not in the catalog{_catalog_hint(card)}"
         if tp > 1 and topology_source(card) == "assumed":
             entry = platforms.assumption(
                 "device.interconnect", f"{ASSUMED_INTERCONNECT}, no P2P", where,
-                f"{card.get('name')!s} is not in the catalog and no interconnect was stated (device.interconnect "
+                f"{unknown} and no interconnect was stated (device.interconnect "
                 "in a drop, --device NAME:GIB:nvlink|nvswitch|pcie|xgmi); it decides the TP group's non-torch "
                 "memory: no NVLS buffers, custom all-reduce off")
             if entry not in out:
@@ -408,7 +424,7 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
         if _compute_capability(card) is None:
             entry = platforms.assumption(
                 "device.compute_capability", "9.0 or newer", where,
-                f"{card.get('name')!s} is not in the catalog and no compute_capability was stated (a drop mapping's "
+                f"{unknown} and no compute_capability was stated (a drop mapping's "
                 "compute_capability); the larger cuBLAS workspace (torch CublasHandlePool.cpp), Hopper's MLA block "
                 "size and kernels are assumed")
             if entry not in out:
@@ -669,6 +685,8 @@ def drop_era(drop: Drop | dict, engine: str | None = None):
     and from 0.34 whether the extensible KV cache sizes the cache (``enable_extensible_kv_cache``,
     off with ``kv_cache_memory_bytes``)."""
     d = _typed(drop)
+    if engine is None:
+        engine = engine_from_env(d)
     try:
         era = era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
                       extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
@@ -779,6 +797,41 @@ def era_with_env(era: Any, env: dict, *, enforce_eager: bool = False) -> Any:
     return dataclasses.replace(era, subtracts_cudagraph_estimate=bool(flag) and not enforce_eager)
 
 
+#: The release that removed the V0 engine and, with it, ``VLLM_USE_V1`` from vllm/envs.py (read in
+#: 0.10.1.1's envs.py, absent from 0.11.1's).
+V0_REMOVED_IN = (0, 11, 0)
+
+
+def engine_from_env(drop: Drop | dict) -> str | None:
+    """The engine ``VLLM_USE_V1`` selects (vllm/envs.py ``bool(int(os.getenv("VLLM_USE_V1", "1")))``
+    up to 0.10): ``"V0"`` for 0, ``"V1"`` for 1; None where it is unset or the release no longer
+    reads it (0.11+: V1 is the only engine)."""
+    from tuner.eras import VllmVersion, _env_flag
+
+    d = _typed(drop)
+    flag = _env_flag((d.env or {}).get("VLLM_USE_V1"))
+    if flag is None or VllmVersion.parse(d.engine_version) >= V0_REMOVED_IN:
+        return None
+    return "V1" if flag else "V0"
+
+
+def _use_v1_note(drop: Drop | dict) -> str | None:
+    """What ``VLLM_USE_V1`` does on the drop's release, for the answer: from 0.11 vLLM does not read it
+    (V1 is the only engine), and from 0.17 its ``validate_environ`` (vllm/envs.py; vllm/platforms/interface.py from 0.31) warns of the unknown name."""
+    from tuner.eras import VllmVersion
+
+    d = _typed(drop)
+    value = (d.env or {}).get("VLLM_USE_V1")
+    if value is None:
+        return None
+    v = VllmVersion.parse(d.engine_version)
+    if v < V0_REMOVED_IN:
+        return None
+    return (f"env VLLM_USE_V1={value!r}: modelled as a no-op on vLLM {d.engine_version}: the V0 engine was removed in "
+            "0.11, V1 is the only engine and vLLM does not read the variable"
+            + (" (it logs 'Unknown vLLM environment variable detected: VLLM_USE_V1')" if v >= (0, 17, 0) else ""))
+
+
 def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
     """The drop's ``env`` (vLLM environment variables); each one no rule reads is named in
     ``warnings`` as not modelled (:data:`tuner.drop.MODELLED_ENV`)."""
@@ -791,6 +844,9 @@ def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
                 note = f"env {name}={env[name]!r} is not modelled: no rule reads it"
                 if note not in warnings:
                     warnings.append(note)
+        note = _use_v1_note(drop)
+        if note and note not in warnings:
+            warnings.append(note)
     return env
 
 
