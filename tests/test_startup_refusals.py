@@ -164,3 +164,55 @@ def test_model_runner_v2_before_it_is_modelled_is_refused(tmp_path):
                          "--db", "sqlite:///" + str(tmp_path / "x.sqlite"))
     assert rc == 2
     assert "use_v2_model_runner" in err and "not modelled" in err
+
+
+def test_draft_model_with_another_vocabulary_reported_as_starting():
+    """The failure: a draft_model drafter whose vocabulary differs from the target's (Llama-3.1-8B
+    128256, Qwen3-0.6B 151936) was 'STARTS: 14770 blocks' on 0.32; vLLM's SpeculativeConfig refuses it
+    before loading anything, from 0.15.0 (verify_equal_vocab_size_if_draft_model; absent in 0.14.0)."""
+    from tests.conftest import REPO
+    from tuner.check import run_check
+    from tuner.errors import TunerError
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    draft = str(REPO.parent / "shared" / "models" / "Qwen--Qwen3-0.6B")
+    line = ["vllm", "serve", model, "--max-model-len", "8192", "--speculative-config",
+            '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % draft]
+    with pytest.raises(TunerError) as exc:  # invalid input (exit 2), as the other refusals of the configuration
+        run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False)
+    assert ("Target and draft model should have the same vocabulary size. Target model vocab_size=128256. Draft "
+            "model vocab_size=151936.") in str(exc.value)
+    assert run_check(line, device="H100-80GB", engine_version="0.14.0", variants=False).starts is True
+
+
+def test_draft_vocab_rule_by_release_and_method():
+    from tuner.engine_checks import DRAFT_VOCAB_CHECK_FROM, check_draft_vocab
+    from tuner.errors import DropError
+
+    assert DRAFT_VOCAB_CHECK_FROM == (0, 15, 0)
+    sc = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    with pytest.raises(DropError):
+        check_draft_vocab(sc, draft_config={"vocab_size": 10}, target_config={"text_config": {"vocab_size": 11}},
+                          version="0.15.0", path=None)
+    check_draft_vocab(sc, draft_config={"vocab_size": 10}, target_config={"vocab_size": 11}, version="0.14.0",
+                      path=None)
+    check_draft_vocab({**sc, "method": "eagle3"}, draft_config={"vocab_size": 10}, target_config={"vocab_size": 11},
+                      version="0.34.0", path=None)  # eagle heads map their own vocab (draft_has_own_vocab false)
+    check_draft_vocab(sc, draft_config={"vocab_size": 11}, target_config={"vocab_size": 11}, version="0.34.0",
+                      path=None)
+
+
+def test_max_model_len_auto_ignored_the_cap_vllm_honours():
+    """vLLM's auto-fit (0.14+) starts from the derived length, so a lowered max_position_embeddings
+    (--hf-overrides) caps it: Llama-3.1-8B on an RTX 3090 at 0.32 fits 43392 uncapped, 32768 capped."""
+    from tests.conftest import REPO
+    from tuner.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    free = run_check(["vllm", "serve", model, "--max-model-len", "auto"], device="RTX 3090", engine_version="0.32.0",
+                     variants=False)
+    capped = run_check(["vllm", "serve", model, "--max-model-len", "auto", "--hf-overrides",
+                        '{"max_position_embeddings": 32768}'], device="RTX 3090", engine_version="0.32.0",
+                       variants=False)
+    assert free.doc["max_model_len"] == 43392 and capped.doc["max_model_len"] == 32768
+    assert any("Auto-fit max_model_len: full model context length 32768 fits" in w for w in capped.doc["warnings"])

@@ -310,6 +310,13 @@ def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_spec
                           "layers are not modelled; expect fewer KV blocks than predicted"), None
     try:
         cfg = read_top(path)
+    except (ValueError, TunerError) as exc:
+        return 0, {}, 0, f"speculative_config.model {model!r} ({path}): {exc}; the drafter is not modelled", None
+    from tuner.engine_checks import check_draft_vocab
+
+    check_draft_vocab(spec_cfg, draft_config=cfg, target_config=spec.top, version=req.drop.engine_version,
+                      path=req.drop.path or None)  # vLLM refuses it before loading anything
+    try:
         weights = checkpoint_drafter_weights_bytes(
             method, cfg, spec.top, tensor_parallel_size=tp, dtype_bytes=dtype_bytes_for("auto", dtype),
             settings=None if settings is None else dataclasses.replace(settings, quantization=spec_cfg.get("quantization")))
