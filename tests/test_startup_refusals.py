@@ -216,3 +216,39 @@ def test_max_model_len_auto_ignored_the_cap_vllm_honours():
                        variants=False)
     assert free.doc["max_model_len"] == 43392 and capped.doc["max_model_len"] == 32768
     assert any("Auto-fit max_model_len: full model context length 32768 fits" in w for w in capped.doc["warnings"])
+
+
+def test_cold_compile_cache_could_not_be_stated():
+    """The failure: a cold first boot (torch.compile cache empty: Inductor compiles in the profile run,
+    max-autotune for single-size ranges) could not be told to check or a drop. Now `compile_cache: cold`
+    is named as a not-modelled input and widens the interval; warm / unstated are answered as modelled;
+    with enforce_eager nothing is compiled and nothing widens."""
+    from tests.conftest import REPO
+    from tuner.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    line = ["vllm", "serve", model, "--max-model-len", "32768"]
+    plain = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False)
+    warm = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="warm")
+    cold = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="cold")
+    assert plain.doc["interval"] == warm.doc["interval"]
+    assert plain.doc["numbers"]["num_gpu_blocks"] == cold.doc["numbers"]["num_gpu_blocks"] == 28284
+    lo = lambda r: r.doc["interval"]["num_gpu_blocks_low"]  # noqa: E731
+    assert (lo(plain), lo(cold)) == (28157, 26292)
+    assert any(w.startswith("assumed compile_cache: cold (a cold torch.compile cache") for w in cold.doc["warnings"])
+    assert not any("compile_cache" in w for w in warm.doc["warnings"])
+    eager = run_check(line + ["--enforce-eager"], device="H100-80GB", engine_version="0.32.0", variants=False,
+                      compile_cache="cold")
+    assert not any("compile_cache" in w for w in eager.doc["warnings"])
+
+
+def test_compile_cache_drop_field_is_checked(tmp_path):
+    from tuner.drop import parse_drop
+    from tuner.errors import DropError
+
+    base = "name: x\nmodel: m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
+    assert parse_drop(base + "compile_cache: COLD\n", "/d/x.yaml").compile_cache == "cold"
+    assert parse_drop(base, "/d/x.yaml").compile_cache is None
+    with pytest.raises(DropError) as exc:
+        parse_drop(base + "compile_cache: lukewarm\n", "/d/x.yaml")
+    assert "compile_cache" in str(exc.value) and "cold, warm" in str(exc.value)

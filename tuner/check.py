@@ -114,13 +114,13 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               env: dict | None = None,
               models_dir: str | None = None, label: str | None = None,
               notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
-              strict_release: bool = False, risk: str = "safe") -> CheckResult:
+              strict_release: bool = False, risk: str = "safe", compile_cache: str | None = None) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the newest modelled release (:func:`tuner.eras.resolve_release`; a newer one is answered with the
     newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
     ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
-    hold at start, the drop field of that name.
+    hold at start, the drop field of that name; ``compile_cache``: ``cold`` / ``warm`` (the drop field).
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -158,6 +158,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         d["env"] = {**(d.get("env") or {}), **env}
     if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
         d["other_processes_memory_gib"] = other_processes_memory_gib
+    if compile_cache is not None:  # the start-up's compile cache, as the drop field states it
+        d["compile_cache"] = compile_cache
     label = label or config_file or "vllm serve"
     drop = _with_release(build_drop(sa, d, label=label), release_assumed)
     from tuner.explain import prepare

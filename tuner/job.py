@@ -439,7 +439,33 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
         for entry in platforms.platform_assumptions(card, era, where=where):
             if entry not in out:
                 out.append(entry)
+    entry = compile_cache_assumption(d, era)
+    if entry is not None:
+        out.append(entry)
     return out
+
+
+def compile_cache_assumption(drop: Drop | dict, era: Any = None) -> dict | None:
+    """A cold compile cache as an unmodelled input (:func:`tuner.platforms.assumption`, the band
+    widens): on a V1 release that compiles (``era.compiled``: not ``enforce_eager``) the first boot
+    runs Inductor in the profile run (vllm/compilation/backends.py: no cached graph, compile) and,
+    for single-size compile ranges, max-autotune and coordinate-descent tuning
+    (vllm/compilation/compiler_interface.py ``set_inductor_config``, ``VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE``
+    default on) that benchmarks Triton configurations on the GPU; a warm boot loads the compiled
+    graphs. The extra peak of the cold path is not in any modelled term; ``warm`` and unstated are
+    answered as modelled. None where nothing is assumed."""
+    from tuner import platforms
+
+    d = _typed(drop)
+    if d.compile_cache != "cold" or era is None or getattr(era, "engine", "V1") != "V1" \
+            or not getattr(era, "compiled", True):
+        return None
+    return platforms.assumption(
+        "compile_cache", "cold", "compile_cache",
+        "a cold torch.compile cache: the first boot compiles every graph with Inductor during the profile run "
+        "(vllm/compilation/backends.py) and tunes single-size ranges with max-autotune "
+        "(compilation/compiler_interface.py set_inductor_config); its extra peak is not modelled, so the KV cache "
+        "may be smaller on the first boot than on a warm one")
 
 
 def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:
