@@ -252,3 +252,28 @@ def test_compile_cache_drop_field_is_checked(tmp_path):
     with pytest.raises(DropError) as exc:
         parse_drop(base + "compile_cache: lukewarm\n", "/d/x.yaml")
     assert "compile_cache" in str(exc.value) and "cold, warm" in str(exc.value)
+
+
+def test_model_runner_env_on_the_serve_line_was_not_read(capsys):
+    """The failure: `VLLM_USE_V2_MODEL_RUNNER=0 vllm serve …` (as operators write it) was 'unrecognized
+    arguments: vllm', exit 2; the variable is now read from the line as from a drop's env or a deploy
+    file's container env. 0.26 runs Llama-3.1-8B on Model Runner V2 by default (28974 blocks at 32768);
+    =0 runs the V1 runner (28060)."""
+    from tuner.cli import main
+
+    from tests.conftest import REPO
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.26.0", "--no-variants", "--"]
+    serve = ["vllm", "serve", model, "--max-model-len", "32768"]
+    assert main(base + ["VLLM_USE_V2_MODEL_RUNNER=0", "VLLM_LOGGING_LEVEL=DEBUG"] + serve) == 0
+    out = capsys.readouterr().out
+    assert "STARTS: max_model_len 32768 at gpu_memory_utilization 0.92: 28060 blocks" in out
+    assert "note: use_v2_model_runner false: vLLM 0.26.0 runs the V1 model runner" in out
+    assert "ignored: VLLM_LOGGING_LEVEL=DEBUG (no effect on start-up memory)" in out
+    assert main(base + ["env", "VLLM_USE_V2_MODEL_RUNNER=1"] + serve) == 0
+    assert "28974 blocks" in capsys.readouterr().out
+    assert main(base + serve) == 0
+    assert "28974 blocks" in capsys.readouterr().out
+    assert main(base + ["VLLM_SOMETHING_NEW=1"] + serve) == 2  # a variable no rule reads: not modelled
+    assert "does not model VLLM_SOMETHING_NEW=1" in capsys.readouterr().err

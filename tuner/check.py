@@ -127,8 +127,16 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
             invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
     """
     from tuner.explain import explain_drop
+    from tuner.vllm_args import env_not_modelled, modelled_env, split_env_prefix
 
+    argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
+    env_ignored: list[dict] = []
+    if line_env:
+        line_nm, env_ignored = env_not_modelled(line_env, source="command line")
+        extra_not_modelled = [*extra_not_modelled, *line_nm]
+        env = {**modelled_env(line_env), **(env or {})} or None
     sa = parse_line(argv, config_file, parser=parser)
+    sa.ignored = list(getattr(sa, "ignored", None) or []) + env_ignored
     warnings: list[str] = list(notes)
     parsed_by = sa.parser_info.get("vllm_version") if sa.parser_info.get("name") == "vllm" else None
     release = re.match(r"\d+\.\d+(?:\.\d+)?", str(parsed_by or ""))
