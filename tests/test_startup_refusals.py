@@ -277,3 +277,15 @@ def test_model_runner_env_on_the_serve_line_was_not_read(capsys):
     assert "28974 blocks" in capsys.readouterr().out
     assert main(base + ["VLLM_SOMETHING_NEW=1"] + serve) == 2  # a variable no rule reads: not modelled
     assert "does not model VLLM_SOMETHING_NEW=1" in capsys.readouterr().err
+
+
+def test_disable_chunked_mm_input_called_a_flag_vllm_does_not_know():
+    """The failure: --disable-chunked-mm-input (vLLM 0.10+) was 'unrecognized arguments … vLLM refuses
+    flags it does not know'; it is vLLM's, and makes vLLM refuse a model whose largest multimodal item
+    exceeds max_num_batched_tokens. That refusal needs the tower's tokens per item, which only the
+    plugins know: named as not modelled (exit 2 without --allow-unmodelled), not as a typo."""
+    from tuner.serve_args import UNMODELLED, flag_for
+
+    f = flag_for("disable_chunked_mm_input")
+    assert f is not None and f.role == UNMODELLED and f.options == ("--disable-chunked-mm-input",)
+    assert "compute_mm_encoder_budget" in f.note
