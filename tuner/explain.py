@@ -1314,6 +1314,12 @@ def render_point(e: dict) -> str:
                     text += (f"; checked: {'starts' if v['fits'] else 'still does NOT start'} with "
                              f"{v['kv_cache_tokens']} KV tokens")
                 lines.append(text)
+            elif un.get("exact") is None:  # no u helps at all (the weights do not load)
+                lines.append(f"    - no gpu_memory_utilization helps: {un.get('why') or 'none is enough'}")
+            elif un.get("free_bytes") is not None:  # co-tenants: the budget must fit the free memory
+                lines.append(f"    - no gpu_memory_utilization is enough: it would take {un['exact']:.3f} of total "
+                             f"({_gib(un['needed_requested_bytes'])} GiB), more than the {_gib(un['free_bytes'])} GiB "
+                             f"other processes leave free{approx}")
             else:
                 lines.append(f"    - no gpu_memory_utilization <= 1 is enough: it would take {un['exact']:.3f} of "
                              f"total ({_gib(un['needed_requested_bytes'])} GiB){approx}")
