@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tuner.eras import GiB, era_for, sampler_family, sampler_path
-from tuner.logparse import flashinfer_installed
-from tuner.simulate.sampler import run_dummy_sampler, sort_workspace
-from tuner.simulate.tracker import MemoryTracker
+from tuner.memory.eras import GiB, era_for, sampler_family, sampler_path
+from tuner.logs.logparse import flashinfer_installed
+from tuner.model.simulate.sampler import run_dummy_sampler, sort_workspace
+from tuner.model.simulate.tracker import MemoryTracker
 
 
 class _Head(torch.nn.Module):
@@ -95,7 +95,7 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
     group's buffers count by topology. 2x RTX 4090 over PCIe without P2P (custom all-reduce off,
     no NVSwitch): 0.35 GiB + the NCCL communicator's 0.12 GiB, where a flat 1.8 GiB was charged
     (the log prints 0.25 GiB); on H100 NVSwitch the NVLink buffers stay (1.82 GiB at TP2)."""
-    from tuner.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
+    from tuner.memory.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
 
     pcie = Topology(interconnect="pcie", p2p=False, compute_capability="8.9")
     assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2, topology=pcie) == (
@@ -109,7 +109,7 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
 # --- 4. MoE activation under data parallelism ---------------------------------------------------
 
 def _moe_peak(version: str, dp: int, n: int = 512, h: int = 256, i: int = 128, e: int = 16, k: int = 2) -> tuple[int, int]:
-    from tuner.simulate.moe import FusedMoE, expert_layout
+    from tuner.model.simulate.moe import FusedMoE, expert_layout
 
     with torch.device("meta"), expert_layout(1, dp, True):
         moe = FusedMoE(h, i, e, k, torch.bfloat16, engine_version=version, global_num_experts=e)
@@ -149,7 +149,7 @@ def test_cudagraph_estimate_counted_piecewise_graphs_only():
     sizes in [q, q · max_num_seqs]. At 256 sequences (vLLM 0.21 on an RTX A5000 prints
     "PIECEWISE=51 (largest=512), FULL=35 (largest=256)") the estimate is 86/102 of the anchor's
     (51 + 51 graphs at 1024 sequences), where it was taken as 51/51."""
-    from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
 
     e = era_for("0.21.0")
     sizes = cudagraph_capture_sizes(e, 256, 2048)
@@ -174,9 +174,9 @@ def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
     import pytest
 
     from tuner.errors import KVCacheError
-    from tuner.job import era_with_env, pp_layer_partition
-    from tuner.kvcache import layers_per_pp_rank
-    from tuner.validate import case_env
+    from tuner.jobs.job import era_with_env, pp_layer_partition
+    from tuner.memory.kvcache import layers_per_pp_rank
+    from tuner.accuracy.validate import case_env
 
     e20, e19, e17 = era_for("0.20.0"), era_for("0.19.0"), era_for("0.17.0")
     assert e20.subtracts_cudagraph_estimate and not e19.subtracts_cudagraph_estimate
@@ -195,9 +195,9 @@ def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
 
 
 def test_drop_env_names_what_it_does_not_model():
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
-    from tuner.job import drop_env
+    from tuner.jobs.job import drop_env
 
     text = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
             "env: {VLLM_PP_LAYER_PARTITION: '16,32', VLLM_ROCM_USE_AITER: 1}\nflashinfer_installed: true\n")
@@ -221,10 +221,10 @@ def test_hybrid_int8_per_token_head_cannot_unify_page_sizes(shared_dir):
     plugin aligned on the scale-less bytes and the scales were added afterwards, so the padded
     state page (1,605,632 B) no longer matched the attention page (1,630,720 B): "cannot unify
     page sizes" on a start-up vLLM 0.24 served (Qwen3.6-27B, TP 2, int8_per_token_head)."""
-    from tuner import kvcache
-    from tuner.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.memory import kvcache
+    from tuner.memory.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
 
     spec = load_model_spec(shared_dir / "models" / "Qwen--Qwen3.5-27B" / "config.json")[0]
     plugin = load_registry().by_name("qwen3_5")
@@ -248,7 +248,7 @@ def test_unify_pads_by_release():
     Mamba pages too (Gemma-4's int8_per_token_head pages on 0.26 start in vLLM)."""
     import pytest
 
-    from tuner import kvcache as kv
+    from tuner.memory import kvcache as kv
 
     full, sw = kv.FullAttentionSpec(16, 2, 256, 1, kv_quant_mode="INT8_PER_TOKEN_HEAD"), \
         kv.SlidingWindowSpec(16, 4, 128, 1, 1024, kv_quant_mode="INT8_PER_TOKEN_HEAD")
@@ -273,11 +273,11 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     encoder from plain ``nn.Linear`` — the whole encoder on every TP rank — where the HF format's
     PixtralHFVisionModel shards it. Mistral-Small-3.1-24B at TP 2: the rank holds half the tower
     more (the llm-d 0.19 logs: 22.80 GiB printed, 22.40 predicted with a sharded tower)."""
-    from tuner.drop import Drop, Candidates
-    from tuner.job import config_format
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.vision import vision_tower_bytes
+    from tuner.question.drop import Drop, Candidates
+    from tuner.jobs.job import config_format
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.vision import vision_tower_bytes
 
     src = shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json"
     spec = load_model_spec(src)[0]
@@ -302,14 +302,14 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     (repo / "params.json").write_text("{}")
     (repo / "consolidated.safetensors").write_bytes(b"")
     assert config_format(d, str(repo / "config.json")) == "mistral"
-    from tuner.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
+    from tuner.question.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
 
     sa = parse_line(["vllm", "serve", "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "--config-format", "mistral"])
     assert sa.values["config_format"] == "mistral" and not sa.unmodelled
 
 
 def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int = 1, **settings) -> dict:
-    from tuner.validate import run_validate_request
+    from tuner.accuracy.validate import run_validate_request
 
     case = {"id": f"{model}@{version}/{kv}", "model": model, "vllm_version": version, "engine": "V1", "gpu": gpu,
             "tensor_parallel_size": tp, "kv_cache_dtype": kv, "observed": {"kv_cache_gib": 1.0},

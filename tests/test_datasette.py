@@ -30,8 +30,8 @@ def _norm(sql: str) -> str:
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory, tiny_config_module):
-    from tuner.app import profile
-    from tuner.snapshot import write_snapshot
+    from tuner.jobs.app import profile
+    from tuner.store.snapshot import write_snapshot
 
     d = tmp_path_factory.mktemp("ds")
     drop = d / "tiny.yaml"

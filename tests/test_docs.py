@@ -5,8 +5,8 @@ from __future__ import annotations
 import tomllib
 
 from tests.conftest import REPO
-from tuner.drop import DROP_FIELDS
-from tuner.plugin import builtin_entry_points, load_registry
+from tuner.question.drop import DROP_FIELDS
+from tuner.model.plugin import builtin_entry_points, load_registry
 
 
 def test_every_drop_field_is_in_the_readme():

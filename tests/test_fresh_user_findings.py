@@ -86,8 +86,8 @@ def test_status_counted_the_whole_fleet_store_instead_of_this_hosts_jobs(two_hos
 
 
 def test_plot_had_no_host_filter_nor_label_in_a_fleet_store(two_hosts):
-    from tuner.plot import frontier_from_store
-    from tuner.results import open_for_read
+    from tuner.reports.plot import frontier_from_store
+    from tuner.reports.results import open_for_read
 
     f, a, b = two_hosts
     ro = open_for_read(f.url)
@@ -121,9 +121,9 @@ def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
 
     from tests.conftest import REPO
     from tuner.cli import main
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
-    monkeypatch.setattr("tuner.worker.run_in_worker",
+    monkeypatch.setattr("tuner.seam.worker.run_in_worker",
                         lambda request, *, job, timeout_s=600.0, on_progress=None, **kw: json.loads(
                             json.dumps(run_job(request))))
     monkeypatch.chdir(REPO)
@@ -173,7 +173,7 @@ def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypa
     import huggingface_hub
 
     from tuner.errors import ModelConfigError
-    from tuner.modelspec import resolve_model_path
+    from tuner.model.modelspec import resolve_model_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for version, cli in (("2.4.0", "hf"), ("0.34.1", "hf"), ("0.33.2", "huggingface-cli")):
@@ -190,7 +190,7 @@ def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypa
 def test_top_level_max_model_len_was_refused_without_saying_where_it_goes(tmp_path, tiny_config, text, field, meant):
     """A fresh user wrote `max_model_len: 8192` at the top of a drop: "unknown key" listed 27 keys
     but not the one of that name under `candidates`."""
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
     from tuner.errors import DropError
 
     drop = tmp_path / "d.yaml"
@@ -317,7 +317,7 @@ def test_passes_line_reason_text_not_in_readme():
     named the reasons only by their JSON values (``missing``, ``no store``), so the printed words could
     not be looked up. Every printed reason is now in the README."""
     from tests.conftest import REPO
-    from tuner.memoanswer import pass_source_line as passes_line
+    from tuner.jobs.memoanswer import pass_source_line as passes_line
 
     text = (REPO / "README.md").read_text()
     for reason in ("no-cache", "not memoizable", "no store", "missing"):

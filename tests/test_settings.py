@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 from tuner.errors import SettingsError
-from tuner.settings import SETTINGS, Settings, load_settings, settings_markdown
+from tuner.daemon.settings import SETTINGS, Settings, load_settings, settings_markdown
 
 REQUIRED_BY_ISSUE = ("watch_dir", "database_url", "state_dir", "job_timeout_s", "rescan_interval_s", "log_level",
                      "allow_trust_remote_code", "default_method")
@@ -86,7 +86,7 @@ def test_unreadable_and_oversized_settings(tmp_path):
 
 
 def test_state_dir_inside_watch_dir_is_refused(tmp_path):
-    from tuner.daemon import check_layout
+    from tuner.daemon.service import check_layout
 
     with pytest.raises(SettingsError) as ei:
         check_layout(Settings(watch_dir=str(tmp_path), state_dir=str(tmp_path / "state")))

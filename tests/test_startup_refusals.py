@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from tuner import kvcache
-from tuner.eras import era_for
-from tuner.search import MAMBA_MAX_NUM_SEQS_CHECK_FROM, mamba_max_num_seqs_refusal
+from tuner.memory import kvcache
+from tuner.memory.eras import era_for
+from tuner.memory.search import MAMBA_MAX_NUM_SEQS_CHECK_FROM, mamba_max_num_seqs_refusal
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ def test_hybrid_drop_with_1024_seqs_starting_with_fewer_mamba_blocks(shared_dir)
     than sequences, where vLLM 0.20+ refuses at CUDA-graph set-up. Qwen3.6-27B-FP8 on an H100 at
     gmu 0.9, 4096 tokens: 792 blocks on 0.20.0 (refused), 816 on 0.19.0 (starts; 0.19 caps the
     capture sizes)."""
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(shared_dir / "models" / "Qwen--Qwen3.6-27B-FP8")
     line = ["vllm", "serve", model, "--max-model-len", "4096", "--max-num-seqs", "1024",
@@ -100,7 +100,7 @@ def test_graph_capture_after_the_cache_out_of_memory_reported_as_starting(versio
     is not taken off the budget, so at gmu 0.99 on an H100 the cache fills 78.40 GiB and the capture
     needs 85,081,718,784 bytes of the card's 85,030,076,416; 0.20 subtracts the estimate and starts."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", str(u)],
@@ -114,7 +114,7 @@ def test_graph_capture_after_the_cache_out_of_memory_reported_as_starting(versio
 
 def test_graph_capture_oom_not_charged_with_enforce_eager():
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", "0.99",
@@ -171,7 +171,7 @@ def test_draft_model_with_another_vocabulary_reported_as_starting():
     128256, Qwen3-0.6B 151936) was 'STARTS: 14770 blocks' on 0.32; vLLM's SpeculativeConfig refuses it
     before loading anything, from 0.15.0 (verify_equal_vocab_size_if_draft_model; absent in 0.14.0)."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
     from tuner.errors import TunerError
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
@@ -186,7 +186,7 @@ def test_draft_model_with_another_vocabulary_reported_as_starting():
 
 
 def test_draft_vocab_rule_by_release_and_method():
-    from tuner.engine_checks import DRAFT_VOCAB_CHECK_FROM, check_draft_vocab
+    from tuner.memory.engine_checks import DRAFT_VOCAB_CHECK_FROM, check_draft_vocab
     from tuner.errors import DropError
 
     assert DRAFT_VOCAB_CHECK_FROM == (0, 15, 0)
@@ -206,7 +206,7 @@ def test_max_model_len_auto_ignored_the_cap_vllm_honours():
     """vLLM's auto-fit (0.14+) starts from the derived length, so a lowered max_position_embeddings
     (--hf-overrides) caps it: Llama-3.1-8B on an RTX 3090 at 0.32 fits 43392 uncapped, 32768 capped."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     free = run_check(["vllm", "serve", model, "--max-model-len", "auto"], device="RTX 3090", engine_version="0.32.0",
@@ -224,7 +224,7 @@ def test_cold_compile_cache_could_not_be_stated():
     is named as a not-modelled input and widens the interval; warm / unstated are answered as modelled;
     with enforce_eager nothing is compiled and nothing widens."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     line = ["vllm", "serve", model, "--max-model-len", "32768"]
@@ -243,7 +243,7 @@ def test_cold_compile_cache_could_not_be_stated():
 
 
 def test_compile_cache_drop_field_is_checked(tmp_path):
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
 
     base = "name: x\nmodel: m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
@@ -284,7 +284,7 @@ def test_disable_chunked_mm_input_called_a_flag_vllm_does_not_know():
     flags it does not know'; it is vLLM's, and makes vLLM refuse a model whose largest multimodal item
     exceeds max_num_batched_tokens. That refusal needs the tower's tokens per item, which only the
     plugins know: named as not modelled (exit 2 without --allow-unmodelled), not as a typo."""
-    from tuner.serve_args import UNMODELLED, flag_for
+    from tuner.memory.serve_args import UNMODELLED, flag_for
 
     f = flag_for("disable_chunked_mm_input")
     assert f is not None and f.role == UNMODELLED and f.options == ("--disable-chunked-mm-input",)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tuner.plugin import load_registry
+from tuner.model.plugin import load_registry
 
 PACKAGE = REPO / "tests" / "thirdparty_plugin"
 
@@ -40,7 +40,7 @@ def test_readme_example_imports_only_the_kit():
     source = (PACKAGE / "ctx_tuner_glm4.py").read_text()
     modules = set(re.findall(r"^\s*from (tuner[\w.]*) import", source, flags=re.M))
     modules |= set(re.findall(r"^\s*import (tuner[\w.]*)", source, flags=re.M))
-    assert modules == {"tuner.kit"}
+    assert modules == {"tuner.model.kit"}
 
 
 def _glm4_config(model_dir: Path) -> dict:

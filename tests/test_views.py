@@ -10,7 +10,7 @@ from alembic import command
 
 from tests._results_db import profiled_db
 from tests.conftest import REPO
-from tuner.store import alembic_config, open_store
+from tuner.store.database import alembic_config, open_store
 
 VIEWS = ("latest_proposals", "run_breakdown_gib", "candidate_breakdown_gib", "fit_surface", "measured_vs_simulated")
 GiB = 1 << 30
@@ -115,7 +115,7 @@ def _copy_store(src_url: str, dst_url: str) -> None:
     """Copy every table of a migrated store into another migrated (empty) store, ids kept."""
     import sqlalchemy as sa
 
-    from tuner.store import metadata
+    from tuner.store.database import metadata
 
     src, dst = sa.create_engine(src_url), sa.create_engine(dst_url)
     try:
@@ -222,8 +222,8 @@ def _fleet_queries() -> list[str]:
 def fleet_store(db_url):
     """Two hosts of one device kind: host-a computed x (u 0.5, 0.9), host-b's y was answered from it,
     host-b's z is its own; one job of host-a still pending."""
-    from tuner.fleet import register_owner
-    from tuner.jobqueue import JobQueue
+    from tuner.store.fleet import register_owner
+    from tuner.store.jobqueue import JobQueue
 
     store = open_store(db_url)
     qa = JobQueue(store, register_owner(store, "host-a", "/a", lease_s=60, gpus=[{"name": "NVIDIA H100 80GB HBM3"}]).id)
