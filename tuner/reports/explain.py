@@ -103,6 +103,13 @@ def _tokens_how(era, blocks: int, block_size: int, tokens: int, per_req: int, m:
     return "as this release reports it (int(concurrency x max_model_len))"
 
 
+def _weights_do_not_fit() -> str:
+    """The start of the weights refusal (:data:`tuner.memory.search.WEIGHTS_DO_NOT_FIT`)."""
+    from tuner.memory.search import WEIGHTS_DO_NOT_FIT
+
+    return WEIGHTS_DO_NOT_FIT
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -744,7 +751,7 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                              "risk", "max_model_len_expected", "max_model_len_safe")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
-        elif str(cand.get("reason") or "").startswith(__import__("tuner.memory.search").search.WEIGHTS_DO_NOT_FIT):
+        elif str(cand.get("reason") or "").startswith(_weights_do_not_fit()):
             # vLLM fails loading the weights before the memory profile: no gpu_memory_utilization helps
             rem.update(gpu_memory_utilization={
                 "possible": False, "value": None, "exact": None, "verified": None,
