@@ -49,7 +49,7 @@ from vllm.v1.attention.backends.utils import (  # noqa: E402
 from vllm.v1.core import kv_cache_utils as vu  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
 
-from tuner.memory import kvcache as kc# noqa: E402
+from tuner.memory import kvcache as kc  # noqa: E402
 from tuner.errors import KVCacheError  # noqa: E402
 
 VERSION = vllm.__version__.split("+")[0]
