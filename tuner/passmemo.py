@@ -176,7 +176,8 @@ def engine_answer_key(job: Any) -> str | None:
         return None
     wire = job.to_wire()
     drop = {k: v for k, v in wire["drop"].items() if k not in ("name", "path", "content_sha256")}
-    request = {k: v for k, v in wire.items() if k not in ("protocol", "drop", "progress", KNOWN_PASSES)}
+    request = {k: v for k, v in wire.items() if k not in ("protocol", "drop", "progress", KNOWN_PASSES,
+                                                           "engine_crosschecks")}
     try:
         config = config_hash(read_top(job.config_path))
         draft = config_hash(read_top(job.draft_config_path)) if job.draft_config_path else None
