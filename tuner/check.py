@@ -462,7 +462,9 @@ def render(res: CheckResult) -> str:
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"
-        + (f"; import {info['import_s']:.1f} s)" if isinstance(info.get("import_s"), (int, float)) else ")")
+        + (f"; import {info['import_s']:.1f} s)" if isinstance(info.get("import_s"), (int, float)) else
+           f"; its answer for this line and vLLM build from {info['cached']}, vLLM not imported)" if info.get("cached")
+           else ")")
         if info.get("name") == "vllm" else
         f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
