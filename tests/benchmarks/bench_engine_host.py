@@ -82,6 +82,8 @@ def _drop(tmp: Path, name: str, max_model_len: int, *, as_check: bool = False) -
         text = "\n".join(x for x in text.splitlines() if not x.startswith(("max_num_batched_tokens", "max_num_seqs")))
         text = text.replace("[0.8, 0.9, 0.95]", "[0.92]")
     model = (EXAMPLE.parent / "../models/meta-llama--Llama-3.1-8B-Instruct").resolve()
+    if as_check:  # the config check reads (--models-dir): the memo's spec key holds the config's path
+        model = Path(_models_dir()) / "meta-llama--Llama-3.1-8B-Instruct"
     text = text.replace("model: ../models/meta-llama--Llama-3.1-8B-Instruct", f"model: {model}")
     text = text.replace("name: llama-3.1-8b-h100", f"name: {name}").replace('engine_version: "0.19.0"',
                                                                              'engine_version: "0.32.0"')
