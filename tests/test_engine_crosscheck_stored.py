@@ -228,3 +228,37 @@ def test_repeated_question_cold_cli_imports_neither_vllm_nor_torch(tmp_path, tin
     assert got["doc"]["pass_source"]["source"] == "memo"
     assert got["doc"]["engine_check"]["cross_check"]["state"] == "stored"
     assert not fake_vllm.marker.exists()
+
+
+def test_repeated_check_line_ran_vllm_parser_again(tmp_path, fake_vllm, monkeypatch):
+    """``check --parser auto`` on a vLLM host ran vLLM's own parser (a subprocess importing vLLM,
+    ~9-13 s) for every check of the same line. Its answer is kept per (line, vLLM build): the second
+    parse runs no subprocess and says so; another build (a reinstall) parses again."""
+    from tuner import vllm_serve_parser as vsp
+
+    monkeypatch.setenv(vsp.CACHE_ENV, str(tmp_path / "cache"))
+    calls = []
+    answer = {"vllm_version": "0.32.0", "model": "m", "model_given": True, "explicit": {"max_model_len": 4096},
+              "options": {"max_model_len": ["--max-model-len"]}, "import_s": 9.5, "parse_s": 0.05}
+
+    def call(self, args, stdin=None):
+        calls.append(args)
+        return 0, dict(answer)
+
+    monkeypatch.setattr(vsp.VllmServeParser, "_call", call)
+    parser = vsp.VllmServeParser(sys.executable)
+    first = parser.parse(["m", "--max-model-len", "4096"])
+    again = parser.parse(["m", "--max-model-len", "4096"])
+    assert len(calls) == 1
+    assert first.values == again.values == {"max_model_len": 4096}
+    assert first.parser_info["import_s"] == 9.5 and "cached" not in first.parser_info
+    assert again.parser_info["cached"] == str(tmp_path / "cache" / "vllm-parse") and again.parser_info["import_s"] is None
+    parser.parse(["m", "--max-model-len", "8192"])  # another line
+    assert len(calls) == 2
+    init = fake_vllm.site / "vllm" / "__init__.py"
+    os.utime(init, ns=(init.stat().st_atime_ns, init.stat().st_mtime_ns + 10**9))
+    parser.parse(["m", "--max-model-len", "4096"])  # another build
+    assert len(calls) == 3
+    monkeypatch.setenv(vsp.CACHE_ENV, "off")
+    parser.parse(["m", "--max-model-len", "4096"])
+    assert len(calls) == 4
