@@ -29,11 +29,11 @@ gemma3.py, gemma3_mm.py, gemma4.py, gemma4_mm.py):
 KV cache (``kv_cache_spec``): ``SlidingWindowSpec`` for sliding layers, ``FullAttentionSpec``
 for global ones, KV heads ``max(1, kv // tp)``. The grouping of sliding/full layers, the page
 unification of Gemma-4's unequal pages and the "GPU KV cache size" token count are
-:mod:`tuner.kvcache`'s (e.g. vLLM 0.19, Gemma-2: 13 sliding + 13 full layers → two groups of
+:mod:`tuner.memory.kvcache`'s (e.g. vLLM 0.19, Gemma-2: 13 sliding + 13 full layers → two groups of
 13, ``bytes_per_block = 13 · page``, tokens = ``num_blocks // 2 · 16``).
 
 Multimodal ``-it`` checkpoints: Gemma 3's SigLIP tower and projector (and the V1 encoder
-profile) come from :mod:`tuner.simulate.vision` (``VisionTower(kind="siglip")`` wrapped in
+profile) come from :mod:`tuner.model.simulate.vision` (``VisionTower(kind="siglip")`` wrapped in
 ``MultimodalCausalLM``). Gemma 4's tower (transformers ``Gemma4VisionModel``, which vLLM 0.19
 builds with ``AutoModel.from_config``: replicated, never quantized, ~0.57 B parameters) and
 ``embed_vision`` projector come from ``VisionTower(kind="gemma4")`` (weights only: its encoder
@@ -45,8 +45,8 @@ Errors: :class:`tuner.errors.PluginError` when a Gemma-4 config lacks ``layer_ty
 from __future__ import annotations
 
 from tuner.errors import PluginError
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -151,9 +151,9 @@ def _rope_params_for(spec, kind: str) -> dict:
 
 
 def _moe_layer(*args, **kwargs):
-    """:class:`tuner.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
+    """:class:`tuner.model.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
     torch at module level)."""
-    from tuner.simulate.moe import FusedMoE
+    from tuner.model.simulate.moe import FusedMoE
 
     return FusedMoE(*args, **kwargs)
 
@@ -199,8 +199,8 @@ class GemmaPlugin(ModelPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate import layers as L
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.memory.quant import scheme_for
 
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
         tp = settings.tensor_parallel_size
@@ -281,7 +281,7 @@ class GemmaPlugin(ModelPlugin):
 
 def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):
     """Wrap the text model with the checkpoint's vision tower + projector when the top-level
-    config has a ``vision_config`` (``tuner.simulate.vision``: ``VisionTower`` and
+    config has a ``vision_config`` (``tuner.model.simulate.vision``: ``VisionTower`` and
     ``MultimodalCausalLM``, which also replays the V1 encoder profile). Gemma 3 uses
     ``kind="siglip"`` (SigLIP + ``Gemma3MultiModalProjector``).
 
@@ -293,7 +293,7 @@ def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):
     if not isinstance(vc, dict) or "text_config" not in spec.top or gen not in (3, 4):
         return text
     try:
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+        from tuner.model.simulate.vision import MultimodalCausalLM, VisionTower
     except ImportError:  # pragma: no cover - the multimodal engineer's module
         return text
     kind = "siglip" if gen == 3 else "gemma4"
@@ -314,7 +314,7 @@ def _classes():
     import torch
     from torch import nn
 
-    from tuner.simulate import layers as L
+    from tuner.model.simulate import layers as L
 
     class GemmaSandwichLayer(nn.Module):
         """Gemma 2/3 decoder layer: input norm (fused add), attention, post-attention norm (out

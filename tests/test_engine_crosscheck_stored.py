@@ -19,9 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner import memoanswer, passmemo
+from tuner.jobs import memoanswer
+from tuner.jobs import passmemo
 from tuner.engine import stored
-from tuner.store import open_store
+from tuner.store.database import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,8 +78,8 @@ class _Session:
 
 
 def _request(drop: Path, **changes) -> dict:
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     req = prepare_request(load_drop(drop), download=False)[0]
     req.update(changes)
@@ -86,13 +87,17 @@ def _request(drop: Path, **changes) -> dict:
 
 
 def _worker_run(request: dict) -> dict:
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     return json.loads(json.dumps(run_job(copy.deepcopy(request))))
 
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
+    import importlib.util
+
+    if "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+        pytest.skip("a real vLLM is installed here: the engine tier (tests/engine) asks the same with it")
     site, marker = _fake_vllm(tmp_path)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delenv("CTX_TUNER_ENGINE", raising=False)
@@ -210,10 +215,10 @@ def test_repeated_question_cold_cli_imports_neither_vllm_nor_torch(tmp_path, tin
     env.pop("CTX_TUNER_ENGINE", None)
     script = (
         "import json, sys, contextlib, io\n"
-        "import tuner.worker\n"
+        "import tuner.seam.worker\n"
         "def no_worker(*a, **k):\n"
         "    raise SystemExit('a worker was started')\n"
-        "tuner.worker.run_in_worker = no_worker\n"
+        "tuner.seam.worker.run_in_worker = no_worker\n"
         "from tuner.cli import main\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
@@ -234,7 +239,7 @@ def test_repeated_check_line_ran_vllm_parser_again(tmp_path, fake_vllm, monkeypa
     """``check --parser auto`` on a vLLM host ran vLLM's own parser (a subprocess importing vLLM,
     ~9-13 s) for every check of the same line. Its answer is kept per (line, vLLM build): the second
     parse runs no subprocess and says so; another build (a reinstall) parses again."""
-    from tuner import vllm_serve_parser as vsp
+    from tuner.engine import serve_parser as vsp
 
     monkeypatch.setenv(vsp.CACHE_ENV, str(tmp_path / "cache"))
     calls = []

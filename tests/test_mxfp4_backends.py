@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner.plugin import RankSettings
-from tuner.simulate.quant import (MXFP4_HOPPER_SCALE_PAD4_FROM, MXFP4_TRITON_FREES_SCALES_FROM, MXFP4_TRTLLM_I128_FROM, Mxfp4ExpertsFormat,
+from tuner.model.plugin import RankSettings
+from tuner.memory.quant import (MXFP4_HOPPER_SCALE_PAD4_FROM, MXFP4_TRITON_FREES_SCALES_FROM, MXFP4_TRTLLM_I128_FROM, Mxfp4ExpertsFormat,
                                   layout_bytes, mxfp4_alignment, mxfp4_backend, scheme_for)
 
 GiB = 2**30
@@ -96,8 +96,8 @@ def _plugin_model(shared_dir, cc: str, version: str, tp: int):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import load_registry
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import load_registry
 
     plugin = load_registry().by_name("gpt_oss")
     spec = load_model_spec(shared_dir / "models" / "openai--gpt-oss-120b" / "config.json")[0]
@@ -126,8 +126,8 @@ def test_marlin_profile_keeps_the_modular_workspace():
     forward, next to the padded input's output."""
     import torch
 
-    from tuner.simulate.moe import FusedMoE, workspace_bytes
-    from tuner.simulate.tracker import MemoryTracker
+    from tuner.model.simulate.moe import FusedMoE, workspace_bytes
+    from tuner.model.simulate.tracker import MemoryTracker
 
     s = _scheme("12.0", "0.28.0")
     m, k = 64, 4

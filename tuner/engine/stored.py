@@ -8,7 +8,7 @@ does not change from one question to the next, so it is run once per
 
     (model config hash, vLLM build, the settings that reach the KV specs, plugin)
 
-— the build is :func:`tuner.passmemo.engine_build` (distribution, version, the location and
+— the build is :func:`tuner.releases.installed.vllm_build` (distribution, version, the location and
 modification time of ``vllm/__init__.py``: a reinstall is another build); the settings are
 :data:`KEY_SETTINGS` and the drop's ``engine_version`` — and stored in the store's memo table
 (``pass_memo``, kind :data:`CROSSCHECK`; the value is the engine's report, the engine's KV specs
@@ -70,9 +70,8 @@ def settings_of(d: dict, *, block_size: int, plugin: str, trust_remote_code: boo
 def record_key(config_sha256: str, build: dict, settings: dict) -> str:
     """The memo key of one stored cross-check."""
     from tuner import __version__
-    from tuner.passmemo import digest
 
-    return digest({"v": RECORD_VERSION, "kind": CROSSCHECK, "tool": __version__, "config": config_sha256,
+    return _digest({"v": RECORD_VERSION, "kind": CROSSCHECK, "tool": __version__, "config": config_sha256,
                    "vllm": build, "settings": settings})
 
 
@@ -84,11 +83,9 @@ def build_label(build: dict | None) -> str:
 
 
 def specs_to_value(specs: dict | None) -> list | None:
-    """``{layer: tuner.kvcache spec}`` as JSON: ``[[layer, class name, fields], …]``."""
+    """``{layer: tuner.memory.kvcache spec}`` as JSON: ``[[layer, class name, fields], …]``."""
     if specs is None:
         return None
-    from tuner.passmemo import _enc
-
     return [[name, type(s).__name__, _enc(dataclasses.asdict(s))] for name, s in specs.items()]
 
 
@@ -96,15 +93,43 @@ def specs_from_value(value: list | None) -> dict | None:
     """The inverse of :func:`specs_to_value`."""
     if value is None:
         return None
-    from tuner import kvcache
-    from tuner.passmemo import _dec
+    from tuner.memory import kvcache
 
     return {name: getattr(kvcache, cls)(**_dec(fields)) for name, cls, fields in value}
 
 
+def _digest(obj: Any) -> str:
+    """SHA-256 of canonical JSON (as :func:`tuner.jobs.passmemo.digest`; this layer is below it)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _enc(obj: Any) -> Any:
+    """JSON form keeping tuples (a spec's ``shapes``): as :func:`tuner.jobs.passmemo._enc`."""
+    if isinstance(obj, dict):
+        return {k: _enc(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_enc(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_enc(v) for v in obj]
+    return obj
+
+
+def _dec(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tuple__"}:
+            return tuple(_dec(v) for v in obj["__tuple__"])
+        return {k: _dec(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_dec(v) for v in obj]
+    return obj
+
+
 def record_entry(use: Any, *, config_sha256: str, build: dict, settings: dict, device: dict,
                  entry_point: str) -> dict:
-    """The memo row (for :meth:`tuner.store.Store.put_memo`) of a cross-check that ran in this job
+    """The memo row (for :meth:`tuner.store.database.Store.put_memo`) of a cross-check that ran in this job
     (``use``: a :class:`tuner.engine.use.EngineUse` with its ``report``)."""
     from tuner import __version__
 

@@ -1,0 +1,72 @@
+"""Gemma 4 vision tower: the vision tower ``kind="gemma4"``
+(:class:`tuner.model.simulate.vision.VisionTower`; the interface is in :mod:`tuner.model.simulate.towers`).
+
+Gemma 4 (transformers ``Gemma4VisionModel``, built by vLLM 0.19 gemma4_mm.py with
+``AutoModel.from_config``: plain ``nn.Linear`` without bias, never TP-sharded or quantized):
+patch ``input_proj [D, 3p²]``, 2-D position table ``[2, 10240, D]``, L blocks of separate
+q/k/v/o, q/k norms ``[hd]``, 4 RMSNorms, gated MLP gate/up/down; ``std_bias``/``std_scale``
+when ``standardize``; float32 axial rotary ``inv_freq``; projector
+``embed_vision.embedding_projection [H, D]`` (weightless norm). Weights only.
+"""
+
+from __future__ import annotations
+
+
+from tuner.model.simulate.towers.base import Geometry, lin, text_hidden
+
+KIND = "gemma4"
+#: Whether the checkpoint's quantization scheme may take the tower's quantizable linears (vLLM
+#: passes ``quant_config`` to this tower).
+QUANTIZABLE = False
+
+
+def geometry(vc: dict, top: dict) -> Geometry:
+    """The tower's sizes, the vision-config values with their defaults resolved."""
+    kind = KIND
+    # transformers Gemma4VisionConfig defaults
+    return Geometry(kind, vc.get("hidden_size", 1152), vc.get("intermediate_size", 4304),
+                    vc.get("num_hidden_layers", 27), vc.get("num_attention_heads", 16), vc.get("patch_size", 16),
+                    0, 3, "gemma4")
+
+
+def params(vc: dict, top: dict, g: Geometry) -> list:
+    """Parameters and buffers of the tower and its projector as vLLM allocates them (full,
+    un-sharded shapes; entries as :func:`tuner.model.simulate.vision.param_list`)."""
+    d = g.hidden
+    i = g.intermediate
+    p = g.patch
+    hd = d // g.heads
+    h_text = text_hidden(top)
+    out: list = []
+    # transformers Gemma4VisionModel (vLLM 0.19 gemma4_mm.py builds it with AutoModel.from_config:
+    # plain nn.Linear, no TP sharding, no quantization) + vLLM's Gemma4MultimodalEmbedder
+    # (ReplicatedLinear without quant_config, weightless RMSNorm).
+    pre = "vision_tower"
+    hdv = int(vc.get("head_dim") or hd)
+    kvh = int(vc.get("num_key_value_heads") or g.heads)
+    npos = int(vc.get("position_embedding_size", 10240))
+    clipped = bool(vc.get("use_clipped_linears", False))
+    out += [lin(f"{pre}.patch_embedder.input_proj", 3 * p * p, d, False, "rep", False),
+           (f"{pre}.patch_embedder.position_embedding_table", (2, npos, d), "w")]
+    spatial = hdv // 2
+    nfreq = len(range(0, spatial, 2))
+    out += [(f"{pre}.encoder.rotary_emb.inv_freq", (nfreq,), "f32"),
+            (f"{pre}.encoder.rotary_emb.original_inv_freq", (nfreq,), "f32")]
+    for li in range(g.layers):
+        b = f"{pre}.encoder.layers.{li}"
+        lins = [("self_attn.q_proj", d, g.heads * hdv), ("self_attn.k_proj", d, kvh * hdv),
+                ("self_attn.v_proj", d, kvh * hdv), ("self_attn.o_proj", g.heads * hdv, d),
+                ("mlp.gate_proj", d, i), ("mlp.up_proj", d, i), ("mlp.down_proj", i, d)]
+        for n, fi, fo in lins:
+            out.append(lin(f"{b}.{n}.linear", fi, fo, False, "rep", False))
+            if clipped:  # input/output min/max scalars (default dtype)
+                out += [(f"{b}.{n}.{m}", (), "w") for m in ("input_min", "input_max", "output_min", "output_max")]
+        out += [(f"{b}.self_attn.q_norm.weight", (hdv,), "w"), (f"{b}.self_attn.k_norm.weight", (hdv,), "w")]
+        out += [(f"{b}.{n}.weight", (d,), "w") for n in ("input_layernorm", "post_attention_layernorm",
+                                                        "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+    if vc.get("standardize", False):
+        out += [(f"{pre}.std_bias", (d,), "w"), (f"{pre}.std_scale", (d,), "w")]
+    if h_text:
+        dim = int(vc.get("output_proj_dims") or d)
+        out.append(lin("embed_vision.embedding_projection", dim, h_text, False, "rep", False))
+    return out
