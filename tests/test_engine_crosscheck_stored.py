@@ -267,3 +267,29 @@ def test_repeated_check_line_ran_vllm_parser_again(tmp_path, fake_vllm, monkeypa
     monkeypatch.setenv(vsp.CACHE_ENV, "off")
     parser.parse(["m", "--max-model-len", "4096"])
     assert len(calls) == 4
+
+
+def test_daemon_warm_worker_got_no_stored_cross_check(tmp_path, tiny_config, fake_vllm):
+    """The daemon's jobs go to its warm worker with the stored cross-checks of their model config
+    (read with the memo): a job whose passes are not stored does not open the engine again; one
+    with no record runs the cross-check there (a daemon request does not say ``cross_check``:
+    ``run``) and returns the record with its memo entries for the daemon to store."""
+    from tuner.daemon.service import Daemon
+
+    db = str(tmp_path / "store.sqlite")
+    open_store(db).close()
+    seen = []
+
+    def inner(req, **kw):
+        seen.append(req)
+        return _worker_run(req)
+
+    first_req = _request(_drop(tmp_path / "a.yaml", tiny_config))
+    first = Daemon._memo_first({}, inner)(first_req, job="j")
+    rows = [e for e in first[passmemo.ENTRIES] if e["kind"] == stored.CROSSCHECK]
+    assert len(rows) == 1 and first["engine_check"]["cross_check"]["state"] == "ran" and _Session.opened == 1
+    entries = {r["memo_key"]: r["value"] for r in rows}  # what _lookups reads back from the store
+    req2 = _request(_drop(tmp_path / "b.yaml", tiny_config, gmu=(0.6,), name="b"))
+    again = Daemon._memo_first(entries, inner)(req2, job="j")
+    assert len(seen[-1][stored.REQUEST_KEY]) == 1  # the worker got the record
+    assert again["engine_check"]["cross_check"]["state"] == "stored" and _Session.opened == 1
