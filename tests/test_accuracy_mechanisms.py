@@ -456,3 +456,252 @@ def test_pp_worker_label_names_the_printing_stage():
     # 0.20+ prints every worker's line: the label decides
     assert _logged_stage_candidate(c, "0.24.0", refused=False, printed_stage=1)["available_kv_cache_bytes"] == 6 * GiB
     assert _logged_stage_candidate(c, "0.24.0", refused=False) is c
+
+
+# --- 6. backends chosen by the environment: MXFP4 on Hopper before 0.12 ---------------------------
+
+def test_mxfp4_on_hopper_ran_triton_without_triton_kernels():
+    """quantization/mxfp4.py ``_should_use_marlin`` (0.10.1.1) / ``get_mxfp4_backend`` (0.10.2 – 0.11.2):
+    on a 9.x card, Marlin unless ``has_triton_kernels()`` and torch >= 2.8. The 0.10.1.1 wheel pins
+    torch 2.7.1 (Marlin whatever is installed); no wheel before 0.12 requires triton_kernels (0.12
+    vendors it). gpt-oss-120b on one H100: Marlin pads H 2880 -> 3072 and I 2880 -> 2944, so each of
+    the 36 layers keeps w13 128x5888x1536 + scales 128x5888x96, w2 128x3072x1472 + 128x3072x92
+    (uint8) and bf16 biases 128x(5888+3072): 1,847,263,232 bytes, against the Triton strided layout's
+    1,692,057,600 + the scale copy 99,532,800 + fp32 biases 4,423,680."""
+    from types import SimpleNamespace
+
+    from tuner.logs.logparse import triton_kernels_installed
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import layout_bytes, mxfp4_hopper_triton, scheme_for
+
+    assert mxfp4_hopper_triton((0, 10, 1), True) == (False, None)  # torch 2.7.1
+    ok, why = mxfp4_hopper_triton((0, 11, 0), None)
+    assert ok is False and why["name"] == "triton_kernels_installed" and why["value"] is False
+    assert mxfp4_hopper_triton((0, 11, 0), True) == (True, None)
+    assert mxfp4_hopper_triton((0, 11, 2), None)[0] is False
+    assert mxfp4_hopper_triton((0, 12, 0), None) == (True, None)  # vendored
+
+    qc = {"quant_method": "mxfp4"}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def bank(version: str, installed):
+        s = scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability="9.0",
+                                          triton_kernels_installed=installed))
+        return s.expert_format.backend, layout_bytes(s.expert_layout(128, 2880, 2880, "bfloat16", has_bias=True))
+
+    assert bank("0.10.1", True) == ("marlin", 1_847_263_232)
+    assert bank("0.11.0", None) == ("marlin", 1_847_263_232)
+    assert bank("0.11.0", True) == ("triton_strided", 1_692_057_600 + 99_532_800 + 4_423_680)
+    # 36 layers: +1,844,969,472 bytes (1.72 GiB) on Marlin; what the log shows and an official image runs
+    assert triton_kernels_installed(["Weight-only FP4 compression will be used leveraging the Marlin kernel. x"]) is False
+    assert triton_kernels_installed(["vLLM 0.11.0 per the pod spec (vllm/vllm-openai:v0.11.0)"]) is True
+    assert triton_kernels_installed(["vllm serve openai/gpt-oss-120b"]) is None
+
+
+def test_block_fp8_on_ampere_kept_fp32_block_scales():
+    """utils/marlin_utils_fp8.py ``prepare_fp8_layer_for_marlin`` (0.10.1.1, 0.24.0): below compute
+    capability 8.9 FP8 runs weight-only through Marlin; a [128, 128] block scale ``[out/128, in/128]``
+    fp32 becomes ``[in/128, out]`` in the model dtype, plus an int32 workspace of one int per SM.
+    Qwen3.6-27B's MLP gate_up on a TP2 rank (in 5120, out 2 x 17408 / 2 = 17408): weight 89,128,960
+    fp8 bytes on both cards; scales 40 x 17408 x 2 = 1,392,640 bytes on an RTX 3090 (8.6) against
+    136 x 40 x 4 = 21,760 on an H100; no fp8 input copy on Marlin."""
+    from types import SimpleNamespace
+
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import MARLIN_SMS, fp8_uses_marlin, layout_bytes, scheme_for
+
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def linear(cc: str):
+        s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability=cc))
+        return s.linear_layout(5120, 17408, "bfloat16", "model.layers.0.mlp.gate_up_proj")
+
+    lay, act = linear("8.6")
+    assert layout_bytes(lay) == 89_128_960 + 1_392_640 + 4 * MARLIN_SMS and act is None
+    lay, act = linear("9.0")
+    assert layout_bytes(lay) == 89_128_960 + 21_760 and act == ("float8_e4m3fn", 40)
+    assert fp8_uses_marlin((8, 0)) and fp8_uses_marlin((8, 6)) and not fp8_uses_marlin((8, 9))
+    # expert banks: [E, in/128, out] model-dtype scales, a 4-blocks-per-SM workspace
+    s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability="8.0"))
+    bank = s.expert_layout(8, 2048, 768, "bfloat16", "model.layers.0.mlp.experts")
+    assert ("w13_weight_scale", (8, 16, 1536), "bfloat16") in bank and ("w2_weight_scale", (8, 6, 2048), "bfloat16") in bank
+
+
+def test_awq_gemm_kernel_dequantized_weight_was_not_charged():
+    """awq.py ``AWQLinearMethod.apply`` (0.6.4, 0.10.1.1, 0.19.0): from 256 rows the AWQ kernel
+    dequantizes the whole weight to ``[in, out]`` fp16 and multiplies with torch.matmul. Qwen2-7B's
+    gate_up (in 3584, out 2 x 18944) at 2048 tokens: the output 2048 x 37888 x 2 = 155,189,248 bytes
+    plus the dequantized weight 3584 x 37888 x 2 = 271,581,184; at 128 tokens only the output.
+    Marlin (awq_marlin, every card from 7.5) has no such temporary."""
+    from types import SimpleNamespace
+
+    from tuner.model.plugin import RankSettings
+    from tuner.model.simulate.layers import Linear
+    from tuner.memory.quant import scheme_for
+
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def peak(quantization, rows: int) -> int:
+        s = scheme_for(spec, RankSettings(engine_version="0.10.1.1", dtype="float16", compute_capability="8.6",
+                                          quantization=quantization))
+        with torch.device("meta"):
+            lin = Linear(3584, 37888, torch.float16, quant=s, prefix="model.layers.0.mlp.gate_up_proj")
+            x = torch.empty(rows, 3584, dtype=torch.float16)
+            with MemoryTracker() as t:
+                lin(x)
+        return t.peak_bytes
+
+    assert peak("awq", 2048) == 155_189_248 + 271_581_184
+    assert peak("awq", 128) == 128 * 37888 * 2
+    assert peak(None, 2048) == 155_189_248  # awq_marlin
+
+
+# --- 7. weights the product missed: Gemma 4's audio tower ------------------------------------------
+
+def test_gemma4_audio_tower_was_not_loaded(shared_dir, tmp_path):
+    """vLLM 0.19 gemma4_mm.py ``Gemma4ForConditionalGeneration.__init__``: with an ``audio_config``
+    (the E2B / E4B variants) it builds ``AutoModel.from_config(config.audio_config)`` (transformers
+    ``Gemma4AudioModel``: 304,824,608 parameters at transformers' defaults, bf16 = 609,649,216 bytes,
+    plus 2,008 bytes of buffers from ``post_init``) and ``embed_audio`` (ReplicatedLinear 1536 ->
+    text hidden 2816, bf16 = 8,650,752 bytes), on every rank."""
+    import json
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+
+    cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    plugin = load_registry().by_name("gemma")
+    settings = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0")
+
+    def weights(c: dict) -> int:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        spec = load_model_spec(d / "config.json")[0]
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            return plugin.weights_bytes(spec, settings, plugin.build_model(spec, settings))
+
+    assert cfg.get("audio_config") is None
+    with_audio = weights({**cfg, "audio_config": {"model_type": "gemma4_audio"}})
+    assert with_audio - weights(cfg) == 609_649_216 + 2_008 + 1536 * 2816 * 2
+
+
+def test_limit_mm_per_prompt_zero_still_loaded_the_tower(shared_dir):
+    """vllm/model_executor/models/interfaces.py ``_mark_tower_model`` (0.15.0+, read in 0.19.0): a
+    tower whose modalities are all limited to 0 is not built (``no_init_weights`` ->
+    ``StageMissingLayer``); ``--language-model-only`` sets every limit to 0
+    (vllm/config/multimodal.py ``get_limit_per_prompt``). Mistral-Small-3.1 (Pixtral tower) on one
+    H100: ``{"image": 0}`` takes the tower's weights off at 0.19, not at 0.14; ``{"audio": 0}``
+    changes nothing (video stays 999, and the model has no audio tower)."""
+    import dataclasses
+
+    from tuner.question.drop import _mm_limits
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import ModelCache
+    from tuner.model.simulate.vision import mm_limit
+
+    spec = load_model_spec(shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json")[0]
+    plugin = load_registry().by_name("mistral3")
+    base = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0")
+
+    def weights(**kw) -> int:
+        return ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(base, **kw), backend="meta").weights_bytes
+
+    full = weights()
+    tower = full - weights(mm_limits=(("image", 0),))
+    assert 0.8 * 2**30 < tower < 0.9 * 2**30  # Pixtral-12B's encoder + projector, bf16
+    assert weights(mm_limits=(("*", 0),)) == full - tower
+    assert weights(mm_limits=(("audio", 0),)) == full
+    assert weights(engine_version="0.14.0", mm_limits=(("image", 0),)) == weights(engine_version="0.14.0")
+    assert mm_limit(RankSettings("0.19.0", "bfloat16", mm_limits=(("image", 2),)), "video") == 999
+    assert _mm_limits('{"image": 0, "video": {"count": 1, "num_frames": 8}}') == {"image": 0, "video": 1}
+
+
+def test_limit_mm_per_prompt_flag_was_not_modelled():
+    """``--limit-mm-per-prompt`` and ``--language-model-only`` reach the drop (they were named as not
+    modelled); vLLM before 0.17 has no --language-model-only (vllm/config/multimodal.py)."""
+    import shlex
+
+    import pytest
+
+    from tuner.question.vllm_args import ArgsInputError, parse_line, to_drop
+
+    line = """vllm serve m --limit-mm-per-prompt '{"image": 0, "video": 0}' --language-model-only"""
+    sa = parse_line(shlex.split(line))
+    assert sa.unmodelled == []
+    m = to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.19.0", model="/tmp/m", max_model_len=4096)
+    assert m.drop.limit_mm_per_prompt == {"image": 0, "video": 0} and m.drop.language_model_only is True
+    with pytest.raises(ArgsInputError, match="0.17"):
+        to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.16.0", model="/tmp/m", max_model_len=4096)
+
+
+def test_encoder_profile_items_ignored_max_num_seqs_and_the_image_limit(shared_dir):
+    """``MultiModalBudget._get_max_items`` (vllm/v1/worker/utils.py 0.11.0; vllm/multimodal/
+    encoder_budget.py 0.24.0): items = max(1, min(encoder budget // T, max_num_seqs x max(1,
+    min(limit, max_model_len // T)))). Gemma-3 (SigLIP, T = 256) at 8192 batched tokens: 32 images
+    by the encoder budget; 4 with max_num_seqs 4 and --limit-mm-per-prompt image 1; 16 with one
+    sequence of 4096 tokens."""
+    import dataclasses
+
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import ModelCache
+    from tuner.model.simulate.vision import encoder_profile_items
+
+    assert encoder_profile_items(8192, 256, "0.19.0") == 32
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=4, mm_limit=1, max_model_len=131072) == 4
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=1, max_model_len=4096) == 16
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=256, max_model_len=131072) == 32
+    assert encoder_profile_items(8192, 16384, "0.19.0", max_num_seqs=1, mm_limit=0, max_model_len=4096) == 1
+
+    spec = load_model_spec(shared_dir / "models" / "google--gemma-3-4b-it" / "config.json")[0]
+    plugin = load_registry().by_name("gemma")
+    s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0",
+                     max_num_batched_tokens=8192, max_num_seqs=4, max_model_len=131072, mm_limits=(("image", 1),))
+    built = ModelCache(enabled=False).take(plugin, spec, s, backend="meta")
+    assert built.model.vision.profile_items(8192)[:2] == (4, 256)
+    built = ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(s, mm_limits=None, max_num_seqs=256),
+                                           backend="meta")
+    assert built.model.vision.profile_items(8192)[:2] == (32, 256)
+
+
+def test_gemma4_per_layer_embeddings_buffer_and_inputs_were_not_charged(shared_dir, tmp_path):
+    """vLLM 0.19 gemma4.py / gemma4_mm.py with ``hidden_size_per_layer_input`` (the E2B / E4B
+    variants): the weights (``embed_tokens_per_layer [V_ple, L·ple]``, ``per_layer_model_projection
+    [L·ple, H]``, per layer ``per_layer_input_gate`` / ``per_layer_projection``) plus the
+    multimodal wrapper's persistent PLE buffer ``[max_num_batched_tokens, L, ple]`` (counted in
+    "Model loading took"), and in the forward the projected per-layer inputs ``[N, L·ple]`` alive
+    through every layer. The 26B-A4B config (L 30, H 2816) given ple 256 and V_ple 262144 at
+    8192 tokens: weights +4,026,531,840 + 43,253,760 + 512 + 86,507,520 + 168,960 + 125,829,120
+    bytes; the forward peak +8192 x 7680 x 2 = 125,829,120."""
+    import json
+
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import run_pass
+
+    cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    plugin = load_registry().by_name("gemma")
+
+    def run(c: dict):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        spec = load_model_spec(d / "config.json")[0]
+        s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0",
+                         max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192)
+        return run_pass(plugin, spec, s, era_for("0.19.0"), ProfileBatch(8192, 256, 256, True))
+
+    ple = json.loads(json.dumps(cfg))
+    ple["text_config"].update(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
+    base, with_ple = run(cfg), run(ple)
+    assert with_ple.weights_bytes - base.weights_bytes == (4_026_531_840 + 43_253_760 + 512 + 86_507_520 + 168_960
+                                                          + 125_829_120)
+    assert with_ple.forward_peak_bytes - base.forward_peak_bytes == 8192 * 7680 * 2

@@ -21,9 +21,12 @@ QC = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_a
 E120, H, I = 128, 2880, 2880  # gpt-oss-120b: 128 experts, hidden 2880, intermediate 2880, 36 layers
 
 
-def _scheme(cc: str, version: str):
+def _scheme(cc: str, version: str, triton_kernels_installed: bool | None = True):
+    """``triton_kernels_installed`` True: the image's environment (before 0.12 a pip install lacks the
+    package and Hopper runs Marlin: tests/test_accuracy_mechanisms.py)."""
     spec = SimpleNamespace(quantization_config=QC, top={"quantization_config": QC}, raw={})
-    return scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability=cc))
+    return scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability=cc,
+                                         triton_kernels_installed=triton_kernels_installed))
 
 
 @pytest.mark.parametrize("cc, version, backend", [

@@ -107,7 +107,11 @@ def test_gpt_oss_mxfp4_weights_against_model_loading(shared_dir, registry):
     spec = _spec(shared_dir, "openai--gpt-oss-20b")
     assert _weights(plugin, spec, _settings()) / GiB == pytest.approx(13.64, rel=0.005)  # 0.19, H100, TP1
     assert _weights(plugin, spec, _settings(tensor_parallel_size=2)) / GiB == pytest.approx(7.01, rel=0.005)
-    assert _weights(plugin, spec, _settings(engine_version="0.11.0")) / GiB == pytest.approx(13.47, rel=0.005)
+    # 0.11.0 with triton_kernels (the vllm/vllm-openai:v0.11.0 image's start-up); a pip install
+    # lacks the package and runs Marlin (H 2880 -> 3072, I 2880 -> 2944)
+    assert _weights(plugin, spec, _settings(engine_version="0.11.0", triton_kernels_installed=True)) / GiB \
+        == pytest.approx(13.47, rel=0.005)
+    assert _weights(plugin, spec, _settings(engine_version="0.11.0")) / GiB == pytest.approx(13.70, rel=0.005)
     # without the MXFP4 experts the same model would be ~38 GiB: the experts really are 4-bit
     assert _weights(plugin, spec, _settings(tensor_parallel_size=2)) < 8 * GiB
 

@@ -188,7 +188,7 @@ def test_mxfp4_experts_gpt_oss_20b_layer_on_hopper():
     bias = e * (2 * n + h) * 4                              # fp32 on the Triton path
     assert layout_bytes(s.expert_layout(e, h, n, "bfloat16", "model.layers.0.mlp.experts", has_bias=True)) \
         == w13 + w2 + bias == 458_772_480
-    old = scheme_for(_spec({"quant_method": "mxfp4"}), _settings(engine_version="0.11.0"))
+    old = scheme_for(_spec({"quant_method": "mxfp4"}), _settings(engine_version="0.11.0", triton_kernels_installed=True))
     assert old.expert_format == Mxfp4ExpertsFormat(backend="triton_strided", prepad=False)
     assert layout_bytes(old.expert_layout(e, h, n, "bfloat16", "x.experts")) == e * (2 * n * h // 2 + h * n // 2) + \
         2 * e * (2 * n * h // 32 + h * n // 32)
@@ -288,7 +288,9 @@ def test_gpt_oss_mxfp4_cases(shared_dir, observed_cases, case_id, tp, version):
     if not any(p.name == "gpt_oss" for p in load_registry().plugins):
         pytest.skip("gpt_oss plugin not installed")
     obs = observed_cases[case_id]["observed"]["weights_gib"]
-    got = _weights_gib(shared_dir, "openai--gpt-oss-20b", tensor_parallel_size=tp, engine_version=version)
+    # the v0.11.0 case ran the vllm/vllm-openai image, which has triton_kernels (Triton, not Marlin)
+    got = _weights_gib(shared_dir, "openai--gpt-oss-20b", tensor_parallel_size=tp, engine_version=version,
+                       triton_kernels_installed=True)
     assert got == pytest.approx(obs, rel=0.005)
 
 

@@ -322,13 +322,15 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     drop = mapped.drop
     # what the case's lines and notes say beyond its settings: the FlashInfer package (the sampler
     # path before 0.17) and a --config-format given on its command line
-    installed = logparse.flashinfer_installed(
-        list(case.get("raw_lines") or []) + [case.get("notes"), case.get("source_context")])
+    texts = list(case.get("raw_lines") or []) + [case.get("notes"), case.get("source_context")]
+    installed = logparse.flashinfer_installed(texts)
+    triton = logparse.triton_kernels_installed(texts)  # MXFP4 on Hopper before 0.12
     fmt = (case.get("settings") or {}).get("config_format") or case_config_format(case)
-    if installed is not None or fmt != "auto":
+    if installed is not None or triton is not None or fmt != "auto":
         import dataclasses
 
-        drop = dataclasses.replace(drop, flashinfer_installed=installed, config_format=fmt)
+        drop = dataclasses.replace(drop, flashinfer_installed=installed, config_format=fmt,
+                                   triton_kernels_installed=triton)
     from tuner.question.protocol import JobRequest
 
     draft_path = draft_error = None

@@ -523,6 +523,28 @@ FLASHINFER_PRESENT = ("Using FlashInfer for top-p & top-k sampling", "FlashInfer
                       "Using FlashInfer backend", "FLASHINFER backend", "FlashInfer backend")
 
 
+#: The MXFP4 Marlin fallback's warning (quantization/utils/marlin_utils_fp4.py
+#: ``prepare_moe_fp4_layer_for_marlin``, 0.10.1 – 0.11): on a Hopper card it is printed only when
+#: ``triton_kernels`` (or torch >= 2.8) is missing.
+MXFP4_MARLIN = ("Weight-only FP4 compression will be used leveraging the Marlin kernel",)
+#: The official images (vllm/vllm-openai) install ``triton_kernels`` beside vLLM for gpt-oss: not read
+#: from their Dockerfile; the v0.11.0 image's gpt-oss-20b / -120b start-ups load Triton's layout
+#: (13.47 / 64.38 GiB), not Marlin's (1.7 GiB more on -120b).
+TRITON_KERNELS_IMAGE = ("vllm/vllm-openai",)
+
+
+def triton_kernels_installed(texts) -> bool | None:
+    """What a log (or a case's notes) says about ``triton_kernels`` beside a vLLM older than 0.12:
+    False where MXFP4 fell back to Marlin ("... leveraging the Marlin kernel"), True where it ran an
+    official image, None where it says nothing (the Marlin line wins)."""
+    joined = "\n".join(str(t) for t in texts or () if t)
+    if any(m in joined for m in MXFP4_MARLIN):
+        return False
+    if any(m in joined for m in TRITON_KERNELS_IMAGE):
+        return True
+    return None
+
+
 def flashinfer_installed(texts) -> bool | None:
     """What a log (or a case's notes) says about the FlashInfer package: False where it prints
     "FlashInfer is not available", True where it uses or offers FlashInfer, None where it says

@@ -182,9 +182,25 @@ class Fp8Format:
     static_input: bool = False
     quantize_activations: bool = True
     scale_dtype: str = "float32"
+    #: weight-only FP8 through Marlin on a card without native FP8 (:func:`fp8_uses_marlin`).
+    marlin: bool = False
+
+    def _marlin_scales(self, i: int, o: int, dtype: str, e: int | None = None) -> Layout:
+        """utils/marlin_utils_fp8.py ``prepare_fp8_layer_for_marlin`` / ``prepare_fp8_moe_layer_for_marlin``
+        (0.10.1.1, 0.24.0): the scales go to the model dtype (``.to(layer.orig_dtype)``) and become
+        group-wise — a block scale ``[out/bn, in/bk]`` is ``repeat_interleave``-d to ``[in/bk, out]``
+        (one per ``bk`` inputs and per output) — or channel-wise ``[1, out]`` (tensor / channel
+        scales); the int32-repacked weight keeps the fp8 bytes; an ``int32 [SMs]`` workspace per
+        layer (``marlin_make_workspace_new``; 4 blocks per SM for the experts)."""
+        rows = _cdiv(i, self.block[1]) if self.strategy == "block" else 1
+        lead = () if e is None else (e,)
+        return [("weight_scale", lead + (rows, o), dtype),
+                ("marlin_workspace", (MARLIN_SMS * (1 if e is None else 4),), "int32")]
 
     def linear(self, i: int, o: int, dtype: str) -> tuple[Layout, tuple | None]:
         lay: Layout = [("weight", (o, i), "float8_e4m3fn")]
+        if self.marlin:  # W8A16: no input quantization, no input scale kept
+            return lay + self._marlin_scales(i, o, dtype), None
         if self.strategy == "block":
             bn, bk = self.block
             lay.append(("weight_scale_inv", (_cdiv(o, bn), _cdiv(i, bk)), self.scale_dtype))
@@ -201,6 +217,8 @@ class Fp8Format:
 
     def bank(self, e: int, i: int, o: int, dtype: str) -> Layout:
         lay: Layout = [("weight", (e, o, i), "float8_e4m3fn")]
+        if self.marlin:
+            return lay + self._marlin_scales(i, o, dtype, e)
         if self.strategy == "block":
             bn, bk = self.block
             lay.append(("weight_scale_inv", (e, _cdiv(o, bn), _cdiv(i, bk)), self.scale_dtype))
@@ -298,6 +316,16 @@ class WNA16Format:
                 lay.append(("g_idx", (i,), "int32"))
         return lay, None
 
+    def gemm_temp(self, i: int, o: int, dtype: str) -> tuple[int, tuple[int, int], str] | None:
+        """A temporary the profile run's GEMM allocates next to its output, as ``(min_rows, shape,
+        dtype)``: AWQ's own kernel (awq.py ``AWQLinearMethod.apply``, 0.6.4, 0.10.1.1, 0.19.0 — the
+        forced ``--quantization awq``, or a layer awq_marlin.py hands back to it) dequantizes the
+        whole weight (``ops.awq_dequantize`` -> ``[in, out]`` in the scales' dtype) and multiplies
+        with ``torch.matmul`` once ``x.shape[:-1].numel() >= 256``. None for the other kernels."""
+        if self.flavor == "awq" and self._kernel_for(i, o, dtype) == "plain":
+            return 256, (i, o), dtype
+        return None
+
     def bank(self, e: int, i: int, o: int, dtype: str) -> Layout:
         """Marlin MoE (gptq_marlin.py / awq_marlin.py / compressed_tensors_moe.py): the repacked
         weight keeps its size; zero points only for asymmetric schemes; ``g_idx`` + sort indices
@@ -349,7 +377,45 @@ MXFP4_TRTLLM_I128_FROM = (0, 27, 0)
 MXFP4_HOPPER_SCALE_PAD4_FROM = (0, 26, 0)
 
 
-def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str = "cuda") -> str:
+#: First release whose wheel ships ``triton_kernels`` (vendored as ``vllm/third_party/triton_kernels``,
+#: which ``has_triton_kernels`` accepts from 0.12.0, vllm/utils/import_utils.py); 0.10.1 – 0.11.2
+#: import a separately installed ``triton_kernels`` only (no wheel requires it: METADATA of
+#: 0.10.1.1, 0.11.1).
+TRITON_KERNELS_VENDORED_FROM = (0, 12, 0)
+#: The torch each release's CUDA wheel pins (METADATA ``Requires-Dist: torch==``): 2.7.1 through
+#: 0.10.1.1 (read), 2.8.0 for 0.10.2 – 0.11.0, 2.9.0 from 0.11.1 (read). Only ``>= 2.8.0`` matters
+#: here (the MXFP4 Triton path's ``is_torch_equal_or_newer("2.8.0")``).
+TORCH_2_8_FROM = (0, 10, 2)
+
+
+def mxfp4_hopper_triton(version: tuple[int, ...], triton_kernels_installed: bool | None) -> tuple[bool, dict | None]:
+    """Whether gpt-oss's MXFP4 experts can run Triton on a Hopper card, and the assumption made.
+
+    vLLM 0.10.1 – 0.11.2 (quantization/mxfp4.py ``_should_use_marlin`` / ``get_mxfp4_backend``, read
+    in 0.10.1.1, 0.10.2, 0.11.0, 0.11.1, 0.11.2): on CUDA below Blackwell, Marlin unless the card is
+    9.x **and** ``has_triton_kernels()`` **and** ``is_torch_equal_or_newer("2.8.0")``. The torch is
+    the release's pin (:data:`TORCH_2_8_FROM`); ``triton_kernels`` is a separate package until the
+    wheel vendors it (:data:`TRITON_KERNELS_VENDORED_FROM`). ``triton_kernels_installed`` None:
+    what ``pip install vllm==X`` gets (not installed before 0.12), returned as the named
+    assumption ``{"name": "triton_kernels_installed", "value": False, "why": ...}``.
+    """
+    v = tuple(version[:3])
+    if v >= TRITON_KERNELS_VENDORED_FROM:
+        return True, None
+    if v < TORCH_2_8_FROM:  # torch 2.7.1: Marlin whatever is installed
+        return False, None
+    if triton_kernels_installed is not None:
+        return bool(triton_kernels_installed), None
+    return False, {"name": "triton_kernels_installed", "value": False,
+                   "why": f"vLLM {'.'.join(map(str, v))} as `pip install` installs it: triton_kernels is not a "
+                          "dependency before 0.12, so MXFP4 experts on Hopper run Marlin (hidden padded to 256, "
+                          "intermediate to 128) instead of Triton; say triton_kernels_installed: true for an "
+                          "image that ships it (the vllm/vllm-openai images' gpt-oss start-ups load the Triton "
+                          "layout)"}
+
+
+def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str = "cuda",
+                  triton_kernels: bool = True) -> str:
     """The MXFP4 MoE backend vLLM picks for gpt-oss on a CUDA GPU of compute capability ``cc``
     (no ``moe_backend`` / ``VLLM_USE_FLASHINFER_MOE_MXFP4_*`` override).
 
@@ -369,6 +435,8 @@ def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str =
 
     Releases before 0.19 are assumed to pick the same way (their wheels were not read for
     Blackwell; the Hopper branches are the ones checked against the visible H100 start-ups).
+    ``triton_kernels`` False (:func:`mxfp4_hopper_triton`: before 0.12 without the package, or
+    torch < 2.8): Hopper runs Marlin too.
 
     On ROCm (``platform="rocm"``; the MI300X's torch capability 9.4 is no Hopper) the AITER
     backends need ``VLLM_ROCM_USE_AITER`` (off by default) and gfx950, so the default is Triton
@@ -379,7 +447,7 @@ def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str =
         return "rocm_triton"
     if (10, 0) <= cc < (11, 0):
         return "flashinfer_trtllm"
-    if (9, 0) <= cc < (10, 0):
+    if (9, 0) <= cc < (10, 0) and triton_kernels:
         return "triton_strided" if version[:3] <= (0, 11, 0) else "triton_swizzle"
     return "marlin"
 
@@ -580,6 +648,12 @@ class QuantScheme:
             return fmt.sizes(hidden, intermediate)
         return hidden, intermediate
 
+    def gemm_temp_for(self, in_features: int, out_features: int, dtype: str, prefix: str = ""):
+        """The temporary the linear's GEMM allocates next to its output (``WNA16Format.gemm_temp``),
+        or None."""
+        fmt = self._format_for(prefix, "linear")
+        return fmt.gemm_temp(in_features, out_features, dtype) if hasattr(fmt, "gemm_temp") else None
+
 
 _MISSING = object()
 
@@ -604,6 +678,15 @@ def _version(settings) -> tuple[int, ...]:
         m = re.match(r"\d+", p)
         out.append(int(m.group()) if m else 0)
     return tuple(out)
+
+
+def fp8_uses_marlin(cc: tuple[int, int]) -> bool:
+    """FP8 weights on a card without native FP8 (compute capability below 8.9: Ampere, Turing) run
+    weight-only through Marlin: fp8.py ``use_marlin = not has_device_capability(89)`` (0.9 – 0.13),
+    ``MarlinFP8ScaledMMLinearKernel.is_supported`` (``compute_capability >= 89`` refuses it,
+    0.19 – 0.34); compressed-tensors ``CompressedTensorsW8A16Fp8`` below 8.9 (compressed_tensors.py
+    ``_get_scheme_from_parts``). ``VLLM_TEST_FORCE_FP8_MARLIN`` is not modelled."""
+    return cc < (8, 9)
 
 
 def _wna16_kernel(cc: tuple[int, int], override: str | None) -> str:
@@ -643,10 +726,11 @@ def _ct_format(w: dict, inp: dict | None, fmt: str | None, cc: tuple[int, int], 
     if bits == 8 and typ == "float":
         if strategy == "block":
             bs = w.get("block_structure") or [128, 128]
-            return Fp8Format(strategy="block", block=(int(bs[0]), int(bs[1])), quantize_activations=bool(inp))
+            return Fp8Format(strategy="block", block=(int(bs[0]), int(bs[1])), quantize_activations=bool(inp),
+                             marlin=fp8_uses_marlin(cc))
         static = bool(inp) and not inp.get("dynamic", False)
         return Fp8Format(strategy="channel" if strategy == "channel" else "tensor", static_input=static,
-                         quantize_activations=bool(inp) and cc >= (8, 9))
+                         quantize_activations=bool(inp) and cc >= (8, 9), marlin=fp8_uses_marlin(cc))
     if bits == 8 and typ == "int" and inp:
         return Int8Format(strategy="channel" if strategy == "channel" else "tensor",
                           static_input=not inp.get("dynamic", True) if "dynamic" in inp else False,
@@ -746,7 +830,7 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     ver = _version(settings)
     if not qc:
         if override in ("fp8", "fbgemm_fp8"):
-            f = Fp8Format(strategy="tensor", quantize_activations=cc >= (8, 9))
+            f = Fp8Format(strategy="tensor", quantize_activations=cc >= (8, 9), marlin=fp8_uses_marlin(cc))
             return QuantScheme("fp8", linear_format=f, expert_format=f)
         if override == "ptpc_fp8":
             f = Fp8Format(strategy="channel")
@@ -765,8 +849,9 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     if method == "fp8":
         wbs = qc.get("weight_block_size")
         static = str(qc.get("activation_scheme", "dynamic")).lower() == "static"
-        f = (Fp8Format(strategy="block", block=(int(wbs[0]), int(wbs[1])))
-             if wbs else Fp8Format(strategy="tensor", static_input=static, quantize_activations=cc >= (8, 9)))
+        f = (Fp8Format(strategy="block", block=(int(wbs[0]), int(wbs[1])), marlin=fp8_uses_marlin(cc))
+             if wbs else Fp8Format(strategy="tensor", static_input=static, quantize_activations=cc >= (8, 9),
+                                   marlin=fp8_uses_marlin(cc)))
         ignore = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
         return QuantScheme("fp8", linear_format=f, expert_format=f, ignore=ignore)
     if method == "compressed-tensors":
@@ -803,7 +888,8 @@ def scheme_for(spec, settings) -> QuantScheme | None:
         return QuantScheme("auto-round", linear_format=f, expert_format=f, per_layer=per_layer,
                            only_under=list(blocks) if blocks else None)
     if method == "mxfp4":
-        backend = mxfp4_backend(cc, ver, str(getattr(settings, "platform", "cuda") or "cuda"))
+        triton, _ = mxfp4_hopper_triton(ver, getattr(settings, "triton_kernels_installed", None))
+        backend = mxfp4_backend(cc, ver, str(getattr(settings, "platform", "cuda") or "cuda"), triton)
         # HopperMXValueLayout pre-pad to 64: in the triton_kernels vendored by 0.17.0-0.19.0, not in
         # 0.13.0 / 0.15.0 / 0.33.0 (read by the gpt-oss plugin work); 0.20-0.32 assumed like 0.19.
         prepad = (0, 17, 0) <= ver[:3] < (0, 33, 0)
@@ -817,8 +903,8 @@ def scheme_for(spec, settings) -> QuantScheme | None:
     if method == "bitsandbytes":
         return QuantScheme("bitsandbytes", linear_format=Fp4Format(group=64, scale_dtype="float32", globals_fp32=False),
                            ignore=list(qc.get("llm_int8_skip_modules") or []))
-    if method == "fbgemm-fp8":
-        f = Fp8Format(strategy="channel")
+    if method == "fbgemm-fp8":  # fbgemm_fp8.py: use_marlin = not has_device_capability(89)
+        f = Fp8Format(strategy="channel", marlin=fp8_uses_marlin(cc))
         return QuantScheme("fbgemm_fp8", linear_format=f, ignore=list(qc.get("modules_to_not_convert") or []))
     from tuner.errors import ModelConfigError
 

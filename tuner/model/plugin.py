@@ -76,6 +76,13 @@ class RankSettings:
     #: the V1 dummy sampler's top-k/top-p path, 0.8–0.16 (:func:`tuner.memory.eras.sampler_path`): True
     #: FlashInfer, False PyTorch's sort, None what a ``pip install`` of the release runs.
     flashinfer_sampler: bool | None = None
+    #: the ``triton_kernels`` package beside a vLLM older than 0.12 (MXFP4 experts on Hopper run
+    #: Triton with it, Marlin without: :func:`tuner.memory.quant.mxfp4_hopper_triton`); None =
+    #: what ``pip install`` gets.
+    triton_kernels_installed: bool | None = None
+    #: ``--limit-mm-per-prompt`` as ``((modality, count), ...)`` (``("*", 0)``: ``--language-model-only``);
+    #: None = none given (every modality 999). :func:`tuner.model.simulate.vision.mm_limit` reads it.
+    mm_limits: tuple | None = None
     #: ``VLLM_PP_LAYER_PARTITION`` as layer counts per stage (None = vLLM's even split).
     pp_layer_partition: tuple[int, ...] | None = None
     #: vLLM's config format (``"hf"`` / ``"mistral"``, :func:`tuner.jobs.job.config_format`).

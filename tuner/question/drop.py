@@ -386,9 +386,35 @@ def _hf_overrides(v: Any) -> dict | None:
 #: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (the CUDA-graph estimate subtracted, 0.18+),
 #: ``VLLM_PP_LAYER_PARTITION`` (layers per pipeline stage, ``get_pp_indices``). Others are
 #: accepted and named as not modelled.
+#: ``compile_cache``: the torch.compile cache at start-up (a cold first boot or a warm one).
+COMPILE_CACHE_STATES = ("cold", "warm")
+
 MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION",
-                "VLLM_USE_V2_MODEL_RUNNER")
+                "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V1")
 _ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
+
+
+def _mm_limits(v: Any) -> dict | None:
+    """``--limit-mm-per-prompt`` as vLLM's MultiModalConfig reads it: modality → count (a
+    non-negative integer) or an options mapping with a ``count``; kept as modality → count."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        import json
+
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise _Invalid(f"must be a JSON mapping of modality to count, e.g. '{{\"image\": 0}}', not {v!r}") from None
+    if not isinstance(v, Mapping):
+        raise _Invalid(f"must be a mapping of modality to count or null, not {_type_name(v)} {v!r}")
+    out: dict[str, int] = {}
+    for k, val in v.items():
+        count = val.get("count") if isinstance(val, Mapping) else val
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise _Invalid(f"must be a non-negative integer (or {{\"count\": n, ...}}), not {val!r}", sub=f".{k}")
+        out[str(k)] = count
+    return out
 
 
 def _env(v: Any) -> dict | None:
@@ -603,7 +629,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "`VLLM_USE_FLASHINFER_SAMPLER` (the profile run's sampler path, 0.8–0.16), "
               "`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (whether the CUDA-graph estimate is taken off the KV "
               "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`), "
-              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given). Others are "
+              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given), `VLLM_USE_V1` "
+              "(before 0.11: 0 runs the V0 engine; from 0.11 V1 is the only engine and vLLM does not read it: a "
+              "no-op, said in the answer). Others are "
               "accepted and named in the answer as not modelled. null = none set.", _env),
     DropField("config_format", "auto | hf | mistral", "auto",
               "As vLLM's --config-format. `auto` is vLLM's choice: the Mistral format when the model directory "
@@ -617,6 +645,20 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "0.11.1 vLLM depends on it and only `VLLM_USE_FLASHINFER_SAMPLER=1` selects it. null = what "
               "`pip install vllm==X` gets (not installed before 0.11.1), named in the answer as an assumption.",
               _bool(nullable=True)),
+    DropField("limit_mm_per_prompt", "mapping of modality to count | null", None,
+              "As vLLM's --limit-mm-per-prompt (`{\"image\": 0, \"audio\": 0}`; a modality not named is 999). "
+              "From 0.15 a multimodal model does not build a tower whose modalities are all 0 (its weights are not "
+              "loaded, vllm/model_executor/models/interfaces.py `_mark_tower_model`), and the profile run encodes "
+              "no item of a modality at 0. null = none given.", _mm_limits),
+    DropField("language_model_only", "boolean", False,
+              "As vLLM's --language-model-only (0.17+): every modality's limit is 0 (vllm/config/multimodal.py "
+              "`get_limit_per_prompt`), so no tower is built and no encoder profile runs.", _bool()),
+    DropField("triton_kernels_installed", "boolean | null", None,
+              "Whether the `triton_kernels` package is installed beside vLLM 0.10.2 – 0.11.x (0.12 ships it). "
+              "MXFP4 experts (gpt-oss) on a Hopper card run Triton with it and Marlin without "
+              "(quantization/mxfp4.py `_should_use_marlin`): Marlin pads the experts' hidden size to 256 and "
+              "intermediate size to 128. null = what `pip install vllm==X` gets (not installed), named in the "
+              "answer as an assumption.", _bool(nullable=True)),
     DropField("enforce_eager", "boolean", False,
               "Disable CUDA graphs (no graph memory is reserved).", _bool()),
     DropField("use_v2_model_runner", "boolean | null", None,
@@ -625,6 +667,14 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "from 0.25; 0.20-0.24 read only =1). null = the release's default for the model. Model Runner V2 "
               "is modelled from 0.22 (true before that is refused as not modelled); 0.34 removed the V1 runner "
               "and refuses =0.", _bool(nullable=True)),
+    DropField("compile_cache", "cold | warm | null", None,
+              "The torch.compile cache vLLM starts with: `cold` (the first boot of a model/settings: Inductor "
+              "compiles every graph during the profile run, vllm/compilation/backends.py's cache miss; with "
+              "single-size compile ranges it also runs max-autotune, compiler_interface.py set_inductor_config) or "
+              "`warm` (vLLM loads the compiled graphs: 'Directly load the compiled graph(s) … from the cache'). A "
+              "cold boot's extra peak is not modelled: `cold` is named in the answer and widens the interval; "
+              "`warm` and null (not stated) are answered as modelled. No effect with enforce_eager or on V0.",
+              _choice(COMPILE_CACHE_STATES, nullable=True)),
     DropField("entry_point", "serve | offline", "serve",
               "How vLLM would be started: `serve` (OpenAI server) or `offline` (the LLM class); some "
               "defaults differ between the two.", _choice(ENTRY_POINTS)),
@@ -734,9 +784,13 @@ class Drop:
     hf_overrides: dict | None = field(default=None, hash=False)
     env: dict | None = field(default=None, hash=False)
     flashinfer_installed: bool | None = None
+    triton_kernels_installed: bool | None = None
+    limit_mm_per_prompt: dict | None = field(default=None, hash=False)
+    language_model_only: bool = False
     config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None
+    compile_cache: str | None = None
     entry_point: str = "serve"
     #: HF revision of an HF id ``model`` (None = the default branch).
     revision: str | None = None

@@ -67,8 +67,10 @@ class Linear(nn.Module):
             aq = getattr(self, "input_quant", None)  # W8A8: (dtype name, scale columns), see quant.py
             xq = None if aq is None else (x.new_empty(x.shape[0], self.in_features, dtype=getattr(torch, aq[0])),
                                           x.new_empty(x.shape[0], aq[1], dtype=torch.float32))
+            tmp = getattr(self, "gemm_temp", None)  # a dequantized weight the kernel multiplies (quant.py)
+            dq = x.new_empty(*tmp[1], dtype=getattr(torch, tmp[2])) if tmp and x.shape[0] >= tmp[0] else None
             out = x.new_empty(x.shape[0], self.out_features)  # quantized GEMM: one output allocation
-            del xq
+            del xq, dq
             return out
         if self.bias is None:
             return torch.nn.functional.linear(x, w)

@@ -242,6 +242,10 @@ class ModelCache:
             with expert_layout(settings.tensor_parallel_size, getattr(settings, "data_parallel_size", 1),
                                getattr(settings, "enable_expert_parallel", False)):
                 model = plugin.build_model(spec, recorder)
+            from tuner.model.simulate.vision import bind_decoder_limits, drop_unbuilt_towers
+
+            drop_unbuilt_towers(model, settings)  # --limit-mm-per-prompt 0 / --language-model-only
+            bind_decoder_limits(model, recorder)  # the encoder profile's items, bounded by max_num_seqs
             if settings.tensor_parallel_size > 1 and tp_all_reduce_out_of_place(settings.engine_version):
                 mark_tp_all_reduce(model)
             weights = int(plugin.weights_bytes(spec, recorder, model))

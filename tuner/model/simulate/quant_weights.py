@@ -19,6 +19,7 @@ def make_linear_weights(scheme, module, in_features: int, out_features: int, dty
     lay, act = got
     _register(module, lay)
     module.input_quant = act
+    module.gemm_temp = scheme.gemm_temp_for(in_features, out_features, _dtype_name(dtype), prefix)
     return True
 
 

@@ -140,15 +140,75 @@ def max_tokens_per_item(vision_config: dict, *, kind, top: dict | None = None) -
     return tower.max_tokens_per_item(vc, top, g)
 
 
-def encoder_profile_items(num_batched_tokens: int, tokens_per_item: int, engine_version, *, v0: bool = False) -> int:
-    """Dummy items the profile run encodes (see the module docstring)."""
+def encoder_profile_items(num_batched_tokens: int, tokens_per_item: int, engine_version, *, v0: bool = False,
+                          max_num_seqs: int | None = None, mm_limit: int = 999,
+                          max_model_len: int | None = None) -> int:
+    """Dummy items the profile run encodes (see the module docstring).
+
+    From 0.10 the decoder side bounds it too when ``max_num_seqs`` and ``max_model_len`` are given
+    (``MultiModalBudget._get_max_items``, vllm/v1/worker/utils.py 0.11.0, vllm/multimodal/
+    encoder_budget.py 0.24.0): ``max_num_seqs x max(1, min(limit, max_model_len // T))`` items, the
+    limit being ``--limit-mm-per-prompt``'s (999 when not given); chunked prefill assumed on (the
+    V1 default; without it vLLM also caps the requests at ``max_num_batched_tokens // T``)."""
     n, t = int(num_batched_tokens), max(1, int(tokens_per_item))
     if v0:
         return max(1, n // t)
     budget = max(n, t)
     if _ver(engine_version) < (0, 10, 0):
         return max(1, -(-budget // t))
-    return max(1, budget // t)
+    items = budget // t
+    if max_num_seqs and max_model_len:
+        per_prompt = max(1, min(int(mm_limit), int(max_model_len) // t))
+        items = min(items, int(max_num_seqs) * per_prompt)
+    return max(1, items)
+
+
+#: First release whose multimodal models mark their towers (vllm/model_executor/models/interfaces.py
+#: ``_mark_tower_model``, 64 models in 0.15.0, 77 in 0.19.0; none in 0.14.0) and skip building one
+#: whose modalities are all limited to 0 (``no_init_weights`` -> ``StageMissingLayer``).
+TOWER_SKIP_FROM = (0, 15, 0)
+
+
+def mm_limit(settings, modality: str) -> int:
+    """``MultiModalConfig.get_limit_per_prompt`` (vllm/config/multimodal.py 0.19): 0 for every modality
+    under ``--language-model-only``, else the given count, else 999."""
+    limits = dict(getattr(settings, "mm_limits", None) or ())
+    if limits.get("*") == 0:
+        return 0
+    return int(limits.get(modality, 999))
+
+
+def drop_unbuilt_towers(model, settings) -> list[str]:
+    """Take off ``model`` (a :class:`MultimodalCausalLM`) the towers vLLM does not build: from
+    :data:`TOWER_SKIP_FROM`, the vision tower when every modality it serves is limited to 0 (the
+    tower module's ``MODALITIES``: ``image``, or ``image`` and ``video`` — as each model marks it),
+    the audio tower (an ``audio`` child) when ``audio`` is; without them the weights and the
+    encoder profile go too. Returns the names taken off (before 0.15: none, as those releases
+    build every tower whatever the limits, except a few models' own checks not modelled here)."""
+    if not isinstance(model, MultimodalCausalLM) or _ver(getattr(settings, "engine_version", "0.19.0")) < TOWER_SKIP_FROM:
+        return []
+    gone = []
+    modalities = getattr(getattr(model.vision, "tower", None), "MODALITIES", ("image",))
+    if model.vision is not None and all(mm_limit(settings, m) == 0 for m in modalities):
+        model.vision = None
+        gone.append("vision")
+    if getattr(model, "audio", None) is not None and mm_limit(settings, "audio") == 0:
+        model.audio = None
+        gone.append("audio")
+    return gone
+
+
+def bind_decoder_limits(model, settings) -> None:
+    """Give ``model``'s vision tower (a :class:`MultimodalCausalLM`'s) the decoder-side bound of the
+    encoder profile's items (:func:`encoder_profile_items`): ``max_num_seqs``, the image limit of
+    ``--limit-mm-per-prompt`` and ``max_model_len`` from ``settings`` (read there, so a cached
+    module is keyed on the batch)."""
+    vision = getattr(model, "vision", None) if isinstance(model, MultimodalCausalLM) else None
+    if vision is None:
+        return
+    seqs, mml = getattr(settings, "max_num_seqs", None), getattr(settings, "max_model_len", None)
+    vision.decoder_limits = ({"max_num_seqs": int(seqs), "max_model_len": int(mml),
+                              "mm_limit": mm_limit(settings, "image")} if seqs and mml else None)
 
 
 # -- module ----------------------------------------------------------------------------------
@@ -187,6 +247,8 @@ class VisionTower(nn.Module):
         self.geom = self.tower.geometry(self.vc, self.top)
         use_quant = quant if self.tower.QUANTIZABLE else None
         self._dummy_batch: list = []  # V1: the profile's dummy pixel batch (kept through the text run)
+        #: the decoder-side bound of the profile's items (:func:`bind_decoder_limits`), or None
+        self.decoder_limits: dict | None = None
         self._rope_cache = None  # MoonViT's cached 2-D rotary table (allocated on the first forward)
         self.linears = nn.ModuleDict()
         for name, shape, st in self.tower.params(self.vc, self.top, self.geom):
@@ -204,7 +266,8 @@ class VisionTower(nn.Module):
     def profile_items(self, num_tokens: int) -> tuple[int, int, int, int]:
         """``(items, T, crops_per_item, patches_per_crop)`` of the encoder profile."""
         t, crops, patches = max_tokens_per_item(self.vc, kind=self.tower, top=self.top)
-        return encoder_profile_items(num_tokens, t, self.engine_version, v0=self.v0), t, crops, patches
+        lim = self.decoder_limits or {}
+        return encoder_profile_items(num_tokens, t, self.engine_version, v0=self.v0, **lim), t, crops, patches
 
     def forward(self, num_tokens: int):
         """Replay the encoder profile; returns the encoder outputs the engine caches, or None

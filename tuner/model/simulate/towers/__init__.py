@@ -9,6 +9,8 @@ A tower module holds:
   the top-level config ``top``, defaults resolved (:class:`~tuner.model.simulate.towers.base.Geometry`);
 - ``params(vc, top, g) -> list``: the tower's and projector's parameters and buffers as vLLM
   allocates them (un-sharded shapes, entries as in :mod:`tuner.model.simulate.towers.base`);
+- optionally ``MODALITIES`` (default ``("image",)``): the modalities the tower serves; vLLM (0.15+)
+  does not build it when all are limited to 0 (:func:`tuner.model.simulate.vision.drop_unbuilt_towers`);
 - optionally ``max_tokens_per_item(vc, top, g) -> (T, crops, patches_per_crop)`` and
   ``encode(tower, items, T, crops, patches)``, the V1 encoder profile pass replayed on the
   :class:`~tuner.model.simulate.vision.VisionTower` ``tower`` (its ``empty``/``pixels`` allocate,

@@ -18,6 +18,9 @@ KIND = "gemma4"
 #: Whether the checkpoint's quantization scheme may take the tower's quantizable linears (vLLM
 #: passes ``quant_config`` to this tower).
 QUANTIZABLE = False
+#: The modalities the tower serves (vLLM 0.19 gemma4_mm.py ``_mark_tower_model(vllm_config, {"image", "video"})``):
+#: it is not built only when both are limited to 0 (:func:`tuner.model.simulate.vision.drop_unbuilt_towers`).
+MODALITIES = ("image", "video")
 
 
 def geometry(vc: dict, top: dict) -> Geometry:
@@ -70,3 +73,48 @@ def params(vc: dict, top: dict, g: Geometry) -> list:
         dim = int(vc.get("output_proj_dims") or d)
         out.append(lin("embed_vision.embedding_projection", dim, h_text, False, "rep", False))
     return out
+
+
+def audio_tower(audio_config: dict, top: dict, dtype):
+    """Gemma 4's audio tower and its projector on one rank, as vLLM 0.19 gemma4_mm.py builds them
+    when the checkpoint has an ``audio_config``: ``AutoModel.from_config(config.audio_config)``
+    (transformers ``Gemma4AudioModel``, a conformer: subsampling convolutions, clipped linears,
+    relative-position attention; plain ``nn.Linear``, never TP-sharded or quantized) plus
+    ``post_init()`` (buffers absent from the checkpoint: ``inv_timescales``, the clip bounds), and
+    ``embed_audio = Gemma4MultimodalEmbedder`` (``ReplicatedLinear(output_proj_dims or hidden_size,
+    text hidden)`` without bias, weightless RMSNorm). The tower is transformers' own class built on
+    the meta device in the model dtype (vLLM builds the model under ``set_default_torch_dtype``),
+    so its parameters and buffers are the installed transformers' (transformers' defaults:
+    304,824,608 parameters). Weights only: the audio encoder's profile pass is not simulated.
+
+    Returns a module holding ``audio_tower`` and ``embed_audio``. Raises PluginError when the
+    installed transformers has no Gemma 4 audio model."""
+    import torch
+    from torch import nn
+
+    from tuner.errors import PluginError
+    from tuner.model.simulate import layers as L
+    from tuner.model.transformers_lean import import_transformers
+
+    tf = import_transformers()
+    try:
+        cfg_cls = getattr(tf, "Gemma4AudioConfig")
+        model_cls = getattr(tf, "Gemma4AudioModel")
+    except AttributeError:
+        raise PluginError(f"transformers {getattr(tf, '__version__', '?')} has no Gemma4AudioModel: the Gemma 4 "
+                          "audio tower (audio_config) cannot be sized; install transformers >= 5", where="gemma") from None
+    known = set(cfg_cls().to_dict())
+    cfg = cfg_cls(**{k: v for k, v in audio_config.items() if k in known and k != "model_type"})
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            tower = model_cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    h_text = text_hidden(top) or int(cfg.hidden_size)
+    dim = int(getattr(cfg, "output_proj_dims", None) or cfg.hidden_size)
+    holder = nn.Module()
+    holder.audio_tower = tower
+    holder.embed_audio = L.Linear(dim, h_text, dtype)
+    return holder

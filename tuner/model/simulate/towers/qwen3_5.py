@@ -21,6 +21,9 @@ KIND = "qwen3_5"
 #: Whether the checkpoint's quantization scheme may take the tower's quantizable linears (vLLM
 #: passes ``quant_config`` to this tower).
 QUANTIZABLE = True
+#: The modalities the tower serves (vLLM 0.19 qwen3_vl.py / qwen3_5.py ``_mark_tower_model(vllm_config, {"image", "video"})``):
+#: it is not built only when both are limited to 0 (:func:`tuner.model.simulate.vision.drop_unbuilt_towers`).
+MODALITIES = ("image", "video")
 
 #: Qwen3-VL / Qwen3.5 image processor ``size.longest_edge`` (max pixels per image) of the
 #: published preprocessor_config.json (16777216 = 4096²); video frames are capped at
