@@ -945,7 +945,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
                  worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Progress | None = None, variants: bool = True, nvml: Any = None,
                  db_url: str | None = None, calibrate: bool = True, drop: Drop | None = None,
-                 cache: bool = True, unmodelled: Sequence[dict] = ()) -> dict:
+                 cache: bool = True, unmodelled: Sequence[dict] = (), cross_check: str | None = None) -> dict:
     """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
 
     Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
@@ -975,6 +975,8 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         job.base = job.base_request.replace(calibration=cal)
     if unmodelled:  # inputs read but not modelled (check's flags): named, and they widen the interval
         job.base = job.base_request.replace(unmodelled=tuple(dict(x) for x in unmodelled))
+    if cross_check is not None:  # the engine cross-check: stored only, or run where none is current (tuner.engine.stored)
+        job.base = job.base_request.replace(cross_check=cross_check)
     us = [gpu_memory_utilization] if gpu_memory_utilization is not None else None
     grid = None
     if max_model_len is not None:
@@ -1454,9 +1456,16 @@ def engine_check_lines(check: dict | None) -> list[str]:
         return []
     if check.get("skipped"):
         return [f"engine: {check['skipped']}"]
+    from tuner.engine.stored import state_line
+
+    ck = state_line(check.get("cross_check"))
+    if ck and check.get("cross_check", {}).get("state") in ("missing", "stale"):
+        return [ck]  # no engine took part: the line says why
     rel = check.get("release")
     same = "same release as the drop" if check.get("releases_match") else f"drop asks {check.get('drop_release')}"
     out = [f"engine: vLLM {rel} ({same}); KV specs: {check.get('decision', 'not compared')}"]
+    if ck:
+        out.append(f"  {ck}")
     if check.get("error"):
         out.append(f"  engine error: {check['error']}")
     chk = check.get("check") or {}
