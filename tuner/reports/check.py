@@ -131,38 +131,11 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
             invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
     """
-    from tuner.reports.explain import explain_drop
-    from tuner.question.vllm_args import env_not_modelled, modelled_env, split_env_prefix
-
-    argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
-    env_ignored: list[dict] = []
-    if line_env:
-        line_nm, env_ignored = env_not_modelled(line_env, source="command line")
-        extra_not_modelled = [*extra_not_modelled, *line_nm]
-        env = {**modelled_env(line_env), **(env or {})} or None
+    argv, env, extra_not_modelled, env_ignored = _line_env(argv, env, extra_not_modelled)
     sa = parse_line(argv, config_file, parser=parser)
     sa.ignored = list(getattr(sa, "ignored", None) or []) + env_ignored
     warnings: list[str] = list(notes)
-    parsed_by = sa.parser_info.get("vllm_version") if sa.parser_info.get("name") == "vllm" else None
-    release = re.match(r"\d+\.\d+(?:\.\d+)?", str(parsed_by or ""))
-    if engine_version is None and release:  # the release whose parser read the line
-        engine_version = release.group(0)
-        warnings.append(f"--engine-version not given: checked against vLLM {parsed_by}, whose parser read the line "
-                        f"({sa.parser_info.get('python')})")
-    elif engine_version is not None and parsed_by and not str(parsed_by).startswith(str(engine_version)):
-        warnings.append(f"the line was parsed by vLLM {parsed_by}'s parser; the memory rules are vLLM "
-                        f"{engine_version}'s (--engine-version)")
-    from tuner.memory.eras import release_warning, resolve_release
-
-    installed, why = (None, "") if engine_version is not None else default_engine_version()
-    try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
-        engine_version, release_assumed = resolve_release(engine_version, installed=installed,
-                                                          installed_from=f"this Python ({why.split()[1]})" if installed else "",
-                                                          strict=strict_release)
-    except EraError as exc:
-        raise CheckInputError(exc.message, where="--engine-version") from None
-    if release_assumed:
-        warnings.append(release_warning(release_assumed))
+    engine_version, release_assumed = _release_of_line(sa, engine_version, strict_release, warnings)
     local = models_dir_config(sa.model, models_dir)
     d, unmodelled = equivalent_drop(sa, device=device if device is not None else "auto",
                                     engine_version=engine_version, cwd=cwd, allow_unmodelled=allow_unmodelled,
@@ -188,6 +161,108 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     if "max_model_len" not in d["candidates"]:
         d["candidates"].update(max_model_len=[m])
         drop = _with_release(build_drop(sa, d, label=label), release_assumed)
+    doc, store_used, stored_crosscheck = _explain_line(
+        drop, sa, unmodelled, u=u, m=m, auto=auto, worker=worker, timeout_s=timeout_s, variants=variants, nvml=nvml,
+        progress=progress, cross_check=cross_check)
+    e = doc["explanations"][0]
+    values = dict(sa.values)
+    model = sa.model if local else doc["model"]  # --models-dir: the lines name the HF id, as deployed
+    picked = m
+    reason = e.get("reason") if not e["starts"] else None
+    starts = bool(e["starts"])
+    numbers = {k: e.get(k) for k in ("total_memory_bytes", "requested_memory_bytes", "weights_bytes",
+                                     "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
+                                     "available_kv_cache_bytes", "kv_block_bytes", "num_gpu_blocks",
+                                     "kv_cache_tokens", "max_concurrency", "max_num_batched_tokens", "block_size")}
+    if e.get("extensible_headroom_bytes") is not None:  # vLLM 0.34's extensible KV cache terms
+        numbers.update({k: e.get(k) for k in ("extensible_headroom_bytes", "extensible_margin_bytes",
+                                              "extensible_withheld_bytes", "extensible_u_withheld_bytes")})
+        from tuner.memory.search import gpu_memory_utilization_warning
+
+        u_warn = gpu_memory_utilization_warning({**numbers, "gpu_memory_utilization": u})
+        if u_warn:
+            warnings.append(f"vLLM would warn: {u_warn}")
+    if auto:  # what _auto_fit_max_model_len picks: the derived length if it fits, else the largest that does
+        picked, reason, starts = _auto_fit(e, m, u, numbers, warnings)
+    kv_bytes = sa.values.get("kv_cache_memory_bytes")
+    if kv_bytes is not None:
+        warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
+                        "sizing it from the memory profile and ignores gpu_memory_utilization")
+    # With --kv-cache-memory-bytes vLLM ignores gpu_memory_utilization: echo it only where the line has it.
+    u_echo = {} if kv_bytes is not None and "gpu_memory_utilization" not in values else {"gpu_memory_utilization": u}
+    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo},
+                                                 risk=risk)
+    if kv_bytes is not None:
+        nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
+    checked_values = {**values, **u_echo, "max_model_len": picked if picked is not None else m}
+    iv = e.get("interval") if not auto else None
+    verdict = "starts" if starts else "does not start"
+    uncertain: dict[str, Any] | None = None
+    if iv and bool(iv.get("starts_low")) != bool(iv.get("starts_high")) and not e.get("max_len_refused"):
+        uncertain = uncertain_detail(e, iv, model=model, values={**values, **u_echo, "max_model_len": m})
+        if risk == "safe":
+            verdict = "uncertain"
+        else:
+            warnings.append("uncertain: the verdict flips inside the interval; --risk expected answers by the expected "
+                            "value")
+    out = _check_record(verdict=verdict, risk=risk, iv=iv, uncertain=uncertain, starts=starts, reason=reason,
+                        model=model, doc=doc, engine_version=engine_version, release_assumed=release_assumed, u=u,
+                        kv_bytes=kv_bytes, picked=picked, m=m, auto=auto, m_arg=m_arg, derived=derived,
+                        derived_key=derived_key, checked_values=checked_values, numbers=numbers, nearest=nearest,
+                        e=e, sa=sa, unmodelled=unmodelled, d=d, warnings=warnings, store_used=store_used,
+                        stored_crosscheck=stored_crosscheck)
+    return CheckResult(starts, out, e)
+
+
+def _line_env(argv: Sequence[str], env: dict | None,
+              extra_not_modelled: Sequence[NotModelled]) -> tuple[list[str], dict | None, list, list[dict]]:
+    """Step 1 of :func:`run_check`: the line's own environment (``VLLM_USE_V2_MODEL_RUNNER=1 vllm
+    serve …``): modelled variables join ``env``, the others are named as not modelled or ignored."""
+    from tuner.question.vllm_args import env_not_modelled, modelled_env, split_env_prefix
+
+    argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
+    env_ignored: list[dict] = []
+    if line_env:
+        line_nm, env_ignored = env_not_modelled(line_env, source="command line")
+        extra_not_modelled = [*extra_not_modelled, *line_nm]
+        env = {**modelled_env(line_env), **(env or {})} or None
+    return argv, env, list(extra_not_modelled), env_ignored
+
+
+def _release_of_line(sa: Any, engine_version: str | None, strict_release: bool,
+                     warnings: list[str]) -> tuple[str, Any]:
+    """Step 2: the release that answers, said out loud — ``--engine-version``, else the release
+    whose parser read the line, else the installed vLLM's, else the newest modelled one."""
+    parsed_by = sa.parser_info.get("vllm_version") if sa.parser_info.get("name") == "vllm" else None
+    release = re.match(r"\d+\.\d+(?:\.\d+)?", str(parsed_by or ""))
+    if engine_version is None and release:  # the release whose parser read the line
+        engine_version = release.group(0)
+        warnings.append(f"--engine-version not given: checked against vLLM {parsed_by}, whose parser read the line "
+                        f"({sa.parser_info.get('python')})")
+    elif engine_version is not None and parsed_by and not str(parsed_by).startswith(str(engine_version)):
+        warnings.append(f"the line was parsed by vLLM {parsed_by}'s parser; the memory rules are vLLM "
+                        f"{engine_version}'s (--engine-version)")
+    from tuner.memory.eras import release_warning, resolve_release
+
+    installed, why = (None, "") if engine_version is not None else default_engine_version()
+    try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
+        engine_version, release_assumed = resolve_release(engine_version, installed=installed,
+                                                          installed_from=f"this Python ({why.split()[1]})" if installed else "",
+                                                          strict=strict_release)
+    except EraError as exc:
+        raise CheckInputError(exc.message, where="--engine-version") from None
+    if release_assumed:
+        warnings.append(release_warning(release_assumed))
+    return engine_version, release_assumed
+
+
+def _explain_line(drop: Any, sa: Any, unmodelled: Any, *, u: float, m: int, auto: bool, worker: Any,
+                  timeout_s: float, variants: bool, nvml: Any, progress: Any,
+                  cross_check: bool) -> tuple[dict, str | None, list]:
+    """Step 3: the point explained at the expected value (the store's pass memo read, never
+    written, but for a ``--cross-check`` record)."""
+    from tuner.reports.explain import explain_drop
+
     # the store's pass memo is read, never written: a check leaves no trace in the store it reads
     from tuner.reports.explain import _default_worker
     from tuner.jobs.memoanswer import memo_worker
@@ -211,75 +286,52 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                            calibrate=False, unmodelled=named, cross_check="run" if cross_check else "stored")
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
         raise CheckInputError(exc.message, where=spelled_for_field(sa, exc.field) or exc.field) from None
-    e = doc["explanations"][0]
-    values = dict(sa.values)
-    model = sa.model if local else doc["model"]  # --models-dir: the lines name the HF id, as deployed
-    picked = m
-    reason = e.get("reason") if not e["starts"] else None
-    starts = bool(e["starts"])
-    numbers = {k: e.get(k) for k in ("total_memory_bytes", "requested_memory_bytes", "weights_bytes",
-                                     "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes",
-                                     "available_kv_cache_bytes", "kv_block_bytes", "num_gpu_blocks",
-                                     "kv_cache_tokens", "max_concurrency", "max_num_batched_tokens", "block_size")}
-    if e.get("extensible_headroom_bytes") is not None:  # vLLM 0.34's extensible KV cache terms
-        numbers.update({k: e.get(k) for k in ("extensible_headroom_bytes", "extensible_margin_bytes",
-                                              "extensible_withheld_bytes", "extensible_u_withheld_bytes")})
-        from tuner.memory.search import gpu_memory_utilization_warning
+    return doc, store_used, stored_crosscheck
 
-        u_warn = gpu_memory_utilization_warning({**numbers, "gpu_memory_utilization": u})
-        if u_warn:
-            warnings.append(f"vLLM would warn: {u_warn}")
-    if auto:  # what _auto_fit_max_model_len picks: the derived length if it fits, else the largest that does
-        largest = ((e.get("remedies") or {}).get("largest_max_model_len") or {})
-        extensible = bool(e.get("extensible_headroom_bytes") is not None)
-        if e["starts"]:
-            picked, reason, starts = m, None, True
-            auto_note = (f"Auto-fit max_model_len: full model context length {m} fits in available KV cache memory "
-                         f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
-            if extensible:  # vllm/v1/core/kv_cache_planning.py _auto_fit_max_model_len(after_warmup=True), 0.34
-                auto_note = (f"Auto-fit max_model_len: using max_model_len={m}, which fits in the KV cache memory left "
-                             f"after CUDA graph capture and warmup ({e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU)")
-        elif e.get("max_len_refused"):
-            picked, starts, auto_note = None, False, None
-        elif point_of(largest).max_model_len:
-            picked, reason, starts = int(point_of(largest).max_model_len), None, True
-            numbers.update(kv_cache_tokens=largest.get("kv_cache_tokens"), max_concurrency=largest.get("max_concurrency"),
-                           num_gpu_blocks=largest.get("num_gpu_blocks") or numbers["num_gpu_blocks"])
-            auto_note = (f"Auto-fit max_model_len: reduced from {m} to {picked} to fit in available KV cache memory "
-                         f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
-            if extensible:  # 0.34: fitted again after warmup; a warning below 8192 tokens (AUTO_FIT_SHORT_MAX_MODEL_LEN)
-                left = f"{e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU left for the KV cache after CUDA graph " \
-                       "capture and warmup"
-                auto_note = f"--max-model-len auto reduced max_model_len from {m} to {picked} ({left})."
-                if picked < 8192:
-                    auto_note += (f" Requests longer than {picked} tokens will be rejected. "
-                                  + ("Increase `gpu_memory_utilization` or set --max-model-len explicitly." if u < 1.0
-                                     else "Use more GPUs or set --max-model-len explicitly."))
-        else:
-            picked, reason, starts, auto_note = None, AUTO_FIT_REFUSAL, False, None
-        if auto_note:
-            warnings.append(f"vLLM would log: {auto_note}")
-    kv_bytes = sa.values.get("kv_cache_memory_bytes")
-    if kv_bytes is not None:
-        warnings.append(f"--kv-cache-memory-bytes {kv_bytes}: the KV cache is {kv_bytes:,} bytes per GPU; vLLM skips "
-                        "sizing it from the memory profile and ignores gpu_memory_utilization")
-    # With --kv-cache-memory-bytes vLLM ignores gpu_memory_utilization: echo it only where the line has it.
-    u_echo = {} if kv_bytes is not None and "gpu_memory_utilization" not in values else {"gpu_memory_utilization": u}
-    nearest = [] if starts else nearest_settings(e, model=model, values={**values, "max_model_len": m, **u_echo},
-                                                 risk=risk)
-    if kv_bytes is not None:
-        nearest = [x for x in nearest if x["setting"] != "gpu_memory_utilization"]
-    checked_values = {**values, **u_echo, "max_model_len": picked if picked is not None else m}
-    iv = e.get("interval") if not auto else None
-    verdict = "starts" if starts else "does not start"
-    uncertain: dict[str, Any] | None = None
-    if iv and bool(iv.get("starts_low")) != bool(iv.get("starts_high")) and not e.get("max_len_refused"):
-        uncertain = uncertain_detail(e, iv, model=model, values={**values, **u_echo, "max_model_len": m})
-        if risk == "safe":
-            verdict = "uncertain"
-        else:
-            warnings.append("uncertain: the verdict flips inside the interval; --risk expected answers by the expected "
-                            "value")
+
+def _auto_fit(e: dict, m: int, u: float, numbers: dict, warnings: list[str]) -> tuple[int | None, str | None, bool]:
+    """Step 4 (``--max-model-len auto``): what vLLM's ``_auto_fit_max_model_len`` picks — the
+    derived length if it fits, else the largest that does — and the line vLLM would log."""
+    from tuner.question.protocol import point_of
+
+    largest = ((e.get("remedies") or {}).get("largest_max_model_len") or {})
+    extensible = bool(e.get("extensible_headroom_bytes") is not None)
+    if e["starts"]:
+        picked, reason, starts = m, None, True
+        auto_note = (f"Auto-fit max_model_len: full model context length {m} fits in available KV cache memory "
+                     f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+        if extensible:  # vllm/v1/core/kv_cache_planning.py _auto_fit_max_model_len(after_warmup=True), 0.34
+            auto_note = (f"Auto-fit max_model_len: using max_model_len={m}, which fits in the KV cache memory left "
+                         f"after CUDA graph capture and warmup ({e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU)")
+    elif e.get("max_len_refused"):
+        picked, starts, auto_note = None, False, None
+    elif point_of(largest).max_model_len:
+        picked, reason, starts = int(point_of(largest).max_model_len), None, True
+        numbers.update(kv_cache_tokens=largest.get("kv_cache_tokens"), max_concurrency=largest.get("max_concurrency"),
+                       num_gpu_blocks=largest.get("num_gpu_blocks") or numbers["num_gpu_blocks"])
+        auto_note = (f"Auto-fit max_model_len: reduced from {m} to {picked} to fit in available KV cache memory "
+                     f"({e['available_kv_cache_bytes'] / GiB:.2f} GiB)")
+        if extensible:  # 0.34: fitted again after warmup; a warning below 8192 tokens (AUTO_FIT_SHORT_MAX_MODEL_LEN)
+            left = f"{e['available_kv_cache_bytes'] / GiB:.2f} GiB GPU left for the KV cache after CUDA graph " \
+                   "capture and warmup"
+            auto_note = f"--max-model-len auto reduced max_model_len from {m} to {picked} ({left})."
+            if picked < 8192:
+                auto_note += (f" Requests longer than {picked} tokens will be rejected. "
+                              + ("Increase `gpu_memory_utilization` or set --max-model-len explicitly." if u < 1.0
+                                 else "Use more GPUs or set --max-model-len explicitly."))
+    else:
+        picked, reason, starts, auto_note = None, AUTO_FIT_REFUSAL, False, None
+    if auto_note:
+        warnings.append(f"vLLM would log: {auto_note}")
+    return picked, reason, starts
+
+
+def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, engine_version, release_assumed,
+                  u, kv_bytes, picked, m, auto, m_arg, derived, derived_key, checked_values, numbers, nearest, e,
+                  sa, unmodelled, d, warnings, store_used, stored_crosscheck) -> dict:
+    """Step 5: the check's answer as data (``check --json``)."""
+    from tuner.store.storerules import DEFAULT_PATH
+
     out = {
         "verdict": verdict,
         "risk": risk,
@@ -316,7 +368,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         # the engine cross-check the answer used (tuner.engine.stored): stored / ran / missing / stale, or None
         "engine_cross_check": (doc.get("engine_check") or {}).get("cross_check"),
     }
-    return CheckResult(starts, out, e)
+    return out
 
 
 def _keeping_crosschecks(worker: Callable[..., dict], saved: list) -> Callable[..., dict]:
@@ -491,9 +543,20 @@ def _gib(n: int | None) -> str:
 
 
 def render(res: CheckResult) -> str:
-    """The human-readable answer."""
+    """The human-readable answer: what was read, the verdict, the budget, the interval, the
+    settings that start."""
     d = res.doc
-    n = d["numbers"]
+    lines = _render_read(d)
+    n, kv_fixed = _render_verdict(d, lines)
+    _render_budget(d, n, kv_fixed, lines)
+    _render_interval(d, lines)
+    _render_settings(d, lines)
+    return "\n".join(lines)
+
+
+def _render_read(d: dict) -> list[str]:
+    """What the check read: the line, the parser, spellings, ignored and not-modelled flags, notes
+    and the store."""
     read = d["read"]
     from tuner.memory.devices import device_label
 
@@ -523,6 +586,12 @@ def render(res: CheckResult) -> str:
     lines.append(f"store: {st['path']} (its pass memo read; nothing written)" if st.get("path") else
                  f"store: none ({DEFAULT_STORE} does not exist here; nothing read or written)")
     lines.append("")
+    return lines
+
+
+def _render_verdict(d: dict, lines: list[str]) -> tuple[dict, Any]:
+    """The verdict line (STARTS / DOES NOT START / UNCERTAIN) and its figures."""
+    n = d["numbers"]
     asked = d["max_model_len_requested"]
     from tuner.question.protocol import point_of
 
@@ -558,6 +627,11 @@ def render(res: CheckResult) -> str:
             n = {**n, "kv_block_bytes": None}
         else:
             lines.append(f"  vLLM: {d['engine_error']}")
+    return n, kv_fixed
+
+
+def _render_budget(d: dict, n: dict, kv_fixed: Any, lines: list[str]) -> None:
+    """The KV budget's subtraction and its division into blocks."""
     if not d["starts"] and str(d["engine_error"]).startswith("the weights do not fit"):
         pass  # no budget to show: vLLM never gets to the memory profile
     elif kv_fixed is not None:  # vllm/v1/worker/gpu_worker.py determine_available_memory: returned as given
@@ -590,6 +664,10 @@ def render(res: CheckResult) -> str:
                     and n.get("extensible_withheld_bytes") is not None else "")
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block{granules} = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
+
+
+def _render_interval(d: dict, lines: list[str]) -> None:
+    """The interval's ends and the engine cross-check's state."""
     iv = d.get("interval")
     from tuner.memory.search import WEIGHTS_DO_NOT_FIT as _weights
 
@@ -608,6 +686,10 @@ def render(res: CheckResult) -> str:
     ck = state_line(d.get("engine_cross_check"))
     if ck:
         lines.append(f"  {ck}")
+
+
+def _render_settings(d: dict, lines: list[str]) -> None:
+    """Settings that start for sure, the nearest settings that start, and those that do not help."""
     sure = (d.get("uncertain") or {}).get("starts_for_sure") or []
     if sure:
         lines += ["", "settings that start for sure (at the interval's safe end):"]
@@ -624,4 +706,3 @@ def render(res: CheckResult) -> str:
     if d.get("not_helping"):
         lines += ["", "settings that do not help:"]
         lines += [f"  {t}" for t in d["not_helping"]]
-    return "\n".join(lines)
