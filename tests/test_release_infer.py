@@ -249,7 +249,8 @@ def test_cases_without_version_get_a_release_that_can_load_them():
         "vllm-23278-h100-gpt-oss-120b-negative-kv": ("0.10.1.1", ("0.10.1", "0.10.1.1")),
         "vllm-10517-rtx3090-llama31-8b-29k": ("0.6.4.post1", ("0.6.4", "0.6.4.post1")),
         "club3090-pr594-2x3090-qwen36-27b-fp8-fp8kv-262k": ("0.24.0", ("0.24.0", "0.24.0")),
-        "club3090-294-2x3090-qwen36-27b-autoround-262k": ("0.22.1", ("0.22.0", "0.22.1")),
+        # its markers admit 0.22.0 – 0.22.1; posted 2026-06-01, before 0.22.1's wheel was built
+        "club3090-294-2x3090-qwen36-27b-autoround-262k": ("0.22.0", ("0.22.0", "0.22.0")),
     }
     for cid, (release, rng) in expect.items():
         if cid in got:
@@ -280,3 +281,49 @@ def test_number_formats_of_verbatim_lines_narrow_the_release():
     assert not any(e.kind == "log format" for e in loose.evidence + loose.ignored)
     assert rf.shape_matches("Available KV cache memory: \x00f2\x00 GiB", "Available KV cache memory: -2.14 GiB")
     assert not rf.shape_matches("Available KV cache memory: \x00f2\x00 GiB", "Available KV cache memory: 21.5 GiB")
+
+
+
+# --- issue 28: the day a start-up was posted bounds its release (tuner.releases.dates) -----------
+
+
+def test_vllm_21348_qwen3_235b_fp8_was_answered_with_0_34_rules():
+    """The issue (2025-07-22) printed no version and nothing in its lines narrows it: the newest
+    release (0.34.0) was assumed, +71 %. Wheels built by that day: 0.9.2 (2025-07-07) and older;
+    0.10.0 was built 2025-07-24."""
+    from tuner.logs.release_infer import infer_for_case, record_day
+    from tuner.releases import dates as rd
+
+    assert rd.built_on("0.9.2") == "2025-07-07" and rd.built_on("0.10.0") == "2025-07-24"
+    by_then = rd.releases_built_by("2025-07-22")
+    assert "0.9.2" in by_then and "0.10.0" not in by_then and "0.34.0" not in by_then
+    case = {"engine": "V1", "quantization": "fp8", "source_url": "https://github.com/vllm-project/vllm/issues/21348",
+            "raw_lines": ["Available KV cache memory: 8.11 GiB", "GPU KV cache size: 178,880 tokens"],
+            "notes": "Issue 2025-07-22 (V1, ~v0.9.2/0.10.0). [corrected 2026-12-06: the 80 GB card]"}
+    assert record_day(case) == "2025-07-22"
+    inf = infer_for_case(case)
+    assert inf.release == "0.9.2"
+    assert any(e.kind == "report" and e.value == "posted 2025-07-22" for e in inf.evidence)
+
+
+def test_vllm_pr24577_qwen3_a100_was_answered_with_0_34_rules():
+    """The review comment's log (2025-09-10) had its prefixes trimmed; 0.10.2 was built
+    2025-09-13, 0.10.1.1 2025-08-20: assumed 0.10.1.1. A ``reported`` field wins over the notes."""
+    from tuner.logs.release_infer import infer_for_case, record_day
+
+    case = {"engine": "V1", "source_context": "Review comment by mgoin (2025-09-10) with an lm_eval startup log",
+            "raw_lines": ["Model loading took 1.1201 GiB", "Available KV cache memory: 69.66 GiB"]}
+    assert infer_for_case(case).release == "0.10.1.1"
+    assert record_day({**case, "reported": "2025-10-05"}) == "2025-10-05"
+    assert infer_for_case({**case, "reported": "2025-10-05"}).release == "0.11.0"
+
+
+def test_a_posting_day_the_log_contradicts_is_set_aside():
+    """A day older than every release read (or a log proving a later release) is set aside."""
+    from tuner.logs.release_infer import infer_for_case
+
+    case = {"engine": "V1", "notes": "posted 2024-02-06",
+            "raw_lines": ["Available KV cache memory: 5.01 GiB"]}
+    inf = infer_for_case(case)
+    assert inf.release is not None
+    assert any(e.kind == "report" for e in inf.ignored)

@@ -13,7 +13,9 @@ release's wheel holds (:mod:`tuner.releases.facts`):
   (``[file.py:line]`` from 0.8, ``file.py:line]`` before), and lines printed apart that a release
   prints in one call (0.28+ joins "GPU KV cache size" and "Maximum concurrency");
 - the flags the log or record names ("non-default args", a ``vllm serve`` command line, an
-  ``LLM(...)`` call, the record's settings): the release's argparse has them.
+  ``LLM(...)`` call, the record's settings): the release's argparse has them;
+- the day a case record says its start-up was posted: releases whose wheel was built by then
+  (:mod:`tuner.releases.dates`), applied last.
 
 The releases consistent with all of it are kept; evidence that would leave none (a trimmed or
 re-typed line, a setting the record normalised) is set aside and reported. Of the releases left,
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from tuner.releases import facts as rf
+from tuner.releases import dates as rd
 
 __all__ = ["Evidence", "ReleaseInference", "infer_release", "log_evidence", "record_evidence",
            "config_evidence"]
@@ -48,7 +51,7 @@ _CHECKPOINT_SPELLINGS = ("auto_round", "autoround", "auto-round")
 
 #: Order in which evidence is applied; a later kind is set aside when it contradicts the earlier ones.
 PRIORITY = ("engine", "architecture", "quantization", "kv_cache_dtype", "log line", "log prefix", "log marker",
-            "log format", "flag", "setting")
+            "log format", "flag", "setting", "report")
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,10 @@ def log_evidence(lines: Iterable[str]) -> list[Evidence]:
 
 
 def record_evidence(record: dict) -> list[Evidence]:
-    """Evidence in a case record: its engine, quantization, KV-cache dtype and the settings it
-    names (non-null keys that are vLLM flags)."""
+    """Evidence in a case record: its engine, quantization, KV-cache dtype, the settings it
+    names (non-null keys that are vLLM flags) and, where it dates the start-up
+    (:func:`record_day`), the releases built by that day (:mod:`tuner.releases.dates`; applied
+    last, set aside when the rest contradicts it)."""
     out: list[Evidence] = []
     engine = str(record.get("engine") or "").upper()
     if engine in ("V0", "V1"):
@@ -237,7 +242,25 @@ def record_evidence(record: dict) -> list[Evidence]:
         ev = _flag_evidence(str(key), "setting")
         if ev is not None:
             out.append(ev)
+    day = record_day(record)
+    if day is not None:
+        out.append(Evidence("report", f"posted {day}", rd.releases_built_by(day)))
     return out
+
+
+_ISO_DAY = re.compile(r"\b(20\d\d-[01]\d-[0-3]\d)\b")
+_CORRECTION = re.compile(r"\[corrected [^\]]*\]")
+
+
+def record_day(record: dict) -> str | None:
+    """The day a case's start-up was posted: its ``reported`` field (``YYYY-MM-DD``), else the
+    earliest ISO day its ``source_context`` and ``notes`` name (the ``[corrected …]`` remarks
+    left out: they date the record's review, not the start-up)."""
+    if rd.is_day(record.get("reported")):
+        return str(record["reported"])
+    text = " ".join(str(record.get(k) or "") for k in ("source_context", "notes"))
+    days = _ISO_DAY.findall(_CORRECTION.sub("", text))
+    return min(days) if days else None
 
 
 def name_evidence(*, quantization: Any = None, kv_cache_dtype: Any = None) -> list[Evidence]:
