@@ -318,12 +318,28 @@ def test_vllm_pr24577_qwen3_a100_was_answered_with_0_34_rules():
     assert infer_for_case({**case, "reported": "2025-10-05"}).release == "0.11.0"
 
 
-def test_a_posting_day_the_log_contradicts_is_set_aside():
-    """A day older than every release read (or a log proving a later release) is set aside."""
+def test_qwen_gh16_gptq_posted_before_0_4_was_answered_with_0_10_2_v0_rules():
+    """QwenLM/Qwen3#16 (2024-02-06, V0): before the oldest wheel read (0.4.0, built 2024-03-30)
+    the day left no release and was set aside: 0.10.2 (the newest V0) was assumed, +4.7 %. The
+    oldest release read is the nearest."""
     from tuner.logs.release_infer import infer_for_case
 
-    case = {"engine": "V1", "notes": "posted 2024-02-06",
-            "raw_lines": ["Available KV cache memory: 5.01 GiB"]}
+    case = {"engine": "V0", "quantization": "gptq", "notes": "Issue 2024-02-06",
+            "raw_lines": ["ValueError: The model's max seq len (32768) is larger than the maximum number of "
+                          "tokens that can be stored in KV cache (24320)."]}
     inf = infer_for_case(case)
-    assert inf.release is not None
+    assert inf.release == "0.4.0"
+    assert any(e.kind == "report" and e.value == "posted 2024-02-06, before 0.4.0" for e in inf.evidence)
+
+
+def test_a_posting_day_the_log_contradicts_is_set_aside():
+    """A log proving a release built after the day it names (a later comment, a re-typed date):
+    the log's verbatim 0.19-era marker wins."""
+    from tuner.logs.release_infer import infer_for_case
+
+    case = {"engine": "V1", "notes": "posted 2024-06-01",
+            "raw_lines": ["(EngineCore_DP0 pid=1) INFO 04-01 10:00:00 [gpu_worker.py:440] "
+                          "Available KV cache memory: 9.74 GiB"]}
+    inf = infer_for_case(case)
+    assert inf.release is not None and inf.release != "0.4.0"
     assert any(e.kind == "report" for e in inf.ignored)

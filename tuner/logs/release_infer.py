@@ -244,7 +244,10 @@ def record_evidence(record: dict) -> list[Evidence]:
             out.append(ev)
     day = record_day(record)
     if day is not None:
-        out.append(Evidence("report", f"posted {day}", rd.releases_built_by(day)))
+        built = rd.releases_built_by(day)
+        # posted before the oldest wheel read (0.4.0, 2024-03-30): the oldest is the nearest
+        out.append(Evidence("report", f"posted {day}", built) if built else
+                   Evidence("report", f"posted {day}, before {rf.releases()[0]}", frozenset(rf.releases()[:1])))
     return out
 
 
