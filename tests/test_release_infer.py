@@ -343,3 +343,18 @@ def test_a_posting_day_the_log_contradicts_is_set_aside():
     inf = infer_for_case(case)
     assert inf.release is not None and inf.release != "0.4.0"
     assert any(e.kind == "report" for e in inf.ignored)
+
+
+def test_vllm_pr24577_trimmed_lines_without_a_date_keep_their_digits():
+    """The same review-comment log as an import (no posting day): its prefixes were trimmed, so
+    its formats were not evidence and 0.34.0 was assumed. "Model loading took 1.1201 GiB" has four
+    decimals, which only releases printing ``%.4f`` (up to 0.13) write; two decimals say nothing
+    (a reporter may round)."""
+    from tuner.logs.release_infer import infer_for_log
+    from tuner.memory.eras import NEWEST
+
+    got = infer_for_log(["Model loading took 1.1201 GiB", "Available KV cache memory: 69.66 GiB"], engine="V1")
+    assert rf.release_key(got.release) <= (0, 13, 0)
+    assert any(e.kind == "log digits" for e in got.evidence)
+    rounded = infer_for_log(["Model loading took 1.12 GiB", "Available KV cache memory: 69.66 GiB"], engine="V1")
+    assert rf.release_key(rounded.release) == NEWEST

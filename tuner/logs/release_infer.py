@@ -9,7 +9,7 @@ release's wheel holds (:mod:`tuner.releases.facts`):
 - the memory and settings lines the log prints (the release's sources hold the text), the
   ``[file.py:line]`` of each (the release's logger call is at that line), the way its numbers are
   printed (``Model loading took 1.1201 GiB``: ``%.4f`` up to 0.13, ``format_gib``'s two decimals
-  from 0.14), the prefix style
+  from 0.14; on a trimmed line too when it shows three or more decimals), the prefix style
   (``[file.py:line]`` from 0.8, ``file.py:line]`` before), and lines printed apart that a release
   prints in one call (0.28+ joins "GPU KV cache size" and "Maximum concurrency");
 - the flags the log or record names ("non-default args", a ``vllm serve`` command line, an
@@ -44,6 +44,8 @@ _COMMAND = re.compile(r"\bvllm serve\b|\bapi_server\b|vllm\.entrypoints")
 _LONG_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9_-]*)")
 _LLM_CALL = re.compile(r"\bLLM\((.*)")
 _KWARG = re.compile(r"(?<![\w.])([a-z_][a-z0-9_]*)\s*=(?!=)")
+#: A number with three or more decimals: precision a reporter does not add to a line.
+_PRECISE = re.compile(r"\d\.\d{3,}")
 
 #: Quantization spellings of a checkpoint that vLLM maps to another name before its check
 #: (an auto-round checkpoint becomes ``inc``: ``INCConfig.override_quantization_method``).
@@ -51,7 +53,7 @@ _CHECKPOINT_SPELLINGS = ("auto_round", "autoround", "auto-round")
 
 #: Order in which evidence is applied; a later kind is set aside when it contradicts the earlier ones.
 PRIORITY = ("engine", "architecture", "quantization", "kv_cache_dtype", "log line", "log prefix", "log marker",
-            "log format", "flag", "setting", "report")
+            "log format", "log digits", "flag", "setting", "report")
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,13 @@ def log_evidence(lines: Iterable[str]) -> list[Evidence]:
             per_line.append(found)
         for f in found:
             add(Evidence("log line", f, rf.with_fragment(f)))
+            tail = line[line.find(f):].rstrip()
             if verbatim:
-                tail = line[line.find(f):].rstrip()
                 add(Evidence("log format", tail[:120], rf.with_fragment_shaped(f, tail)))
+            elif _PRECISE.search(tail):
+                # a trimmed or re-typed line keeps its digits: a release printing fewer decimals
+                # (format_gib's two from 0.14) did not print it
+                add(Evidence("log digits", tail[:120], rf.with_fragment_shaped(f, tail)))
             if marker is not None and rf.fragment_has_sites(f) and marker.start() < line.find(f):
                 site = f"{marker.group(2).rsplit('/', 1)[-1]}:{marker.group(3)}"
                 add(Evidence("log marker", f"[{site}] {f}", rf.with_fragment_at(f, site)))
