@@ -1273,8 +1273,27 @@ class Passes:
                 results.append(r)
                 self.runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
                                   "max_num_seqs": batch.max_num_seqs})
+            self.check_encoder_budget(batch, results)
             self.memo[key] = results
         return self.memo[key]
+
+    def check_encoder_budget(self, batch, results: list) -> None:
+        """vLLM's encoder-budget refusal (:func:`tuner.memory.engine_checks.check_chunked_mm_input`)
+        with the largest item's tokens the passes report (``mm_max_tokens_per_item``). Checked only
+        where ``max_num_batched_tokens`` does not depend on ``max_model_len`` (the drop sets it, or
+        V1 with chunked prefill), so one verdict holds for every candidate, as :func:`check_batch`."""
+        from tuner.memory.engine_checks import check_chunked_mm_input
+
+        d, era = self.req.drop, self.era
+        if d.max_num_batched_tokens is None and not (era.engine == "V1" and batch.chunked_prefill):
+            return
+        tokens = max((int((p.get("mm_max_tokens_per_item") if isinstance(p, dict)
+                           else getattr(p, "mm_max_tokens_per_item", 0)) or 0) for p in results), default=0)
+        check_chunked_mm_input(max_tokens_per_item=tokens, max_num_batched_tokens=batch.max_num_batched_tokens,
+                               disable_chunked_mm_input=bool(d.disable_chunked_mm_input),
+                               model_type=self.model.spec.top.get("model_type"), engine=era.engine,
+                               version=era.version, user_max_num_batched_tokens=d.max_num_batched_tokens,
+                               path=d.path or None)
 
     def passes_at(self, batch, m: int) -> list:
         """The passes for ``batch`` (:meth:`passes_for`) as they stand at ``max_model_len`` ``m``:
