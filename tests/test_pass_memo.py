@@ -489,3 +489,36 @@ def test_repeated_question_with_vllm_installed_was_not_memoizable(tmp_path, monk
     key = passmemo.engine_answer_key(memoanswer.job_request(request))
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
     assert memoanswer.answer_from_memo(request, {key: first}) == (None, {})
+
+
+def test_memo_answer_missed_the_encoder_budget_refusal(shared_dir):
+    """The failure it guards: the encoder-budget refusal (--disable-chunked-mm-input, vLLM's
+    compute_mm_encoder_budget) needs the largest multimodal item's tokens, which only the torch pass
+    knows; an answer from the memo (no torch) must refuse what the worker refuses. The pass row
+    carries ``mm_max_tokens_per_item`` (Gemma 3: 256): the memo answers the drop whose batch holds the
+    item and leaves the refused one to the worker, which raises vLLM's message (0.12.0: the flag given,
+    not forced)."""
+    from tuner.errors import DropError
+
+    base = _request("llama-3.1-8b-h100.yaml")
+    base["drop"]["engine_version"] = "0.12.0"  # before vLLM forces the flag for Gemma 3 (0.13)
+    base["config_path"] = str(shared_dir / "models" / "google--gemma-3-4b-it" / "config.json")
+    base["drop"].update(max_num_batched_tokens=512, max_num_seqs=128)
+    first = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[8192]))
+    rows = [v for v in _entries(first).values() if v.get("spec") is None]
+    assert [r["mm_max_tokens_per_item"] for r in rows] == [256]
+    assert first["runs"][0]["mm_max_tokens_per_item"] == 256
+    asked = copy.deepcopy(base)
+    asked["drop"].update(disable_chunked_mm_input=True, max_num_batched_tokens=512)
+    answer, _ = memoanswer.answer_from_memo(_with(asked, gpu_memory_utilization=[0.9], max_model_len=[8192]),
+                                            _entries(first))
+    assert answer is not None and answer["proposals"]  # 256 tokens fit 512: the memo answers, no refusal
+    small = copy.deepcopy(base)
+    small["drop"]["max_num_batched_tokens"] = 200
+    entries = _entries(_worker_run(_with(small, gpu_memory_utilization=[0.9], max_model_len=[8192])))
+    small["drop"]["disable_chunked_mm_input"] = True
+    asked = _with(small, gpu_memory_utilization=[0.9], max_model_len=[8192])
+    # the memo does not answer a refused drop (any error goes to the worker, which reports it as always)
+    assert memoanswer.answer_from_memo(asked, entries) == (None, {})
+    with pytest.raises(DropError, match=r"max_tokens_per_mm_item \(256\) is larger than max_num_batched_tokens \(200\)"):
+        _worker_run(asked)
