@@ -573,11 +573,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     if pass_memo is None:
         import torch
 
-        from tuner.model.transformers_lean import import_transformers
-
-        transformers = import_transformers()  # without the scan of every model's source
-        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version()}
+        versions = _worker_versions()
     req = request if isinstance(request, JobRequest) else JobRequest.from_wire(request, required=False)
     memo_entries: list[dict] = []
     # the key of the whole answer where an installed engine takes part (tuner.jobs.passmemo.ENGINE_ANSWER):
@@ -612,16 +608,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     method, calibration = method_for(req, (lambda: False) if pass_memo is not None else torch.cuda.is_available,
                                      warnings)
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
-    assumptions = device_assumptions(device, drop, era)
-    warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
-    from tuner.memory.platforms import assumption
-
-    for a in ranks.assumptions:  # what the ranks' settings assumed (the sampler's path), said in rank_settings
-        assumptions.append(assumption(str(a["name"]), str(a["value"]).lower(), str(a["name"]), str(a["why"])))
-    if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
-
-        assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
-                                      str(drop.release_assumed["reason"])))
+    assumptions = _job_assumptions(device, drop, era, ranks, warnings)
     # the passes of a plugin-served model are the plugin's with or without an engine (its cross-check
     # decides KV specs and defaults, which the pass keys and the search take as inputs)
     memoizable = method == "simulate" and req.fake and (engine_use is None or not (
@@ -630,46 +617,17 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         raise passmemo.MemoMiss(f"method {method} is not memoized")
     passes = Passes(req, model, era, ranks, layout, method, engine_use=engine_use, pass_memo=pass_memo,
                     memo_entries=memo_entries if memoizable else None)
-    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
-        # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
-        from tuner.engine.use import reconcile_defaults
+    _engine_defaults(passes, engine_use, era, drop, model, kv, device)
 
-        grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
-        passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
-                                                      block_size=kv.block_size, d=drop.to_dict(), device=device))
-    elif engine_use is not None and engine_use.stored_defaults and era.engine == "V1":
-        passes.engine_batch.update(engine_use.stored_defaults)  # as the stored cross-check's engine applied them
     def run_sources(*, before_passes: bool) -> dict:
-        """Which source gave each term. Before the passes run (for the uncertainty context) a trace
-        the engine will attempt counts as traced; after them, what really happened does."""
-        from tuner.engine.crosscheck import term_sources
-
-        traced = bool(engine_use and (engine_use.traced or (before_passes and engine_use.trace_activation
-                                                            and engine_use.session is not None)))
-        return term_sources(
-            plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
-            engine_weights=bool(engine_use and engine_use.weights),
-            approximate_activation=bool(engine_use and engine_use.approximate_activation),
-            traced_activation=traced,
-            approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
-            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-            engine_defaults=bool(passes.engine_batch) or bool(
-                engine_use and engine_use.report.get("releases_match")
-                and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+        return _run_sources(model, engine_use, layout, device, passes, method, before_passes=before_passes)
 
     sources = run_sources(before_passes=True)
     context = uncertainty_context(req, device, era, sources, kv, warnings, assumptions)
     layout = dataclasses.replace(layout, uncertainty=context)
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
     if era.extensible_kv_cache:  # vLLM 0.34 warns where an explicit u < 1.0 withholds free memory
-        from tuner.memory.search import gpu_memory_utilization_warning
-
-        warned: set[float] = set()
-        for c in candidates:  # one per u (its largest length decides the batch)
-            w = gpu_memory_utilization_warning(c)
-            if w and c["gpu_memory_utilization"] not in warned:
-                warned.add(c["gpu_memory_utilization"])
-                warnings.append(f"vLLM would warn: {w}")
+        _u_warnings(candidates, warnings)
     if engine_use is not None and engine_use.session is not None:
         verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
     if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
@@ -688,6 +646,92 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.memory.platforms)
+    _memo_entries_of(out, req, model, era, method, device, engine_use, engine_key, memo_entries,
+                     keep=pass_memo is None and memoizable, in_worker=pass_memo is None)
+    return out
+
+
+def _worker_versions() -> dict:
+    """The versions a worker's answer carries (tool, torch, transformers, python)."""
+    import torch
+
+    from tuner.model.transformers_lean import import_transformers
+
+    transformers = import_transformers()  # without the scan of every model's source
+    return {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _job_assumptions(device: dict, drop: Any, era: Any, ranks: Any, warnings: list[str]) -> list[dict]:
+    """What the job assumed — about the device(s), the ranks' settings (the sampler's path) and the
+    release — as data (:mod:`tuner.memory.platforms`); the device's are said in ``warnings`` too."""
+    assumptions = device_assumptions(device, drop, era)
+    warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
+    from tuner.memory.platforms import assumption
+
+    for a in ranks.assumptions:  # what the ranks' settings assumed (the sampler's path), said in rank_settings
+        assumptions.append(assumption(str(a["name"]), str(a["value"]).lower(), str(a["name"]), str(a["why"])))
+    if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
+
+        assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
+                                      str(drop.release_assumed["reason"])))
+    return assumptions
+
+
+def _engine_defaults(passes: Any, engine_use: Any, era: Any, drop: Any, model: Any, kv: Any, device: dict) -> None:
+    """The engine's scheduler defaults into the passes' batch, when its release is the drop's
+    (:mod:`tuner.engine.use`), or as a stored cross-check's engine applied them."""
+    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
+        # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
+        from tuner.engine.use import reconcile_defaults
+
+        grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
+        passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
+                                                      block_size=kv.block_size, d=drop.to_dict(), device=device))
+    elif engine_use is not None and engine_use.stored_defaults and era.engine == "V1":
+        passes.engine_batch.update(engine_use.stored_defaults)  # as the stored cross-check's engine applied them
+
+
+def _run_sources(model: Any, engine_use: Any, layout: Any, device: dict, passes: Any, method: str, *,
+                 before_passes: bool) -> dict:
+    """Which source gave each term. Before the passes run (for the uncertainty context) a trace
+    the engine will attempt counts as traced; after them, what really happened does."""
+    from tuner.engine.crosscheck import term_sources
+
+    traced = bool(engine_use and (engine_use.traced or (before_passes and engine_use.trace_activation
+                                                        and engine_use.session is not None)))
+    return term_sources(
+        plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
+        engine_weights=bool(engine_use and engine_use.weights),
+        approximate_activation=bool(engine_use and engine_use.approximate_activation),
+        traced_activation=traced,
+        approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
+        calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
+        engine_defaults=bool(passes.engine_batch) or bool(
+            engine_use and engine_use.report.get("releases_match")
+            and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+
+
+def _u_warnings(candidates: list[dict], warnings: list[str]) -> None:
+    """vLLM 0.34's warning where an explicit u < 1.0 withholds free memory, once per u."""
+    from tuner.memory.search import gpu_memory_utilization_warning
+
+    warned: set[float] = set()
+    for c in candidates:  # one per u (its largest length decides the batch)
+        w = gpu_memory_utilization_warning(c)
+        if w and c["gpu_memory_utilization"] not in warned:
+            warned.add(c["gpu_memory_utilization"])
+            warnings.append(f"vLLM would warn: {w}")
+
+
+def _memo_entries_of(out: dict, req: Any, model: Any, era: Any, method: str, device: dict, engine_use: Any,
+                     engine_key: Any, memo_entries: list[dict], *, keep: bool, in_worker: bool) -> None:
+    """The new memo entries a worker's answer carries (``memo_entries``): its passes, the engine
+    cross-check that ran (stored once, :mod:`tuner.engine.stored`) and an engine's whole answer."""
+    from tuner.jobs import passmemo
+
+    pass_memo = None if in_worker else True
+    memoizable = keep
     new_entries = list(memo_entries) if pass_memo is None and memoizable else []
     if pass_memo is None and engine_use is not None and getattr(engine_use, "record_for", None):
         # the cross-check that ran here, stored once (tuner.engine.stored): later jobs need no import vllm
@@ -709,7 +753,6 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                                   "tool_version": __version__, "method": method, "device_name": device.get("name"),
                                   "era": era.name, "value": json.loads(json.dumps(
                                       {k: v for k, v in out.items() if k != passmemo.ENTRIES}))})
-    return out
 
 
 def uncertainty_context(req: "JobRequest", device: dict, era: Any, sources: dict, kv: "KvLayout",
