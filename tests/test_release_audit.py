@@ -1,0 +1,143 @@
+"""The release-by-release audit (issue 33, docs/release-audit.md): where vLLM's source of a memory
+rule changed at a release, ctx-tuner's answer changes at that release — tested on both sides.
+
+The release-diff timeline itself runs here on tiny synthetic trees (no wheel, no network); the
+two findings it made on the real sources are re-checked against /work/vllm-src when present."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tuner import kvcache
+from tuner import release_diff as rd
+from tuner.budget import ROCM_CUDAGRAPH_ESTIMATE_SINCE, cudagraph_estimate_bytes
+from tuner.eras import era_for
+from tuner.modelspec import load_model_spec
+from tuner.plugin import RankSettings, load_registry
+
+GiB = 1 << 30
+VLLM_SRC = Path("/work/vllm-src")
+
+
+def _gemma4_tokens(shared_dir, version: str, *, memory: int = 20 * GiB, m: int = 32768, n: int = 8192):
+    gemma = load_registry().by_name("gemma")
+    spec = load_model_spec(shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json")[0]
+    specs = gemma.kv_cache_spec(spec, RankSettings(engine_version=version, dtype="bfloat16"))
+    in_flight = kvcache.max_in_flight_tokens(version, n, async_scheduling=True)
+    cfg = kvcache.get_kv_cache_config(version, specs, memory, max_model_len=m, max_num_batched_tokens=n,
+                                      max_in_flight_tokens=in_flight)
+    return cfg, kvcache.kv_cache_tokens(version, cfg, m, max_num_batched_tokens=n, max_in_flight_tokens=in_flight)
+
+
+def test_gemma4_kv_tokens_differ_between_0_25_1_and_0_26(shared_dir):
+    """0.25.1 and 0.26.0 gave Gemma-4-26B-A4B the same "GPU KV cache size"; 0.26's sliding-window
+    layers (25 of 30, window 1024) reserve two batches in flight under async scheduling
+    (``VllmConfig.max_in_flight_tokens``), so a request holds 1089 sliding blocks, not 577: the
+    same 32768 blocks of 655,360 bytes hold 40 % fewer max-length tokens."""
+    cfg_a, tokens_a = _gemma4_tokens(shared_dir, "0.25.1")
+    cfg_b, tokens_b = _gemma4_tokens(shared_dir, "0.26.0")
+    assert (cfg_a.num_blocks, cfg_a.bytes_per_block) == (cfg_b.num_blocks, cfg_b.bytes_per_block) == (32768, 655360)
+    assert tokens_a == 274684
+    assert tokens_b == 165982
+    assert round(1 - tokens_b / tokens_a, 2) == 0.40
+
+
+def test_sliding_window_reserves_tokens_in_flight_from_0_26_not_0_32():
+    """The tokens-in-flight reservation was dated 0.32 (an era bundle); the source has it from 0.26."""
+    win = kvcache.SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=256, dtype_bytes=2, sliding_window=1024)
+    got = {}
+    for v in ("0.25.1", "0.26.0", "0.31.0"):
+        fl = kvcache.max_in_flight_tokens(v, 8192, async_scheduling=True)
+        got[v] = (fl, kvcache.blocks_per_request(v, win, 32768, max_num_batched_tokens=8192, max_in_flight_tokens=fl))
+    assert got == {"0.25.1": (8192, 577), "0.26.0": (16384, 1089), "0.31.0": (16384, 1089)}
+    # Model Runner V2 keeps pp + 1 batches in flight; 0.34 does for every runner
+    assert kvcache.max_in_flight_tokens("0.26.0", 8192, async_scheduling=True, model_runner_v2=True) == 2 * 8192
+    assert kvcache.max_in_flight_tokens("0.33.0", 8192, async_scheduling=True, pipeline_parallel_size=2) == 2 * 8192
+    assert kvcache.max_in_flight_tokens("0.34.0", 8192, async_scheduling=True, pipeline_parallel_size=2) == 3 * 8192
+    assert kvcache.max_in_flight_tokens("0.26.0", 8192, async_scheduling=False) == 8192
+
+
+def test_rocm_cudagraph_estimate_differs_between_0_23_and_0_26():
+    """On ROCm 0.23 and 0.26 subtracted the same CUDA-graph estimate; vLLM's worker estimates on
+    ROCm only from 0.26 (``is_cuda_alike()``; ``is_cuda()`` before), so before it nothing is
+    subtracted. CUDA is unchanged across the boundary."""
+    kw = dict(num_layers=48, max_num_seqs=1024, max_num_batched_tokens=8192, hidden_size=2048)
+    rocm = {v: cudagraph_estimate_bytes(era_for(v), platform="rocm", **kw) for v in ("0.23.0", "0.25.1", "0.26.0")}
+    cuda = {v: cudagraph_estimate_bytes(era_for(v), platform="cuda", **kw) for v in ("0.23.0", "0.25.1", "0.26.0")}
+    assert ROCM_CUDAGRAPH_ESTIMATE_SINCE == (0, 26, 0)
+    assert rocm["0.23.0"] == rocm["0.25.1"] == 0
+    assert rocm["0.26.0"] == cuda["0.26.0"] == cuda["0.23.0"] == 676_457_349
+    # reports (always=True) still show what a capture would take
+    assert cudagraph_estimate_bytes(era_for("0.25.1"), platform="rocm", always=True, **kw) == 676_457_349
+
+
+# ------------------------------------------------------------------------------------------------
+# the tool: python -m tuner.release_diff OLD NEW --timeline SRC
+# ------------------------------------------------------------------------------------------------
+
+_CFG_OLD = '''
+class VllmConfig:
+    @property
+    def max_concurrent_batches(self):
+        return 2
+'''
+_CFG_NEW = _CFG_OLD + '''
+    @property
+    def max_in_flight_tokens(self):
+        return self.max_concurrent_batches * self.scheduler_config.max_num_batched_tokens
+'''
+_WORKER_OLD = '''
+class Worker:
+    def determine_available_memory(self):
+        if current_platform.is_cuda():
+            est = self.model_runner.profile_cudagraph_memory()
+        return 0
+'''
+_WORKER_NEW = _WORKER_OLD.replace("is_cuda()", "is_cuda_alike()")
+
+
+def _tree(root: Path, version: str, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / version / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def test_release_diff_timeline_finds_each_rule_change_at_its_release(tmp_path, capsys):
+    _tree(tmp_path, "0.25.0", {"vllm/config/vllm.py": _CFG_OLD, "vllm/v1/worker/gpu_worker.py": _WORKER_OLD})
+    _tree(tmp_path, "0.25.1", {"vllm/config/vllm.py": _CFG_OLD + "\n# a comment\n",
+                               "vllm/v1/worker/gpu_worker.py": _WORKER_OLD})
+    _tree(tmp_path, "0.26.0", {"vllm/config/vllm.py": _CFG_NEW, "vllm/v1/worker/gpu_worker.py": _WORKER_NEW})
+    _tree(tmp_path, "0.27.0", {"vllm/config/vllm.py": _CFG_NEW, "vllm/v1/worker/gpu_worker.py": _WORKER_NEW})
+    (tmp_path / "cfg-0.5.5").mkdir()  # not a release folder
+    dirs = rd.release_dirs(tmp_path, "0.25.0", "0.34.0")
+    assert [d.name for d in dirs] == ["0.25.0", "0.25.1", "0.26.0", "0.27.0"]
+    changes = rd.timeline([(d.name, rd.Release(str(d))) for d in dirs])
+    assert [(c["release"], c["status"]) for c in changes["vllm_config:VllmConfig.max_in_flight_tokens"]] \
+        == [("0.26.0", "added")]
+    assert [(c["release"], c["status"], c["added"], c["removed"])
+            for c in changes["worker:Worker.determine_available_memory"]] == [("0.26.0", "changed", 1, 1)]
+    assert changes["vllm_config:VllmConfig.max_concurrent_batches"] == []  # a comment is no change
+    assert rd.main(["0.25.0", "0.27.0", "--timeline", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "vllm_config:VllmConfig.max_in_flight_tokens" in out and "0.26.0(added)" in out
+    assert "worker:Worker.determine_available_memory" in out and "0.26.0(+1-1)" in out
+    assert rd.main(["0.40.0", "0.41.0", "--timeline", str(tmp_path)]) == 2
+
+
+def test_release_diff_rules_name_only_tracked_definitions():
+    keys = {t.key for t in rd.TRACKED}
+    assert {k for ks in rd.RULES.values() for k in ks} <= keys
+
+
+@pytest.mark.skipif(not (VLLM_SRC / "0.26.0" / "vllm").is_dir() or not (VLLM_SRC / "0.25.1" / "vllm").is_dir(),
+                    reason="vLLM 0.25.1 / 0.26.0 sources not unpacked under /work/vllm-src")
+def test_release_diff_finds_the_0_26_changes_in_the_real_sources():
+    rels = [(v, rd.Release(str(VLLM_SRC / v))) for v in ("0.25.1", "0.26.0")]
+    tracked = [t for t in rd.TRACKED if t.key in ("vllm_config:VllmConfig.max_in_flight_tokens",
+                                                   "worker:Worker.determine_available_memory")]
+    changes = rd.timeline(rels, tracked)
+    assert [c["status"] for c in changes["vllm_config:VllmConfig.max_in_flight_tokens"]] == ["added"]
+    assert [c["release"] for c in changes["worker:Worker.determine_available_memory"]] == ["0.26.0"]
