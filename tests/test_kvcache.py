@@ -254,8 +254,10 @@ def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_3
     assert kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100).num_blocks == 100
 
 
-def test_sliding_window_reserves_two_batches_in_flight_with_async_scheduling_from_0_32():
-    assert kv.max_in_flight_tokens("0.30.0", 8192, async_scheduling=True) == 8192
+def test_sliding_window_reserves_two_batches_in_flight_with_async_scheduling_from_0_26():
+    # VllmConfig.max_in_flight_tokens first appears in 0.26.0 (release audit; was dated 0.32)
+    assert kv.max_in_flight_tokens("0.25.1", 8192, async_scheduling=True) == 8192
+    assert kv.max_in_flight_tokens("0.30.0", 8192, async_scheduling=True) == 16_384
     assert kv.max_in_flight_tokens("0.32.0", 8192) == 8192
     assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True) == 16_384
     assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True, pipeline_parallel_size=2) == 16_384

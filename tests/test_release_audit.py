@@ -141,3 +141,18 @@ def test_release_diff_finds_the_0_26_changes_in_the_real_sources():
     changes = rd.timeline(rels, tracked)
     assert [c["status"] for c in changes["vllm_config:VllmConfig.max_in_flight_tokens"]] == ["added"]
     assert [c["release"] for c in changes["worker:Worker.determine_available_memory"]] == ["0.26.0"]
+
+
+def test_null_block_left_out_of_the_admission_check_from_0_29_not_0_30():
+    """``check_enough_kv_cache_memory`` subtracts one pool block (``_pool_bytes_per_block``) from
+    0.29.0 (dated 0.30 before the audit): memory for exactly one max-length request starts 0.28
+    and is refused by 0.29."""
+    from tuner.errors import KVCacheError
+
+    spec = {"model.layers.0.self_attn.attn": kvcache.FullAttentionSpec(16, 8, 128, 2)}
+    page = spec["model.layers.0.self_attn.attn"].page_size_bytes  # 65,536
+    exact = 4096 // 16 * page  # 256 pages
+    kvcache.check_enough_kv_cache_memory("0.28.0", spec, exact, max_model_len=4096)
+    with pytest.raises(KVCacheError, match="estimated maximum model length is 4080"):
+        kvcache.check_enough_kv_cache_memory("0.29.0", spec, exact, max_model_len=4096)
+    assert kvcache.NULL_BLOCK_CHECK_SINCE == "0.29.0" and kvcache.GROUP_CONCURRENCY_SINCE == "0.27.0"

