@@ -156,3 +156,15 @@ def test_null_block_left_out_of_the_admission_check_from_0_29_not_0_30():
     with pytest.raises(KVCacheError, match="estimated maximum model length is 4080"):
         kvcache.check_enough_kv_cache_memory("0.29.0", spec, exact, max_model_len=4096)
     assert kvcache.NULL_BLOCK_CHECK_SINCE == "0.29.0" and kvcache.GROUP_CONCURRENCY_SINCE == "0.27.0"
+
+
+def test_spec_decode_capture_sizes_differ_between_0_12_and_0_13():
+    """0.12's default largest capture size is ``min(2 · max_num_seqs, 512)`` whatever the
+    speculative tokens; 0.13 multiplies by the decode query length ``1 + k``."""
+    from tuner.budget import cudagraph_capture_sizes
+
+    s12 = cudagraph_capture_sizes(era_for("0.12.0"), 64, 8192, num_speculative_tokens=3)
+    s13 = cudagraph_capture_sizes(era_for("0.13.0"), 64, 8192, num_speculative_tokens=3)
+    assert max(s12) == 128 and len(s12) == 19
+    assert max(s13) == 512 and len(s13) == 51
+    assert cudagraph_capture_sizes(era_for("0.12.0"), 64, 8192) == cudagraph_capture_sizes(era_for("0.13.0"), 64, 8192)

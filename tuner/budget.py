@@ -451,6 +451,11 @@ def persistent_bytes(era: Era, spec: Any, settings: Any, batch: Any, model_runne
         block_size=settings.block_size or 16)
 
 
+#: First release whose default largest capture size counts the decode query length
+#: ``1 + num_speculative_tokens`` (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``, 0.13.0).
+SPEC_DECODE_CAPTURE_MAX_SINCE = (0, 13, 0)
+
+
 def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int, *,
                             num_speculative_tokens: int = 0, cudagraph_capture_sizes: list[int] | None = None,
                             max_cudagraph_capture_size: int | None = None,
@@ -458,7 +463,8 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     """CUDA-graph capture sizes (tokens) as the release derives them.
 
     ≥0.12 (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``; 0.19–0.33 read): with
-    ``q = 1 + num_speculative_tokens``, ``max = min(max_num_seqs × q × 2, D)`` unless
+    ``q = 1 + num_speculative_tokens`` (from 0.13, :data:`SPEC_DECODE_CAPTURE_MAX_SINCE`; 1 in 0.12),
+    ``max = min(max_num_seqs × q × 2, D)`` unless
     ``max_cudagraph_capture_size`` is given, then ``min(max, max_num_batched_tokens)``; ``D`` is
     512, and from 0.28 1024 on data-centre Blackwell (compute capability 10.x,
     ``is_device_capability_family(100)``); sizes ``[1, 2, 4]`` (those ≤ max) +
@@ -488,7 +494,8 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     else:
         blackwell = bool(compute_capability) and str(compute_capability).split(".")[0] == "10"
         default = 1024 if v >= (0, 28, 0) and blackwell else 512
-        max_graph = min(max_num_seqs * q * 2, default)
+        # the decode query length multiplies the default from 0.13 (0.12: ``min(max_num_seqs * 2, 512)``)
+        max_graph = min(max_num_seqs * (q if v >= SPEC_DECODE_CAPTURE_MAX_SINCE else 1) * 2, default)
         if v >= (0, 29, 0) and q > 1:
             reqs = min(max_num_seqs, default)
             counts = [c for c in (1, 2, 4) if c <= reqs] + list(range(8, min(reqs + 1, 256), 8)) \
