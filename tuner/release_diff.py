@@ -205,12 +205,12 @@ class Release:
             self._zip = zipfile.ZipFile(p)
         elif p.is_dir():
             wheels = sorted(p.glob("vllm-*.whl"))
-            if (p / "vllm").is_dir():
+            if wheels:  # the wheel is complete; a vllm/ beside it may hold only some files
+                self._zip = zipfile.ZipFile(wheels[-1])
+            elif (p / "vllm").is_dir():
                 self._root = p
             elif p.name == "vllm" and (p / "__init__.py").exists():
                 self._root = p.parent
-            elif wheels:
-                self._zip = zipfile.ZipFile(wheels[-1])
             else:
                 raise ReleaseDiffError(f"{source}: neither a vllm/ tree nor a vllm-*.whl in it")
         elif re.fullmatch(r"\d+\.\d+(\.\d+)*([.+-]?\w+)*", source):
