@@ -168,3 +168,26 @@ def test_spec_decode_capture_sizes_differ_between_0_12_and_0_13():
     assert max(s12) == 128 and len(s12) == 19
     assert max(s13) == 512 and len(s13) == 51
     assert cudagraph_capture_sizes(era_for("0.12.0"), 64, 8192) == cudagraph_capture_sizes(era_for("0.13.0"), 64, 8192)
+
+
+def test_gemma4_profile_batch_differs_between_0_21_and_0_22_on_a_small_gpu(shared_dir):
+    """0.22 raises a multimodal prefix-LM model's default ``max_num_batched_tokens`` to its largest
+    item (Gemma-4: a 32-frame video, 32 · 78 = 2,496 tokens); 0.21 profiles Gemma-4 on an A100
+    (2,048-token tier) with 2,048 tokens."""
+    import json
+
+    from tuner.eras import mm_prefix_lm_item_tokens, profile_batch
+
+    top = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    item = mm_prefix_lm_item_tokens(top)
+    assert item == 2496
+    kw = dict(max_model_len=32768, device_name="A100-80GB", total_memory_bytes=80 * GiB, is_multimodal=True,
+              mm_prefix_lm_item_tokens=item)
+    assert profile_batch(era_for("0.21.0"), **kw).max_num_batched_tokens == 2048
+    assert profile_batch(era_for("0.22.0"), **kw).max_num_batched_tokens == 2496
+    # a stated max_num_batched_tokens is kept; the H100 tier's 8,192 is above the item
+    assert profile_batch(era_for("0.22.0"), **kw, max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+    assert profile_batch(era_for("0.22.0"), **{**kw, "device_name": "H100-80GB"}).max_num_batched_tokens == 8192
+    # not a prefix-LM model: Gemma-3 (no per-item count without dummy inputs), a text model
+    g3 = json.loads((shared_dir / "models" / "google--gemma-3-27b-it" / "config.json").read_text())
+    assert mm_prefix_lm_item_tokens(g3) == 0 and mm_prefix_lm_item_tokens({"model_type": "llama"}) == 0

@@ -317,6 +317,37 @@ def v0_uses_sliding_window(sliding_window, use_sliding_window=None) -> bool:
     return bool(sliding_window)
 
 
+#: First release raising the default ``max_num_batched_tokens`` of a multimodal prefix-LM model to
+#: its largest multimodal item (vllm/engine/arg_utils.py ``_get_min_mm_batched_tokens``, 0.22.0).
+MM_PREFIX_LM_MIN_TOKENS_SINCE = (0, 22, 0)
+#: Gemma-4's video bound (vllm/model_executor/models/gemma4_mm.py ``_VIDEO_MAX_FRAMES``,
+#: ``_VIDEO_MAX_SOFT_TOKENS``; the same in 0.21–0.34): each frame ≤ 70 soft tokens + boi + eoi +
+#: ~6 timestamp tokens.
+GEMMA4_VIDEO_MAX_FRAMES = 32
+GEMMA4_VIDEO_MAX_SOFT_TOKENS = 70
+
+
+def mm_prefix_lm_item_tokens(top_config: dict | None) -> int:
+    """The largest per-item token count vLLM reserves in one batch for a multimodal prefix-LM model
+    (0 when the model is not one, or vLLM does not know the count without dummy inputs).
+
+    ``ModelConfig.is_mm_prefix_lm`` (vllm/transformers_utils/model_arch_config_convertor.py): for
+    ``model_type`` ``gemma4``, ``text_config.use_bidirectional_attention == "vision"``; the other
+    prefix-LM models (gemma3, paligemma, …) return no ``get_mm_max_tokens_per_item`` except bagel
+    and moondream3, not modelled. Gemma-4's ``Gemma4ProcessingInfo.get_mm_max_tokens_per_item``
+    (gemma4_mm.py): image ``vision_config.default_output_length``, video
+    ``32 × (70 + 2 + 6)`` = 2,496; audio (``processor.audio_seq_length``, a processor setting not
+    in config.json) is not modelled."""
+    top = top_config or {}
+    if top.get("model_type") != "gemma4":
+        return 0
+    if (top.get("text_config") or {}).get("use_bidirectional_attention") != "vision":
+        return 0
+    image = int((top.get("vision_config") or {}).get("default_output_length") or 0)
+    video = GEMMA4_VIDEO_MAX_FRAMES * (GEMMA4_VIDEO_MAX_SOFT_TOKENS + 2 + 6)
+    return max(image, video)
+
+
 def profile_batch(
     era: Era,
     *,
@@ -330,6 +361,7 @@ def profile_batch(
     has_sliding_window: bool = False,
     is_multimodal: bool = False,
     compute_capability: str | None = None,
+    mm_prefix_lm_item_tokens: int = 0,
 ) -> ProfileBatch:
     """Size the profile run's dummy batch the way the era's engine does.
 
@@ -339,6 +371,9 @@ def profile_batch(
     (0.6.5+). V1 (vllm/engine/arg_utils.py, reference §4.10): defaults by GPU tier and entry
     point; chunked prefill always on unless disabled; ``S = min(S, N)``. ``compute_capability``
     (``"12.1"``) picks 0.33+'s GB10 tier; default: the catalog's for ``device_name``.
+    ``mm_prefix_lm_item_tokens`` (:func:`mm_prefix_lm_item_tokens`): from 0.22 a default N below it
+    is raised to it ("Raising max_num_batched_tokens from … to accommodate … input for prefix-LM
+    model", vllm/engine/arg_utils.py ``_set_default_max_num_seqs_and_batched_tokens_args``).
 
     Returns:
         A :class:`ProfileBatch` (tokens, sequences, requests).
@@ -409,6 +444,8 @@ def profile_batch(
             n = max_model_len
         else:
             n = max(max_model_len, n)
+    if max_num_batched_tokens is None and v >= MM_PREFIX_LM_MIN_TOKENS_SINCE and mm_prefix_lm_item_tokens > n:
+        n = int(mm_prefix_lm_item_tokens)
     if v >= (0, 12, 0):
         n = min(s * max_model_len, n)
     s = min(s, n)

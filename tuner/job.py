@@ -21,7 +21,7 @@ from tuner.drop import Drop
 from tuner.errors import DropError, EraError
 from tuner.budget import persistent_bytes, profile_overhead_bytes
 from tuner.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
-from tuner.eras import release_warning, v0_uses_sliding_window
+from tuner.eras import mm_prefix_lm_item_tokens, release_warning, v0_uses_sliding_window
 from tuner.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
                                  check_architecture, check_quantization)
 from tuner.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
@@ -1055,7 +1055,8 @@ class Passes:
                               enable_chunked_prefill=d.enable_chunked_prefill,
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
-                              is_multimodal=self.is_multimodal)
+                              is_multimodal=self.is_multimodal,
+                              mm_prefix_lm_item_tokens=mm_prefix_lm_item_tokens(spec.top))
         # vLLM's SchedulerConfig: N >= S once the era's defaults are applied.
         check_batch(engine=era.engine, max_num_batched_tokens=batch.max_num_batched_tokens,
                     max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,
