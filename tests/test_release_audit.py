@@ -191,3 +191,23 @@ def test_gemma4_profile_batch_differs_between_0_21_and_0_22_on_a_small_gpu(share
     # not a prefix-LM model: Gemma-3 (no per-item count without dummy inputs), a text model
     g3 = json.loads((shared_dir / "models" / "google--gemma-3-27b-it" / "config.json").read_text())
     assert mm_prefix_lm_item_tokens(g3) == 0 and mm_prefix_lm_item_tokens({"model_type": "llama"}) == 0
+
+
+def test_hybrid_attention_block_differs_between_0_33_and_0_34_and_0_19_and_0_20(shared_dir):
+    """``Platform._align_hybrid_block_size`` (0.20+) aligns the attention block of a hybrid model to
+    ``max(16, cache block size)``: 0.34's default block size of 64 makes Qwen3.5-27B's 784-token
+    block (a multiple of 16) 832, and a user's 32 gives 800 from 0.20 where 0.19 kept 784."""
+    from tuner.plugins.hybrid import hybrid_attention_block_size
+
+    spec = load_model_spec(shared_dir / "models" / "Qwen--Qwen3.5-27B" / "config.json")[0]
+    plugin, _ = load_registry().for_architectures(spec.architectures)
+
+    def block(version, block_size=None):
+        specs = plugin.kv_cache_spec(spec, RankSettings(engine_version=version, dtype="bfloat16", block_size=block_size))
+        return {s.block_size for s in specs.values()}
+
+    assert block("0.33.0") == {784}
+    assert block("0.34.0", 64) == {832}  # tuner.job.default_block_size: 64 from 0.34
+    assert block("0.19.0", 32) == {784}
+    assert block("0.20.0", 32) == {800}
+    assert hybrid_attention_block_size(3_207_168, 4096, 1024, engine_version="0.20.0") == 1024

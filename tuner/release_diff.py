@@ -121,6 +121,8 @@ TRACKED: tuple[Tracked, ...] = tuple(
          "GptOssForCausalLMConfig.verify_and_update_config", label="model_config")
     + _t("kv_cache_utils", ("vllm/model_executor/models/gemma4.py",), "Gemma4Attention.__init__",
          "Gemma4DecoderLayer.__init__", label="gemma4")
+    + _t("kv_cache_utils", ("vllm/platforms/interface.py",), "Platform._align_hybrid_block_size",
+         "Platform.update_block_size_for_backend", label="platform")
     + _t("dummy runs", ("vllm/v1/sample/ops/topk_topp_sampler.py",), "TopKTopPSampler.__init__", label="sampler")
     + _t("dummy runs", ("vllm/v1/core/encoder_cache_manager.py",), "compute_encoder_budget",
          "compute_mm_encoder_budget", label="encoder_cache")
@@ -157,7 +159,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid grouping and page unification": (
         "kv_cache:get_kv_cache_groups", "kv_cache:_get_kv_cache_groups_uniform_page_size",
         "kv_cache:unify_hybrid_kv_cache_specs", "kv_cache:unify_kv_cache_spec_page_size"),
-    "Mamba state pages and page alignment": ("kv_spec:MambaSpec",
+    "Mamba state pages and page alignment": ("kv_spec:MambaSpec", "platform:Platform._align_hybrid_block_size",
+                                             "platform:Platform.update_block_size_for_backend",
                                              "model_config:HybridAttentionMambaModelConfig.verify_and_update_config",
                                              "model_config:MambaModelConfig.verify_and_update_config"),
     "Gemma-4 specifics": ("model_config:Gemma4Config.verify_and_update_config", "gemma4:Gemma4Attention.__init__",
