@@ -211,3 +211,22 @@ def test_hybrid_attention_block_differs_between_0_33_and_0_34_and_0_19_and_0_20(
     assert block("0.19.0", 32) == {784}
     assert block("0.20.0", 32) == {800}
     assert hybrid_attention_block_size(3_207_168, 4096, 1024, engine_version="0.20.0") == 1024
+
+
+def test_moe_runner_differs_between_0_28_and_0_29():
+    """0.29's ``use_v2_model_runner`` runs Model Runner V2 for every model (MoE and hybrid included;
+    dated 0.30 before the audit): Qwen3-30B-A3B ran V1 on 0.28 and V2 on 0.29, except on ROCm for
+    the architectures ROCm keeps on V1 (0.29–0.31)."""
+    from tuner.eras import uses_model_runner_v2
+
+    def v2(version, archs, **kw):
+        return uses_model_runner_v2(era_for(version), archs, **kw)
+
+    assert not v2("0.28.0", ["Qwen3MoeForCausalLM"], is_moe=True)
+    assert v2("0.29.0", ["Qwen3MoeForCausalLM"], is_moe=True)
+    assert v2("0.29.0", ["Qwen3NextForCausalLM"], is_moe=True, is_hybrid=True)
+    assert not v2("0.29.0", ["DeepseekV4ForCausalLM"], is_moe=True, platform="rocm")
+    assert v2("0.29.0", ["DeepseekV4ForCausalLM"], is_moe=True)
+    assert not v2("0.31.0", ["GlmMoeDsaForCausalLM"], is_moe=True, platform="rocm")
+    assert v2("0.32.0", ["GlmMoeDsaForCausalLM"], is_moe=True, platform="rocm")
+    assert not v2("0.29.0", ["Qwen3MoeForCausalLM"], is_moe=True, speculative_method="ngram")

@@ -624,9 +624,20 @@ def v2_runner_runs_speculative_method(version: "VllmVersion | str", method: str 
     return m not in refused
 
 
+#: First release running Model Runner V2 for every model by default (vllm/config/vllm.py
+#: ``VllmConfig.use_v2_model_runner`` no longer asks ``_is_default_v2_model_runner_model``: 0.29.0;
+#: dated 0.30 before the release-by-release audit).
+EVERY_MODEL_V2_SINCE = (0, 29, 0)
+#: Architectures ROCm keeps on the V1 runner (``ROCM_DEFAULT_MRV1_ARCHITECTURES``, vllm/config/vllm.py):
+#: 0.29 two, 0.30–0.31 three; gone in 0.32.
+ROCM_V1_RUNNER_ARCHITECTURES_0_29 = frozenset({"DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"})
+ROCM_V1_RUNNER_ARCHITECTURES_0_30 = ROCM_V1_RUNNER_ARCHITECTURES_0_29 | {"GlmMoeDsaForCausalLM"}
+
+
 def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bool = False,
                          is_attention_free: bool = False, is_quantized: bool = False,
-                         generate: bool = True, speculative_method: str | None = None) -> bool:
+                         generate: bool = True, speculative_method: str | None = None,
+                         platform: str = "cuda") -> bool:
     """Whether the release runs Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) by default.
 
     ``VllmConfig.use_v2_model_runner`` / ``_is_default_v2_model_runner_model`` (vllm/config/vllm.py):
@@ -634,8 +645,9 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
     * 0.22–0.23: ``Qwen3ForCausalLM``, not MoE, not quantized;
     * 0.24: architecture in a six-entry list;
     * 0.25–0.27: listed architecture or not MoE; never hybrid (Mamba) or attention-free;
-    * 0.28–0.29: as 0.25, hybrid allowed when the architecture is listed;
-    * 0.30–0.33: every generative model (unless a feature it lacks is configured);
+    * 0.28: as 0.25, hybrid allowed when the architecture is listed;
+    * 0.29–0.33 (:data:`EVERY_MODEL_V2_SINCE`): every model (unless a feature it lacks is
+      configured); on ROCm (``platform``) 0.29–0.31 keep ``ROCM_DEFAULT_MRV1_ARCHITECTURES`` on V1;
     * 0.34+: every model — the V1 runner is removed (vllm/platforms/interface.py
       ``validate_environ``: "Model Runner V1 has been removed").
     Pooling models (``generate=False``) stay on V1 before 0.30. A ``speculative_method`` V2 lacks
@@ -649,7 +661,10 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
         return True
     if not v2_runner_runs_speculative_method(v, speculative_method):
         return False
-    if v >= (0, 30, 0):
+    if v >= EVERY_MODEL_V2_SINCE:
+        if platform == "rocm" and v < (0, 32, 0):
+            rocm_v1 = ROCM_V1_RUNNER_ARCHITECTURES_0_29 if v < (0, 30, 0) else ROCM_V1_RUNNER_ARCHITECTURES_0_30
+            return not (archs & rocm_v1)
         return True
     if not generate:
         return False

@@ -974,7 +974,7 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_hybrid=any(isinstance(x, MambaSpec) for specs in kv.specs for x in specs.values()),
         is_attention_free=not any(kv_specs_i for kv_specs_i in kv.specs),
         is_quantized=bool(spec.quantization_config or drop.quantization),
-        speculative_method=(drop.speculative_config or {}).get("method"))
+        speculative_method=(drop.speculative_config or {}).get("method"), platform=_platform(device))
     runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
     return dataclasses.replace(layout, model_runner_v2=runner_v2)
 
