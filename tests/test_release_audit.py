@@ -230,3 +230,17 @@ def test_moe_runner_differs_between_0_28_and_0_29():
     assert not v2("0.31.0", ["GlmMoeDsaForCausalLM"], is_moe=True, platform="rocm")
     assert v2("0.32.0", ["GlmMoeDsaForCausalLM"], is_moe=True, platform="rocm")
     assert not v2("0.29.0", ["Qwen3MoeForCausalLM"], is_moe=True, speculative_method="ngram")
+
+
+def test_pipeline_auto_fit_differs_between_0_16_and_0_17():
+    """``--max-model-len auto`` with two pipeline stages: 0.14–0.16 fit the global groups (both
+    stages' layers) into the smaller stage's memory; 0.17 fits each stage's own layers."""
+    full = kvcache.FullAttentionSpec(16, 8, 128, 2)  # 65,536 B per block per layer
+    stage0 = {f"model.layers.{i}.self_attn.attn": full for i in range(4)}
+    stage1 = {f"model.layers.{i}.self_attn.attn": full for i in range(4, 8)}
+    mem = 4 * 65_536 * 1001  # 1,001 blocks of a 4-layer stage
+    kw = dict(max_model_len=1 << 20, auto_fit=True)
+    old = kvcache.get_kv_cache_configs("0.16.0", [(stage0, mem), (stage1, mem)], **kw)
+    new = kvcache.get_kv_cache_configs("0.17.0", [(stage0, mem), (stage1, mem)], **kw)
+    assert old[0].max_model_len == 8000  # 8 layers' KV in one stage's memory: 500 blocks
+    assert new[0].max_model_len == 16016

@@ -73,6 +73,10 @@ _LAYER_PLAN = "0.29.0"
 #: First release converting ``num_gpu_blocks_override`` to ``override × bytes per block`` before the
 #: admission check (``get_kv_cache_configs``, 0.20.1; dated 0.32 before the audit).
 OVERRIDE_AS_MEMORY_SINCE = "0.20.1"
+#: First release auto-fitting ``max_model_len`` per worker on its own projected groups
+#: (``_auto_fit_max_model_len``, 0.17.0); 0.14–0.16 fit the global groups (every layer of every
+#: pipeline stage) into the smallest worker's memory.
+AUTO_FIT_PER_WORKER_SINCE = "0.17.0"
 #: First release whose sliding-window and chunked-local specs reserve ``max_in_flight_tokens``
 #: (vllm/config/vllm.py ``VllmConfig.max_in_flight_tokens``; vllm/v1/kv_cache_interface.py
 #: ``SlidingWindowSpec.max_memory_usage_bytes``): 0.26.0 (0.25.1 reads ``max_num_batched_tokens``).
@@ -1191,7 +1195,10 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
                      for g, a in zip(projected, avail)]
     mml = max_model_len
     if auto_fit and v >= "0.14.0":
-        mml = _auto_fit(v, projected, check_mem, mml, max_num_batched_tokens, kw)
+        if v < AUTO_FIT_PER_WORKER_SINCE:  # 0.14–0.16: the global groups against the least memory
+            mml = _auto_fit(v, [global_groups], [min(check_mem)], mml, max_num_batched_tokens, kw)
+        else:
+            mml = _auto_fit(v, projected, check_mem, mml, max_num_batched_tokens, kw)
     for groups, a in zip(projected, check_mem):
         if not any(g.layer_names for g in groups):
             continue
