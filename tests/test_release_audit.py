@@ -244,3 +244,21 @@ def test_pipeline_auto_fit_differs_between_0_16_and_0_17():
     new = kvcache.get_kv_cache_configs("0.17.0", [(stage0, mem), (stage1, mem)], **kw)
     assert old[0].max_model_len == 8000  # 8 layers' KV in one stage's memory: 500 blocks
     assert new[0].max_model_len == 16016
+
+
+def test_blackwell_capture_sizes_differ_between_0_33_and_0_34():
+    """0.34 splits prefill and decode capture sizes, and on data-centre Blackwell (10.x) widens
+    both defaults: the prefill grid to 8192 tokens (54 sizes) and the decode request grid to
+    ``max_num_seqs`` (64 at 1024). Hopper keeps 0.33's 51 sizes."""
+    from tuner.budget import cudagraph_capture_sizes
+
+    b33 = cudagraph_capture_sizes(era_for("0.33.0"), 1024, 16384, compute_capability="10.0")
+    b34 = cudagraph_capture_sizes(era_for("0.34.0"), 1024, 16384, compute_capability="10.0")
+    assert (len(b33), max(b33)) == (83, 1024)
+    assert (len(b34), max(b34)) == (91, 8192)
+    assert b34[:8] == [1, 2, 3, 4, 5, 6, 8, 10]
+    assert cudagraph_capture_sizes(era_for("0.34.0"), 1024, 16384, compute_capability="9.0") \
+        == cudagraph_capture_sizes(era_for("0.33.0"), 1024, 16384, compute_capability="9.0")
+    # a stated max_cudagraph_capture_size is the legacy path: no wide defaults
+    assert max(cudagraph_capture_sizes(era_for("0.34.0"), 1024, 16384, compute_capability="10.0",
+                                       max_cudagraph_capture_size=512)) == 512

@@ -9,6 +9,7 @@ the public start-up logs in ``shared/cases/vllm-observed.jsonl`` (documented per
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -451,6 +452,41 @@ def persistent_bytes(era: Era, spec: Any, settings: Any, batch: Any, model_runne
         block_size=settings.block_size or 16)
 
 
+#: First release with split prefill / decode CUDA-graph capture sizes whose defaults widen on
+#: data-centre Blackwell (vllm/config/vllm.py ``VllmConfig._split_cudagraph_capture_sizes``,
+#: ``wide_defaults = is_device_capability_family(100)`` when no legacy size is set: 0.34.0).
+WIDE_CAPTURE_DEFAULTS_SINCE = (0, 34, 0)
+#: ``max_prefill_cudagraph_capture_tokens`` / ``max_decode_cudagraph_capture_tokens`` under the wide
+#: defaults (0.34: 8192 each).
+WIDE_CAPTURE_MAX_TOKENS = 8192
+
+
+def _walk_grid(limit: int, step) -> list[int]:
+    """vllm/config/compilation.py ``_walk_grid`` (0.34): sizes 1 … limit, each the next multiple of
+    the largest power of two not above ``step(size)``."""
+    grid, size = [], 1
+    while size < limit:
+        grid.append(size)
+        stride = 1 << max(0, math.floor(math.log2(max(1.0, step(size)))))
+        size = (size // stride + 1) * stride
+    return [*grid, limit] if limit else []
+
+
+def wide_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int = 1) -> list[int]:
+    """0.34's capture sizes (tokens) under the data-centre Blackwell wide defaults: the prefill grid
+    up to ``min(8192, N)`` (``prefill_cudagraph_capture_grid``: 54 sizes at 8192) and the uniform
+    decode graphs ``n · q`` of the request grid up to ``max_num_seqs`` (``decode_cudagraph_capture_grid``:
+    64 sizes at 1024) within ``min(N, 8192)`` tokens (``decode_cudagraph_capture_shapes``: the first
+    count above the limit is captured at the limit). Dynamic speculative-decoding tiers and draft
+    decode graphs are not modelled."""
+    n, q = int(max_num_batched_tokens), max(1, int(query_len))
+    prefill = _walk_grid(min(WIDE_CAPTURE_MAX_TOKENS, n), lambda t: min(t, max(8, t / 4), 0.07 * max(t, 4096)))
+    decode = _walk_grid(int(max_num_seqs), lambda r: 0.65 * r ** (2 / 3))
+    limit = min(int(max_num_seqs), min(n, WIDE_CAPTURE_MAX_TOKENS) // q)
+    reachable = decode[:bisect.bisect_left(decode, limit) + 1] if limit >= 1 else []
+    return sorted(set(prefill) | {min(r, limit) * q for r in reachable})
+
+
 #: First release whose default largest capture size counts the decode query length
 #: ``1 + num_speculative_tokens`` (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``, 0.13.0).
 SPEC_DECODE_CAPTURE_MAX_SINCE = (0, 13, 0)
@@ -483,6 +519,9 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     v = era.version
     if cudagraph_capture_sizes:
         return sorted({int(x) for x in cudagraph_capture_sizes if int(x) <= n})
+    blackwell = bool(compute_capability) and str(compute_capability).split(".")[0] == "10"
+    if v >= WIDE_CAPTURE_DEFAULTS_SINCE and blackwell and not max_cudagraph_capture_size:
+        return wide_capture_sizes(max_num_seqs, n, 1 + int(num_speculative_tokens))
     if v < (0, 12, 0):
         max_graph = min(2 * max_num_seqs, 512)
         sizes = [1, 2, 4] + list(range(8, max_graph + 1, 8))
@@ -492,7 +531,6 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     if max_cudagraph_capture_size:
         max_graph = int(max_cudagraph_capture_size)
     else:
-        blackwell = bool(compute_capability) and str(compute_capability).split(".")[0] == "10"
         default = 1024 if v >= (0, 28, 0) and blackwell else 512
         # the decode query length multiplies the default from 0.13 (0.12: ``min(max_num_seqs * 2, 512)``)
         max_graph = min(max_num_seqs * (q if v >= SPEC_DECODE_CAPTURE_MAX_SINCE else 1) * 2, default)
