@@ -126,6 +126,8 @@ TRACKED: tuple[Tracked, ...] = tuple(
     + _t("dummy runs", ("vllm/v1/sample/ops/topk_topp_sampler.py",), "TopKTopPSampler.__init__", label="sampler")
     + _t("dummy runs", ("vllm/v1/core/encoder_cache_manager.py",), "compute_encoder_budget",
          "compute_mm_encoder_budget", label="encoder_cache")
+    + _t("dummy runs", ("vllm/multimodal/encoder_budget.py", "vllm/v1/worker/utils.py"), "MultiModalBudget",
+         label="mm_budget")
     + _t("defaults", CACHE_CONFIG_FILES, "CacheConfig.block_size", label="cache")
 )
 
@@ -179,7 +181,8 @@ RULES: dict[str, tuple[str, ...]] = {
                                        "cache:CacheConfig.resolved_gpu_memory_utilization",
                                        "arg_utils:EngineArgs.gpu_memory_utilization"),
     "multimodal IPC reserve": ("worker:Worker._reserve_mm_ipc_gpu_memory",),
-    "encoder cache budget": ("encoder_cache:compute_encoder_budget", "encoder_cache:compute_mm_encoder_budget"),
+    "encoder cache budget": ("encoder_cache:compute_encoder_budget", "encoder_cache:compute_mm_encoder_budget",
+                             "mm_budget:MultiModalBudget"),
     "extensible KV cache (0.34)": (
         "worker:measure_kv_cache_bytes", "worker:measure_kv_cache_blocks", "worker:ExtensibleKVCache.blocks_within",
         "kv_cache:shrink_kv_cache_configs", "kv_cache:finalize_extensible_kv_cache",
