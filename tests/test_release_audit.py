@@ -262,3 +262,13 @@ def test_blackwell_capture_sizes_differ_between_0_33_and_0_34():
     # a stated max_cudagraph_capture_size is the legacy path: no wide defaults
     assert max(cudagraph_capture_sizes(era_for("0.34.0"), 1024, 16384, compute_capability="10.0",
                                        max_cudagraph_capture_size=512)) == 512
+
+
+def test_v1_runner_is_padding_buffer_charged_from_0_31_not_0_27():
+    """The V1 runner's persistent ``is_padding`` [N] bool buffer first appears in 0.31's
+    ``GPUModelRunner.__init__``; 0.27–0.30 (also charged persistent buffers) have none."""
+    from tuner.budget import runner_persistent_bytes
+
+    kw = dict(model_runner_v2=False, max_num_batched_tokens=8192, max_num_seqs=1024, max_model_len=32768,
+              hidden_size=4096, vocab_size=128256)
+    assert runner_persistent_bytes(era_for("0.31.0"), **kw) - runner_persistent_bytes(era_for("0.30.0"), **kw) == 8192

@@ -412,7 +412,7 @@ def runner_persistent_bytes(
 
     V1 runner (vllm/v1/worker/gpu_model_runner.py ``__init__``, 0.33): ``input_ids`` int32,
     ``positions``/``req_indices``/``query_pos`` int64, ``is_padding``/``is_token_ids`` bool, all
-    ``[N]``; ``inputs_embeds [N, H]`` in the model dtype; the placeholder ``InputBatch`` block
+    ``[N]`` (``is_padding`` from 0.31; the release audit, docs/release-audit.md); ``inputs_embeds [N, H]`` in the model dtype; the placeholder ``InputBatch`` block
     table ``[S, cdiv(M, bs)]`` int32 and slot mapping ``[N]`` int64 (vllm/v1/worker/block_table.py).
     Model Runner V2 (vllm/v1/worker/gpu/*.py, 0.27–0.33): ``InputBuffers`` ``[N]`` ids/positions/
     padding, and the sampler's ``PenaltiesState`` — ``output_bin_counts [S, V]`` int32 and
@@ -426,7 +426,8 @@ def runner_persistent_bytes(
         return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n)
                 + _alloc(4 * s * vocab_size) + _alloc(4 * s * (-(-vocab_size // 32))))
     blocks = -(-int(max_model_len) // max(1, block_size))
-    return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n) + _alloc(8 * n) + _alloc(n)
+    is_padding = _alloc(n) if era.version >= (0, 31, 0) else 0  # ``self.is_padding`` [N] bool: 0.31+
+    return (_alloc(4 * n) + _alloc(8 * n) + is_padding + _alloc(8 * n) + _alloc(n)
             + _alloc(8 * max(s + 1, n)) + _alloc(n * hidden_size * dtype_bytes)
             + _alloc(4 * s * blocks) + _alloc(8 * n))
 
