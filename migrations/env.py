@@ -1,7 +1,7 @@
 """Alembic environment for ctx-tuner.
 
-Run programmatically through ``tuner.store`` (``open_store`` upgrades at start;
-``tuner.store.alembic_config(url)`` gives a ``Config`` for ``alembic.command``). If the caller put
+Run programmatically through ``tuner.store.database`` (``open_store`` upgrades at start;
+``tuner.store.database.alembic_config(url)`` gives a ``Config`` for ``alembic.command``). If the caller put
 a connection in ``config.attributes["connection"]`` the migrations run on it, inside the caller's
 transaction; otherwise an engine is made from ``sqlalchemy.url`` with the store's SQLite set-up
 (foreign keys off while migrating) and everything runs in one transaction.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from tuner.store import make_engine, metadata
+from tuner.store.database import make_engine, metadata
 
 config = context.config
 target_metadata = metadata

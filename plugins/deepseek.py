@@ -8,7 +8,7 @@ clearly: vLLM ≤0.19 has no such architecture (its registry, vllm/model_executo
 0.20+ implement it (``deepseek_v4``) with compressed/sliding attention caches this plugin does not
 model, so the plugin raises :class:`~tuner.errors.ModelConfigError` (saying which) instead of guessing.
 
-What it models per rank (module: :mod:`tuner.simulate.mla`):
+What it models per rank (module: :mod:`tuner.model.simulate.mla`):
 
 * MLA attention per layer (``q_lora_rank`` null → ``q_proj``; else ``fused_qkv_a_proj`` +
   ``q_a_layernorm`` + ``q_b_proj``; ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; heads / tp),
@@ -18,7 +18,7 @@ What it models per rank (module: :mod:`tuner.simulate.mla`):
   gated MLP of ``intermediate_size / tp``; the others with the DeepSeek MoE block: replicated
   gate ``[E, H]`` (never quantized), fp32 ``e_score_correction_bias [E]`` when ``topk_method`` is
   ``noaux_tc``, shared experts ``moe_intermediate_size · n_shared_experts / tp`` and
-  ``FusedMoE`` (:mod:`tuner.simulate.moe`; ``moe_intermediate_size / tp``, every expert on every
+  ``FusedMoE`` (:mod:`tuner.model.simulate.moe`; ``moe_intermediate_size / tp``, every expert on every
   rank — no expert parallelism). ``n_group`` / ``topk_group`` only change routing, not memory;
 * DeepSeek-yarn rotary cache ``[original_max_position · factor, qk_rope_head_dim]`` in the model
   dtype (one shared instance; a second one for the DSA indexer unless ``indexer_rope_interleave``,
@@ -28,7 +28,7 @@ What it models per rank (module: :mod:`tuner.simulate.mla`):
   ``topk_indices_buffer [max_num_batched_tokens, index_topk]`` int32 (sized for 8192 tokens,
   the 0.19 serve default on ≥ 70 GiB GPUs; the plugin contract does not pass N);
 * quantized checkpoints (fp8 block quant of DeepSeek-V3 / Kimi-K2) through
-  :func:`tuner.simulate.quant.scheme_for`, with vLLM module prefixes.
+  :func:`tuner.memory.quant.scheme_for`, with vLLM module prefixes.
 
 KV cache (:func:`kv_cache_spec`): one MLA latent per token and layer, ``head_size =
 kv_lora_rank + qk_rope_head_dim`` (576), one "KV head", no separate V; TP does not shard it (every
@@ -37,7 +37,7 @@ uses ``fp8_ds_mla`` (656 B per token, 0.11–0.32). The indexer cache of sparse 
 ``MLAAttentionSpec`` of ``index_head_dim + index_head_dim/128·4`` uint8 per token. Before 0.7.1
 vLLM had no MLA: DeepSeek-V2 ran as MHA with K/V of ``heads/tp × qk_head_dim`` (v padded).
 Block size by era and backend (:func:`mla_block_size`; on ROCm
-:func:`tuner.platforms.rocm_mla_block_size`).
+:func:`tuner.memory.platforms.rocm_mla_block_size`).
 
 Not modelled: the device (``RankSettings`` carries no GPU; a ``compute_capability`` attribute is
 read when present, else Hopper is assumed), MTP / ``num_nextn_predict_layers`` (speculative only),
@@ -50,9 +50,9 @@ not divisible by TP.
 from __future__ import annotations
 
 from tuner.errors import ModelConfigError
-from tuner.kvcache import (FullAttentionSpec, MLAAttentionSpec, dtype_bytes_for, mla_spec)
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
-from tuner.eras import parse_version
+from tuner.memory.kvcache import (FullAttentionSpec, MLAAttentionSpec, dtype_bytes_for, mla_spec)
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.memory.eras import parse_version
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -66,7 +66,7 @@ INDEXER_BUFFER_TOKENS = 8192
 
 def _capability(settings: RankSettings) -> tuple[int, int]:
     """The GPU's compute capability from ``settings.compute_capability`` (``"9.0"`` or a tuple;
-    the attribute :mod:`tuner.simulate.quant` reads too), else :data:`DEFAULT_CAPABILITY`."""
+    the attribute :mod:`tuner.memory.quant` reads too), else :data:`DEFAULT_CAPABILITY`."""
     cc = getattr(settings, "compute_capability", None) or getattr(settings, "device_capability", None)
     if isinstance(cc, (tuple, list)) and cc:
         return int(cc[0]), int(cc[1]) if len(cc) > 1 else 0
@@ -188,7 +188,7 @@ class DeepseekPlugin(ModelPlugin):
         if not self.use_mla(spec, settings):
             return settings.block_size or 16
         if getattr(settings, "platform", "cuda") == "rocm":  # no FlashMLA / CUTLASS MLA there
-            from tuner.platforms import rocm_mla_block_size
+            from tuner.memory.platforms import rocm_mla_block_size
 
             return rocm_mla_block_size(settings.engine_version, sparse=self.is_sparse(spec),
                                        user_block_size=settings.block_size)
@@ -237,11 +237,11 @@ class DeepseekPlugin(ModelPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate import layers as L
-        from tuner.simulate import mla as M
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.model.simulate import mla as M
+        from tuner.memory.quant import scheme_for
 
-        from tuner.simulate.moe import FusedMoE
+        from tuner.model.simulate.moe import FusedMoE
 
         self.check_supported(spec, settings)
         raw = spec.raw

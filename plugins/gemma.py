@@ -29,11 +29,11 @@ gemma3.py, gemma3_mm.py, gemma4.py, gemma4_mm.py):
 KV cache (``kv_cache_spec``): ``SlidingWindowSpec`` for sliding layers, ``FullAttentionSpec``
 for global ones, KV heads ``max(1, kv // tp)``. The grouping of sliding/full layers, the page
 unification of Gemma-4's unequal pages and the "GPU KV cache size" token count are
-:mod:`tuner.kvcache`'s (e.g. vLLM 0.19, Gemma-2: 13 sliding + 13 full layers → two groups of
+:mod:`tuner.memory.kvcache`'s (e.g. vLLM 0.19, Gemma-2: 13 sliding + 13 full layers → two groups of
 13, ``bytes_per_block = 13 · page``, tokens = ``num_blocks // 2 · 16``).
 
 Multimodal ``-it`` checkpoints: Gemma 3's SigLIP tower and projector (and the V1 encoder
-profile) come from :mod:`tuner.simulate.vision` (``VisionTower(kind="siglip")`` wrapped in
+profile) come from :mod:`tuner.model.simulate.vision` (``VisionTower(kind="siglip")`` wrapped in
 ``MultimodalCausalLM``). Gemma 4's tower (transformers ``Gemma4VisionModel``, which vLLM 0.19
 builds with ``AutoModel.from_config``: replicated, never quantized, ~0.57 B parameters) and
 ``embed_vision`` projector come from ``VisionTower(kind="gemma4")`` (weights only: its encoder
@@ -45,8 +45,8 @@ Errors: :class:`tuner.errors.PluginError` when a Gemma-4 config lacks ``layer_ty
 from __future__ import annotations
 
 from tuner.errors import PluginError
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -151,9 +151,9 @@ def _rope_params_for(spec, kind: str) -> dict:
 
 
 def _moe_layer(*args, **kwargs):
-    """:class:`tuner.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
+    """:class:`tuner.model.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
     torch at module level)."""
-    from tuner.simulate.moe import FusedMoE
+    from tuner.model.simulate.moe import FusedMoE
 
     return FusedMoE(*args, **kwargs)
 
@@ -199,8 +199,8 @@ class GemmaPlugin(ModelPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate import layers as L
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.memory.quant import scheme_for
 
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
         tp = settings.tensor_parallel_size
@@ -276,30 +276,47 @@ class GemmaPlugin(ModelPlugin):
                                                            prefix=f"{prefix}.per_layer_model_projection")
             extra["per_layer_projection_norm"] = L.RMSNorm(ple, dtype)
         text = GemmaLM(embed, layers, norm, lm_head, extra=extra, hidden=h, dtype=dtype)
+        if ple:
+            text.ple_total = ple * spec.num_hidden_layers
+            mnbt = settings.max_num_batched_tokens
+            if gen == 4 and isinstance(spec.top.get("vision_config"), dict) and "text_config" in spec.top and mnbt:
+                # gemma4_mm.py __init__ (0.19): the PLE buffer pre-allocated for CUDA graphs,
+                # [max_num_batched_tokens, L, ple] in the model dtype, on every rank ("Model loading took")
+                import torch
+
+                text.register_buffer("per_layer_embeddings",
+                                     torch.empty(int(mnbt), spec.num_hidden_layers, ple, dtype=dtype), persistent=False)
         return _with_vision(text, spec, settings, dtype, quant, gen)
 
 
 def _with_vision(text, spec, settings: RankSettings, dtype, quant, gen: int):
     """Wrap the text model with the checkpoint's vision tower + projector when the top-level
-    config has a ``vision_config`` (``tuner.simulate.vision``: ``VisionTower`` and
+    config has a ``vision_config`` (``tuner.model.simulate.vision``: ``VisionTower`` and
     ``MultimodalCausalLM``, which also replays the V1 encoder profile). Gemma 3 uses
     ``kind="siglip"`` (SigLIP + ``Gemma3MultiModalProjector``).
 
     Gemma 4 (gemma4_mm.py) uses ``kind="gemma4"`` (transformers ``Gemma4VisionModel`` +
     ``Gemma4MultimodalEmbedder``; 16-bit whatever the checkpoint's scheme, replicated on every TP
-    rank; weights only).
+    rank; weights only), and with an ``audio_config`` the audio tower + ``embed_audio``
+    (:func:`tuner.model.simulate.towers.gemma4.audio_tower`, weights only).
     """
     vc = spec.top.get("vision_config")
     if not isinstance(vc, dict) or "text_config" not in spec.top or gen not in (3, 4):
         return text
     try:
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+        from tuner.model.simulate.vision import MultimodalCausalLM, VisionTower
     except ImportError:  # pragma: no cover - the multimodal engineer's module
         return text
     kind = "siglip" if gen == 3 else "gemma4"
     tower = VisionTower(spec.top, dtype, kind=kind, tp=settings.tensor_parallel_size, quant=quant,
                         engine_version=settings.engine_version, v0=settings.runs_attention)
-    return MultimodalCausalLM(text, tower, spec.hidden_size, v0=settings.runs_attention)
+    mm = MultimodalCausalLM(text, tower, spec.hidden_size, v0=settings.runs_attention)
+    ac = spec.top.get("audio_config")
+    if gen == 4 and isinstance(ac, dict):  # gemma4_mm.py: the audio tower of the variants that have one
+        from tuner.model.simulate.towers.gemma4 import audio_tower
+
+        mm.audio = audio_tower(ac, spec.top, dtype)
+    return mm
 
 
 _CLASSES = None
@@ -314,7 +331,7 @@ def _classes():
     import torch
     from torch import nn
 
-    from tuner.simulate import layers as L
+    from tuner.model.simulate import layers as L
 
     class GemmaSandwichLayer(nn.Module):
         """Gemma 2/3 decoder layer: input norm (fused add), attention, post-attention norm (out
@@ -405,6 +422,21 @@ def _classes():
             h = self.post_feedforward_layernorm(h)
             h = h + residual
             del residual
+            ple_in = getattr(self, "ple_input", None)  # set by the LM: this layer's [N, ple] slice
+            if ple_in is not None and hasattr(self, "per_layer_input_gate"):
+                # gemma4.py Gemma4DecoderLayer.forward (0.19): gate, gelu, x per-layer input,
+                # projection back to H, norm, residual add
+                gate = self.per_layer_input_gate(h)
+                act = torch.empty_like(gate)
+                del gate
+                gated = act * ple_in
+                del act
+                contrib = self.per_layer_projection(gated)
+                del gated
+                normed = self.post_per_layer_input_norm(contrib)
+                del contrib
+                h = h + normed
+                del normed
             h = h * self.layer_scalar
             return h, None
 
@@ -415,17 +447,60 @@ def _classes():
         def __init__(self, embed, layers, norm, lm_head, extra=None, *, hidden: int, dtype) -> None:
             super().__init__(embed, layers, norm, lm_head, extra=extra)
             self.register_buffer("normalizer", torch.empty((), dtype=dtype), persistent=False)
+            self.ple_total = 0  # L·ple of the per-layer embeddings (Gemma 4 with PLE; set by the plugin)
+
+        def _per_layer_inputs(self, input_ids, hidden_states, mm: bool):
+            """gemma4.py ``get_per_layer_inputs`` + ``project_per_layer_inputs`` (0.19) on the first
+            rank: the packed per-layer embeddings ``[N, L·ple]`` (text path: looked up and scaled;
+            multimodal path: the wrapper's persistent buffer, a view), the projection of the hidden
+            states (gathered to ``L·ple`` under TP), scaled, normed, added and scaled — the result
+            stays alive through every layer."""
+            n = hidden_states.shape[0]
+            if mm and hasattr(self, "per_layer_embeddings"):
+                embeds = self.per_layer_embeddings[:n].reshape(n, -1)
+            elif mm:
+                embeds = None
+            else:
+                looked = self.extra["embed_tokens_per_layer"](input_ids)
+                embeds = looked * 1.0  # * embed_scale_per_layer
+                del looked
+            proj = self.extra["per_layer_model_projection"](hidden_states)
+            if proj.shape[-1] != self.ple_total:  # ColumnParallelLinear(gather_output=True)
+                gathered = proj.new_empty(n, self.ple_total)
+                del proj
+                proj = gathered
+            scaled = proj * 1.0  # * per_layer_projection_scale
+            del proj
+            normed = torch.empty_like(scaled)  # per_layer_projection_norm over [N, L, ple]
+            del scaled
+            if embeds is None:
+                return normed
+            summed = normed + embeds
+            del normed, embeds
+            out = summed * 1.0  # * per_layer_input_scale
+            del summed
+            return out
 
         def forward(self, input_ids, positions, intermediate=None):
+            ple = None
             if intermediate is None:
                 e = self.embed_tokens(input_ids)
                 hidden_states = e * self.normalizer
                 del e
                 residual = None
+                if "per_layer_model_projection" in self.extra:
+                    ple = self._per_layer_inputs(input_ids, hidden_states, mm=False)
             else:
                 hidden_states, residual = intermediate
-            for layer in self.layers:
+                if "per_layer_model_projection" in self.extra:  # first rank: the multimodal wrapper's embeds
+                    ple = self._per_layer_inputs(input_ids, hidden_states, mm=True)
+            for i, layer in enumerate(self.layers):
+                if ple is not None:
+                    layer.ple_input = ple.view(ple.shape[0], len(self.layers), -1)[:, i]
                 hidden_states, residual = layer(positions, hidden_states, residual)
+                if ple is not None:
+                    layer.ple_input = None
+            del ple
             if self.norm is None:
                 if residual is None:
                     residual = torch.zeros_like(hidden_states)

@@ -11,8 +11,8 @@ gate_up/down MLP, RMSNorms; Qwen2 adds QKV bias, Qwen3 per-head q/k norms. KV ca
 
 from __future__ import annotations
 
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -85,7 +85,7 @@ def qwen2_defaults(text: dict) -> dict:
 #: ``down_proj`` (``Qwen2MLP``, which qwen3.py imports as ``Qwen3MLP``; ``GraniteMLP``;
 #: ``InternLM2MLP``; vllm/model_executor/models/*.py 0.6.4, 0.7.3, 0.8.4, 0.9.2, 0.10.1.1 read).
 #: ``LlamaMLP`` (Llama, Mistral, Yi) rebinds ``x`` and frees it. Matters for eager profiles only
-#: (:class:`tuner.simulate.layers.GatedMLP` ``holds_gate_up``).
+#: (:class:`tuner.model.simulate.layers.GatedMLP` ``holds_gate_up``).
 MLP_HOLDS_GATE_UP = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "InternLM2ForCausalLM"})
 
 
@@ -160,8 +160,8 @@ class GenericDecoderPlugin(ModelPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate import layers as L
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.memory.quant import scheme_for
 
         quant = scheme_for(spec, settings)
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))

@@ -14,13 +14,13 @@ hopper_value.py, hopper_scale.py). Per rank:
 - one YaRN rotary cache in **fp32**: ``[original_max_position_embeddings · factor, head_dim]``
   (131072 × 64 × 4 B = 32 MiB), shared by all layers;
 - MLP ``model.layers.<i>.mlp``: ``router`` = replicated ``Linear [E, H]`` with bias (16-bit, listed
-  in ``modules_to_not_convert``) and :class:`tuner.simulate.moe.FusedMoE` with biases, SwiGLU-OAI
+  in ``modules_to_not_convert``) and :class:`tuner.model.simulate.moe.FusedMoE` with biases, SwiGLU-OAI
   activation, ``I_rank = round_up(I / tp, 64)`` for MXFP4 on Hopper (``mxfp4_round_up_hidden_size_and_intermediate_size``,
   Triton backend; other backends below), run through triton_kernels ``matmul_ogs`` (``kernel="oai_triton"``).
 
-MXFP4 expert bytes come from :func:`tuner.simulate.quant.scheme_for` (``Mxfp4ExpertsFormat``), in the
+MXFP4 expert bytes come from :func:`tuner.memory.quant.scheme_for` (``Mxfp4ExpertsFormat``), in the
 layout of the backend vLLM picks for the GPU's compute capability and the release
-(:func:`tuner.simulate.quant.mxfp4_backend`, fused_moe/oracle/mxfp4.py 0.19–0.28): Triton on Hopper 9.x,
+(:func:`tuner.memory.quant.mxfp4_backend`, fused_moe/oracle/mxfp4.py 0.19–0.28): Triton on Hopper 9.x,
 FlashInfer TRT-LLM on Blackwell 10.x, Marlin elsewhere (8.x, 11.0, the RTX Blackwell family 12.x), each
 padding ``(H, I / tp)`` its own way (Marlin: H to 256, I to 128; gpt-oss-120b TP8 on an RTX PRO 4500:
 ``(3072, 384)``). Marlin experts run through the modular kernel, whose persistent workspace
@@ -36,14 +36,14 @@ vendored triton_kernels pre-pad the swizzled values to multiples of 64 in vLLM 0
 (0.13.0, 0.15.0 and 0.33.0 pad to the 16 × 32 MMA packing only).
 
 KV cache: ``SlidingWindowSpec(128)`` on even layers, ``FullAttentionSpec`` on odd ones; vLLM ≥ 0.9.1
-groups them (hybrid manager, :mod:`tuner.kvcache`): 12 + 12 layers for gpt-oss-20b → two groups
+groups them (hybrid manager, :mod:`tuner.memory.kvcache`): 12 + 12 layers for gpt-oss-20b → two groups
 sharing one block pool, ``bytes_per_block = 12 · page``.
 """
 
 from __future__ import annotations
 
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 
 def is_mxfp4(spec, settings: RankSettings) -> bool:
@@ -86,9 +86,9 @@ class GptOssPlugin(ModelPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate import layers as L
-        from tuner.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.model.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
+        from tuner.memory.quant import scheme_for
 
         raw = spec.raw
         dtype = torch_dtype(settings.dtype)

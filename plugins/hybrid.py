@@ -13,7 +13,7 @@ Two plugin instances (entry points ``nemotron_h`` and ``qwen3_5``):
   M-RoPE cache ``[max_pos, d · partial_rotary_factor]``); dense gated MLP (``qwen3_5_text``) or
   sparse MoE block (``qwen3_5_moe_text``: router ``[E, H]``, shared expert + its 1-wide gate,
   FusedMoE of ``moe_intermediate_size``); MTP weights are skipped at load (as vLLM).
-  Memory-equivalent layers live in :mod:`tuner.simulate.ssm`.
+  Memory-equivalent layers live in :mod:`tuner.model.simulate.ssm`.
 
 KV cache (V1). State pages follow ``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator``
 (vllm/model_executor/layers/mamba/mamba_utils.py):
@@ -49,9 +49,9 @@ from __future__ import annotations
 import math
 
 from tuner.errors import PluginError
-from tuner.kvcache import (FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_content_bytes, kv_heads_per_rank,
+from tuner.memory.kvcache import (FullAttentionSpec, MambaSpec, cdiv, dtype_bytes_for, kv_content_bytes, kv_heads_per_rank,
                            kv_quant_mode_for)
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 _STATE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp32": 4, "fp16": 2, "bf16": 2}
@@ -85,7 +85,7 @@ def hybrid_attention_block_size(mamba_page_bytes: int, attn_bytes_per_token: int
     itself is ``max(kernel alignment, cache block size)`` — the block size given, or the release's
     default (16; 64 from 0.34) — so the result is a multiple of it. ``engine_version`` None: 0.19's rule."""
     if engine_version:
-        from tuner.eras import parse_version
+        from tuner.memory.eras import parse_version
 
         if parse_version(str(engine_version)) >= HYBRID_ALIGN_TO_BLOCK_SIZE_SINCE:
             alignment = max(alignment, user_block_size or 16)
@@ -133,9 +133,9 @@ def gdn_state(spec, tp: int, model_dtype: str, ssm_dtype: str | None, num_spec: 
 
 
 def _moe_layer(*args, **kwargs):
-    """:class:`tuner.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
+    """:class:`tuner.model.simulate.moe.FusedMoE` (imported when a model is built: plugins import no
     torch at module level)."""
-    from tuner.simulate.moe import FusedMoE
+    from tuner.model.simulate.moe import FusedMoE
 
     return FusedMoE(*args, **kwargs)
 
@@ -166,7 +166,7 @@ class _HybridPlugin(ModelPlugin):
         # ``_align_hybrid_block_size``, 0.20 and 0.24 read: ``FullAttentionSpec(block_size=1, …,
         # kv_quant_mode=get_kv_quant_mode(cache_dtype)).page_size_bytes``): per-token-head scales and
         # packed NVFP4 / int4 included, so the padded state page equals the attention page that
-        # :func:`tuner.kvcache.with_kv_quant_mode` later gives the attention layers
+        # :func:`tuner.memory.kvcache.with_kv_quant_mode` later gives the attention layers
         mode = kv_quant_mode_for(settings.kv_cache_dtype)
         mode = None if mode in (None, "FP8_PER_TENSOR") or str(mode).startswith("TURBOQUANT") else mode
         per_token = kv * kv_content_bytes(mode, head, head, dt)
@@ -201,7 +201,7 @@ def nemotron_h_default_ssm_dtype(engine_version: str | None) -> str:
     """The SSM state dtype vLLM gives a Nemotron-H config without ``mamba_ssm_cache_dtype``:
     ``float16`` before 0.20.0, ``float32`` from 0.20.0 (an unparseable or missing release: the
     newer rule)."""
-    from tuner.eras import parse_version
+    from tuner.memory.eras import parse_version
 
     try:
         v = parse_version(str(engine_version)) if engine_version else None
@@ -254,9 +254,9 @@ class NemotronHPlugin(_HybridPlugin):
         import torch
         from torch import nn
 
-        from tuner.simulate import layers as L
-        from tuner.simulate.quant import scheme_for
-        from tuner.simulate.ssm import Mamba2Mixer
+        from tuner.model.simulate import layers as L
+        from tuner.memory.quant import scheme_for
+        from tuner.model.simulate.ssm import Mamba2Mixer
 
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
         tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank
@@ -367,9 +367,9 @@ class Qwen35Plugin(_HybridPlugin):
         import torch
         from torch import nn
 
-        from tuner.simulate import layers as L
-        from tuner.simulate.quant import scheme_for
-        from tuner.simulate.ssm import GatedDeltaNet, GatedOutputAttention
+        from tuner.model.simulate import layers as L
+        from tuner.memory.quant import scheme_for
+        from tuner.model.simulate.ssm import GatedDeltaNet, GatedOutputAttention
 
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
         tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank
@@ -459,13 +459,13 @@ class Qwen35Plugin(_HybridPlugin):
 
 def _with_vision(text, spec, settings: RankSettings, dtype, quant):
     """Wrap the text model with the Qwen3-VL vision transformer + merger of the checkpoint
-    (``tuner.simulate.vision``: ``VisionTower(kind="qwen3_5")`` in ``MultimodalCausalLM``: the
+    (``tuner.model.simulate.vision``: ``VisionTower(kind="qwen3_5")`` in ``MultimodalCausalLM``: the
     tower's weights and vLLM's V1 encoder profile, one 4096² dummy image = 65536 patches /
     16384 tokens for the published 16.8 MP processor limit)."""
     if not isinstance(spec.top.get("vision_config"), dict):
         return text
     try:
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+        from tuner.model.simulate.vision import MultimodalCausalLM, VisionTower
     except ImportError:  # pragma: no cover - the multimodal engineer's module
         return text
     tower = VisionTower(spec.top, dtype, kind="qwen3_5", tp=settings.tensor_parallel_size, quant=quant,

@@ -4,7 +4,7 @@
 Follows vllm/model_executor/models/kimi_vl.py (0.19.0): the language model is vLLM's
 ``DeepseekV2Model`` (modelled by :mod:`tuner.plugins.deepseek`, subclassed here, not copied), the
 tower ``MoonVitPretrainedModel`` and ``KimiVLMultiModalProjector`` come from
-:mod:`tuner.simulate.vision` (kind ``moonvit``), which also replays vLLM's V1 encoder profile:
+:mod:`tuner.model.simulate.vision` (kind ``moonvit``), which also replays vLLM's V1 encoder profile:
 ``max(N, T) // T`` dummy 1024² images (T = 1089 tokens: scaled to the processor's 4096-patch
 limit, padded to 66x66 patches, 2x2 merge; 7 images at N = 8192), their pixel batch, outputs and
 MoonViT's cached 512x512 rotary table kept through the text dummy run and the sampler. KV cache: one 576-element latent per token per layer
@@ -21,7 +21,7 @@ context).
 
 from __future__ import annotations
 
-from tuner.plugin import RankSettings
+from tuner.model.plugin import RankSettings
 from tuner.plugins.deepseek import _DTYPES, DeepseekPlugin
 
 #: Moonlight-16B-A3B text defaults (see module docstring); the file's own keys win.
@@ -48,7 +48,7 @@ class KimiVLPlugin(DeepseekPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+        from tuner.model.simulate.vision import MultimodalCausalLM, VisionTower
 
         text = super().build_model(spec, settings)
         dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))

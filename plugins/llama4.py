@@ -8,7 +8,7 @@ positions make it 2.5 GiB in bf16: vLLM builds it from the config, not from ``ma
 a feed-forward that is
 
 - a MoE block on layers with ``(i + 1) % interleave_moe_layer_step == 0``: replicated 16-bit
-  router ``[E, H]``, :class:`tuner.simulate.moe.FusedMoE` with ``E = num_local_experts`` experts of
+  router ``[E, H]``, :class:`tuner.model.simulate.moe.FusedMoE` with ``E = num_local_experts`` experts of
   ``intermediate_size / tp`` (top-``num_experts_per_tok``, sigmoid routing) and a shared expert
   (gated MLP of ``intermediate_size / tp``) summed before one all-reduce;
 - a dense gated MLP of ``intermediate_size_mlp / tp`` otherwise.
@@ -23,14 +23,14 @@ is assumed at 0.12.0, unverified), and before 0.10, local layers are full attent
 terms and are emitted as ``FullAttentionSpec``.
 
 Vision: ``Llama4VisionModel`` + ``Llama4MultiModalProjector`` (always 16-bit: vLLM passes
-``quant_config=None``) and the V1 encoder profile from :mod:`tuner.simulate.vision` (kind
+``quant_config=None``) and the V1 encoder profile from :mod:`tuner.model.simulate.vision` (kind
 ``llama4``: 17 tiles of 336² per dummy image, 2448 tokens per image).
 """
 
 from __future__ import annotations
 
-from tuner.kvcache import ChunkedLocalAttentionSpec, FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.memory.kvcache import ChunkedLocalAttentionSpec, FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 #: First release whose default keeps chunked local attention in the hybrid KV cache manager.
 HYBRID_CHUNKED_FROM = (0, 12, 0)
@@ -84,10 +84,10 @@ class Llama4Plugin(ModelPlugin):
         return out
 
     def build_model(self, spec, settings: RankSettings):
-        from tuner.simulate import layers as L
-        from tuner.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
-        from tuner.simulate.quant import scheme_for
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+        from tuner.model.simulate import layers as L
+        from tuner.model.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
+        from tuner.memory.quant import scheme_for
+        from tuner.model.simulate.vision import MultimodalCausalLM, VisionTower
 
         dtype = torch_dtype(settings.dtype)
         tp = settings.tensor_parallel_size

@@ -7,7 +7,7 @@ Follows vllm/model_executor/models/llava_next.py (0.19.0): the tower is built up
 (granite-vision) the projector's ``linear_1`` takes ``len(layers)·D`` inputs and the tower keeps
 every hidden state while encoding. Weights and the V1 encoder profile (anyres: ``1 + gh·gw``
 crops of ``image_size``² per dummy image, the largest pinpoint's token count T, ``max(N, T)//T``
-images) come from :mod:`tuner.simulate.vision` (kind ``siglip``); CLIP towers are modelled with
+images) come from :mod:`tuner.model.simulate.vision` (kind ``siglip``); CLIP towers are modelled with
 the same block structure (their class/pre-norm parameters, a few KB, are not counted). KV cache:
 the generic decoder's full attention.
 

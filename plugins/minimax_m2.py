@@ -11,17 +11,17 @@ partial_rotary_factor``; vLLM sizes it by ``max(max_position_embeddings, max_mod
 plugin does not know ``max_model_len``: the cache is too small only when ``max_model_len`` exceeds
 the config's positions). MoE ``model.layers.<i>.mlp``: router ``gate`` = replicated **fp32**
 ``Linear [E, H]`` fed an fp32 copy of the hidden states (fp32 router logits), fp32
-``e_score_correction_bias [E]`` when ``use_routing_bias``, and :class:`tuner.simulate.moe.FusedMoE`
+``e_score_correction_bias [E]`` when ``use_routing_bias``, and :class:`tuner.model.simulate.moe.FusedMoE`
 with ``num_local_experts`` experts of ``intermediate_size / tp``, top-``num_experts_per_tok``,
 all-reduced by the block. The MTP modules (``num_mtp_modules``) are draft layers loaded only for
 speculative decoding: not built. KV cache: one ``FullAttentionSpec`` per layer (M2 has no
 lightning-attention layers; ``attn_type_list`` is all 1). Quantized checkpoints (NVFP4, AWQ,
-compressed-tensors) get their bytes from :func:`tuner.simulate.quant.scheme_for`.
+compressed-tensors) get their bytes from :func:`tuner.memory.quant.scheme_for`.
 """
 
 from __future__ import annotations
 
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 from tuner.plugins.generic import decoder_kv_specs
 
 
@@ -40,9 +40,9 @@ class MiniMaxM2Plugin(ModelPlugin):
         return decoder_kv_specs(spec, settings)
 
     def build_model(self, spec, settings: RankSettings):
-        from tuner.simulate import layers as L
-        from tuner.simulate.moe import Fp32Router, FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.model.simulate.moe import Fp32Router, FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
+        from tuner.memory.quant import scheme_for
 
         raw = spec.raw
         dtype = torch_dtype(settings.dtype)

@@ -5,7 +5,7 @@ Follows vllm/model_executor/models/mistral3.py (0.19.0): the language model is v
 ``MistralForCausalLM`` (= ``LlamaForCausalLM``), modelled by the generic plugin's decoder
 (subclassed, not copied); the vision tower (``PixtralHFVisionModel``, every vision layer up to
 ``vision_feature_layer``) and ``Mistral3MultiModalProjector`` come from
-:mod:`tuner.simulate.vision` (kind ``pixtral``) and sit on every pipeline stage, like vLLM's
+:mod:`tuner.model.simulate.vision` (kind ``pixtral``) and sit on every pipeline stage, like vLLM's
 wrapper. The profile pass is vLLM's V1 multimodal profile: the Pixtral encoder on
 ``max(N, T) // T`` dummy images of ``image_size``² (T = 55² = 3025 tokens for 1540-pixel
 images), outputs kept in the encoder cache, then the text dummy run fed from the persistent
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from tuner.plugins.generic import _DTYPES, GenericDecoderPlugin
-from tuner.plugin import RankSettings
+from tuner.model.plugin import RankSettings
 
 #: transformers ``Mistral3Config`` sub-config defaults (the Mistral-Small-3.1-24B values).
 TEXT_DEFAULTS = {"intermediate_size": 32768, "vocab_size": 131072, "max_position_embeddings": 131072,
@@ -76,7 +76,7 @@ class Mistral3Plugin(GenericDecoderPlugin):
 
     name = "mistral3"
     architectures = ("Mistral3ForConditionalGeneration",)
-    #: The :mod:`tuner.simulate.vision` tower kind of this wrapper.
+    #: The :mod:`tuner.model.simulate.vision` tower kind of this wrapper.
     vision_kind = "pixtral"
 
     def config_defaults(self, top: dict) -> dict:
@@ -96,8 +96,8 @@ class Mistral3Plugin(GenericDecoderPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.simulate.quant import scheme_for
-        from tuner.simulate.vision import MultimodalCausalLM, VisionTower
+        from tuner.memory.quant import scheme_for
+        from tuner.model.simulate.vision import MultimodalCausalLM, VisionTower
 
         spec = effective_spec(spec, self.text_defaults(spec))
         text = super().build_model(spec, settings)

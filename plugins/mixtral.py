@@ -5,21 +5,21 @@ vocab-parallel embedding and LM head (vocab padded to 64, / tp), fused QKV witho
 ``max(1, kv // tp)``, replicated below tp), ``o_proj``, RMSNorms, rotary ``cos_sin_cache
 [max_position_embeddings, head_dim]`` in the model dtype, and per layer a ``MixtralMoE`` block
 (``model.layers.<i>.block_sparse_moe``): router ``gate`` = replicated ``Linear [E, H]`` without
-bias in 16 bit, and :class:`tuner.simulate.moe.FusedMoE` with ``E = num_local_experts`` experts of
+bias in 16 bit, and :class:`tuner.model.simulate.moe.FusedMoE` with ``E = num_local_experts`` experts of
 ``I / tp`` (``w13 [E, 2·I/tp, H]``, ``w2 [E, H, I/tp]``), top-``num_experts_per_tok`` routing; the
 experts' output is all-reduced by the layer (``reduce_results=True``). Quantized checkpoints get
-their bytes from :func:`tuner.simulate.quant.scheme_for` (``make_linear_weights`` /
+their bytes from :func:`tuner.memory.quant.scheme_for` (registered by ``make_linear_weights`` /
 ``make_expert_weights``). KV cache: one ``FullAttentionSpec`` per layer (``SlidingWindowSpec``
 when the config sets ``sliding_window``, as Mixtral-8x7B-v0.1's first configs did).
 
-Profile run: the fused-MoE buffers of :mod:`tuner.simulate.moe` (0.19: a persistent workspace of
+Profile run: the fused-MoE buffers of :mod:`tuner.model.simulate.moe` (0.19: a persistent workspace of
 ``M·k·(max(I/tp, H) + max(2·I/tp, H))`` elements that is still allocated when the sampler runs).
 """
 
 from __future__ import annotations
 
 from tuner.plugins.generic import decoder_kv_specs
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
 
 class MixtralPlugin(ModelPlugin):
@@ -32,9 +32,9 @@ class MixtralPlugin(ModelPlugin):
         return decoder_kv_specs(spec, settings)
 
     def build_model(self, spec, settings: RankSettings):
-        from tuner.simulate import layers as L
-        from tuner.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.model.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
+        from tuner.memory.quant import scheme_for
 
         dtype = torch_dtype(settings.dtype)
         tp = settings.tensor_parallel_size

@@ -22,8 +22,8 @@ KV cache: one spec per layer, page ``2 · bs · max(1, kv // tp) · d · dtype``
 
 from __future__ import annotations
 
-from tuner.kvcache import FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
-from tuner.plugin import RankSettings, stage_layers
+from tuner.memory.kvcache import FullAttentionSpec, dtype_bytes_for, kv_heads_per_rank
+from tuner.model.plugin import RankSettings, stage_layers
 from tuner.plugins.generic import GenericDecoderPlugin
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -80,8 +80,8 @@ def _build_phi2(spec, settings: RankSettings):
     import torch
     from torch import nn
 
-    from tuner.simulate import layers as L
-    from tuner.simulate.quant import scheme_for
+    from tuner.model.simulate import layers as L
+    from tuner.memory.quant import scheme_for
 
     dtype = getattr(torch, _DTYPES.get(settings.dtype, "bfloat16"))
     tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank

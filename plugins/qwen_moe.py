@@ -10,16 +10,16 @@ sparse when ``i`` is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_s
 block (``model.layers.<i>.mlp``) holds: router ``gate`` = replicated 16-bit ``Linear [E, H]``;
 ``shared_expert_gate`` = replicated ``Linear [1, H]`` (Qwen2-MoE always creates it, Qwen3-MoE only
 with a shared expert); a shared expert (gated MLP of ``shared_expert_intermediate_size / tp``,
-summed before the all-reduce) when that size is > 0; and :class:`tuner.simulate.moe.FusedMoE` with
+summed before the all-reduce) when that size is > 0; and :class:`tuner.model.simulate.moe.FusedMoE` with
 ``num_experts`` experts of ``moe_intermediate_size / tp``, top-``num_experts_per_tok``, all-reduced
 once by the block. Quantized checkpoints (FP8 block-wise Qwen3 / Qwen3-Coder, AWQ, GPTQ) get their
-bytes from :func:`tuner.simulate.quant.scheme_for`. KV cache: one ``FullAttentionSpec`` per layer
+bytes from :func:`tuner.memory.quant.scheme_for`. KV cache: one ``FullAttentionSpec`` per layer
 (``SlidingWindowSpec`` only when ``use_sliding_window`` is true; vLLM's MoE models never slide).
 """
 
 from __future__ import annotations
 
-from tuner.plugin import ModelPlugin, RankSettings, stage_layers
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 from tuner.plugins.generic import decoder_kv_specs
 
 
@@ -48,9 +48,9 @@ class QwenMoePlugin(ModelPlugin):
         return decoder_kv_specs(spec, settings)
 
     def build_model(self, spec, settings: RankSettings):
-        from tuner.simulate import layers as L
-        from tuner.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
-        from tuner.simulate.quant import scheme_for
+        from tuner.model.simulate import layers as L
+        from tuner.model.simulate.moe import FusedMoE, SparseMoeBlock, build_decoder, torch_dtype
+        from tuner.memory.quant import scheme_for
 
         raw = spec.raw
         dtype = torch_dtype(settings.dtype)

@@ -12,7 +12,7 @@ from typing import Callable
 import yaml
 
 from tests.conftest import REPO
-from tuner.settings import Settings
+from tuner.daemon.settings import Settings
 
 FAKE_WORKER = REPO / "tests" / "_fake_worker.py"
 
@@ -80,7 +80,7 @@ def drop_text(name: str, model: str | os.PathLike, gmu=(0.5,), **extra) -> str:
 
 def own_drop_text(name: str, model: str | os.PathLike, gmu=(0.5,), **extra) -> str:
     """:func:`drop_text` with a ``max_num_seqs`` of its own derived from ``name``: drops that differ
-    only by name share one result key (:func:`tuner.fleet.result_key`) and all but the first are
+    only by name share one result key (:func:`tuner.store.fleet.result_key`) and all but the first are
     answered from the store without a worker, while the fake worker's behaviour (slow, crash,
     hog, …) hangs on the name — tests of worker runs give each drop its own pass this way."""
     import zlib

@@ -11,13 +11,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tuner.daemon  # noqa: E402
+import tuner.daemon.service  # noqa: E402
 
 if os.environ.get("HOOK_KILL_AFTER_COMMIT"):
     def _die(job, drop_id):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    tuner.daemon._AFTER_COMMIT_HOOK = _die
+    tuner.daemon.service._AFTER_COMMIT_HOOK = _die
 
 from tuner.cli import main  # noqa: E402
 

@@ -1,6 +1,6 @@
-"""A stand-in for ``python -m tuner.worker_main`` in daemon tests: fast, no torch.
+"""A stand-in for ``python -m tuner.commands.worker_main`` in daemon tests: fast, no torch.
 
-Invoked as ``python -S tests/_fake_worker.py -m tuner.worker_main`` (the daemon's
+Invoked as ``python -S tests/_fake_worker.py -m tuner.commands.worker_main`` (the daemon's
 ``worker_python`` is a wrapper script), it reads the real JSON request on stdin and replies in the
 worker's format with numbers derived from the request. Behaviour by drop name prefix:
 ``crash`` (dies by SIGKILL after writing to stderr), ``hang`` (sleeps forever, with a child in the
@@ -8,7 +8,7 @@ same process group), ``slow`` (sleeps ``$FAKE_SLOW_S`` seconds, default 3, then 
 the first run of each drop sleeps),
 ``typed`` (replies with a typed error), ``warn`` (replies with two warnings), ``hog`` (allocates
 ``$FAKE_HOG_BYTES`` bytes, default 4 GiB). ``$FAKE_WORKER_LOG``, if set, gets one line per request.
-Like the real worker it first applies :func:`tuner.worker_guard.install` (dies with its parent, own
+Like the real worker it first applies :func:`tuner.seam.worker_guard.install` (dies with its parent, own
 deadline, memory limit).
 """
 
@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tuner.worker_guard import install  # noqa: E402  (stdlib only: the real worker's first step)
+from tuner.seam.worker_guard import install  # noqa: E402  (stdlib only: the real worker's first step)
 
 
 
@@ -88,13 +88,13 @@ def answer(req):
                            if name.startswith("warn") else []), "era": "V1 0.19.0 (fake)", "dtype": "bfloat16", "block_size": 16,
               "versions": {"tool": "0.1.0", "torch": None, "transformers": None},
               "runs": [run], "candidates": cands, "proposals": props}
-    return {"ok": True, "protocol": 1, "result": result}  # tuner.protocol.PROTOCOL_VERSION
+    return {"ok": True, "protocol": 1, "result": result}  # tuner.question.protocol.PROTOCOL_VERSION
 
 
 if "--serve" in sys.argv[1:]:  # the daemon's warm worker: one request per line, per-job deadline
     import threading
 
-    from tuner.worker_guard import kill_own_group
+    from tuner.seam.worker_guard import kill_own_group
 
     install(pdeathsig=lambda _sig: True)
     for line in sys.stdin:

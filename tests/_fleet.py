@@ -157,7 +157,7 @@ def _count(eng: sa.Engine, base: Path, hosts: int, drops_per_host: int) -> dict:
         drops = c.exec_driver_sql("SELECT name, path, owner_id, retired_at, answered_from_drop_id FROM drops").all()
         migrations = c.exec_driver_sql("SELECT count(*) FROM alembic_version").scalar()
     done = Counter((o, p) for o, p, s, _a, _i in jobs if s == "done")
-    # an attempt a kill -9 interrupted is not counted in attempts but in interruptions (tuner.jobqueue)
+    # an attempt a kill -9 interrupted is not counted in attempts but in interruptions (tuner.store.jobqueue)
     attempts = {(o, p): a + (i or 0) for o, p, s, a, i in jobs if s == "done"}
     files = {(owner[f"host-{i}"], str(base / f"h{i}" / "conf.d" / f"d{j:03d}.yaml"))
              for i in range(hosts) for j in range(drops_per_host)}

@@ -8,8 +8,8 @@ import os
 import re
 from pathlib import Path
 
-from tuner.eras import parse_version
-from tuner.kvcache import (
+from tuner.memory.eras import parse_version
+from tuner.memory.kvcache import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     HiddenStateSpec,

@@ -4,8 +4,8 @@
     python tests/_lean_specs.py plain|lean structure OUT.json
 
 ``plain`` imports transformers the ordinary way first (its full models scan: the path before),
-``lean`` leaves it to :func:`tuner.transformers_lean.import_transformers`. ``specs`` writes, per
-config and with / without the plugin's defaults, the whole :class:`~tuner.modelspec.ModelSpec`
+``lean`` leaves it to :func:`tuner.model.transformers_lean.import_transformers`. ``specs`` writes, per
+config and with / without the plugin's defaults, the whole :class:`~tuner.model.modelspec.ModelSpec`
 (``raw`` and ``top`` included) and the config class, or the error; ``structure`` forces the
 deferred scan and writes the lazy modules' import tables.
 """
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def specs(paths: list[str]) -> dict:
-    from tuner import transformers_lean
-    from tuner.modelspec import load_model_spec, read_architectures, read_top, without_nulls
-    from tuner.plugin import load_registry
+    from tuner.model import transformers_lean
+    from tuner.model.modelspec import load_model_spec, read_architectures, read_top, without_nulls
+    from tuner.model.plugin import load_registry
 
     registry = load_registry()
     out = {}
@@ -50,7 +50,7 @@ def specs(paths: list[str]) -> dict:
 def structure() -> dict:
     import importlib
 
-    from tuner import transformers_lean
+    from tuner.model import transformers_lean
 
     top = transformers_lean.import_transformers()
     models = importlib.import_module("transformers.models")

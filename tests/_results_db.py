@@ -21,7 +21,7 @@ REFUSAL = ("The model's max seq len (29000) is larger than the maximum number of
            "initializing the engine.")
 
 
-from tuner.worker import run_in_worker as _REAL_WORKER  # noqa: E402  (the real one, before any patch)
+from tuner.seam.worker import run_in_worker as _REAL_WORKER  # noqa: E402  (the real one, before any patch)
 
 _CACHE: dict[str, dict] = {}
 
@@ -37,18 +37,18 @@ def cached_worker(request: dict, *, job: str, timeout_s: float = 600.0, on_progr
 
 @contextlib.contextmanager
 def using_cached_worker():
-    """Route every worker job of explain / plot (``tuner.worker.run_in_worker``) through the cache."""
+    """Route every worker job of explain / plot (``tuner.seam.worker.run_in_worker``) through the cache."""
     import pytest
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("tuner.worker.run_in_worker", cached_worker)
+        mp.setattr("tuner.seam.worker.run_in_worker", cached_worker)
         yield
 
 
 @functools.lru_cache(maxsize=None)
 def profiled_db() -> Path:
     """Path of a SQLite store holding both example drops and one imported run (built once)."""
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     db = Path(tempfile.mkdtemp(prefix="ctx-tuner-results-")) / "results.sqlite"
     with ThreadPoolExecutor(2) as pool:

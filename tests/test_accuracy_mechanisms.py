@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tuner.eras import GiB, era_for, sampler_family, sampler_path
-from tuner.logparse import flashinfer_installed
-from tuner.simulate.sampler import run_dummy_sampler, sort_workspace
-from tuner.simulate.tracker import MemoryTracker
+from tuner.memory.eras import GiB, era_for, sampler_family, sampler_path
+from tuner.logs.logparse import flashinfer_installed
+from tuner.model.simulate.sampler import run_dummy_sampler, sort_workspace
+from tuner.model.simulate.tracker import MemoryTracker
 
 
 class _Head(torch.nn.Module):
@@ -95,7 +95,7 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
     group's buffers count by topology. 2x RTX 4090 over PCIe without P2P (custom all-reduce off,
     no NVSwitch): 0.35 GiB + the NCCL communicator's 0.12 GiB, where a flat 1.8 GiB was charged
     (the log prints 0.25 GiB); on H100 NVSwitch the NVLink buffers stay (1.82 GiB at TP2)."""
-    from tuner.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
+    from tuner.memory.budget import CUSTOM_ALL_REDUCE_META_SIZE, Topology, non_torch_bytes
 
     pcie = Topology(interconnect="pcie", p2p=False, compute_capability="8.9")
     assert non_torch_bytes(era_for("0.6.4", "V0"), tensor_parallel_size=2, topology=pcie) == (
@@ -109,7 +109,7 @@ def test_v0_whole_gpu_tp_charge_was_flat_regardless_of_interconnect():
 # --- 4. MoE activation under data parallelism ---------------------------------------------------
 
 def _moe_peak(version: str, dp: int, n: int = 512, h: int = 256, i: int = 128, e: int = 16, k: int = 2) -> tuple[int, int]:
-    from tuner.simulate.moe import FusedMoE, expert_layout
+    from tuner.model.simulate.moe import FusedMoE, expert_layout
 
     with torch.device("meta"), expert_layout(1, dp, True):
         moe = FusedMoE(h, i, e, k, torch.bfloat16, engine_version=version, global_num_experts=e)
@@ -149,7 +149,7 @@ def test_cudagraph_estimate_counted_piecewise_graphs_only():
     sizes in [q, q · max_num_seqs]. At 256 sequences (vLLM 0.21 on an RTX A5000 prints
     "PIECEWISE=51 (largest=512), FULL=35 (largest=256)") the estimate is 86/102 of the anchor's
     (51 + 51 graphs at 1024 sequences), where it was taken as 51/51."""
-    from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes, full_decode_capture_sizes
 
     e = era_for("0.21.0")
     sizes = cudagraph_capture_sizes(e, 256, 2048)
@@ -174,9 +174,9 @@ def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
     import pytest
 
     from tuner.errors import KVCacheError
-    from tuner.job import era_with_env, pp_layer_partition
-    from tuner.kvcache import layers_per_pp_rank
-    from tuner.validate import case_env
+    from tuner.jobs.job import era_with_env, pp_layer_partition
+    from tuner.memory.kvcache import layers_per_pp_rank
+    from tuner.accuracy.validate import case_env
 
     e20, e19, e17 = era_for("0.20.0"), era_for("0.19.0"), era_for("0.17.0")
     assert e20.subtracts_cudagraph_estimate and not e19.subtracts_cudagraph_estimate
@@ -195,9 +195,9 @@ def test_env_estimate_cudagraphs_and_pp_partition_were_not_read():
 
 
 def test_drop_env_names_what_it_does_not_model():
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
-    from tuner.job import drop_env
+    from tuner.jobs.job import drop_env
 
     text = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
             "env: {VLLM_PP_LAYER_PARTITION: '16,32', VLLM_ROCM_USE_AITER: 1}\nflashinfer_installed: true\n")
@@ -221,10 +221,10 @@ def test_hybrid_int8_per_token_head_cannot_unify_page_sizes(shared_dir):
     plugin aligned on the scale-less bytes and the scales were added afterwards, so the padded
     state page (1,605,632 B) no longer matched the attention page (1,630,720 B): "cannot unify
     page sizes" on a start-up vLLM 0.24 served (Qwen3.6-27B, TP 2, int8_per_token_head)."""
-    from tuner import kvcache
-    from tuner.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.memory import kvcache
+    from tuner.memory.kvcache import FullAttentionSpec, MambaSpec, with_kv_quant_mode
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
 
     spec = load_model_spec(shared_dir / "models" / "Qwen--Qwen3.5-27B" / "config.json")[0]
     plugin = load_registry().by_name("qwen3_5")
@@ -248,7 +248,7 @@ def test_unify_pads_by_release():
     Mamba pages too (Gemma-4's int8_per_token_head pages on 0.26 start in vLLM)."""
     import pytest
 
-    from tuner import kvcache as kv
+    from tuner.memory import kvcache as kv
 
     full, sw = kv.FullAttentionSpec(16, 2, 256, 1, kv_quant_mode="INT8_PER_TOKEN_HEAD"), \
         kv.SlidingWindowSpec(16, 4, 128, 1, 1024, kv_quant_mode="INT8_PER_TOKEN_HEAD")
@@ -273,11 +273,11 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     encoder from plain ``nn.Linear`` — the whole encoder on every TP rank — where the HF format's
     PixtralHFVisionModel shards it. Mistral-Small-3.1-24B at TP 2: the rank holds half the tower
     more (the llm-d 0.19 logs: 22.80 GiB printed, 22.40 predicted with a sharded tower)."""
-    from tuner.drop import Drop, Candidates
-    from tuner.job import config_format
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.vision import vision_tower_bytes
+    from tuner.question.drop import Drop, Candidates
+    from tuner.jobs.job import config_format
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.vision import vision_tower_bytes
 
     src = shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json"
     spec = load_model_spec(src)[0]
@@ -302,14 +302,14 @@ def test_mistral_format_vision_tower_was_sharded_like_hf(shared_dir, tmp_path):
     (repo / "params.json").write_text("{}")
     (repo / "consolidated.safetensors").write_bytes(b"")
     assert config_format(d, str(repo / "config.json")) == "mistral"
-    from tuner.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
+    from tuner.question.vllm_args import parse_line  # a serve line's --config-format reaches the drop (was "no effect")
 
     sa = parse_line(["vllm", "serve", "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "--config-format", "mistral"])
     assert sa.values["config_format"] == "mistral" and not sa.unmodelled
 
 
 def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int = 1, **settings) -> dict:
-    from tuner.validate import run_validate_request
+    from tuner.accuracy.validate import run_validate_request
 
     case = {"id": f"{model}@{version}/{kv}", "model": model, "vllm_version": version, "engine": "V1", "gpu": gpu,
             "tensor_parallel_size": tp, "kv_cache_dtype": kv, "observed": {"kv_cache_gib": 1.0},
@@ -335,3 +335,373 @@ def test_int8_per_token_head_on_gemma4_exited_cannot_unify_page_sizes(shared_dir
                     max_model_len=131072, enforce_eager=True)
     assert row["status"] == "ok", row.get("reason")
     assert row["predicted_num_gpu_blocks"] > 0
+
+
+# --- 8. pipeline parallel: which stage the check and the log use ----------------------------------
+
+def _stage_layers(first: int, n: int, spec) -> dict:
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(first, first + n)}
+
+
+def test_pp_stage_checked_alone_where_0_15_checks_the_whole_model():
+    """vllm/v1/core/kv_cache_utils.py ``get_kv_cache_configs``: 0.14.0 – 0.16.0 check the whole
+    model's KV groups against ``min(available_memory)`` (vLLM issue 34076: Qwen3-30B-A3B, 48 layers of
+    4 KV heads × 128 in bf16, VLLM_PP_LAYER_PARTITION=16,32); 0.13 and 0.17+ check each stage's own
+    layers. One token of 48 layers = 48 · 2 · 4 · 128 · 2 = 98,304 B, so 262,144 tokens need 24 GiB,
+    of which stage 0's 16 layers need 8 GiB."""
+    import pytest
+
+    from tuner.memory import kvcache as kv
+    from tuner.errors import KVCacheError
+
+    spec = kv.FullAttentionSpec(16, 4, 128, 2)
+    # stage 0 (RTX 5070 Ti) 3,414,700,000 B ("3.18 GiB"), stage 1 (RTX 5090 D) 7.26 GiB
+    workers = [(_stage_layers(0, 16, spec), 3_414_700_000), (_stage_layers(16, 32, spec), int(7.26 * GiB))]
+    assert kv.kv_check_scope("0.13.0") == "worker"
+    assert kv.kv_check_scope("0.14.0") == kv.kv_check_scope("0.15.2rc1.dev93+g11a4c9d30") == "global"
+    assert kv.kv_check_scope("0.16.0") == "global" and kv.kv_check_scope("0.17.0") == "worker"
+    # 0.15: 24.0 GiB for all 48 layers against the smallest stage's 3.18 GiB; the estimate is
+    # floor(3,414,700,000 / (98,304 · 16 B per block)) · 16 = 2,171 · 16 = 34,736 tokens (the issue's)
+    with pytest.raises(KVCacheError, match=r"\(24\.0 GiB KV cache is needed.*\(3\.18 GiB\).*length is 34736"):
+        kv.get_kv_cache_configs("0.15.1", workers, max_model_len=262_144)
+    # 0.19: stage 0 alone, 16 layers: 8.0 GiB needed, 3,414,700,000 // 524,288 · 16 = 104,208 tokens
+    with pytest.raises(KVCacheError, match=r"\(8\.0 GiB KV cache is needed.*\(3\.18 GiB\).*length is 104208"):
+        kv.get_kv_cache_configs("0.19.0", workers, max_model_len=262_144)
+    # what fits both: min over stages of blocks (stage 0: 6,513 of 16 · 32 KiB; stage 1: 7,434 of 1 MiB)
+    cfgs = kv.get_kv_cache_configs("0.15.1", workers, max_model_len=32_768)
+    assert [c.num_blocks for c in cfgs] == [6513, 6513]
+    # auto-fit (-1) in 0.15 sizes all 48 layers on 3.18 GiB, in 0.19 each stage's own
+    assert kv.get_kv_cache_configs("0.15.1", workers, max_model_len=262_144, auto_fit=True)[0].max_model_len == 34_736
+    assert kv.get_kv_cache_configs("0.19.0", workers, max_model_len=262_144, auto_fit=True)[0].max_model_len == 104_208
+
+
+def test_pp_log_compared_with_the_limiting_stage_not_the_printing_one():
+    """vllm/v1/worker/gpu_worker.py: 0.11.1 – 0.19.x print "Available KV cache memory" from the
+    node's first local rank only (``scope="local"``: pipeline stage 0); 0.14 – 0.16's refusal names
+    the smallest stage's memory; 0.11.0 and 0.20+ print every worker's (no stage known). The
+    llm-d 0.19 PP4 log prints 69.8 GiB (stage 0's) while its tokens are stage 3's blocks."""
+    from tuner.memory import kvcache as kv
+    from tuner.accuracy.validate import _logged_stage_candidate
+
+    avail = [5 * GiB, 3 * GiB, 4 * GiB]
+    assert kv.logged_kv_stage("0.19.0", avail, refused=False) == 0
+    assert kv.logged_kv_stage("0.15.1", avail, refused=True) == 1
+    assert kv.logged_kv_stage("0.19.0", avail, refused=True) == 0
+    assert kv.logged_kv_stage("0.11.0", avail, refused=False) is None
+    assert kv.logged_kv_stage("0.20.0", avail, refused=False) is None
+    stages = [{"available_kv_cache_bytes": 3 * GiB, "available_kv_cache_bytes_low": 2 * GiB,
+               "available_kv_cache_bytes_high": 4 * GiB},
+              {"available_kv_cache_bytes": 7 * GiB, "available_kv_cache_bytes_low": 6 * GiB,
+               "available_kv_cache_bytes_high": 8 * GiB}]
+    c = {"available_kv_cache_bytes": 7 * GiB, "available_kv_cache_bytes_low": 6 * GiB,
+         "available_kv_cache_bytes_high": 8 * GiB, "limiting_stage": 1, "stages": stages}
+    got = _logged_stage_candidate(c, "0.15.2rc1.dev93+g11a4c9d30", refused=True)
+    assert (got["available_kv_cache_bytes"], got["available_kv_cache_bytes_low"]) == (3 * GiB, 2 * GiB)
+    assert _logged_stage_candidate(c, "0.20.0", refused=False) is c
+
+
+# --- 11. unified memory: host RAM the runner takes after the snapshot -------------------------------
+
+def test_gb10_runner_host_buffers_were_not_counted_as_device_memory():
+    """vllm/utils/mem_utils.py ``MemorySnapshot.measure``: on an integrated GPU (GB10) free memory is
+    ``psutil.virtual_memory().available`` (0.20+ by ``is_integrated``), so the V1 runner's
+    ``InputBatch`` token history built after ``init_device``'s snapshot (vllm/v1/worker/gpu_input_batch.py:
+    int32 ``token_ids_cpu_tensor`` + bool ``is_token_ids_tensor``, ``[max_num_seqs, max_model_len]``) is
+    consumed device memory. vLLM 0.29 on GB10 (default 1024 sequences on a ≥ 70 GiB card), max_model_len
+    196,608 (eugr/spark-vllm-docker issue 396): 5 · 1024 · 196,608 = 1,006,632,960 B, plus the block
+    table's pinned host twin (vllm/v1/worker/block_table.py) 4 · 1024 · 12,288 = 50,331,648 B; Model
+    Runner V2's pinned ``all_token_ids`` (vllm/v1/worker/gpu/states.py) 4 B per slot-token; nothing on
+    a discrete card."""
+    from tuner.memory.budget import free_memory_from_host, uma_host_buffer_bytes
+
+    e = era_for("0.29.0")
+    assert free_memory_from_host(e, compute_capability="12.1", integrated=True)
+    assert not free_memory_from_host(e, compute_capability="9.0", integrated=False)
+    kw = dict(max_num_seqs=1024, max_model_len=196_608)
+    assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=False, **kw) == 1_056_964_608
+    assert uma_host_buffer_bytes(e, free_from_host=True, model_runner_v2=True, **kw) == 805_306_368
+    assert uma_host_buffer_bytes(e, free_from_host=False, model_runner_v2=False, **kw) == 0
+    assert uma_host_buffer_bytes(era_for("0.34.0"), free_from_host=True, model_runner_v2=True, **kw) == 0
+
+
+def test_pp_5070ti_5090d_compared_stage1_kv_with_stage0_log(observed_cases, shared_dir):
+    """vLLM issue 34076 (0.15.2 dev, RTX 5070 Ti + RTX 5090 D, VLLM_PP_LAYER_PARTITION=16,32): the
+    refusal checks all 48 layers (24.0 GiB) against the smaller stage's memory and names it (3.18 GiB);
+    the product compared that figure with the 5090 D stage's 7.26 GiB (+128 %, unsafe at the safe
+    end). Now: vLLM's reason, stage 0's bytes, the safe end below the log."""
+    from tuner.accuracy.validate import predict_cases
+
+    row = predict_cases([observed_cases["vllm-34076-5070ti+5090d-pp2-qwen3-coder-30b-a3b-fp8-262k-fail"]],
+                        shared_dir / "models")[0]
+    assert "(24.0 GiB KV cache is needed" in row["predicted_reason"]
+    assert row["predicted_fits"] is False and row["observed_fits"] is False
+    assert 3.5 < row["predicted_kv_cache_gib"] < 3.8  # stage 0 (16 layers + embedding on 15.47 GiB)
+    assert row["predicted_kv_cache_gib_low"] < 3.18 and row["unsafe_at_safe_end"] is False
+
+
+def test_pp_worker_label_names_the_printing_stage():
+    """vllm/v1/executor/multiproc_executor.py (0.24 read): a PP worker's process is ``Worker_PP{k}``
+    (``Worker_TP{t}_PP{k}`` with TP): the label on the "Available KV cache memory" line names the stage
+    whose figure the record holds (the llm-d 0.19 PP4 log: "(Worker_PP0 pid=441) … 69.8 GiB")."""
+    from tuner.accuracy.validate import _logged_stage_candidate, printed_kv_stage
+
+    lines = ["(Worker_PP0 pid=441) INFO 04-22 01:44:15 [v1/worker/gpu_worker.py:436] Available KV cache memory: "
+             "69.80 GiB", "(Worker_TP1_PP2 pid=9) INFO x Available KV cache memory: 3.00 GiB"]
+    assert printed_kv_stage(lines, 69.8) == 0
+    assert printed_kv_stage(lines, 3.0) == 2
+    assert printed_kv_stage(lines, 5.0) is None and printed_kv_stage(["Available KV cache memory: 3.00 GiB"], 3.0) is None
+    stages = [{"available_kv_cache_bytes": i * GiB, "available_kv_cache_bytes_low": i * GiB - 1,
+               "available_kv_cache_bytes_high": i * GiB + 1} for i in (5, 6, 3)]
+    c = {"available_kv_cache_bytes": 3 * GiB, "limiting_stage": 2, "stages": stages}
+    # 0.20+ prints every worker's line: the label decides
+    assert _logged_stage_candidate(c, "0.24.0", refused=False, printed_stage=1)["available_kv_cache_bytes"] == 6 * GiB
+    assert _logged_stage_candidate(c, "0.24.0", refused=False) is c
+
+
+# --- 6. backends chosen by the environment: MXFP4 on Hopper before 0.12 ---------------------------
+
+def test_mxfp4_on_hopper_ran_triton_without_triton_kernels():
+    """quantization/mxfp4.py ``_should_use_marlin`` (0.10.1.1) / ``get_mxfp4_backend`` (0.10.2 – 0.11.2):
+    on a 9.x card, Marlin unless ``has_triton_kernels()`` and torch >= 2.8. The 0.10.1.1 wheel pins
+    torch 2.7.1 (Marlin whatever is installed); no wheel before 0.12 requires triton_kernels (0.12
+    vendors it). gpt-oss-120b on one H100: Marlin pads H 2880 -> 3072 and I 2880 -> 2944, so each of
+    the 36 layers keeps w13 128x5888x1536 + scales 128x5888x96, w2 128x3072x1472 + 128x3072x92
+    (uint8) and bf16 biases 128x(5888+3072): 1,847,263,232 bytes, against the Triton strided layout's
+    1,692,057,600 + the scale copy 99,532,800 + fp32 biases 4,423,680."""
+    from types import SimpleNamespace
+
+    from tuner.logs.logparse import triton_kernels_installed
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import layout_bytes, mxfp4_hopper_triton, scheme_for
+
+    assert mxfp4_hopper_triton((0, 10, 1), True) == (False, None)  # torch 2.7.1
+    ok, why = mxfp4_hopper_triton((0, 11, 0), None)
+    assert ok is False and why["name"] == "triton_kernels_installed" and why["value"] is False
+    assert mxfp4_hopper_triton((0, 11, 0), True) == (True, None)
+    assert mxfp4_hopper_triton((0, 11, 2), None)[0] is False
+    assert mxfp4_hopper_triton((0, 12, 0), None) == (True, None)  # vendored
+
+    qc = {"quant_method": "mxfp4"}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def bank(version: str, installed):
+        s = scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability="9.0",
+                                          triton_kernels_installed=installed))
+        return s.expert_format.backend, layout_bytes(s.expert_layout(128, 2880, 2880, "bfloat16", has_bias=True))
+
+    assert bank("0.10.1", True) == ("marlin", 1_847_263_232)
+    assert bank("0.11.0", None) == ("marlin", 1_847_263_232)
+    assert bank("0.11.0", True) == ("triton_strided", 1_692_057_600 + 99_532_800 + 4_423_680)
+    # 36 layers: +1,844,969,472 bytes (1.72 GiB) on Marlin; what the log shows and an official image runs
+    assert triton_kernels_installed(["Weight-only FP4 compression will be used leveraging the Marlin kernel. x"]) is False
+    assert triton_kernels_installed(["vLLM 0.11.0 per the pod spec (vllm/vllm-openai:v0.11.0)"]) is True
+    assert triton_kernels_installed(["vllm serve openai/gpt-oss-120b"]) is None
+
+
+def test_block_fp8_on_ampere_kept_fp32_block_scales():
+    """utils/marlin_utils_fp8.py ``prepare_fp8_layer_for_marlin`` (0.10.1.1, 0.24.0): below compute
+    capability 8.9 FP8 runs weight-only through Marlin; a [128, 128] block scale ``[out/128, in/128]``
+    fp32 becomes ``[in/128, out]`` in the model dtype, plus an int32 workspace of one int per SM.
+    Qwen3.6-27B's MLP gate_up on a TP2 rank (in 5120, out 2 x 17408 / 2 = 17408): weight 89,128,960
+    fp8 bytes on both cards; scales 40 x 17408 x 2 = 1,392,640 bytes on an RTX 3090 (8.6) against
+    136 x 40 x 4 = 21,760 on an H100; no fp8 input copy on Marlin."""
+    from types import SimpleNamespace
+
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import MARLIN_SMS, fp8_uses_marlin, layout_bytes, scheme_for
+
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def linear(cc: str):
+        s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability=cc))
+        return s.linear_layout(5120, 17408, "bfloat16", "model.layers.0.mlp.gate_up_proj")
+
+    lay, act = linear("8.6")
+    assert layout_bytes(lay) == 89_128_960 + 1_392_640 + 4 * MARLIN_SMS and act is None
+    lay, act = linear("9.0")
+    assert layout_bytes(lay) == 89_128_960 + 21_760 and act == ("float8_e4m3fn", 40)
+    assert fp8_uses_marlin((8, 0)) and fp8_uses_marlin((8, 6)) and not fp8_uses_marlin((8, 9))
+    # expert banks: [E, in/128, out] model-dtype scales, a 4-blocks-per-SM workspace
+    s = scheme_for(spec, RankSettings(engine_version="0.24.0", dtype="bfloat16", compute_capability="8.0"))
+    bank = s.expert_layout(8, 2048, 768, "bfloat16", "model.layers.0.mlp.experts")
+    assert ("w13_weight_scale", (8, 16, 1536), "bfloat16") in bank and ("w2_weight_scale", (8, 6, 2048), "bfloat16") in bank
+
+
+def test_awq_gemm_kernel_dequantized_weight_was_not_charged():
+    """awq.py ``AWQLinearMethod.apply`` (0.6.4, 0.10.1.1, 0.19.0): from 256 rows the AWQ kernel
+    dequantizes the whole weight to ``[in, out]`` fp16 and multiplies with torch.matmul. Qwen2-7B's
+    gate_up (in 3584, out 2 x 18944) at 2048 tokens: the output 2048 x 37888 x 2 = 155,189,248 bytes
+    plus the dequantized weight 3584 x 37888 x 2 = 271,581,184; at 128 tokens only the output.
+    Marlin (awq_marlin, every card from 7.5) has no such temporary."""
+    from types import SimpleNamespace
+
+    from tuner.model.plugin import RankSettings
+    from tuner.model.simulate.layers import Linear
+    from tuner.memory.quant import scheme_for
+
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    spec = SimpleNamespace(quantization_config=qc, top={}, raw={})
+
+    def peak(quantization, rows: int) -> int:
+        s = scheme_for(spec, RankSettings(engine_version="0.10.1.1", dtype="float16", compute_capability="8.6",
+                                          quantization=quantization))
+        with torch.device("meta"):
+            lin = Linear(3584, 37888, torch.float16, quant=s, prefix="model.layers.0.mlp.gate_up_proj")
+            x = torch.empty(rows, 3584, dtype=torch.float16)
+            with MemoryTracker() as t:
+                lin(x)
+        return t.peak_bytes
+
+    assert peak("awq", 2048) == 155_189_248 + 271_581_184
+    assert peak("awq", 128) == 128 * 37888 * 2
+    assert peak(None, 2048) == 155_189_248  # awq_marlin
+
+
+# --- 7. weights the product missed: Gemma 4's audio tower ------------------------------------------
+
+def test_gemma4_audio_tower_was_not_loaded(shared_dir, tmp_path):
+    """vLLM 0.19 gemma4_mm.py ``Gemma4ForConditionalGeneration.__init__``: with an ``audio_config``
+    (the E2B / E4B variants) it builds ``AutoModel.from_config(config.audio_config)`` (transformers
+    ``Gemma4AudioModel``: 304,824,608 parameters at transformers' defaults, bf16 = 609,649,216 bytes,
+    plus 2,008 bytes of buffers from ``post_init``) and ``embed_audio`` (ReplicatedLinear 1536 ->
+    text hidden 2816, bf16 = 8,650,752 bytes), on every rank."""
+    import json
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+
+    cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    plugin = load_registry().by_name("gemma")
+    settings = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0")
+
+    def weights(c: dict) -> int:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        spec = load_model_spec(d / "config.json")[0]
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            return plugin.weights_bytes(spec, settings, plugin.build_model(spec, settings))
+
+    assert cfg.get("audio_config") is None
+    with_audio = weights({**cfg, "audio_config": {"model_type": "gemma4_audio"}})
+    assert with_audio - weights(cfg) == 609_649_216 + 2_008 + 1536 * 2816 * 2
+
+
+def test_limit_mm_per_prompt_zero_still_loaded_the_tower(shared_dir):
+    """vllm/model_executor/models/interfaces.py ``_mark_tower_model`` (0.15.0+, read in 0.19.0): a
+    tower whose modalities are all limited to 0 is not built (``no_init_weights`` ->
+    ``StageMissingLayer``); ``--language-model-only`` sets every limit to 0
+    (vllm/config/multimodal.py ``get_limit_per_prompt``). Mistral-Small-3.1 (Pixtral tower) on one
+    H100: ``{"image": 0}`` takes the tower's weights off at 0.19, not at 0.14; ``{"audio": 0}``
+    changes nothing (video stays 999, and the model has no audio tower)."""
+    import dataclasses
+
+    from tuner.question.drop import _mm_limits
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import ModelCache
+    from tuner.model.simulate.vision import mm_limit
+
+    spec = load_model_spec(shared_dir / "models" / "mistralai--Mistral-Small-3.1-24B-Instruct-2503" / "config.json")[0]
+    plugin = load_registry().by_name("mistral3")
+    base = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0")
+
+    def weights(**kw) -> int:
+        return ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(base, **kw), backend="meta").weights_bytes
+
+    full = weights()
+    tower = full - weights(mm_limits=(("image", 0),))
+    assert 0.8 * 2**30 < tower < 0.9 * 2**30  # Pixtral-12B's encoder + projector, bf16
+    assert weights(mm_limits=(("*", 0),)) == full - tower
+    assert weights(mm_limits=(("audio", 0),)) == full
+    assert weights(engine_version="0.14.0", mm_limits=(("image", 0),)) == weights(engine_version="0.14.0")
+    assert mm_limit(RankSettings("0.19.0", "bfloat16", mm_limits=(("image", 2),)), "video") == 999
+    assert _mm_limits('{"image": 0, "video": {"count": 1, "num_frames": 8}}') == {"image": 0, "video": 1}
+
+
+def test_limit_mm_per_prompt_flag_was_not_modelled():
+    """``--limit-mm-per-prompt`` and ``--language-model-only`` reach the drop (they were named as not
+    modelled); vLLM before 0.17 has no --language-model-only (vllm/config/multimodal.py)."""
+    import shlex
+
+    import pytest
+
+    from tuner.question.vllm_args import ArgsInputError, parse_line, to_drop
+
+    line = """vllm serve m --limit-mm-per-prompt '{"image": 0, "video": 0}' --language-model-only"""
+    sa = parse_line(shlex.split(line))
+    assert sa.unmodelled == []
+    m = to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.19.0", model="/tmp/m", max_model_len=4096)
+    assert m.drop.limit_mm_per_prompt == {"image": 0, "video": 0} and m.drop.language_model_only is True
+    with pytest.raises(ArgsInputError, match="0.17"):
+        to_drop(sa, device={"name": "NVIDIA H100 80GB HBM3"}, engine_version="0.16.0", model="/tmp/m", max_model_len=4096)
+
+
+def test_encoder_profile_items_ignored_max_num_seqs_and_the_image_limit(shared_dir):
+    """``MultiModalBudget._get_max_items`` (vllm/v1/worker/utils.py 0.11.0; vllm/multimodal/
+    encoder_budget.py 0.24.0): items = max(1, min(encoder budget // T, max_num_seqs x max(1,
+    min(limit, max_model_len // T)))). Gemma-3 (SigLIP, T = 256) at 8192 batched tokens: 32 images
+    by the encoder budget; 4 with max_num_seqs 4 and --limit-mm-per-prompt image 1; 16 with one
+    sequence of 4096 tokens."""
+    import dataclasses
+
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import ModelCache
+    from tuner.model.simulate.vision import encoder_profile_items
+
+    assert encoder_profile_items(8192, 256, "0.19.0") == 32
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=4, mm_limit=1, max_model_len=131072) == 4
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=1, max_model_len=4096) == 16
+    assert encoder_profile_items(8192, 256, "0.19.0", max_num_seqs=256, max_model_len=131072) == 32
+    assert encoder_profile_items(8192, 16384, "0.19.0", max_num_seqs=1, mm_limit=0, max_model_len=4096) == 1
+
+    spec = load_model_spec(shared_dir / "models" / "google--gemma-3-4b-it" / "config.json")[0]
+    plugin = load_registry().by_name("gemma")
+    s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0",
+                     max_num_batched_tokens=8192, max_num_seqs=4, max_model_len=131072, mm_limits=(("image", 1),))
+    built = ModelCache(enabled=False).take(plugin, spec, s, backend="meta")
+    assert built.model.vision.profile_items(8192)[:2] == (4, 256)
+    built = ModelCache(enabled=False).take(plugin, spec, dataclasses.replace(s, mm_limits=None, max_num_seqs=256),
+                                           backend="meta")
+    assert built.model.vision.profile_items(8192)[:2] == (32, 256)
+
+
+def test_gemma4_per_layer_embeddings_buffer_and_inputs_were_not_charged(shared_dir, tmp_path):
+    """vLLM 0.19 gemma4.py / gemma4_mm.py with ``hidden_size_per_layer_input`` (the E2B / E4B
+    variants): the weights (``embed_tokens_per_layer [V_ple, L·ple]``, ``per_layer_model_projection
+    [L·ple, H]``, per layer ``per_layer_input_gate`` / ``per_layer_projection``) plus the
+    multimodal wrapper's persistent PLE buffer ``[max_num_batched_tokens, L, ple]`` (counted in
+    "Model loading took"), and in the forward the projected per-layer inputs ``[N, L·ple]`` alive
+    through every layer. The 26B-A4B config (L 30, H 2816) given ple 256 and V_ple 262144 at
+    8192 tokens: weights +4,026,531,840 + 43,253,760 + 512 + 86,507,520 + 168,960 + 125,829,120
+    bytes; the forward peak +8192 x 7680 x 2 = 125,829,120."""
+    import json
+
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import run_pass
+
+    cfg = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    plugin = load_registry().by_name("gemma")
+
+    def run(c: dict):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+        spec = load_model_spec(d / "config.json")[0]
+        s = RankSettings(engine_version="0.19.0", dtype="bfloat16", compute_capability="9.0",
+                         max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192)
+        return run_pass(plugin, spec, s, era_for("0.19.0"), ProfileBatch(8192, 256, 256, True))
+
+    ple = json.loads(json.dumps(cfg))
+    ple["text_config"].update(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
+    base, with_ple = run(cfg), run(ple)
+    assert with_ple.weights_bytes - base.weights_bytes == (4_026_531_840 + 43_253_760 + 512 + 86_507_520 + 168_960
+                                                          + 125_829_120)
+    assert with_ple.forward_peak_bytes - base.forward_peak_bytes == 8192 * 7680 * 2

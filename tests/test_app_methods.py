@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tuner.app import profile
+from tuner.jobs.app import profile
 from tuner.errors import DropError
-from tuner.job import run_job
+from tuner.jobs.job import run_job
 
 MIB = 1 << 20
 
@@ -93,8 +93,8 @@ def test_cuda_request_in_a_worker_without_cuda_is_a_measure_error(tiny_config):
 
 def _seed_calibration(db, tiny_config, request):
     """Two usable residuals for the tiny model on H100 / 0.19 (as ``import-log`` stores them)."""
-    from tuner import calibrate
-    from tuner.store import open_store
+    from tuner.jobs import calibrate
+    from tuner.store.database import open_store
 
     kw = calibrate.lookup_kwargs(request)
     store = open_store(str(db))
@@ -119,8 +119,8 @@ def _seed_calibration(db, tiny_config, request):
 
 
 def test_simulate_applies_the_stored_calibration_and_reports_both(tmp_path, tiny_config):
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     p = _drop(tmp_path, tiny_config)
     db = tmp_path / "db.sqlite"
@@ -154,7 +154,7 @@ def test_a_vllm_jobs_start_ups_are_stored_with_their_residuals(tmp_path, tiny_co
     """Storage bookkeeping of a ``vllm`` job's result (the engine start-up is a parsed log text
     here, not a GPU run): one ``method='vllm'`` row per start-up beside the simulate pass rows, and
     its residual in ``calibrations``, in the profile's transaction."""
-    from tuner.logparse import GIB, parse_text
+    from tuner.logs.logparse import GIB, parse_text
     from tuner.measure.vllm_engine import measured_run
 
     def vllm_like(request, **_kw):
@@ -187,7 +187,7 @@ def test_cpu_build_start_is_stored_under_device_cpu_and_never_calibrates(tmp_pat
     from ``VLLM_CPU_KVCACHE_SPACE``, not from the GPU budget: its row is kept under device ``cpu``
     with its block size and the KV-space source, and it yields no calibration residual (it would
     otherwise "correct" the GPU prediction by a CPU measurement)."""
-    from tuner.logparse import parse_text
+    from tuner.logs.logparse import parse_text
     from tuner.measure.vllm_engine import apply_figures, engine_figures, measured_run
 
     text = ("(Worker pid=7) INFO [v1/worker/cpu_worker.py:260] Explicitly set (1.0/23.54) GiB for KV cache on node 0.\n"

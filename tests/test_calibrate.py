@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tuner import calibrate
-from tuner.calibrate import NOISE_BYTES, aggregate, consistency, fit, residual
-from tuner.importlog import import_log
-from tuner.job import run_job
-from tuner.logparse import GIB
-from tuner.store import open_store
+from tuner.jobs import calibrate
+from tuner.jobs.calibrate import NOISE_BYTES, aggregate, consistency, fit, residual
+from tuner.accuracy.importlog import import_log
+from tuner.jobs.job import run_job
+from tuner.logs.logparse import GIB
+from tuner.store.database import open_store
 
 MIB = 1 << 20
 LLAMA = "llmd-v019-meta-llama-llama-3-1-8b--tp1pp1dp1--8192"
@@ -134,7 +134,7 @@ def test_calibration_from_imported_runs_changes_the_prediction(tmp_path, shared_
                                          model_config_sha256=out.run["model_config_sha256"]) is None
     finally:
         store.close()
-    from tuner.importlog import prediction_request
+    from tuner.accuracy.importlog import prediction_request
 
     req = prediction_request(out.drop, {"engine": "V1", "device_name": "H100-80GB",
                                         "total_memory_bytes": out.run["device_total_memory_bytes"]},
@@ -151,7 +151,7 @@ def test_validate_calibrate_leave_one_out_never_makes_a_case_worse(shared_dir, o
     """Import every visible case's log; calibrate each case only from the other cases of its group
     (``validate --calibrate``, worker side, in-process); no case's error may grow and none may
     turn unsafe; the report carries both summaries."""
-    from tuner.validate import CALIBRATED_FIELDS, render, run_validate_request
+    from tuner.accuracy.validate import CALIBRATED_FIELDS, render, run_validate_request
 
     cases = list(observed_cases.values())
     report = run_validate_request({"kind": "validate", "cases": cases, "models_dir": str(shared_dir / "models"),
@@ -187,7 +187,7 @@ def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, sha
     drop for the same settings applies the stored correction and prints the uncalibrated numbers."""
     import yaml
 
-    from tuner.explain import explain_drop, render
+    from tuner.reports.explain import explain_drop, render
 
     db = tmp_path / "db.sqlite"
     _import_higher_peak_logs(tmp_path, shared_dir, observed_cases[LLAMA], db)
@@ -208,7 +208,7 @@ def test_explain_shows_the_prediction_before_and_after_calibration(tmp_path, sha
     assert "before calibration:" in render(doc)
     # the correction is its own step, apart from the cuBLAS workspace and the safety reserve; the
     # steps still add up to the KV bytes exactly
-    from tuner.explain import steps_add_up
+    from tuner.reports.explain import steps_add_up
 
     steps = {s["name"]: s for s in e["steps"]}
     assert steps["calibration"]["op"] == "-" and steps["calibration"]["bytes"] == delta == e["calibration_bytes"]
@@ -228,10 +228,10 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
     imported the measured runs (calibrations are keyed by model, device kind, era and layout)."""
     import yaml
 
-    from tuner.app import prepare_request
-    from tuner.daemon import Daemon
-    from tuner.drop import load_drop
-    from tuner.settings import Settings
+    from tuner.jobs.app import prepare_request
+    from tuner.daemon.service import Daemon
+    from tuner.question.drop import load_drop
+    from tuner.daemon.settings import Settings
 
     s = Settings(watch_dir=str(tmp_path / "conf.d"), state_dir=str(tmp_path / "state"),
                  database_url=None if db_url.startswith("sqlite") else db_url, host_id="another-host")
@@ -247,8 +247,8 @@ def test_daemon_jobs_read_the_calibration_of_their_model(tmp_path, shared_dir, o
     assert cal is not None and cal["runs"] == 2 and cal["activation_peak_delta_bytes"] > 0.2 * GIB
     assert len(key) == 64 and source is None
     # issue 15: the worker can look the corrections up itself (``calibration_db``), with the same result
-    from tuner.protocol import JobRequest
-    from tuner.worker_main import _calibrate
+    from tuner.question.protocol import JobRequest
+    from tuner.commands.worker_main import _calibrate
 
     in_worker = _calibrate(JobRequest.from_wire({**request, "calibration_db": s.db_url}))
     assert in_worker.calibration == cal and in_worker.calibration_db is None

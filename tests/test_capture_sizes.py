@@ -3,8 +3,8 @@ read in 0.19.0, 0.20.0, 0.20.1, 0.24.0, 0.28.0, 0.29.0, 0.30.0, 0.31.0 and 0.33.
 
 from __future__ import annotations
 
-from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes
-from tuner.eras import era_for
+from tuner.memory.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes
+from tuner.memory.eras import era_for
 
 
 def test_max_num_batched_tokens_is_captured_from_0_20_1():

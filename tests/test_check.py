@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tuner.check import run_check
+from tuner.reports.check import run_check
 from tests._cli_helpers import run_cli as _cli
-from tuner.serve_args import AUTO, ServeArgsError, human_readable_int, human_readable_int_or_auto, parse_serve
+from tuner.memory.serve_args import AUTO, ServeArgsError, human_readable_int, human_readable_int_or_auto, parse_serve
 
 L8B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
 L70B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-70B"
@@ -21,7 +21,7 @@ L70B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-70B"
 
 @functools.lru_cache(maxsize=None)
 def _job(key: str) -> dict:
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     return run_job(json.loads(key))
 
@@ -33,13 +33,13 @@ def inproc_worker(request: dict, *, job: str, timeout_s: float = 600.0, on_progr
 
 @pytest.fixture(autouse=True)
 def _inproc(monkeypatch):
-    monkeypatch.setattr("tuner.worker.run_in_worker", inproc_worker)
+    monkeypatch.setattr("tuner.seam.worker.run_in_worker", inproc_worker)
 
 
 def drop_answer(tmp_path: Path, text: str, u: float, m: int) -> dict:
     """The equivalent drop, from a hand-written file, through the same job: the candidate at (u, m)."""
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     p = tmp_path / "equivalent.yaml"
     p.write_text(text)
@@ -208,7 +208,7 @@ def test_no_max_model_len_checks_the_derived_maximum(tmp_path):
 def test_hf_overrides_rope_scaling_raises_the_checked_derived_maximum(shared_dir):
     """``--hf-overrides`` with a yarn x4 rope_scaling and no --max-model-len: vLLM applies the
     overrides before deriving max_model_len, 131072 for Qwen2.5-7B (was 32768, the file's)."""
-    from tuner.check import derived_max
+    from tuner.reports.check import derived_max
 
     model = shared_dir / "models" / "Qwen--Qwen2.5-7B-Instruct"
     yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
@@ -225,8 +225,8 @@ def test_max_model_len_auto_picks_what_auto_fit_picks(tmp_path):
     p = tmp_path / "d.yaml"
     p.write_text(f"name: x\nmodel: {L70B}\ndevice: H100-80GB\nengine_version: '0.19.0'\ntensor_parallel_size: 2\n"
                  "candidates: {gpu_memory_utilization: [0.9]}\n")
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     req, _ = prepare_request(load_drop(p))
     prop = inproc_worker(req, job="x")["proposals"][0]
@@ -271,7 +271,7 @@ def test_kv_cache_memory_bytes_check_printed_a_budget_subtraction_and_an_ignored
     """With --kv-cache-memory-bytes vLLM returns the given bytes as the KV cache (gpu_worker.py
     determine_available_memory) and ignores gpu_memory_utilization: the answer printed
     "requested 71.27 GiB - weights … = KV cache 2.00 GiB" and echoed --gpu-memory-utilization 0.9."""
-    from tuner.check import render
+    from tuner.reports.check import render
 
     res = check("vllm", "serve", str(L8B), "--max-model-len", "32k", "--kv-cache-memory-bytes", "2G")
     text = render(res)
@@ -378,7 +378,7 @@ def test_cli_invalid_input_is_exit_2():
 
 
 def test_drops_accept_vllm_lengths(tmp_path):
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
 
     d = parse_drop(f"name: x\nmodel: {L8B}\ndevice: H100-80GB\nmax_num_batched_tokens: 8k\n"
                    "candidates: {gpu_memory_utilization: [0.9], max_model_len: [32k, 128K, {}]}\n".replace(", {}", ""),
@@ -462,8 +462,8 @@ def test_kv_cache_memory_bytes_larger_than_the_gpu_was_reported_as_starting():
     """Llama-3.1-8B on H100 (79.19 GiB) with kv_cache_memory_bytes 70G: weights 14.99 + non-torch
     0.25 + 70 GiB cannot be allocated, yet profile proposed 131072 with 35,840 blocks and explain
     said "starts". vLLM returns the bytes as given and fails allocating them; 60G fits."""
-    from tuner.drop import parse_drop
-    from tuner.job import run_job
+    from tuner.question.drop import parse_drop
+    from tuner.jobs.job import run_job
 
     def proposals(kv):
         text = (f"name: kvb\nmodel: {L8B}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
@@ -496,10 +496,10 @@ def test_kv_cache_memory_bytes_oom_counted_the_cuda_graphs_only_where_the_era_su
 
 def test_check_says_uncertain_where_the_interval_straddles_the_verdict():
     """A length between the KV tokens at the interval's safe end and at its expected value starts
-    at the expected value and not at the safe end: ``uncertain``, exit 4 (tuner.check.EXIT_UNCERTAIN),
+    at the expected value and not at the safe end: ``uncertain``, exit 4 (tuner.reports.check.EXIT_UNCERTAIN),
     naming the terms that make it so and the length that starts for sure; ``--risk expected``
     answers by the expected value (exit 0)."""
-    from tuner.check import EXIT_UNCERTAIN
+    from tuner.reports.check import EXIT_UNCERTAIN
 
     probe = check("vllm", "serve", str(L8B), "--max-model-len", "8192", device="RTX-3090")
     iv = probe.doc["interval"]
@@ -515,7 +515,7 @@ def test_check_says_uncertain_where_the_interval_straddles_the_verdict():
     (sure,) = res.doc["uncertain"]["starts_for_sure"]
     assert sure["setting"] == "max_model_len" and sure["value"] <= low < m
     assert f"--max-model-len {sure['value']}" in sure["command"]
-    from tuner.check import render
+    from tuner.reports.check import render
 
     text = render(res)
     assert "UNCERTAIN:" in text and "settings that start for sure" in text

@@ -71,7 +71,7 @@ def test_results_table_goes_with_csv(tmp_path):
 def test_closed_stdout_exits_quietly(tmp_path):
     """``ctx-tuner results --json | head``: the reader is gone before the write; exit 0, no traceback,
     no 'Exception ignored' at interpreter exit."""
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     db = tmp_path / "r.sqlite"
     open_store(str(db)).close()

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests._daemon_helpers import db_rows, drop_text, fast_tmp, group_alive, poll, settings_for
-from tuner.daemon import Daemon
-from tuner.notify import Notifier
+from tuner.daemon.service import Daemon
+from tuner.daemon.notify import Notifier
 
 H100 = 85_030_076_416  # H100-80GB total bytes, as the catalog has it
 
@@ -155,7 +155,7 @@ def test_atomic_saves_editor_files_subdirs_and_deletion(h, tmp_path):
     (h.conf / "a.yaml").write_text(drop_text("a", h.model, gmu=(0.75,)))
     h.until(d, lambda: proposal.exists(), what="drop recreated")
     # b has a's settings (only the name differs) and the recreated a the 0.75 version's: both are
-    # answered from the stored results (tuner.fleet.result_key), so only two workers ran
+    # answered from the stored results (tuner.store.fleet.result_key), so only two workers ran
     assert len(worker_calls(tmp_path)) == 2
     shared = h.rows("SELECT d.name, s.content FROM drops d JOIN drops s ON s.id = d.answered_from_drop_id ORDER BY d.id")
     assert [(n, "0.75" in c) for n, c in shared] == [("b", False), ("a", True)]
@@ -249,7 +249,7 @@ def _malformed(h: Harness, outside: Path) -> list[tuple[str, bytes | str, str, s
 
 
 def test_malformed_drops_each_give_an_error_row_and_a_log_line(h, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     outside = tmp_path / "secret.yaml"
     outside.write_text("password: hunter2\n")
     cases = _malformed(h, outside)
@@ -413,7 +413,7 @@ def test_sigterm_during_a_job_returns_it_to_the_queue_and_it_completes_after_res
 
 def test_sighup_reload_applies_new_settings_and_bad_settings_keep_the_old(h, tmp_path):
     from tests._daemon_helpers import write_settings
-    from tuner.settings import load_settings
+    from tuner.daemon.settings import load_settings
 
     path = write_settings(tmp_path, job_timeout_s=20.0)
     h.settings = load_settings(path)
@@ -445,7 +445,7 @@ def test_a_locked_database_delays_the_save_then_the_job_is_stored_once(h, tmp_pa
     """A foreign writer holding the lock past busy_timeout: the finished result waits in memory
     and is retried; the daemon neither dies nor loses or duplicates the job."""
     h.sqlite_only()
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     monkeypatch.setenv("FAKE_SLOW_S", "0.5")
     d = h.start(store_factory=lambda url: open_store(url, busy_timeout_s=0.1))
@@ -516,7 +516,7 @@ def test_daemon_start_with_unusable_settings_is_one_line_exit_2(tmp_path, capsys
 
 
 def test_two_drops_with_one_name_are_warned_about(h, caplog):
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     d = h.start()
     (h.conf / "a.yaml").write_text(drop_text("same", h.model))
     (h.conf / "b.yaml").write_text(drop_text("same", h.model))

@@ -12,9 +12,9 @@ import pytest
 import sqlalchemy as sa
 
 from tests._daemon_helpers import drop_text, poll, settings_for
-from tuner.daemon import DB_RETRY_S, Daemon
+from tuner.daemon.service import DB_RETRY_S, Daemon
 from tuner.errors import StoreError
-from tuner.notify import Notifier
+from tuner.daemon.notify import Notifier
 
 
 class Fleet:
@@ -59,7 +59,7 @@ def _worker_calls(tmp_path: Path) -> list[str]:
 
 
 def test_drop_is_owned_by_its_daemon_whose_host_row_shows_in_sql(fleet, caplog):
-    caplog.set_level(logging.WARNING, logger="tuner.daemon")
+    caplog.set_level(logging.WARNING, logger="tuner.daemon.service")
     d = fleet.start("a")
     conf = Path(d.settings.watch_dir)
     (conf / "x.yaml").write_text(drop_text("x", fleet.model))
@@ -117,7 +117,7 @@ def test_same_file_name_on_two_hosts_each_keeps_its_own_drop_and_deletion_retire
     a.reconcile()
     assert fleet.rows("SELECT count(*) FROM drops WHERE retired_at IS NULL") == [(2,)]
     # `results` shows one latest drop per name and host (it used to keep only the newest per name)
-    from tuner.results import open_for_read, query, render
+    from tuner.reports.results import open_for_read, query, render
 
     ro = open_for_read(fleet.url)
     try:
@@ -138,7 +138,7 @@ def test_same_file_name_on_two_hosts_each_keeps_its_own_drop_and_deletion_retire
 
 
 def test_database_down_daemon_keeps_watching_then_catches_up(fleet, caplog, tmp_path):
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     d = fleet.start("a")
     conf = Path(d.settings.watch_dir)
     good = (d.store.engine, d.store._reader, d.queue.engine)
@@ -197,7 +197,7 @@ def test_claim_committed_as_the_database_restarted_left_the_job_running_forever(
     ``running`` with no worker until the end): the claim committed but the daemon got a
     connection error back, so it never started the job and, its lease renewed, nobody requeued it.
     The daemon's heartbeat now returns its own ``running`` jobs that it does not hold to the queue."""
-    caplog.set_level(logging.WARNING, logger="tuner.daemon")
+    caplog.set_level(logging.WARNING, logger="tuner.daemon.service")
     d = fleet.start("a")
     real = d.queue.claim_next
     lost = []
@@ -251,7 +251,7 @@ def test_daemon_opened_two_read_only_stores_for_every_job(fleet, monkeypatch):
     """Regression (issue 13's drop → proposal time): each job opened a read-only store for its
     look-ups and another for the pass memo (an engine, a connection and a schema check each).
     The job thread keeps one read-only store from its first job to shutdown."""
-    import tuner.daemon as daemon_mod
+    import tuner.daemon.service as daemon_mod
 
     opened = []
     real = daemon_mod.open_store

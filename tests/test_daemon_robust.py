@@ -23,7 +23,7 @@ from tests._daemon_helpers import db_rows, own_drop_text as drop_text, group_ali
 from tests.conftest import REPO
 from tests.test_daemon import Harness
 from tests.test_daemon_service import FakeSystemd
-from tuner import worker_guard
+from tuner.seam import worker_guard
 
 HOOKED = REPO / "tests" / "_daemon_with_hooks.py"
 
@@ -139,7 +139,8 @@ def test_worker_killed_by_signal_or_oom_is_retried_and_done_with_attempts_in_job
 
 
 def test_drop_failed_by_a_worker_crash_is_rerun_by_ctx_tuner_retry_without_sighup(h, monkeypatch, capsys):
-    from tuner import cli, daemon
+    from tuner import cli
+    from tuner.daemon import service as daemon
 
     monkeypatch.setattr(daemon, "JOB_POLL_S", 0.05)
     h.settings = type(h.settings)(**{**h.settings.__dict__, "max_attempts": 1})
@@ -207,7 +208,7 @@ def test_daemon_read_a_1gib_model_config_into_its_own_memory(tmp_path, tiny_conf
 # -- 4 -------------------------------------------------------------------------------------------
 
 def test_fallback_and_default_warnings_vanish_in_daemon_mode(h, caplog):
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     d = h.start()
     (h.conf / "warn-a.yaml").write_text(drop_text("warn-a", h.model))
     h.until(d, lambda: h.job("warn-a.yaml")[0] == "done", what="warn-a done")
@@ -252,7 +253,7 @@ def test_orphaned_worker_runs_on_after_its_parent_is_killed(tmp_path, tiny_confi
     fake = fake_python(tmp_path)
     code = f"""
 import sys
-from tuner.worker import run_in_worker
+from tuner.seam.worker import run_in_worker
 req = {{"drop": {{"name": "hang-x", "content_sha256": "0", "candidates": {{}}}}, "device": {{}}}}
 run_in_worker(req, job="hang-x", timeout_s=600, python={str(fake)!r})
 """
@@ -271,7 +272,7 @@ run_in_worker(req, job="hang-x", timeout_s=600, python={str(fake)!r})
     env = {**os.environ, worker_guard.ENV_DEADLINE: "1"}
     env.pop(worker_guard.ENV_PARENT, None)
     t0 = time.monotonic()
-    w = subprocess.Popen([str(fake), "-m", "tuner.worker_main"], stdin=subprocess.PIPE, env=env,
+    w = subprocess.Popen([str(fake), "-m", "tuner.commands.worker_main"], stdin=subprocess.PIPE, env=env,
                          start_new_session=True)
     w.communicate(json.dumps({"drop": {"name": "hang-y", "content_sha256": "0"}}).encode(), timeout=30)
     assert w.returncode == -signal.SIGKILL and time.monotonic() - t0 < 20
@@ -352,7 +353,7 @@ def test_profile_on_a_fifo_blocked_forever(tmp_path):
                                        ("vocab_size", 1e30), ("intermediate_size", 2 ** 50)])
 def test_absurd_config_sizes_crashed_the_worker_or_ran_to_the_timeout(tmp_path, tiny_config, key, value):
     from tuner.errors import ModelConfigError
-    from tuner.modelspec import load_model_spec
+    from tuner.model.modelspec import load_model_spec
 
     cfg = json.loads((tiny_config / "config.json").read_text())
     cfg[key] = value
@@ -376,7 +377,7 @@ def test_absurd_config_size_exits_2_naming_the_key_without_a_stack_dump(tmp_path
 
 
 def test_yaml_exponent_read_as_a_string_gave_a_confusing_error():
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
 
     with pytest.raises(DropError) as err:
@@ -388,7 +389,7 @@ def test_small_help_and_log_gaps():
     from tuner.cli import build_parser
     from tuner.commands.daemon import TEXT_FORMAT
     from tuner.errors import ModelConfigError
-    from tuner.modelspec import resolve_model_path
+    from tuner.model.modelspec import resolve_model_path
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -401,13 +402,13 @@ def test_small_help_and_log_gaps():
 
 
 def test_store_that_does_not_exist_yet_made_plot_fail():
-    from tuner.store import store_exists
+    from tuner.store.database import store_exists
 
     assert store_exists("sqlite:////nonexistent/dir/new.sqlite") is False  # plot: no measured points
 
 
 def test_plot_svg_then_png_overwrote_the_same_json(tmp_path):
-    from tuner.plot import sidecar_path
+    from tuner.reports.plot import sidecar_path
 
     assert sidecar_path(tmp_path / "x.png") == tmp_path / "x.json"
     assert sidecar_path(tmp_path / "x.svg") == tmp_path / "x.svg.json"
@@ -417,7 +418,7 @@ def test_plot_svg_then_png_overwrote_the_same_json(tmp_path):
 # -- 11 ------------------------------------------------------------------------------------------
 
 def test_moved_drop_file_was_retired_and_profiled_again(h, caplog):
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     d = h.start()
     (h.conf / "a.yaml").write_text(drop_text("a", h.model))
     h.until(d, lambda: h.job("a.yaml")[0] == "done", what="a done")
@@ -436,7 +437,7 @@ def test_moved_drop_file_was_retired_and_profiled_again(h, caplog):
 
 
 def test_watch_dir_change_by_sighup_logged_every_old_drop_as_deleted(h, caplog, tmp_path):
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     d = h.start()
     (h.conf / "a.yaml").write_text(drop_text("a", h.model))
     h.until(d, lambda: h.job("a.yaml")[0] == "done", what="a done")

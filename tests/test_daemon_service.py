@@ -151,9 +151,9 @@ def test_daemon_with_the_real_worker_never_imports_torch(tmp_path, tiny_config):
     code = f"""
 import sys, sqlite3
 from pathlib import Path
-from tuner.daemon import Daemon
-from tuner.notify import Notifier
-from tuner.settings import Settings
+from tuner.daemon.service import Daemon
+from tuner.daemon.notify import Notifier
+from tuner.daemon.settings import Settings
 from tests._daemon_helpers import poll
 s = Settings(watch_dir={str(tmp_path / 'conf.d')!r}, state_dir={str(tmp_path / 'state')!r}, debounce_s=0.05)
 d = Daemon(s, notifier=Notifier({{}}))

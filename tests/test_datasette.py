@@ -1,5 +1,5 @@
 """The Datasette-ready store: ``configs/datasette/metadata.yml`` describes real tables and columns,
-its canned queries are the README's queries, and (datasette tier) Datasette started on a real
+its canned queries are the documented queries (docs/results-sql.md), and (datasette tier) Datasette started on a real
 snapshot on 127.0.0.1 serves a canned query page whose rows are the store's proposals."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _norm(sql: str) -> str:
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory, tiny_config_module):
-    from tuner.app import profile
-    from tuner.snapshot import write_snapshot
+    from tuner.jobs.app import profile
+    from tuner.store.snapshot import write_snapshot
 
     d = tmp_path_factory.mktemp("ds")
     drop = d / "tiny.yaml"
@@ -56,7 +56,7 @@ def tiny_config_module(tmp_path_factory):
 def test_canned_queries_are_the_readme_queries_and_run(snapshot):
     meta = yaml.safe_load(META.read_text())
     db = meta["databases"]["ctx-tuner-snapshot"]
-    readme = (REPO / "README.md").read_text().split("## Results in SQL", 1)[1].split("\n## ", 1)[0]
+    readme = (REPO / "docs" / "results-sql.md").read_text()
     readme_sql = {_norm(q) for q in re.findall(r"```sql\n(.*?)```", readme, flags=re.S)}
     canned = {_norm(q["sql"]) for q in db["queries"].values()}
     assert canned == readme_sql

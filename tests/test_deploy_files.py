@@ -13,7 +13,7 @@ import pytest
 from tests._cli_helpers import run_cli as _cli
 from tests.conftest import REPO
 from tests.test_check import inproc_worker
-from tuner.check import run_check
+from tuner.reports.check import run_check
 
 FIX = REPO / "tests" / "fixtures" / "deploy"
 MODELS = str(REPO / "configs" / "models")
@@ -24,7 +24,7 @@ LONG_LINE = ["vllm", "serve", L8B, "--max-model-len", "131072", "--gpu-memory-ut
 
 @pytest.fixture(autouse=True)
 def _inproc(monkeypatch):
-    monkeypatch.setattr("tuner.worker.run_in_worker", inproc_worker)
+    monkeypatch.setattr("tuner.seam.worker.run_in_worker", inproc_worker)
 
 
 def serve_line(argv):
@@ -290,7 +290,7 @@ def test_a_workload_whose_job_fails_is_exit_1(monkeypatch):
     def broken(request, **kw):
         raise WorkerError("worker died", where="test")
 
-    monkeypatch.setattr("tuner.worker.run_in_worker", broken)
+    monkeypatch.setattr("tuner.seam.worker.run_in_worker", broken)
     monkeypatch.chdir(FIX)
     rc, doc, _ = deploy("vllm-config.yaml")
     assert rc == 1 and doc["workloads"][0]["verdict"] == "failed" and "worker died" in doc["workloads"][0]["error"]

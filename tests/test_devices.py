@@ -7,8 +7,8 @@ import types
 import pynvml
 import pytest
 
-from tuner import devices
-from tuner.devices import Device, catalog, lookup, resolve_device
+from tuner.memory import devices
+from tuner.memory.devices import Device, catalog, lookup, resolve_device
 from tuner.errors import DeviceError
 
 GIB = 2**30
@@ -245,7 +245,7 @@ def test_import_pulls_in_neither_torch_nor_pynvml():
     import subprocess
     import sys
 
-    code = ("import sys, tuner.devices, tuner.drop; "
+    code = ("import sys, tuner.memory.devices, tuner.question.drop; "
             "bad = [m for m in ('torch', 'transformers', 'pynvml') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -256,7 +256,7 @@ def test_size_word_contradicting_the_catalog_was_accepted_silently(name, tmp_pat
     """A memory size in the name that no catalog card of that model has names no card (it used to
     pick the model's only card, e.g. 'H200-999GB' -> H200 139.80 GiB); the drop error names the
     file and the field."""
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
     from tuner.errors import DropError
 
     assert lookup(name) is None
@@ -308,7 +308,7 @@ def test_device_names_as_nvml_and_vllm_print_them(printed, card, bytes_):
 
 
 def test_rocm_cards_run_the_rocm_platform():
-    from tuner.devices import platform_of_name
+    from tuner.memory.devices import platform_of_name
 
     assert resolve_device("AMD Instinct MI300X").platform == "rocm"
     assert resolve_device("NVIDIA H100 80GB HBM3").platform == "cuda"
@@ -410,7 +410,7 @@ def test_h800_is_an_nvswitch_board_not_the_pcie_h100():
 def test_pcie_word_in_a_printed_name_is_a_pcie_board():
     """"NVIDIA A100-PCIE-40GB" resolved to the catalog A100, an NVSwitch board: custom all-reduce was
     taken as on for TP 4/8. The board word in the printed name decides."""
-    from tuner.job import topology_for
+    from tuner.jobs.job import topology_for
 
     dev = resolve_device("NVIDIA A100-PCIE-40GB")
     assert (dev.name, dev.interconnect) == ("A100-40GB", "pcie")

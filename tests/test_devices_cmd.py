@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner.devices import list_gpus, require_gpu
+from tuner.memory.devices import list_gpus, require_gpu
 from tuner.errors import DeviceError
 
 

@@ -1,22 +1,23 @@
-"""Every drop field and every built-in plugin is documented in the README."""
+"""Every drop field and every built-in plugin is documented (docs/drops.md, docs/plugins.md)."""
 
 from __future__ import annotations
 
 import tomllib
 
+from tests._docs import page
 from tests.conftest import REPO
-from tuner.drop import DROP_FIELDS
-from tuner.plugin import builtin_entry_points, load_registry
+from tuner.question.drop import DROP_FIELDS
+from tuner.model.plugin import builtin_entry_points, load_registry
 
 
 def test_every_drop_field_is_in_the_readme():
-    readme = (REPO / "README.md").read_text()
-    missing = [f.name for f in DROP_FIELDS if f"`{f.name}`" not in readme]
+    drops = page("drops.md")
+    missing = [f.name for f in DROP_FIELDS if f"`{f.name}`" not in drops]
     assert missing == []
 
 
 def test_every_plugin_is_documented():
-    readme = (REPO / "README.md").read_text()
+    readme = page("plugins.md")
     reg = load_registry(loader=builtin_entry_points)
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["tuner.plugins"]
     assert reg.errors == [] and sorted(p.name for p in reg.plugins) == sorted(declared)  # every built-in, only those
@@ -28,7 +29,7 @@ def test_every_plugin_is_documented():
 
 def _install_undocumented_plugin(site):
     """A third-party distribution in ``site`` (an installed module and its ``.dist-info``, as pip
-    lays them out) whose plugin the README does not mention and whose module has no docstring."""
+    lays them out) whose plugin the docs do not mention and whose module has no docstring."""
     (site / "someone_elses_plugin.py").write_text(
         "class P:\n    name = 'someone_elses_family'\n    architectures = ('SomeoneElsesForCausalLM',)\n"
         "    def kv_cache_spec(self, spec, settings):\n        return {}\n"
@@ -44,9 +45,9 @@ def _install_undocumented_plugin(site):
 def test_installed_third_party_plugin_breaks_the_docs_test(tmp_path, monkeypatch):
     _install_undocumented_plugin(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    # the trap is armed: the registry sees the third-party plugin, which the README does not name
+    # the trap is armed: the registry sees the third-party plugin, which docs/plugins.md does not name
     names = [p.name for p in load_registry().plugins]
     assert "someone_elses_family" in names and "generic" in names
-    assert "`someone_elses_family`" not in (REPO / "README.md").read_text()
+    assert "`someone_elses_family`" not in page("plugins.md")
     assert "someone_elses_family" not in [p.name for p in load_registry(loader=builtin_entry_points).plugins]
     test_every_plugin_is_documented()  # checks the built-in plugins only

@@ -22,7 +22,7 @@ def test_each_documented_example_is_a_tested_fixture():
 
 
 def test_documented_exit_codes_are_the_codes():
-    from tuner.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS
+    from tuner.reports.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS
     from tuner.deploy.verdicts import EXIT_PRECEDENCE
 
     text = DOC.read_text()

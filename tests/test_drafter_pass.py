@@ -1,5 +1,5 @@
 """The drafter's own forward in the profile run and its CUDA-graph captures
-(tuner.specdecode.DrafterPass), each from vLLM's source by release: gpu_model_runner ``_dummy_run`` →
+(tuner.memory.specdecode.DrafterPass), each from vLLM's source by release: gpu_model_runner ``_dummy_run`` →
 ``drafter.dummy_run`` (0.9.0+ for EAGLE / MTP, 0.20.0+ for DFlash and draft models),
 qwen3_dflash.py ``precompute_and_store_context_kv`` (its buffers by release) and
 ``profile_cudagraph_memory`` capturing the drafter with the target."""
@@ -13,7 +13,7 @@ import pytest
 
 from tests._paths import SHARED
 
-from tuner.specdecode import (checkpoint_drafter_pass, dflash_context_kv_peak_bytes,
+from tuner.memory.specdecode import (checkpoint_drafter_pass, dflash_context_kv_peak_bytes,
                               drafter_forward_peak_bytes, drafter_graph_layer_hidden, drafter_layer_peak_bytes,
                               drafter_profile_extra_bytes, drafter_runs_in_profile, mtp_drafter_pass)
 
@@ -136,17 +136,17 @@ def _drop(tmp_path, extra: str, *, version="0.20.1", seqs=1) -> Path:
 
 
 def _run(p):
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
-    from tuner.job import run_job
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
+    from tuner.jobs.job import run_job
 
     req, dev = prepare_request(load_drop(str(p)), download=False)
     return run_job({**req, "fake": True, "search": False, "engine": "off"}), dev
 
 
 def _explain(p):
-    from tuner.explain import explain_drop, steps_add_up
-    from tuner.job import run_job
+    from tuner.reports.explain import explain_drop, steps_add_up
+    from tuner.jobs.job import run_job
 
     doc = explain_drop(str(p), gpu_memory_utilization=0.95, max_model_len=180000, variants=False, calibrate=False,
                        cache=False, worker=lambda request, **_kw: run_job({**request, "fake": True}))
@@ -162,10 +162,10 @@ def test_dflash_drop_explains_the_drafters_forward_and_graph_steps(qwen36, tmp_p
     c = res["candidates"][0]
     # 256 requests x 6 tokens cover the largest capture size (496 rounded up to 498: 512 -> 516 is dropped):
     # all 5 drafter layers captured with the target's
-    from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes
-    from tuner.eras import era_for
+    from tuner.memory.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes
+    from tuner.memory.eras import era_for
 
-    from tuner.specdecode import spec_decode_capture_sizes
+    from tuner.memory.specdecode import spec_decode_capture_sizes
 
     era = era_for("0.20.1")
     sizes = spec_decode_capture_sizes(cudagraph_capture_sizes(era, 256, 8192, num_speculative_tokens=5),
@@ -210,8 +210,8 @@ def test_mtp_graph_estimate_counts_its_layer_as_before(qwen36, tmp_path):
     # the 4x3090 MTP x3 drop (club3090-584's stated settings): the MTP layer is the target's width, so the
     # estimate is that of 64 + 1 layers (what the KV-spec count gave before the drafter had its own term),
     # over the sizes rounded to multiples of 1 + k
-    from tuner.budget import cudagraph_estimate_bytes
-    from tuner.eras import era_for
+    from tuner.memory.budget import cudagraph_estimate_bytes
+    from tuner.memory.eras import era_for
 
     p = tmp_path / "m.yaml"
     p.write_text(f"name: m\nmodel: {QWEN36}\ndevice: NVIDIA GeForce RTX 3090\nengine_version: '0.24.0'\n"
@@ -221,8 +221,8 @@ def test_mtp_graph_estimate_counts_its_layer_as_before(qwen36, tmp_path):
     res, _dev = _run(p)
     c = res["candidates"][0]
     era = era_for("0.24.0")
-    from tuner.budget import cudagraph_capture_sizes
-    from tuner.specdecode import spec_decode_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes
+    from tuner.memory.specdecode import spec_decode_capture_sizes
 
     sizes = spec_decode_capture_sizes(cudagraph_capture_sizes(era, c["max_num_seqs"], c["max_num_batched_tokens"],
                                                               num_speculative_tokens=3),
@@ -242,10 +242,10 @@ def test_drafter_layer_formula_matches_the_simulated_forward_of_its_geometry(tmp
     # of the same shape (the target's pass machinery): equal within the one [N, H] residual the
     # standalone model's embedding adds
     pytest.importorskip("torch")
-    from tuner.eras import ProfileBatch, era_for
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.profile import run_pass
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import run_pass
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -265,9 +265,9 @@ def test_drafter_layer_formula_matches_the_simulated_forward_of_its_geometry(tmp
 def test_drafter_forward_is_compared_with_the_passs_transient_peak_not_its_persistent_buffers():
     # 0.27+ passes carry the runner's persistent buffers in activation_peak_bytes (total_consumed); they
     # are alive through the drafter's forward as well, so only the transient peak is compared
-    from tuner.eras import ProfileBatch, era_for
-    from tuner.kvcache import FullAttentionSpec
-    from tuner.search import Layout, evaluate
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.memory.kvcache import FullAttentionSpec
+    from tuner.memory.search import Layout, evaluate
 
     dm = checkpoint_drafter_pass("draft_model", LLAMA_DRAFT, {"hidden_size": 4096}, tensor_parallel_size=1)
     n = 2048
@@ -289,7 +289,7 @@ def test_drafting_slots_that_take_every_batched_token_are_refused_from_0_20():
     # vllm/config/vllm.py _set_max_num_scheduled_tokens: N - slots·S must stay positive (0.20.0+);
     # speculative.py max_num_new_slots_for_drafting: DFlash (parallel drafting) k-1, draft model 1
     from tuner.errors import DropError
-    from tuner.specdecode import check_drafting_slots, new_slots_for_drafting
+    from tuner.memory.specdecode import check_drafting_slots, new_slots_for_drafting
 
     assert new_slots_for_drafting("dflash", 9) == 8 and new_slots_for_drafting("draft_model", 4) == 1
     assert new_slots_for_drafting("eagle3", 4) == 0 and new_slots_for_drafting("mtp", 3) == 0
@@ -315,10 +315,10 @@ def test_dflash_drop_whose_slots_take_the_batch_is_refused_by_the_job(qwen36, tm
 def test_proposer_buffers_are_charged_only_by_the_consumed_memory_budget():
     # llm_base_proposer.py __init__ (0.26-0.33): input_ids int32, positions + slot mapping int64, hidden_states
     # and inputs_embeds [N, H], arange; draft models add two bool masks; only 0.27+'s total_consumed sees them
-    from tuner.eras import ProfileBatch, era_for
-    from tuner.kvcache import FullAttentionSpec
-    from tuner.search import Layout, evaluate
-    from tuner.specdecode import drafter_persistent_bytes
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.memory.kvcache import FullAttentionSpec
+    from tuner.memory.search import Layout, evaluate
+    from tuner.memory.specdecode import drafter_persistent_bytes
 
     dm = checkpoint_drafter_pass("draft_model", LLAMA_DRAFT, {"hidden_size": 4096}, tensor_parallel_size=1)
     n = 2048
@@ -339,7 +339,7 @@ def test_proposer_buffers_are_charged_only_by_the_consumed_memory_budget():
 
 
 def test_dflash_drop_on_0_28_explains_the_proposers_buffers(qwen36, tmp_path):
-    from tuner.specdecode import drafter_persistent_bytes
+    from tuner.memory.specdecode import drafter_persistent_bytes
 
     p = _drop(tmp_path, "speculative_config: {method: dflash, num_speculative_tokens: 5, model: drafter}\n",
               version="0.28.0")
@@ -353,9 +353,9 @@ def test_dflash_drop_on_0_28_explains_the_proposers_buffers(qwen36, tmp_path):
 def test_spec_decode_rounds_the_capture_sizes_to_multiples_of_the_decode_query():
     # CompilationConfig.adjust_cudagraph_sizes_for_spec_decode (0.14-0.33, FULL decode graphs): round up to
     # a multiple of 1 + k, drop those above the largest, deduplicate; MRv2 sizes its own from 0.33
-    from tuner.budget import cudagraph_capture_sizes
-    from tuner.eras import era_for
-    from tuner.specdecode import spec_decode_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes
+    from tuner.memory.eras import era_for
+    from tuner.memory.specdecode import spec_decode_capture_sizes
 
     base = cudagraph_capture_sizes(era_for("0.24.0"), 256, 2048, num_speculative_tokens=3)
     assert len(base) == 51 and max(base) == 512

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tuner import drop as drop_mod
-from tuner.devices import Device
-from tuner.drop import DROP_FIELDS, Candidates, Constraints, Drop, load_drop, parse_drop
+from tuner.question import drop as drop_mod
+from tuner.memory.devices import Device
+from tuner.question.drop import DROP_FIELDS, Candidates, Constraints, Drop, load_drop, parse_drop
 from tuner.errors import DeviceError, DropError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The engine adapter's pure parts (no vLLM needed): vLLM spec objects converted to tuner.kvcache
+"""The engine adapter's pure parts (no vLLM needed): vLLM spec objects converted to tuner.memory.kvcache
 specs, plugin vs engine comparison, the decisions of tuner.engine.use with a stand-in session, and
 term sources stored (migration 0005) and shown by explain."""
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner import kvcache
+from tuner.memory import kvcache
 from tuner.engine import crosscheck
 from tuner.engine.use import EnginePlugin, engine_for_job, gpu_block_size, verify_proposals
-from tuner.eras import era_for
+from tuner.memory.eras import era_for
 from tuner.errors import EngineError
 
 
@@ -161,11 +161,11 @@ def test_term_sources():
 def test_term_sources_stored_and_explained(tmp_path, tiny_config, monkeypatch):
     import yaml
 
-    from tuner.app import profile
-    from tuner.explain import explain_stored, render
-    from tuner.results import open_for_read
+    from tuner.jobs.app import profile
+    from tuner.reports.explain import explain_stored, render
+    from tuner.reports.results import open_for_read
     import sqlalchemy as sa
-    from tuner.store import profile_runs_table
+    from tuner.store.database import profile_runs_table
 
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
     drop = tmp_path / "d.yaml"
@@ -188,7 +188,7 @@ def test_term_sources_stored_and_explained(tmp_path, tiny_config, monkeypatch):
 
 
 def test_engine_check_lines_show_the_difference():
-    from tuner.explain import engine_check_lines
+    from tuner.reports.explain import engine_check_lines
 
     use = _use(_Session("0.32.0", _vllm_specs(32)), plugin_specs=_full(32, heads=4))
     verify_proposals(use, [{"gpu_memory_utilization": 0.9, "max_model_len": 8192, "num_gpu_blocks": 5}],
@@ -202,7 +202,7 @@ def test_engine_check_lines_show_the_difference():
 def test_worker_python_from_env(monkeypatch):
     import sys
 
-    from tuner.worker import worker_python
+    from tuner.seam.worker import worker_python
 
     monkeypatch.delenv("CTX_TUNER_WORKER_PYTHON", raising=False)
     assert worker_python() == sys.executable

@@ -16,7 +16,7 @@ import yaml
 from tests.conftest import REPO
 from tuner.engine.fallback import non_standard_features, refuse_unserved
 from tuner.errors import ModelConfigError, UnsupportedArchitectureError
-from tuner.modelspec import read_top
+from tuner.model.modelspec import read_top
 
 
 def _features(shared_dir: Path, name: str) -> list[str]:

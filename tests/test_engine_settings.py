@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from tuner.errors import SettingsError
-from tuner.settings import check_worker_python, load_settings
+from tuner.daemon.settings import check_worker_python, load_settings
 
 
 def _exe(path):

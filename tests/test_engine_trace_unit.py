@@ -10,7 +10,7 @@ from tuner.engine.fakes import kernel_part
 from tuner.engine.trace import (MARGIN_PER_PART, EngineTraceUnavailable, SAMPLER_PART,
                                 approximate_margin_bytes)
 from tuner.engine.use import EnginePlugin, EngineUse
-from tuner.eras import ProfileBatch, era_for
+from tuner.memory.eras import ProfileBatch, era_for
 
 
 def test_kernel_parts_of_vllm_ops():
@@ -80,7 +80,7 @@ def test_traced_pass_adds_margin_and_persistent_buffers(monkeypatch):
 
 
 def test_trace_that_cannot_run_falls_back_to_the_plugin_with_a_warning(monkeypatch):
-    import tuner.simulate.profile as profile
+    import tuner.model.simulate.profile as profile
 
     def broken(s, **kw):
         raise EngineTraceUnavailable("op _C::foo has no fake kernel", where="/m")
@@ -99,7 +99,7 @@ def test_trace_that_cannot_run_falls_back_to_the_plugin_with_a_warning(monkeypat
 
 
 def test_explain_shows_the_trace_and_a_trace_that_did_not_run():
-    from tuner.explain import engine_check_lines
+    from tuner.reports.explain import engine_check_lines
 
     rep = {"release": "0.32.0", "releases_match": True, "decision": "engine (no plugin)",
            "trace": [{"release": "0.32.0", "max_num_batched_tokens": 8192, "num_reqs": 256,
@@ -153,7 +153,7 @@ def test_engine_defaults_recorded_and_applied_only_when_the_releases_match():
 
 
 def test_explain_shows_engine_defaults_next_to_the_era_rules():
-    from tuner.explain import engine_check_lines
+    from tuner.reports.explain import engine_check_lines
 
     rep = {"release": "0.32.0", "releases_match": True, "decision": "plugin (engine agrees)",
            "defaults": {"engine": {"max_num_batched_tokens": 16384, "max_num_seqs": 1024, "enable_chunked_prefill": True,
@@ -177,7 +177,7 @@ def test_trace_killed_by_sigsegv_failed_the_job(monkeypatch):
     import os
     import signal
 
-    import tuner.simulate.profile as profile
+    import tuner.model.simulate.profile as profile
 
     def segfault(s, **kw):
         os.kill(os.getpid(), signal.SIGSEGV)

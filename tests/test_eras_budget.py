@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.budget import kv_budget, non_torch_bytes, requested_memory_bytes
-from tuner.eras import GiB, era_for, profile_batch, resolve_dtype, sampler_family
+from tuner.memory.budget import kv_budget, non_torch_bytes, requested_memory_bytes
+from tuner.memory.eras import GiB, era_for, profile_batch, resolve_dtype, sampler_family
 from tuner.errors import EraError
 
 
@@ -32,7 +32,7 @@ def test_bad_versions_raise(bad):
 def test_newer_release_takes_the_newest_rules_unless_refused():
     """A release past the newest modelled one is answered with the newest's rules (issue 29); strict
     mode (``newer="refuse"``) raises."""
-    from tuner.eras import VllmVersion
+    from tuner.memory.eras import VllmVersion
 
     assert era_for("1.2.0").version == (0, 34, 0)
     with pytest.raises(EraError, match="strict release mode"):

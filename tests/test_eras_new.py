@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tuner.budget import cublas_workspace_bytes, profile_overhead_bytes, runner_persistent_bytes
-from tuner.eras import (
+from tuner.memory.budget import cublas_workspace_bytes, profile_overhead_bytes, runner_persistent_bytes
+from tuner.memory.eras import (
     GiB,
     SAMPLER_V1_TRITON,
     SAMPLER_V2_FP32_PASS,
@@ -23,8 +23,8 @@ from tuner.eras import (
     sampler_family,
     uses_model_runner_v2,
 )
-from tuner.simulate.sampler import run_dummy_sampler
-from tuner.simulate.tracker import MemoryTracker
+from tuner.model.simulate.sampler import run_dummy_sampler
+from tuner.model.simulate.tracker import MemoryTracker
 
 H100 = 85030076416
 
@@ -186,7 +186,7 @@ def test_default_utilization_and_cudagraph_subtraction_from_0_20():
 def test_job_0_33_uses_v2_runner_and_charges_its_buffers(tiny_config):
     """Tiny Llama (V 1000) on an H100 with vLLM 0.33 serve defaults N 8192, S 1024:
     V2 buffers 32768 + 65536 + 8192 + 4·1024·1000 + 4·1024·32 = 4,333,568 B; 0.20: V1 runner, none charged."""
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     def job(version):
         d = {"engine_version": version, "dtype": "auto", "kv_cache_dtype": "auto", "tensor_parallel_size": 1,
@@ -207,8 +207,8 @@ def test_job_0_33_uses_v2_runner_and_charges_its_buffers(tiny_config):
 
 def test_deepseek_v4_refusal_says_which_releases_have_it(shared_dir):
     from tuner.errors import ModelConfigError
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
 
     path = shared_dir / "models" / "deepseek-ai--DeepSeek-V4-Flash" / "config.json"
     spec, _ = load_model_spec(path)

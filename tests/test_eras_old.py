@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tuner.budget import V1_0910_TP1_NON_TORCH_GIB, non_torch_bytes
-from tuner.eras import (
+from tuner.memory.budget import V1_0910_TP1_NON_TORCH_GIB, non_torch_bytes
+from tuner.memory.eras import (
     GiB,
     era_for,
     profile_batch,
@@ -13,8 +13,8 @@ from tuner.eras import (
     v0_multimodal_min_batched_tokens,
     v0_uses_sliding_window,
 )
-from tuner.simulate.sampler import FLASHINFER_DEFAULT_BUFFERS, FLASHINFER_WORKSPACE_FP32_BUFFERS, run_dummy_sampler
-from tuner.simulate.tracker import MemoryTracker
+from tuner.model.simulate.sampler import FLASHINFER_DEFAULT_BUFFERS, FLASHINFER_WORKSPACE_FP32_BUFFERS, run_dummy_sampler
+from tuner.model.simulate.tracker import MemoryTracker
 
 
 def test_v0_multimodal_batched_tokens_floor():

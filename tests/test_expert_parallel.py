@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.budget import moe_rank_shape
-from tuner.drop import parse_drop
+from tuner.memory.budget import moe_rank_shape
+from tuner.question.drop import parse_drop
 from tuner.errors import DropError
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 
 @pytest.mark.parametrize("e,i,tp,dp,ep,expected", [
@@ -28,7 +28,7 @@ def _weights(spec, settings):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tuner.simulate.moe import expert_layout
+    from tuner.model.simulate.moe import expert_layout
 
     plugin, _ = load_registry().for_architectures(spec.architectures)
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), \
@@ -59,8 +59,8 @@ def test_dp_and_ep_drop_fields_are_validated():
 
 
 def test_explain_names_the_ranks_experts(shared_dir):
-    from tuner.explain import explain_point
-    from tuner.eras import era_for
+    from tuner.reports.explain import explain_point
+    from tuner.memory.eras import era_for
 
     cfg = shared_dir / "models" / "mistralai--Mixtral-8x7B-Instruct-v0.1" / "config.json"
     cand = {"gpu_memory_utilization": 0.9, "max_model_len": 4096, "requested_memory_bytes": 100, "weights_bytes": 40,

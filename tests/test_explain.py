@@ -9,8 +9,8 @@ import pytest
 
 from tests._results_db import H100_DROP, V0_DROP, profiled_db, using_cached_worker
 from tests._cli_helpers import run_cli as _cli
-from tuner.eras import era_for
-from tuner.explain import blocks_needed, render, steps_add_up, u_needed
+from tuner.memory.eras import era_for
+from tuner.reports.explain import blocks_needed, render, steps_add_up, u_needed
 
 GiB = 1 << 30
 LLAMA8B_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 16  # K and V x 32 layers x 8 KV heads x head 128 x bf16 x 16 tokens

@@ -13,7 +13,7 @@ import pytest
 from tests._paths import SHARED
 
 from tests._cli_helpers import run_cli as _cli
-from tuner.explain import steps_add_up
+from tuner.reports.explain import steps_add_up
 
 QWEN36 = SHARED / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
 DFLASH = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,

@@ -10,14 +10,14 @@ import pytest
 
 from tests._results_db import H100_DROP, cached_worker, using_cached_worker
 from tests.conftest import REPO
-from tuner.app import profile
-from tuner.budget import unexplained_bytes
+from tuner.jobs.app import profile
+from tuner.memory.budget import unexplained_bytes
 from tuner.commands.profile import render_table, to_json
-from tuner.eras import era_for
-from tuner.explain import explain_drop, explain_stored, render, steps_add_up
-from tuner.job import run_job
-from tuner.logparse import GIB
-from tuner.search import derived_max_model_len
+from tuner.memory.eras import era_for
+from tuner.reports.explain import explain_drop, explain_stored, render, steps_add_up
+from tuner.jobs.job import run_job
+from tuner.logs.logparse import GIB
+from tuner.memory.search import derived_max_model_len
 
 MIB = 1 << 20
 TP4_DROP = REPO / "configs" / "examples" / "llama-3.1-70b-h100-tp4.yaml"
@@ -52,7 +52,7 @@ def test_derived_max_model_len_follows_vllm(shared_dir):
 
 
 def test_length_above_the_derived_maximum_does_not_start(shared_dir):
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
 
     d = load_drop(H100_DROP).to_dict()
     d["candidates"] = {"gpu_memory_utilization": [0.95], "max_model_len": [131072, 200000]}
@@ -77,7 +77,7 @@ def test_hf_overrides_rope_scaling_raises_the_proposal_cap(shared_dir, tmp_path)
     131072 after applying it. The candidate rows knew; the proposal was capped at 32768 "by the
     model's max_position_embeddings", its serve line dropped --hf-overrides, and explain without
     -m explained 32768."""
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
 
     model = shared_dir / "models" / "Qwen--Qwen2.5-7B-Instruct"
     text = (f"name: qwen-yarn\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"
@@ -151,8 +151,8 @@ def test_explain_says_starts_but_too_few_requests():
 # -- 3. explain --run of an imported log -----------------------------------------------------------
 
 def test_explain_of_an_imported_log_adds_up(tmp_path, shared_dir, observed_cases):
-    from tuner.importlog import import_log
-    from tuner.store import open_store
+    from tuner.accuracy.importlog import import_log
+    from tuner.store.database import open_store
 
     case = observed_cases[LLAMA]
     log = tmp_path / "engine.log"
@@ -200,7 +200,7 @@ def test_explain_names_the_safety_reserve():
     assert (_step(e, "activation_peak")["bytes"] + 32 * MIB + reserve["bytes"]) == e["activation_peak_bytes"]
     assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
     assert e["available_kv_cache_bytes"] // e["kv_block_bytes"] == e["num_gpu_blocks"] == 29707
-    assert "safety reserve for start-up memory no term explains, see README" in render(doc)
+    assert "safety reserve for start-up memory no term explains, see docs/prediction.md" in render(doc)
 
 
 # -- 5. the vllm serve command names the resolved model directory -----------------------------------
@@ -223,8 +223,8 @@ def test_serve_command_uses_the_resolved_model_directory(tmp_path):
 
 
 def test_serve_model_keeps_hf_ids(tmp_path):
-    from tuner.app import serve_model
-    from tuner.drop import load_drop
+    from tuner.jobs.app import serve_model
+    from tuner.question.drop import load_drop
 
     p = tmp_path / "d.yaml"
     p.write_text("name: d\nmodel: meta-llama/Llama-3.1-8B-Instruct\ndevice: H100-80GB\n"
@@ -241,9 +241,9 @@ def test_sliding_window_candidate_reserves_the_async_batches_in_flight_from_0_26
     tier's differential test against vLLM 0.32.0, dated 0.26 by the release-by-release audit:
     ``VllmConfig.max_in_flight_tokens`` first appears in 0.26.0): fewer full-length requests fit.
     0.25.1 keeps N."""
-    from tuner import kvcache
-    from tuner.eras import ProfileBatch
-    from tuner.search import Layout, evaluate
+    from tuner.memory import kvcache
+    from tuner.memory.eras import ProfileBatch
+    from tuner.memory.search import Layout, evaluate
 
     specs = {f"l{i}": (kvcache.SlidingWindowSpec(16, 8, 128, 2, 4096) if i % 2 else kvcache.FullAttentionSpec(16, 8, 128, 2))
              for i in range(8)}
@@ -266,7 +266,7 @@ def test_hybrid_proposal_reaches_the_model_maximum_between_block_multiples(share
     alignment), so the block multiples stop at 6240 below max_position_embeddings 8192. 8192
     starts (same blocks: a length inside a block costs the whole block), yet the proposal was
     6240 "capped by the model's max_position_embeddings"."""
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
 
     model = shared_dir / "models" / "nvidia--Nemotron-H-56B-Base-8K"
     text = (f"name: nem\nmodel: {model}\ndevice: H100-80GB\nengine_version: '0.19.0'\n"

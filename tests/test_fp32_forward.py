@@ -1,16 +1,16 @@
-"""float32 models on V1: the compiled forward's extra (a documented fit, tuner/simulate/profile.py
+"""float32 models on V1: the compiled forward's extra (a documented fit, tuner/model/simulate/profile.py
 ``FP32_COMPILED_FORWARD_EXTRA``)."""
 
 from __future__ import annotations
 
-from tuner.simulate.profile import FP32_COMPILED_FORWARD_EXTRA
+from tuner.model.simulate.profile import FP32_COMPILED_FORWARD_EXTRA
 
 GiB = 1 << 30
 
 
 def _run(case, shared_dir, **over):
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     req = case_request(case, shared_dir / "models")
     req["drop"].update(over)

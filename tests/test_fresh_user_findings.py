@@ -26,14 +26,13 @@ def test_invalid_drop_job_stored_with_null_name(h):
 
 
 def test_devices_command_missing_from_readme_commands():
-    """Every subcommand of the CLI is named in the README's "Commands" section."""
+    """Every subcommand of the CLI is named in the "Commands" overview (README's then, docs/commands.md now)."""
     import argparse
 
-    from tests.conftest import REPO
+    from tests._docs import section as doc_section
     from tuner.cli import build_parser
 
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    section = doc_section("commands.md", "Overview")
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     missing = [name for name in sub.choices if f"`{name}`" not in section and f"ctx-tuner {name}" not in section]
     assert missing == []
@@ -86,8 +85,8 @@ def test_status_counted_the_whole_fleet_store_instead_of_this_hosts_jobs(two_hos
 
 
 def test_plot_had_no_host_filter_nor_label_in_a_fleet_store(two_hosts):
-    from tuner.plot import frontier_from_store
-    from tuner.results import open_for_read
+    from tuner.reports.plot import frontier_from_store
+    from tuner.reports.results import open_for_read
 
     f, a, b = two_hosts
     ro = open_for_read(f.url)
@@ -121,9 +120,9 @@ def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
 
     from tests.conftest import REPO
     from tuner.cli import main
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
-    monkeypatch.setattr("tuner.worker.run_in_worker",
+    monkeypatch.setattr("tuner.seam.worker.run_in_worker",
                         lambda request, *, job, timeout_s=600.0, on_progress=None, **kw: json.loads(
                             json.dumps(run_job(request))))
     monkeypatch.chdir(REPO)
@@ -173,7 +172,7 @@ def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypa
     import huggingface_hub
 
     from tuner.errors import ModelConfigError
-    from tuner.modelspec import resolve_model_path
+    from tuner.model.modelspec import resolve_model_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for version, cli in (("2.4.0", "hf"), ("0.34.1", "hf"), ("0.33.2", "huggingface-cli")):
@@ -190,7 +189,7 @@ def test_missing_config_hint_named_huggingface_cli_which_hub_1x_removed(monkeypa
 def test_top_level_max_model_len_was_refused_without_saying_where_it_goes(tmp_path, tiny_config, text, field, meant):
     """A fresh user wrote `max_model_len: 8192` at the top of a drop: "unknown key" listed 27 keys
     but not the one of that name under `candidates`."""
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
     from tuner.errors import DropError
 
     drop = tmp_path / "d.yaml"
@@ -280,7 +279,7 @@ def test_readme_said_speculative_config_flag_not_modelled_in_check(tiny_config, 
     from tests.conftest import REPO
     from tuner.cli import main
 
-    section = (REPO / "README.md").read_text().split("\n## Check a vllm serve line\n", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "check.md").read_text()
     assert "while the drop schema has no key for them" not in section
     rc = main(["check", "--parser", "built-in", "--no-variants", "--json", "--device", "H100-80GB",
                "--engine-version", "0.27.0", "--", "vllm", "serve", str(tiny_config), "--max-model-len", "1024",
@@ -315,11 +314,11 @@ def test_results_device_list_name_ran_into_vllm_column(tmp_path, tiny_config, ca
 def test_passes_line_reason_text_not_in_readme():
     """``passes: worker (2 computed, 0 from the memo; not all in the memo)`` -- the README's table
     named the reasons only by their JSON values (``missing``, ``no store``), so the printed words could
-    not be looked up. Every printed reason is now in the README."""
+    not be looked up. Every printed reason is now in the README (docs/pass-memo.md since issue 32)."""
     from tests.conftest import REPO
-    from tuner.memoanswer import pass_source_line as passes_line
+    from tuner.jobs.memoanswer import pass_source_line as passes_line
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "pass-memo.md").read_text()
     for reason in ("no-cache", "not memoizable", "no store", "missing"):
         line = passes_line({"source": "worker", "stored_passes": 0, "computed_passes": 1, "reason": reason})
         printed = line.split("; ", 1)[1].rstrip(")").split(":")[0]

@@ -71,7 +71,7 @@ def test_gated_and_missing_repos_are_exit_2_naming_the_repo(mirror, tmp_path):
 
 
 def test_hf_token_opens_a_gated_repo(mirror, tmp_path):
-    code = ("from tuner.hub import fetch_config; "
+    code = ("from tuner.model.hub import fetch_config; "
             "print(fetch_config('gated-org/gated-llama', revision='v1'))")
     e = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     e.update(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0", HF_TOKEN="hf_secret")

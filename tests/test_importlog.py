@@ -7,10 +7,10 @@ import json
 import pytest
 
 from tuner.cli import main
-from tuner.importlog import import_log
-from tuner.job import run_job
-from tuner.logparse import GIB
-from tuner.store import open_store
+from tuner.accuracy.importlog import import_log
+from tuner.jobs.job import run_job
+from tuner.logs.logparse import GIB
+from tuner.store.database import open_store
 
 LLAMA = "llmd-v019-meta-llama-llama-3-1-8b--tp1pp1dp1--8192"
 
@@ -72,7 +72,7 @@ def test_import_stores_the_measured_run_and_its_residual(tmp_path, shared_dir, o
 
 
 def _case_device(case):
-    from tuner.validate import _device
+    from tuner.accuracy.validate import _device
 
     return _device(case)
 
@@ -83,7 +83,7 @@ def test_every_case_log_imports(tmp_path, shared_dir, observed_cases, store):
     refusal without memory lines are recorded too (issue 34: what the log printed is stored first)."""
     import re
 
-    from tuner.validate import infer_version
+    from tuner.accuracy.validate import infer_version
 
     from tuner.errors import DeviceError, DropError, LogParseError
 
@@ -171,8 +171,8 @@ def test_inferred_version_and_default_gmu_are_reported(tmp_path, tiny_config, st
     out = import_log(log, model=str(tiny_config), device="H100-80GB", store=store, predict=False)
     # made-up line numbers ([gpu_worker.py:2]) are set aside; nothing else narrows it: the newest
     # modelled release, with the range and what was set aside said in the warning
-    from tuner.eras import NEWEST
-    from tuner.release_facts import release_key
+    from tuner.memory.eras import NEWEST
+    from tuner.releases.facts import release_key
 
     newest = out.drop.engine_version
     assert release_key(newest) == NEWEST and out.release["release_range"][1] == newest
@@ -211,7 +211,9 @@ def test_import_log_refuses_a_fifo_at_once(tmp_path, capsys):
 
 
 def test_version_rule_lives_in_release_infer_only():
-    from tuner import logparse, release_infer, validate
+    from tuner.logs import logparse
+    from tuner.logs import release_infer
+    from tuner.accuracy import validate
 
     assert not hasattr(logparse, "infer_version") and not hasattr(logparse, "VERSION_BY_LOG_FORMAT")
     assert not hasattr(logparse, "DEFAULT_VERSION")
@@ -298,8 +300,8 @@ def test_import_log_json_says_which_release_was_assumed(tmp_path, tiny_config, c
 def test_log_total_picks_among_a_names_cards(shared_dir):
     """A total the log prints ("total_gpu_memory=39.39GiB") picks the card a bare name may mean
     (``NVIDIA A100``: 80 or 40 GB) and gives a card the catalog lacks its total."""
-    from tuner.importlog import config_path_for, read_config, resolve_settings
-    from tuner.logparse import parse_lines
+    from tuner.accuracy.importlog import config_path_for, read_config, resolve_settings
+    from tuner.logs.logparse import parse_lines
 
     lines = ["INFO 11-20 10:00:00 worker.py:232] Memory profiling results: total_gpu_memory=39.39GiB "
              "initial_memory_usage=15.34GiB peak_torch_memory=17.98GiB memory_usage_post_profile=15.50GiB "
@@ -334,7 +336,7 @@ def test_065_memory_summary_on_separate_lines_was_not_parsed():
     """vLLM 0.6.5's profiling summary is one message over three lines; a copied log breaks it
     further (a figure on the line after its label, or one clause per line with
     ``available_kv_cache_memory=``). Each multi-line message is matched joined now."""
-    from tuner.logparse import parse_text
+    from tuner.logs.logparse import parse_text
 
     p = parse_text(_V0_065_WRAPPED)
     assert (p.vllm_version, p.engine) == ("0.6.5", "V0")

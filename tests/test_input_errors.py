@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from tuner.cli import main
-from tuner.drop import load_drop
+from tuner.question.drop import load_drop
 from tuner.errors import DeviceError, DropError, StoreError
-from tuner.store import error_text, open_store
+from tuner.store.database import error_text, open_store
 
 
 def _drop(tmp_path, **over):

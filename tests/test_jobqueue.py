@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tuner.errors import DropError, WorkerError
-from tuner.fleet import OwnerBusy, register_owner, renew_lease
-from tuner.jobqueue import JobNotRunning, JobQueue
-from tuner.store import open_store, utc_text
+from tuner.store.fleet import OwnerBusy, register_owner, renew_lease
+from tuner.store.jobqueue import JobNotRunning, JobQueue
+from tuner.store.database import open_store, utc_text
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_failed_run_is_retried_with_backoff_but_a_failed_drop_is_final(q):
 def test_one_pending_job_per_path_is_enforced_by_the_database(q):
     import sqlalchemy as sa
 
-    from tuner.store import jobs_table, utc_text
+    from tuner.store.database import jobs_table, utc_text
 
     q.enqueue("/d/a.yaml", "1" * 64, "v1")
     with pytest.raises(sa.exc.IntegrityError):
@@ -245,7 +245,7 @@ def test_a_live_owner_identity_is_refused_and_a_dead_one_taken_over(q):
 def test_adopt_takes_only_ownerless_rows_inside_the_watch_dir(q):
     import sqlalchemy as sa
 
-    from tuner.store import drops_table, jobs_table, utc_text
+    from tuner.store.database import drops_table, jobs_table, utc_text
 
     with q.engine.begin() as c:
         for path in ("/w/a.yaml", "/w/sub/b.yaml", "/wx/c.yaml"):
@@ -261,7 +261,7 @@ def test_adopt_takes_only_ownerless_rows_inside_the_watch_dir(q):
 
 
 def _claimer(url: str, owner_id: int, out, start) -> None:
-    from tuner.store import open_store as _open
+    from tuner.store.database import open_store as _open
 
     store = _open(url)
     queue = JobQueue(store, owner_id)

@@ -1,4 +1,4 @@
-"""tuner.kit, the plugin kit: one module with every name a plugin needs, torch-free at import."""
+"""tuner.model.kit, the plugin kit: one module with every name a plugin needs, torch-free at import."""
 
 from __future__ import annotations
 
@@ -12,22 +12,22 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import REPO
-from tuner import kit
-from tuner.modelspec import ModelSpec
-from tuner.plugin import RankSettings, stage_layers
+from tuner.model import kit
+from tuner.model.modelspec import ModelSpec
+from tuner.model.plugin import RankSettings, stage_layers
 
 
 def test_importing_the_kit_imports_no_torch():
-    code = ("import sys; from tuner.kit import ModelPlugin, RankSettings, FullAttentionSpec, stage_layers, "
-            "dtype_bytes_for, decoder_kv_specs; import tuner.kit; "
+    code = ("import sys; from tuner.model.kit import ModelPlugin, RankSettings, FullAttentionSpec, stage_layers, "
+            "dtype_bytes_for, decoder_kv_specs; import tuner.model.kit; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_every_kit_name_is_the_object_of_its_home_module():
-    homes = {"ModelPlugin": "tuner.plugin", "stage_layers": "tuner.plugin", "ModelSpec": "tuner.modelspec",
-             "FullAttentionSpec": "tuner.kvcache", "mla_spec": "tuner.kvcache", **kit._LAZY}
+    homes = {"ModelPlugin": "tuner.model.plugin", "stage_layers": "tuner.model.plugin", "ModelSpec": "tuner.model.modelspec",
+             "FullAttentionSpec": "tuner.memory.kvcache", "mla_spec": "tuner.memory.kvcache", **kit._LAZY}
     for name, module in homes.items():
         assert getattr(kit, name) is getattr(import_module(module), name), name
     assert all(hasattr(kit, n) for n in kit.__all__) and set(kit.__all__) <= set(dir(kit))
@@ -36,7 +36,7 @@ def test_every_kit_name_is_the_object_of_its_home_module():
 
 
 def test_decoder_builder_moved_out_of_moe_keeps_its_old_import():
-    from tuner.simulate import decoder, moe
+    from tuner.model.simulate import decoder, moe
 
     assert moe.build_decoder is decoder.build_decoder is kit.build_decoder
     assert moe.torch_dtype is decoder.torch_dtype is kit.torch_dtype

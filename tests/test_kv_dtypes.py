@@ -14,13 +14,13 @@ import textwrap
 
 import pytest
 
-from tuner.drop import parse_drop
-from tuner.engine_checks import check_kv_cache_dtype, check_quantization
+from tuner.question.drop import parse_drop
+from tuner.memory.engine_checks import check_kv_cache_dtype, check_quantization
 from tuner.errors import DropError, ModelConfigError
-from tuner.kvcache import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec,
+from tuner.memory.kvcache import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec,
                            UnsupportedKVCacheError, kv_content_bytes, kv_quant_mode_for, resolve_kv_cache_dtype,
                            with_kv_quant_mode)
-from tuner.vllm_names import (deprecated_quantization_methods, first_release_accepting, kv_cache_dtypes,
+from tuner.releases.names import (deprecated_quantization_methods, first_release_accepting, kv_cache_dtypes,
                               quantization_methods)
 
 # --- accepted names by release ------------------------------------------------------------------
@@ -207,8 +207,8 @@ def _llama_case(tmp_path, shared_dir, *, version, kv, quantization_config=None):
 
 
 def _run(case, models_dir):
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     res = run_job(case_request(case, models_dir))
     return res["candidates"][0], res.get("warnings") or []

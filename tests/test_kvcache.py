@@ -1,10 +1,10 @@
-"""Hand-computed KV-cache sizes (tuner.kvcache); numbers from reference §2.5, §4.7–4.9, §7."""
+"""Hand-computed KV-cache sizes (tuner.memory.kvcache); numbers from reference §2.5, §4.7–4.9, §7."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuner import kvcache as kv
+from tuner.memory import kvcache as kv
 from tuner.errors import KVCacheError
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10

@@ -1,5 +1,5 @@
-"""Settings vLLM refuses at start-up are DropErrors naming the drop and the key (tuner.engine_checks,
-called from tuner.job.run_job): parallel layouts, scheduler limits, the quantization override."""
+"""Settings vLLM refuses at start-up are DropErrors naming the drop and the key (tuner.memory.engine_checks,
+called from tuner.jobs.job.run_job): parallel layouts, scheduler limits, the quantization override."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tuner import engine_checks
+from tuner.memory import engine_checks
 from tuner.errors import DropError, ModelConfigError
-from tuner.job import run_job
+from tuner.jobs.job import run_job
 
 LLAMA_8B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
 H100 = 85_520_809_984
@@ -72,9 +72,9 @@ def test_kv_heads_must_split_or_replicate_evenly(tmp_path):
 
 def test_mla_has_no_per_head_kv_rule(shared_dir):
     """DeepSeek-V2-Lite (16 heads, MLA): TP 8 is only the heads rule; the latent is not split."""
-    from tuner.job import per_head_kv_totals
-    from tuner.modelspec import load_model_spec, read_architectures, read_top
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.jobs.job import per_head_kv_totals
+    from tuner.model.modelspec import load_model_spec, read_architectures, read_top
+    from tuner.model.plugin import RankSettings, load_registry
 
     cfg = shared_dir / "models" / "deepseek-ai--DeepSeek-V2-Lite-Chat" / "config.json"
     plugin, _ = load_registry().for_architectures(read_architectures(cfg))
@@ -163,7 +163,7 @@ def test_online_methods_stay_allowed_and_unmodelled_ones_say_so():
         engine_checks.check_quantization("bitsandbytes", None, version=(0, 19, 0), path=DROP)
     from types import SimpleNamespace
 
-    from tuner.simulate.quant import scheme_for
+    from tuner.memory.quant import scheme_for
 
     with pytest.raises(ModelConfigError, match="not modelled"):
         scheme_for(SimpleNamespace(quantization_config=None, top={}, raw={}),
@@ -171,7 +171,7 @@ def test_online_methods_stay_allowed_and_unmodelled_ones_say_so():
 
 
 def test_quantization_override_is_in_the_proposed_arguments():
-    from tuner.job import _extra_args
+    from tuner.jobs.job import _extra_args
 
     assert "--quantization fp8" in _extra_args(_drop(quantization="fp8"))
     assert "--allow-deprecated-quantization" in _extra_args(_drop(quantization="experts_int8"))
@@ -192,7 +192,7 @@ def test_v0_unchunked_lengths_must_fit_the_drops_batch(tmp_path, shared_dir):
     max_num_batched_tokens is refused naming that field (with the real length), and the search
     skips the unchunked lengths the batch cannot hold."""
     from tuner.errors import DropError
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     config = shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
     drop = {"name": "v0n", "path": str(tmp_path / "v0n.yaml"), "engine_version": "0.6.4", "dtype": "auto",

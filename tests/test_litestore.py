@@ -1,6 +1,6 @@
-"""The standard-library path to a SQLite store (:mod:`tuner.litestore`): it stores and reads
+"""The standard-library path to a SQLite store (:mod:`tuner.store.litestore`): it stores and reads
 exactly what the SQLAlchemy store does, and declines every store it cannot vouch for (the caller
-then opens :func:`tuner.store.open_store` as before)."""
+then opens :func:`tuner.store.database.open_store` as before)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sqlite3
 
 import pytest
 
-from tuner import litestore
+from tuner.store import litestore
 from tuner.errors import StoreError
-from tuner.store import open_store
+from tuner.store.database import open_store
 
 #: Columns that differ between two runs of the same job by time alone.
 _TIMES = {"created_at", "started_at", "elapsed_s"}
@@ -44,7 +44,7 @@ def _drop(tmp_path, tiny_config, name: str, gmu=(0.9,)) -> str:
 
 def _worker(request, **_kw) -> dict:
     """What a worker returns: the job in this process, through JSON as the pipe does."""
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     return json.loads(json.dumps(run_job(copy.deepcopy(request))))
 
@@ -73,7 +73,7 @@ def test_profile_through_the_lite_store_stores_the_rows_the_sqlalchemy_store_sto
     """The same jobs (a worker run, then a memo answer at other u) into two stores: one through
     SQLAlchemy (an explicit ``store_factory``), one through the standard library (the default):
     every row of every table is the same, times aside."""
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     a, b = _new_store(tmp_path / "a.sqlite"), _new_store(tmp_path / "b.sqlite")
     first, second = _drop(tmp_path, tiny_config, "tiny"), _drop(tmp_path, tiny_config, "tiny2", gmu=(0.5, 0.7))
@@ -95,7 +95,7 @@ def test_profile_through_the_lite_store_stores_the_rows_the_sqlalchemy_store_sto
 
 
 def test_memo_reads_agree_with_the_sqlalchemy_store(tmp_path, tiny_config):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     db = _new_store(tmp_path / "s.sqlite")
     profile(_drop(tmp_path, tiny_config, "tiny"), db_url=db, worker=_worker)
@@ -144,7 +144,7 @@ def test_lite_put_memo_keeps_a_stored_key_as_it_is(tmp_path):
 def test_lite_save_result_refuses_what_the_store_refuses_and_writes_nothing(tmp_path, rows, message):
     """Each bad row: the same StoreError text on both paths, and not one row written (the drop row
     before it rolled back too)."""
-    from tuner.store import open_store as real
+    from tuner.store.database import open_store as real
 
     a, b = _new_store(tmp_path / "a.sqlite"), _new_store(tmp_path / "b.sqlite")
     drop = {"name": "d", "content_sha256": "0" * 64, "content": "x", "model": "m", "device_name": "H100-80GB",
@@ -205,13 +205,13 @@ def test_open_lite_declines_every_store_it_cannot_vouch_for(tmp_path):
 def test_sqlite_file_reads_a_url_as_open_store_does_or_not_at_all(url, path):
     assert litestore.sqlite_file(url) == path
     if path is not None:  # what SQLAlchemy makes of the same URL
-        from tuner.store import _resolve_url
+        from tuner.store.database import _resolve_url
 
         assert _resolve_url(url, litestore.DEFAULT_PATH).database == path
 
 
 def test_profile_falls_back_to_sqlalchemy_for_a_store_with_calibrations(tmp_path, tiny_config, lite_calls):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     db = _new_store(tmp_path / "s.sqlite")
     conn = sqlite3.connect(db)
@@ -231,7 +231,7 @@ def test_profile_of_a_new_store_waited_for_alembic_after_the_job(tmp_path, tiny_
     only after the worker's reply. It is made in a thread started before the worker, under a
     temporary name, and linked into place once the job succeeded; nothing is left beside it. An
     existing store starts no such thread."""
-    from tuner import app
+    from tuner.jobs import app
 
     events = []
     real = app.make_new_store
@@ -256,7 +256,7 @@ def test_profile_of_a_new_store_waited_for_alembic_after_the_job(tmp_path, tiny_
 
 
 def test_failed_job_leaves_no_new_store_behind(tmp_path, tiny_config):
-    from tuner import app
+    from tuner.jobs import app
     from tuner.errors import WorkerError
 
     def worker(request, **kw):
@@ -268,7 +268,7 @@ def test_failed_job_leaves_no_new_store_behind(tmp_path, tiny_config):
 
 
 def test_stage_new_store_links_a_migrated_store_into_place_and_never_over_a_file(tmp_path):
-    from tuner.store import stage_new_store
+    from tuner.store.database import stage_new_store
 
     target = tmp_path / "s.sqlite"
     staged = stage_new_store(str(target))
@@ -292,7 +292,7 @@ def test_stage_new_store_links_a_migrated_store_into_place_and_never_over_a_file
 def test_import_all_stops_at_the_first_failure_and_raises_nothing(tmp_path, monkeypatch):
     import sys
 
-    from tuner.app import import_all
+    from tuner.jobs.app import import_all
 
     (tmp_path / "ctx_warm_probe.py").write_text("VALUE = 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -1,11 +1,11 @@
-"""tuner.logparse on every raw_lines sample of the shared cases, and on each era's log forms."""
+"""tuner.logs.logparse on every raw_lines sample of the shared cases, and on each era's log forms."""
 
 from __future__ import annotations
 
 import pytest
 
 from tuner.errors import LogParseError
-from tuner.logparse import GIB, parse_file, parse_lines, parse_text
+from tuner.logs.logparse import GIB, parse_file, parse_lines, parse_text
 
 #: case ``observed`` field → ParsedLog field, and the text whose presence in raw_lines means the
 #: lines carry that value (then the parser must find it, and it must equal the observation).
@@ -245,7 +245,7 @@ def test_release_from_the_source_line_of_the_memory_summary():
     """The line numbers come from the wheels (tuner/data/release_facts.json): V0 worker.py logs its
     summary at line 267 in 0.7.3–0.8.4 (bracketed from 0.8.0), V1 gpu_worker.py "Available KV cache
     memory" at 508 in 0.24.0 only."""
-    from tuner.release_infer import infer_for_log
+    from tuner.logs.release_infer import infer_for_log
 
     v0 = "(VllmWorkerProcess pid=1866) INFO 04-20 16:26:30 [worker.py:267] the current vLLM instance can use x"
     got = infer_for_log([v0])

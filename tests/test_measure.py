@@ -52,7 +52,7 @@ def test_measure_candidates_records_refusals_and_failures_without_raising(monkey
     """The engine runner is replaced by parsed logs (a refusal and a timeout): this checks the
     bookkeeping only, not what a GPU does."""
     import tuner.measure as m
-    from tuner.logparse import GIB, parse_text
+    from tuner.logs.logparse import GIB, parse_text
 
     monkeypatch.setattr(m, "has_vllm", lambda: True)
     refused = parse_text("ValueError: To serve at least one request with the models's max seq len (131072), "
@@ -73,7 +73,7 @@ def test_measure_candidates_records_refusals_and_failures_without_raising(monkey
 
 
 def test_free_memory_refusal_marks_candidates_and_proposals():
-    from tuner.eras import era_for
+    from tuner.memory.eras import era_for
     from tuner.measure.cuda import refuse_below_free_memory
 
     total, free = 80 << 30, 60 << 30
@@ -91,7 +91,7 @@ def test_free_memory_refusal_marks_candidates_and_proposals():
 
 
 def test_engine_figures_fill_the_block_count_the_cpu_build_does_not_print():
-    from tuner.logparse import parse_text
+    from tuner.logs.logparse import parse_text
     from tuner.measure.vllm_engine import apply_figures, engine_figures, measured_run
 
     text = ("(Worker pid=7) INFO Explicitly set (0.7/23.54) GiB for KV cache on node 0.\n"
@@ -110,7 +110,7 @@ def test_engine_figures_fill_the_block_count_the_cpu_build_does_not_print():
 
 
 def test_engine_figures_on_a_gpu_build_only_fill_what_the_log_lacks():
-    from tuner.logparse import parse_text
+    from tuner.logs.logparse import parse_text
     from tuner.measure.vllm_engine import apply_figures, engine_figures, measured_run
 
     text = ("INFO Available KV cache memory: 58.40 GiB\nINFO GPU KV cache size: 478,416 tokens\n"

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests._daemon_helpers import drop_text, poll, settings_for
 from tests.test_daemon import _expected_tokens
 from tests._cli_helpers import run_cli as _cli
-from tuner.daemon import Daemon
-from tuner.metrics import parse_listen, scrape
-from tuner.notify import Notifier
+from tuner.daemon.service import Daemon
+from tuner.daemon.metrics import parse_listen, scrape
+from tuner.daemon.notify import Notifier
 
 
 def _free_port() -> int:
@@ -140,10 +140,10 @@ def test_metrics_of_a_fleet_database_count_each_daemons_own_jobs_and_proposals(t
     drops of one name gave duplicate samples)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from tuner.fleet import register_owner
-    from tuner.jobqueue import JobQueue
-    from tuner.metrics import StoreCollector
-    from tuner.store import open_store
+    from tuner.store.fleet import register_owner
+    from tuner.store.jobqueue import JobQueue
+    from tuner.daemon.metrics import StoreCollector
+    from tuner.store.database import open_store
 
     store = open_store(str(tmp_path / "fleet.sqlite"))
     try:
@@ -176,8 +176,8 @@ def test_metrics_give_each_proposals_safe_and_expected_max_model_len(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from tests._results_db import profiled_db
-    from tuner.metrics import StoreCollector
-    from tuner.store import open_store
+    from tuner.daemon.metrics import StoreCollector
+    from tuner.store.database import open_store
 
     def scrape_bounds(path):
         store = open_store(str(path), readonly=True)

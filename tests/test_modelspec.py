@@ -13,7 +13,7 @@ from tests._paths import SHARED
 
 from tests.conftest import REPO
 from tuner.errors import ModelConfigError
-from tuner.modelspec import (config_file_sha256, config_hash, defaults_applied, load_model_spec,
+from tuner.model.modelspec import (config_file_sha256, config_hash, defaults_applied, load_model_spec,
                              read_architectures)
 
 LLAMA_8B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
@@ -102,7 +102,7 @@ def test_torch_dtype_must_be_a_float_dtype(tmp_path):
 
 def test_null_max_position_embeddings_is_treated_as_missing(tmp_path):
     from plugins.generic import plugin
-    from tuner.modelspec import without_nulls
+    from tuner.model.modelspec import without_nulls
 
     (tmp_path / "missing").mkdir()
     missing = _llama(tmp_path / "missing", max_position_embeddings=...)
@@ -118,7 +118,7 @@ def test_null_max_position_embeddings_is_treated_as_missing(tmp_path):
 
 
 def test_partial_config_warns_about_each_plugin_default(tmp_path):
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     cfg = _write(tmp_path, {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

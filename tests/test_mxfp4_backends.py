@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner.plugin import RankSettings
-from tuner.simulate.quant import (MXFP4_HOPPER_SCALE_PAD4_FROM, MXFP4_TRITON_FREES_SCALES_FROM, MXFP4_TRTLLM_I128_FROM, Mxfp4ExpertsFormat,
+from tuner.model.plugin import RankSettings
+from tuner.memory.quant import (MXFP4_HOPPER_SCALE_PAD4_FROM, MXFP4_TRITON_FREES_SCALES_FROM, MXFP4_TRTLLM_I128_FROM, Mxfp4ExpertsFormat,
                                   layout_bytes, mxfp4_alignment, mxfp4_backend, scheme_for)
 
 GiB = 2**30
@@ -21,9 +21,12 @@ QC = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_a
 E120, H, I = 128, 2880, 2880  # gpt-oss-120b: 128 experts, hidden 2880, intermediate 2880, 36 layers
 
 
-def _scheme(cc: str, version: str):
+def _scheme(cc: str, version: str, triton_kernels_installed: bool | None = True):
+    """``triton_kernels_installed`` True: the image's environment (before 0.12 a pip install lacks the
+    package and Hopper runs Marlin: tests/test_accuracy_mechanisms.py)."""
     spec = SimpleNamespace(quantization_config=QC, top={"quantization_config": QC}, raw={})
-    return scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability=cc))
+    return scheme_for(spec, RankSettings(engine_version=version, dtype="bfloat16", compute_capability=cc,
+                                         triton_kernels_installed=triton_kernels_installed))
 
 
 @pytest.mark.parametrize("cc, version, backend", [
@@ -96,8 +99,8 @@ def _plugin_model(shared_dir, cc: str, version: str, tp: int):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import load_registry
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import load_registry
 
     plugin = load_registry().by_name("gpt_oss")
     spec = load_model_spec(shared_dir / "models" / "openai--gpt-oss-120b" / "config.json")[0]
@@ -126,8 +129,8 @@ def test_marlin_profile_keeps_the_modular_workspace():
     forward, next to the padded input's output."""
     import torch
 
-    from tuner.simulate.moe import FusedMoE, workspace_bytes
-    from tuner.simulate.tracker import MemoryTracker
+    from tuner.model.simulate.moe import FusedMoE, workspace_bytes
+    from tuner.model.simulate.tracker import MemoryTracker
 
     s = _scheme("12.0", "0.28.0")
     m, k = 64, 4

@@ -46,9 +46,9 @@ def test_local_entry_not_found_was_caught_as_entry_not_found(monkeypatch, tmp_pa
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from tuner import hub
+    from tuner.model import hub
     from tuner.errors import ModelConfigError
-    from tuner.modelspec import resolve_model_path
+    from tuner.model.modelspec import resolve_model_path
 
     def down(*a, **k):
         try:
@@ -72,7 +72,7 @@ def test_local_entry_not_found_was_caught_as_entry_not_found(monkeypatch, tmp_pa
 
 def test_hub_retry_lines_were_printed_twice():
     """huggingface_hub logs through its own handler and propagated to the CLI's root handler."""
-    from tuner.hub import log_once
+    from tuner.model.hub import log_once
 
     lib = logging.getLogger("huggingface_hub")
     saved = lib.propagate
@@ -166,7 +166,7 @@ def test_failed_drops_had_no_metric(failed_daemon):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tuner.metrics import StoreCollector
+    from tuner.daemon.metrics import StoreCollector
 
     h, d, _ = failed_daemon
     reg = CollectorRegistry(auto_describe=False)
@@ -179,7 +179,7 @@ def test_failed_drops_had_no_metric(failed_daemon):
 
 
 def test_retry_message_was_cut_mid_word():
-    from tuner.failures import short
+    from tuner.daemon.failures import short
 
     reason = ("worker failed: the model config weights are " + "compressed " * 20 + "(ratio 4.2)")
     text = short(reason, 120)
@@ -192,7 +192,7 @@ def test_retry_message_was_cut_mid_word():
 
 def _docs(version, prop=None):
     from tests.test_vllm_forms import MODEL, PROP
-    from tuner.vllm_forms import proposal_configs, proposal_documents
+    from tuner.question.vllm_forms import proposal_configs, proposal_documents
 
     prop = prop or PROP
     f = proposal_configs(MODEL, prop, engine_version=version, kv_cache_bytes=3_101_450_240)
@@ -318,7 +318,7 @@ def test_explain_analysed_max_model_len_16_where_nothing_starts(tmp_path, shared
 
 
 def test_daemon_log_said_max_model_len_none():
-    from tuner.daemon import _proposal_summary
+    from tuner.daemon.service import _proposal_summary
 
     text = _proposal_summary([{"gpu_memory_utilization": 0.9, "max_model_len": None, "reason": "the weights do not "
                                "fit the GPU: …"}, {"gpu_memory_utilization": 0.95, "max_model_len": 4096,
@@ -335,7 +335,7 @@ def test_daemon_log_said_retired_no_results_yet_results_kept(tmp_path, tiny_conf
         d = h.start()
         (h.conf / "bad.yaml").write_text("name: bad\nmodel: [1]\n")
         h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'failed'") == [(1,)], what="failed")
-        with caplog.at_level(logging.INFO, logger="tuner.daemon"):
+        with caplog.at_level(logging.INFO, logger="tuner.daemon.service"):
             (h.conf / "bad.yaml").unlink()
             d.reconcile()
         lines = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
@@ -347,7 +347,7 @@ def test_daemon_log_said_retired_no_results_yet_results_kept(tmp_path, tiny_conf
 # -- input errors ----------------------------------------------------------------------------------
 
 def test_top_level_typo_had_no_did_you_mean(tmp_path):
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
     from tuner.errors import DropError
 
     p = tmp_path / "typo.yaml"
@@ -359,7 +359,7 @@ def test_top_level_typo_had_no_did_you_mean(tmp_path):
 
 
 def test_yaml_error_named_unicode_string_not_the_file(tmp_path):
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
     from tuner.errors import DropError
 
     p = tmp_path / "bad.yaml"
@@ -370,12 +370,12 @@ def test_yaml_error_named_unicode_string_not_the_file(tmp_path):
 
 
 def test_scalar_where_a_list_is_expected_was_refused(tmp_path, caplog):
-    from tuner.drop import load_drop
+    from tuner.question.drop import load_drop
 
     p = tmp_path / "s.yaml"
     p.write_text("name: s\nmodel: m\ndevice: H100-80GB\ncandidates:\n  gpu_memory_utilization: 0.9\n"
                  "  max_model_len: 4096\n")
-    with caplog.at_level(logging.WARNING, logger="tuner.drop"):
+    with caplog.at_level(logging.WARNING, logger="tuner.question.drop"):
         d = load_drop(p)
     assert d.candidates.gpu_memory_utilization == (0.9,) and d.candidates.max_model_len == (4096,)
     assert [r.getMessage() for r in caplog.records] == [
@@ -482,7 +482,7 @@ def test_daemon_help_said_nothing_of_signals_logs_or_paths(capsys):
 
 
 def test_migration_log_named_internal_issue_numbers(tmp_path, caplog):
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     with caplog.at_level(logging.INFO, logger="alembic.runtime.migration"):
         open_store(str(tmp_path / "m.sqlite")).close()

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tuner.notify import Notifier
+from tuner.daemon.notify import Notifier
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tuner import memoanswer, passmemo
-from tuner.store import open_store
+from tuner.jobs import memoanswer
+from tuner.jobs import passmemo
+from tuner.store.database import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,15 +33,15 @@ def _strip(obj):
 
 
 def _request(name: str) -> dict:
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     return prepare_request(load_drop(REPO / "configs" / "examples" / name), download=False)[0]
 
 
 def _worker_run(request: dict) -> dict:
     """What a worker returns (run_job in this process, through JSON as the pipe does)."""
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     return json.loads(json.dumps(run_job(copy.deepcopy(request))))
 
@@ -177,7 +178,7 @@ def _tiny_drop(tmp_path: Path, tiny_config: Path, gmu=(0.9,), name="tiny") -> Pa
 
 
 def test_no_cache_runs_the_worker_and_a_repeated_question_does_not(tmp_path, tiny_config):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     calls = []
 
@@ -201,7 +202,7 @@ def test_no_cache_runs_the_worker_and_a_repeated_question_does_not(tmp_path, tin
 
 #: What a cold memo answer must not import: no worker (torch, transformers), and no Alembic nor
 #: SQLAlchemy: a SQLite store at the head revision is read and written through the standard
-#: library (tuner.litestore).
+#: library (tuner.store.litestore).
 _HEAVY = ("torch", "transformers", "alembic", "sqlalchemy")
 
 
@@ -219,10 +220,10 @@ def _cold_cli(tmp_path, tiny_config, gmu, args: list[str]) -> tuple[dict, Path, 
     argv = [args[0], str(drop2), "--db", db, *args[1:]]
     script = (
         "import json, sys\n"
-        "import tuner.worker\n"
+        "import tuner.seam.worker\n"
         "def no_worker(*a, **k):\n"
         "    raise SystemExit('a worker was started')\n"
-        "tuner.worker.run_in_worker = no_worker\n"
+        "tuner.seam.worker.run_in_worker = no_worker\n"
         "from tuner.cli import main\n"
         "import contextlib, io\n"
         "out = io.StringIO()\n"
@@ -261,7 +262,7 @@ def test_cold_cli_repeated_question_imports_no_torch(tmp_path, tiny_config):
 
 def test_cold_cli_explain_from_the_memo_imported_sqlalchemy(tmp_path, tiny_config):
     """``explain`` answered from the memo of a SQLite store reads it through the standard library
-    (tuner.litestore): a fresh process imports neither torch nor SQLAlchemy (≈0.3 s of a cold
+    (tuner.store.litestore): a fresh process imports neither torch nor SQLAlchemy (≈0.3 s of a cold
     answer) and prints the memo's answer."""
     got, _drop, _db, _env = _cold_cli(tmp_path, tiny_config, (0.5,), ["explain"])
     assert (got["rc"], got["loaded"]) == (0, [])
@@ -275,10 +276,10 @@ def _code_names(path: Path) -> list[str]:
 
 
 def test_builtin_plugins_never_read_settings_max_model_len():
-    """The pass key of a built-in plugin leaves ``max_model_len`` out (:func:`tuner.passmemo.pass_key`):
+    """The pass key of a built-in plugin leaves ``max_model_len`` out (:func:`tuner.jobs.passmemo.pass_key`):
     no built-in plugin or simulator module reads it (the runner's persistent buffers, the one term
-    that depends on it, are recomputed by :func:`tuner.budget.persistent_bytes`)."""
-    files = sorted((REPO / "plugins").glob("*.py")) + sorted((REPO / "tuner" / "simulate").rglob("*.py"))
+    that depends on it, are recomputed by :func:`tuner.memory.budget.persistent_bytes`)."""
+    files = sorted((REPO / "plugins").glob("*.py")) + sorted((REPO / "tuner" / "model" / "simulate").rglob("*.py"))
     assert len(files) > 10
     readers = [f.name for f in files if "max_model_len" in _code_names(f)]
     assert readers == []
@@ -291,8 +292,8 @@ def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_pat
     import yaml
 
     from tests._daemon_helpers import drop_text, poll, settings_for
-    from tuner.daemon import Daemon
-    from tuner.notify import Notifier
+    from tuner.daemon.service import Daemon
+    from tuner.daemon.notify import Notifier
 
     calls = []
 
@@ -314,8 +315,8 @@ def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_pat
         doc = yaml.safe_load((proposals / "b.yaml").read_text())
     finally:
         d.shutdown()
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     fresh = _fresh(prepare_request(load_drop(conf / "b.yaml"), download=False)[0])
     text = json.dumps(doc)
@@ -342,7 +343,7 @@ def test_env_versions_are_what_importlib_metadata_reports():
 
 
 def test_pass_source_line_names_the_memo_or_the_worker():
-    from tuner.memoanswer import pass_source_line
+    from tuner.jobs.memoanswer import pass_source_line
 
     assert pass_source_line({"source": "memo", "stored_passes": 2, "computed_passes": 0, "first_run_id": 7,
                              "first_drop_id": 3}) == \
@@ -369,14 +370,14 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_import_circle_passmemo_job_simulate_stays_cut():
-    """The memo's vocabulary (tuner.passmemo) is used by tuner.job, so it never imports the job
-    (the parent side that runs jobs is tuner.memoanswer); the simulator takes the runner's buffers
-    from tuner.budget, not from the memo. Either import back would close the circle
+    """The memo's vocabulary (tuner.jobs.passmemo) is used by tuner.jobs.job, so it never imports the job
+    (the parent side that runs jobs is tuner.jobs.memoanswer); the simulator takes the runner's buffers
+    from tuner.memory.budget, not from the memo. Either import back would close the circle
     job -> engine.use -> simulate.profile -> passmemo -> job again."""
-    assert not {m for m in _imported_modules(REPO / "tuner" / "passmemo.py") if m.startswith("tuner.job")
-                or m.startswith("tuner.memoanswer") or m.startswith("tuner.simulate")}
-    assert not {m for m in _imported_modules(REPO / "tuner" / "simulate" / "profile.py") if "passmemo" in m}
-    from tuner.budget import DTYPE_BYTES, persistent_bytes  # where the two names live now
+    assert not {m for m in _imported_modules(REPO / "tuner" / "jobs" / "passmemo.py") if m.startswith("tuner.jobs.job")
+                or m.startswith("tuner.jobs.memoanswer") or m.startswith("tuner.model.simulate")}
+    assert not {m for m in _imported_modules(REPO / "tuner" / "model" / "simulate" / "profile.py") if "passmemo" in m}
+    from tuner.memory.budget import DTYPE_BYTES, persistent_bytes  # where the two names live now
 
     assert DTYPE_BYTES["bfloat16"] == 2 and callable(persistent_bytes)
 
@@ -391,21 +392,21 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
     buffer, 8,192 B more KV than before the release audit) — 6 blocks too many. Each
     point is now charged at its own length: grid points, the search's off-grid points and answers
     from the pass memo alike."""
-    import tuner.job
+    import tuner.jobs.job
 
     base = _request("llama-3.1-8b-h100.yaml")
     base["drop"]["engine_version"] = "0.27.0"
     base["config_path"] = str(shared_dir / "models" / "Qwen--Qwen3-30B-A3B" / "config.json")
     base["search"] = True
     searched: list = []
-    real_propose = tuner.job.propose
+    real_propose = tuner.jobs.job.propose
 
     def spy(*a, **kw):
         prop, seen = real_propose(*a, **kw)
         searched.extend(seen)
         return prop, seen
 
-    monkeypatch.setattr(tuner.job, "propose", spy)
+    monkeypatch.setattr(tuner.jobs.job, "propose", spy)
     small = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[4096]))
     at_small = {c.max_model_len: c for c in searched}[40960]
     searched.clear()
@@ -442,7 +443,7 @@ def test_repeated_question_with_vllm_installed_was_not_memoizable(tmp_path, monk
     answered in this process (no worker, no ``import vllm``); another build, or other settings,
     miss. (Here the engine takes part without vLLM being imported at all: a V0 release, where the
     adapter only records that it skipped the cross-check.)"""
-    import tuner.engine as engine_pkg
+    import tuner.releases.installed as engine_pkg  # where the probe lives (tuner.engine re-exports it)
 
     build = {"dist": "vllm", "version": "0.32.0", "origin": "/venv/vllm/__init__.py", "mtime_ns": 1}
     monkeypatch.setattr(engine_pkg, "vllm_importable", lambda: True)

@@ -14,12 +14,12 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-import tuner.simulate.profile as profile  # noqa: E402
-from tuner.eras import ProfileBatch, era_for  # noqa: E402
-from tuner.modelspec import load_model_spec  # noqa: E402
-from tuner.plugin import ModelPlugin, RankSettings  # noqa: E402
-from tuner.simulate.profile import FAKE, META, ModelCache, module_state, run_pass  # noqa: E402
-from tuner.simulate.tracker import _tensors  # noqa: E402
+import tuner.model.simulate.profile as profile  # noqa: E402
+from tuner.memory.eras import ProfileBatch, era_for  # noqa: E402
+from tuner.model.modelspec import load_model_spec  # noqa: E402
+from tuner.model.plugin import ModelPlugin, RankSettings  # noqa: E402
+from tuner.model.simulate.profile import FAKE, META, ModelCache, module_state, run_pass  # noqa: E402
+from tuner.model.simulate.tracker import _tensors  # noqa: E402
 from tests._daemon_helpers import without_elapsed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ class _Recording(ModelCache):
 
 
 def _run_job(request, monkeypatch, cache_factory):
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     monkeypatch.setattr(profile, "ModelCache", cache_factory)
     try:
@@ -49,8 +49,8 @@ def _run_job(request, monkeypatch, cache_factory):
 
 
 def _example_request(name):
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     return prepare_request(load_drop(REPO / "configs" / "examples" / name))[0]
 
@@ -76,7 +76,7 @@ def test_visible_cases_pass_figures_identical_before_and_after(observed_cases, s
     """Every visible case that `ctx-tuner validate` runs: the whole job result (passes,
     candidates, proposals, bytes) equal to the fresh-FakeTensorMode passes."""
     from tuner.errors import TunerError
-    from tuner.validate import case_request
+    from tuner.accuracy.validate import case_request
 
     compared = 0
     for case in observed_cases.values():
@@ -186,7 +186,7 @@ def test_pass_failing_on_meta_runs_under_fake_tensor_mode(tiny_config):
 
 def test_meta_pass_equals_fake_pass_on_a_real_llama(tiny_config):
     """The generic plugin's tiny Llama: meta and FakeTensorMode passes agree to the byte."""
-    from tuner.plugin import load_registry
+    from tuner.model.plugin import load_registry
 
     spec = load_model_spec(tiny_config / "config.json")[0]
     plugin = load_registry().by_name("generic")
@@ -215,7 +215,7 @@ def test_module_state_sees_a_kept_tensor_and_a_grown_list():
 
 
 def _reference_ident(value, depth=0):
-    """:func:`tuner.simulate.profile._ident` as it was before its fast paths (the reference)."""
+    """:func:`tuner.model.simulate.profile._ident` as it was before its fast paths (the reference)."""
     t = type(value)
     if t in profile._SCALARS:
         return value
@@ -242,7 +242,7 @@ def test_module_state_equals_the_reference_fingerprint(tiny_config):
     an OrderedDict subclass."""
     import collections
 
-    from tuner.plugin import load_registry
+    from tuner.model.plugin import load_registry
 
     spec = load_model_spec(tiny_config / "config.json")[0]
     plugin = load_registry().by_name("generic")
@@ -275,7 +275,7 @@ def test_one_pass_job_fingerprints_its_module_once(monkeypatch):
     calls = []
     real = profile.module_state
     monkeypatch.setattr(profile, "module_state", lambda model: calls.append(1) or real(model))
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     result = run_job(_example_request("llama-3.1-70b-h100-tp4.yaml"))
     assert len(result["runs"]) == 1 and len(calls) == 1
@@ -301,7 +301,7 @@ def test_dense_pass_never_imports_dynamo(tmp_path):
 
     request = _example_request("llama-3.1-70b-h100-tp4.yaml")
     (tmp_path / "req.json").write_text(json.dumps(request))
-    code = ("import json, sys\nfrom tuner.job import run_job\n"
+    code = ("import json, sys\nfrom tuner.jobs.job import run_job\n"
             f"r = run_job(json.load(open({str(tmp_path / 'req.json')!r})))\n"
             "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules, 'runs': len(r['runs']), "
             "'proposals': [p['max_model_len_expected'] for p in r['proposals']]}))\n")

@@ -8,10 +8,10 @@ import argparse
 
 import pytest
 
-from tuner.budget import (NVLS_TP2_GIB, Topology, custom_all_reduce_enabled, nccl_profile_bytes, non_torch_bytes)
-from tuner.eras import GiB, era_for
-from tuner.job import device_assumptions, topology_for, topology_source
-from tuner.platforms import is_integrated, platform_assumptions, platform_of
+from tuner.memory.budget import (NVLS_TP2_GIB, Topology, custom_all_reduce_enabled, nccl_profile_bytes, non_torch_bytes)
+from tuner.memory.eras import GiB, era_for
+from tuner.jobs.job import device_assumptions, topology_for, topology_source
+from tuner.memory.platforms import is_integrated, platform_assumptions, platform_of
 
 UNKNOWN = {"name": "Quantum Card 9000", "total_memory_bytes": 48 * GiB}
 
@@ -63,8 +63,8 @@ def test_check_device_flag_states_the_interconnect():
 
 
 def test_drop_device_interconnect_field_is_read(shared_dir):
-    from tuner.app import prepare_job
-    from tuner.drop import parse_drop
+    from tuner.jobs.app import prepare_job
+    from tuner.question.drop import parse_drop
 
     model = shared_dir / "models" / "Qwen--Qwen3-0.6B"
     text = (f"name: x\nmodel: {model}\nengine_version: 0.19.0\ntensor_parallel_size: 2\n"
@@ -76,8 +76,8 @@ def test_drop_device_interconnect_field_is_read(shared_dir):
 
 
 def test_job_result_names_the_assumed_interconnect(shared_dir):
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     case = {"id": "u", "model": "Qwen/Qwen3-0.6B", "vllm_version": "0.19.0", "engine": "V1",
             "gpu": "Quantum Card 9000", "gpu_total_gib": 48, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
@@ -127,9 +127,9 @@ def test_rocm_mla_block_size_is_not_flashmla(shared_dir):
     """On MI300X (torch capability 9.4) the Hopper FlashMLA rule once gave DeepSeek-V2-Lite's fp8
     cache 64-token blocks; ROCm runs TRITON_MLA at the default block size (vllm/platforms/rocm.py,
     interface.py update_block_size_for_backend): 16 in 0.19–0.33, 64 in 0.34."""
-    from tuner.modelspec import load_model_spec
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.platforms import rocm_mla_block_size
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.memory.platforms import rocm_mla_block_size
 
     spec, _ = load_model_spec(shared_dir / "models" / "deepseek-ai--DeepSeek-V2-Lite-Chat" / "config.json")
     plugin = load_registry().by_name("deepseek")
@@ -145,8 +145,8 @@ def test_rocm_mla_block_size_is_not_flashmla(shared_dir):
 
 
 def test_rank_settings_carry_the_cards_platform(shared_dir):
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     case = {"id": "mi", "model": "deepseek-ai/DeepSeek-V2-Lite-Chat", "vllm_version": "0.19.0", "engine": "V1",
             "gpu": "AMD Instinct MI300X", "gpu_total_gib": 191.98, "tensor_parallel_size": 1,
@@ -160,7 +160,7 @@ def test_rank_settings_carry_the_cards_platform(shared_dir):
 def test_gb10_batch_tier_follows_the_capability_not_the_name():
     """0.33's get_batch_defaults keeps ``is_device_capability((12, 1))`` on the small tier: a GB10
     given under another name (a mapping with its capability) gets it too; a 12.0 card does not."""
-    from tuner.eras import profile_batch
+    from tuner.memory.eras import profile_batch
 
     total = int(119.7 * GiB)
     other = profile_batch(era_for("0.33.0"), max_model_len=8192, device_name="DGX Spark node 3",
@@ -175,8 +175,8 @@ def test_gpt_oss_on_rocm_pads_experts_to_256():
     """gpt-oss on MI300X (capability 9.4) was sized with Hopper's Triton swizzle (I to 64, H as is);
     ROCm pads H and I to 256 (fused_moe/oracle/mxfp4.py mxfp4_round_up_hidden_size_and_intermediate_size,
     0.19–0.33; quantization/mxfp4.py 0.11–0.18), with the strided layout."""
-    from tuner.plugin import RankSettings
-    from tuner.simulate.quant import mxfp4_alignment, mxfp4_backend, scheme_for
+    from tuner.model.plugin import RankSettings
+    from tuner.memory.quant import mxfp4_alignment, mxfp4_backend, scheme_for
 
     assert mxfp4_backend((9, 4), (0, 19, 0), "rocm") == "rocm_triton"
     assert mxfp4_backend((9, 4), (0, 19, 0)) == "triton_swizzle"
@@ -196,8 +196,8 @@ def test_gpt_oss_on_rocm_pads_experts_to_256():
 
 
 def test_gpt_oss_20b_weights_on_mi300x_and_h100(shared_dir):
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     out = {}
     for gpu, gib in (("AMD Instinct MI300X", 191.98), ("NVIDIA H100 80GB HBM3", 79.19)):
@@ -219,7 +219,7 @@ def test_check_device_list_names_one_card_per_stage():
 def test_free_memory_from_host_boundaries_read_in_every_wheel():
     """vllm/utils/mem_utils.py: no psutil through 0.11.0; the capability list (8.7, 11.0, 12.1)
     0.11.1–0.19.1; ``is_integrated_gpu`` from 0.20.0 (was: from 0.12 and from 0.26)."""
-    from tuner.budget import free_memory_from_host
+    from tuner.memory.budget import free_memory_from_host
 
     cases = [("0.11.0", "12.1", True, False), ("0.11.1", "12.1", None, True), ("0.19.1", "12.1", False, True),
              ("0.19.1", "9.0", True, False), ("0.20.0", "12.1", False, False), ("0.20.0", "12.1", True, True),
@@ -231,8 +231,8 @@ def test_free_memory_from_host_boundaries_read_in_every_wheel():
 def test_rocm_profile_sampler_sorts_where_cuda_runs_flashinfer(shared_dir):
     """0.8–0.11.0's FlashInfer top-k/top-p is CUDA-only (topk_topp_sampler.py ``is_cuda()``): on
     MI300X the dummy sampler runs PyTorch's sort; Llama-3.1-8B, 1024 sequences, vLLM 0.10.1."""
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     peaks = {}
     for gpu, gib in (("AMD Instinct MI300X", 191.98), ("NVIDIA H100 80GB HBM3", 79.19)):

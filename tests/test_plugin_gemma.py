@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tuner import kvcache
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory import kvcache
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 GiB = 1 << 30
 
@@ -115,7 +115,7 @@ def test_weights_match_model_loading_took(shared_dir, gemma, model, observed_gib
 
 
 def _predict(shared_dir, case):
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     s, total = case["settings"], case["gpu_total_gib"]
     drop = {"engine_version": case["vllm_version"], "dtype": case["dtype"], "kv_cache_dtype": "auto",
@@ -153,8 +153,8 @@ def test_gemma4_vision_tower(shared_dir, gemma, model, text_hidden):
 
     import torch
 
-    from tuner.simulate.quant import scheme_for
-    from tuner.simulate.vision import VisionTower, vision_tower_bytes
+    from tuner.memory.quant import scheme_for
+    from tuner.model.simulate.vision import VisionTower, vision_tower_bytes
 
     top = json.loads((shared_dir / "models" / model / "config.json").read_text())
     d, i, layers, p, hd = 1152, 4304, 27, 16, 72

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 GiB = 1 << 30
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tuner import kvcache
-from tuner.kvcache import FullAttentionSpec, MambaSpec
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory import kvcache
+from tuner.memory.kvcache import FullAttentionSpec, MambaSpec
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 from tuner.plugins.hybrid import hybrid_attention_block_size
 
 

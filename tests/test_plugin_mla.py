@@ -1,4 +1,4 @@
-"""MLA plugins (plugins/deepseek.py, plugins/glm_moe_dsa.py, tuner/simulate/mla.py): hand-computed
+"""MLA plugins (plugins/deepseek.py, plugins/glm_moe_dsa.py, tuner/model/simulate/mla.py): hand-computed
 KV pages, block size by era/backend, weights of DeepSeek-V2-Lite against vLLM 0.19's log, and the
 visible case's prediction."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tuner import kvcache
+from tuner.memory import kvcache
 from tuner.errors import ModelConfigError
-from tuner.plugin import RankSettings
+from tuner.model.plugin import RankSettings
 
 GiB = 1 << 30
 V2_LITE = "deepseek-ai--DeepSeek-V2-Lite-Chat"
@@ -16,14 +16,14 @@ CASE = "llmd-v019-deepseek-ai-deepseek-v2--tp1pp1dp1--8192"
 
 
 def _spec(shared_dir, name):
-    from tuner.modelspec import load_model_spec
+    from tuner.model.modelspec import load_model_spec
 
     spec, _ = load_model_spec(shared_dir / "models" / name / "config.json")
     return spec
 
 
 def _plugin(name):
-    from tuner.plugin import load_registry
+    from tuner.model.plugin import load_registry
 
     return load_registry().by_name(name)
 
@@ -131,7 +131,7 @@ def test_v2_lite_weights_vs_vllm_019_log(shared_dir, observed_cases):
 
 def test_fp8_kv_b_dequant_copy_counts(shared_dir):
     spec, p = _spec(shared_dir, "deepseek-ai--DeepSeek-V3"), _plugin("deepseek")
-    from tuner.simulate.quant import scheme_for
+    from tuner.memory.quant import scheme_for
 
     if scheme_for(spec, _settings(tensor_parallel_size=8)) is None:
         pytest.skip("fp8 quantization scheme not available")
@@ -144,7 +144,7 @@ def test_fp8_kv_b_dequant_copy_counts(shared_dir):
 # ------------------------------------------------------------------------------- the case
 
 def test_v2_lite_case_prediction(shared_dir, observed_cases):
-    from tuner.validate import predict_cases
+    from tuner.accuracy.validate import predict_cases
 
     row = predict_cases([observed_cases[CASE]], shared_dir / "models")[0]
     assert row["status"] == "ok", row

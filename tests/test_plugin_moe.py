@@ -1,4 +1,4 @@
-"""MoE plugins (mixtral, qwen_moe, qwen3_moe, gpt_oss, minimax_m2) and tuner.simulate.moe:
+"""MoE plugins (mixtral, qwen_moe, qwen3_moe, gpt_oss, minimax_m2) and tuner.model.simulate.moe:
 hand-computed KV pages (gpt-oss sliding/full layers, fp8 KV, TP replication), expert bytes per rank
 under TP, weights against checkpoint sizes and vLLM's "Model loading took", the fused-MoE profile
 buffers by era, and the case-level predictions of the visible Mixtral / gpt-oss start-ups."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tuner import kvcache
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory import kvcache
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 GiB = 1 << 30
 
@@ -107,7 +107,11 @@ def test_gpt_oss_mxfp4_weights_against_model_loading(shared_dir, registry):
     spec = _spec(shared_dir, "openai--gpt-oss-20b")
     assert _weights(plugin, spec, _settings()) / GiB == pytest.approx(13.64, rel=0.005)  # 0.19, H100, TP1
     assert _weights(plugin, spec, _settings(tensor_parallel_size=2)) / GiB == pytest.approx(7.01, rel=0.005)
-    assert _weights(plugin, spec, _settings(engine_version="0.11.0")) / GiB == pytest.approx(13.47, rel=0.005)
+    # 0.11.0 with triton_kernels (the vllm/vllm-openai:v0.11.0 image's start-up); a pip install
+    # lacks the package and runs Marlin (H 2880 -> 3072, I 2880 -> 2944)
+    assert _weights(plugin, spec, _settings(engine_version="0.11.0", triton_kernels_installed=True)) / GiB \
+        == pytest.approx(13.47, rel=0.005)
+    assert _weights(plugin, spec, _settings(engine_version="0.11.0")) / GiB == pytest.approx(13.70, rel=0.005)
     # without the MXFP4 experts the same model would be ~38 GiB: the experts really are 4-bit
     assert _weights(plugin, spec, _settings(tensor_parallel_size=2)) < 8 * GiB
 
@@ -134,7 +138,7 @@ def test_qwen_sparse_layer_rule():
 
 # -- fused-MoE profile buffers -------------------------------------------------------------------
 def test_workspace_bytes_formula():
-    from tuner.simulate.moe import workspace_bytes
+    from tuner.model.simulate.moe import workspace_bytes
 
     # Mixtral TP2, 8192 tokens, top-2, bf16: 8192*2*7168*2 + 8192*2*14336*2 bytes (0.65625 GiB)
     assert workspace_bytes(8192, 2, 7168, 4096, 2) == 8192 * 2 * 7168 * 2 + 8192 * 2 * 14336 * 2
@@ -148,8 +152,8 @@ def test_workspace_bytes_formula():
 def _moe_peaks(version: str, layers: int = 3):
     import torch
 
-    from tuner.simulate.moe import FusedMoE
-    from tuner.simulate.tracker import MemoryTracker
+    from tuner.model.simulate.moe import FusedMoE
+    from tuner.model.simulate.tracker import MemoryTracker
 
     h, i, e, k, m = 64, 96, 4, 2, 32
     mods = [FusedMoE(h, i, e, k, torch.bfloat16, engine_version=version) for _ in range(layers)]
@@ -165,7 +169,7 @@ def _moe_peaks(version: str, layers: int = 3):
 
 
 def test_persistent_workspace_counted_once_and_kept():
-    from tuner.simulate.moe import workspace_bytes
+    from tuner.model.simulate.moe import workspace_bytes
 
     ws = workspace_bytes(32, 2, 96, 64, 2)
     peak19, live19, _ = _moe_peaks("0.19.0")
@@ -178,7 +182,7 @@ def test_persistent_workspace_counted_once_and_kept():
 
 
 def test_moe_versions():
-    from tuner.simulate.moe import fused_moe_chunk_size, uses_persistent_workspace
+    from tuner.model.simulate.moe import fused_moe_chunk_size, uses_persistent_workspace
 
     assert fused_moe_chunk_size("0.6.4") == 65536 and fused_moe_chunk_size("0.13.0") == 16384
     assert fused_moe_chunk_size("0.19.0") is None
@@ -187,14 +191,14 @@ def test_moe_versions():
 
 # -- case-level predictions ------------------------------------------------------------------------
 def _predict(shared_dir, case):
-    from tuner.job import run_job
-    from tuner.validate import case_request, compare
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request, compare
 
     return compare(case, run_job(case_request(case, shared_dir / "models")))
 
 
 @pytest.mark.parametrize("case_id, blocks_tol", [
-    # 1 %: the budget's deliberate safety reserve (tuner.budget.unexplained_bytes) costs up to ~0.7 %
+    # 1 %: the budget's deliberate safety reserve (tuner.memory.budget.unexplained_bytes) costs up to ~0.7 %
     ("llmd-v019-mistralai-mixtral-8x7b-i-tp2pp1dp1--8192", 0.01),
     ("llmd-v019-openai-gpt-oss-20b-tp2pp1dp1--8192", 0.01),
 ])
@@ -218,7 +222,7 @@ def test_gpt_oss_kv_gib(shared_dir, observed_cases, case_id):
     """KV sizing as printed before the FAILED runs died in the post-capture sampler warm-up."""
     case = observed_cases[case_id]
     row = _predict(shared_dir, case)
-    # 1 %: the budget's safety reserve (tuner.budget.unexplained_bytes) is ~0.45 % of this KV; never above
+    # 1 %: the budget's safety reserve (tuner.memory.budget.unexplained_bytes) is ~0.45 % of this KV; never above
     assert row["predicted_kv_cache_gib"] == pytest.approx(case["observed"]["kv_cache_gib"], rel=0.01)
     assert row["predicted_kv_cache_gib"] <= case["observed"]["kv_cache_gib"] + 0.005
     assert row["predicted_weights_gib"] == pytest.approx(case["observed"]["weights_gib"], rel=0.005)

@@ -1,4 +1,4 @@
-"""Multimodal wrappers (mistral3, llava_next, llama4) and tuner.simulate.vision: hand-computed
+"""Multimodal wrappers (mistral3, llava_next, llama4) and tuner.model.simulate.vision: hand-computed
 tower bytes, the Mistral-Small-3.1 case prediction (vision tower + V1 encoder profile), Llama-4's
 chunked-local / global-NoPE layer pattern and page sizes, and weights against printed
 "Model loading took" values."""
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from tuner.kvcache import ChunkedLocalAttentionSpec, FullAttentionSpec
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory.kvcache import ChunkedLocalAttentionSpec, FullAttentionSpec
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 GiB = 1 << 30
 MISTRAL = "mistralai--Mistral-Small-3.1-24B-Instruct-2503"
@@ -49,7 +49,7 @@ def _fake_weights(plugin, spec, settings):
 
 
 def test_pixtral_tower_bytes_hand_computed(shared_dir):
-    from tuner.simulate.vision import vision_tower_bytes
+    from tuner.model.simulate.vision import vision_tower_bytes
 
     top = _top(shared_dir, MISTRAL)
     d, i, layers, p, hd, side, h = 1024, 4096, 24, 14, 64, 1540 // 14, 5120
@@ -67,7 +67,7 @@ def test_pixtral_tower_bytes_hand_computed(shared_dir):
 
 
 def test_siglip_gemma3_tower_and_projector(shared_dir):
-    from tuner.simulate.vision import param_list, vision_tower_bytes
+    from tuner.model.simulate.vision import param_list, vision_tower_bytes
 
     top = _top(shared_dir, "google--gemma-3-27b-it")
     names = {n for n, _s, _t in param_list(top, kind="siglip")}
@@ -80,7 +80,7 @@ def test_siglip_gemma3_tower_and_projector(shared_dir):
 
 
 def test_encoder_profile_items():
-    from tuner.simulate.vision import encoder_profile_items
+    from tuner.model.simulate.vision import encoder_profile_items
 
     # Mistral-Small-3.1: 3025 tokens per 1540² image, N = 8192 -> two images (0.10+: floor)
     assert encoder_profile_items(8192, 3025, "0.19.0") == 2
@@ -89,7 +89,7 @@ def test_encoder_profile_items():
 
 
 def test_mistral_small_weights_and_case_prediction(shared_dir, observed_cases, registry):
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     case = observed_cases["llmd-v019-mistralai-mistral-small--tp1pp1dp1--8192"]
     s, o = case["settings"], case["observed"]
@@ -139,7 +139,7 @@ def test_llama4_layer_pattern_and_page_sizes(shared_dir, registry):
 
 
 def test_llama4_vision_bytes(shared_dir):
-    from tuner.simulate.vision import vision_tower_bytes
+    from tuner.model.simulate.vision import vision_tower_bytes
 
     top = _top(shared_dir, SCOUT)
     d, i, layers, p, npatch, h = 1408, 5632, 34, 14, (336 // 14) ** 2 + 1, 5120
@@ -159,8 +159,8 @@ def _tower_pass(top, kind, n):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tuner.simulate.tracker import MemoryTracker
-    from tuner.simulate.vision import VisionTower
+    from tuner.model.simulate.tracker import MemoryTracker
+    from tuner.model.simulate.vision import VisionTower
 
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         tower = VisionTower(top, torch.bfloat16, kind=kind)
@@ -172,7 +172,7 @@ def _tower_pass(top, kind, n):
 
 
 def test_moonvit_dummy_items():
-    from tuner.simulate.vision import encoder_profile_items, max_tokens_per_item
+    from tuner.model.simulate.vision import encoder_profile_items, max_tokens_per_item
 
     # 1024² dummy: 73² patches > 4096 -> scale sqrt(4096/5329) -> 897 px -> padded to 924 = 66·14
     assert max_tokens_per_item({"hidden_size": 1152, "patch_size": 14}, kind="moonvit") == (33 * 33, 1, 66 * 66)
@@ -199,7 +199,7 @@ def test_moonvit_encoder_pass_hand_computed(shared_dir):
 
 
 def test_qwen3_5_encoder_pass(shared_dir):
-    from tuner.simulate.vision import encoder_profile_items, max_tokens_per_item, vision_tower_bytes
+    from tuner.model.simulate.vision import encoder_profile_items, max_tokens_per_item, vision_tower_bytes
 
     top = _top(shared_dir, "Qwen--Qwen3.5-27B")
     # 16.8 MP processor limit in 32-pixel merge units: 128x128 -> 4096² image, 256² patches
@@ -228,7 +228,7 @@ _KIND = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForConditional
 
 def test_every_multimodal_tower_runs(shared_dir):
     """Every config with a vision_config: its tower builds and replays the V1 encoder profile."""
-    from tuner.simulate.vision import vision_tower_bytes
+    from tuner.model.simulate.vision import vision_tower_bytes
 
     seen = 0
     for cfg in sorted((shared_dir / "models").glob("*/config.json")):
@@ -246,8 +246,8 @@ def test_every_multimodal_tower_runs(shared_dir):
 @pytest.mark.parametrize("name", [KIMI_VL, "Qwen--Qwen3.5-27B", "google--gemma-4-26B-A4B"])
 def test_multimodal_plugin_pass_runs(shared_dir, registry, name):
     """The full V1 profile pass (encoder, text run, sampler) of the changed wrappers."""
-    from tuner.eras import ProfileBatch, era_for
-    from tuner.simulate.profile import run_pass
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.model.simulate.profile import run_pass
 
     era = era_for("0.19.0")
     plugin, _ = registry.for_architectures(_top(shared_dir, name)["architectures"])

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tuner.kvcache import FullAttentionSpec, SlidingWindowSpec
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory.kvcache import FullAttentionSpec, SlidingWindowSpec
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tuner.app import prepare_job, profile
-from tuner.drop import load_drop
+from tuner.jobs.app import prepare_job, profile
+from tuner.question.drop import load_drop
 from tuner.errors import DropError
-from tuner.job import run_job
+from tuner.jobs.job import run_job
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -165,8 +165,8 @@ def test_device_list_is_stored_per_stage(tmp_path, shared_dir):
     assert doc["device"]["stages"][1]["name"] == "A100-40GB"
     assert doc["candidates"][0]["limiting_stage"] == 1
     # explain --run of the limiting stage's pass: the stored candidate, on the A100's own total
-    from tuner.explain import explain_stored
-    from tuner.store import open_store
+    from tuner.reports.explain import explain_stored
+    from tuner.store.database import open_store
 
     run_id = con.execute("select id from profile_runs where device_name = 'A100-40GB' and "
                          "max_num_batched_tokens = 8192").fetchone()[0]
@@ -180,9 +180,9 @@ def test_device_list_is_stored_per_stage(tmp_path, shared_dir):
 
 
 def test_explain_shows_each_stage_and_names_the_limiting_one(tmp_path, shared_dir):
-    from tuner.explain import explain_drop, render
+    from tuner.reports.explain import explain_drop, render
 
-    from tuner.worker import run_in_worker
+    from tuner.seam.worker import run_in_worker
 
     def worker(request, **kw):
         return run_job(request)
@@ -203,7 +203,7 @@ def test_explain_shows_each_stage_and_names_the_limiting_one(tmp_path, shared_di
 
 
 def test_engine_adapter_skips_a_device_list_with_a_warning(tmp_path, shared_dir, monkeypatch):
-    import tuner.engine as engine
+    import tuner.releases.installed as engine  # where the probe lives (tuner.engine re-exports it)
 
     monkeypatch.setattr(engine, "vllm_importable", lambda: True)
     r = _run(_drop(tmp_path, shared_dir / "models" / LLAMA))
@@ -213,7 +213,7 @@ def test_engine_adapter_skips_a_device_list_with_a_warning(tmp_path, shared_dir,
 
 
 def test_method_cuda_refuses_a_device_list(tmp_path, shared_dir, monkeypatch):
-    import tuner.app as app
+    import tuner.jobs.app as app
 
     monkeypatch.setattr(app, "resolve_method", lambda drop, nvml=None: "cuda")
     with pytest.raises(DropError) as exc:
@@ -227,7 +227,7 @@ def test_method_cuda_refuses_a_device_list(tmp_path, shared_dir, monkeypatch):
 
 
 def _era(v: str):
-    from tuner.eras import era_for
+    from tuner.memory.eras import era_for
 
     return era_for(v)
 
@@ -246,13 +246,13 @@ def _era(v: str):
     ("0.10.2", "9.0", 2, 0),      # VLLM_ALLREDUCE_USE_SYMM_MEM defaulted to 0 in 0.10.2
 ])
 def test_symm_mem_buffer_bytes_from_source(version, cap, world, mib):
-    from tuner.budget import Topology, symm_mem_buffer_bytes
+    from tuner.memory.budget import Topology, symm_mem_buffer_bytes
 
     assert symm_mem_buffer_bytes(_era(version), world, Topology(compute_capability=cap)) == mib * MiB
 
 
 def test_symm_mem_buffer_is_baseline_from_0_11_so_non_torch_is_unchanged():
-    from tuner.budget import Topology, custom_all_reduce_buffer_bytes, nccl_profile_bytes, non_torch_bytes
+    from tuner.memory.budget import Topology, custom_all_reduce_buffer_bytes, nccl_profile_bytes, non_torch_bytes
 
     era, topo = _era("0.19.0"), Topology(compute_capability="9.0")
     # 0.11+: the snapshot follows init_worker_distributed_environment; neither buffer is charged
@@ -264,7 +264,7 @@ def test_symm_mem_buffer_is_baseline_from_0_11_so_non_torch_is_unchanged():
 
 
 def test_explain_shows_the_symm_mem_buffer_as_not_charged():
-    from tuner.explain import _communication_steps
+    from tuner.reports.explain import _communication_steps
 
     steps = _communication_steps(_era("0.19.0"), {"tensor_parallel_size": 2},
                                  {"name": "H100-80GB", "total_memory_bytes": 80 * GiB}, 4 * GiB)

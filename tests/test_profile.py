@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tuner.app import profile
-from tuner.job import run_job
-from tuner.drop import load_drop
+from tuner.jobs.app import profile
+from tuner.jobs.job import run_job
+from tuner.question.drop import load_drop
 
 GiB = 1 << 30
 
@@ -160,7 +160,7 @@ def test_worker_failure_writes_nothing(tmp_path, tiny_config):
 def test_main_process_never_imports_torch(tmp_path, tiny_config):
     drop = _drop(tmp_path, tiny_config, name="notorch")
     code = (
-        "import sys; from tuner.app import profile; "
+        "import sys; from tuner.jobs.app import profile; "
         f"o = profile({str(drop)!r}, db_url='sqlite:///{tmp_path / 'n.sqlite'}'); "
         "assert o.drop_id == 1; "
         "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
@@ -228,7 +228,7 @@ def test_kv_cache_memory_bytes_ledger_adds_up(tmp_path):
 def test_gpu_memory_utilization_0_705_printed_as_0_70_beside_a_real_0_70():
     """Tables printed gpu_memory_utilization with two decimals: a drop with 0.7 and 0.705 showed
     two rows and two proposals reading "gmu 0.70"."""
-    from tuner.protocol import gmu_text
+    from tuner.question.protocol import gmu_text
 
     assert [gmu_text(u) for u in (0.7, 0.705, 0.9, 0.95, 1, 0.123456, None)] == [
         "0.70", "0.705", "0.90", "0.95", "1.00", "0.123456", "-"]

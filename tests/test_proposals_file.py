@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.proposals import _serve_model
+from tuner.reports.proposals import _serve_model
 
 
 def test_local_model_path_is_resolved_against_the_drop_file(tmp_path):
@@ -31,9 +31,9 @@ def test_v0_proposal_file_numbers_are_the_proposed_points_own(tmp_path):
 
     from tests._results_db import V0_DROP, cached_worker
     from tests.conftest import REPO
-    from tuner.app import profile
-    from tuner.proposals import proposal_document
-    from tuner.store import open_store
+    from tuner.jobs.app import profile
+    from tuner.reports.proposals import proposal_document
+    from tuner.store.database import open_store
 
     body = yaml.safe_load(V0_DROP.read_text())
     body.update(model=str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),

@@ -1,4 +1,4 @@
-"""Quantized-checkpoint weights (tuner/simulate/quant.py): hand-computed bytes per scheme for one
+"""Quantized-checkpoint weights (tuner/memory/quant.py): hand-computed bytes per scheme for one
 4096 x 4096 layer, ignore lists, expert banks, and the weights of the quantized start-ups we have
 (the visible qfp8 / gpt-oss cases and the printed weights of the RedHatAI logs named in the model
 configs' source.txt)."""
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tuner.plugin import RankSettings
-from tuner.simulate.quant import (Fp8Format, Int8Format, Mxfp4ExpertsFormat, QuantScheme, WNA16Format,
+from tuner.model.plugin import RankSettings
+from tuner.memory.quant import (Fp8Format, Int8Format, Mxfp4ExpertsFormat, QuantScheme, WNA16Format,
                                   canonical, layout_bytes, matches, scheme_for)
 
 GIB = 2**30
@@ -188,7 +188,7 @@ def test_mxfp4_experts_gpt_oss_20b_layer_on_hopper():
     bias = e * (2 * n + h) * 4                              # fp32 on the Triton path
     assert layout_bytes(s.expert_layout(e, h, n, "bfloat16", "model.layers.0.mlp.experts", has_bias=True)) \
         == w13 + w2 + bias == 458_772_480
-    old = scheme_for(_spec({"quant_method": "mxfp4"}), _settings(engine_version="0.11.0"))
+    old = scheme_for(_spec({"quant_method": "mxfp4"}), _settings(engine_version="0.11.0", triton_kernels_installed=True))
     assert old.expert_format == Mxfp4ExpertsFormat(backend="triton_strided", prepad=False)
     assert layout_bytes(old.expert_layout(e, h, n, "bfloat16", "x.experts")) == e * (2 * n * h // 2 + h * n // 2) + \
         2 * e * (2 * n * h // 32 + h * n // 32)
@@ -208,8 +208,9 @@ def test_expert_banks_fp8_block_and_wna16():
 def test_make_weights_registers_parameters_and_input_quant():
     import torch
 
-    from tuner.simulate import layers as L
+    from tuner.model.simulate import layers as L
 
+    from tuner.model.simulate.quant_weights import make_expert_weights
     s = scheme_for(_spec({"quant_method": "fp8", "activation_scheme": "dynamic"}), _settings())
     lin = L.Linear(64, 32, torch.bfloat16, quant=s, prefix="model.layers.0.mlp.down_proj")
     assert lin.weight.dtype == torch.float8_e4m3fn and lin.input_quant == ("float8_e4m3fn", 1)
@@ -217,10 +218,10 @@ def test_make_weights_registers_parameters_and_input_quant():
     head = L.LMHead(1000, 64, torch.bfloat16, 1, quant=s)
     assert head.weight.dtype == torch.bfloat16  # fp8 never quantizes ParallelLMHead
     mod = torch.nn.Module()
-    assert s.make_expert_weights(mod, 4, 64, 32, torch.bfloat16, "model.layers.0.mlp.experts", has_bias=True)
+    assert make_expert_weights(s, mod, 4, 64, 32, torch.bfloat16, "model.layers.0.mlp.experts", has_bias=True)
     assert {n for n, _ in mod.named_parameters()} == {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
                                                       "w13_bias", "w2_bias"}
-    assert QuantScheme("x").make_expert_weights(torch.nn.Module(), 4, 64, 32, torch.bfloat16) is False
+    assert make_expert_weights(QuantScheme("x"), torch.nn.Module(), 4, 64, 32, torch.bfloat16) is False
 
 
 # -- the shared model configs -----------------------------------------------------------------------
@@ -257,8 +258,8 @@ def _weights_gib(shared_dir, model_dir: str, **settings) -> float:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tuner.modelspec import load_model_spec, read_architectures, read_top
-    from tuner.plugin import load_registry
+    from tuner.model.modelspec import load_model_spec, read_architectures, read_top
+    from tuner.model.plugin import load_registry
 
     cfg = shared_dir / "models" / model_dir / "config.json"
     plugin, _ = load_registry().for_architectures(read_architectures(cfg))
@@ -282,12 +283,14 @@ def test_qfp8_case_llama_online_fp8(shared_dir, observed_cases):
     ("llmd-bench-v011-h100-gpt-oss-20b", 1, "0.11.0"),
 ])
 def test_gpt_oss_mxfp4_cases(shared_dir, observed_cases, case_id, tp, version):
-    from tuner.plugin import load_registry
+    from tuner.model.plugin import load_registry
 
     if not any(p.name == "gpt_oss" for p in load_registry().plugins):
         pytest.skip("gpt_oss plugin not installed")
     obs = observed_cases[case_id]["observed"]["weights_gib"]
-    got = _weights_gib(shared_dir, "openai--gpt-oss-20b", tensor_parallel_size=tp, engine_version=version)
+    # the v0.11.0 case ran the vllm/vllm-openai image, which has triton_kernels (Triton, not Marlin)
+    got = _weights_gib(shared_dir, "openai--gpt-oss-20b", tensor_parallel_size=tp, engine_version=version,
+                       triton_kernels_installed=True)
     assert got == pytest.approx(obs, rel=0.005)
 
 

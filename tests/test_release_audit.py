@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tuner import kvcache
-from tuner import release_diff as rd
-from tuner.budget import ROCM_CUDAGRAPH_ESTIMATE_SINCE, cudagraph_estimate_bytes
-from tuner.eras import era_for
-from tuner.modelspec import load_model_spec
-from tuner.plugin import RankSettings, load_registry
+from tuner.memory import kvcache
+from tuner.releases import diff as rd
+from tuner.memory.budget import ROCM_CUDAGRAPH_ESTIMATE_SINCE, cudagraph_estimate_bytes
+from tuner.memory.eras import era_for
+from tuner.model.modelspec import load_model_spec
+from tuner.model.plugin import RankSettings, load_registry
 
 GiB = 1 << 30
 VLLM_SRC = Path("/work/vllm-src")
@@ -74,7 +74,7 @@ def test_rocm_cudagraph_estimate_differs_between_0_23_and_0_26():
 
 
 # ------------------------------------------------------------------------------------------------
-# the tool: python -m tuner.release_diff OLD NEW --timeline SRC
+# the tool: python -m tuner.releases.diff OLD NEW --timeline SRC
 # ------------------------------------------------------------------------------------------------
 
 _CFG_OLD = '''
@@ -161,7 +161,7 @@ def test_null_block_left_out_of_the_admission_check_from_0_29_not_0_30():
 def test_spec_decode_capture_sizes_differ_between_0_12_and_0_13():
     """0.12's default largest capture size is ``min(2 · max_num_seqs, 512)`` whatever the
     speculative tokens; 0.13 multiplies by the decode query length ``1 + k``."""
-    from tuner.budget import cudagraph_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes
 
     s12 = cudagraph_capture_sizes(era_for("0.12.0"), 64, 8192, num_speculative_tokens=3)
     s13 = cudagraph_capture_sizes(era_for("0.13.0"), 64, 8192, num_speculative_tokens=3)
@@ -176,7 +176,7 @@ def test_gemma4_profile_batch_differs_between_0_21_and_0_22_on_a_small_gpu(share
     (2,048-token tier) with 2,048 tokens."""
     import json
 
-    from tuner.eras import mm_prefix_lm_item_tokens, profile_batch
+    from tuner.memory.eras import mm_prefix_lm_item_tokens, profile_batch
 
     top = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
     item = mm_prefix_lm_item_tokens(top)
@@ -207,7 +207,7 @@ def test_hybrid_attention_block_differs_between_0_33_and_0_34_and_0_19_and_0_20(
         return {s.block_size for s in specs.values()}
 
     assert block("0.33.0") == {784}
-    assert block("0.34.0", 64) == {832}  # tuner.job.default_block_size: 64 from 0.34
+    assert block("0.34.0", 64) == {832}  # tuner.jobs.job.default_block_size: 64 from 0.34
     assert block("0.19.0", 32) == {784}
     assert block("0.20.0", 32) == {800}
     assert hybrid_attention_block_size(3_207_168, 4096, 1024, engine_version="0.20.0") == 1024
@@ -217,7 +217,7 @@ def test_moe_runner_differs_between_0_28_and_0_29():
     """0.29's ``use_v2_model_runner`` runs Model Runner V2 for every model (MoE and hybrid included;
     dated 0.30 before the audit): Qwen3-30B-A3B ran V1 on 0.28 and V2 on 0.29, except on ROCm for
     the architectures ROCm keeps on V1 (0.29–0.31)."""
-    from tuner.eras import uses_model_runner_v2
+    from tuner.memory.eras import uses_model_runner_v2
 
     def v2(version, archs, **kw):
         return uses_model_runner_v2(era_for(version), archs, **kw)
@@ -250,7 +250,7 @@ def test_blackwell_capture_sizes_differ_between_0_33_and_0_34():
     """0.34 splits prefill and decode capture sizes, and on data-centre Blackwell (10.x) widens
     both defaults: the prefill grid to 8192 tokens (54 sizes) and the decode request grid to
     ``max_num_seqs`` (64 at 1024). Hopper keeps 0.33's 51 sizes."""
-    from tuner.budget import cudagraph_capture_sizes
+    from tuner.memory.budget import cudagraph_capture_sizes
 
     b33 = cudagraph_capture_sizes(era_for("0.33.0"), 1024, 16384, compute_capability="10.0")
     b34 = cudagraph_capture_sizes(era_for("0.34.0"), 1024, 16384, compute_capability="10.0")
@@ -267,7 +267,7 @@ def test_blackwell_capture_sizes_differ_between_0_33_and_0_34():
 def test_v1_runner_is_padding_buffer_charged_from_0_31_not_0_27():
     """The V1 runner's persistent ``is_padding`` [N] bool buffer first appears in 0.31's
     ``GPUModelRunner.__init__``; 0.27–0.30 (also charged persistent buffers) have none."""
-    from tuner.budget import runner_persistent_bytes
+    from tuner.memory.budget import runner_persistent_bytes
 
     kw = dict(model_runner_v2=False, max_num_batched_tokens=8192, max_num_seqs=1024, max_model_len=32768,
               hidden_size=4096, vocab_size=128256)

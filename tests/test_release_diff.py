@@ -1,4 +1,4 @@
-"""tuner.release_diff on two tiny synthetic vLLM trees (no wheel, no network)."""
+"""tuner.releases.diff on two tiny synthetic vLLM trees (no wheel, no network)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner import release_diff as rd
+from tuner.releases import diff as rd
 
 OLD_WORKER = '''
 class Worker:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tuner import release_facts as rf
-from tuner.engine_checks import check_architecture, check_kv_cache_dtype, check_quantization
+from tuner.releases import facts as rf
+from tuner.memory.engine_checks import check_architecture, check_kv_cache_dtype, check_quantization
 from tuner.errors import DropError
-from tuner.release_infer import Evidence, infer_for_case, infer_for_log, infer_release, log_evidence
+from tuner.logs.release_infer import Evidence, infer_for_case, infer_for_log, infer_release, log_evidence
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ROOT.parent / "shared" / "cases" / "vllm-observed.jsonl"
@@ -205,7 +205,7 @@ def test_evidence_that_contradicts_the_rest_is_set_aside():
 
 
 def test_the_newest_modelled_release_when_nothing_narrows_it():
-    from tuner.eras import NEWEST
+    from tuner.memory.eras import NEWEST
 
     got = infer_for_log(["Available KV cache memory: 5.01 GiB"], engine="V1")
     assert rf.release_key(got.release) == NEWEST and got.release_range[0] == "0.9.1"

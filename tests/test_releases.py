@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.drop import parse_drop
-from tuner.eras import era_for
-from tuner.job import mamba_cache_mode
+from tuner.question.drop import parse_drop
+from tuner.memory.eras import era_for
+from tuner.jobs.job import mamba_cache_mode
 
 
 def _drop(extra: str = "", *, version: str | None = "0.15.0"):
@@ -35,7 +35,7 @@ GiB = 1 << 30
 
 
 def test_measure_kv_cache_bytes_headroom_binds_as_in_0_34():
-    from tuner.budget import measure_kv_cache_bytes
+    from tuner.memory.budget import measure_kv_cache_bytes
 
     # 80 GiB free at start, 60 GiB free after warmup with 1 GiB committed: non-KV used 19 GiB, headroom 61 GiB;
     # transient 2 GiB -> margin max(1 GiB, 1.5 GiB) = 1.5 GiB; requested 80 GiB (u 1.0)
@@ -45,7 +45,7 @@ def test_measure_kv_cache_bytes_headroom_binds_as_in_0_34():
 
 
 def test_measure_kv_cache_bytes_requested_binds_and_torch_growth_wins():
-    from tuner.budget import measure_kv_cache_bytes
+    from tuner.memory.budget import measure_kv_cache_bytes
 
     got = measure_kv_cache_bytes(init_free_memory=80 * GiB, free_memory=60 * GiB, committed_bytes=0,
                                  requested_memory=50 * GiB, transient_peak_bytes=GiB // 2,
@@ -54,14 +54,14 @@ def test_measure_kv_cache_bytes_requested_binds_and_torch_growth_wins():
     assert measure_kv_cache_bytes(init_free_memory=GiB, free_memory=0, committed_bytes=0,
                                   requested_memory=GiB) == 0  # never negative
     # ROCm's 3 GiB floor (KV_CACHE_MARGIN_FLOOR_BYTES = (3 if rocm else 1) << 30)
-    from tuner.budget import KV_CACHE_MARGIN_FLOOR_BYTES
+    from tuner.memory.budget import KV_CACHE_MARGIN_FLOOR_BYTES
     assert KV_CACHE_MARGIN_FLOOR_BYTES == {"cuda": 1 << 30, "rocm": 3 << 30}
     assert measure_kv_cache_bytes(init_free_memory=80 * GiB, free_memory=60 * GiB, committed_bytes=0,
                                   requested_memory=80 * GiB, margin_floor_bytes=3 << 30) == 57 * GiB
 
 
 def test_extensible_budget_in_the_ledgers_terms():
-    from tuner.budget import extensible_kv_budget
+    from tuner.memory.budget import extensible_kv_budget
 
     era = era_for("0.34.0")
     b = extensible_kv_budget(era, total_memory_bytes=80 * GiB, gpu_memory_utilization=1.0, weights_bytes=15 * GiB,
@@ -81,7 +81,7 @@ def test_0_34_era_defaults_from_its_source():
     assert era_for("0.34.0", kv_cache_memory_bytes=1 << 34).default_gpu_memory_utilization == 0.92
     assert not era_for("0.34.0", extensible_kv_cache=False).extensible_kv_cache
     assert era_for("0.33.0").default_gpu_memory_utilization == 0.92 and not era_for("0.33.0").extensible_kv_cache
-    from tuner.eras import uses_model_runner_v2
+    from tuner.memory.eras import uses_model_runner_v2
 
     # Model Runner V1 removed: every model on V2, a pooling / hybrid one too
     assert uses_model_runner_v2(era, ["BertModel"], is_moe=False, is_hybrid=True, generate=False,
@@ -89,7 +89,7 @@ def test_0_34_era_defaults_from_its_source():
 
 
 def test_0_34_hint_texts_as_vllm_prints_them():
-    from tuner.kvcache import more_kv_cache_memory_hint
+    from tuner.memory.kvcache import more_kv_cache_memory_hint
 
     assert more_kv_cache_memory_hint(extensible=True, gpu_memory_utilization=1.0, after_warmup=True) == (
         "The extensible KV cache already takes all device memory left after the model, its activations, CUDA "
@@ -116,7 +116,7 @@ def test_newer_release_answered_with_newest_rules_and_marked():
 def test_drop_without_engine_version_is_not_silently_0_19(monkeypatch):
     """A drop without engine_version was computed as vLLM 0.19.0 with no word said (an RTX 3090 proposal
     that 0.33 would refuse). Now: the installed vLLM's release, else the newest modelled one, marked."""
-    import tuner.engine as engine
+    import tuner.releases.installed as engine  # where the probe lives (tuner.engine re-exports it)
 
     monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
     d = _drop(version=None)
@@ -132,10 +132,10 @@ def test_drop_without_engine_version_is_not_silently_0_19(monkeypatch):
 def test_release_assumed_reaches_the_store_and_the_proposal_file(tmp_path, monkeypatch):
     import json
 
-    import tuner.engine as engine
-    from tuner import records
-    from tuner.proposals import proposal_document
-    from tuner.store import open_store
+    import tuner.releases.installed as engine  # where the probe lives (tuner.engine re-exports it)
+    from tuner.store import records
+    from tuner.reports.proposals import proposal_document
+    from tuner.store.database import open_store
 
     monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
     d = _drop(version=None)
@@ -168,8 +168,8 @@ LOG_034 = [
 
 
 def test_memory_after_warmup_line_wins_over_the_reservation():
-    from tuner.logparse import gib_to_bytes, parse_lines
-    from tuner.release_infer import infer_for_log
+    from tuner.logs.logparse import gib_to_bytes, parse_lines
+    from tuner.logs.release_infer import infer_for_log
 
     p = parse_lines(LOG_034)
     assert p.available_kv_cache_bytes == gib_to_bytes(56.25)  # not the profile's 61.20 GiB reservation
@@ -182,7 +182,7 @@ def test_memory_after_warmup_line_wins_over_the_reservation():
 
 def test_blocks_within_rounds_each_segment_to_the_granule():
     """ExtensibleKVCache.blocks_within (0.34): every layer's committed prefix is mapped in whole 2 MiB granules."""
-    from tuner.budget import blocks_within
+    from tuner.memory.budget import blocks_within
 
     strides = [3 * (1 << 20) // 4] * 4  # 4 layers of 768 KiB per block
     # 10 blocks = 7.5 MiB per layer -> 8 MiB mapped each: 32 MiB; 9 blocks -> 6.75 -> 8 MiB too
@@ -197,7 +197,7 @@ def test_default_block_size_is_64_from_0_34():
     keep their plugin's sizing)."""
     from types import SimpleNamespace
 
-    from tuner.job import default_block_size
+    from tuner.jobs.job import default_block_size
 
     dense, mla = SimpleNamespace(raw={"num_key_value_heads": 8}), SimpleNamespace(raw={"kv_lora_rank": 512})
     plain, hybrid = SimpleNamespace(), SimpleNamespace(mamba_prefix_caching_mode="align")
@@ -208,8 +208,8 @@ def test_default_block_size_is_64_from_0_34():
 
 
 def test_no_enable_extensible_kv_cache_is_read_and_refused_before_0_34():
-    from tuner.check import CheckInputError, equivalent_drop
-    from tuner.serve_args import parse_serve
+    from tuner.reports.check import CheckInputError, equivalent_drop
+    from tuner.memory.serve_args import parse_serve
 
     sa = parse_serve(["vllm", "serve", "org/model", "--no-enable-extensible-kv-cache"], None)
     d, _ = equivalent_drop(sa, device="H100-80GB", engine_version="0.34.0")
@@ -230,7 +230,7 @@ def test_rtx3090_drop_without_engine_version_was_0_19s_44064(tmp_path, monkeypat
     import json
     import sqlite3
 
-    import tuner.engine as engine
+    import tuner.releases.installed as engine  # where the probe lives (tuner.engine re-exports it)
     from tests._cli_helpers import run_cli
     from tests.conftest import REPO
 
@@ -282,7 +282,7 @@ def test_explain_shows_0_34_budget_terms(tmp_path):
 def test_drop_without_engine_version_takes_the_worker_pythons_vllm(tmp_path, monkeypatch):
     """The daemon's worker_python (or $CTX_TUNER_WORKER_PYTHON) may be another venv than ctx-tuner's:
     its installed vLLM decides the release, read from its package metadata."""
-    import tuner.drop as drop_mod
+    import tuner.question.drop as drop_mod
 
     py = tmp_path / "python"
     py.write_text("#!/bin/sh\necho 'ctx-tuner-vllm vllm 0.30.1'\n")
@@ -295,7 +295,7 @@ def test_drop_without_engine_version_takes_the_worker_pythons_vllm(tmp_path, mon
     silent = tmp_path / "nothing"
     silent.write_text("#!/bin/sh\nexit 1\n")
     silent.chmod(0o755)
-    import tuner.engine as engine
+    import tuner.releases.installed as engine  # where the probe lives (tuner.engine re-exports it)
 
     monkeypatch.setattr(engine, "installed_release", lambda: (None, None))
     monkeypatch.setenv("CTX_TUNER_WORKER_PYTHON", str(silent))
@@ -304,7 +304,7 @@ def test_drop_without_engine_version_takes_the_worker_pythons_vllm(tmp_path, mon
 
 def test_extensible_margin_floor_is_3_gib_on_rocm():
     """KV_CACHE_MARGIN_FLOOR_BYTES = (3 if current_platform.is_rocm() else 1) << 30 (0.34)."""
-    from tuner.budget import Topology, extensible_kv_budget, platform_of
+    from tuner.memory.budget import Topology, extensible_kv_budget, platform_of
 
     assert platform_of(Topology(interconnect="xgmi")) == "rocm" and platform_of(Topology()) == "cuda"
     kw = dict(total_memory_bytes=192 * GiB, gpu_memory_utilization=1.0, weights_bytes=15 * GiB,
@@ -321,7 +321,7 @@ def test_check_did_not_widen_the_interval_for_the_release_it_assumed():
     (KV 5.45-5.80 GiB), where the same question as a drop widened it by the release band and did not
     start at the safe end. The drop check builds now carries the release it assumed."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     line = ["vllm", "serve", str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
             "--max-model-len", "40000"]

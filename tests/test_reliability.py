@@ -21,8 +21,8 @@ from tests._daemon_helpers import FAKE_WORKER, group_alive, own_drop_text as dro
 from tests.conftest import REPO
 from tests.test_daemon import Harness
 from tuner.errors import ModelConfigError, WorkerError, WorkerTimeout
-from tuner.warmworker import WarmWorker
-from tuner.worker import crash_error, run_in_worker, worker_env
+from tuner.seam.warmworker import WarmWorker
+from tuner.seam.worker import crash_error, run_in_worker, worker_env
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_store_file_replaced_under_running_daemon_went_unnoticed(h, caplog, how)
     else:
         os.unlink(h.db)
     (h.conf / "b.yaml").write_text(drop_text("b", h.model))
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     for _ in range(5):
         d.step(max_wait_s=0.05)
     assert d.stop_requested and d.exit_status == 1
@@ -109,7 +109,7 @@ def test_worker_over_memory_limit_reported_as_worker_crashed_exit_status_1(tmp_p
     without any sign of a failed allocation, is still a crash."""
     # a real RLIMIT_DATA breach: the worker's own guard sets the limit, then an allocation fails
     # outside the reply path (an uncaught MemoryError: a traceback and exit status 1)
-    real = _script(tmp_path, "hog", "import sys\nsys.path.insert(0, %r)\nfrom tuner.worker_guard import install\n"
+    real = _script(tmp_path, "hog", "import sys\nsys.path.insert(0, %r)\nfrom tuner.seam.worker_guard import install\n"
                    "install()\nsys.stdin.read()\nx = bytearray(1 << 30)\n" % str(REPO))
     with pytest.raises(WorkerError) as exc:
         run_in_worker({"kind": "job"}, job="j", python=real, timeout_s=60, memory_max_bytes=256 << 20)
@@ -154,13 +154,13 @@ def test_torch_allocator_failure_under_memory_limit_crashed_the_worker(monkeypat
     """PyTorch's allocator under RLIMIT_DATA raises ``RuntimeError: DefaultCPUAllocator: can't
     allocate memory`` — not a MemoryError, so it escaped the worker's reply as a crash. With the
     limit set it is the typed reply naming the limit; another RuntimeError still propagates."""
-    from tuner import worker_main
+    from tuner.commands import worker_main
 
     def boom(_request):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 4294967296 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr("tuner.job.run_job", boom)
+    monkeypatch.setattr("tuner.jobs.job.run_job", boom)
     monkeypatch.setattr(worker_main, "_calibrate", lambda r: r)
     monkeypatch.setenv("CTX_TUNER_WORKER_MEMORY_MAX_BYTES", str(512 << 20))
     request = {"protocol": 1, "kind": "job", "drop": {"name": "x", "model": "m", "candidates": {}},
@@ -178,7 +178,7 @@ def test_torch_allocator_failure_under_memory_limit_crashed_the_worker(monkeypat
 
 def test_worker_imported_planted_module_from_daemons_working_directory(tmp_path, monkeypatch):
     """A ``json.py`` (or ``yaml/``) planted where the daemon was started ran in the worker:
-    ``python -m tuner.worker_main`` put the working directory first on ``sys.path``. Workers
+    ``python -m tuner.commands.worker_main`` put the working directory first on ``sys.path``. Workers
     start with ``PYTHONSAFEPATH=1`` now (the daemon's also in ``/``): the planted code never runs."""
     planted = tmp_path / "drops"
     planted.mkdir()
@@ -210,17 +210,17 @@ def test_daemon_worker_started_in_daemons_working_directory(h, monkeypatch):
     h.until(d, lambda: h.rows("SELECT count(*) FROM jobs WHERE status = 'done'") == [(1,)], what="a done")
     assert [(cwd, safe) for _args, cwd, safe in seen] == [("/", "1")]
     monkeypatch.chdir(h.tmp)
-    from tuner.daemon import _Running
+    from tuner.daemon.service import _Running
 
     from types import SimpleNamespace
 
     d._running = _Running(SimpleNamespace(id=0), None, None, 0.0)  # type: ignore[arg-type]
     d._popen_fn = lambda args, **kw: seen.append(list(args)) or subprocess.Popen(["true"])
     try:
-        d._popen(["./venv/bin/python", "-m", "tuner.worker_main"], env={}).wait()
+        d._popen(["./venv/bin/python", "-m", "tuner.commands.worker_main"], env={}).wait()
     finally:
         d._running = None
-    assert seen[-1] == [str(h.tmp / "venv" / "bin" / "python"), "-m", "tuner.worker_main"]
+    assert seen[-1] == [str(h.tmp / "venv" / "bin" / "python"), "-m", "tuner.commands.worker_main"]
 
 
 # -- 4: a worker_python wrapper that leaves a helper process ----------------------------------------
@@ -285,8 +285,8 @@ def test_warm_worker_wrapper_helper_made_killed_worker_a_timeout(tmp_path):
 def test_deeply_nested_config_json_was_a_retried_recursion_error(tmp_path):
     """A 100,000-level nested ``config.json`` was "unexpected RecursionError" (a run failure,
     retried) naming no file. It is a :class:`ModelConfigError` naming the file (a drop failure)."""
-    from tuner.jobqueue import failure_kind
-    from tuner.modelspec import MAX_CONFIG_DEPTH, config_file_sha256, load_model_spec, read_top
+    from tuner.store.jobqueue import failure_kind
+    from tuner.model.modelspec import MAX_CONFIG_DEPTH, config_file_sha256, load_model_spec, read_top
 
     d = tmp_path / "deep"
     d.mkdir()
@@ -306,7 +306,7 @@ def test_deeply_nested_config_json_was_a_retried_recursion_error(tmp_path):
 def test_config_json_fifo_or_dev_zero_link_reported_as_no_config_found(tmp_path):
     """A ``config.json`` that is a FIFO, or a link to ``/dev/zero``, was "no config.json found";
     it is "not a regular file" naming it now — found at once, never opened (no hang, no read)."""
-    from tuner.modelspec import resolve_model_path
+    from tuner.model.modelspec import resolve_model_path
 
     fifo_dir, zero_dir = tmp_path / "fifo", tmp_path / "zero"
     fifo_dir.mkdir()
@@ -331,7 +331,7 @@ def test_config_json_fifo_or_dev_zero_link_reported_as_no_config_found(tmp_path)
 def test_import_log_config_fifo_hung(tmp_path):
     """``import-log``'s own config reader read the file whole: a FIFO hung it. It reads through
     the bounded regular-file reader now."""
-    from tuner.importlog import read_config
+    from tuner.accuracy.importlog import read_config
 
     os.mkfifo(tmp_path / "config.json")
     with pytest.raises(ModelConfigError, match="not a regular file"):
@@ -364,7 +364,7 @@ def test_full_state_dir_logged_an_error_every_few_seconds(h, monkeypatch, caplog
     ends; meanwhile the loop stays healthy and the results are in the store."""
     import errno
 
-    from tuner import daemon as daemon_mod
+    from tuner.daemon import service as daemon_mod
     from tuner.errors import StoreError
 
     real_write, real_snap = daemon_mod.write_proposal_file, daemon_mod.write_snapshot
@@ -377,7 +377,7 @@ def test_full_state_dir_logged_an_error_every_few_seconds(h, monkeypatch, caplog
         raise StoreError("cannot write snapshot: No space left on device", where="snap") from full
 
     d = h.start()
-    caplog.set_level(logging.DEBUG, logger="tuner.daemon")
+    caplog.set_level(logging.DEBUG, logger="tuner.daemon.service")
     monkeypatch.setattr(daemon_mod, "write_proposal_file", no_space)
     monkeypatch.setattr(daemon_mod, "write_snapshot", no_space_snapshot)
     for n in ("a", "b", "c"):
@@ -411,7 +411,7 @@ def test_read_only_state_dir_reported_as_not_writable_by_this_user(tmp_path, mon
     import errno
 
     from tests._daemon_helpers import settings_for
-    from tuner import daemon as daemon_mod
+    from tuner.daemon import service as daemon_mod
     from tuner.errors import SettingsError
 
     s = settings_for(tmp_path)
@@ -453,7 +453,7 @@ def test_sigterm_with_failing_store_logged_traceback_and_later_daemon_crash(h, m
     h.until(d, lambda: h.job("slow-1.yaml")[0] == "running" and h.job("slow-1.yaml")[4], 20, what="slow-1 running")
     (job_id,), = h.rows("SELECT id FROM jobs WHERE path = ?", str(h.conf / "slow-1.yaml"))
     _fail_store_writes(d)
-    caplog.set_level(logging.INFO, logger="tuner.daemon")
+    caplog.set_level(logging.INFO, logger="tuner.daemon.service")
     d.request_stop()
     d.shutdown()
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
@@ -507,13 +507,13 @@ def test_model_naming_any_readable_json_file_was_read_and_echoed(tmp_path, tiny_
         assert [ln.split()[1] for ln in (tmp_path / "worker.log").read_text().splitlines()] == ["ok"]
     finally:
         h.close()
-    from tuner.settings import load_settings
+    from tuner.daemon.settings import load_settings
 
     (tmp_path / "s.yaml").write_text("model_roots: [models, /srv/models]\n")
     assert load_settings(tmp_path / "s.yaml").model_roots == (str(tmp_path / "models"), "/srv/models")
     shipped = load_settings(REPO / "configs" / "tuner.yaml")
     assert shipped.model_roots == ("/var/lib/ctx-tuner/models", "/srv/models")  # restrictive where shipped
-    from tuner.settings import Settings
+    from tuner.daemon.settings import Settings
 
     assert Settings().model_roots is None  # permissive built-in default (the CLI never checks)
 
@@ -522,7 +522,7 @@ def test_foreign_json_values_echoed_in_model_config_errors(tmp_path):
     """A JSON file that is no model config had its values echoed by the config checks ("hidden_size
     must be a positive integer, not 'hunter2-…'"). It is refused without a value now, and a
     model config's bad values are shown only when short and name-like."""
-    from tuner.modelspec import load_model_spec, shown
+    from tuner.model.modelspec import load_model_spec, shown
 
     d = tmp_path / "foreign"
     d.mkdir()
@@ -550,8 +550,8 @@ def test_prefix_caching_on_hybrid_model_before_0_19_crashed_with_typeerror():
     run failure, retried, of one of the visible cases); it is the warning now."""
     from types import SimpleNamespace
 
-    from tuner.eras import era_for
-    from tuner.job import mamba_cache_mode
+    from tuner.memory.eras import era_for
+    from tuner.jobs.job import mamba_cache_mode
 
     warnings: list[str] = []
     plugin = SimpleNamespace(mamba_prefix_caching_mode="align")

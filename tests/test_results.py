@@ -96,7 +96,7 @@ def test_worker_relays_progress_lines_and_still_times_out(tmp_path):
     import sys
 
     from tuner.errors import WorkerTimeout
-    from tuner.worker import PROGRESS_PREFIX, run_in_worker
+    from tuner.seam.worker import PROGRESS_PREFIX, run_in_worker
 
     fake = tmp_path / "fakepy"
     code = (f"import sys, time; sys.stdin.read(); print({PROGRESS_PREFIX!r} + 'u 0.9 done', file=sys.stderr, flush=True); "

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from tests.conftest import REPO
 from tuner.commands import selftest
-from tuner.job import run_job
+from tuner.jobs.job import run_job
 
 GiB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Daemon settings: the one table, the file loader's typed errors, the README table."""
+"""Daemon settings: the one table, the file loader's typed errors, the docs table (docs/daemon.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 from tuner.errors import SettingsError
-from tuner.settings import SETTINGS, Settings, load_settings, settings_markdown
+from tuner.daemon.settings import SETTINGS, Settings, load_settings, settings_markdown
 
 REQUIRED_BY_ISSUE = ("watch_dir", "database_url", "state_dir", "job_timeout_s", "rescan_interval_s", "log_level",
                      "allow_trust_remote_code", "default_method")
@@ -25,7 +25,7 @@ def test_table_declares_every_setting_once_with_default_and_help():
 
 
 def test_readme_renders_the_settings_table():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "daemon.md").read_text()
     assert settings_markdown() in readme
     missing = [s.name for s in SETTINGS if f"`{s.name}`" not in readme]
     assert missing == []
@@ -86,7 +86,7 @@ def test_unreadable_and_oversized_settings(tmp_path):
 
 
 def test_state_dir_inside_watch_dir_is_refused(tmp_path):
-    from tuner.daemon import check_layout
+    from tuner.daemon.service import check_layout
 
     with pytest.raises(SettingsError) as ei:
         check_layout(Settings(watch_dir=str(tmp_path), state_dir=str(tmp_path / "state")))

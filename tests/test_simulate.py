@@ -6,11 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tuner.eras import GiB, ProfileBatch, era_for  # noqa: E402
-from tuner.modelspec import load_model_spec, resolve_model_path  # noqa: E402
-from tuner.plugin import RankSettings, load_registry  # noqa: E402
-from tuner.simulate.profile import run_pass  # noqa: E402
-from tuner.simulate.tracker import MemoryTracker, round_allocation  # noqa: E402
+from tuner.memory.eras import GiB, ProfileBatch, era_for  # noqa: E402
+from tuner.model.modelspec import load_model_spec, resolve_model_path  # noqa: E402
+from tuner.model.plugin import RankSettings, load_registry  # noqa: E402
+from tuner.model.simulate.profile import run_pass  # noqa: E402
+from tuner.model.simulate.tracker import MemoryTracker, round_allocation  # noqa: E402
 
 
 def _pass(config_dir, version, n, r, *, fake=True, tp=1, dtype=None):

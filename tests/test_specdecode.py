@@ -1,4 +1,4 @@
-"""Speculative decoding's memory terms from vLLM's source (tuner.specdecode, the hybrid plugin's
+"""Speculative decoding's memory terms from vLLM's source (tuner.memory.specdecode, the hybrid plugin's
 conv state, prefix caching's mamba_cache_mode) and the two club-3090 Qwen3.6-27B logs whose
 token counts they reproduce from the logged KV GiB."""
 
@@ -11,9 +11,9 @@ import pytest
 
 from tests._paths import SHARED
 
-from tuner.kvcache import FullAttentionSpec, MambaSpec, get_kv_cache_config, kv_cache_tokens, max_concurrency
-from tuner.plugin import RankSettings, load_registry
-from tuner.specdecode import (aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_weights_bytes,
+from tuner.memory.kvcache import FullAttentionSpec, MambaSpec, get_kv_cache_config, kv_cache_tokens, max_concurrency
+from tuner.model.plugin import RankSettings, load_registry
+from tuner.memory.specdecode import (aux_hidden_state_layers, checkpoint_drafter_kv_specs, checkpoint_drafter_weights_bytes,
                               drafter_kv_specs, with_speculative_state_blocks)
 
 GiB = 1 << 30
@@ -22,7 +22,7 @@ QWEN36 = SHARED / "models" / "Lorbus--Qwen3.6-27B-int4-AutoRound"
 
 @pytest.fixture(scope="module")
 def qwen36():
-    from tuner.modelspec import load_model_spec
+    from tuner.model.modelspec import load_model_spec
 
     if not (QWEN36 / "config.json").is_file():
         pytest.skip("shared/models not present")
@@ -162,9 +162,9 @@ def _drop(tmp_path, extra: str) -> Path:
 
 
 def test_dflash_drop_explains_drafter_weights_activation_and_kv(qwen36, tmp_path):
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
-    from tuner.job import run_job
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
+    from tuner.jobs.job import run_job
 
     p = _drop(tmp_path, "enable_prefix_caching: true\n"
                         "speculative_config: {method: dflash, num_speculative_tokens: 5, model: drafter}\n")
@@ -180,9 +180,9 @@ def test_dflash_drop_explains_drafter_weights_activation_and_kv(qwen36, tmp_path
 
 
 def test_missing_drafter_config_warns_and_models_nothing(qwen36, tmp_path):
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
-    from tuner.job import run_job
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
+    from tuner.jobs.job import run_job
 
     p = _drop(tmp_path, "speculative_config: {method: eagle3, num_speculative_tokens: 2, model: nowhere/none}\n")
     req, _dev = prepare_request(load_drop(str(p)), download=False)
@@ -193,7 +193,7 @@ def test_missing_drafter_config_warns_and_models_nothing(qwen36, tmp_path):
 
 
 def test_enable_prefix_caching_is_a_validated_drop_field(tmp_path):
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
 
     base = "name: x\nmodel: m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
@@ -207,7 +207,7 @@ def test_enable_prefix_caching_is_a_validated_drop_field(tmp_path):
 def test_mtp_of_a_moe_model_weighs_its_experts_per_rank():
     # DeepSeek-V3's MTP block (deepseek_mtp.py): one DeepseekV2DecoderLayer (MLA + 256 routed experts
     # of 2048, 1 shared) in the checkpoint's fp8, eh_proj a plain nn.Linear (bf16, every rank)
-    from tuner.specdecode import mtp_moe_layer_weights_bytes, quantized_param_bytes
+    from tuner.memory.specdecode import mtp_moe_layer_weights_bytes, quantized_param_bytes
 
     path = SHARED / "models" / "deepseek-ai--DeepSeek-V3" / "config.json"
     if not path.is_file():
@@ -229,7 +229,7 @@ def test_mtp_of_a_moe_model_weighs_its_experts_per_rank():
 
 
 def test_serve_line_prefix_caching_reaches_the_drop_field():
-    from tuner.serve_args import parse_serve
+    from tuner.memory.serve_args import parse_serve
 
     sa = parse_serve(["vllm", "serve", "m", "--enable-prefix-caching"])
     assert sa.values["enable_prefix_caching"] is True
@@ -237,7 +237,7 @@ def test_serve_line_prefix_caching_reaches_the_drop_field():
 
 
 def test_validate_finds_a_cases_drafter_beside_the_target(tmp_path):
-    from tuner.validate import case_request
+    from tuner.accuracy.validate import case_request
 
     for name, cfg in (("org--target", {"architectures": ["LlamaForCausalLM"]}), ("z-lab--drafter", DFLASH)):
         (tmp_path / name).mkdir()
@@ -258,7 +258,7 @@ def test_quantized_draft_model_weighs_its_own_checkpoint_quantization():
     """A w8a8 (compressed-tensors int8) Llama-3.1-8B as the draft_model of Llama-3.1-70B on TP4:
     vLLM builds the drafter's model config from its own checkpoint, so its linear layers load in
     int8. It was weighed as bf16 (3.74 GiB per rank, 1.6 GiB too much)."""
-    from tuner.plugin import RankSettings
+    from tuner.model.plugin import RankSettings
 
     path = SHARED / "models" / "RedHatAI--Meta-Llama-3.1-8B-Instruct-quantized.w8a8" / "config.json"
     if not path.is_file():

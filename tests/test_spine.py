@@ -1,5 +1,5 @@
-"""The typed spine (issue 11): the worker-seam contract (tuner.protocol), the one result↔rows
-mapping (tuner.records), and the daemon parsing a drop's bytes once."""
+"""The typed spine (issue 11): the worker-seam contract (tuner.question.protocol), the one result↔rows
+mapping (tuner.store.records), and the daemon parsing a drop's bytes once."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tuner.drop import load_drop, parse_drop
+from tuner.question.drop import load_drop, parse_drop
 from tuner.errors import ProtocolError
-from tuner.protocol import (PROTOCOL_VERSION, BudgetTerm, JobRequest, JobResult, ValidateRequest, as_wire,
+from tuner.question.protocol import (PROTOCOL_VERSION, BudgetTerm, JobRequest, JobResult, ValidateRequest, as_wire,
                             drop_from_wire, ok_reply, reply_result, request_from_wire)
 
 H100_DROP = REPO / "configs" / "examples" / "llama-3.1-8b-h100.yaml"
@@ -58,16 +58,16 @@ def test_reply_of_another_protocol_is_a_typed_error():
 
 
 def test_worker_answers_an_unknown_protocol_with_a_typed_error(tmp_path):
-    """The real worker entry point (tuner.worker_main), fed a request of a newer version, replies
+    """The real worker entry point (tuner.commands.worker_main), fed a request of a newer version, replies
     with a ProtocolError that the parent re-raises as the same class."""
     import subprocess
 
     wire = {**_request().to_wire(), "protocol": 99}
-    out = subprocess.run([sys.executable, "-m", "tuner.worker_main"], input=json.dumps(wire).encode(),
+    out = subprocess.run([sys.executable, "-m", "tuner.commands.worker_main"], input=json.dumps(wire).encode(),
                          capture_output=True, cwd=REPO, timeout=120)
     reply = json.loads(out.stdout)
     assert reply["ok"] is False and reply["error_type"] == "ProtocolError" and "protocol 99" in reply["message"]
-    from tuner.worker import error_from_reply
+    from tuner.seam.worker import error_from_reply
 
     assert isinstance(error_from_reply(reply, job="j"), ProtocolError)
 
@@ -122,8 +122,8 @@ def test_proposal_fields_were_declared_twice_in_search_and_protocol():
     search's proposal is the protocol's Proposal and a ProposalResult is one, with its ledger."""
     import dataclasses
 
-    from tuner import search
-    from tuner.protocol import Proposal, ProposalResult
+    from tuner.memory import search
+    from tuner.question.protocol import Proposal, ProposalResult
 
     assert search.Proposal is Proposal and issubclass(ProposalResult, Proposal)
     own = [f.name for f in dataclasses.fields(Proposal)]
@@ -132,7 +132,7 @@ def test_proposal_fields_were_declared_twice_in_search_and_protocol():
                    # the proposed point's own numbers (None, and left out of to_dict, where unset)
                    "max_num_batched_tokens", "requested_memory_bytes", "weights_bytes", "activation_peak_bytes",
                    "non_torch_bytes", "cuda_graph_bytes", "available_kv_cache_bytes",
-                   # the risk it was taken at, both answers and the interval's ends (tuner/uncertainty.py)
+                   # the risk it was taken at, both answers and the interval's ends (tuner/memory/uncertainty.py)
                    "risk", "max_model_len_safe", "max_model_len_expected", "available_kv_cache_bytes_low",
                    "available_kv_cache_bytes_high", "kv_cache_tokens_low", "kv_cache_tokens_high"]
     assert [f.name for f in dataclasses.fields(ProposalResult)] == own + ["budget", "data"]
@@ -153,8 +153,8 @@ def test_proposal_fields_were_declared_twice_in_search_and_protocol():
 def test_stored_result_reads_back_what_was_profiled(tmp_path):
     """records: a profile's rows back as typed records and as a JobResult with the same points."""
     from tests._results_db import profiled_db
-    from tuner import records
-    from tuner.results import open_for_read
+    from tuner.store import records
+    from tuner.reports.results import open_for_read
 
     store = open_for_read(str(profiled_db()))
     try:
@@ -178,9 +178,9 @@ def test_stored_result_reads_back_what_was_profiled(tmp_path):
 def test_daemon_parsed_one_drops_bytes_several_times(tmp_path, monkeypatch):
     """The duplicate-name check, the move detection, admission and the job's start once parsed a
     new drop's bytes up to six times; now each (path, content) is parsed once."""
-    from tuner import daemon as dm
+    from tuner.daemon import service as dm
     from tuner.errors import DropError
-    from tuner.settings import Settings
+    from tuner.daemon.settings import Settings
 
     calls: list[str] = []
     real = dm.parse_drop_keys

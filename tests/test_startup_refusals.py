@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from tuner import kvcache
-from tuner.eras import era_for
-from tuner.search import MAMBA_MAX_NUM_SEQS_CHECK_FROM, mamba_max_num_seqs_refusal
+from tuner.memory import kvcache
+from tuner.memory.eras import era_for
+from tuner.memory.search import MAMBA_MAX_NUM_SEQS_CHECK_FROM, mamba_max_num_seqs_refusal
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ def test_hybrid_drop_with_1024_seqs_starting_with_fewer_mamba_blocks(shared_dir)
     than sequences, where vLLM 0.20+ refuses at CUDA-graph set-up. Qwen3.6-27B-FP8 on an H100 at
     gmu 0.9, 4096 tokens: 792 blocks on 0.20.0 (refused), 816 on 0.19.0 (starts; 0.19 caps the
     capture sizes)."""
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(shared_dir / "models" / "Qwen--Qwen3.6-27B-FP8")
     line = ["vllm", "serve", model, "--max-model-len", "4096", "--max-num-seqs", "1024",
@@ -100,7 +100,7 @@ def test_graph_capture_after_the_cache_out_of_memory_reported_as_starting(versio
     is not taken off the budget, so at gmu 0.99 on an H100 the cache fills 78.40 GiB and the capture
     needs 85,081,718,784 bytes of the card's 85,030,076,416; 0.20 subtracts the estimate and starts."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", str(u)],
@@ -114,7 +114,7 @@ def test_graph_capture_after_the_cache_out_of_memory_reported_as_starting(versio
 
 def test_graph_capture_oom_not_charged_with_enforce_eager():
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     res = run_check(["vllm", "serve", model, "--max-model-len", "32768", "--gpu-memory-utilization", "0.99",

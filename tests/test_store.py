@@ -1,4 +1,4 @@
-"""tuner.store against real SQLite files and a real PostgreSQL server (``db_url`` fixture; the
+"""tuner.store.database against real SQLite files and a real PostgreSQL server (``db_url`` fixture; the
 PostgreSQL cases are skipped without CTX_TUNER_TEST_DATABASE_URL): schema, pragmas, round trips,
 rollback, concurrency, migrations racing."""
 
@@ -15,7 +15,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from tuner.errors import StoreError
-from tuner.store import alembic_config, make_engine, metadata, open_store
+from tuner.store.database import alembic_config, make_engine, metadata, open_store
 
 BIG = 62_398_021_632  # > 2**32: must survive as an exact int
 
@@ -444,7 +444,7 @@ def test_naive_time_rejected(any_store):
 def test_db_option_errors_are_store_errors_not_tracebacks(tmp_path):
     """Regression: --db with a bad URL, a missing driver or ':memory:' raised raw SQLAlchemy errors."""
     from tuner.errors import StoreError
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     for url in ("notaurl://", "postgresql+nosuchdriver://u@127.0.0.1:1/x", "sqlite:///", "sqlite:///:memory:"):
         with pytest.raises(StoreError):
@@ -518,7 +518,7 @@ def test_concurrent_new_stores_in_one_process_migrate_without_alembic_proxy_race
     serialised, so every store reaches head."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tuner.storerules import script_head
+    from tuner.store.storerules import script_head
 
     urls = [f"sqlite:///{tmp_path / f's{i}.db'}" for i in range(8)]
 

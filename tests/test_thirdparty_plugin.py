@@ -1,4 +1,4 @@
-"""README "Write a plugin": the example is the source of ``tests/thirdparty_plugin/``, and that
+"""docs/plugins.md "Write a plugin": the example is the source of ``tests/thirdparty_plugin/``, and that
 package, installed by pip as a real distribution, serves a GLM-4 config end to end."""
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tuner.plugin import load_registry
+from tuner.model.plugin import load_registry
 
 PACKAGE = REPO / "tests" / "thirdparty_plugin"
 
 
 def _readme_section(title: str) -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    from tests._docs import section
+
+    return section("plugins.md", title)
 
 
 def _code_blocks(section: str, lang: str) -> list[str]:
@@ -40,7 +39,7 @@ def test_readme_example_imports_only_the_kit():
     source = (PACKAGE / "ctx_tuner_glm4.py").read_text()
     modules = set(re.findall(r"^\s*from (tuner[\w.]*) import", source, flags=re.M))
     modules |= set(re.findall(r"^\s*import (tuner[\w.]*)", source, flags=re.M))
-    assert modules == {"tuner.kit"}
+    assert modules == {"tuner.model.kit"}
 
 
 def _glm4_config(model_dir: Path) -> dict:

@@ -1,5 +1,5 @@
 """Communication memory of TP groups by topology and release, CUDA-graph capture sizes, the
-speculative_config drop field and device-name matching (tuner.budget, tuner.drop, tuner.devices).
+speculative_config drop field and device-name matching (tuner.memory.budget, tuner.question.drop, tuner.memory.devices).
 
 Each expected value is computed from the vLLM source the term cites (custom_all_reduce.py,
 all_reduce_utils.py, config/vllm.py) or from the documented fit's data points."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.budget import (CUSTOM_ALL_REDUCE_META_SIZE, Topology, cudagraph_capture_sizes, cudagraph_estimate_bytes,
+from tuner.memory.budget import (CUSTOM_ALL_REDUCE_META_SIZE, Topology, cudagraph_capture_sizes, cudagraph_estimate_bytes,
                           custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes, non_torch_bytes)
-from tuner.devices import GIB, candidates_for, lookup, resolve_device
-from tuner.drop import parse_drop
-from tuner.engine_checks import check_quantization
+from tuner.memory.devices import GIB, candidates_for, lookup, resolve_device
+from tuner.question.drop import parse_drop
+from tuner.memory.engine_checks import check_quantization
 from tuner.errors import DeviceError, DropError
-from tuner.eras import GiB, MiB, era_for
+from tuner.memory.eras import GiB, MiB, era_for
 
 NVSWITCH_H100 = Topology("nvswitch", True, "9.0")
 PCIE_L40 = Topology("pcie", True, "8.9")
@@ -174,7 +174,7 @@ def test_auto_round_checkpoint_accepts_any_spelling_of_the_argument():
 
 
 def test_explain_shows_nccl_and_custom_all_reduce_as_their_own_steps():
-    from tuner.explain import _communication_steps
+    from tuner.reports.explain import _communication_steps
 
     v19 = era_for("0.19.0")
     nt = non_torch_bytes(v19, tensor_parallel_size=4)
@@ -196,8 +196,8 @@ def test_explain_shows_nccl_and_custom_all_reduce_as_their_own_steps():
 
 
 def test_mtp_drafter_layers_from_the_checkpoint_config():
-    from tuner.kvcache import FullAttentionSpec, MambaSpec
-    from tuner.specdecode import drafter_kv_specs, mtp_dense_layer_weights_bytes, mtp_num_layers
+    from tuner.memory.kvcache import FullAttentionSpec, MambaSpec
+    from tuner.memory.specdecode import drafter_kv_specs, mtp_dense_layer_weights_bytes, mtp_num_layers
 
     assert mtp_num_layers({"mtp_num_hidden_layers": 1}) == 1
     assert mtp_num_layers({"num_nextn_predict_layers": 3}) == 3
@@ -217,8 +217,8 @@ def test_mtp_drafter_layers_from_the_checkpoint_config():
 
 
 def test_speculative_tokens_add_mamba_state_blocks():
-    from tuner.kvcache import FullAttentionSpec, MambaSpec
-    from tuner.specdecode import with_speculative_state_blocks
+    from tuner.memory.kvcache import FullAttentionSpec, MambaSpec
+    from tuner.memory.specdecode import with_speculative_state_blocks
 
     m = MambaSpec(block_size=16, shapes=((3, 8),), dtypes_bytes=(4,))
     f = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype_bytes=2)
@@ -230,7 +230,7 @@ def test_speculative_tokens_add_mamba_state_blocks():
 
 
 def test_co_tenant_memory_by_era():
-    from tuner.budget import co_tenant_non_torch_bytes, free_memory_refusal
+    from tuner.memory.budget import co_tenant_non_torch_bytes, free_memory_refusal
 
     other = 10 * GiB
     assert co_tenant_non_torch_bytes(era_for("0.6.4", "V0"), other) == other  # whole-GPU budget
@@ -251,10 +251,10 @@ def test_co_tenant_memory_by_era():
 
 
 def test_co_tenant_drop_field_refuses_what_the_free_memory_check_refuses(tmp_path):
-    from tuner.job import other_processes_bytes
-    from tuner.search import Layout, evaluate
-    from tuner.eras import ProfileBatch
-    from tuner.kvcache import FullAttentionSpec
+    from tuner.jobs.job import other_processes_bytes
+    from tuner.memory.search import Layout, evaluate
+    from tuner.memory.eras import ProfileBatch
+    from tuner.memory.kvcache import FullAttentionSpec
 
     d = parse_drop(_DROP + "other_processes_memory_gib: 10\n", "x.yaml")
     assert d.other_processes_memory_gib == 10.0
@@ -277,7 +277,7 @@ def test_co_tenant_drop_field_refuses_what_the_free_memory_check_refuses(tmp_pat
 def test_free_memory_from_host_on_unified_memory_by_release():
     """vllm/utils/mem_utils.py ``MemorySnapshot.measure``: none in 0.11.0; by capability in 0.19
     (Orin 8.7, Thor 11.0, Spark 12.1); by the ``is_integrated`` property in 0.26 / 0.28."""
-    from tuner.budget import free_memory_from_host
+    from tuner.memory.budget import free_memory_from_host
 
     spark = lookup("NVIDIA GB10")
     assert spark is not None and spark.integrated is True and spark.compute_capability == "12.1"
@@ -292,8 +292,8 @@ def test_free_memory_from_host_on_unified_memory_by_release():
 
 
 def test_unified_memory_device_warns_that_host_ram_is_co_tenant_memory(shared_dir):
-    from tuner.job import run_job
-    from tuner.validate import case_request
+    from tuner.jobs.job import run_job
+    from tuner.accuracy.validate import case_request
 
     case = {"id": "spark", "model": "Qwen/Qwen3-0.6B", "vllm_version": "0.28.0", "engine": "V1", "gpu": "NVIDIA GB10",
             "gpu_total_gib": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "dtype": "bfloat16",

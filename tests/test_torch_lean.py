@@ -1,6 +1,6 @@
 """Lean worker imports, torch side: a meta pass runs without sympy / the real
-``symbolic_shapes`` / ``torch._dynamo`` (tuner/torch_lean.py, the bias linear in
-tuner/simulate/layers.py), the stand-in's fast paths equal the real helpers, and the one-shot
+``symbolic_shapes`` / ``torch._dynamo`` (tuner/model/torch_lean.py, the bias linear in
+tuner/model/simulate/layers.py), the stand-in's fast paths equal the real helpers, and the one-shot
 worker's preload freezes the imports (tuner/worker_main.preload). Checked through ``sys.modules``
 in fresh processes (no timings)."""
 
@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.conftest import SHARED  # noqa: E402
-from tuner import torch_lean  # noqa: E402
+from tuner.model import torch_lean# noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("sympy", "torch._dynamo", "torch._inductor", "torch.distributed.tensor", "transformers.activations")
@@ -33,9 +33,9 @@ def _child(code: str, *args: str) -> dict:
 
 CASE_JOB = """
 import json, sys
-from tuner.validate import case_request, load_cases
-from tuner.job import run_job
-from tuner import torch_lean
+from tuner.accuracy.validate import case_request, load_cases
+from tuner.jobs.job import run_job
+from tuner.model import torch_lean
 cases = {c["id"]: c for c in load_cases(sys.argv[1])}
 out = {}
 for cid in sys.argv[3:]:
@@ -106,7 +106,7 @@ def test_stand_in_leaves_an_imported_real_module_alone():
 FALL_THROUGH = """
 import json, sys
 import torch
-from tuner import torch_lean
+from tuner.model import torch_lean
 out = {}
 with torch_lean.lean_symbolic_shapes() as active:
     out["active"] = active
@@ -134,7 +134,7 @@ def test_a_name_the_stand_in_lacks_imports_the_real_module_for_good():
 
 PRELOAD = """
 import gc, json, sys
-from tuner.worker_main import preload
+from tuner.commands.worker_main import preload
 ran = preload(json.loads(sys.argv[1]))
 print(json.dumps({"ran": ran, "torch": "torch" in sys.modules, "frozen": gc.get_freeze_count(),
                   "gc_enabled": gc.isenabled(), "heavy": sorted(m for m in %r if m in sys.modules)}))
@@ -157,8 +157,8 @@ def test_preload_freezes_a_simulate_jobs_imports_and_leaves_other_requests_alone
 def test_bias_linear_allocates_what_addmm_allocates():
     """The bias linear (mm, then add_ of the bias) counts the same bytes as torch's addmm, on meta
     tensors and on real CPU tensors."""
-    from tuner.simulate.layers import Linear
-    from tuner.simulate.tracker import MemoryTracker
+    from tuner.model.simulate.layers import Linear
+    from tuner.model.simulate.tracker import MemoryTracker
 
     for device in ("meta", "cpu"):
         with torch.device(device), torch.no_grad():

@@ -1,4 +1,4 @@
-"""Vision towers are modules of their own (tuner/simulate/towers/): a family composes a built-in
+"""Vision towers are modules of their own (tuner/model/simulate/towers/): a family composes a built-in
 tower by name or by module, or brings a tower module of its own."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tuner.simulate.towers.base import Geometry, lin
+from tuner.model.simulate.towers.base import Geometry, lin
 
 
 def test_every_builtin_tower_module_is_registered_under_its_kind():
-    from tuner.simulate import vision
-    from tuner.simulate.towers import gemma4, llama4, moonvit, pixtral, qwen3_5, siglip
+    from tuner.model.simulate import vision
+    from tuner.model.simulate.towers import gemma4, llama4, moonvit, pixtral, qwen3_5, siglip
 
     mods = (pixtral, siglip, llama4, moonvit, qwen3_5, gemma4)
     assert vision.TOWERS == {m.KIND: m for m in mods} and vision.KINDS == tuple(m.KIND for m in mods)
@@ -25,8 +25,8 @@ def test_every_builtin_tower_module_is_registered_under_its_kind():
 
 
 def test_a_tower_module_composes_like_its_name(shared_dir):
-    from tuner.simulate import vision
-    from tuner.simulate.towers import siglip
+    from tuner.model.simulate import vision
+    from tuner.model.simulate.towers import siglip
 
     top = json.loads((shared_dir / "models" / "google--gemma-3-27b-it" / "config.json").read_text())
     by_name = vision.VisionTower(top, torch.bfloat16, kind="siglip", tp=2)
@@ -37,7 +37,7 @@ def test_a_tower_module_composes_like_its_name(shared_dir):
 
 
 def test_a_tower_of_ones_own_builds_through_vision_tower():
-    from tuner.simulate.vision import VisionTower, vision_tower_bytes
+    from tuner.model.simulate.vision import VisionTower, vision_tower_bytes
 
     def params(vc, top, g):
         return [("my_tower.patch.weight", (g.hidden, 3 * g.patch * g.patch), "w"),

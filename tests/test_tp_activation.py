@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from tuner.eras import tp_all_reduce_out_of_place
-from tuner.simulate import layers as L
-from tuner.simulate.tracker import MemoryTracker
+from tuner.memory.eras import tp_all_reduce_out_of_place
+from tuner.model.simulate import layers as L
+from tuner.model.simulate.tracker import MemoryTracker
 
 N, H, I = 64, 128, 256  # tokens, hidden, intermediate per rank (every tensor a multiple of 512 B)
 BF16 = 2
@@ -77,7 +77,7 @@ def test_v0_tp4_activation_peak_counts_the_out_of_place_all_reduce(shared_dir):
     engine logged a 11.32 GiB activation peak per rank (8.82 GiB before this mechanism):
     5·[N, H] + gate_up + act (residual, the previous layer's output, the attention output, the
     down_proj partial sum and its all-reduce)."""
-    from tuner.validate import load_cases, predict_cases
+    from tuner.accuracy.validate import load_cases, predict_cases
 
     cases = [c for c in load_cases(shared_dir / "cases" / "vllm-observed.jsonl")
              if c["id"] == "vllm-16883-4xl40-tp4-qwen25-coder-32b-ngram-v0-131k"]
@@ -90,7 +90,7 @@ def test_v0_tp4_activation_peak_counts_the_out_of_place_all_reduce(shared_dir):
 # -- the CUDA caching allocator's blocks (torch c10/core/AllocatorConfig.h, CUDACachingAllocator.cpp)
 
 def test_allocator_keeps_the_rounded_segment_when_at_most_1_mib_remains():
-    from tuner.allocator import fresh_segment_block_bytes, round_request
+    from tuner.memory.allocator import fresh_segment_block_bytes, round_request
 
     MiB = 1 << 20
     assert round_request(1) == 512 and round_request(0) == 0
@@ -105,7 +105,7 @@ def test_allocator_rounding_of_qwen25_32b_tp4_weights():
     """Per layer at TP4: qkv [1792, 5120] 17.5 MiB → 18, o [5120, 1280] 12.5 → split (1.5 MiB left),
     gate_up [13824, 5120] 135 → 136, down [5120, 6912] 67.5 → 68: +2 MiB; Llama-3.1-8B's sizes are
     all 2 MiB multiples."""
-    from tuner.allocator import weights_rounding_bytes
+    from tuner.memory.allocator import weights_rounding_bytes
 
     MiB = 1 << 20
     dtype = torch.bfloat16
@@ -136,10 +136,10 @@ def test_rope_cache_rows_follow_get_rope():
 def test_hf_overrides_drop_field_and_config(shared_dir):
     import pytest
 
-    from tuner.drop import parse_drop
+    from tuner.question.drop import parse_drop
     from tuner.errors import DropError
-    from tuner.modelspec import load_model_spec
-    from tuner.search import derived_max_model_len
+    from tuner.model.modelspec import load_model_spec
+    from tuner.memory.search import derived_max_model_len
 
     drop = ("name: d\nmodel: ./m\ndevice: H100-80GB\ncandidates:\n  gpu_memory_utilization: [0.9]\n"
             "hf_overrides: {rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}\n")
@@ -162,7 +162,7 @@ def test_hf_overrides_drop_field_and_config(shared_dir):
 
 
 def test_hf_overrides_flag_is_read_from_a_serve_command():
-    from tuner.serve_args import parse_serve
+    from tuner.memory.serve_args import parse_serve
 
     a = parse_serve(["vllm", "serve", "m", "--hf-overrides", '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'])
     assert a.values["hf_overrides"] == {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}

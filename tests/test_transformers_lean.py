@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tuner import transformers_lean  # noqa: E402
+from tuner.model import transformers_lean# noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = Path(__file__).with_name("_lean_specs.py")
@@ -83,8 +83,8 @@ def test_unexpected_transformers_internals_leave_the_plain_import():
 
 ACTIVATIONS = """
 import json, sys
-from tuner import transformers_lean
-from tuner.modelspec import load_model_spec
+from tuner.model import transformers_lean
+from tuner.model.modelspec import load_model_spec
 spec, hf = load_model_spec(sys.argv[1])
 out = {"config_class": type(hf).__name__, "hidden": spec.hidden_size,
        "heavy": sorted(m for m in ("transformers.activations", "torch.distributed.tensor",

@@ -1,12 +1,12 @@
-"""The interval (tuner/uncertainty.py): a band per budget term by its source, fitted on the shared
-cases leave-one-out by model family (tuner/uncertainty_fit.py), unmodelled inputs named and widening."""
+"""The interval (tuner/memory/uncertainty.py): a band per budget term by its source, fitted on the shared
+cases leave-one-out by model family (tuner/accuracy/uncertainty_fit.py), unmodelled inputs named and widening."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuner import uncertainty as unc
-from tuner import uncertainty_fit as fit
+from tuner.memory import uncertainty as unc
+from tuner.accuracy import uncertainty_fit as fit
 
 GiB = 1 << 30
 
@@ -81,8 +81,8 @@ def test_no_effect_arguments_say_so_and_do_not_widen():
 def test_validate_lists_unknown_case_settings_instead_of_dropping_them():
     from types import SimpleNamespace
 
-    from tuner.validate import unmodelled_inputs
-    from tuner.vllm_args import NotModelled
+    from tuner.accuracy.validate import unmodelled_inputs
+    from tuner.question.vllm_args import NotModelled
 
     mapped = SimpleNamespace(not_modelled=[
         NotModelled("--kv-transfer-config", {"kv_connector": "LMCacheConnectorV1"}, "a KV connector", "case x"),
@@ -112,7 +112,7 @@ def test_fit_picks_the_smallest_band_that_covers():
 
 @pytest.fixture(scope="module")
 def shared_rows(shared_dir):
-    from tuner.validate import load_cases, predict_cases
+    from tuner.accuracy.validate import load_cases, predict_cases
 
     return predict_cases(load_cases(shared_dir / "cases" / "vllm-observed.jsonl"), shared_dir / "models")
 
@@ -124,14 +124,14 @@ def test_band_fit_reproduced_from_the_shared_cases(shared_rows, parameter):
 
 
 def test_interval_meets_its_targets_on_the_shared_cases(shared_rows):
-    from tuner.validate import interval_summary
+    from tuner.accuracy.validate import interval_summary
 
     hi = [r for r in shared_rows if r["status"] == "ok" and r.get("confidence") != "low"]
     s = interval_summary(hi)
     assert s["coverage_pct"] >= 90.0
     assert s["unsafe_at_safe_end_pct"] <= 2.0
     assert s["median_half_width_pct"] <= 3.0
-    # the leave-one-family-out figures are reported (tuner.uncertainty.FIT_REPORT): a family whose
+    # the leave-one-family-out figures are reported (tuner.memory.uncertainty.FIT_REPORT): a family whose
     # mechanism no other family shows is unsafe there (4.4 % of the rows on the 2026-12-06 cases);
     # 88.5 % covered since Model Runner V2 runs the GB10 MiniMax 0.29.1rc1 start-ups (release audit,
     # docs/release-audit.md; 90.3 % before)
@@ -145,7 +145,7 @@ def test_check_suggested_a_length_it_calls_uncertain():
     checking 45504 answered UNCERTAIN (exit 4): the suggestion was the expected value's. It is the
     interval's safe end now, which checks as STARTS; --risk expected keeps the expected value's."""
     from tests.conftest import REPO
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
 
     model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
     res = run_check(["vllm", "serve", model, "--max-model-len", "131072"], device="RTX-3090", engine_version="0.34.0")

@@ -5,13 +5,13 @@ is ``return 0`` (0.19, 0.20.0, 0.20.1, 0.21, 0.22, 0.24, 0.25, 0.26, 0.27, 0.28 
 ``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py) subtracts no graph memory for
 a model on the V2 runner even though ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is on; from 0.29
 (0.29–0.33 read) it calls ``vllm/v1/worker/gpu/cudagraph_utils.py`` ``profile_cudagraph_memory``.
-Expected values are computed by hand from :func:`tuner.budget.cudagraph_estimate_bytes`'s fit
+Expected values are computed by hand from :func:`tuner.memory.budget.cudagraph_estimate_bytes`'s fit
 (0.84 GiB at 32 layers × 4096 hidden, 0.5 GiB floor) and the release's capture sizes."""
 
 from __future__ import annotations
 
-from tuner.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes
-from tuner.eras import GiB, era_for
+from tuner.memory.budget import cudagraph_capture_sizes, cudagraph_estimate_bytes
+from tuner.memory.eras import GiB, era_for
 
 H100 = 85030076416
 
@@ -44,7 +44,7 @@ def test_job_v2_runner_graph_memory_stays_out_of_the_budget_until_0_29(tiny_conf
     from 0.24 (listed) and 0.25 (every non-MoE model): 0.22 and 0.29 subtract 0.5 GiB, 0.24 and
     0.26 none, and their KV budget is larger by exactly what the others subtract less the
     difference of the other terms."""
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     def cand(version):
         d = {"engine_version": version, "dtype": "auto", "kv_cache_dtype": "auto", "tensor_parallel_size": 1,
@@ -67,7 +67,7 @@ def test_job_v2_runner_graph_memory_stays_out_of_the_budget_until_0_29(tiny_conf
 def test_ngram_draft_on_v2_runner_took_the_v1_runners_graph_estimate_away():
     """``_get_v2_model_runner_unsupported_features`` (vllm/config/vllm.py): a speculative method V2
     lacks keeps the V1 runner — and with it the graph estimate 0.20–0.28 subtract."""
-    from tuner.eras import uses_model_runner_v2, v2_runner_runs_speculative_method as ok
+    from tuner.memory.eras import uses_model_runner_v2, v2_runner_runs_speculative_method as ok
 
     assert [m for m in ("eagle", "eagle3", "mtp", "qwen3_next_mtp", "dflash", "dspark", "ngram", "draft_model")
             if ok("0.22.0", m)] == ["eagle", "eagle3", "mtp", "qwen3_next_mtp"]
@@ -91,7 +91,7 @@ def test_job_ngram_drop_runs_v1_runner_and_subtracts_graphs_at_0_26(tiny_config)
     n-gram with k = 3: capture sizes up to min(1024·4·2, 512) = 512 → 51, which the V1 runner rounds up
     to multiples of 1 + k = 4 (adjust_cudagraph_sizes_for_spec_decode) → 49 sizes: the 0.5 GiB floor
     scaled by 49 / 51."""
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     def result(spec):
         d = {"engine_version": "0.26.0", "dtype": "auto", "kv_cache_dtype": "auto", "tensor_parallel_size": 1,

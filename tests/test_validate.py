@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from tuner.budget import cublas_workspace_bytes, cudagraph_estimate_bytes
-from tuner.eras import GiB, era_for
+from tuner.memory.budget import cublas_workspace_bytes, cudagraph_estimate_bytes
+from tuner.memory.eras import GiB, era_for
 from tuner.errors import DropError
-from tuner.validate import case_request, compare, infer_version, load_cases, summarize
+from tuner.accuracy.validate import case_request, compare, infer_version, load_cases, summarize
 
 MiB = 1 << 20
 
@@ -58,7 +58,7 @@ def test_version_inferred_from_log_format_when_not_stated():
         "Memory profiling results: total_gpu_memory=23.58GiB initial_memory_usage=15.34GiB peak_torch_memory=17.98GiB"])
     assert infer_version(v0) == ("0.6.4.post1", "V0")  # only 0.6.4 prints initial_memory_usage=
     # nothing narrows a bare V1 line: the newest modelled release, said out loud in the row
-    from tuner.eras import NEWEST
+    from tuner.memory.eras import NEWEST
 
     got = infer_version(_case(vllm_version=None, engine="V1", raw_lines=["Available KV cache memory: 5.01 GiB"]))
     assert got[1] == "V1" and tuple(int(x) for x in got[0].split(".")[:3]) == NEWEST
@@ -209,7 +209,7 @@ def test_cases_without_version_never_fail_on_their_inferred_release(shared_dir, 
     method: mxfp4" for gpt-oss, "DeepseekV4ForCausalLM is not supported by vLLM 0.10.0") or
     crashed ("'VllmVersion' object is not iterable" on the hybrid MTP cases). Now each runs on the
     newest modelled release consistent with what it names, and its row says so."""
-    from tuner.validate import run_validate_request
+    from tuner.accuracy.validate import run_validate_request
 
     cases = [c for c in observed_cases.values() if not c.get("vllm_version")]
     assert len(cases) >= 20
@@ -243,7 +243,7 @@ def test_pipeline_stage_device_list_is_accepted(shared_dir):
 def test_pipeline_stage_device_list_takes_the_smallest_stage(shared_dir):
     """The engine's blocks are the fewest over the stages (vllm/v1/core/kv_cache_utils.py
     get_kv_cache_configs): the 16 GB stage decides, and the result names it."""
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     case = _case(gpu=["NVIDIA GeForce RTX 5070 Ti", "NVIDIA GeForce RTX 5090 D"], gpu_total_gib=None,
                  tensor_parallel_size=1, pipeline_parallel_size=2, kv_cache_dtype="auto",

@@ -1,4 +1,5 @@
-"""SQL views (migration 0004) and the README's example queries, on a profiled store."""
+"""SQL views (migration 0004) and the documented example queries (docs/results-sql.md, docs/fleet.md),
+on a profiled store."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from alembic import command
 
 from tests._results_db import profiled_db
 from tests.conftest import REPO
-from tuner.store import alembic_config, open_store
+from tuner.store.database import alembic_config, open_store
 
 VIEWS = ("latest_proposals", "run_breakdown_gib", "candidate_breakdown_gib", "fit_surface", "measured_vs_simulated")
 GiB = 1 << 30
@@ -25,8 +26,7 @@ def con():
 
 
 def _readme_queries() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Results in SQL", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "results-sql.md").read_text()
     return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
 
 
@@ -36,7 +36,7 @@ def test_migration_creates_the_views(con):
 
 
 def test_readme_documents_every_view_and_at_least_five_queries():
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "results-sql.md").read_text() + (REPO / "docs" / "fleet.md").read_text()
     for v in VIEWS:
         assert f"`{v}`" in text
     assert len(_readme_queries()) >= 5
@@ -108,14 +108,14 @@ def test_downgrade_drops_the_views_and_upgrade_restores_them(tmp_path):
     assert set(VIEWS) <= names
 
 
-# -- the same views and README queries on PostgreSQL; the fleet views and queries on both ------------
+# -- the same views and documented queries on PostgreSQL; the fleet views and queries on both ------------
 
 
 def _copy_store(src_url: str, dst_url: str) -> None:
     """Copy every table of a migrated store into another migrated (empty) store, ids kept."""
     import sqlalchemy as sa
 
-    from tuner.store import metadata
+    from tuner.store.database import metadata
 
     src, dst = sa.create_engine(src_url), sa.create_engine(dst_url)
     try:
@@ -213,8 +213,9 @@ def test_views_agree_between_sqlite_and_postgresql(pg_profiled, con):
 
 
 def _fleet_queries() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("### Fleet SQL", 1)[1].split("\n### ", 1)[0]
+    from tests._docs import section as doc_section
+
+    section = doc_section("fleet.md", "Fleet SQL")
     return re.findall(r"```sql\n(.*?)```", section, flags=re.S)
 
 
@@ -222,8 +223,8 @@ def _fleet_queries() -> list[str]:
 def fleet_store(db_url):
     """Two hosts of one device kind: host-a computed x (u 0.5, 0.9), host-b's y was answered from it,
     host-b's z is its own; one job of host-a still pending."""
-    from tuner.fleet import register_owner
-    from tuner.jobqueue import JobQueue
+    from tuner.store.fleet import register_owner
+    from tuner.store.jobqueue import JobQueue
 
     store = open_store(db_url)
     qa = JobQueue(store, register_owner(store, "host-a", "/a", lease_s=60, gpus=[{"name": "NVIDIA H100 80GB HBM3"}]).id)

@@ -1,5 +1,5 @@
 """One path from vLLM arguments to a Drop (issue 30): a serve line, a ``--config`` YAML, a case's
-settings and a log's settings become the same validated drop through :mod:`tuner.vllm_args`, and
+settings and a log's settings become the same validated drop through :mod:`tuner.question.vllm_args`, and
 what ctx-tuner does not model is a named list (argument, value, why), never dropped."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO
-from tuner.vllm_args import ArgsInputError, NotModelled, from_settings, parse_line, to_drop
+from tuner.question.vllm_args import ArgsInputError, NotModelled, from_settings, parse_line, to_drop
 
 L8B = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
 SETTINGS = {"max_model_len": 32768, "gpu_memory_utilization": 0.85, "tensor_parallel_size": 2,
@@ -54,7 +54,7 @@ def test_unmodelled_arguments_are_a_named_list_never_dropped():
 
 
 def test_validate_case_goes_through_the_mapping_and_names_what_it_does_not_model():
-    from tuner.validate import case_drop
+    from tuner.accuracy.validate import case_drop
 
     case = {"id": "c1", "model": "meta-llama/Llama-3.1-8B-Instruct", "vllm_version": "0.19.0", "engine": "V1",
             "gpu": "H100-80GB", "tensor_parallel_size": 1, "dtype": "bf16", "kv_cache_dtype": None,

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tuner.serve_args import parse_serve
-from tuner.vllm_forms import config_dict, proposal_configs, proposal_documents, serve_args_text
+from tuner.memory.serve_args import parse_serve
+from tuner.question.vllm_forms import config_dict, proposal_configs, proposal_documents, serve_args_text
 
 MODEL = "/models/llama"
 PROP = {"gpu_memory_utilization": 0.9, "max_model_len": 40064, "num_gpu_blocks": 2504, "kv_cache_tokens": 40064,
@@ -54,7 +54,7 @@ def test_serve_args_text_leaves_out_defaults():
 
 
 def test_proposal_file_writes_vllm_configs_next_to_it(tmp_path):
-    from tuner.proposals import add_vllm_forms, remove_proposal_file, vllm_config_dir, write_proposal_file
+    from tuner.reports.proposals import add_vllm_forms, remove_proposal_file, vllm_config_dir, write_proposal_file
 
     entry = dict(PROP)
     add_vllm_forms(entry, MODEL, "0.19.0", 3_101_450_240)
@@ -85,7 +85,7 @@ def test_proposal_config_is_accepted_by_vllms_own_parser(tmp_path):
     for name, text in docs.items():
         f = tmp_path / name
         f.write_text(text)
-        r = subprocess.run([py, str(REPO / "tuner" / "vllm_parse_main.py"), "serve", "--config", str(f)],
+        r = subprocess.run([py, str(REPO / "tuner" / "engine" / "parse_main.py"), "serve", "--config", str(f)],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
         assert r.returncode == 0, r.stderr[-2000:]
         results[name] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -104,8 +104,8 @@ def test_deploy_file_workloads_read_the_same_by_vllms_own_parser():
     if py is None:
         pytest.skip("no vLLM interpreter (set CTX_TUNER_VLLM_PYTHON)")
     from tuner.deploy import read_deploy_file
-    from tuner.serve_args import BUILTIN, strip_program
-    from tuner.vllm_serve_parser import VllmServeParser
+    from tuner.memory.serve_args import BUILTIN, strip_program
+    from tuner.engine.serve_parser import VllmServeParser
 
     items, builtin = [], []
     for f in sorted((REPO / "tests" / "fixtures" / "deploy").rglob("*.yaml")):

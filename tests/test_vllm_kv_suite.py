@@ -3,8 +3,8 @@
 Reads ``<repo>/../shared/cases/vllm-kv-tests.jsonl`` (or ``$CTX_TUNER_SHARED/cases/…``); one
 test per record, id ``"<version>:<record id>"``. Each record is dispatched by its test-function
 name to a small adapter that builds ctx-tuner specs from ``inputs`` and compares with
-``expected`` using the model of the record's vLLM release (``tuner.kvcache``, gated by
-``tuner.eras``). Records about things ctx-tuner does not model by design are skipped with a
+``expected`` using the model of the record's vLLM release (``tuner.memory.kvcache``, gated by
+``tuner.memory.eras``). Records about things ctx-tuner does not model by design are skipped with a
 one-line reason from ``SKIP_REASONS``.
 """
 
@@ -28,7 +28,7 @@ from tests._kvsuite_helpers import (
     records_path,
     record_function,
 )
-from tuner import kvcache as kv
+from tuner.memory import kvcache as kv
 from tuner.errors import KVCacheError
 
 _PATH = records_path()

@@ -1,4 +1,4 @@
-"""The vLLM-backed serve parser's plumbing without vLLM: what ``tuner/vllm_parse_main.py`` prints
+"""The vLLM-backed serve parser's plumbing without vLLM: what ``tuner/engine/parse_main.py`` prints
 becomes the built-in parser's ``ServeArgs`` shape; no vLLM → the built-in parser, said so. The real
 vLLM parser is tested in tests/engine/test_serve_parser_engine.py."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 from tuner.engine import vllm_importable
-from tuner.serve_args import ServeArgsError, parse_serve
-from tuner.vllm_serve_parser import AutoServeParser, VllmParserUnavailable, VllmServeParser, make_parser
+from tuner.memory.serve_args import ServeArgsError, parse_serve
+from tuner.engine.serve_parser import AutoServeParser, VllmParserUnavailable, VllmServeParser, make_parser
 from tests._cli_helpers import run_cli as _cli
 
 L8B = REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"
@@ -50,7 +50,7 @@ def test_vllm_parser_result_becomes_typed_settings_and_named_flags():
     run = FakeRun(OK)
     sa = VllmServeParser("/venv/bin/python", run=run).parse(ARGV)
     cmd, kw = run.calls[0]
-    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("tuner/vllm_parse_main.py") and cmd[2:] == ["serve", *ARGV]
+    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("tuner/engine/parse_main.py") and cmd[2:] == ["serve", *ARGV]
     assert kw["env"]["VLLM_LOGGING_LEVEL"] == "ERROR"
     assert sa.model == "M" and sa.parser == "vllm 0.32.0" and sa.config_file == "c.yaml"
     assert sa.values == {"tensor_parallel_size": 2, "max_model_len": 32768, "enforce_eager": True,

@@ -1,4 +1,4 @@
-"""The daemon's warm worker (issue 13, :mod:`tuner.warmworker`): one worker process for successive
+"""The daemon's warm worker (issue 13, :mod:`tuner.seam.warmworker`): one worker process for successive
 jobs, with the isolation of a fresh one — own process group, a timeout kills and replaces it, a
 crash fails its job, recycled after ``max_jobs`` jobs or on RSS growth. Driven with the fast fake
 worker (tests/_fake_worker.py, its ``--serve`` mode), whose log names the pid of every job."""
@@ -13,7 +13,7 @@ import pytest
 
 from tests._daemon_helpers import fake_python, group_alive, poll
 from tuner.errors import PluginError, WorkerError, WorkerTimeout
-from tuner.warmworker import WarmWorker, read_rss_bytes
+from tuner.seam.warmworker import WarmWorker, read_rss_bytes
 
 
 def _request(name: str, gmu: float = 0.5) -> dict:
@@ -112,8 +112,8 @@ def test_read_rss_bytes_reads_this_process():
 def test_daemon_runs_successive_drops_in_one_warm_worker_and_stops_it_on_shutdown(tmp_path, tiny_config,
                                                                                   monkeypatch):
     from tests._daemon_helpers import own_drop_text, poll, settings_for
-    from tuner.daemon import Daemon
-    from tuner.notify import Notifier
+    from tuner.daemon.service import Daemon
+    from tuner.daemon.notify import Notifier
 
     log = tmp_path / "worker.log"
     monkeypatch.setenv("FAKE_WORKER_LOG", str(log))
@@ -140,8 +140,8 @@ def test_daemon_runs_successive_drops_in_one_warm_worker_and_stops_it_on_shutdow
 
 def _drop_request(config: Path, name: str, gmu: float, **extra) -> dict:
     from tests._daemon_helpers import drop_text
-    from tuner.app import prepare_request
-    from tuner.drop import parse_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import parse_drop
 
     text = drop_text(name, config, gmu=(gmu,), **extra)
     return prepare_request(parse_drop(text.encode(), path=str(config.parent / f"{name}.yaml")), download=False)[0]
@@ -160,7 +160,7 @@ def test_warm_worker_answer_differs_from_a_fresh_workers_after_other_jobs(tmp_pa
     """Guard for the warm worker as the daemon's default: the real worker (``worker_main
     --serve``, torch) answers a job after jobs of other models and settings exactly as a fresh
     worker process does — nothing a job leaves in the process changes the next one's numbers."""
-    from tuner.worker import run_in_worker
+    from tuner.seam.worker import run_in_worker
 
     other = tmp_path / "other-llama"
     other.mkdir()
@@ -186,7 +186,7 @@ def test_plugin_registry_rescanned_every_installed_distribution_for_every_job(tm
     in the warm worker — called ``importlib.metadata.entry_points()`` again (tens of ms reading
     every distribution's metadata). The registry is reused while ``sys.path`` and its directories
     are unchanged, and a distribution installed since is still found."""
-    import tuner.plugin as plugin_mod
+    import tuner.model.plugin as plugin_mod
     from tests.test_docs import _install_undocumented_plugin
 
     scans = []

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tuner.watch import Debouncer, is_drop_name, is_drop_path, scan
+from tuner.daemon.watch import Debouncer, is_drop_name, is_drop_path, scan
 
 
 @pytest.mark.parametrize("name, ok", [

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from tuner.errors import ModelConfigError, PluginError, WorkerError, WorkerTimeout
-from tuner.plugin import ENTRY_POINT_GROUP, load_registry
-from tuner.worker import run_in_worker
+from tuner.model.plugin import ENTRY_POINT_GROUP, load_registry
+from tuner.seam.worker import run_in_worker
 
 
 def _fake_python(tmp_path, body: str) -> str:

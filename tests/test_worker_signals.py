@@ -18,8 +18,8 @@ import yaml
 
 from tests._daemon_helpers import group_alive, hanging_python, poll
 from tuner.errors import DropError, ModelConfigError, SettingsError, TunerError
-from tuner.worker import error_from_reply, run_in_worker
-from tuner.worker_main import error_reply
+from tuner.seam.worker import error_from_reply, run_in_worker
+from tuner.commands.worker_main import error_reply
 
 
 def _replying_python(tmp_path: Path, reply: dict) -> str:
@@ -42,7 +42,7 @@ def test_interrupt_while_waiting_kills_the_worker_group_and_reraises(tmp_path, e
         started.append(proc)
         real_wait = proc.wait
 
-        def wait(timeout=None):  # the wait for the worker's exit (tuner.worker watches that, not its pipes)
+        def wait(timeout=None):  # the wait for the worker's exit (tuner.seam.worker watches that, not its pipes)
             if not marker.exists() or timeout is None or timeout > 30:
                 poll(marker.exists, 20, what="the worker and its child started")
                 raise exc_type()
@@ -86,9 +86,9 @@ def test_interrupt_while_relaying_progress_kills_the_worker_group(tmp_path):
 
 _LAUNCHER = """\
 import sys
-import tuner.worker
-tuner.worker.run_in_worker.__kwdefaults__["python"] = sys.argv[1]  # every job gets the fake worker,
-tuner.worker.spawn_worker.__kwdefaults__["python"] = sys.argv[1]  # the one profile starts ahead too
+import tuner.seam.worker
+tuner.seam.worker.run_in_worker.__kwdefaults__["python"] = sys.argv[1]  # every job gets the fake worker,
+tuner.seam.worker.spawn_worker.__kwdefaults__["python"] = sys.argv[1]  # the one profile starts ahead too
 from tuner.cli import main
 sys.exit(main(sys.argv[2:]))
 """

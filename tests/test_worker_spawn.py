@@ -1,6 +1,6 @@
-"""A worker started ahead of its request (issue 13, 70B first answer): ``tuner.worker_main
+"""A worker started ahead of its request (issue 13, 70B first answer): ``tuner.commands.worker_main
 --preload`` imports first, then answers the request as the one-shot worker does;
-:func:`tuner.worker.spawn_worker` starts it with ``run_in_worker``'s environment, its handle is
+:func:`tuner.seam.worker.spawn_worker` starts it with ``run_in_worker``'s environment, its handle is
 cancelled without leaving a process, and ``profile`` starts one only when a worker will certainly
 run (a fake spawner here: no real process for those)."""
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests._daemon_helpers import group_alive, hanging_python, poll, without_elapsed
-from tuner import worker as worker_mod
+from tuner.seam import worker as worker_mod
 from tuner.errors import ProtocolError, StoreError, WorkerError
-from tuner.worker import _RUNNING, run_in_worker, spawn_worker, spawner_for
-from tuner.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT
+from tuner.seam.worker import _RUNNING, run_in_worker, spawn_worker, spawner_for
+from tuner.seam.worker_guard import ENV_DEADLINE, ENV_MEMORY, ENV_PARENT
 
 
 def _tiny_drop(tmp_path: Path, tiny_config: Path, name: str = "tiny", gmu=(0.9,)) -> Path:
@@ -31,8 +31,8 @@ def _tiny_drop(tmp_path: Path, tiny_config: Path, name: str = "tiny", gmu=(0.9,)
 
 
 def _tiny_request(tmp_path: Path, tiny_config: Path) -> dict:
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     return prepare_request(load_drop(_tiny_drop(tmp_path, tiny_config)), download=False)[0]
 
@@ -44,7 +44,7 @@ def _tiny_request(tmp_path: Path, tiny_config: Path) -> dict:
 def test_preload_worker_answers_a_simulate_job_as_a_fresh_worker_does(tmp_path, tiny_config):
     request = _tiny_request(tmp_path, tiny_config)
     with spawn_worker(timeout_s=300) as handle:
-        assert handle.proc.args[-2:] == ["tuner.worker_main", "--preload"]
+        assert handle.proc.args[-2:] == ["tuner.commands.worker_main", "--preload"]
         assert _RUNNING.get(handle.pid) is not None  # kill_running_workers sees it from the spawn
         ahead = run_in_worker(request, job="tiny", spawned=handle)
     assert handle.proc.returncode == 0 and handle.pid not in _RUNNING
@@ -56,7 +56,7 @@ def test_preload_worker_answers_a_simulate_job_as_a_fresh_worker_does(tmp_path, 
 
 @pytest.mark.slow
 def test_preload_worker_answers_a_validate_request_and_a_refused_protocol(shared_dir):
-    from tuner.protocol import ValidateRequest
+    from tuner.question.protocol import ValidateRequest
 
     with spawn_worker(timeout_s=300) as handle:
         report = run_in_worker(ValidateRequest(cases=(), models_dir=str(shared_dir / "models")), job="validate",
@@ -130,8 +130,8 @@ def test_spawn_uses_run_in_workers_environment_and_isolation_plus_preload(monkey
     run_in_worker({}, job="j", timeout_s=10, memory_max_bytes=123, popen=popen)
     spawn_worker(timeout_s=10, memory_max_bytes=123, popen=popen, killpg=lambda *_: None).cancel()
     fresh, ahead = started
-    assert fresh.args == [sys.executable, "-m", "tuner.worker_main"]
-    assert ahead.args == [sys.executable, "-m", "tuner.worker_main", "--preload"]
+    assert fresh.args == [sys.executable, "-m", "tuner.commands.worker_main"]
+    assert ahead.args == [sys.executable, "-m", "tuner.commands.worker_main", "--preload"]
     assert fresh.kw == ahead.kw
     assert ahead.kw["start_new_session"] is True
     env = ahead.kw["env"]
@@ -171,7 +171,7 @@ def test_preload_worker_arms_its_deadline_only_when_the_request_comes(tmp_path, 
 
     request = _tiny_request(tmp_path, tiny_config)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", ENV_DEADLINE: "0.3", ENV_PARENT: str(os.getpid())}
-    proc = subprocess.Popen([sys.executable, "-m", "tuner.worker_main", "--preload"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.commands.worker_main", "--preload"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(json.dumps({**request, worker_mod.DEADLINE_KEY: 300}).encode(), timeout=300)
@@ -217,7 +217,7 @@ def test_spawner_for_binds_the_workers_python_and_nothing_for_a_fake():
 
 
 def test_spawner_for_a_fake_put_in_run_in_workers_place_is_none(monkeypatch):
-    fake = lambda request, **kw: {}  # noqa: E731 - what a test puts in tuner.worker.run_in_worker
+    fake = lambda request, **kw: {}  # noqa: E731 - what a test puts in tuner.seam.worker.run_in_worker
     monkeypatch.setattr(worker_mod, "run_in_worker", fake)
     assert spawner_for(fake) is None
 
@@ -246,14 +246,14 @@ class _Recorder:
         return self.handles[-1]
 
     def worker(self, request, *, job, timeout_s=None, spawned=None, **kw):
-        from tuner.job import run_job
+        from tuner.jobs.job import run_job
 
         self.spawned_seen.append(spawned)
         return json.loads(json.dumps(run_job(copy.deepcopy(request))))
 
 
 def test_profile_spawns_ahead_when_the_store_is_missing_and_the_worker_gets_that_handle(tmp_path, tiny_config):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     rec = _Recorder()
     db = str(tmp_path / "store.sqlite")
@@ -266,7 +266,7 @@ def test_profile_spawns_ahead_when_the_store_is_missing_and_the_worker_gets_that
 
 
 def test_profile_does_not_spawn_when_the_store_exists_and_the_memo_may_answer(tmp_path, tiny_config):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     db = str(tmp_path / "store.sqlite")
     profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=db, worker=_Recorder().worker, spawner=_Recorder().spawner)
@@ -278,7 +278,7 @@ def test_profile_does_not_spawn_when_the_store_exists_and_the_memo_may_answer(tm
 
 
 def test_profile_spawns_ahead_with_cache_off_even_when_the_store_exists(tmp_path, tiny_config):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     db = str(tmp_path / "store.sqlite")
     profile(str(_tiny_drop(tmp_path, tiny_config)), db_url=db, worker=_Recorder().worker, spawner=_Recorder().spawner)
@@ -291,9 +291,9 @@ def test_profile_spawns_ahead_with_cache_off_even_when_the_store_exists(tmp_path
 
 @pytest.mark.parametrize("exc_type", [StoreError, KeyboardInterrupt])
 def test_profile_cancels_the_spawned_worker_when_it_fails_before_the_job(tmp_path, tiny_config, exc_type):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     db = tmp_path / "store.sqlite"
     open_store(str(db)).close()  # a store exists: profile opens it before the job
@@ -310,7 +310,7 @@ def test_profile_cancels_the_spawned_worker_when_it_fails_before_the_job(tmp_pat
 
 
 def test_profile_with_a_fake_worker_and_no_spawner_starts_no_process(tmp_path, tiny_config, monkeypatch):
-    from tuner.app import profile
+    from tuner.jobs.app import profile
 
     def no_spawn(**kw):
         raise AssertionError("a real worker was spawned for a fake worker")
@@ -322,13 +322,13 @@ def test_profile_with_a_fake_worker_and_no_spawner_starts_no_process(tmp_path, t
 
 
 def test_needs_worker_only_for_simulate_jobs_the_memo_cannot_answer(tmp_path, tiny_config):
-    from tuner.app import _needs_worker
+    from tuner.jobs.app import _needs_worker
 
     request = _tiny_request(tmp_path, tiny_config)
-    from tuner.protocol import as_job_request
+    from tuner.question.protocol import as_job_request
 
     job = as_job_request(request)
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     missing, existing = str(tmp_path / "none.sqlite"), tmp_path / "there.sqlite"
     open_store(str(existing)).close()
@@ -344,8 +344,8 @@ def test_needs_worker_only_for_simulate_jobs_the_memo_cannot_answer(tmp_path, ti
 _TEARDOWN_PROBE = (
     "import atexit, runpy, sys\n"
     "atexit.register(lambda: sys.stderr.write('ctx-teardown-ran'))\n"
-    "sys.argv = ['tuner.worker_main']\n"
-    "runpy.run_module('tuner.worker_main', run_name='__main__')\n")
+    "sys.argv = ['tuner.commands.worker_main']\n"
+    "runpy.run_module('tuner.commands.worker_main', run_name='__main__')\n")
 
 
 @pytest.mark.slow
@@ -369,7 +369,7 @@ def test_worker_paid_interpreter_teardown_after_a_simulate_reply(tmp_path, tiny_
 
 
 def test_simulate_only_names_the_requests_that_leave_nothing_to_clean_up():
-    from tuner.worker_main import simulate_only, skip_teardown
+    from tuner.commands.worker_main import simulate_only, skip_teardown
 
     assert [simulate_only(d) for d in ({"kind": "job"}, {"kind": "job", "method": "simulate"}, {"kind": "validate"},
                                        {"method": None}, {"kind": "job", "method": "cuda"}, {"method": "vllm"},
@@ -383,7 +383,7 @@ def test_simulate_only_names_the_requests_that_leave_nothing_to_clean_up():
 def test_install_leaves_the_deadline_unarmed_for_a_worker_started_ahead():
     import threading
 
-    from tuner import worker_guard
+    from tuner.seam import worker_guard
 
     env = {worker_guard.ENV_DEADLINE: "5"}
     assert [t.name for t in worker_guard.install(env, arm=False, pdeathsig=lambda _s: True)] == []

@@ -23,7 +23,7 @@ vllm==<release> --no-deps`` and/or its extracted ``vllm/`` Python sources), it r
   ``vllm/entrypoints``, and ``vllm/scripts.py``'s ``vllm serve`` before 0.7), as printed in the
   "non-default args" line;
 - **log lines**: for each fragment of :data:`FRAGMENTS` (the memory and settings lines
-  ``tuner/logparse.py`` reads), the releases whose sources hold it in a string literal, the
+  ``tuner/logs/logparse.py`` reads), the releases whose sources hold it in a string literal, the
   ``file.py:line`` of every logger call printing it (the line of the call, what the logger
   prints), the fragments every such call prints on the same output line (``always_with``), and
   the typed shape of that line from the fragment on (``shapes``: ``\x00f4\x00`` four decimals,

@@ -34,7 +34,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 class Terminated(SystemExit):
     """Raised in the main thread by the SIGTERM handler; unwinds like ``SystemExit`` (a running
-    worker's process group is killed by :func:`tuner.worker.run_in_worker` on the way)."""
+    worker's process group is killed by :func:`tuner.seam.worker.run_in_worker` on the way)."""
 
     def __init__(self) -> None:
         super().__init__(EXIT_TERMINATED)
@@ -43,7 +43,7 @@ class Terminated(SystemExit):
 def _kill_workers() -> None:
     """Kill every worker group now (also those waited for in other threads: ``explain`` and
     ``plot`` run jobs in a thread pool, whose shutdown would otherwise wait for them)."""
-    worker = sys.modules.get("tuner.worker")
+    worker = sys.modules.get("tuner.seam.worker")
     if worker is not None:
         worker.kill_running_workers()
 
@@ -177,7 +177,7 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
     options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
     vllm_options: list[str] = []
     if args.command == "check":  # a vLLM flag before `--` belongs to the serve line after it
-        from tuner.serve_args import _BY_OPTION
+        from tuner.memory.serve_args import _BY_OPTION
 
         vllm_options = [o for o in _BY_OPTION if o.startswith("--")]
     hints = []
@@ -219,7 +219,7 @@ def run(argv: list[str] | None = None, *, exit_: Callable[[int], None] = os._exi
     for tests."""
     code = main(argv)
     logging.shutdown()
-    from tuner.worker_guard import end_now
+    from tuner.seam.worker_guard import end_now
 
     end_now(code, exit_=exit_)
 

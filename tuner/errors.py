@@ -88,5 +88,5 @@ class EngineError(TunerError):
 
 
 class ProtocolError(TunerError):
-    """A message across the worker seam (:mod:`tuner.protocol`) is of an unknown or newer protocol
+    """A message across the worker seam (:mod:`tuner.question.protocol`) is of an unknown or newer protocol
     version, or not shaped as the contract says; ``where`` names the job."""

@@ -2,7 +2,7 @@
 
 Byte columns are BigInteger and end in ``_bytes``; times are UTC ISO-8601 text
 (``YYYY-MM-DDTHH:MM:SS.ffffffZ``); ``elapsed_s`` is seconds. Frozen copy of the schema in
-``tuner/store.py`` at this revision — later changes go in new revisions, not here.
+``tuner/store/database.py`` at this revision — later changes go in new revisions, not here.
 
 Revision ID: 0001
 Revises:

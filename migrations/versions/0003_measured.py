@@ -4,7 +4,7 @@
 ``calibrations``: one row per measured run that has a simulate prediction of the same settings:
 the predicted terms and the residual (measured − predicted, bytes) of the activation peak, the
 non-torch memory and the CUDA-graph estimate, plus ``total_delta_bytes`` (the part of the
-available-KV error not explained by weights). ``tuner.calibrate`` aggregates these per model,
+available-KV error not explained by weights). ``tuner.jobs.calibrate`` aggregates these per model,
 device kind, era, dtype, quantization and parallel layout; ``usable`` is False (with a ``note``)
 when the prediction disagrees with the run on more than these terms (weights, KV bytes per
 token), so the run must not calibrate.

@@ -9,7 +9,7 @@
   The one-pending-job-per-path index becomes one per (owner, path).
 * ``drops.owner_id`` → ``hosts.id`` (null for drops stored by ``ctx-tuner profile`` or
   ``import-log``): reconciliation retires only its own drops.
-* ``drops.result_sha256``: the shared result key of the drop (:func:`tuner.fleet.result_key`);
+* ``drops.result_sha256``: the shared result key of the drop (:func:`tuner.store.fleet.result_key`);
   ``drops.answered_from_drop_id``: the drop whose stored result answered this one without a
   worker (null when a worker ran).
 * Views: ``latest_proposals`` is per drop name *per owner* and names the host; new
@@ -19,7 +19,7 @@
   max_model_len).
 
 Rows from before this revision have no owner; a daemon adopts the jobs and drops whose path lies
-inside its own watch directory at start (:meth:`tuner.jobqueue.JobQueue.adopt`).
+inside its own watch directory at start (:meth:`tuner.store.jobqueue.JobQueue.adopt`).
 
 Revision ID: 0007
 Revises: 0006

@@ -1,7 +1,7 @@
 """Pass memo (issue 13): profile passes and the model specs they were built from, by content hash.
 
 * ``pass_memo`` — one row per memo entry: ``memo_key`` (SHA-256 of what the entry was computed
-  from, :mod:`tuner.passmemo`; unique), ``kind`` (``spec``: the model spec read from a
+  from, :mod:`tuner.jobs.passmemo`; unique), ``kind`` (``spec``: the model spec read from a
   ``config.json`` with transformers; ``pass``: one rank's profile pass), the model config hash,
   tool version, method, device kind and era it belongs to (for queries and clean-up), ``value``
   (the entry as JSON text) and ``created_at``.

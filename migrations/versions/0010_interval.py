@@ -1,4 +1,4 @@
-"""The interval of a prediction (tuner/uncertainty.py): each point's low (safe) and high ends.
+"""The interval of a prediction (tuner/memory/uncertainty.py): each point's low (safe) and high ends.
 
 ``candidates`` gains ``available_kv_cache_bytes_low``/``_high``, ``kv_cache_tokens_low``/``_high``
 and ``num_gpu_blocks_low``/``_high``; ``proposals`` gains the same KV bytes and tokens, the

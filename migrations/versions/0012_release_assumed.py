@@ -1,7 +1,7 @@
 """The release a drop was answered for when it named none, or one newer than the modelled ones.
 
 ``drops`` gains ``release_assumed``: JSON ``{value, requested, kind, reason}``
-(:func:`tuner.eras.resolve_release`; ``kind`` ``installed``, ``newest_modelled`` or
+(:func:`tuner.memory.eras.resolve_release`; ``kind`` ``installed``, ``newest_modelled`` or
 ``newer_release``). Null when the drop named a modelled release, and for drops stored before this
 revision.
 

@@ -5,7 +5,7 @@
 1. Cold CLI, new model: ``ctx-tuner profile configs/examples/llama-3.1-70b-h100-tp4.yaml`` in a new
    process (its worker subprocess included) against a new store, N runs; median wall seconds.
    Target (issue 13): ≤ 2.0 s. Then the same job's worker process alone (``python -m
-   tuner.worker_main`` on the job's request: no CLI, no store), with the heavy modules it
+   tuner.commands.worker_main`` on the job's request: no CLI, no store), with the heavy modules it
    imported (sympy, torch._dynamo / inductor, torch.distributed.tensor, transformers.activations:
    none, with the lean worker). Then the same CLI run against an existing store that holds another
    model (the 8B H100 example, profiled once): the store is opened and the memo looked up before
@@ -14,7 +14,7 @@
 2. V0 after imports: a new process imports the worker side (torch, transformers, the job, the
    simulator), then runs the V0 example drop ``configs/examples/llama-3.1-8b-rtx3090-v0.yaml``
    (vLLM 0.6.4 without chunked prefill: one pass per ``max_model_len`` probed; the imports are
-   :func:`tuner.worker_main.preload`'s, as the one-shot worker runs them); seconds of that
+   :func:`tuner.commands.worker_main.preload`'s, as the one-shot worker runs them); seconds of that
    first job, median over N processes (and of the same job run again in that process, which
    leaves out what the first job still imports or builds on first use). Target (issue 13): ≤ 1.5 s.
 
@@ -58,16 +58,16 @@ import json, sys, time
 HEAVY = %r
 t0 = time.perf_counter()
 import torch  # noqa: F401
-from tuner.app import prepare_request
-from tuner.drop import load_drop
-from tuner.job import run_job
-from tuner.plugin import load_registry
-import tuner.simulate.profile  # noqa: F401
+from tuner.jobs.app import prepare_request
+from tuner.question.drop import load_drop
+from tuner.jobs.job import run_job
+from tuner.model.plugin import load_registry
+import tuner.model.simulate.profile  # noqa: F401
 try:
-    from tuner.worker_main import preload
+    from tuner.commands.worker_main import preload
 except ImportError:  # a checkout before the worker's preload (for before/after figures)
     try:
-        from tuner.transformers_lean import import_transformers
+        from tuner.model.transformers_lean import import_transformers
     except ImportError:  # a checkout before the lean import
         import transformers  # noqa: F401
     else:
@@ -128,12 +128,12 @@ def cold_cli(runs: int, seeded: bool = False) -> tuple[list[float], list[float],
     return walls, cpus, floors
 
 
-#: The child of figure 1b: the 70B job's worker alone (``python -m tuner.worker_main`` on its
+#: The child of figure 1b: the 70B job's worker alone (``python -m tuner.commands.worker_main`` on its
 #: request), reporting the heavy modules it imported.
 WORKER_CHILD = r"""
 import json, os, sys
 HEAVY = %r
-import tuner.worker_main as wm
+import tuner.commands.worker_main as wm
 
 def report_then_exit(exit_=os._exit):
     # the worker ends without the interpreter's teardown (wm.skip_teardown): report first
@@ -153,8 +153,8 @@ def cold_worker(runs: int) -> tuple[list[float], list[float], list[str]]:
     modules it imported."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     sys.path.insert(0, str(REPO))
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     request = json.dumps(prepare_request(load_drop(str(COLD_DROP)))[0])
     walls, cpus, heavy = [], [], []

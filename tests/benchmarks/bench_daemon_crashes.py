@@ -14,7 +14,7 @@ Real ``ctx-tuner daemon`` processes, real SQLite files and signals, the fast fak
 3. ``--workers`` (default 10): N slow drops; each one's worker is SIGKILLed once (what the OOM
    killer does), plus one drop whose first pass exceeds the worker memory limit.
 4. ``--real`` (default 0; CI runs 2): part 1 with the *real* worker (``python -m
-   tuner.worker_main``, torch imported, the warm worker kept between jobs) on 12 drops of a tiny
+   tuner.commands.worker_main``, torch imported, the warm worker kept between jobs) on 12 drops of a tiny
    Llama, the daemon SIGKILLed N times while it works (issue 34: a share of the runs with real
    workers), then run to the end.
 

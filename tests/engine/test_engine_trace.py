@@ -27,10 +27,10 @@ CASES = [("meta-llama--Llama-3.1-8B-Instruct", 8192, 256, 0.10, 0.10), ("Qwen--Q
 
 
 def _plugin_pass(cfg, n: int, r: int, version: str):
-    from tuner.eras import era_for, profile_batch, resolve_dtype
-    from tuner.modelspec import load_model_spec, read_architectures, read_top, without_nulls
-    from tuner.plugin import RankSettings, load_registry
-    from tuner.simulate.profile import run_pass
+    from tuner.memory.eras import era_for, profile_batch, resolve_dtype
+    from tuner.model.modelspec import load_model_spec, read_architectures, read_top, without_nulls
+    from tuner.model.plugin import RankSettings, load_registry
+    from tuner.model.simulate.profile import run_pass
 
     plugin, _ = load_registry().for_architectures(read_architectures(cfg))
     spec, _ = load_model_spec(cfg, defaults=plugin.config_defaults(without_nulls(read_top(cfg))))

@@ -1,4 +1,4 @@
-"""Differential tests: ctx-tuner's KV arithmetic (:mod:`tuner.kvcache`) against the installed
+"""Differential tests: ctx-tuner's KV arithmetic (:mod:`tuner.memory.kvcache`) against the installed
 vLLM's own ``vllm.v1.core.kv_cache_utils`` on thousands of random layer sets.
 
 Each case is one random layer set (dense full attention with one or per-layer head counts,
@@ -7,12 +7,12 @@ KV dtype (float16, bfloat16, fp8), a block size, ``max_model_len``, ``max_num_ba
 async scheduling on or off, the hybrid manager on or off, ``--max-model-len -1`` (auto-fit) or not,
 sometimes ``num_gpu_blocks_override``, and available KV bytes drawn around the need. The same layer
 set is built twice, once from ``vllm.v1.kv_cache_interface`` classes and once from
-:mod:`tuner.kvcache` classes, and both sides size it:
+:mod:`tuner.memory.kvcache` classes, and both sides size it:
 
 * vLLM: ``get_kv_cache_configs(vllm_config, [specs], [available])`` with a real ``VllmConfig``
   (a tiny local Llama's ``ModelConfig``) whose fields are set per case, and the KV layout resolved
   as the engine core resolves it for backends that declare no layouts (FlashAttention);
-* ctx-tuner: ``tuner.kvcache.get_kv_cache_configs(<installed release>, ...)``.
+* ctx-tuner: ``tuner.memory.kvcache.get_kv_cache_configs(<installed release>, ...)``.
 
 Compared per case: the verdict (starts / "To serve at least one request …" / "No available
 memory …" / "Cannot auto-fit …" / a spec error), ``num_gpu_blocks``, the "estimated maximum model
@@ -47,7 +47,7 @@ from vllm.v1.attention.backends.utils import (  # noqa: E402
 from vllm.v1.core import kv_cache_utils as vu  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
 
-from tuner import kvcache as kc  # noqa: E402
+from tuner.memory import kvcache as kc# noqa: E402
 from tuner.errors import KVCacheError  # noqa: E402
 
 VERSION = vllm.__version__.split("+")[0]

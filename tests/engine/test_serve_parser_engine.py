@@ -1,7 +1,7 @@
 """The vLLM-backed serve parser against the real installed vLLM (issue 17).
 
 ``check`` with vLLM's own ``vllm serve`` parser (run in the vLLM interpreter by
-``tuner/vllm_parse_main.py``, never imported here) gives the same settings, verdict and KV numbers
+``tuner/engine/parse_main.py``, never imported here) gives the same settings, verdict and KV numbers
 as ctx-tuner's built-in parser on real serve lines and config files; where they disagree vLLM's
 answer wins. The vLLM interpreter is ``CTX_TUNER_VLLM_PYTHON``, else this Python when vLLM is
 importable here (the CI engine tier: ``.venv-engine``); otherwise the module skips (fails under
@@ -20,9 +20,9 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tuner.check import run_check
+from tuner.reports.check import run_check
 from tuner.engine import vllm_importable
-from tuner.serve_args import BUILTIN, ServeArgsError, parse_serve, strip_program
+from tuner.memory.serve_args import BUILTIN, ServeArgsError, parse_serve, strip_program
 
 REQUIRED = os.environ.get("CTX_TUNER_REQUIRE_ENGINE") == "1"
 
@@ -82,7 +82,7 @@ DIFFERENT = {
 
 @functools.lru_cache(maxsize=None)
 def _job(key: str) -> dict:
-    from tuner.job import run_job
+    from tuner.jobs.job import run_job
 
     return run_job(json.loads(key))
 
@@ -94,7 +94,7 @@ def inproc_worker(request: dict, *, job: str, timeout_s: float = 600.0, on_progr
 
 @pytest.fixture(autouse=True)
 def _inproc(monkeypatch):
-    monkeypatch.setattr("tuner.worker.run_in_worker", inproc_worker)
+    monkeypatch.setattr("tuner.seam.worker.run_in_worker", inproc_worker)
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")  # the engine adapter is not what these tests compare
 
 
@@ -112,7 +112,7 @@ def _materialise(tmp, name, argv, text):
 @pytest.fixture(scope="module")
 def parsed(tmp_path_factory):
     """Every line above through vLLM's own parser, one subprocess: name → (argv, config, result)."""
-    from tuner.vllm_serve_parser import VllmServeParser
+    from tuner.engine.serve_parser import VllmServeParser
 
     tmp = tmp_path_factory.mktemp("serve-lines")
     items = {}

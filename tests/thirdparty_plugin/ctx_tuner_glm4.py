@@ -1,7 +1,7 @@
 """GLM-4 plugin for ctx-tuner (``Glm4ForCausalLM``: GLM-4-0414, GLM-Z1).
 
 Follows vLLM ``Glm4ForCausalLM`` (vllm/model_executor/models/glm4.py): the Llama layout that
-``tuner.kit.build_decoder`` builds (fused QKV, biased when ``attention_bias``, ``o_proj``, gated
+``tuner.model.kit.build_decoder`` builds (fused QKV, biased when ``attention_bias``, ``o_proj``, gated
 MLP, vocab-parallel embedding and LM head) plus two more RMSNorms ``[H]`` per layer,
 ``post_self_attn_layernorm`` after the attention and ``post_mlp_layernorm`` after the MLP, each
 applied out of place (a new ``[N, H]``). Rotary cache ``[max_position_embeddings, head_dim ·
@@ -10,7 +10,7 @@ partial_rotary_factor]`` (vLLM's default factor: 0.5). KV cache: one full-attent
 
 from __future__ import annotations
 
-from tuner.kit import FullAttentionSpec, ModelPlugin, RankSettings, dtype_bytes_for, kv_heads_per_rank, stage_layers
+from tuner.model.kit import FullAttentionSpec, ModelPlugin, RankSettings, dtype_bytes_for, kv_heads_per_rank, stage_layers
 
 
 def rotary_dim(spec) -> int:
@@ -36,7 +36,7 @@ class Glm4Plugin(ModelPlugin):
     def build_model(self, spec, settings: RankSettings):
         import torch
 
-        from tuner.kit import GatedMLP, RMSNorm, RotaryEmbedding, build_decoder, scheme_for, torch_dtype
+        from tuner.model.kit import GatedMLP, RMSNorm, RotaryEmbedding, build_decoder, scheme_for, torch_dtype
 
         dtype, quant = torch_dtype(settings.dtype), scheme_for(spec, settings)
         h, tp = spec.hidden_size, settings.tensor_parallel_size

@@ -61,7 +61,7 @@ def store_from_args(args) -> str | None:
     if getattr(args, "db", None):
         return args.db
     if getattr(args, "settings", None):
-        from tuner.settings import load_settings
+        from tuner.daemon.settings import load_settings
 
         return load_settings(args.settings).db_url
     return None

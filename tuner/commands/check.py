@@ -34,7 +34,7 @@ def _one_device(text: str):
     """One card: a catalog name/alias, ``auto``, ``NAME:GIB`` (a total in GiB), and either may end
     in ``:INTERCONNECT`` (``nvswitch``, ``nvlink``, ``pcie``, ``xgmi``; ``pcie`` may be followed by
     ``:p2p`` or ``:no-p2p``): ``'My card:24:pcie'``, ``'A100-80GB:pcie'`` (a catalog card on another board)."""
-    from tuner.devices import INTERCONNECTS
+    from tuner.memory.devices import INTERCONNECTS
 
     parts = text.split(":")
     p2p = None
@@ -121,9 +121,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tuner.check import EXIT_FAILED, EXIT_INVALID, CheckInputError, render, run_check
+    from tuner.reports.check import EXIT_FAILED, EXIT_INVALID, CheckInputError, render, run_check
     from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
-    from tuner.serve_args import ServeArgsError
+    from tuner.memory.serve_args import ServeArgsError
 
     argv = list(args.serve or [])
     dashed = bool(argv) and argv[0] == "--"
@@ -144,7 +144,7 @@ def run(args) -> int:
     if isinstance(python_kw, int):
         return python_kw
     python, kw = python_kw
-    from tuner.vllm_serve_parser import VllmParserUnavailable, make_parser
+    from tuner.engine.serve_parser import VllmParserUnavailable, make_parser
 
     try:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
@@ -179,7 +179,7 @@ def run(args) -> int:
 def _worker_python(args) -> tuple[Any, dict] | int:
     """The worker Python (``--worker-python`` / ``--settings``) and the ``run_check`` keyword that
     runs jobs in it, or exit 2 for an invalid choice (printed)."""
-    from tuner.check import EXIT_INVALID
+    from tuner.reports.check import EXIT_INVALID
     from tuner.errors import TunerError
 
     try:
@@ -191,7 +191,7 @@ def _worker_python(args) -> tuple[Any, dict] | int:
     if python is not None:
         import functools
 
-        from tuner.worker import run_in_worker
+        from tuner.seam.worker import run_in_worker
 
         kw["worker"] = functools.partial(run_in_worker, python=python)
     return python, kw
@@ -225,7 +225,7 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
     deploy file; [] for a serve line; an exit code for a conflict."""
     import os
 
-    from tuner.check import EXIT_INVALID
+    from tuner.reports.check import EXIT_INVALID
     from tuner.deploy import is_deploy_file
 
     if args.deploy_files:
@@ -254,10 +254,10 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
 
 def _run_deploy(args, files: list[str]) -> int:
     """Check every vLLM workload of the deploy files; print each; exit = the worst."""
-    from tuner.check import EXIT_INVALID
+    from tuner.reports.check import EXIT_INVALID
     from tuner.deploy.verdicts import check_files, render
     from tuner.errors import TunerError
-    from tuner.vllm_serve_parser import make_parser
+    from tuner.engine.serve_parser import make_parser
 
     python_kw = _worker_python(args)
     if isinstance(python_kw, int):
@@ -298,7 +298,7 @@ def _python(args) -> str | None:
 
     wp, where = args.worker_python, "--worker-python"
     if wp is None and args.settings:
-        from tuner.settings import load_settings
+        from tuner.daemon.settings import load_settings
 
         wp, where = load_settings(args.settings).python_for(args.engine_version), args.settings
     if wp is None:

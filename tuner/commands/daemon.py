@@ -21,7 +21,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from tuner.settings import DEFAULT_SETTINGS_PATH
+    from tuner.daemon.settings import DEFAULT_SETTINGS_PATH
 
     p = sub.add_parser(
         "daemon", help="watch a directory of drops and profile each one (systemd service)",
@@ -81,8 +81,8 @@ def configure_logging(level: int, *, json_lines: bool = False) -> None:
 def run(args) -> int:
     import os
 
-    from tuner.daemon import Daemon
-    from tuner.settings import DEFAULT_SETTINGS_PATH, load_settings
+    from tuner.daemon.service import Daemon
+    from tuner.daemon.settings import DEFAULT_SETTINGS_PATH, load_settings
 
     path = args.settings
     if path is None and os.path.exists(DEFAULT_SETTINGS_PATH):

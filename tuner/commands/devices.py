@@ -36,7 +36,7 @@ def render(gpus) -> str:
 
 
 def run(args, nvml=None) -> int:
-    from tuner.devices import list_gpus
+    from tuner.memory.devices import list_gpus
 
     try:
         gpus = list_gpus(nvml)

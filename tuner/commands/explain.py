@@ -29,7 +29,7 @@ def _gmu(text: str) -> float:
 
 def _mml(text: str) -> int:
     """A length: an integer or vLLM's human-readable form (``32k``, ``128K``)."""
-    from tuner.serve_args import human_readable_int
+    from tuner.memory.serve_args import human_readable_int
 
     try:
         value = human_readable_int(text)
@@ -86,14 +86,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tuner.explain import ExplainInputError, explain_drop, explain_stored, render
+    from tuner.reports.explain import ExplainInputError, explain_drop, explain_stored, render
 
     if (args.drop is None) == (args.run is None):
         print("ctx-tuner explain: give a drop file or --run ID (one of them)", file=sys.stderr)
         return EXIT_USAGE
     try:
         if args.run is not None:
-            from tuner.results import open_for_read
+            from tuner.reports.results import open_for_read
 
             store = open_for_read(args.db)
             try:

@@ -30,7 +30,7 @@ def _bool(text: str) -> bool:
 
 def _length(text: str) -> int:
     """An integer or vLLM's human-readable form (``32k`` = 32000, ``32K`` = 32768)."""
-    from tuner.serve_args import human_readable_int
+    from tuner.memory.serve_args import human_readable_int
 
     try:
         return human_readable_int(text)
@@ -78,7 +78,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _options(args) -> dict:
-    from tuner.importlog import OPTION_KEYS
+    from tuner.accuracy.importlog import OPTION_KEYS
 
     return {k: getattr(args, k) for k in OPTION_KEYS if getattr(args, k, None) is not None}
 
@@ -88,9 +88,9 @@ def _gib(v) -> str:
 
 
 def run(args) -> int:
-    from tuner.importlog import import_log
-    from tuner.logparse import parse_file
-    from tuner.store import open_store
+    from tuner.accuracy.importlog import import_log
+    from tuner.logs.logparse import parse_file
+    from tuner.store.database import open_store
 
     try:
         parsed = parse_file(args.log)
@@ -122,7 +122,7 @@ def run(args) -> int:
                           "release": out.release},
                          indent=2, default=str))
         return EXIT_OK
-    from tuner.records import StoredRun
+    from tuner.store.records import StoredRun
 
     r = run_row
     run = StoredRun.from_row(run_row)

@@ -65,8 +65,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tuner.plot import _import_pyplot, frontier_from_drop, frontier_from_store, render_png, sidecar_path
-    from tuner.results import open_for_read
+    from tuner.reports.plot import _import_pyplot, frontier_from_drop, frontier_from_store, render_png, sidecar_path
+    from tuner.reports.results import open_for_read
 
     if args.host is not None and args.model is None:
         print("ctx-tuner plot: --host filters stored results: give it with --model TEXT", file=sys.stderr)
@@ -91,20 +91,20 @@ def run(args) -> int:
             return EXIT_USAGE
         if args.model is not None:
             store = open_for_read(args.db)
-            from tuner.memoanswer import memo_worker
+            from tuner.jobs.memoanswer import memo_worker
 
             data = frontier_from_store(store, model=args.model, device=args.device, concurrency=args.concurrency,
                                        host=args.host, timeout_s=args.timeout,
                                        worker=memo_worker(args.db, None, enabled=not args.no_cache, write=False))
         else:
-            from tuner.store import store_exists
+            from tuner.store.database import store_exists
 
             db = args.db or "var/ctx-tuner.sqlite"
             # measured points, if there is a store: a SQLite file that does not exist yet (path or
             # sqlite:/// URL) simply has none
             if store_exists(db):
                 store = open_for_read(db)
-            from tuner.memoanswer import memo_worker
+            from tuner.jobs.memoanswer import memo_worker
 
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
                                       store=store, timeout_s=args.timeout, progress=progress_printer(args),

@@ -26,11 +26,11 @@ def render_table(outcome, store: str | None = None) -> str:
 
     Each candidate shows ``starts`` (vLLM's verdict) and ``ok`` (starts and meets the drop's
     ``min_concurrency``: what a proposal needs); the ``vllm serve`` commands name the model's
-    resolved absolute directory (:func:`tuner.app.serve_model`)."""
-    from tuner.app import serve_model
-    from tuner.devices import device_label
-    from tuner.protocol import gmu_text
-    from tuner.search import candidate_starts
+    resolved absolute directory (:func:`tuner.jobs.app.serve_model`)."""
+    from tuner.jobs.app import serve_model
+    from tuner.memory.devices import device_label
+    from tuner.question.protocol import gmu_text
+    from tuner.memory.search import candidate_starts
 
     r, d = outcome.result, outcome.drop
     m = r["model"]
@@ -43,15 +43,15 @@ def render_table(outcome, store: str | None = None) -> str:
     ]
     for w in outcome.warnings:
         lines.append(f"warning: {w}")
-    from tuner.explain import engine_check_lines, term_sources_line
+    from tuner.reports.explain import engine_check_lines, term_sources_line
 
     if r.get("term_sources"):
         lines.append(term_sources_line(r["term_sources"]))
-    from tuner.explain import unmodelled_line
+    from tuner.reports.explain import unmodelled_line
 
-    for x in (r.get("uncertainty") or {}).get("unmodelled") or []:  # inputs with no rule (tuner/uncertainty.py)
+    for x in (r.get("uncertainty") or {}).get("unmodelled") or []:  # inputs with no rule (tuner/memory/uncertainty.py)
         lines.append(unmodelled_line(x))
-    from tuner.memoanswer import PASS_SOURCE, pass_source_line
+    from tuner.jobs.memoanswer import PASS_SOURCE, pass_source_line
 
     passes = pass_source_line(r.get(PASS_SOURCE))
     if passes:
@@ -61,7 +61,7 @@ def render_table(outcome, store: str | None = None) -> str:
     head = f"{'gmu':>5} {'max_model_len':>13} {'N':>6} {'starts':>6} {'ok':>3} {'weights':>8} {'activ.':>8} " \
            f"{'non-torch':>9} {'graphs':>6} {'KV GiB':>7} {'blocks':>8} {'KV tokens':>10} {'conc.':>7}  reason"
     lines += [head, "-" * len(head)]
-    from tuner.protocol import JobResult
+    from tuner.question.protocol import JobResult
 
     res = JobResult.from_wire(r)
     seen: set[str] = set()
@@ -111,7 +111,7 @@ def render_table(outcome, store: str | None = None) -> str:
 
 
 def risk_lines(p) -> list[str]:
-    """The proposal's risk and both answers (:mod:`tuner.uncertainty`): the length that starts at the
+    """The proposal's risk and both answers (:mod:`tuner.memory.uncertainty`): the length that starts at the
     interval's safe end and the one at the expected value, with the KV tokens' interval."""
     risk = p.get("risk")
     if not risk:
@@ -145,8 +145,8 @@ def to_json(outcome) -> dict:
     """The ``--json`` document: candidates (one per grid point, each with ``starts`` — vLLM's
     verdict — next to ``fits`` — starts and meets the constraints) and proposals (one per gmu,
     each with its ``command``: ``vllm serve`` with the model's resolved directory ``model_path``)."""
-    from tuner.app import serve_model
-    from tuner.search import candidate_starts
+    from tuner.jobs.app import serve_model
+    from tuner.memory.search import candidate_starts
 
     r = outcome.result
     model = serve_model(outcome.drop)
@@ -177,10 +177,10 @@ def to_json(outcome) -> dict:
 
 def vllm_form_entries(outcome) -> list[dict]:
     """The outcome's proposals with their vLLM forms (``vllm_config``, ``--kv-cache-memory-bytes``
-    args and config; :func:`tuner.proposals.add_vllm_forms`)."""
-    from tuner.app import serve_model
-    from tuner.proposals import add_vllm_forms, point_numbers
-    from tuner.protocol import JobResult
+    args and config; :func:`tuner.reports.proposals.add_vllm_forms`)."""
+    from tuner.jobs.app import serve_model
+    from tuner.reports.proposals import add_vllm_forms, point_numbers
+    from tuner.question.protocol import JobResult
 
     model = serve_model(outcome.drop)
     res = JobResult.from_wire(outcome.result)
@@ -197,8 +197,8 @@ def vllm_form_entries(outcome) -> list[dict]:
 def render_vllm_config(outcome) -> str:
     """Every proposal as ``vllm serve --config`` YAML documents (``---`` between them): the
     ``--gpu-memory-utilization`` form, then the ``--kv-cache-memory-bytes`` form (vLLM 0.10.2+)."""
-    from tuner.app import serve_model
-    from tuner.vllm_forms import proposal_documents
+    from tuner.jobs.app import serve_model
+    from tuner.question.vllm_forms import proposal_documents
 
     docs = proposal_documents(serve_model(outcome.drop), outcome.drop.engine_version, vllm_form_entries(outcome))
     if not docs:
@@ -237,13 +237,13 @@ def _missing_db_parent(db: str | None) -> str | None:
     import os
 
     from tuner.errors import StoreError
-    from tuner.litestore import sqlite_file
+    from tuner.store.litestore import sqlite_file
 
     if not db:
         return None
     path = sqlite_file(db)  # a plain path or sqlite:///PATH without SQLAlchemy's import
     if path is None:
-        from tuner.store import _is_file_sqlite, _resolve_url
+        from tuner.store.database import _is_file_sqlite, _resolve_url
 
         try:
             u = _resolve_url(db, "")
@@ -259,7 +259,7 @@ def _missing_db_parent(db: str | None) -> str | None:
 
 
 def run(args) -> int:
-    from tuner.app import profile
+    from tuner.jobs.app import profile
     from tuner.commands.explain import progress_printer
 
     import functools
@@ -267,7 +267,7 @@ def run(args) -> int:
     import shutil
     import sys
 
-    from tuner.worker import run_in_worker
+    from tuner.seam.worker import run_in_worker
 
     kw = {}
     wp = getattr(args, "worker_python", None)
@@ -278,8 +278,8 @@ def run(args) -> int:
             print(f"ctx-tuner: --worker-python {wp}: not an executable Python", file=sys.stderr)
             return EXIT_USAGE
         kw["worker"] = functools.partial(run_in_worker, python=path)
-        # a drop without engine_version takes the vLLM installed there (tuner.drop.installed_vllm)
-        from tuner.worker import WORKER_PYTHON_ENV
+        # a drop without engine_version takes the vLLM installed there (tuner.question.drop.installed_vllm)
+        from tuner.seam.worker import WORKER_PYTHON_ENV
 
         os.environ[WORKER_PYTHON_ENV] = path
     missing = _missing_db_parent(args.db)
@@ -290,8 +290,8 @@ def run(args) -> int:
     show = progress_printer(args)
     if show is not None:  # one line per gpu_memory_utilization from the worker, on stderr
         kw["worker"] = functools.partial(kw.get("worker", run_in_worker), on_progress=show)
-    from tuner.litestore import store_missing  # no SQLAlchemy import: a cold profile answered from the memo
-    from tuner.storerules import DEFAULT_PATH
+    from tuner.store.litestore import store_missing  # no SQLAlchemy import: a cold profile answered from the memo
+    from tuner.store.storerules import DEFAULT_PATH
 
     # the default store is relative to the current directory: say where it is (and that it is new)
     new_default = args.db is None and store_missing(None)

@@ -39,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tuner.results import open_for_read, query, render, to_csv
+    from tuner.reports.results import open_for_read, query, render, to_csv
 
     if args.table is not None and not args.csv:
         print("ctx-tuner results: --table goes with --csv (the table and --json outputs show every table)",

@@ -21,7 +21,7 @@ NAME = "retry"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from tuner.settings import DEFAULT_SETTINGS_PATH
+    from tuner.daemon.settings import DEFAULT_SETTINGS_PATH
 
     p = sub.add_parser("retry", help="queue failed daemon drops again (by name, or all with --failed)")
     p.add_argument("names", nargs="*", metavar="NAME", help="drop name (or drop file name without .yaml)")
@@ -35,9 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     import os
 
-    from tuner.jobqueue import JobQueue
-    from tuner.settings import DEFAULT_SETTINGS_PATH, load_settings
-    from tuner.store import open_store, store_exists
+    from tuner.store.jobqueue import JobQueue
+    from tuner.daemon.settings import DEFAULT_SETTINGS_PATH, load_settings
+    from tuner.store.database import open_store, store_exists
 
     if bool(args.names) == bool(args.failed):
         print("ctx-tuner retry: give drop names or --failed (one of them)", file=sys.stderr)
@@ -70,7 +70,7 @@ def run(args) -> int:
         what = "no failed drop" if args.failed else f"no failed drop named {', '.join(args.names)}"
         print(f"ctx-tuner retry: {what}", file=sys.stderr)
         return EXIT_FAILED
-    from tuner.failures import short
+    from tuner.daemon.failures import short
 
     for j in jobs:
         # the reason on one line, cut at a word with "…" (a cut at 200 characters lost "(ratio 4.2)")

@@ -69,8 +69,8 @@ def engine_version() -> str:
 
 def request_for(method: str, config_path: Path, device: dict, version: str) -> dict:
     """The worker request of one method: the tiny model, one candidate, no search."""
-    from tuner.drop import Candidates, Drop
-    from tuner.protocol import JobRequest
+    from tuner.question.drop import Candidates, Drop
+    from tuner.question.protocol import JobRequest
 
     drop = Drop(name=f"selftest-{method}", model=str(config_path.parent), device=dict(device), engine_version=version,
                 max_num_batched_tokens=2048, max_num_seqs=64,
@@ -121,7 +121,7 @@ def render(rows: list[dict], device: dict, version: str) -> str:
 
 
 def run(args, nvml: Any = None, worker: Callable[..., dict] | None = None) -> int:
-    from tuner.devices import require_gpu, resolve_device
+    from tuner.memory.devices import require_gpu, resolve_device
     from tuner.measure import has_vllm
 
     if not args.gpu:
@@ -135,7 +135,7 @@ def run(args, nvml: Any = None, worker: Callable[..., dict] | None = None) -> in
         print(f"ctx-tuner: selftest --gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if worker is None:
-        from tuner.worker import run_in_worker as worker
+        from tuner.seam.worker import run_in_worker as worker
     device = {"name": dev.name, "total_memory_bytes": dev.total_memory_bytes}
     version = engine_version()
     rows, failed = [], False

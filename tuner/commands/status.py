@@ -16,7 +16,7 @@ NAME = "status"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from tuner.settings import DEFAULT_SETTINGS_PATH
+    from tuner.daemon.settings import DEFAULT_SETTINGS_PATH
 
     p = sub.add_parser("status", help="health of the daemon's store and metrics endpoint (exit 0 healthy)")
     p.add_argument("--settings", default=DEFAULT_SETTINGS_PATH, help=f"daemon settings (default {DEFAULT_SETTINGS_PATH})")
@@ -50,9 +50,9 @@ def check_health(settings, *, fleet: bool = False) -> dict:
     import sqlalchemy as sa
 
     from tuner.errors import TunerError
-    from tuner.store import open_store, store_exists
+    from tuner.store.database import open_store, store_exists
 
-    from tuner.failures import failed_drops
+    from tuner.daemon.failures import failed_drops
 
     out: dict = {"store": settings.db_url, "jobs": None, "jobs_scope": None, "failed": None, "metrics": None,
                  "problems": []}
@@ -79,7 +79,7 @@ def check_health(settings, *, fleet: bool = False) -> dict:
     except Exception as exc:  # any failure to read the store is unhealthy
         out["problems"].append(f"store: {exc}")
     if settings.metrics_listen:
-        from tuner.metrics import MetricsError, scrape
+        from tuner.daemon.metrics import MetricsError, scrape
 
         try:
             text = scrape(settings.metrics_listen)
@@ -95,7 +95,7 @@ def check_health(settings, *, fleet: bool = False) -> dict:
 
 def run(args) -> int:
     from tuner.errors import SettingsError
-    from tuner.settings import load_settings
+    from tuner.daemon.settings import load_settings
 
     try:
         settings = load_settings(args.settings)
@@ -126,7 +126,7 @@ def jobs_text(jobs: dict) -> str:
 def status_lines(h: dict) -> list[str]:
     """The health report for people: the daemon's health, its jobs, each failed drop by name with
     its reason, the problems."""
-    from tuner.failures import FailedDrop, failures_text
+    from tuner.daemon.failures import FailedDrop, failures_text
 
     lines = [f"{'healthy' if h['healthy'] else 'UNHEALTHY'}: store {h['store']}"
              + (" answers" if h["jobs"] is not None else "")
@@ -144,7 +144,7 @@ def status_lines(h: dict) -> list[str]:
 
 
 def _print_failed(h: dict, as_json: bool) -> int:
-    from tuner.failures import FailedDrop, failures_text
+    from tuner.daemon.failures import FailedDrop, failures_text
 
     if h["failed"] is None:  # the store could not be read
         for p in h["problems"]:

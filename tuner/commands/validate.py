@@ -50,9 +50,9 @@ def default_models_dir(cases_path: str) -> Path:
 
 
 def run(args) -> int:
-    from tuner.validate import load_cases, render, select
-    from tuner.protocol import ValidateRequest
-    from tuner.worker import run_in_worker
+    from tuner.accuracy.validate import load_cases, render, select
+    from tuner.question.protocol import ValidateRequest
+    from tuner.seam.worker import run_in_worker
 
     try:
         cases = select(load_cases(args.cases), args.filter)

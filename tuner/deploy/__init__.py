@@ -3,7 +3,7 @@
 One entry function, :func:`read_deploy_file`: a file (any of the formats below) → a list of
 :class:`Workload`, each with the file and the path inside it
 (``deploy.yaml:Deployment/llama:containers[0].args``), the argument list the container runs
-(``vllm serve MODEL …``, for :func:`tuner.vllm_args.parse_line`: vLLM's own parser when importable,
+(``vllm serve MODEL …``, for :func:`tuner.question.vllm_args.parse_line`: vLLM's own parser when importable,
 the built-in one otherwise, so the later argument wins as vLLM parses it), its environment, the
 GPUs the manifest gives it and the GPU product it asks for. One module per format:
 
@@ -187,7 +187,7 @@ _DICT_OPTIONS = {"speculative-config", "compilation-config", "hf-overrides", "kv
 def _names_vllm_options(d: dict) -> bool:
     """A flat mapping is a ``vllm serve --config`` file when it names the model or an option the
     built-in parser knows (``max-model-len``, ``max_model_len``, ``tensor-parallel-size`` …)."""
-    from tuner.serve_args import flag_for
+    from tuner.memory.serve_args import flag_for
 
     return any(k == "model" or flag_for(k.replace("-", "_")) is not None for k in d)
 

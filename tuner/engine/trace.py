@@ -5,7 +5,7 @@ is_profile=True)`` followed by ``_dummy_sampler_run`` on its last hidden states 
 ``GPUModelRunner.profile_run`` (vllm/v1/worker/gpu_model_runner.py) for a text model — on a real
 model runner (the CPU build's ``CPUModelRunner``, which subclasses it) whose model is vLLM's own,
 built with ``initialize_model`` under ``FakeTensorMode`` (shapes, dtypes and storages, no memory).
-The simulate tracker (:class:`tuner.simulate.tracker.MemoryTracker`) counts every storage the run
+The simulate tracker (:class:`tuner.model.simulate.tracker.MemoryTracker`) counts every storage the run
 creates and their peak, as vLLM's ``torch_peak_increase`` does on a GPU: the forward's peak, then
 the sampler's peak on top of what the forward leaves alive (its N-token hidden states).
 
@@ -38,8 +38,8 @@ from typing import Any
 from tuner.errors import EngineError
 
 #: Margin added to a traced activation peak per kernel-dependent part met (fraction of the traced
-#: forward peak): a fake kernel does not see a kernel's own workspace. Documented in the README
-#: ("Engine adapter"); 0 for a trace that meets none (a dense decoder: the trace is exact up to
+#: forward peak): a fake kernel does not see a kernel's own workspace. Documented in docs/engine-adapter.md
+#: (the approximate parts); 0 for a trace that meets none (a dense decoder: the trace is exact up to
 #: the kernels' scratch, which the GEMMs and norms of a dense model do not allocate through torch).
 MARGIN_PER_PART = 0.10
 
@@ -81,7 +81,7 @@ def moe_gpu_workspace_bytes(model: Any, num_tokens: int) -> int | None:
     None where the release or the layers do not expose it (the fraction rule then applies)."""
     from math import prod
 
-    from tuner.simulate.tracker import round_allocation
+    from tuner.model.simulate.tracker import round_allocation
 
     try:
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
@@ -231,7 +231,7 @@ def trace_profile_run(session: Any, *, max_num_batched_tokens: int, max_num_seqs
 
     from tuner.engine.adapter import _init_single_rank
     from tuner.engine.fakes import kernel_part, register_fake_kernels
-    from tuner.simulate.tracker import MemoryTracker
+    from tuner.model.simulate.tracker import MemoryTracker
 
     if not current_platform.is_cpu():
         raise EngineTraceUnavailable(f"engine-trace runs on vLLM's CPU build only (platform "

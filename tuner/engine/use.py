@@ -36,7 +36,7 @@ class EngineUse:
     """What the engine decided for one job."""
 
     report: dict = field(default_factory=dict)
-    kv_specs: dict | None = None  # tuner.kvcache specs to use instead of the plugin's (one stage)
+    kv_specs: dict | None = None  # tuner.memory.kvcache specs to use instead of the plugin's (one stage)
     plugin: Any = None  # the plugin to run (a wrapper for an unserved architecture)
     weights: bool = False  # weights come from the engine
     approximate_activation: bool = False
@@ -52,12 +52,12 @@ class EngineUse:
         return sorted({p for t in self.report.get("trace", []) for p in t.get("approximate", [])})
 
     def run_pass(self, plugin: Any, spec: Any, settings: Any, era: Any, batch: Any, **kw: Any) -> Any:
-        """One profile pass with :func:`tuner.simulate.profile.run_pass`'s signature and result:
+        """One profile pass with :func:`tuner.model.simulate.profile.run_pass`'s signature and result:
         vLLM's own profile run traced (:func:`tuner.engine.trace.trace_profile_run`) for the
         batch, the engine's weights, the era's persistent runner buffers (as a simulated pass
         adds them) and the margin of the kernel-dependent parts met; where the trace cannot run,
         the plugin's simulated pass, with a warning (once) and ``plugin(generic, approximate)``."""
-        from tuner.simulate.profile import run_pass
+        from tuner.model.simulate.profile import run_pass
 
         if not self.trace_activation or self.session is None:
             return run_pass(plugin, spec, settings, era, batch, **kw)
@@ -104,7 +104,7 @@ class EnginePlugin:
 def engine_settings(d: dict, *, block_size: int, multimodal: bool, trust_remote_code: bool):
     from tuner.engine.adapter import EngineSettings
 
-    from tuner.protocol import drop_from_wire
+    from tuner.question.protocol import drop_from_wire
 
     unchunked = d.get("enable_chunked_prefill") is False
     grid = drop_from_wire(d, strict=False).candidates.max_model_len or []
@@ -121,7 +121,7 @@ def gpu_block_size(d: dict, plugin_specs: dict | None) -> int:
     """The block size a GPU engine of the drop's release starts from: the drop's, else the
     plugin's attention block (MLA backends choose theirs), else vLLM's CUDA default 16. Hybrid
     models start from 16 too; ``update_block_size_for_backend`` raises it."""
-    from tuner.kvcache import MambaSpec
+    from tuner.memory.kvcache import MambaSpec
 
     if d.get("block_size"):
         return int(d["block_size"])
@@ -146,7 +146,7 @@ def engine_for_job(*, d: dict, model_dir: str, spec: Any, plugin: Any, unserved:
         EngineError: the engine cannot build the model (for a served architecture the job goes on
             with the plugin and a warning instead).
     """
-    from tuner.eras import parse_version
+    from tuner.memory.eras import parse_version
 
     if opener is None:
         from tuner.engine.adapter import open_session as opener
@@ -231,7 +231,7 @@ def engine_for_job(*, d: dict, model_dir: str, spec: Any, plugin: Any, unserved:
 
 
 def _same_release(a: str, b: str) -> bool:
-    from tuner.eras import VllmVersion
+    from tuner.memory.eras import VllmVersion
 
     import re
 
@@ -249,7 +249,7 @@ def verify_proposals(use: EngineUse, proposals: list[dict], available_at: Any) -
     than the installed one, a difference is that release's rule, not a disagreement)."""
     if use.session is None or "check" not in use.report:
         return
-    from tuner.protocol import ProposalResult
+    from tuner.question.protocol import ProposalResult
 
     out = []
     for p in map(ProposalResult.from_wire, proposals):
@@ -267,7 +267,7 @@ def verify_proposals(use: EngineUse, proposals: list[dict], available_at: Any) -
 
 
 def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, *, model_runner_v2: bool) -> Any:
-    """A :class:`tuner.simulate.profile.PassResult` from vLLM's traced profile run (see
+    """A :class:`tuner.model.simulate.profile.PassResult` from vLLM's traced profile run (see
     :meth:`EngineUse.run_pass`); the trace's details go to ``use.report["trace"]``.
 
     Raises:
@@ -275,9 +275,9 @@ def traced_pass(use: EngineUse, spec: Any, settings: Any, era: Any, batch: Any, 
     """
     import time
 
-    from tuner.budget import DTYPE_BYTES, runner_persistent_bytes
+    from tuner.memory.budget import DTYPE_BYTES, runner_persistent_bytes
     from tuner.engine.trace import approximate_margin_bytes, trace_profile_run
-    from tuner.simulate.profile import PassResult
+    from tuner.model.simulate.profile import PassResult
 
     from tuner.engine.isolate import run_isolated
 
@@ -313,7 +313,7 @@ APPLIED_KEYS = ("max_num_batched_tokens", "max_num_seqs")
 
 def reconcile_defaults(use: EngineUse, *, era_batch: Any, block_size: int, d: dict, device: dict) -> dict:
     """The engine's scheduler defaults for the drop's device (``EngineSession.batch_defaults``)
-    next to ctx-tuner's era rules (``era_batch``: :func:`tuner.eras.profile_batch` for the
+    next to ctx-tuner's era rules (``era_batch``: :func:`tuner.memory.eras.profile_batch` for the
     drop; ``block_size``: the job's), recorded in ``use.report["defaults"]`` with every
     difference for a key the drop leaves unset (also a warning). When the installed release
     is the drop's, the engine's :data:`APPLIED_KEYS` the drop leaves unset are returned, to be

@@ -18,7 +18,7 @@ def has_vllm() -> bool:
 def available_methods(nvml: Any = None) -> list[str]:
     """Methods this host can run, best first: ``vllm`` (GPU and vllm installed), ``cuda`` (GPU),
     ``simulate`` (always). Never raises: a missing GPU or NVML just drops the GPU methods."""
-    from tuner.devices import list_gpus
+    from tuner.memory.devices import list_gpus
     from tuner.errors import DeviceError
 
     try:

@@ -43,8 +43,8 @@ def measure_pass(plugin, spec, settings, era, batch, *, gpu_memory_utilization: 
 
     if not torch.cuda.is_available():
         raise MeasureError("torch sees no CUDA device (method 'cuda' needs a GPU)", where="cuda")
-    from tuner.simulate.sampler import run_dummy_sampler
-    from tuner.eras import sampler_family
+    from tuner.model.simulate.sampler import run_dummy_sampler
+    from tuner.memory.eras import sampler_family
 
     dev = torch.device("cuda", device_index)
     t0 = time.perf_counter()
@@ -110,8 +110,8 @@ def measure_pass(plugin, spec, settings, era, batch, *, gpu_memory_utilization: 
 
 
 def measured_pass(plugin, spec, settings, era, batch, *, device_index: int = 0) -> dict:
-    """:func:`measure_pass` shaped like a simulate pass (:class:`tuner.simulate.profile.PassResult`
-    as a dict) for :func:`tuner.job.run_job`: ``max_num_batched_tokens``, ``num_reqs``,
+    """:func:`measure_pass` shaped like a simulate pass (:class:`tuner.model.simulate.profile.PassResult`
+    as a dict) for :func:`tuner.jobs.job.run_job`: ``max_num_batched_tokens``, ``num_reqs``,
     ``pp_rank``, ``weights_bytes``, ``activation_peak_bytes`` (measured), ``forward_peak_bytes``
     and ``sampler_peak_bytes`` (None: one peak is measured), ``elapsed_s``, plus the measured
     ``non_torch_bytes``, ``total_memory_bytes`` and ``free_memory_bytes`` (at start).
@@ -139,7 +139,7 @@ def refuse_below_free_memory(era, candidates: list[dict], *, free_memory_bytes: 
     check. Returns how many candidates were marked. Pure (no torch)."""
     if not (era.engine == "V1" and era.version >= (0, 9, 1)):
         return 0
-    from tuner.protocol import point_of
+    from tuner.question.protocol import point_of
 
     gib = lambda b: round(b / (1 << 30), 2)  # noqa: E731 - vLLM's format_gib
     marked = 0

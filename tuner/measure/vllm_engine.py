@@ -1,5 +1,5 @@
 """The ``vllm`` method: start the installed vLLM engine with dummy weights for one candidate, capture
-its start-up log and read the memory breakdown with :mod:`tuner.logparse` (parent side: no torch,
+its start-up log and read the memory breakdown with :mod:`tuner.logs.logparse` (parent side: no torch,
 no vllm import; the engine runs in its own subprocess and process group).
 
 The child is ``python -c <script>`` constructing ``vllm.LLM(**engine_args)`` with
@@ -31,7 +31,7 @@ import sys
 from typing import Any, Callable
 
 from tuner.errors import MeasureError
-from tuner.logparse import ParsedLog, parse_text
+from tuner.logs.logparse import ParsedLog, parse_text
 
 #: Drop keys → vLLM ``EngineArgs`` names (identical where not listed).
 _ARG_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "kv_cache_dtype", "quantization",
@@ -160,7 +160,7 @@ def needed_candidates(drop: dict, proposals: list[dict]) -> list[tuple[float, in
     """The (gpu_memory_utilization, max_model_len) points a ``vllm`` job starts the engine for:
     the drop's explicit grid when it lists ``candidates.max_model_len``, else each proposal's
     length (the answer to check); at most :data:`MAX_STARTS`, in order."""
-    from tuner.protocol import ProposalResult, drop_from_wire
+    from tuner.question.protocol import ProposalResult, drop_from_wire
 
     cand = drop_from_wire(drop, strict=False).candidates
     us = cand.gpu_memory_utilization or []
