@@ -272,3 +272,16 @@ def test_v1_runner_is_padding_buffer_charged_from_0_31_not_0_27():
     kw = dict(model_runner_v2=False, max_num_batched_tokens=8192, max_num_seqs=1024, max_model_len=32768,
               hidden_size=4096, vocab_size=128256)
     assert runner_persistent_bytes(era_for("0.31.0"), **kw) - runner_persistent_bytes(era_for("0.30.0"), **kw) == 8192
+
+
+def test_gemma4_text_only_keeps_the_tier_batch_from_0_27_not_before(shared_dir):
+    """With every modality disabled (``language_model_only``) 0.27+ turn ``is_mm_prefix_lm`` off
+    (``_supports_multimodal_for_mm_prefix``): no 2,496-token floor; 0.22–0.26 raise N anyway."""
+    import json
+
+    from tuner.memory.eras import mm_prefix_lm_item_tokens
+
+    top = json.loads((shared_dir / "models" / "google--gemma-4-26B-A4B" / "config.json").read_text())
+    assert mm_prefix_lm_item_tokens(top, version="0.26.0", text_only=True) == 2496
+    assert mm_prefix_lm_item_tokens(top, version="0.27.0", text_only=True) == 0
+    assert mm_prefix_lm_item_tokens(top, version="0.27.0") == 2496

@@ -1085,7 +1085,9 @@ class Passes:
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
                               is_multimodal=self.is_multimodal,
-                              mm_prefix_lm_item_tokens=mm_prefix_lm_item_tokens(spec.top))
+                              mm_prefix_lm_item_tokens=mm_prefix_lm_item_tokens(
+                                  spec.top, version=era.version,
+                                  text_only=bool(_mm_limits(d)) and all(n == 0 for _m, n in _mm_limits(d))))
         # vLLM's SchedulerConfig: N >= S once the era's defaults are applied.
         check_batch(engine=era.engine, max_num_batched_tokens=batch.max_num_batched_tokens,
                     max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,

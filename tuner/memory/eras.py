@@ -327,7 +327,14 @@ GEMMA4_VIDEO_MAX_FRAMES = 32
 GEMMA4_VIDEO_MAX_SOFT_TOKENS = 70
 
 
-def mm_prefix_lm_item_tokens(top_config: dict | None) -> int:
+#: First release whose ``is_mm_prefix_lm`` is False when every modality is configuration-disabled
+#: (``language_model_only``, all ``limit_mm_per_prompt`` 0): vllm/config/model.py
+#: ``ModelConfig._supports_multimodal_for_mm_prefix``, 0.27.0.
+MM_PREFIX_TEXT_ONLY_OFF_SINCE = (0, 27, 0)
+
+
+def mm_prefix_lm_item_tokens(top_config: dict | None, *, version: "VllmVersion | str | None" = None,
+                             text_only: bool = False) -> int:
     """The largest per-item token count vLLM reserves in one batch for a multimodal prefix-LM model
     (0 when the model is not one, or vLLM does not know the count without dummy inputs).
 
@@ -337,7 +344,10 @@ def mm_prefix_lm_item_tokens(top_config: dict | None) -> int:
     and moondream3, not modelled. Gemma-4's ``Gemma4ProcessingInfo.get_mm_max_tokens_per_item``
     (gemma4_mm.py): image ``vision_config.default_output_length``, video
     ``32 × (70 + 2 + 6)`` = 2,496; audio (``processor.audio_seq_length``, a processor setting not
-    in config.json) is not modelled."""
+    in config.json) is not modelled. ``text_only`` (every modality disabled): 0 from 0.27
+    (:data:`MM_PREFIX_TEXT_ONLY_OFF_SINCE`); 0.22–0.26 raise N all the same."""
+    if text_only and version is not None and VllmVersion.parse(version) >= MM_PREFIX_TEXT_ONLY_OFF_SINCE:
+        return 0
     top = top_config or {}
     if top.get("model_type") != "gemma4":
         return 0
