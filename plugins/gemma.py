@@ -328,6 +328,13 @@ def _classes():
     global _CLASSES
     if _CLASSES is not None:
         return _CLASSES
+    GemmaSandwichLayer, Gemma4Router, Gemma4DecoderLayer = _layer_classes()
+    _CLASSES = (GemmaSandwichLayer, Gemma4DecoderLayer, _lm_class(), Gemma4Router)
+    return _CLASSES
+
+
+def _layer_classes():
+    """The decoder-layer classes: Gemma 2/3's sandwich layer, Gemma 4's router and layer."""
     import torch
     from torch import nn
 
@@ -440,6 +447,15 @@ def _classes():
             h = h * self.layer_scalar
             return h, None
 
+    return GemmaSandwichLayer, Gemma4Router, Gemma4DecoderLayer
+
+
+def _lm_class():
+    """The causal LM class: the normalizer buffer and Gemma 4's per-layer inputs."""
+    import torch
+
+    from tuner.model.simulate import layers as L
+
     class GemmaCausalLM(L.CausalLM):
         """``CausalLM`` whose embedding output is multiplied by the ``normalizer`` buffer
         (``sqrt(H)`` in the model dtype), as every Gemma ``embed_input_ids``."""
@@ -510,8 +526,7 @@ def _classes():
             hidden_states, _ = self.norm(hidden_states, residual)
             return hidden_states
 
-    _CLASSES = (GemmaSandwichLayer, Gemma4DecoderLayer, GemmaCausalLM, Gemma4Router)
-    return _CLASSES
+    return GemmaCausalLM
 
 
 plugin = GemmaPlugin()

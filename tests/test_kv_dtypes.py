@@ -235,3 +235,29 @@ def test_job_resolves_auto_from_a_modelopt_checkpoint(tmp_path, shared_dir):
     old, _ = _run(*_llama_case(tmp_path, shared_dir, version="0.13.0", kv="auto", quantization_config=qc))
     old8, _ = _run(*_llama_case(tmp_path, shared_dir, version="0.13.0", kv="fp8_e4m3", quantization_config=qc))
     assert old8["num_gpu_blocks"] > 1.9 * old["num_gpu_blocks"]  # 0.13: auto stays 16-bit
+
+
+def test_local_layers_lost_their_kv_quant_layout_when_promoted_to_full():
+    """The failure (found by the KV differential test once int8_per_token_head / nvfp4 were drawn): with
+    the hybrid manager off, sliding-window and chunked layers promoted to full attention kept their
+    quantized page in ctx-tuner but not in vLLM, or the other way round: 53 of 6,000 cases differed from
+    vLLM 0.32 (e.g. 1477 blocks where vLLM has 1447). vLLM's unify_hybrid_kv_cache_specs carries
+    head_size_v and kv_quant_mode for sliding layers from 0.21 and, via replace_as, for chunked layers
+    from 0.28; 0.20 (and chunked before 0.28) builds the full spec without them."""
+    from tuner.memory import kvcache as kc
+
+    full = kc.FullAttentionSpec(16, 8, 128, 1, kv_quant_mode="INT8_PER_TOKEN_HEAD")
+    sw = kc.SlidingWindowSpec(16, 8, 128, 1, 1024, kv_quant_mode="INT8_PER_TOKEN_HEAD")
+    local = kc.ChunkedLocalAttentionSpec(16, 8, 128, 1, 8192, kv_quant_mode="INT8_PER_TOKEN_HEAD")
+    plain, scaled = 16 * 8 * 256, 16 * 8 * (256 + 8)
+    assert full.page_size_bytes == sw.page_size_bytes == scaled
+    for version, sw_page, local_page in (("0.20.0", plain, plain), ("0.21.0", scaled, plain),
+                                         ("0.27.0", scaled, plain), ("0.28.0", scaled, scaled),
+                                         ("0.32.0", scaled, scaled)):
+        out = kc.unify_hybrid_kv_cache_specs(version, {"a": full, "b": sw})
+        assert out["b"].page_size_bytes == sw_page, version
+        out = kc.unify_hybrid_kv_cache_specs(version, {"a": full, "c": local})
+        assert out["c"].page_size_bytes == local_page, version
+    nv = kc.SlidingWindowSpec(16, 8, 128, 1, 1024, kv_quant_mode="NVFP4")
+    out = kc.unify_hybrid_kv_cache_specs("0.32.0", {"a": full, "b": nv})
+    assert out["b"].page_size_bytes == 16 * 8 * (72 + 72) == nv.page_size_bytes

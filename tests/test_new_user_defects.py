@@ -283,8 +283,8 @@ def test_weights_larger_than_the_card_said_try_increasing_gpu_memory_utilization
     assert ("  the weights do not fit the GPU: vLLM fails loading them (CUDA out of memory in load_model, before the "
             "memory profile; no gpu_memory_utilization helps): the weights are 29,323,208,704 bytes (27.31 GiB) and "
             "with the non-torch memory (268,435,456 bytes) need 29,591,644,160 bytes, more than the GPU's "
-            "25,265,438,720 bytes (23.53 GiB); what would fit: --tensor-parallel-size 2 (about 13.65 GiB of weights "
-            "per GPU), a quantized checkpoint") in out
+            "25,265,438,720 bytes (23.53 GiB); what would let them load (the KV cache and activations still need "
+            "room beyond): --tensor-parallel-size 2 (about 13.65 GiB of weights per GPU), a quantized checkpoint") in out
     assert "Try increasing" not in out and "bytes per block = 0 blocks" not in out and "KV cache -6.95" not in out
     assert "  --tensor-parallel-size 2 (71056 KV tokens):" in out
 
@@ -554,3 +554,123 @@ def test_repeated_profile_stored_a_new_drop_row_each_time(tmp_path, tiny_config,
     drop.write_text(drop.read_text().replace("[0.5]", "[0.6]"))  # changed content: a new row
     assert main(["profile", str(drop), "--db", str(db)]) == 0
     assert "\nstored as drop id 2\n" in capsys.readouterr().out + "\n"
+
+
+# -- issue 33: what a fresh user met in round 3 -------------------------------------------------------
+
+def _llama():
+    from tests.conftest import REPO
+
+    return str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+
+
+def test_co_tenant_weights_refusal_gave_contradictory_advice_and_a_negative_interval(capsys):
+    """70 GiB held by other processes on an H100, vLLM 0.34: the weights do not load. Before: 'what
+    would fit: --tensor-parallel-size 2' beside '--tensor-parallel-size 2: still does not start',
+    '--gpu-memory-utilization: no value <= 1 is enough (it would take 0.246 of total, 19.47 GiB)' and
+    'interval: KV -0.27 GiB to 0.27 GiB, 0-34 blocks'."""
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "H100-80GB", "--engine-version", "0.34.0", "--other-processes-memory-gib", "70",
+               "--", "vllm", "serve", _llama(), "--max-model-len", "8192"])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert ("more than the GPU's 9,868,148,736 bytes (9.19 GiB) left by other processes; what would let them load "
+            "(the KV cache and activations still need room beyond): --tensor-parallel-size 2 (about 7.49 GiB of "
+            "weights per GPU)") in out
+    assert "or a GPU with more than 15.24 GiB free plus the KV cache" in out
+    assert "what would fit" not in out and "interval: KV -" not in out and "0.246 of total" not in out
+    assert ("  --gpu-memory-utilization: no value helps (the weights do not load; vLLM fails before it sizes "
+            "anything from gpu_memory_utilization)") in out
+
+
+def test_co_tenant_gmu_remedy_ignored_the_free_memory_check(capsys):
+    """60 GiB held by others, 0.32, gmu 0.2: a larger gpu_memory_utilization is suggested only where
+    total x u stays within what the co-tenants leave free (vLLM's init_device check)."""
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "H100-80GB", "--engine-version", "0.32.0", "--other-processes-memory-gib", "60",
+               "--", "vllm", "serve", _llama(), "--max-model-len", "8192", "--gpu-memory-utilization", "0.2"])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert "--gpu-memory-utilization 0.236 (8816 KV tokens):" in out  # 18.69 GiB < the 19.19 GiB left free
+    # 62 GiB held: the weights load into the 17.19 GiB left, but the budget the cache needs does not fit
+    # it (before: '--gpu-memory-utilization 0.236: checked, still does not start')
+    rc = main(["check", "--device", "H100-80GB", "--engine-version", "0.32.0", "--other-processes-memory-gib", "62",
+               "--", "vllm", "serve", _llama(), "--max-model-len", "8192", "--gpu-memory-utilization", "0.2"])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert ("  --gpu-memory-utilization: no value is enough (it would take 18.61 GiB, 0.235 of total, more than the "
+            "17.19 GiB other processes leave free: vLLM refuses a budget above the free memory)") in out
+
+
+def test_device_name_without_its_blank_got_no_did_you_mean(capsys):
+    """--device RTX4090:23.53 was taken as an unknown card (compute capability assumed 9.0) without
+    saying that the catalog's 'RTX 4090' is meant."""
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "RTX4090:23.53", "--engine-version", "0.34.0", "--no-variants", "--", "vllm",
+               "serve", _llama(), "--max-model-len", "8192"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert ("note: assumed device.compute_capability: 9.0 or newer (RTX4090 is not in the catalog (did you mean "
+            "'RTX-4090'? named so, e.g. --device 'RTX-4090:23.53', the catalog's compute capability and interconnect "
+            "are used) and no compute_capability was stated") in out
+
+
+def test_h200_nvl_was_not_in_the_device_catalog():
+    from tuner.memory.devices import lookup, resolve_device
+
+    for name in ("NVIDIA H200 NVL", "H200 NVL", "H200-NVL"):
+        dev = lookup(name)
+        assert dev is not None and dev.name == "H200-NVL"
+        assert dev.total_memory_bytes == 150108897280 and dev.interconnect == "nvlink"
+        assert dev.compute_capability == "9.0"
+    assert resolve_device("NVIDIA H200").name == "H200"  # the SXM card keeps its name
+    assert resolve_device("H200").interconnect == "nvswitch"
+
+
+def test_vllm_use_v1_reported_not_modelled_on_a_v1_only_release(tmp_path, capsys):
+    """A deploy file's VLLM_USE_V1=1 on vLLM 0.34 was 'does not model VLLM_USE_V1=1', exit 2; V1 is the
+    only engine from 0.11 (vllm/envs.py drops the variable), so it is a no-op, said."""
+    from tests.conftest import REPO
+    from tuner.cli import main
+
+    src = (REPO / "tests" / "fixtures" / "deploy" / "k8s-deployment.yaml").read_text()
+    src = src.replace("v0.19.0", "v0.34.0").replace('"131072"', '"8192"').replace(
+        "value: INFO", 'value: INFO\n            - name: VLLM_USE_V1\n              value: "1"')
+    f = tmp_path / "dep.yaml"
+    f.write_text(src)
+    rc = main(["check", str(f), "--models-dir", str(REPO / "configs" / "models"), "--no-variants"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert ("note: env VLLM_USE_V1='1': modelled as a no-op on vLLM 0.34.0: the V0 engine was removed in 0.11, V1 "
+            "is the only engine and vLLM does not read the variable (it logs 'Unknown vLLM environment variable "
+            "detected: VLLM_USE_V1')") in out
+
+
+def test_vllm_use_v1_0_selects_v0_before_0_11():
+    from tuner.jobs.job import drop_era
+
+    base = {"name": "x", "model": _llama(), "device": "H100-80GB", "engine_version": "0.10.1.1",
+            "candidates": {"gpu_memory_utilization": [0.9], "max_model_len": [4096]}}
+    assert drop_era({**base, "env": {"VLLM_USE_V1": "0"}}).engine == "V0"
+    assert drop_era({**base, "env": {"VLLM_USE_V1": "1"}}).engine == "V1"
+    assert drop_era({**base, "engine_version": "0.34.0", "env": {"VLLM_USE_V1": "0"}}).engine == "V1"
+
+
+def test_kv_tokens_not_blocks_times_block_size_unexplained(capsys):
+    """0.34 printed '712 blocks, 45567 KV tokens' (712 x 64 = 45568): vLLM logs
+    int(max_concurrency x max_model_len) (get_kv_cache_capacity); check now says so."""
+    from tuner.cli import main
+
+    rc = main(["check", "--device", "RTX 3090", "--engine-version", "0.34.0", "--no-variants", "--", "vllm", "serve",
+               _llama(), "--max-model-len", "44480"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "STARTS: max_model_len 44480 at gpu_memory_utilization 1: 712 blocks, 45567 KV tokens, 1.02x" in out
+    assert ("  KV tokens as vLLM 0.34.0 logs 'GPU KV cache size: N tokens': int(concurrency x max_model_len) = "
+            "int(712 / 695 blocks per request x 44480) (not 712 x 64 = 45568)") in out
+    main(["check", "--device", "RTX 3090", "--engine-version", "0.34.0", "--no-variants", "--", "vllm", "serve",
+          _llama(), "--max-model-len", "32768"])
+    assert "KV tokens as vLLM" not in capsys.readouterr().out  # 45568 = 712 x 64: nothing to explain

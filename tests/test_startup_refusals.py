@@ -164,3 +164,128 @@ def test_model_runner_v2_before_it_is_modelled_is_refused(tmp_path):
                          "--db", "sqlite:///" + str(tmp_path / "x.sqlite"))
     assert rc == 2
     assert "use_v2_model_runner" in err and "not modelled" in err
+
+
+def test_draft_model_with_another_vocabulary_reported_as_starting():
+    """The failure: a draft_model drafter whose vocabulary differs from the target's (Llama-3.1-8B
+    128256, Qwen3-0.6B 151936) was 'STARTS: 14770 blocks' on 0.32; vLLM's SpeculativeConfig refuses it
+    before loading anything, from 0.15.0 (verify_equal_vocab_size_if_draft_model; absent in 0.14.0)."""
+    from tests.conftest import REPO
+    from tuner.reports.check import run_check
+    from tuner.errors import TunerError
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    draft = str(REPO.parent / "shared" / "models" / "Qwen--Qwen3-0.6B")
+    line = ["vllm", "serve", model, "--max-model-len", "8192", "--speculative-config",
+            '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % draft]
+    with pytest.raises(TunerError) as exc:  # invalid input (exit 2), as the other refusals of the configuration
+        run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False)
+    assert ("Target and draft model should have the same vocabulary size. Target model vocab_size=128256. Draft "
+            "model vocab_size=151936.") in str(exc.value)
+    assert run_check(line, device="H100-80GB", engine_version="0.14.0", variants=False).starts is True
+
+
+def test_draft_vocab_rule_by_release_and_method():
+    from tuner.memory.engine_checks import DRAFT_VOCAB_CHECK_FROM, check_draft_vocab
+    from tuner.errors import DropError
+
+    assert DRAFT_VOCAB_CHECK_FROM == (0, 15, 0)
+    sc = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    with pytest.raises(DropError):
+        check_draft_vocab(sc, draft_config={"vocab_size": 10}, target_config={"text_config": {"vocab_size": 11}},
+                          version="0.15.0", path=None)
+    check_draft_vocab(sc, draft_config={"vocab_size": 10}, target_config={"vocab_size": 11}, version="0.14.0",
+                      path=None)
+    check_draft_vocab({**sc, "method": "eagle3"}, draft_config={"vocab_size": 10}, target_config={"vocab_size": 11},
+                      version="0.34.0", path=None)  # eagle heads map their own vocab (draft_has_own_vocab false)
+    check_draft_vocab(sc, draft_config={"vocab_size": 11}, target_config={"vocab_size": 11}, version="0.34.0",
+                      path=None)
+
+
+def test_max_model_len_auto_ignored_the_cap_vllm_honours():
+    """vLLM's auto-fit (0.14+) starts from the derived length, so a lowered max_position_embeddings
+    (--hf-overrides) caps it: Llama-3.1-8B on an RTX 3090 at 0.32 fits 43392 uncapped, 32768 capped."""
+    from tests.conftest import REPO
+    from tuner.reports.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    free = run_check(["vllm", "serve", model, "--max-model-len", "auto"], device="RTX 3090", engine_version="0.32.0",
+                     variants=False)
+    capped = run_check(["vllm", "serve", model, "--max-model-len", "auto", "--hf-overrides",
+                        '{"max_position_embeddings": 32768}'], device="RTX 3090", engine_version="0.32.0",
+                       variants=False)
+    assert free.doc["max_model_len"] == 43392 and capped.doc["max_model_len"] == 32768
+    assert any("Auto-fit max_model_len: full model context length 32768 fits" in w for w in capped.doc["warnings"])
+
+
+def test_cold_compile_cache_could_not_be_stated():
+    """The failure: a cold first boot (torch.compile cache empty: Inductor compiles in the profile run,
+    max-autotune for single-size ranges) could not be told to check or a drop. Now `compile_cache: cold`
+    is named as a not-modelled input and widens the interval; warm / unstated are answered as modelled;
+    with enforce_eager nothing is compiled and nothing widens."""
+    from tests.conftest import REPO
+    from tuner.reports.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    line = ["vllm", "serve", model, "--max-model-len", "32768"]
+    plain = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False)
+    warm = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="warm")
+    cold = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="cold")
+    assert plain.doc["interval"] == warm.doc["interval"]
+    assert plain.doc["numbers"]["num_gpu_blocks"] == cold.doc["numbers"]["num_gpu_blocks"] == 28284
+    lo = lambda r: r.doc["interval"]["num_gpu_blocks_low"]  # noqa: E731
+    assert (lo(plain), lo(cold)) == (28157, 26292)
+    assert any(w.startswith("assumed compile_cache: cold (a cold torch.compile cache") for w in cold.doc["warnings"])
+    assert not any("compile_cache" in w for w in warm.doc["warnings"])
+    eager = run_check(line + ["--enforce-eager"], device="H100-80GB", engine_version="0.32.0", variants=False,
+                      compile_cache="cold")
+    assert not any("compile_cache" in w for w in eager.doc["warnings"])
+
+
+def test_compile_cache_drop_field_is_checked(tmp_path):
+    from tuner.question.drop import parse_drop
+    from tuner.errors import DropError
+
+    base = "name: x\nmodel: m\ndevice: H100-80GB\ncandidates: {gpu_memory_utilization: [0.9]}\n"
+    assert parse_drop(base + "compile_cache: COLD\n", "/d/x.yaml").compile_cache == "cold"
+    assert parse_drop(base, "/d/x.yaml").compile_cache is None
+    with pytest.raises(DropError) as exc:
+        parse_drop(base + "compile_cache: lukewarm\n", "/d/x.yaml")
+    assert "compile_cache" in str(exc.value) and "cold, warm" in str(exc.value)
+
+
+def test_model_runner_env_on_the_serve_line_was_not_read(capsys):
+    """The failure: `VLLM_USE_V2_MODEL_RUNNER=0 vllm serve …` (as operators write it) was 'unrecognized
+    arguments: vllm', exit 2; the variable is now read from the line as from a drop's env or a deploy
+    file's container env. 0.26 runs Llama-3.1-8B on Model Runner V2 by default (28974 blocks at 32768);
+    =0 runs the V1 runner (28060)."""
+    from tuner.cli import main
+
+    from tests.conftest import REPO
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.26.0", "--no-variants", "--"]
+    serve = ["vllm", "serve", model, "--max-model-len", "32768"]
+    assert main(base + ["VLLM_USE_V2_MODEL_RUNNER=0", "VLLM_LOGGING_LEVEL=DEBUG"] + serve) == 0
+    out = capsys.readouterr().out
+    assert "STARTS: max_model_len 32768 at gpu_memory_utilization 0.92: 28060 blocks" in out
+    assert "note: use_v2_model_runner false: vLLM 0.26.0 runs the V1 model runner" in out
+    assert "ignored: VLLM_LOGGING_LEVEL=DEBUG (no effect on start-up memory)" in out
+    assert main(base + ["env", "VLLM_USE_V2_MODEL_RUNNER=1"] + serve) == 0
+    assert "28974 blocks" in capsys.readouterr().out
+    assert main(base + serve) == 0
+    assert "28974 blocks" in capsys.readouterr().out
+    assert main(base + ["VLLM_SOMETHING_NEW=1"] + serve) == 2  # a variable no rule reads: not modelled
+    assert "does not model VLLM_SOMETHING_NEW=1" in capsys.readouterr().err
+
+
+def test_disable_chunked_mm_input_called_a_flag_vllm_does_not_know():
+    """The failure: --disable-chunked-mm-input (vLLM 0.10+) was 'unrecognized arguments … vLLM refuses
+    flags it does not know'; it is vLLM's, and makes vLLM refuse a model whose largest multimodal item
+    exceeds max_num_batched_tokens. That refusal needs the tower's tokens per item, which only the
+    plugins know: named as not modelled (exit 2 without --allow-unmodelled), not as a typo."""
+    from tuner.memory.serve_args import UNMODELLED, flag_for
+
+    f = flag_for("disable_chunked_mm_input")
+    assert f is not None and f.role == UNMODELLED and f.options == ("--disable-chunked-mm-input",)
+    assert "compute_mm_encoder_budget" in f.note

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.conftest import SHARED  # noqa: E402
-from tuner.model import torch_lean# noqa: E402
+from tuner.model import torch_lean  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("sympy", "torch._dynamo", "torch._inductor", "torch.distributed.tensor", "transformers.activations")

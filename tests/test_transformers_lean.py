@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tuner.model import transformers_lean# noqa: E402
+from tuner.model import transformers_lean  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = Path(__file__).with_name("_lean_specs.py")

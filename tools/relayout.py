@@ -146,7 +146,7 @@ def _from_tuner_import(text: str) -> str:
         if keep:
             lines.insert(0, f"{indent}from tuner import {', '.join(keep)}")
         return "\n".join(lines)
-    return re.sub(r"^([ \t]*)from tuner import ([\w ,]+?)[ \t]*(?=$|#)", fix, text, flags=re.M)
+    return re.sub(r"^([ \t]*)from tuner import ([\w ,]+?)(?=[ \t]*(?:$|#))", fix, text, flags=re.M)
 
 
 def rewrite_text(text: str) -> str:

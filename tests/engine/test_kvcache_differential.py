@@ -3,7 +3,8 @@ vLLM's own ``vllm.v1.core.kv_cache_utils`` on thousands of random layer sets.
 
 Each case is one random layer set (dense full attention with one or per-layer head counts,
 sliding window, chunked local attention, MLA, Mamba / linear-attention hybrids, mixtures), one
-KV dtype (float16, bfloat16, fp8), a block size, ``max_model_len``, ``max_num_batched_tokens``,
+KV dtype (float16, bfloat16, fp8; for a fifth of the cases ``nvfp4`` or ``int8_per_token_head``, the
+attention backends' own page layouts, issue 33), a block size, ``max_model_len``, ``max_num_batched_tokens``,
 async scheduling on or off, the hybrid manager on or off, ``--max-model-len -1`` (auto-fit) or not,
 sometimes ``num_gpu_blocks_override``, and available KV bytes drawn around the need. The same layer
 set is built twice, once from ``vllm.v1.kv_cache_interface`` classes and once from
@@ -25,6 +26,7 @@ Runs only where vLLM is importable (the engine tier's venv); skipped otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -47,7 +49,7 @@ from vllm.v1.attention.backends.utils import (  # noqa: E402
 from vllm.v1.core import kv_cache_utils as vu  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
 
-from tuner.memory import kvcache as kc# noqa: E402
+from tuner.memory import kvcache as kc  # noqa: E402
 from tuner.errors import KVCacheError  # noqa: E402
 
 VERSION = vllm.__version__.split("+")[0]
@@ -61,8 +63,14 @@ FAMILIES = {"dense": 1000, "sliding": 1200, "chunked": 600, "mla": 800, "mamba":
 REQUIRED = ("verdict", "num_gpu_blocks", "estimated_max_model_len", "auto_fit_max_model_len")
 REPORTED = ("message", "num_groups", "kv_cache_tokens", "max_concurrency")
 
-TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": torch.uint8, "float32": torch.float32}
-BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "float32": 4}
+TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": torch.uint8, "float32": torch.float32,
+         "nvfp4": torch.uint8, "int8_per_token_head": torch.int8}
+BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "float32": 4, "nvfp4": 1, "int8_per_token_head": 1}
+#: KV dtypes whose page is the attention backend's own layout (``KVQuantMode``): NVFP4 (FlashInfer's
+#: ``customize_spec``: 2·h slots of packed fp4 + fp8 block scales) and int8 per-token-head (Triton's:
+#: inline fp32 scales). Issue 33: both crashed the product on hybrids ("cannot unify page sizes").
+#: Drawn for a fifth of the cases from their own stream, so the other draws of a case are unchanged.
+QUANT_KV = ("nvfp4", "int8_per_token_head")
 _EST = re.compile(r"estimated maximum model length is (\d+)")
 
 
@@ -139,6 +147,8 @@ def _mla_layer(rng, bs, dtype, d, cache):
 
 
 def _mla(rng, bs, dtype):
+    if dtype in QUANT_KV:  # vLLM's MLA backends take fp8 / fp8_ds_mla only: these layers stay 16-bit
+        dtype = "bfloat16"
     d = rng.choice((576, 576, 576, 320, 192))
     cache = None
     if dtype == "fp8":
@@ -170,7 +180,7 @@ def _mamba_layer(rng, bs, state_dtype, conv_dtype, kind):
 def _mamba(rng, bs, dtype):
     n_attn = rng.randint(1, 16)
     n_m = max(1, n_attn * rng.choice((1, 3, 3, 5, 7)) + rng.choice((0, 0, 0, 1, -1)))
-    conv_dtype = dtype if dtype != "fp8" else "bfloat16"
+    conv_dtype = dtype if dtype not in ("fp8", *QUANT_KV) else "bfloat16"
     state_dtype = rng.choice(("float32", "float32", conv_dtype))
     kind = rng.choice(("mamba2", "gdn"))
     h0, d0 = rng.choice((2, 4, 8)), rng.choice((128, 256))
@@ -228,8 +238,15 @@ def _rough_need(layers: list[dict], m: int, inflight: int) -> int:
 def make_case(family: str, i: int) -> dict:
     rng = random.Random(SEED + i * 7919 + sum(map(ord, family)))
     dtype = rng.choice(("float16", "bfloat16", "bfloat16", "fp8"))
+    qrng = random.Random(SEED + 104729 + i * 7919 + sum(map(ord, family)))
+    if qrng.random() < 0.2:
+        dtype = qrng.choice(QUANT_KV)
     bs = rng.choice((16, 16, 16, 32, 64, 128)) if family != "mla" else rng.choice((16, 64, 64))
     layers = GENERATORS[family](rng, bs, dtype)
+    if dtype == "nvfp4":  # FlashInfer's NVFP4 page: "nvfp4 with asymmetric K/V head sizes not yet supported"
+        for x in layers:
+            if x["kind"] in ("full", "sw", "chunked"):
+                x["dv"] = x["d"]
     if rng.random() < 0.5:
         m = rng.choice((512, 2048, 4096, 8192, 32768, 40960, 131072, 163840, 262144))
     else:
@@ -279,14 +296,39 @@ def vllm_specs(case: dict) -> dict:
                 state_content_bytes={"fp8_ds_mla": 656}.get(cache))  # as MLAAttention.get_kv_cache_spec
             continue
         common = dict(block_size=x["bs"], num_kv_heads=x["h"], head_size=x["d"], dtype=dt,
-                      kv_quant_mode=vi.get_kv_quant_mode("fp8" if x["dtype"] == "fp8" else "auto"))
+                      kv_quant_mode=vi.get_kv_quant_mode(x["dtype"] if x["dtype"] in ("fp8", *QUANT_KV) else "auto"))
         if k == "full":
             out[name] = vi.FullAttentionSpec(**common, head_size_v=x["dv"], sliding_window=x.get("window"))
         elif k == "sw":
             out[name] = vi.SlidingWindowSpec(**common, sliding_window=x["window"])
         elif k == "chunked":
             out[name] = vi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=x["chunk"])
+        out[name] = _backend_spec(out[name])
     return out
+
+
+def _backend_spec(spec):
+    """The spec as the attention backend publishes it (``AttentionBackend.customize_spec``, applied by
+    ``Attention.get_kv_cache_spec``): Triton's for the per-token-head modes, FlashInfer's for NVFP4 —
+    the installed release's own classmethods where they import, else their code as read in 0.32.0."""
+    mode = spec.kv_quant_mode
+    if mode.is_per_token_head:
+        try:
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+        except Exception:  # noqa: BLE001 - the CPU build may lack the backend's kernels
+            hs_k, hs_v = spec.head_size, spec.head_size_v
+            content = (hs_k + hs_v) * spec.dtype.itemsize + 2 * 4
+            return dataclasses.replace(spec, state_content_bytes=content)
+        return TritonAttentionBackend.customize_spec(spec)
+    if mode.is_nvfp4:
+        try:
+            from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+        except Exception:  # noqa: BLE001 - flashinfer is not in the CPU build
+            full = spec.head_size // 2 + spec.head_size // 16  # nvfp4_kv_cache_full_dim
+            return dataclasses.replace(spec, num_head_slots=2 * spec.num_kv_heads,
+                                       state_content_bytes=full * spec.dtype.itemsize)
+        return FlashInferBackend.customize_spec(spec)
+    return spec
 
 
 def ctx_specs(case: dict) -> dict:
@@ -307,6 +349,10 @@ def ctx_specs(case: dict) -> dict:
             out[name] = kc.SlidingWindowSpec(x["bs"], x["h"], x["d"], BYTES[x["dtype"]], x["window"])
         elif k == "chunked":
             out[name] = kc.ChunkedLocalAttentionSpec(x["bs"], x["h"], x["d"], BYTES[x["dtype"]], x["chunk"])
+    for j, x in enumerate(case["layers"]):  # the plugins' path: tuner.memory.kvcache.with_kv_quant_mode per layer
+        if x["kind"] in ("full", "sw", "chunked") and x["dtype"] in QUANT_KV:
+            name = f"model.layers.{j}.attn"
+            out[name] = kc.with_kv_quant_mode({name: out[name]}, x["dtype"])[name]
     return out
 
 

@@ -98,6 +98,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "other_processes_memory_gib; on a unified-memory device such as GB10 the host RAM in use): "
                         "the total minus the free memory vLLM prints at start; default: none, or with --device auto "
                         "what NVML (on GB10 the host's MemAvailable) reports in use")
+    p.add_argument("--compile-cache", choices=("cold", "warm"), default=None,
+                   help="the torch.compile cache vLLM starts with (the drop field compile_cache): cold (first boot: "
+                        "Inductor compiles in the profile run; its extra peak is not modelled and widens the "
+                        "interval) or warm; default: not stated, answered as modelled")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -150,6 +154,7 @@ def run(args) -> int:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
                         other_processes_memory_gib=args.other_processes_memory_gib,
+                        compile_cache=args.compile_cache,
                         parser=make_parser(args.parser, python), models_dir=args.models_dir,
                         strict_release=args.strict_release, risk=getattr(args, "risk", "safe"), **kw)
     except VllmParserUnavailable as exc:
@@ -269,7 +274,8 @@ def _run_deploy(args, files: list[str]) -> int:
                                  timeout_s=args.timeout, variants=not args.no_variants,
                                  allow_unmodelled=args.allow_unmodelled, parser=make_parser(args.parser, python),
                                  models_dir=args.models_dir,
-                                 other_processes_memory_gib=args.other_processes_memory_gib, **kw)
+                                 other_processes_memory_gib=args.other_processes_memory_gib,
+                                 compile_cache=args.compile_cache, **kw)
     if args.json:
         print(json.dumps({"files": list(files), "workloads": [v.to_dict() for v in verdicts],
                           "skipped": [{"file": f, "why": why} for f, why in skipped], "exit_code": code},

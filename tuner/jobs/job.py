@@ -310,6 +310,13 @@ def _checkpoint_drafter(req: "JobRequest", spec_cfg: dict, spec, last_stage_spec
                           "layers are not modelled; expect fewer KV blocks than predicted"), None
     try:
         cfg = read_top(path)
+    except (ValueError, TunerError) as exc:
+        return 0, {}, 0, f"speculative_config.model {model!r} ({path}): {exc}; the drafter is not modelled", None
+    from tuner.memory.engine_checks import check_draft_vocab
+
+    check_draft_vocab(spec_cfg, draft_config=cfg, target_config=spec.top, version=req.drop.engine_version,
+                      path=req.drop.path or None)  # vLLM refuses it before loading anything
+    try:
         weights = checkpoint_drafter_weights_bytes(
             method, cfg, spec.top, tensor_parallel_size=tp, dtype_bytes=dtype_bytes_for("auto", dtype),
             settings=None if settings is None else dataclasses.replace(settings, quantization=spec_cfg.get("quantization")))
@@ -383,6 +390,21 @@ def topology_for(device: dict, drop: Drop | dict):
                     platform=platform_of(device))
 
 
+def _catalog_hint(card: dict) -> str:
+    """A did-you-mean for a card name the catalog lacks but nearly spells (``RTX4090`` → RTX-4090):
+    named with its total (``--device RTX4090:23.53``) the card is taken as given, so the near miss
+    is said where the assumptions it causes are."""
+    from tuner.memory.devices import did_you_mean
+
+    name = card.get("name")
+    near = did_you_mean(name) if isinstance(name, str) else []
+    if not near:
+        return ""
+    gib = f":{int(card['total_memory_bytes']) / (1 << 30):.2f}" if card.get("total_memory_bytes") else ""
+    return (f" (did you mean {' or '.join(repr(x.name) for x in near)}? named so, e.g. --device "
+            f"'{near[0].name}{gib}', the catalog's compute capability and interconnect are used)")
+
+
 def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list[dict]:
     """What the job assumed about the device(s) rather than was told, as data (the job result's
     ``assumptions``; each widens the uncertainty band): ``{"name", "value", "where", "effect":
@@ -397,10 +419,11 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
     tp = int(d.tensor_parallel_size or 1)
     for i, card in enumerate(stage_devices(device, int(d.pipeline_parallel_size or 1))):
         where = f"device[{i}]" if device.get("stages") else "device"
+        unknown = f"{card.get('name')!s} is not in the catalog{_catalog_hint(card)}"
         if tp > 1 and topology_source(card) == "assumed":
             entry = platforms.assumption(
                 "device.interconnect", f"{ASSUMED_INTERCONNECT}, no P2P", where,
-                f"{card.get('name')!s} is not in the catalog and no interconnect was stated (device.interconnect "
+                f"{unknown} and no interconnect was stated (device.interconnect "
                 "in a drop, --device NAME:GIB:nvlink|nvswitch|pcie|xgmi); it decides the TP group's non-torch "
                 "memory: no NVLS buffers, custom all-reduce off")
             if entry not in out:
@@ -408,7 +431,7 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
         if _compute_capability(card) is None:
             entry = platforms.assumption(
                 "device.compute_capability", "9.0 or newer", where,
-                f"{card.get('name')!s} is not in the catalog and no compute_capability was stated (a drop mapping's "
+                f"{unknown} and no compute_capability was stated (a drop mapping's "
                 "compute_capability); the larger cuBLAS workspace (torch CublasHandlePool.cpp), Hopper's MLA block "
                 "size and kernels are assumed")
             if entry not in out:
@@ -416,7 +439,33 @@ def device_assumptions(device: dict, drop: Drop | dict, era: Any = None) -> list
         for entry in platforms.platform_assumptions(card, era, where=where):
             if entry not in out:
                 out.append(entry)
+    entry = compile_cache_assumption(d, era)
+    if entry is not None:
+        out.append(entry)
     return out
+
+
+def compile_cache_assumption(drop: Drop | dict, era: Any = None) -> dict | None:
+    """A cold compile cache as an unmodelled input (:func:`tuner.memory.platforms.assumption`, the band
+    widens): on a V1 release that compiles (``era.compiled``: not ``enforce_eager``) the first boot
+    runs Inductor in the profile run (vllm/compilation/backends.py: no cached graph, compile) and,
+    for single-size compile ranges, max-autotune and coordinate-descent tuning
+    (vllm/compilation/compiler_interface.py ``set_inductor_config``, ``VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE``
+    default on) that benchmarks Triton configurations on the GPU; a warm boot loads the compiled
+    graphs. The extra peak of the cold path is not in any modelled term; ``warm`` and unstated are
+    answered as modelled. None where nothing is assumed."""
+    from tuner.memory import platforms
+
+    d = _typed(drop)
+    if d.compile_cache != "cold" or era is None or getattr(era, "engine", "V1") != "V1" \
+            or not getattr(era, "compiled", True):
+        return None
+    return platforms.assumption(
+        "compile_cache", "cold", "compile_cache",
+        "a cold torch.compile cache: the first boot compiles every graph with Inductor during the profile run "
+        "(vllm/compilation/backends.py) and tunes single-size ranges with max-autotune "
+        "(compilation/compiler_interface.py set_inductor_config); its extra peak is not modelled, so the KV cache "
+        "may be smaller on the first boot than on a warm one")
 
 
 def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:
@@ -669,6 +718,8 @@ def drop_era(drop: Drop | dict, engine: str | None = None):
     and from 0.34 whether the extensible KV cache sizes the cache (``enable_extensible_kv_cache``,
     off with ``kv_cache_memory_bytes``)."""
     d = _typed(drop)
+    if engine is None:
+        engine = engine_from_env(d)
     try:
         era = era_for(d.engine_version, engine, enforce_eager=bool(d.enforce_eager),
                       extensible_kv_cache=d.enable_extensible_kv_cache, kv_cache_memory_bytes=d.kv_cache_memory_bytes)
@@ -779,6 +830,41 @@ def era_with_env(era: Any, env: dict, *, enforce_eager: bool = False) -> Any:
     return dataclasses.replace(era, subtracts_cudagraph_estimate=bool(flag) and not enforce_eager)
 
 
+#: The release that removed the V0 engine and, with it, ``VLLM_USE_V1`` from vllm/envs.py (read in
+#: 0.10.1.1's envs.py, absent from 0.11.1's).
+V0_REMOVED_IN = (0, 11, 0)
+
+
+def engine_from_env(drop: Drop | dict) -> str | None:
+    """The engine ``VLLM_USE_V1`` selects (vllm/envs.py ``bool(int(os.getenv("VLLM_USE_V1", "1")))``
+    up to 0.10): ``"V0"`` for 0, ``"V1"`` for 1; None where it is unset or the release no longer
+    reads it (0.11+: V1 is the only engine)."""
+    from tuner.memory.eras import VllmVersion, _env_flag
+
+    d = _typed(drop)
+    flag = _env_flag((d.env or {}).get("VLLM_USE_V1"))
+    if flag is None or VllmVersion.parse(d.engine_version) >= V0_REMOVED_IN:
+        return None
+    return "V1" if flag else "V0"
+
+
+def _use_v1_note(drop: Drop | dict) -> str | None:
+    """What ``VLLM_USE_V1`` does on the drop's release, for the answer: from 0.11 vLLM does not read it
+    (V1 is the only engine), and from 0.17 its ``validate_environ`` (vllm/envs.py; vllm/platforms/interface.py from 0.31) warns of the unknown name."""
+    from tuner.memory.eras import VllmVersion
+
+    d = _typed(drop)
+    value = (d.env or {}).get("VLLM_USE_V1")
+    if value is None:
+        return None
+    v = VllmVersion.parse(d.engine_version)
+    if v < V0_REMOVED_IN:
+        return None
+    return (f"env VLLM_USE_V1={value!r}: modelled as a no-op on vLLM {d.engine_version}: the V0 engine was removed in "
+            "0.11, V1 is the only engine and vLLM does not read the variable"
+            + (" (it logs 'Unknown vLLM environment variable detected: VLLM_USE_V1')" if v >= (0, 17, 0) else ""))
+
+
 def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
     """The drop's ``env`` (vLLM environment variables); each one no rule reads is named in
     ``warnings`` as not modelled (:data:`tuner.question.drop.MODELLED_ENV`)."""
@@ -791,6 +877,9 @@ def drop_env(drop: Drop | dict, warnings: list[str] | None = None) -> dict:
                 note = f"env {name}={env[name]!r} is not modelled: no rule reads it"
                 if note not in warnings:
                     warnings.append(note)
+        note = _use_v1_note(drop)
+        if note and note not in warnings:
+            warnings.append(note)
     return env
 
 

@@ -14,6 +14,7 @@ drop key at fault (``where`` = ``DROP:FIELD``):
   knows, the checkpoint's own method not contradicted) and ``get_quant_config`` (methods that
   need a quantized checkpoint); a checkpoint whose own ``quant_method`` the release does not
   know is refused the same way;
+- :func:`check_draft_vocab` — ``SpeculativeConfig.verify_equal_vocab_size_if_draft_model`` (0.15+);
 - :func:`check_architecture` — ``ModelRegistry`` (``vllm/model_executor/models/registry.py``): an
   architecture absent from the release's registry (:mod:`tuner.releases.facts`, read from each
   wheel) is refused with the release's own message.
@@ -89,6 +90,44 @@ def check_draft_tensor_parallel_size(speculative_config: dict | None, *, tensor_
     if engine == "V1" and sc.get("method") == "draft_model" and dtp != tp:
         raise DropError(f"Currently, 'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the same. Got "
                         f"{dtp} and {tp} (vLLM's draft_model proposer).", path=path, field=field)
+
+
+#: First release that refuses a ``draft_model`` drafter whose vocabulary differs from the target's
+#: (vllm/config/speculative.py ``verify_equal_vocab_size_if_draft_model``: absent from 0.14.0, present
+#: from 0.15.0 to 0.34.0; 0.34 asks ``speculator_config.draft_has_own_vocab``, true only for
+#: ``draft_model``'s ``StandaloneARSpeculatorConfig``).
+DRAFT_VOCAB_CHECK_FROM = (0, 15, 0)
+
+
+def _vocab_size(config: dict) -> int | None:
+    """``ModelConfig.get_vocab_size``: the text config's ``vocab_size`` (a multimodal wrapper's
+    ``text_config``)."""
+    cfg = config or {}
+    for c in (cfg.get("text_config") or {}, cfg):
+        v = c.get("vocab_size") if isinstance(c, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def check_draft_vocab(speculative_config: dict | None, *, draft_config: dict | None, target_config: dict | None,
+                      version: Any, path: str | None) -> None:
+    """A ``draft_model`` drafter with another vocabulary than the target's is refused while
+    ``SpeculativeConfig`` is built (before any memory is touched), from 0.15.0.
+
+    Raises:
+        DropError: vLLM's message, ``field`` ``speculative_config.model``.
+    """
+    sc = speculative_config or {}
+    if sc.get("method") != "draft_model" or _key(version) < DRAFT_VOCAB_CHECK_FROM:
+        return
+    target, draft = _vocab_size(target_config), _vocab_size(draft_config)
+    if target is None or draft is None or target == draft:
+        return
+    raise DropError(f"Target and draft model should have the same vocabulary size. Target model vocab_size={target}. "
+                    f"Draft model vocab_size={draft}. Using models with different tokenizers can cause out-of-bounds "
+                    f"errors during speculative decoding. (vLLM {_release(version)}'s SpeculativeConfig, from 0.15)",
+                    path=path, field="speculative_config.model")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -605,7 +605,16 @@ def uniform_type_from_specs(kv_cache_spec: dict) -> UniformTypeKVCacheSpecs | No
 
 # --------------------------------------------------------------------------- unification
 
-def _to_full(spec: Any, *, block_size: int | None = None, planned: bool = False) -> Any:
+#: Releases from which ``unify_hybrid_kv_cache_specs`` carries a converted layer's ``head_size_v`` and
+#: ``kv_quant_mode`` into its ``FullAttentionSpec`` (vllm/v1/core/kv_cache_utils.py, read in each
+#: wheel): sliding-window layers from 0.21.0 (0.20.x builds the spec without them, so a per-token-head
+#: or NVFP4 page falls back to the plain dtype page), chunked-local layers from 0.28.0 (``replace_as``
+#: keeps every field; 0.21–0.27 still drop both for them).
+SLIDING_TO_FULL_KEEPS_QUANT_SINCE = "0.21.0"
+CHUNKED_TO_FULL_KEEPS_QUANT_SINCE = "0.28.0"
+
+
+def _to_full(spec: Any, *, block_size: int | None = None, planned: bool = False, version: Any = None) -> Any:
     if isinstance(spec, SlidingWindowMLASpec):
         bs = block_size or spec.block_size
         pad = None if spec.page_size_padded is None else max(
@@ -617,11 +626,16 @@ def _to_full(spec: Any, *, block_size: int | None = None, planned: bool = False)
     pad = spec.page_size_padded
     if planned and pad is not None:
         pad = max(pad, spec.unpadded_page_size_bytes * bs // spec.block_size)
+    since = CHUNKED_TO_FULL_KEEPS_QUANT_SINCE if isinstance(spec, ChunkedLocalAttentionSpec) \
+        else SLIDING_TO_FULL_KEEPS_QUANT_SINCE
+    keeps = version is not None and _ver(version) >= since
     return FullAttentionSpec(bs, spec.num_kv_heads, spec.head_size, spec.dtype_bytes,
+                             head_size_v=getattr(spec, "head_size_v", None) if keeps else None,
                              sliding_window=getattr(spec, "sliding_window", None),
                              attention_chunk_size=getattr(spec, "attention_chunk_size", None),
                              page_size_padded=pad, max_tp_shards=spec.max_tp_shards,
-                             dcp_sharded=spec.dcp_sharded)
+                             dcp_sharded=spec.dcp_sharded,
+                             kv_quant_mode=getattr(spec, "kv_quant_mode", None) if keeps else None)
 
 
 def _uniform_or_type(specs: dict, v: VllmVersion) -> bool:
@@ -641,7 +655,7 @@ def _promote_local(specs: dict, v: VllmVersion) -> dict:
     if has_full and has_local:
         for name, s in specs.items():
             if isinstance(s, (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec)):
-                out[name] = _to_full(s, block_size=target_bs, planned=planned)
+                out[name] = _to_full(s, block_size=target_bs, planned=planned, version=v)
     if not _uniform_or_type(out, v):
         raise KVSpecValueError("Hybrid KV cache manager is disabled but failed to convert the KV cache specs to one unified type.")
     return out

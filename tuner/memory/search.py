@@ -641,8 +641,10 @@ def weights_refusal(layout: Layout, budgets: Sequence) -> str | None:
                 f"({w / gib:.2f} GiB) and with the non-torch memory ({nt:,} bytes) need {w + nt:,} bytes, more "
                 f"than the GPU's {room:,} bytes ({room / gib:.2f} GiB)"
                 + (" left by other processes" if layout.other_processes_bytes else "")
-                + f"; what would fit: {tp_text}, a quantized checkpoint (8-bit weights are about half, 4-bit about "
-                  f"a quarter of 16-bit ones), or a GPU with more than {(w + nt) / gib:.2f} GiB plus the KV cache")
+                + f"; what would let them load (the KV cache and activations still need room beyond): {tp_text}, "
+                  "a quantized checkpoint (8-bit weights are about half, 4-bit about a quarter of 16-bit ones), or a "
+                  f"GPU with more than {(w + nt) / gib:.2f} GiB"
+                + (" free" if layout.other_processes_bytes else "") + " plus the KV cache")
     return None
 
 

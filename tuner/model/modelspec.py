@@ -401,6 +401,47 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(config_path)
+    top, hf, text_cfg = _read_config(path)
+    defaults = dict(defaults or {})
+    text_json = top.get("text_config") if isinstance(top.get("text_config"), dict) else None
+    fields = _Fields(text_cfg, "text_config." if text_json is not None else "", str(path))
+    if defaults:
+        # Keys the file sets (a null value counts as missing, like an absent key).
+        file_keys = {k for k, v in (text_json if text_json is not None else top).items() if v is not None}
+        fields.cfg = _WithDefaults(fields.cfg, defaults, file_keys)
+    overrides = dict(overrides or {})
+    if overrides:
+        fields.cfg = _WithOverrides(fields.cfg, overrides)
+        top, text_json = _top_with_overrides(top, text_json, overrides)
+    sizes = _sizes(fields, top, text_json, hf, defaults, path)
+    raw = fields.cfg.to_dict()
+    text_json = text_json or {}
+    partial = _partial_rotary_factor(raw, fields)
+    dtype = _torch_dtype(top, text_json, defaults, hf, fields.where)
+    tie = _tie_word_embeddings(top, text_json, defaults, fields.cfg)
+    window = _sliding_window(fields)
+    qc = _quantization_config(top, raw, fields.where)
+    spec = ModelSpec(
+        path=str(path),
+        config_sha256=config_hash(top),
+        architectures=_architectures(top, fields.where),
+        model_type=str(_first(hf, "model_type", default="")),
+        **sizes,
+        torch_dtype=dtype,
+        tie_word_embeddings=tie,
+        rotary_dim=int(sizes["head_dim"] * partial),
+        sliding_window=window,
+        quantization_config=qc,
+        raw=raw,
+        top=top,
+    )
+    return spec, hf
+
+
+def _read_config(path: Path) -> tuple[dict, Any, Any]:
+    """Step 1 of :func:`load_model_spec`: the file's JSON object (checked) and transformers'
+    config of it with its text config — or, where transformers cannot read it (it never runs
+    remote code), the JSON itself."""
     try:
         text = read_config_bytes(path)
     except OSError as exc:
@@ -425,78 +466,89 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
         # memory model needs; plugins read ``spec.raw`` / ``spec.top`` for anything else.
         text_json = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
         hf = text_cfg = _JsonConfig(text_json, top)
-    defaults = dict(defaults or {})
-    text_json = top.get("text_config") if isinstance(top.get("text_config"), dict) else None
-    prefix = "text_config." if text_json is not None else ""
-    where = str(path)
-    if defaults:
-        base = text_cfg
+    return top, hf, text_cfg
 
-        # Keys the file sets (a null value counts as missing, like an absent key).
-        file_keys = {k for k, v in (text_json if text_json is not None else top).items() if v is not None}
 
-        class _WithDefaults:
-            """The file's own keys win; a plugin default beats a transformers class default for a
-            key the file lacks (partial configs, ``shared/models`` status "partial")."""
+class _WithDefaults:
+    """The file's own keys win; a plugin default beats a transformers class default for a
+    key the file lacks (partial configs, ``shared/models`` status "partial")."""
 
-            def __getattr__(self, name: str) -> Any:
-                if name in defaults and name not in file_keys:
-                    return defaults[name]
-                v = _first(base, name)
-                return defaults.get(name) if v is None else v
+    def __init__(self, base: Any, defaults: dict, file_keys: set) -> None:
+        self._base, self._defaults, self._file_keys = base, defaults, file_keys
 
-            def to_dict(self) -> dict:
-                d = base.to_dict()
-                d.update({k: v for k, v in defaults.items() if k not in file_keys or d.get(k) is None})
-                return d
+    def __getattr__(self, name: str) -> Any:
+        if name in self._defaults and name not in self._file_keys:
+            return self._defaults[name]
+        v = _first(self._base, name)
+        return self._defaults.get(name) if v is None else v
 
-        text_cfg = _WithDefaults()
+    def to_dict(self) -> dict:
+        d = self._base.to_dict()
+        d.update({k: v for k, v in self._defaults.items() if k not in self._file_keys or d.get(k) is None})
+        return d
 
-    overrides = dict(overrides or {})
-    if overrides:
-        inner = text_cfg
 
-        class _WithOverrides:
-            """vLLM's ``--hf-overrides``: the drop's keys win over the file and every default."""
+class _WithOverrides:
+    """vLLM's ``--hf-overrides``: the drop's keys win over the file and every default."""
 
-            def __getattr__(self, name: str) -> Any:
-                return overrides[name] if name in overrides else _first(inner, name)
+    def __init__(self, inner: Any, overrides: dict) -> None:
+        self._inner, self._overrides = inner, overrides
 
-            def to_dict(self) -> dict:
-                return overrides_applied(inner.to_dict(), overrides)
+    def __getattr__(self, name: str) -> Any:
+        return self._overrides[name] if name in self._overrides else _first(self._inner, name)
 
-        text_cfg = _WithOverrides()
-        top = dict(top)
-        if text_json is not None:
-            text_json = {**text_json, **overrides}
-            top["text_config"] = text_json
-        else:
-            top.update(overrides)
+    def to_dict(self) -> dict:
+        return overrides_applied(self._inner.to_dict(), self._overrides)
 
-    def pick(*names: str) -> tuple[str, Any]:
+
+def _top_with_overrides(top: dict, text_json: dict | None, overrides: dict) -> tuple[dict, dict | None]:
+    """The file's top object with ``hf_overrides`` applied (to its text config where it has one),
+    so ``config_sha256`` hashes the config as vLLM sees it."""
+    top = dict(top)
+    if text_json is not None:
+        text_json = {**text_json, **overrides}
+        top["text_config"] = text_json
+    else:
+        top.update(overrides)
+    return top, text_json
+
+
+class _Fields:
+    """Reads the text config's fields by their aliases, naming the field that supplied a value
+    (``where`` = ``FILE:FIELD``, ``text_config.FIELD`` for a key of the text config)."""
+
+    def __init__(self, cfg: Any, prefix: str, where: str) -> None:
+        self.cfg, self.prefix, self.where = cfg, prefix, where
+
+    def pick(self, *names: str) -> tuple[str, Any]:
         """(the dotted field name that supplied a value, the value); the first name and None
         when none did."""
         for n in names:
-            v = _first(text_cfg, n)
+            v = _first(self.cfg, n)
             if v is not None:
-                return prefix + n, v
-        return prefix + names[0], None
+                return self.prefix + n, v
+        return self.prefix + names[0], None
 
-    def required(*names: str) -> int:
-        name, value = pick(*names)
+    def required(self, *names: str) -> int:
+        name, value = self.pick(*names)
         if value is None:
-            raise ModelConfigError(f"missing {names[0]}", where=f"{where}:{prefix + names[0]}")
-        return _positive_int(value, name, where)
+            raise ModelConfigError(f"missing {names[0]}", where=f"{self.where}:{self.prefix + names[0]}")
+        return _positive_int(value, name, self.where)
 
-    def optional(default: int, *names: str) -> int:
-        name, value = pick(*names)
-        return default if value is None else _positive_int(value, name, where)
+    def optional(self, default: int, *names: str) -> int:
+        name, value = self.pick(*names)
+        return default if value is None else _positive_int(value, name, self.where)
 
-    hidden = required("hidden_size", "n_embd", "d_model")
-    layers = required("num_hidden_layers", "n_layer", "num_layers")
-    heads = required("num_attention_heads", "n_head")
-    kv = optional(heads, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
-    hd_name, hd_value = pick("head_dim")
+
+def _sizes(fields: _Fields, top: dict, text_json: dict | None, hf: Any, defaults: dict, path: Path) -> dict:
+    """The model's sizes (:class:`ModelSpec` fields), each a positive int, ``hidden_size``
+    divisible by the heads unless ``head_dim`` is set."""
+    where, prefix = fields.where, fields.prefix
+    hidden = fields.required("hidden_size", "n_embd", "d_model")
+    layers = fields.required("num_hidden_layers", "n_layer", "num_layers")
+    heads = fields.required("num_attention_heads", "n_head")
+    kv = fields.optional(heads, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+    hd_name, hd_value = fields.pick("head_dim")
     file_text = text_json if text_json is not None else top
     if file_text.get("head_dim") is None and hidden % heads:  # transformers may derive a head_dim itself
         raise ModelConfigError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) and "
@@ -509,24 +561,32 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     else:
         # Any positive width is accepted: vLLM picks an attention backend that supports it.
         head_dim = _positive_int(hd_value, hd_name, where)
-    inter = optional(4 * hidden, "intermediate_size", "n_inner", "ffn_hidden_size")
-    vocab_name, vocab = pick("vocab_size")
+    inter = fields.optional(4 * hidden, "intermediate_size", "n_inner", "ffn_hidden_size")
+    vocab_name, vocab = fields.pick("vocab_size")
     if vocab is None:
         vocab_name, vocab = "vocab_size", _first(hf, "vocab_size") or defaults.get("vocab_size")
     if vocab is None:
         raise ModelConfigError("missing vocab_size", where=f"{path}:vocab_size")
     vocab = _positive_int(vocab, vocab_name, where)
-    maxpos = optional(2048, "max_position_embeddings", "n_positions", "seq_length")
-    raw = text_cfg.to_dict()
-    text_json = text_json or {}
+    maxpos = fields.optional(2048, "max_position_embeddings", "n_positions", "seq_length")
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, max_position_embeddings=maxpos)
+
+
+def _partial_rotary_factor(raw: dict, fields: _Fields) -> float:
+    """``partial_rotary_factor`` (top-level or in the rope parameters), a number in (0, 1]."""
     rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_params, dict):
         rope_params = {}
     partial_value = raw.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
     if isinstance(partial_value, bool) or not isinstance(partial_value, (int, float)) or not 0 < partial_value <= 1:
         raise ModelConfigError(f"partial_rotary_factor must be a number in (0, 1], not {shown(partial_value)}",
-                               where=f"{where}:{prefix}partial_rotary_factor")
-    partial = float(partial_value)
+                               where=f"{fields.where}:{fields.prefix}partial_rotary_factor")
+    return float(partial_value)
+
+
+def _torch_dtype(top: dict, text_json: dict, defaults: dict, hf: Any, where: str) -> str:
+    """The checkpoint's floating-point dtype (``torch_dtype`` or ``dtype``, top level first)."""
     dtype_field, dtype_value = "torch_dtype", None
     for key_prefix, source in (("", top), ("text_config.", text_json)):
         for key in ("torch_dtype", "dtype"):
@@ -541,45 +601,34 @@ def load_model_spec(config_path: str | os.PathLike, defaults: dict | None = None
     if dtype not in FLOAT_DTYPES:
         raise ModelConfigError(f"{dtype_field} must be a floating-point dtype ({', '.join(FLOAT_DTYPES)}), "
                                f"not {shown(dtype_value)}", where=f"{where}:{dtype_field}")
-    # The checkpoint's own key wins over a transformers class default.
+    return dtype
+
+
+def _tie_word_embeddings(top: dict, text_json: dict, defaults: dict, text_cfg: Any) -> bool:
+    """The checkpoint's own key wins over a transformers class default."""
     if "tie_word_embeddings" in top:
-        tie = bool(top["tie_word_embeddings"])
-    elif "tie_word_embeddings" in text_json:
-        tie = bool(text_json["tie_word_embeddings"])
-    elif "tie_word_embeddings" in defaults:
-        tie = bool(defaults["tie_word_embeddings"])
-    else:
-        tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
-    sw_name, window = pick("sliding_window")
+        return bool(top["tie_word_embeddings"])
+    if "tie_word_embeddings" in text_json:
+        return bool(text_json["tie_word_embeddings"])
+    if "tie_word_embeddings" in defaults:
+        return bool(defaults["tie_word_embeddings"])
+    return bool(getattr(text_cfg, "tie_word_embeddings", False))
+
+
+def _sliding_window(fields: _Fields) -> int | None:
+    sw_name, window = fields.pick("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ModelConfigError(f"sliding_window must be null or a non-negative integer, not {shown(window)}",
-                               where=f"{where}:{sw_name}")
+                               where=f"{fields.where}:{sw_name}")
+    return window
+
+
+def _quantization_config(top: dict, raw: dict, where: str) -> dict | None:
     qc = top.get("quantization_config") or raw.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise ModelConfigError(f"quantization_config must be a JSON object, not {shown(qc)}",
                                where=f"{where}:quantization_config")
-    spec = ModelSpec(
-        path=str(path),
-        config_sha256=config_hash(top),
-        architectures=_architectures(top, where),
-        model_type=str(_first(hf, "model_type", default="")),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        max_position_embeddings=maxpos,
-        torch_dtype=dtype,
-        tie_word_embeddings=tie,
-        rotary_dim=int(head_dim * partial),
-        sliding_window=window,
-        quantization_config=qc,
-        raw=raw,
-        top=top,
-    )
-    return spec, hf
+    return qc
 
 
 def _architectures(top: dict, where: str) -> tuple[str, ...]:

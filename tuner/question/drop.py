@@ -386,8 +386,11 @@ def _hf_overrides(v: Any) -> dict | None:
 #: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (the CUDA-graph estimate subtracted, 0.18+),
 #: ``VLLM_PP_LAYER_PARTITION`` (layers per pipeline stage, ``get_pp_indices``). Others are
 #: accepted and named as not modelled.
+#: ``compile_cache``: the torch.compile cache at start-up (a cold first boot or a warm one).
+COMPILE_CACHE_STATES = ("cold", "warm")
+
 MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION",
-                "VLLM_USE_V2_MODEL_RUNNER")
+                "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V1")
 _ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
 
 
@@ -626,7 +629,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "`VLLM_USE_FLASHINFER_SAMPLER` (the profile run's sampler path, 0.8–0.16), "
               "`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` (whether the CUDA-graph estimate is taken off the KV "
               "budget, 0.18+), `VLLM_PP_LAYER_PARTITION` (layers per pipeline stage, e.g. `\"16,32\"`), "
-              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given). Others are "
+              "`VLLM_USE_V2_MODEL_RUNNER` (as `use_v2_model_runner`, which wins when both are given), `VLLM_USE_V1` "
+              "(before 0.11: 0 runs the V0 engine; from 0.11 V1 is the only engine and vLLM does not read it: a "
+              "no-op, said in the answer). Others are "
               "accepted and named in the answer as not modelled. null = none set.", _env),
     DropField("config_format", "auto | hf | mistral", "auto",
               "As vLLM's --config-format. `auto` is vLLM's choice: the Mistral format when the model directory "
@@ -662,6 +667,14 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "from 0.25; 0.20-0.24 read only =1). null = the release's default for the model. Model Runner V2 "
               "is modelled from 0.22 (true before that is refused as not modelled); 0.34 removed the V1 runner "
               "and refuses =0.", _bool(nullable=True)),
+    DropField("compile_cache", "cold | warm | null", None,
+              "The torch.compile cache vLLM starts with: `cold` (the first boot of a model/settings: Inductor "
+              "compiles every graph during the profile run, vllm/compilation/backends.py's cache miss; with "
+              "single-size compile ranges it also runs max-autotune, compiler_interface.py set_inductor_config) or "
+              "`warm` (vLLM loads the compiled graphs: 'Directly load the compiled graph(s) … from the cache'). A "
+              "cold boot's extra peak is not modelled: `cold` is named in the answer and widens the interval; "
+              "`warm` and null (not stated) are answered as modelled. No effect with enforce_eager or on V0.",
+              _choice(COMPILE_CACHE_STATES, nullable=True)),
     DropField("entry_point", "serve | offline", "serve",
               "How vLLM would be started: `serve` (OpenAI server) or `offline` (the LLM class); some "
               "defaults differ between the two.", _choice(ENTRY_POINTS)),
@@ -777,6 +790,7 @@ class Drop:
     config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None
+    compile_cache: str | None = None
     entry_point: str = "serve"
     #: HF revision of an HF id ``model`` (None = the default branch).
     revision: str | None = None

@@ -101,6 +101,29 @@ _ENV_NO_EFFECT = re.compile(r"^(VLLM_(LOGGING_LEVEL|LOGGING_PREFIX|LOG_STATS_INT
 ADDITIONAL_ARGS_ENV = "VLLM_ADDITIONAL_ARGS"
 
 
+_ENV_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+def split_env_prefix(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The environment a shell line sets before the program, as operators write it
+    (``VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …``, ``env VAR=1 vllm serve …``): ``(the line without
+    it, {name: value})``. A single string is split like a shell first."""
+    import shlex
+
+    args = list(argv)
+    if len(args) == 1 and " " in args[0].strip():
+        args = shlex.split(args[0])
+    i = 1 if args and args[0] == "env" else 0
+    env: dict[str, str] = {}
+    while i < len(args) and _ENV_ASSIGN.match(args[i]):
+        name, value = _ENV_ASSIGN.match(args[i]).groups()
+        env[name] = value
+        i += 1
+    if not env:
+        return list(argv), {}
+    return args[i:], env
+
+
 def env_not_modelled(env: Mapping[str, Any], *, source: str) -> tuple[list[NotModelled], list[dict]]:
     """A container's environment: ``VLLM_*`` variables that may change start-up memory are
     :class:`NotModelled` (vLLM reads them in ``vllm/envs.py``; ctx-tuner's rules do not), those
@@ -341,4 +364,4 @@ def to_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str | None 
 
 
 __all__ = ["ArgsInputError", "MappedArgs", "NotModelled", "ServeArgsError", "UNMODELLED", "build_drop",
-           "env_not_modelled", "equivalent_drop", "from_drop_file", "from_settings", "parse_line", "to_drop"]
+           "env_not_modelled", "split_env_prefix", "equivalent_drop", "from_drop_file", "from_settings", "parse_line", "to_drop"]

@@ -114,21 +114,29 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               env: dict | None = None,
               models_dir: str | None = None, label: str | None = None,
               notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
-              strict_release: bool = False, risk: str = "safe") -> CheckResult:
+              strict_release: bool = False, risk: str = "safe", compile_cache: str | None = None) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the newest modelled release (:func:`tuner.memory.eras.resolve_release`; a newer one is answered with the
     newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
     ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
-    hold at start, the drop field of that name.
+    hold at start, the drop field of that name; ``compile_cache``: ``cold`` / ``warm`` (the drop field).
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
             invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
     """
     from tuner.reports.explain import explain_drop
+    from tuner.question.vllm_args import env_not_modelled, modelled_env, split_env_prefix
 
+    argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
+    env_ignored: list[dict] = []
+    if line_env:
+        line_nm, env_ignored = env_not_modelled(line_env, source="command line")
+        extra_not_modelled = [*extra_not_modelled, *line_nm]
+        env = {**modelled_env(line_env), **(env or {})} or None
     sa = parse_line(argv, config_file, parser=parser)
+    sa.ignored = list(getattr(sa, "ignored", None) or []) + env_ignored
     warnings: list[str] = list(notes)
     parsed_by = sa.parser_info.get("vllm_version") if sa.parser_info.get("name") == "vllm" else None
     release = re.match(r"\d+\.\d+(?:\.\d+)?", str(parsed_by or ""))
@@ -158,6 +166,8 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         d["env"] = {**(d.get("env") or {}), **env}
     if other_processes_memory_gib is not None:  # co-tenants, as the drop field states them
         d["other_processes_memory_gib"] = other_processes_memory_gib
+    if compile_cache is not None:  # the start-up's compile cache, as the drop field states it
+        d["compile_cache"] = compile_cache
     label = label or config_file or "vllm serve"
     drop = _with_release(build_drop(sa, d, label=label), release_assumed)
     from tuner.reports.explain import prepare
@@ -392,7 +402,13 @@ def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
     if lm is not None and not point_of(lm).max_model_len:
         out.append(f"another --max-model-len: none starts at gpu_memory_utilization {u:g}")
     un = point_of(rem).gpu_memory_utilization or {}
-    if not kv_fixed and un and not un.get("possible") and un.get("exact") is not None:
+    if not kv_fixed and un and not un.get("possible") and un.get("free_bytes") is not None:
+        out.append(f"--gpu-memory-utilization: no value is enough (it would take {_gib(un.get('needed_requested_bytes'))}"
+                   f", {un['exact']:.3f} of total, more than the {_gib(un['free_bytes'])} other processes leave free: "
+                   "vLLM refuses a budget above the free memory)")
+    elif not kv_fixed and un and not un.get("possible") and un.get("exact") is None and un.get("why"):
+        out.append(f"--gpu-memory-utilization: no value helps ({un['why']})")
+    elif not kv_fixed and un and not un.get("possible") and un.get("exact") is not None:
         out.append(f"--gpu-memory-utilization: no value <= 1 is enough (it would take {un['exact']:.3f} of total, "
                    f"{_gib(un.get('needed_requested_bytes'))})")
     elif not kv_fixed and un.get("possible") and (un.get("verified") or {}).get("fits") is False:
@@ -410,6 +426,28 @@ def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
 
 #: The store ``check`` reads the pass memo from (``profile``'s default, relative to the directory).
 DEFAULT_STORE = "var/ctx-tuner.sqlite"
+
+
+def _tokens_how(d: dict, n: dict, max_model_len: int) -> str | None:
+    """Why the KV tokens are not blocks x block size, where they are not (explain's words,
+    :func:`tuner.reports.explain._tokens_how`): from 0.22 vLLM logs ``int(max_concurrency x max_model_len)``
+    (vllm/v1/core/kv_cache_utils.py; 0.34 ``get_kv_cache_capacity``), so 712 blocks of 64 tokens at
+    max_model_len 44480 are 45567 tokens, not 45568; up to 0.21 ``num_blocks // groups x block_size``."""
+    blocks, bs, tokens, conc = (n.get(k) for k in ("num_gpu_blocks", "block_size", "kv_cache_tokens",
+                                                  "max_concurrency"))
+    if not blocks or not bs or tokens is None or tokens == blocks * bs or not max_model_len:
+        return None
+    from tuner.memory.eras import era_for
+    from tuner.reports.explain import _cdiv, _tokens_how as how
+
+    try:
+        era = era_for(d.get("engine_version"))
+    except Exception:  # noqa: BLE001 - a display helper: no release, no sentence
+        return None
+    per_req = round(blocks / conc) if conc else 0
+    if per_req and abs(blocks / conc - _cdiv(max_model_len, bs)) <= 1e-3 * _cdiv(max_model_len, bs) + 0.5:
+        per_req = _cdiv(max_model_len, bs)
+    return f"{how(era, blocks, bs, tokens, per_req, max_model_len)} (not {blocks} x {bs} = {blocks * bs})"
 
 
 def _gib(n: int | None) -> str:
@@ -470,6 +508,9 @@ def render(res: CheckResult) -> str:
     elif d["starts"]:
         lines.append(f"STARTS: {at}: {n['num_gpu_blocks']} blocks, {n['kv_cache_tokens']} KV tokens, "
                      f"{n['max_concurrency']:.2f}x concurrency")
+        how = _tokens_how(d, n, checked.max_model_len)
+        if how:
+            lines.append(f"  KV tokens as vLLM {d.get('engine_version')} logs 'GPU KV cache size: N tokens': {how}")
     else:
         lines.append(f"DOES NOT START: {at}")
         from tuner.memory.search import WEIGHTS_DO_NOT_FIT
@@ -512,6 +553,10 @@ def render(res: CheckResult) -> str:
         lines.append(f"  {n['available_kv_cache_bytes']:,} // {n['kv_block_bytes']:,} bytes per block{granules} = "
                      f"{n['num_gpu_blocks']} blocks of {n['block_size']} tokens")
     iv = d.get("interval")
+    from tuner.memory.search import WEIGHTS_DO_NOT_FIT as _weights
+
+    if not d["starts"] and str(d["engine_error"]).startswith(_weights):
+        iv = None  # vLLM fails loading the weights: no KV budget, so no interval on it
     if iv and d.get("verdict") != "uncertain":
         lines.append(f"  interval: KV {_gib(iv['available_kv_cache_bytes_low'])} to "
                      f"{_gib(iv['available_kv_cache_bytes_high'])}, {iv['num_gpu_blocks_low']}-{iv['num_gpu_blocks_high']} "

@@ -103,6 +103,13 @@ def _tokens_how(era, blocks: int, block_size: int, tokens: int, per_req: int, m:
     return "as this release reports it (int(concurrency x max_model_len))"
 
 
+def _weights_do_not_fit() -> str:
+    """The start of the weights refusal (:data:`tuner.memory.search.WEIGHTS_DO_NOT_FIT`)."""
+    from tuner.memory.search import WEIGHTS_DO_NOT_FIT
+
+    return WEIGHTS_DO_NOT_FIT
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -744,12 +751,29 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                                              "risk", "max_model_len_expected", "max_model_len_safe")}
         if refused_len:  # no memory setting helps: the length itself is refused
             rem["max_len_refused"] = True
+        elif str(cand.get("reason") or "").startswith(_weights_do_not_fit()):
+            # vLLM fails loading the weights before the memory profile: no gpu_memory_utilization helps
+            rem.update(gpu_memory_utilization={
+                "possible": False, "value": None, "exact": None, "verified": None,
+                "why": "the weights do not load; vLLM fails before it sizes anything from gpu_memory_utilization"})
         elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
             fixed = w + act + nt + (g if subtracts_graphs else 0)
             rem.update(gpu_memory_utilization={
                 **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
                            blocks=blocks_needed(era, m, block_size, min_concurrency)),
                 "approximate": not block_bytes_exact, "verified": None})
+            from tuner.memory.budget import co_tenant_non_torch_bytes
+            from tuner.jobs.job import other_processes_bytes
+
+            others = other_processes_bytes(device, drop)
+            un = rem["gpu_memory_utilization"]
+            if others and not co_tenant_non_torch_bytes(era, others) \
+                    and un["needed_requested_bytes"] > total - others:
+                # init_device's free-memory check (vllm/v1/worker/gpu_worker.py): the requested budget
+                # total × u must not exceed the memory other processes leave free
+                un.update(possible=False, value=None, free_bytes=int(total - others),
+                          why=f"other processes leave {(total - others) / (1 << 30):.2f} GiB free, less than the "
+                              f"{un['needed_requested_bytes'] / (1 << 30):.2f} GiB it would take")
             if withheld > 0:  # 0.34: the device headroom, not gpu_memory_utilization, caps the cache
                 rem["gpu_memory_utilization"].update(
                     possible=False, value=None,
@@ -1234,7 +1258,7 @@ def render_point(e: dict) -> str:
             lines.append(f"  {k}. {s['text']:<84} = {approx}{s['value']}")
     if e.get("command"):
         lines.append(f"  {e['command']}")
-    lines += interval_lines(e.get("interval"))
+    lines += [] if weights_refused else interval_lines(e.get("interval"))
     if weights_refused:
         lines.append(f"  {e['reason']}")
     elif not e["fits"]:
@@ -1297,6 +1321,12 @@ def render_point(e: dict) -> str:
                     text += (f"; checked: {'starts' if v['fits'] else 'still does NOT start'} with "
                              f"{v['kv_cache_tokens']} KV tokens")
                 lines.append(text)
+            elif un.get("exact") is None:  # no u helps at all (the weights do not load)
+                lines.append(f"    - no gpu_memory_utilization helps: {un.get('why') or 'none is enough'}")
+            elif un.get("free_bytes") is not None:  # co-tenants: the budget must fit the free memory
+                lines.append(f"    - no gpu_memory_utilization is enough: it would take {un['exact']:.3f} of total "
+                             f"({_gib(un['needed_requested_bytes'])} GiB), more than the {_gib(un['free_bytes'])} GiB "
+                             f"other processes leave free{approx}")
             else:
                 lines.append(f"    - no gpu_memory_utilization <= 1 is enough: it would take {un['exact']:.3f} of "
                              f"total ({_gib(un['needed_requested_bytes'])} GiB){approx}")
