@@ -465,24 +465,27 @@ def test_repeated_question_with_vllm_installed_was_not_memoizable(tmp_path, monk
     assert any("engine cross-check skipped" in w for w in first["warnings"])
     again = worker(copy.deepcopy(request), job="j")
     assert len(calls) == 1, "answered by a worker again"
-    assert again[memoanswer.PASS_SOURCE] == {"source": "memo", "stored_passes": 0, "computed_passes": 0,
-                                             "engine_answer": True}
+    # no engine took part (a V0 release: the adapter only records that it skipped), so the plain
+    # pass memo answers, as on a host without vLLM (tuner.engine.stored: memoizable unless the
+    # engine itself serves the model)
+    n = len(first["runs"])
+    assert again[memoanswer.PASS_SOURCE] == {"source": "memo", "stored_passes": n, "computed_passes": 0}
     assert _strip(again) == _strip(first)
     assert "vllm" not in sys.modules
-    assert memoanswer.pass_source_line(again[memoanswer.PASS_SOURCE]) == (
-        "passes: memo (the engine's stored answer for this request and vLLM build; no worker, no torch, "
-        "no vLLM import)")
     # another drop name, same question: the same answer
     renamed = copy.deepcopy(request)
     renamed["drop"]["name"] = "other-name"
     worker(renamed, job="j")
     assert len(calls) == 1
-    # another vLLM build, or another setting: a worker
+    # another vLLM build: nothing of the engine is in this answer, the memo still answers
     build["mtime_ns"] = 2
     worker(copy.deepcopy(request), job="j")
+    assert len(calls) == 1
+    # another setting whose pass is not stored: a worker
+    other = copy.deepcopy(request)
+    other["drop"]["max_num_seqs"] = 128
+    worker(other, job="j")
     assert len(calls) == 2
-    worker(_with(request, gpu_memory_utilization=[0.8]), job="j")
-    assert len(calls) == 3
     # the engine off: no engine answer is looked for (the plain pass memo, as without vLLM)
     key = passmemo.engine_answer_key(memoanswer.job_request(request))
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")

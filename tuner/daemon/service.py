@@ -1230,6 +1230,8 @@ class Daemon:
                     return result
                 if hits:
                     request = {**request, passmemo.KNOWN_PASSES: hits}
+            # the stored engine cross-checks (tuner.engine.stored): the warm worker runs one only where none is current
+            request = memoanswer.with_crosschecks(request, entries)
             result = inner(request, **kw)
             if isinstance(result, dict):
                 new = result.get(passmemo.ENTRIES)

@@ -81,7 +81,9 @@ def to_serve_args(res: dict, argv: Sequence[str], config_file: str | None, *, py
     cfg = _config_of(argv, config_file)
     out = ServeArgs(parser=f"vllm {version}", config_file=cfg)
     out.parser_info = {"name": "vllm", "vllm_version": version, "python": python,
-                       "import_s": res.get("import_s"), "parse_s": res.get("parse_s")}
+                       "import_s": None if res.get("cached") else res.get("import_s"),
+                       "parse_s": None if res.get("cached") else res.get("parse_s"),
+                       **({"cached": str(cache_dir())} if res.get("cached") else {})}
     explicit: dict[str, Any] = dict(res.get("explicit") or {})
     options: dict[str, list] = dict(res.get("options") or {})
     out.model = res.get("model")
@@ -162,7 +164,13 @@ class VllmServeParser:
         return to_serve_args(res, argv, config_file, python=self.python)
 
     def parse(self, argv: Sequence[str], config_file: str | None = None) -> ServeArgs:
-        _, res = self._call(self._argv(argv, config_file))
+        # the cache only behind the real subprocess (an injected ``run`` is a test's stand-in)
+        key = parse_cache_key(self.python, argv, config_file, self._env) if self._run is subprocess.run else None
+        res = read_cached_parse(key) if key else None
+        if res is None:
+            _, res = self._call(self._argv(argv, config_file))
+            if key:
+                write_cached_parse(key, res)
         return self._result(res, argv, config_file)
 
     def parse_many(self, items: Sequence[tuple[Sequence[str], str | None]]) -> list[ServeArgs | ServeArgsError]:
@@ -176,6 +184,71 @@ class VllmServeParser:
             except ServeArgsError as exc:
                 out.append(exc)
         return out
+
+
+#: Where vLLM's parser answers are kept (:func:`parse_cache_key`): ``$CTX_TUNER_CACHE_DIR``, else
+#: ``$XDG_CACHE_HOME/ctx-tuner``, else ``~/.cache/ctx-tuner``; subdirectory ``vllm-parse``.
+CACHE_ENV = "CTX_TUNER_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The directory of the parse cache (see :data:`CACHE_ENV`)."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                     "ctx-tuner")
+    return Path(root) / "vllm-parse"
+
+
+def parse_cache_key(python: str, argv: Sequence[str], config_file: str | None, env: dict | None = None) -> str | None:
+    """The key of vLLM's parser's answer to a line (issue 34: a repeated ``check`` on a host with vLLM
+    does not import it again): the tokens, the ``--config`` YAML's bytes, the ``VLLM_*`` environment
+    and the vLLM build (:func:`tuner.releases.installed.vllm_build`: version, location and modification time
+    of its ``__init__.py``). Only where ``python`` is this interpreter (another one's build is not
+    known without running it) and a build is found; else None (no cache)."""
+    import sys
+
+    if os.path.abspath(python) != os.path.abspath(sys.executable) or os.environ.get(CACHE_ENV) == "off":
+        return None
+    import hashlib
+
+    from tuner.releases.installed import vllm_build
+
+    build = vllm_build()
+    if build is None:
+        return None
+    cfg = _config_of(argv, config_file)
+    try:
+        cfg_bytes = Path(cfg).read_bytes().hex() if cfg else None
+    except OSError:
+        return None  # vLLM's parser names the unreadable file
+    source = env if env is not None else os.environ
+    key = {"v": 1, "argv": list(argv), "config_file": config_file, "config": cfg_bytes, "build": build,
+           "cwd": os.getcwd() if cfg else None, "env": {k: v for k, v in source.items() if k.startswith("VLLM_")}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def read_cached_parse(key: str) -> dict | None:
+    """The stored answer for ``key`` (marked ``cached``), or None."""
+    try:
+        res = json.loads((cache_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(res, dict):
+        return None
+    return {**res, "cached": True}
+
+
+def write_cached_parse(key: str, res: Any) -> None:
+    """Keep vLLM's answer (written whole or not at all; a failure only loses the optimisation)."""
+    if not isinstance(res, dict):
+        return
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(res))
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass
 
 
 class AutoServeParser:

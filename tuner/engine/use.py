@@ -46,6 +46,15 @@ class EngineUse:
     trace_activation: bool = False
     #: a trace ran (and gave the activation of at least one pass)
     traced: bool = False
+    #: the engine's scheduler defaults a stored cross-check applies (:func:`tuner.engine.stored.use_from_record`)
+    stored_defaults: dict = field(default_factory=dict)
+    #: ``(build, settings, entry point)`` of a cross-check that ran in this job, to be stored (tuner.jobs.job)
+    record_for: Any = None
+
+    @property
+    def live(self) -> bool:
+        """The engine itself (an open session) takes part in the job, not a stored cross-check."""
+        return self.session is not None
 
     def approximate_parts(self) -> list:
         """The kernel-dependent parts every trace of the job met (sorted, unique)."""

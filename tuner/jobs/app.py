@@ -244,8 +244,13 @@ def make_new_store(db_url: str | None) -> Any:
 def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             store_factory: Callable[..., "Store"] | None = None, worker: Callable[..., dict] = run_in_worker,
             nvml: Any = None, calibrate: bool = True, cache: bool = True,
-            spawner: Callable[..., Any] | None = None, risk: str | None = None) -> ProfileOutcome:
+            spawner: Callable[..., Any] | None = None, risk: str | None = None,
+            cross_check: bool = False) -> ProfileOutcome:
     """Run the main job for one drop file and store everything in one transaction.
+
+    ``cross_check`` (``--cross-check``): with vLLM installed, a plugin-served model's engine
+    cross-check runs where none is stored for this vLLM build (and is stored with the result);
+    without it a stored one is used and a missing or stale one is said (:mod:`tuner.engine.stored`).
 
     ``risk`` (``--risk``): the drop's ``constraints.risk`` replaced (``safe`` | ``expected``).
 
@@ -282,6 +287,7 @@ def profile(drop_path: str, *, db_url: str | None = None, timeout_s: float = DEF
 
         drop = dataclasses.replace(drop, constraints=dataclasses.replace(drop.constraints, risk=risk))
     request, dev = prepare_job(drop, nvml=nvml)
+    request = request.replace(cross_check="run" if cross_check else "stored")
     ahead = _spawn_ahead(request, db_url, cache, worker, spawner, timeout_s)
     store = warming = None
     try:

@@ -196,15 +196,25 @@ def _free_memory_from_host(device: dict, era: Any) -> bool:
 
 
 def _engine_use(req: "JobRequest", spec: Any, plugin: Any, unserved: bool, top: dict, era: Any,
-                stage_settings: list, total: int, pp: int) -> Any:
+                stage_settings: list, total: int, pp: int, *, pass_memo: Any = None,
+                crosscheck_entries: list | None = None) -> Any:
     """The job's use of an installed vLLM (:mod:`tuner.engine.use`), or None where none is
     importable or ``engine`` is ``off`` (request key, else env ``CTX_TUNER_ENGINE``).
+
+    For a model a plugin serves, a current stored cross-check (:mod:`tuner.engine.stored`: from
+    ``pass_memo``'s entries in the parent, the request's ``engine_crosschecks`` in the worker) is
+    used without opening an engine; without one, the request's ``cross_check`` decides: ``stored``
+    answers with the plugin and says the cross-check is missing or stale, ``run`` (default) runs
+    it and appends its record to ``crosscheck_entries`` (stored by the caller).
 
     Raises:
         UnsupportedArchitectureError: no plugin serves the architecture, its config is not a
             standard decoder and no engine can serve it (:mod:`tuner.engine.fallback`).
+        MemoMiss: ``pass_memo`` is given and the answer needs the engine itself (the worker runs it).
     """
     import os
+
+    from tuner.jobs import passmemo
 
     from tuner.releases.installed import vllm_importable
     from tuner.engine.fallback import non_standard_features, refuse_unserved
@@ -231,14 +241,38 @@ def _engine_use(req: "JobRequest", spec: Any, plugin: Any, unserved: bool, top: 
         return EngineUse(report={"skipped": f"engine adapter not used for {why}"},
                          warnings=[f"engine cross-check skipped for {why}"])
     plugin_specs = None if unserved else plugin.kv_cache_spec(spec, stage_settings[0])
+    d = req.to_wire()["drop"]
+    record_for = None
+    if not unserved:  # the stored cross-check first (tuner.engine.stored): no engine session, no import vllm
+        from tuner.engine import stored
+        from tuner.engine.use import gpu_block_size
+
+        build = passmemo.engine_build()
+        ck_settings = stored.settings_of(d, block_size=gpu_block_size(d, plugin_specs), plugin=plugin.name,
+                                         trust_remote_code=bool(req.trust_remote_code))
+        records = stored.records_in(pass_memo.entries) if pass_memo is not None else list(req.engine_crosschecks)
+        state, record, why = stored.find(records, config_sha256=spec.config_sha256, build=build, settings=ck_settings)
+        entry_point = str(d.get("entry_point") or "serve")
+        if record is not None:
+            return stored.use_from_record(record, device=dict(req.device), entry_point=entry_point, build=build)
+        if (req.cross_check or "run") == "stored":
+            return EngineUse(report={"cross_check": stored.state_block(state, build=build, why=why)},
+                             warnings=[stored.not_current_warning(state, why)])
+        record_for = (build, ck_settings, entry_point)
+    if pass_memo is not None:
+        raise passmemo.MemoMiss("an installed engine takes part")
 
     def specs_at(version: str) -> dict:
         return plugin.kv_cache_spec(spec, dataclasses.replace(stage_settings[0], engine_version=version))
 
-    return engine_for_job(d=req.to_wire()["drop"], model_dir=str(Path(req.config_path).parent), spec=spec,
-                          plugin=plugin,
-                          unserved=unserved, era=era, plugin_specs=plugin_specs, plugin_specs_at=specs_at,
-                          reference_bytes=total // 2, trust_remote_code=bool(req.trust_remote_code))
+    use = engine_for_job(d=d, model_dir=str(Path(req.config_path).parent), spec=spec,
+                         plugin=plugin,
+                         unserved=unserved, era=era, plugin_specs=plugin_specs, plugin_specs_at=specs_at,
+                         reference_bytes=total // 2, trust_remote_code=bool(req.trust_remote_code))
+    if record_for is not None and use.session is not None:
+        use.report["cross_check"] = {"state": "ran", "build": record_for[0], "vllm": record_for[0].get("version")}
+        use.record_for = record_for
+    return use
 
 
 def stage_devices(device: dict, pp: int) -> list[dict]:
@@ -564,17 +598,11 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     fmt = config_format(drop, req.config_path)
     if fmt != "hf":
         ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
-    if pass_memo is not None:
-        import os
-
-        from tuner.releases.installed import vllm_importable
-
-        if str(req.engine or os.environ.get("CTX_TUNER_ENGINE") or "auto") != "off" and vllm_importable():
-            raise passmemo.MemoMiss("an installed engine takes part")
     # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
-    # cross-check of the plugin's KV specs, vLLM's own argument checks; no silent fallback.
+    # cross-check of the plugin's KV specs (stored once: tuner.engine.stored), vLLM's own argument
+    # checks; no silent fallback.
     engine_use = _engine_use(req, model.spec, model.plugin, model.unserved is not None, model.top, era,
-                             ranks.stages, total, ranks.pp)
+                             ranks.stages, total, ranks.pp, pass_memo=pass_memo)
     if engine_use is not None:
         model = dataclasses.replace(model, plugin=engine_use.plugin or model.plugin)
         if engine_use.weights and model.unserved in warnings:  # the engine, not the generic fallback, serves it
@@ -594,7 +622,10 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
 
         assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
                                       str(drop.release_assumed["reason"])))
-    memoizable = method == "simulate" and req.fake and engine_use is None
+    # the passes of a plugin-served model are the plugin's with or without an engine (its cross-check
+    # decides KV specs and defaults, which the pass keys and the search take as inputs)
+    memoizable = method == "simulate" and req.fake and (engine_use is None or not (
+        engine_use.weights or engine_use.trace_activation or engine_use.traced))
     if pass_memo is not None and not memoizable:
         raise passmemo.MemoMiss(f"method {method} is not memoized")
     passes = Passes(req, model, era, ranks, layout, method, engine_use=engine_use, pass_memo=pass_memo,
@@ -606,6 +637,8 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
         passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
                                                       block_size=kv.block_size, d=drop.to_dict(), device=device))
+    elif engine_use is not None and engine_use.stored_defaults and era.engine == "V1":
+        passes.engine_batch.update(engine_use.stored_defaults)  # as the stored cross-check's engine applied them
     def run_sources(*, before_passes: bool) -> dict:
         """Which source gave each term. Before the passes run (for the uncertainty context) a trace
         the engine will attempt counts as traced; after them, what really happened does."""
@@ -655,17 +688,27 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.memory.platforms)
-    if pass_memo is None and memoizable and memo_entries:
-        out[passmemo.ENTRIES] = memo_entries
-    elif pass_memo is None and engine_use is not None and engine_key is not None and method == "simulate":
+    new_entries = list(memo_entries) if pass_memo is None and memoizable else []
+    if pass_memo is None and engine_use is not None and getattr(engine_use, "record_for", None):
+        # the cross-check that ran here, stored once (tuner.engine.stored): later jobs need no import vllm
+        from tuner.engine import stored
+
+        build, ck_settings, entry_point = engine_use.record_for
+        new_entries.append(stored.record_entry(engine_use, config_sha256=model.spec.config_sha256, build=build,
+                                               settings=ck_settings, device=dict(device), entry_point=entry_point))
+    if new_entries:
+        out[passmemo.ENTRIES] = new_entries
+    if pass_memo is None and engine_use is not None and engine_use.live and engine_key is not None \
+            and method == "simulate":
         # the engine's answer, whole: a repeated question is answered from the store by the parent
         # (tuner.jobs.memoanswer.answer_from_memo) without importing vLLM or torch
         from tuner.model.modelspec import config_hash
 
-        out[passmemo.ENTRIES] = [{"memo_key": engine_key, "kind": passmemo.ENGINE_ANSWER,
+        out.setdefault(passmemo.ENTRIES, []).append({"memo_key": engine_key, "kind": passmemo.ENGINE_ANSWER,
                                   "model_config_sha256": config_hash(read_top(req.config_path)),
                                   "tool_version": __version__, "method": method, "device_name": device.get("name"),
-                                  "era": era.name, "value": json.loads(json.dumps(out))}]
+                                  "era": era.name, "value": json.loads(json.dumps(
+                                      {k: v for k, v in out.items() if k != passmemo.ENTRIES}))})
     return out
 
 

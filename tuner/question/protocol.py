@@ -155,6 +155,12 @@ class JobRequest:
     #: the device total was stated (a log, a case, the user) rather than read from the catalog;
     #: None = the worker judges from the device (a total other than the catalog's is stated).
     device_total_stated: bool | None = None
+    #: where no current stored engine cross-check exists for a plugin-served model
+    #: (:mod:`tuner.engine.stored`): ``stored`` says so without importing vLLM, ``run`` runs it
+    #: (None = ``run``).
+    cross_check: str | None = None
+    #: the stored engine cross-checks of the model config the parent found (records, not keys).
+    engine_crosschecks: tuple = field(default=(), hash=False)
 
     kind = KIND_JOB
 
@@ -183,7 +189,8 @@ class JobRequest:
         for key, default in (("search", True), ("fake", True), ("trust_remote_code", False), ("progress", False)):
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
-        for key in ("calibration_db", "engine", "engine_timeout_s", "draft_config_path", "draft_config_error"):
+        for key in ("calibration_db", "engine", "engine_timeout_s", "draft_config_path", "draft_config_error",
+                    "cross_check"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.calibration:
@@ -196,6 +203,8 @@ class JobRequest:
             out["unmodelled"] = [dict(u) for u in self.unmodelled]
         if self.device_total_stated is not None:
             out["device_total_stated"] = bool(self.device_total_stated)
+        if self.engine_crosschecks:
+            out["engine_crosschecks"] = [dict(r) for r in self.engine_crosschecks]
         return out
 
     @classmethod
@@ -227,7 +236,9 @@ class JobRequest:
                    known_passes=dict(data["known_passes"]) if data.get("known_passes") else None,
                    unmodelled=tuple(dict(u) for u in data.get("unmodelled") or ()),
                    device_total_stated=(None if data.get("device_total_stated") is None
-                                        else bool(data["device_total_stated"])))
+                                        else bool(data["device_total_stated"])),
+                   cross_check=data.get("cross_check"),
+                   engine_crosschecks=tuple(dict(r) for r in data.get("engine_crosschecks") or ()))
 
 
 @dataclass(frozen=True)

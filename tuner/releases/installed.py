@@ -27,3 +27,24 @@ def installed_release() -> tuple[str | None, str | None]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None, None
+
+
+def vllm_build() -> dict | None:
+    """The installed vLLM build, without importing it: distribution, version, and the location and
+    modification time of its ``__init__.py`` (a rebuild or reinstall of the same version is another
+    build); None when none is importable. (:func:`tuner.jobs.passmemo.engine_build`; the key of a
+    stored engine cross-check and of a cached vLLM parse.)"""
+    import os
+
+    try:
+        found = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin:
+        return None
+    dist, version = installed_release()
+    try:
+        mtime = os.stat(found.origin).st_mtime_ns
+    except OSError:
+        mtime = None
+    return {"dist": dist, "version": version, "origin": found.origin, "mtime_ns": mtime}

@@ -114,13 +114,18 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               env: dict | None = None,
               models_dir: str | None = None, label: str | None = None,
               notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
-              strict_release: bool = False, risk: str = "safe", compile_cache: str | None = None) -> CheckResult:
+              strict_release: bool = False, risk: str = "safe", compile_cache: str | None = None,
+              cross_check: bool = False) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the newest modelled release (:func:`tuner.memory.eras.resolve_release`; a newer one is answered with the
     newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
     ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
     hold at start, the drop field of that name; ``compile_cache``: ``cold`` / ``warm`` (the drop field).
+    ``cross_check`` (``--cross-check``): where vLLM is installed and no current engine cross-check of
+    the model is stored, run it now and store it in the default store (the one thing a check writes;
+    :mod:`tuner.engine.stored`); without it, a stored one is used and a missing or stale one is said,
+    vLLM not imported.
 
     Raises:
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
@@ -191,6 +196,9 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
 
     store_used = DEFAULT_PATH if store_exists(None) else None
     memo = memo_worker(None, worker or _default_worker(), write=False)
+    stored_crosscheck: list = []
+    if cross_check:
+        memo = _keeping_crosschecks(memo, stored_crosscheck)
     named = unmodelled_for_job(sa, unmodelled)
     import dataclasses
 
@@ -200,7 +208,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
     try:
         doc = explain_drop(None, drop=drop, gpu_memory_utilization=u, max_model_len=m, worker=memo,
                            timeout_s=timeout_s, variants=variants and not auto, nvml=nvml, progress=progress,
-                           calibrate=False, unmodelled=named)
+                           calibrate=False, unmodelled=named, cross_check="run" if cross_check else "stored")
     except DropError as exc:  # what vLLM refuses for this model (heads vs -tp, …), named as written
         raise CheckInputError(exc.message, where=spelled_for_field(sa, exc.field) or exc.field) from None
     e = doc["explanations"][0]
@@ -302,10 +310,38 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         "drop": {k: v for k, v in d.items()},
         "warnings": list(dict.fromkeys(warnings + list(doc.get("warnings") or []) + list(sa.notes))),
         "assumptions": list(doc.get("assumptions") or []),
-        "store": {"path": os.path.abspath(store_used) if store_used else None, "read": "pass memo" if store_used else None,
-                  "written": False},
+        "store": {"path": os.path.abspath(store_used or DEFAULT_PATH) if (store_used or stored_crosscheck) else None,
+                  "read": "pass memo" if store_used else None,
+                  "written": "engine cross-check" if stored_crosscheck else False},
+        # the engine cross-check the answer used (tuner.engine.stored): stored / ran / missing / stale, or None
+        "engine_cross_check": (doc.get("engine_check") or {}).get("cross_check"),
     }
     return CheckResult(starts, out, e)
+
+
+def _keeping_crosschecks(worker: Callable[..., dict], saved: list) -> Callable[..., dict]:
+    """``worker`` whose results' engine cross-check records (:mod:`tuner.engine.stored`) are stored in
+    the default store (created if missing) — ``check --cross-check`` writes those and nothing else."""
+
+    def run(request: Any, **kw: Any) -> dict:
+        result = worker(request, **kw)
+        from tuner.engine.stored import CROSSCHECK
+        from tuner.jobs.passmemo import ENTRIES
+
+        rows = [e for e in (result.get(ENTRIES) or []) if isinstance(e, dict) and e.get("kind") == CROSSCHECK] \
+            if isinstance(result, dict) else []
+        if rows:
+            from tuner.store.database import open_store
+
+            store = open_store(None)
+            try:
+                store.put_memo(rows)
+            finally:
+                store.close()
+            saved.extend(rows)
+        return result
+
+    return run
 
 
 def unmodelled_for_job(sa: ServeArgs, unmodelled: Sequence[dict]) -> list[dict]:
@@ -466,7 +502,9 @@ def render(res: CheckResult) -> str:
     info = read.get("parser_info") or {}
     lines.append(f"parser: {read.get('parser', 'built-in')}" + (
         f" (vLLM's own, in {info['python']}"
-        + (f"; import {info['import_s']:.1f} s)" if isinstance(info.get("import_s"), (int, float)) else ")")
+        + (f"; import {info['import_s']:.1f} s)" if isinstance(info.get("import_s"), (int, float)) else
+           f"; its answer for this line and vLLM build from {info['cached']}, vLLM not imported)" if info.get("cached")
+           else ")")
         if info.get("name") == "vllm" else
         f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
@@ -565,6 +603,11 @@ def render(res: CheckResult) -> str:
                         "does not start at either end" if not iv["starts_low"] and not iv["starts_high"] else
                         "the verdict flips inside it (--risk expected answers by the expected value)")
                      + " (docs/uncertainty.md)")
+    from tuner.engine.stored import state_line
+
+    ck = state_line(d.get("engine_cross_check"))
+    if ck:
+        lines.append(f"  {ck}")
     sure = (d.get("uncertain") or {}).get("starts_for_sure") or []
     if sure:
         lines += ["", "settings that start for sure (at the interval's safe end):"]

@@ -21,6 +21,8 @@ the same point with an fp8 KV cache and with twice the tensor parallelism (worke
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import dataclasses
 import inspect
 import math
@@ -501,6 +503,25 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     (an engine's own log: ``explain --run`` of a vllm/import run) shows the terms as logged, the
     difference the log's 2-decimal GiB rounding leaves, and blocks inferred from the KV tokens when
     the log printed none (approximate)."""
+    p = _point_setup(drop=drop, device=device, era=era, cand=cand, run=run, model=model, plugin=plugin, dtype=dtype,
+                     block_size=block_size, block_bytes=block_bytes, block_bytes_exact=block_bytes_exact,
+                     surface=surface, proposal=proposal, min_concurrency=min_concurrency, measured=measured,
+                     serve_model=serve_model, budget=budget, term_sources=term_sources)
+    steps = _activation_steps(p)
+    _other_budget_steps(p, steps)
+    _kv_steps(p, steps)
+    _name_sources(p, steps)
+    out = _point_record(p, steps)
+    if not out["fits"]:
+        out["remedies"] = _remedies(p)
+    return out
+
+
+def _point_setup(*, drop, device, era, cand, run, model, plugin, dtype, block_size, block_bytes,
+                 block_bytes_exact, surface, proposal, min_concurrency, measured, serve_model, budget,
+                 term_sources) -> SimpleNamespace:
+    """Step 1 of :func:`explain_point`: the point's ledger, its limiting pipeline stage's card and the
+    activation term's parts (simulated passes, cuBLAS workspace, safety reserve, corrections)."""
     from tuner.memory.budget import unexplained_bytes
     from tuner.memory.search import candidate_starts
 
@@ -546,6 +567,15 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         act_sim, rest, reserve = act - reserve, 0, reserve
     act_text = ("activation peak of the profile run (torch peak increase, as the engine logged it)" if measured
                 else "activation peak of the profile run (simulated passes)")
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "unexplained_bytes"})
+
+
+def _activation_steps(p: SimpleNamespace) -> list[dict]:
+    """Step 2: the steps from ``requested`` through the activation term's parts (drafter, workspace, reserve)."""
+    act_sim, act_text, cand, drop, dtype = p.act_sim, p.act_text, p.cand, p.drop, p.dtype
+    measured, model = p.measured, p.model
+    n, plugin, req, reserve, rest, rounding, run = p.n, p.plugin, p.req, p.reserve, p.rest, p.rounding, p.run
+    split, total, tp, u, w, ws = p.split, p.total, p.tp, p.u, p.w, p.ws
     steps = [
         {"name": "requested", "op": "=", "bytes": req,
          "text": f"requested = total {_gib(total)} GiB x gpu_memory_utilization {u:g} ({rounding}, bytes)"},
@@ -597,6 +627,18 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     if reserve and not measured:
         steps.append({"name": "safety_reserve", "op": "-", "bytes": reserve,
                       "text": "safety reserve for start-up memory no term explains, see docs/prediction.md"})
+    p.drafter_w = drafter_w
+    return steps
+
+
+def _other_budget_steps(p: SimpleNamespace, steps: list[dict]) -> None:
+    """Step 3: non-torch memory, its communication and info steps, pipeline stages, CUDA graphs,
+    calibration, the extensible cache and the balancing step, down to ``available_kv``."""
+    act_corr, avail, cand, device, drafter_w = p.act_corr, p.avail, p.cand, p.device, p.drafter_w
+    drop, era = p.drop, p.era
+    g, g_corr, limiting, measured, model, n, nt = p.g, p.g_corr, p.limiting, p.measured, p.model, p.n, p.nt
+    nt_corr, pp_stages, run, split, subtracts_graphs = p.nt_corr, p.pp_stages, p.run, p.split, p.subtracts_graphs
+    tp, u = p.tp, p.u
     nt_text = ("non-torch memory (as the engine logged it)" if measured
                else "non-torch memory (CUDA context, NCCL and cuBLAS workspaces, allocator overhead)")
     comm = [] if measured else _communication_steps(era, drop, device, nt - nt_corr)
@@ -650,6 +692,16 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
     steps.append({"name": "available_kv", "op": "=", "bytes": avail,
                   "text": "KV cache bytes" + (" (as the engine logged it)" if measured else
                                               " (kv_cache_memory_bytes, as given)" if kv_fixed is not None else "")})
+    p.corr = corr
+    p.kv_fixed = kv_fixed
+    p.withheld = withheld
+
+
+def _kv_steps(p: SimpleNamespace, steps: list[dict]) -> None:
+    """Step 4: the KV cache's blocks, tokens and full-length concurrency."""
+    avail, block_bytes, block_bytes_exact, block_size, blocks = p.avail, p.block_bytes, p.block_bytes_exact, p.block_size, p.blocks
+    cand, conc = p.cand, p.conc
+    era, m, measured, n, tokens = p.era, p.m, p.measured, p.n, p.tokens
     note = _batch_note(era, n, m)
     if note:
         steps[2]["detail"] = [note] + steps[2]["detail"]
@@ -701,10 +753,33 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
         conc_how = f"as the engine logged it ({conc_how})"
     steps.append({"name": "concurrency", "op": "->", "value": conc,
                   "text": f"full-length requests that fit = {conc_how}"})
+    p.block_bytes = block_bytes
+    p.block_bytes_exact = block_bytes_exact
+    p.blocks = blocks
+    p.blocks_inferred = blocks_inferred
+
+
+def _name_sources(p: SimpleNamespace, steps: list[dict]) -> None:
+    """Step 5: each ledger term's step names where its bytes came from."""
+    ledger = p.ledger
     for step in steps:  # each ledger term's step names where its bytes came from
         term = ledger.get(step["name"])
         if term is not None and step["op"] in ("=", "-", "info"):
             step["source"] = term.source
+
+
+def _point_record(p: SimpleNamespace, steps: list[dict]) -> dict:
+    """Step 6: the point as data (every figure the report prints)."""
+    act, avail, block_bytes, block_size, blocks = p.act, p.avail, p.block_bytes, p.block_size, p.blocks
+    blocks_inferred, cand = p.blocks_inferred, p.cand
+    conc, corr, device, drop, dtype, era, g = p.conc, p.corr, p.device, p.drop, p.dtype, p.era, p.g
+    kv_fixed, m, measured, min_concurrency, model = p.kv_fixed, p.m, p.measured, p.min_concurrency, p.model
+    n, nt = p.n, p.nt
+    proposal, req, reserve, run, serve_model = p.proposal, p.req, p.reserve, p.run, p.serve_model
+    split, starts = p.split, p.starts
+    subtracts_graphs, surface, tokens, total, tp = p.subtracts_graphs, p.surface, p.tokens, p.total, p.tp
+    u, w = p.u, p.w
+    withheld, ws = p.withheld, p.ws
     surf = surface or []
     refused_len = str(cand.get("reason") or "").startswith(MAX_LEN_REFUSAL)
     out = {
@@ -743,44 +818,55 @@ def explain_point(*, drop: dict, device: dict, era: Era, cand: dict, run: dict |
                    extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"))
     if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
-    if not out["fits"]:
-        rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
-        if proposal is not None:
-            rem["largest_max_model_len"] = {k: proposal.get(k) for k in
-                                            ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
-                                             "risk", "max_model_len_expected", "max_model_len_safe")}
-        if refused_len:  # no memory setting helps: the length itself is refused
-            rem["max_len_refused"] = True
-        elif str(cand.get("reason") or "").startswith(_weights_do_not_fit()):
-            # vLLM fails loading the weights before the memory profile: no gpu_memory_utilization helps
-            rem.update(gpu_memory_utilization={
-                "possible": False, "value": None, "exact": None, "verified": None,
-                "why": "the weights do not load; vLLM fails before it sizes anything from gpu_memory_utilization"})
-        elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
-            fixed = w + act + nt + (g if subtracts_graphs else 0)
-            rem.update(gpu_memory_utilization={
-                **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
-                           blocks=blocks_needed(era, m, block_size, min_concurrency)),
-                "approximate": not block_bytes_exact, "verified": None})
-            from tuner.memory.budget import co_tenant_non_torch_bytes
-            from tuner.jobs.job import other_processes_bytes
-
-            others = other_processes_bytes(device, drop)
-            un = rem["gpu_memory_utilization"]
-            if others and not co_tenant_non_torch_bytes(era, others) \
-                    and un["needed_requested_bytes"] > total - others:
-                # init_device's free-memory check (vllm/v1/worker/gpu_worker.py): the requested budget
-                # total × u must not exceed the memory other processes leave free
-                un.update(possible=False, value=None, free_bytes=int(total - others),
-                          why=f"other processes leave {(total - others) / (1 << 30):.2f} GiB free, less than the "
-                              f"{un['needed_requested_bytes'] / (1 << 30):.2f} GiB it would take")
-            if withheld > 0:  # 0.34: the device headroom, not gpu_memory_utilization, caps the cache
-                rem["gpu_memory_utilization"].update(
-                    possible=False, value=None,
-                    why="the extensible KV cache is capped by the device memory left after warmup and CUDA-graph "
-                        "capture less its margin; a larger gpu_memory_utilization does not add to it")
-        out["remedies"] = rem
+    p.refused_len = refused_len
     return out
+
+
+def _remedies(p: SimpleNamespace) -> dict:
+    """Step 7 (a point that does not start): the remedies to fill in."""
+    act, block_bytes, block_bytes_exact, block_size, cand = p.act, p.block_bytes, p.block_bytes_exact, p.block_size, p.cand
+    device, drop = p.device, p.drop
+    era, g, kv_fixed, m, min_concurrency = p.era, p.g, p.kv_fixed, p.m, p.min_concurrency
+    nt, proposal = p.nt, p.proposal
+    refused_len, subtracts_graphs, total, w, withheld = p.refused_len, p.subtracts_graphs, p.total, p.w, p.withheld
+    rem: dict[str, Any] = {"largest_max_model_len": None, "gpu_memory_utilization": None}
+    if proposal is not None:
+        rem["largest_max_model_len"] = {k: proposal.get(k) for k in
+                                        ("max_model_len", "num_gpu_blocks", "kv_cache_tokens", "max_concurrency",
+                                         "risk", "max_model_len_expected", "max_model_len_safe")}
+    if refused_len:  # no memory setting helps: the length itself is refused
+        rem["max_len_refused"] = True
+    elif str(cand.get("reason") or "").startswith(_weights_do_not_fit()):
+        # vLLM fails loading the weights before the memory profile: no gpu_memory_utilization helps
+        rem.update(gpu_memory_utilization={
+            "possible": False, "value": None, "exact": None, "verified": None,
+            "why": "the weights do not load; vLLM fails before it sizes anything from gpu_memory_utilization"})
+    elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
+        fixed = w + act + nt + (g if subtracts_graphs else 0)
+        rem.update(gpu_memory_utilization={
+            **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
+                       blocks=blocks_needed(era, m, block_size, min_concurrency)),
+            "approximate": not block_bytes_exact, "verified": None})
+        from tuner.memory.budget import co_tenant_non_torch_bytes
+        from tuner.jobs.job import other_processes_bytes
+
+        others = other_processes_bytes(device, drop)
+        un = rem["gpu_memory_utilization"]
+        if others and not co_tenant_non_torch_bytes(era, others) \
+                and un["needed_requested_bytes"] > total - others:
+            # init_device's free-memory check (vllm/v1/worker/gpu_worker.py): the requested budget
+            # total × u must not exceed the memory other processes leave free
+            un.update(possible=False, value=None, free_bytes=int(total - others),
+                      why=f"other processes leave {(total - others) / (1 << 30):.2f} GiB free, less than the "
+                          f"{un['needed_requested_bytes'] / (1 << 30):.2f} GiB it would take")
+        if withheld > 0:  # 0.34: the device headroom, not gpu_memory_utilization, caps the cache
+            rem["gpu_memory_utilization"].update(
+                possible=False, value=None,
+                why="the extensible KV cache is capped by the device memory left after warmup and CUDA-graph "
+                    "capture less its margin; a larger gpu_memory_utilization does not add to it")
+    return rem
+
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -859,7 +945,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
                  worker: Callable[..., dict] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  progress: Progress | None = None, variants: bool = True, nvml: Any = None,
                  db_url: str | None = None, calibrate: bool = True, drop: Drop | None = None,
-                 cache: bool = True, unmodelled: Sequence[dict] = ()) -> dict:
+                 cache: bool = True, unmodelled: Sequence[dict] = (), cross_check: str | None = None) -> dict:
     """Explain a drop at ``u`` (default: each of the drop's) and ``M`` (default: the proposal at u).
 
     Runs the drop's job in a worker (restricted to ``u``; ``M`` added to the drop's grid so the fit
@@ -889,6 +975,8 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
         job.base = job.base_request.replace(calibration=cal)
     if unmodelled:  # inputs read but not modelled (check's flags): named, and they widen the interval
         job.base = job.base_request.replace(unmodelled=tuple(dict(x) for x in unmodelled))
+    if cross_check is not None:  # the engine cross-check: stored only, or run where none is current (tuner.engine.stored)
+        job.base = job.base_request.replace(cross_check=cross_check)
     us = [gpu_memory_utilization] if gpu_memory_utilization is not None else None
     grid = None
     if max_model_len is not None:
@@ -1368,9 +1456,16 @@ def engine_check_lines(check: dict | None) -> list[str]:
         return []
     if check.get("skipped"):
         return [f"engine: {check['skipped']}"]
+    from tuner.engine.stored import state_line
+
+    ck = state_line(check.get("cross_check"))
+    if ck and check.get("cross_check", {}).get("state") in ("missing", "stale"):
+        return [ck]  # no engine took part: the line says why
     rel = check.get("release")
     same = "same release as the drop" if check.get("releases_match") else f"drop asks {check.get('drop_release')}"
     out = [f"engine: vLLM {rel} ({same}); KV specs: {check.get('decision', 'not compared')}"]
+    if ck:
+        out.append(f"  {ck}")
     if check.get("error"):
         out.append(f"  engine error: {check['error']}")
     chk = check.get("check") or {}
