@@ -21,7 +21,7 @@ from tuner.question.drop import Drop
 from tuner.errors import DropError, EraError
 from tuner.memory.budget import persistent_bytes, profile_overhead_bytes
 from tuner.memory.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
-from tuner.memory.eras import release_warning, v0_uses_sliding_window
+from tuner.memory.eras import mm_prefix_lm_item_tokens, release_warning, v0_uses_sliding_window
 from tuner.memory.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
                                  check_architecture, check_quantization)
 from tuner.model.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
@@ -1177,7 +1177,7 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_hybrid=any(isinstance(x, MambaSpec) for specs in kv.specs for x in specs.values()),
         is_attention_free=not any(kv_specs_i for kv_specs_i in kv.specs),
         is_quantized=bool(spec.quantization_config or drop.quantization),
-        speculative_method=(drop.speculative_config or {}).get("method"))
+        speculative_method=(drop.speculative_config or {}).get("method"), platform=_platform(device))
     runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
                                free_memory_from_host=_free_memory_from_host(device, era))
@@ -1259,7 +1259,10 @@ class Passes:
                               enable_chunked_prefill=d.enable_chunked_prefill,
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
-                              is_multimodal=self.is_multimodal)
+                              is_multimodal=self.is_multimodal,
+                              mm_prefix_lm_item_tokens=mm_prefix_lm_item_tokens(
+                                  spec.top, version=era.version,
+                                  text_only=bool(_mm_limits(d)) and all(n == 0 for _m, n in _mm_limits(d))))
         # vLLM's SchedulerConfig: N >= S once the era's defaults are applied.
         check_batch(engine=era.engine, max_num_batched_tokens=batch.max_num_batched_tokens,
                     max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,

@@ -319,7 +319,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         n_layers = max(0, len(layout.kv_specs[stage]) - (getattr(dp, "kv_layers", 0) or 0)) or layout.num_layers
         gkw = dict(num_layers=n_layers, max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
                    hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
-                   compute_capability=cc, model_runner_v2=layout.model_runner_v2)
+                   compute_capability=cc, model_runner_v2=layout.model_runner_v2,
+                   platform=platform_of(card.topology))
         sizes = None
         if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
             from tuner.memory.budget import cudagraph_capture_sizes
@@ -522,7 +523,7 @@ def _size(era: Era, layout: Layout, budgets: Sequence, m: int, n: int, u: float)
                       f"stored in KV cache ({tokens}).")
     else:
         workers = [(specs, b.available_kv_cache_bytes) for b, specs in zip(budgets, layout.kv_specs)]
-        # Tokens in flight that sliding-window / chunked-local layers reserve (0.32+): async
+        # Tokens in flight that sliding-window / chunked-local layers reserve (0.26+, kvcache.MAX_IN_FLIGHT_SINCE): async
         # scheduling is on by default on GPUs (vllm/config/vllm.py; off for pooling models, some
         # speculative methods and PP on the V1 runner, which the helper's pp term covers).
         kw = dict(max_num_batched_tokens=n, tensor_parallel_size=layout.tensor_parallel_size,
