@@ -586,24 +586,13 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings: list[str] = []
     model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
-    era = drop_era(drop, req.engine_kind)
-    loud = release_warning(drop.release_assumed)
-    if loud:
-        warnings.append(loud)
-    ranks = rank_settings(drop, model, era, device, warnings)
-    fmt = config_format(drop, req.config_path)
-    if fmt != "hf":
-        ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
+    era, ranks = _era_and_ranks(req, model, warnings)
     # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
     # cross-check of the plugin's KV specs (stored once: tuner.engine.stored), vLLM's own argument
     # checks; no silent fallback.
     engine_use = _engine_use(req, model.spec, model.plugin, model.unserved is not None, model.top, era,
                              ranks.stages, total, ranks.pp, pass_memo=pass_memo)
-    if engine_use is not None:
-        model = dataclasses.replace(model, plugin=engine_use.plugin or model.plugin)
-        if engine_use.weights and model.unserved in warnings:  # the engine, not the generic fallback, serves it
-            warnings.remove(model.unserved)
-        warnings.extend(engine_use.warnings)
+    model = _served_by_engine(model, engine_use, warnings)
     kv = kv_specs_for(req, model, era, ranks, engine_use, warnings)
     method, calibration = method_for(req, (lambda: False) if pass_memo is not None else torch.cuda.is_available,
                                      warnings)
@@ -649,6 +638,32 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     _memo_entries_of(out, req, model, era, method, device, engine_use, engine_key, memo_entries,
                      keep=pass_memo is None and memoizable, in_worker=pass_memo is None)
     return out
+
+
+def _era_and_ranks(req: Any, model: Any, warnings: list[str]) -> tuple[Any, Any]:
+    """The drop's era (its release said out loud where assumed) and the per-rank settings, each
+    stage's checkpoint format included."""
+    drop, device = req.drop, req.device
+    era = drop_era(drop, req.engine_kind)
+    loud = release_warning(drop.release_assumed)
+    if loud:
+        warnings.append(loud)
+    ranks = rank_settings(drop, model, era, device, warnings)
+    fmt = config_format(drop, req.config_path)
+    if fmt != "hf":
+        ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
+    return era, ranks
+
+
+def _served_by_engine(model: Any, engine_use: Any, warnings: list[str]) -> Any:
+    """The model as the installed engine serves it (its plugin; no generic-fallback warning where
+    the engine gives the weights), the engine's warnings said."""
+    if engine_use is not None:
+        model = dataclasses.replace(model, plugin=engine_use.plugin or model.plugin)
+        if engine_use.weights and model.unserved in warnings:  # the engine, not the generic fallback, serves it
+            warnings.remove(model.unserved)
+        warnings.extend(engine_use.warnings)
+    return model
 
 
 def _worker_versions() -> dict:
