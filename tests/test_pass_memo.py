@@ -387,8 +387,9 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
     the placeholder block table ``[S, cdiv(max_model_len, 16)]`` int32, charged through
     ``total_consumed``. The passes were run with ``max_model_len = max(grid)`` and that one figure
     served every length: a drop with grid [4096] proposed 40960 with the block table of 4096
-    (34,914,304 B of buffers, 7261 blocks, 11,421,422,306 B of KV cache) where the [40960] grid
-    answers 7255 blocks, 11,411,985,122 B (44,351,488 B of buffers) — 6 blocks too many. Each
+    (34,906,112 B of buffers, 7261 blocks, 11,421,430,498 B of KV cache) where the [40960] grid
+    answers 7255 blocks, 11,411,993,314 B (44,343,296 B of buffers; 0.27 has no ``is_padding``
+    buffer, 8,192 B more KV than before the release audit) — 6 blocks too many. Each
     point is now charged at its own length: grid points, the search's off-grid points and answers
     from the pass memo alike."""
     import tuner.jobs.job
@@ -411,19 +412,19 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
     searched.clear()
     large = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[40960]))
     [c40960] = large["candidates"]
-    assert (c40960["num_gpu_blocks"], c40960["available_kv_cache_bytes"]) == (7255, 11_411_985_122)
-    assert large["runs"][0]["persistent_bytes"] == 44_351_488
-    assert small["runs"][0]["persistent_bytes"] == 34_914_304  # the pass as run, at the grid's 4096
-    # the proposal above the grid: the figures of the [40960] grid (was 7261 blocks, 11,421,422,306 B)
+    assert (c40960["num_gpu_blocks"], c40960["available_kv_cache_bytes"]) == (7255, 11_411_993_314)
+    assert large["runs"][0]["persistent_bytes"] == 44_343_296
+    assert small["runs"][0]["persistent_bytes"] == 34_906_112  # the pass as run, at the grid's 4096
+    # the proposal above the grid: the figures of the [40960] grid (was 7261 blocks, 11,421,430,498 B)
     [prop] = small["proposals"]
     assert prop["max_model_len"] == 40960 and prop["num_gpu_blocks"] == large["proposals"][0]["num_gpu_blocks"] == 7255
-    assert (at_small.num_gpu_blocks, at_small.available_kv_cache_bytes) == (7255, 11_411_985_122)
+    assert (at_small.num_gpu_blocks, at_small.available_kv_cache_bytes) == (7255, 11_411_993_314)
     # a grid point below the grid's largest length is charged its own block table, not 40960's
     [c4096] = small["candidates"]
-    assert (c4096["num_gpu_blocks"], c4096["available_kv_cache_bytes"]) == (7261, 11_421_422_306)
+    assert (c4096["num_gpu_blocks"], c4096["available_kv_cache_bytes"]) == (7261, 11_421_430_498)
     both = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[4096, 40960]))
     assert [(c["num_gpu_blocks"], c["available_kv_cache_bytes"]) for c in both["candidates"]] == [
-        (7261, 11_421_422_306), (7255, 11_411_985_122)]
+        (7261, 11_421_430_498), (7255, 11_411_993_314)]
     # the memo: one stored pass (persistent at the storing job's length) answers the other grid
     for stored, asked, fresh in ((small, [40960], large), (large, [4096], small)):
         answer, _ = memoanswer.answer_from_memo(_with(base, gpu_memory_utilization=[0.9], max_model_len=asked),
