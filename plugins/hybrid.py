@@ -69,11 +69,26 @@ def _state_bytes(name: str | None, model_dtype: str) -> int:
         raise PluginError(f"unknown mamba state dtype {name!r}", where="mamba_ssm_cache_dtype") from exc
 
 
+#: First release aligning the hybrid attention block to ``max(kernel alignment, cache block size)``
+#: (vllm/platforms/interface.py ``Platform._align_hybrid_block_size``, 0.20.0; 0.19's
+#: ``HybridAttentionMambaModelConfig`` aligns to 16 and then keeps a larger user block size).
+HYBRID_ALIGN_TO_BLOCK_SIZE_SINCE = (0, 20, 0)
+
+
 def hybrid_attention_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, user_block_size: int | None = None,
-                                alignment: int = KERNEL_BLOCK_ALIGNMENT) -> int:
-    """Attention block size of a hybrid model (``HybridAttentionMambaModelConfig``, 0.19, prefix
-    caching off): ``alignment · cdiv(mamba_page, alignment · attn_bytes_per_token)``, or the user's
-    block size when that is larger (bytes in, tokens out)."""
+                                alignment: int = KERNEL_BLOCK_ALIGNMENT, *, engine_version: str | None = None) -> int:
+    """Attention block size of a hybrid model (prefix caching off), bytes in, tokens out.
+
+    ≤0.19 (``HybridAttentionMambaModelConfig``): ``alignment · cdiv(mamba_page, alignment ·
+    attn_bytes_per_token)``, or the block size given when that is larger. 0.20+
+    (``Platform._align_hybrid_block_size``, :data:`HYBRID_ALIGN_TO_BLOCK_SIZE_SINCE`): the alignment
+    itself is ``max(kernel alignment, cache block size)`` — the block size given, or the release's
+    default (16; 64 from 0.34) — so the result is a multiple of it. ``engine_version`` None: 0.19's rule."""
+    if engine_version:
+        from tuner.memory.eras import parse_version
+
+        if parse_version(str(engine_version)) >= HYBRID_ALIGN_TO_BLOCK_SIZE_SINCE:
+            alignment = max(alignment, user_block_size or 16)
     need = alignment * cdiv(mamba_page_bytes, alignment * attn_bytes_per_token)
     return max(user_block_size or 16, need)
 
@@ -162,7 +177,8 @@ class _HybridPlugin(ModelPlugin):
                     for i in stage if kinds[i] == "attention"}
         shapes, dts = self.state(spec, settings)
         mamba_page = sum(math.prod(s) * d for s, d in zip(shapes, dts))
-        bs = hybrid_attention_block_size(mamba_page, per_token, settings.block_size)
+        bs = hybrid_attention_block_size(mamba_page, per_token, settings.block_size,
+                                         engine_version=settings.engine_version)
         attn_page = bs * per_token
         pad = attn_page if attn_page != mamba_page else None
         out = {}

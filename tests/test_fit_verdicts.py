@@ -235,10 +235,12 @@ def test_serve_model_keeps_hf_ids(tmp_path):
     assert serve_model(load_drop(p)) == str(LLAMA8B_DIR)
 
 
-def test_sliding_window_candidate_reserves_the_async_batches_in_flight_from_0_32():
-    """0.32 sliding-window layers hold ``max_in_flight_tokens`` = 2 · N (async scheduling, on by
+def test_sliding_window_candidate_reserves_the_async_batches_in_flight_from_0_26():
+    """0.26+ sliding-window layers hold ``max_in_flight_tokens`` = 2 · N (async scheduling, on by
     default on GPUs, V1 runner, pp 1; pp + 1 under Model Runner V2), not N (found by the engine
-    tier's differential test against vLLM 0.32.0): fewer full-length requests fit. 0.30 keeps N."""
+    tier's differential test against vLLM 0.32.0, dated 0.26 by the release-by-release audit:
+    ``VllmConfig.max_in_flight_tokens`` first appears in 0.26.0): fewer full-length requests fit.
+    0.25.1 keeps N."""
     from tuner.memory import kvcache
     from tuner.memory.eras import ProfileBatch
     from tuner.memory.search import Layout, evaluate
@@ -252,7 +254,8 @@ def test_sliding_window_candidate_reserves_the_async_batches_in_flight_from_0_32
         layout = Layout(80 * GIB, 16, 1, 1, 8, 131072, (specs,), model_runner_v2=runner_v2)
         return evaluate(era_for(version), layout, batch, passes, gpu_memory_utilization=0.9, max_model_len=32768)
 
-    for version, runner_v2, batches in (("0.32.0", False, 2), ("0.32.0", True, 2), ("0.30.0", False, 1)):
+    for version, runner_v2, batches in (("0.32.0", False, 2), ("0.32.0", True, 2), ("0.30.0", False, 2),
+                                        ("0.25.1", False, 1)):
         c = candidate(version, runner_v2)
         sw_pages = -(-(4095 + batches * 8192) // 16) + 1  # cdiv(w − 1 + in-flight, bs) + 1
         assert c.max_concurrency == pytest.approx(c.num_gpu_blocks / (2048 + sw_pages)), (version, runner_v2)

@@ -240,22 +240,31 @@ def test_smaller_mamba_page_is_padded_not_refused_from_0_26():
         kv.get_kv_cache_config("0.25.0", specs, GiB, max_model_len=8192)
 
 
-def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_32():
+def test_num_gpu_blocks_override_is_the_memory_the_admission_check_sees_from_0_20_1():
+    # get_kv_cache_configs converts the override to memory before the checks from 0.20.1 (release
+    # audit, docs/release-audit.md; was dated 0.32)
     specs = dense(4, _bf16(8, 128))  # bytes per block 4 · 65,536
-    # 1 MiB measured, override 1,000 blocks: 0.32 checks 1,000 blocks' memory and starts ...
+    # 1 MiB measured, override 1,000 blocks: 0.20.1+ checks 1,000 blocks' memory and starts ...
     cfg = kv.get_kv_cache_config("0.32.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
     assert cfg.num_blocks == 1000 and kv.kv_cache_tokens("0.32.0", cfg, 4096) == 16_000
-    with pytest.raises(KVCacheError, match="To serve at least one request"):  # 0.30 checks the 1 MiB
-        kv.get_kv_cache_config("0.30.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
+    assert kv.get_kv_cache_config("0.20.1", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000).num_blocks \
+        == 1000
+    with pytest.raises(KVCacheError, match="To serve at least one request"):  # 0.20.0 checks the 1 MiB
+        kv.get_kv_cache_config("0.20.0", specs, MiB, max_model_len=4096, num_gpu_blocks_override=1000)
     # ... and with 1 GiB measured but an override of 100 blocks, 0.32 refuses: 99 usable blocks
-    # (null block) hold 1,584 tokens (vLLM 0.32.0's estimate); 0.30 starts with the 100 blocks.
+    # (null block, 0.29+) hold 1,584 tokens (vLLM 0.32.0's estimate); 0.28 refuses at 1,600 (100
+    # blocks); 0.20.0 starts with the 100 blocks.
     with pytest.raises(KVCacheError, match="estimated maximum model length is 1584"):
         kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100)
-    assert kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100).num_blocks == 100
+    with pytest.raises(KVCacheError, match="estimated maximum model length is 1600"):
+        kv.get_kv_cache_config("0.28.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100)
+    assert kv.get_kv_cache_config("0.20.0", specs, GiB, max_model_len=4096, num_gpu_blocks_override=100).num_blocks == 100
 
 
-def test_sliding_window_reserves_two_batches_in_flight_with_async_scheduling_from_0_32():
-    assert kv.max_in_flight_tokens("0.30.0", 8192, async_scheduling=True) == 8192
+def test_sliding_window_reserves_two_batches_in_flight_with_async_scheduling_from_0_26():
+    # VllmConfig.max_in_flight_tokens first appears in 0.26.0 (release audit; was dated 0.32)
+    assert kv.max_in_flight_tokens("0.25.1", 8192, async_scheduling=True) == 8192
+    assert kv.max_in_flight_tokens("0.30.0", 8192, async_scheduling=True) == 16_384
     assert kv.max_in_flight_tokens("0.32.0", 8192) == 8192
     assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True) == 16_384
     assert kv.max_in_flight_tokens("0.32.0", 8192, async_scheduling=True, pipeline_parallel_size=2) == 16_384
@@ -286,33 +295,40 @@ def test_chunked_local_layers_reserve_the_tokens_in_flight():
         kv.get_kv_cache_config("0.32.0", specs, 200 * MiB, max_model_len=131_072, **kw)
 
 
-def test_full_layers_differing_only_in_recorded_window_share_one_bucket_from_0_32():
-    # 1 full layer recording a window, 2 plain full, 3 sliding: 0.32 merges the full specs into one
-    # bucket of 3 (group size 3 → 2 groups); 0.30 keeps buckets 1/2/3 (group size 1 → 6 groups).
+def test_full_layers_differing_only_in_recorded_window_share_one_bucket_from_0_27():
+    # 1 full layer recording a window, 2 plain full, 3 sliding: 0.27+ merges the full specs into one
+    # bucket of 3 (group size 3 → 2 groups); 0.26 keeps buckets 1/2/3 (group size 1 → 6 groups)
+    # (_get_kv_cache_groups_uniform_page_size changed in 0.27.0: release audit, was dated 0.32).
     w, f, s = _bf16(4, 128, sliding_window=4096), _bf16(4, 128), kv.SlidingWindowSpec(16, 4, 128, 2, 4096)
     specs = _named(w, s, f, s, f, s)
-    new = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=16_384)
-    old = kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=16_384)
+    new = kv.get_kv_cache_config("0.27.0", specs, GiB, max_model_len=16_384)
+    old = kv.get_kv_cache_config("0.26.0", specs, GiB, max_model_len=16_384)
+    assert kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=16_384).bytes_per_block == 3 * 32_768
     assert (len(new.kv_cache_groups), new.bytes_per_block) == (2, 3 * 32_768)
     assert (len(old.kv_cache_groups), old.bytes_per_block) == (6, 32_768)
 
 
-def test_mla_beside_a_sliding_window_drafter_falls_back_to_full_allocation_from_0_32():
+def test_mla_beside_a_sliding_window_drafter_falls_back_to_full_allocation_from_0_27():
     # MLA pages (16·576·2 = 18,432) cannot be padded to the SW page (65,536): 0.32 promotes the SW
     # layer to full attention and sizes one uniform-type group: 4·18,432 + 65,536 B per block.
     specs = _named(*[kv.mla_spec("0.32.0", 16, 576, 2)] * 4, kv.SlidingWindowSpec(16, 8, 128, 2, 128))
     cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192)
     assert (cfg.num_blocks, len(cfg.kv_cache_groups)) == (GiB // (4 * 18_432 + 65_536), 1) == (7710, 1)
+    # _try_get_full_allocation_fallback_groups is in 0.27.0 (release audit; was dated 0.32)
+    assert kv.get_kv_cache_config("0.27.0", specs, GiB, max_model_len=8192).num_blocks == 7710
     with pytest.raises(kv.UnsupportedKVCacheError):
-        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192)
+        kv.get_kv_cache_config("0.26.0", specs, GiB, max_model_len=8192)
 
 
-def test_disabled_hybrid_manager_promotes_local_layers_to_the_full_block_size_from_0_32():
-    # SW layers with their own block size (32) beside full layers (16), hybrid manager off: 0.32
-    # promotes them at block 16 (one uniform group, 4 · 32,768 B per block); 0.30 cannot unify.
+def test_disabled_hybrid_manager_promotes_local_layers_to_the_full_block_size_from_0_27():
+    # SW layers with their own block size (32) beside full layers (16), hybrid manager off: 0.27+
+    # promotes them at block 16 (one uniform group, 4 · 32,768 B per block); 0.26 cannot unify
+    # (_promote_local_kv_cache_specs is in 0.27.0: release audit, was dated 0.32).
     s, f = kv.SlidingWindowSpec(32, 4, 128, 2, 1024), _bf16(4, 128)
     specs = _named(s, f, s, f)
     cfg = kv.get_kv_cache_config("0.32.0", specs, GiB, max_model_len=8192, enable_hybrid_kv_cache_manager=False)
     assert (cfg.num_blocks, len(cfg.kv_cache_groups), cfg.bytes_per_block) == (8192, 1, 4 * 32_768)
+    assert kv.get_kv_cache_config("0.27.0", specs, GiB, max_model_len=8192,
+                                  enable_hybrid_kv_cache_manager=False).num_blocks == 8192
     with pytest.raises(kv.KVSpecValueError):
-        kv.get_kv_cache_config("0.30.0", specs, GiB, max_model_len=8192, enable_hybrid_kv_cache_manager=False)
+        kv.get_kv_cache_config("0.26.0", specs, GiB, max_model_len=8192, enable_hybrid_kv_cache_manager=False)

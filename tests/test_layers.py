@@ -47,3 +47,17 @@ def test_the_layers_contract_names_every_package():
             continue
         assert re.search(rf"(?<![\w.])tuner\.{init.parent.name}(?![\w.])", layers), \
             f"tuner.{init.parent.name} is in no layer"
+
+
+def test_no_function_over_120_lines():
+    """Stages instead of long functions (issue 32: explain_point was 283 lines, load_model_spec 204,
+    run_check 190, run_job 179, evaluate 154): every function in tuner/ and plugins/ is at most 120
+    lines, docstring included."""
+    long = []
+    for path in sorted([*TUNER.rglob("*.py"), *(ROOT / "plugins").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 120:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

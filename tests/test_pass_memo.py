@@ -387,8 +387,9 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
     the placeholder block table ``[S, cdiv(max_model_len, 16)]`` int32, charged through
     ``total_consumed``. The passes were run with ``max_model_len = max(grid)`` and that one figure
     served every length: a drop with grid [4096] proposed 40960 with the block table of 4096
-    (34,914,304 B of buffers, 7261 blocks, 11,421,422,306 B of KV cache) where the [40960] grid
-    answers 7255 blocks, 11,411,985,122 B (44,351,488 B of buffers) — 6 blocks too many. Each
+    (34,906,112 B of buffers, 7261 blocks, 11,421,430,498 B of KV cache) where the [40960] grid
+    answers 7255 blocks, 11,411,993,314 B (44,343,296 B of buffers; 0.27 has no ``is_padding``
+    buffer, 8,192 B more KV than before the release audit) — 6 blocks too many. Each
     point is now charged at its own length: grid points, the search's off-grid points and answers
     from the pass memo alike."""
     import tuner.jobs.job
@@ -411,19 +412,19 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
     searched.clear()
     large = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[40960]))
     [c40960] = large["candidates"]
-    assert (c40960["num_gpu_blocks"], c40960["available_kv_cache_bytes"]) == (7255, 11_411_985_122)
-    assert large["runs"][0]["persistent_bytes"] == 44_351_488
-    assert small["runs"][0]["persistent_bytes"] == 34_914_304  # the pass as run, at the grid's 4096
-    # the proposal above the grid: the figures of the [40960] grid (was 7261 blocks, 11,421,422,306 B)
+    assert (c40960["num_gpu_blocks"], c40960["available_kv_cache_bytes"]) == (7255, 11_411_993_314)
+    assert large["runs"][0]["persistent_bytes"] == 44_343_296
+    assert small["runs"][0]["persistent_bytes"] == 34_906_112  # the pass as run, at the grid's 4096
+    # the proposal above the grid: the figures of the [40960] grid (was 7261 blocks, 11,421,430,498 B)
     [prop] = small["proposals"]
     assert prop["max_model_len"] == 40960 and prop["num_gpu_blocks"] == large["proposals"][0]["num_gpu_blocks"] == 7255
-    assert (at_small.num_gpu_blocks, at_small.available_kv_cache_bytes) == (7255, 11_411_985_122)
+    assert (at_small.num_gpu_blocks, at_small.available_kv_cache_bytes) == (7255, 11_411_993_314)
     # a grid point below the grid's largest length is charged its own block table, not 40960's
     [c4096] = small["candidates"]
-    assert (c4096["num_gpu_blocks"], c4096["available_kv_cache_bytes"]) == (7261, 11_421_422_306)
+    assert (c4096["num_gpu_blocks"], c4096["available_kv_cache_bytes"]) == (7261, 11_421_430_498)
     both = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[4096, 40960]))
     assert [(c["num_gpu_blocks"], c["available_kv_cache_bytes"]) for c in both["candidates"]] == [
-        (7261, 11_421_422_306), (7255, 11_411_985_122)]
+        (7261, 11_421_430_498), (7255, 11_411_993_314)]
     # the memo: one stored pass (persistent at the storing job's length) answers the other grid
     for stored, asked, fresh in ((small, [40960], large), (large, [4096], small)):
         answer, _ = memoanswer.answer_from_memo(_with(base, gpu_memory_utilization=[0.9], max_model_len=asked),
@@ -489,3 +490,36 @@ def test_repeated_question_with_vllm_installed_was_not_memoizable(tmp_path, monk
     key = passmemo.engine_answer_key(memoanswer.job_request(request))
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
     assert memoanswer.answer_from_memo(request, {key: first}) == (None, {})
+
+
+def test_memo_answer_missed_the_encoder_budget_refusal(shared_dir):
+    """The failure it guards: the encoder-budget refusal (--disable-chunked-mm-input, vLLM's
+    compute_mm_encoder_budget) needs the largest multimodal item's tokens, which only the torch pass
+    knows; an answer from the memo (no torch) must refuse what the worker refuses. The pass row
+    carries ``mm_max_tokens_per_item`` (Gemma 3: 256): the memo answers the drop whose batch holds the
+    item and leaves the refused one to the worker, which raises vLLM's message (0.12.0: the flag given,
+    not forced)."""
+    from tuner.errors import DropError
+
+    base = _request("llama-3.1-8b-h100.yaml")
+    base["drop"]["engine_version"] = "0.12.0"  # before vLLM forces the flag for Gemma 3 (0.13)
+    base["config_path"] = str(shared_dir / "models" / "google--gemma-3-4b-it" / "config.json")
+    base["drop"].update(max_num_batched_tokens=512, max_num_seqs=128)
+    first = _worker_run(_with(base, gpu_memory_utilization=[0.9], max_model_len=[8192]))
+    rows = [v for v in _entries(first).values() if v.get("spec") is None]
+    assert [r["mm_max_tokens_per_item"] for r in rows] == [256]
+    assert first["runs"][0]["mm_max_tokens_per_item"] == 256
+    asked = copy.deepcopy(base)
+    asked["drop"].update(disable_chunked_mm_input=True, max_num_batched_tokens=512)
+    answer, _ = memoanswer.answer_from_memo(_with(asked, gpu_memory_utilization=[0.9], max_model_len=[8192]),
+                                            _entries(first))
+    assert answer is not None and answer["proposals"]  # 256 tokens fit 512: the memo answers, no refusal
+    small = copy.deepcopy(base)
+    small["drop"]["max_num_batched_tokens"] = 200
+    entries = _entries(_worker_run(_with(small, gpu_memory_utilization=[0.9], max_model_len=[8192])))
+    small["drop"]["disable_chunked_mm_input"] = True
+    asked = _with(small, gpu_memory_utilization=[0.9], max_model_len=[8192])
+    # the memo does not answer a refused drop (any error goes to the worker, which reports it as always)
+    assert memoanswer.answer_from_memo(asked, entries) == (None, {})
+    with pytest.raises(DropError, match=r"max_tokens_per_mm_item \(256\) is larger than max_num_batched_tokens \(200\)"):
+        _worker_run(asked)

@@ -280,12 +280,104 @@ def test_model_runner_env_on_the_serve_line_was_not_read(capsys):
 
 
 def test_disable_chunked_mm_input_called_a_flag_vllm_does_not_know():
-    """The failure: --disable-chunked-mm-input (vLLM 0.10+) was 'unrecognized arguments … vLLM refuses
+    """The failure: --disable-chunked-mm-input (vLLM 0.8.4+) was 'unrecognized arguments … vLLM refuses
     flags it does not know'; it is vLLM's, and makes vLLM refuse a model whose largest multimodal item
-    exceeds max_num_batched_tokens. That refusal needs the tower's tokens per item, which only the
-    plugins know: named as not modelled (exit 2 without --allow-unmodelled), not as a typo."""
-    from tuner.memory.serve_args import UNMODELLED, flag_for
+    exceeds max_num_batched_tokens. Now modelled (drop field disable_chunked_mm_input), the refusal
+    checked (tests below)."""
+    from tuner.memory.serve_args import MODELLED, flag_for
 
     f = flag_for("disable_chunked_mm_input")
-    assert f is not None and f.role == UNMODELLED and f.options == ("--disable-chunked-mm-input",)
-    assert "compute_mm_encoder_budget" in f.note
+    assert f is not None and f.role == MODELLED and f.options == ("--disable-chunked-mm-input",)
+    assert f.drop_field == "disable_chunked_mm_input" and "compute_mm_encoder_budget" in f.note
+
+
+_MM_REFUSAL = ("Chunked MM input disabled but max_tokens_per_mm_item ({t}) is larger than max_num_batched_tokens "
+               "({n}). Please increase max_num_batched_tokens.")
+
+
+def _check(model: str, version: str, *extra: str):
+    from tests.conftest import REPO
+    from tuner.reports.check import run_check
+
+    line = ["vllm", "serve", str(REPO.parent / "shared" / "models" / model), "--max-model-len", "8192", *extra]
+    return run_check(line, device="H100-80GB", engine_version=version, variants=False)
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.34.0"])
+def test_multimodal_item_larger_than_batch_reported_as_starting(version):
+    """The failure: Qwen3.5-27B with --disable-chunked-mm-input at the default 8192-token batch was
+    'not modelled' (exit 2 without a verdict; with --allow-unmodelled 'STARTS'); vLLM's
+    compute_mm_encoder_budget (v1/core/encoder_cache_manager.py, the same check and message 0.8.4 →
+    0.34.0) refuses it: the largest dummy image (16.8 MP) is 16384 tokens. 16384 batched tokens start."""
+    from tuner.errors import TunerError
+
+    with pytest.raises(TunerError) as exc:
+        _check("Qwen--Qwen3.5-27B", version, "--disable-chunked-mm-input")
+    assert _MM_REFUSAL.format(t=16384, n=8192) in str(exc.value)
+    assert "(--disable-chunked-mm-input; vLLM's compute_mm_encoder_budget" in str(exc.value)
+    # 16384 batched tokens fit the item: the same (memory) verdict as the chunked line at that batch, and
+    # chunked at the default batch the item is split across steps: no refusal either (on this 80 GB card
+    # 0.34.0's memory verdict for the 27B at 8192 is 'does not start' with or without the flag)
+    expected = {"0.19.0": "starts", "0.34.0": "does not start"}[version]
+    whole = _check("Qwen--Qwen3.5-27B", version, "--disable-chunked-mm-input", "--max-num-batched-tokens", "16384")
+    chunked = _check("Qwen--Qwen3.5-27B", version, "--max-num-batched-tokens", "16384")
+    assert whole.doc["verdict"] == chunked.doc["verdict"] == expected
+    assert _check("Qwen--Qwen3.5-27B", version).doc["verdict"] == expected
+
+
+def test_disable_chunked_mm_input_refused_from_0_8_4():
+    """Gemma 3 (256-token image) with the flag and a 200-token batch: refused on 0.10.1.1 (the check
+    reads the same there); 0.8.3 has neither the flag nor the check, so the line is vLLM's
+    'unrecognized arguments' there, as for any flag the release lacks."""
+    from tuner.errors import TunerError
+
+    with pytest.raises(TunerError) as exc:
+        _check("google--gemma-3-4b-it", "0.10.1.1", "--disable-chunked-mm-input", "--max-num-batched-tokens", "200")
+    assert _MM_REFUSAL.format(t=256, n=200) in str(exc.value)
+    with pytest.raises(TunerError, match=r"unrecognized arguments: --disable-chunked-mm-input \(vLLM 0.8.4\+\)"):
+        _check("google--gemma-3-4b-it", "0.8.3", "--disable-chunked-mm-input", "--max-num-batched-tokens", "200")
+
+
+def test_gemma3_small_batch_reported_as_starting_where_vllm_forces_unchunked_mm_input():
+    """The failure: Gemma 3 with --max-num-batched-tokens 128 'STARTS' on every release; from 0.13
+    vllm/platforms/cuda.py forces disable_chunked_mm_input for models with multimodal-bidirectional
+    attention (MM_PREFIX_LM_MODELS: gemma3), so the 256-token image no longer fits one batch and
+    vLLM refuses. 0.12.0 (no forcing) starts; 0.13.0 and 0.34.0 refuse; 256 tokens fit; with images
+    limited to 0 the budget counts no modality (vLLM: 'Encoder cache will not be initialized')."""
+    from tuner.errors import TunerError
+
+    assert _check("google--gemma-3-4b-it", "0.12.0", "--max-num-batched-tokens", "128").starts is True
+    for version in ("0.13.0", "0.34.0"):
+        with pytest.raises(TunerError) as exc:
+            _check("google--gemma-3-4b-it", version, "--max-num-batched-tokens", "128")
+        assert _MM_REFUSAL.format(t=256, n=128) in str(exc.value)
+        assert f"forced by vLLM {version} on CUDA for model_type 'gemma3'" in str(exc.value)
+    assert _check("google--gemma-3-4b-it", "0.13.0", "--max-num-batched-tokens", "256").starts is True
+    assert _check("google--gemma-3-4b-it", "0.34.0", "--max-num-batched-tokens", "128", "--limit-mm-per-prompt",
+                  '{"image": 0}').starts is True
+
+
+def test_chunked_mm_input_rule_by_release():
+    """The rule and vLLM's MM_PREFIX_LM_MODELS at both sides of each change (read from the source)."""
+    from tuner.errors import DropError
+    from tuner.memory.engine_checks import (CHUNKED_MM_INPUT_CHECK_FROM, check_chunked_mm_input,
+                                            mm_prefix_lm_forces_unchunked as forced)
+
+    assert CHUNKED_MM_INPUT_CHECK_FROM == (0, 8, 4)
+    kw = dict(max_tokens_per_item=577, max_num_batched_tokens=576, model_type="llava_next", engine="V1",
+              user_max_num_batched_tokens=576, path="d.yaml")
+    check_chunked_mm_input(disable_chunked_mm_input=True, version="0.8.3", **kw)
+    with pytest.raises(DropError) as exc:
+        check_chunked_mm_input(disable_chunked_mm_input=True, version="0.8.4", **kw)
+    assert exc.value.field == "max_num_batched_tokens"
+    check_chunked_mm_input(disable_chunked_mm_input=False, version="0.34.0", **kw)  # chunked: no refusal
+    check_chunked_mm_input(disable_chunked_mm_input=True, version="0.34.0", **{**kw, "max_tokens_per_item": 576})
+    check_chunked_mm_input(disable_chunked_mm_input=True, version="0.10.1.1", **{**kw, "engine": "V0"})
+    check_chunked_mm_input(disable_chunked_mm_input=True, version="0.34.0", **{**kw, "max_tokens_per_item": 0})
+    assert [forced("gemma3", v) for v in ("0.12.0", "0.13.0", "0.34.0")] == [False, True, True]
+    assert [forced("paligemma", v) for v in ("0.13.0", "0.14.0")] == [False, True]
+    assert [forced("molmo2", v) for v in ("0.14.1", "0.15.0")] == [False, True]
+    assert [forced("bagel", v) for v in ("0.17.1", "0.18.0")] == [False, True]
+    assert [forced("umm", v) for v in ("0.19.1", "0.20.1", "0.28.0", "0.29.0")] == [False, True, True, False]
+    assert [forced("moondream3", v) for v in ("0.20.2", "0.21.0")] == [False, True]
+    assert not forced("qwen3_5", "0.34.0") and not forced(None, "0.34.0")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from tuner import __version__
 from tuner.memory import devices
 from tuner.question.drop import Drop, parse_drop
-from tuner.memory.eras import default_engine, era_for, parse_version, profile_batch, resolve_dtype
+from tuner.memory.eras import default_engine, era_for, mm_prefix_lm_item_tokens, parse_version, profile_batch, resolve_dtype
 from tuner.errors import DeviceError, DropError, EraError, LogParseError, ModelConfigError
 from tuner.logs.logparse import ParsedLog, parse_file
 from tuner.model.modelspec import resolve_model_path
@@ -225,7 +225,8 @@ def run_row(parsed: ParsedLog, drop: Drop, extra: dict, *, config: dict, config_
                           max_num_batched_tokens=drop.max_num_batched_tokens, max_num_seqs=drop.max_num_seqs,
                           enable_chunked_prefill=drop.enable_chunked_prefill,
                           has_sliding_window=tc.get("sliding_window") is not None,
-                          is_multimodal="text_config" in config)
+                          is_multimodal="text_config" in config,
+                          mm_prefix_lm_item_tokens=mm_prefix_lm_item_tokens(config))
     weights = parsed.weights_bytes
     if (weights is None and parsed.initial_memory_usage_bytes is not None
             and parsed.non_torch_bytes is not None):

@@ -21,7 +21,7 @@ from tuner.question.drop import Drop
 from tuner.errors import DropError, EraError
 from tuner.memory.budget import persistent_bytes, profile_overhead_bytes
 from tuner.memory.eras import GiB, config_is_moe, era_for, profile_batch, resolve_dtype, uses_model_runner_v2
-from tuner.memory.eras import release_warning, v0_uses_sliding_window
+from tuner.memory.eras import mm_prefix_lm_item_tokens, release_warning, v0_uses_sliding_window
 from tuner.memory.engine_checks import (VLLM_019_DEPRECATED, check_batch, check_draft_tensor_parallel_size, check_parallel_layout,
                                  check_architecture, check_quantization)
 from tuner.model.modelspec import defaults_applied, load_model_spec, read_architectures, read_top, without_nulls
@@ -573,11 +573,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     if pass_memo is None:
         import torch
 
-        from tuner.model.transformers_lean import import_transformers
-
-        transformers = import_transformers()  # without the scan of every model's source
-        versions = {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version()}
+        versions = _worker_versions()
     req = request if isinstance(request, JobRequest) else JobRequest.from_wire(request, required=False)
     memo_entries: list[dict] = []
     # the key of the whole answer where an installed engine takes part (tuner.jobs.passmemo.ENGINE_ANSWER):
@@ -590,38 +586,18 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     warnings: list[str] = []
     model = load_model(req.config_path, warnings, hf_overrides=drop.hf_overrides, pass_memo=pass_memo,
                        memo_entries=memo_entries, versions=versions if pass_memo is None else None)
-    era = drop_era(drop, req.engine_kind)
-    loud = release_warning(drop.release_assumed)
-    if loud:
-        warnings.append(loud)
-    ranks = rank_settings(drop, model, era, device, warnings)
-    fmt = config_format(drop, req.config_path)
-    if fmt != "hf":
-        ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
+    era, ranks = _era_and_ranks(req, model, warnings)
     # The installed engine (tuner.engine): KV specs / weights for an unserved architecture, a
     # cross-check of the plugin's KV specs (stored once: tuner.engine.stored), vLLM's own argument
     # checks; no silent fallback.
     engine_use = _engine_use(req, model.spec, model.plugin, model.unserved is not None, model.top, era,
                              ranks.stages, total, ranks.pp, pass_memo=pass_memo)
-    if engine_use is not None:
-        model = dataclasses.replace(model, plugin=engine_use.plugin or model.plugin)
-        if engine_use.weights and model.unserved in warnings:  # the engine, not the generic fallback, serves it
-            warnings.remove(model.unserved)
-        warnings.extend(engine_use.warnings)
+    model = _served_by_engine(model, engine_use, warnings)
     kv = kv_specs_for(req, model, era, ranks, engine_use, warnings)
     method, calibration = method_for(req, (lambda: False) if pass_memo is not None else torch.cuda.is_available,
                                      warnings)
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
-    assumptions = device_assumptions(device, drop, era)
-    warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
-    from tuner.memory.platforms import assumption
-
-    for a in ranks.assumptions:  # what the ranks' settings assumed (the sampler's path), said in rank_settings
-        assumptions.append(assumption(str(a["name"]), str(a["value"]).lower(), str(a["name"]), str(a["why"])))
-    if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
-
-        assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
-                                      str(drop.release_assumed["reason"])))
+    assumptions = _job_assumptions(device, drop, era, ranks, warnings)
     # the passes of a plugin-served model are the plugin's with or without an engine (its cross-check
     # decides KV specs and defaults, which the pass keys and the search take as inputs)
     memoizable = method == "simulate" and req.fake and (engine_use is None or not (
@@ -630,46 +606,17 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         raise passmemo.MemoMiss(f"method {method} is not memoized")
     passes = Passes(req, model, era, ranks, layout, method, engine_use=engine_use, pass_memo=pass_memo,
                     memo_entries=memo_entries if memoizable else None)
-    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
-        # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
-        from tuner.engine.use import reconcile_defaults
+    _engine_defaults(passes, engine_use, era, drop, model, kv, device)
 
-        grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
-        passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
-                                                      block_size=kv.block_size, d=drop.to_dict(), device=device))
-    elif engine_use is not None and engine_use.stored_defaults and era.engine == "V1":
-        passes.engine_batch.update(engine_use.stored_defaults)  # as the stored cross-check's engine applied them
     def run_sources(*, before_passes: bool) -> dict:
-        """Which source gave each term. Before the passes run (for the uncertainty context) a trace
-        the engine will attempt counts as traced; after them, what really happened does."""
-        from tuner.engine.crosscheck import term_sources
-
-        traced = bool(engine_use and (engine_use.traced or (before_passes and engine_use.trace_activation
-                                                            and engine_use.session is not None)))
-        return term_sources(
-            plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
-            engine_weights=bool(engine_use and engine_use.weights),
-            approximate_activation=bool(engine_use and engine_use.approximate_activation),
-            traced_activation=traced,
-            approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
-            calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
-            engine_defaults=bool(passes.engine_batch) or bool(
-                engine_use and engine_use.report.get("releases_match")
-                and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+        return _run_sources(model, engine_use, layout, device, passes, method, before_passes=before_passes)
 
     sources = run_sources(before_passes=True)
     context = uncertainty_context(req, device, era, sources, kv, warnings, assumptions)
     layout = dataclasses.replace(layout, uncertainty=context)
     candidates, proposals = search_points(req, era, layout, passes, t_start, pass_memo=pass_memo)
     if era.extensible_kv_cache:  # vLLM 0.34 warns where an explicit u < 1.0 withholds free memory
-        from tuner.memory.search import gpu_memory_utilization_warning
-
-        warned: set[float] = set()
-        for c in candidates:  # one per u (its largest length decides the batch)
-            w = gpu_memory_utilization_warning(c)
-            if w and c["gpu_memory_utilization"] not in warned:
-                warned.add(c["gpu_memory_utilization"])
-                warnings.append(f"vLLM would warn: {w}")
+        _u_warnings(candidates, warnings)
     if engine_use is not None and engine_use.session is not None:
         verify_with_engine(engine_use, era, layout, passes, proposals, ranks.pp, warnings)
     if engine_use is not None:  # what the engine said during the passes (e.g. a trace that could not run)
@@ -688,6 +635,118 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.memory.platforms)
+    _memo_entries_of(out, req, model, era, method, device, engine_use, engine_key, memo_entries,
+                     keep=pass_memo is None and memoizable, in_worker=pass_memo is None)
+    return out
+
+
+def _era_and_ranks(req: Any, model: Any, warnings: list[str]) -> tuple[Any, Any]:
+    """The drop's era (its release said out loud where assumed) and the per-rank settings, each
+    stage's checkpoint format included."""
+    drop, device = req.drop, req.device
+    era = drop_era(drop, req.engine_kind)
+    loud = release_warning(drop.release_assumed)
+    if loud:
+        warnings.append(loud)
+    ranks = rank_settings(drop, model, era, device, warnings)
+    fmt = config_format(drop, req.config_path)
+    if fmt != "hf":
+        ranks = dataclasses.replace(ranks, stages=[dataclasses.replace(s, config_format=fmt) for s in ranks.stages])
+    return era, ranks
+
+
+def _served_by_engine(model: Any, engine_use: Any, warnings: list[str]) -> Any:
+    """The model as the installed engine serves it (its plugin; no generic-fallback warning where
+    the engine gives the weights), the engine's warnings said."""
+    if engine_use is not None:
+        model = dataclasses.replace(model, plugin=engine_use.plugin or model.plugin)
+        if engine_use.weights and model.unserved in warnings:  # the engine, not the generic fallback, serves it
+            warnings.remove(model.unserved)
+        warnings.extend(engine_use.warnings)
+    return model
+
+
+def _worker_versions() -> dict:
+    """The versions a worker's answer carries (tool, torch, transformers, python)."""
+    import torch
+
+    from tuner.model.transformers_lean import import_transformers
+
+    transformers = import_transformers()  # without the scan of every model's source
+    return {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _job_assumptions(device: dict, drop: Any, era: Any, ranks: Any, warnings: list[str]) -> list[dict]:
+    """What the job assumed — about the device(s), the ranks' settings (the sampler's path) and the
+    release — as data (:mod:`tuner.memory.platforms`); the device's are said in ``warnings`` too."""
+    assumptions = device_assumptions(device, drop, era)
+    warnings.extend(f"assumed {a['name']}: {a['value']} ({a['note']})" for a in assumptions)
+    from tuner.memory.platforms import assumption
+
+    for a in ranks.assumptions:  # what the ranks' settings assumed (the sampler's path), said in rank_settings
+        assumptions.append(assumption(str(a["name"]), str(a["value"]).lower(), str(a["name"]), str(a["why"])))
+    if drop.release_assumed:  # the release answered for (said above): an assumption the band widens for too
+
+        assumptions.append(assumption("release", str(drop.release_assumed["value"]), "engine_version",
+                                      str(drop.release_assumed["reason"])))
+    return assumptions
+
+
+def _engine_defaults(passes: Any, engine_use: Any, era: Any, drop: Any, model: Any, kv: Any, device: dict) -> None:
+    """The engine's scheduler defaults into the passes' batch, when its release is the drop's
+    (:mod:`tuner.engine.use`), or as a stored cross-check's engine applied them."""
+    if engine_use is not None and engine_use.session is not None and era.engine == "V1":
+        # the engine's scheduler defaults, when its release is the drop's (tuner.engine.use)
+        from tuner.engine.use import reconcile_defaults
+
+        grid = drop.candidates.max_model_len or [model_max_len(model.spec)[0]]
+        passes.engine_batch.update(reconcile_defaults(engine_use, era_batch=passes.batch_for(max(grid)),
+                                                      block_size=kv.block_size, d=drop.to_dict(), device=device))
+    elif engine_use is not None and engine_use.stored_defaults and era.engine == "V1":
+        passes.engine_batch.update(engine_use.stored_defaults)  # as the stored cross-check's engine applied them
+
+
+def _run_sources(model: Any, engine_use: Any, layout: Any, device: dict, passes: Any, method: str, *,
+                 before_passes: bool) -> dict:
+    """Which source gave each term. Before the passes run (for the uncertainty context) a trace
+    the engine will attempt counts as traced; after them, what really happened does."""
+    from tuner.engine.crosscheck import term_sources
+
+    traced = bool(engine_use and (engine_use.traced or (before_passes and engine_use.trace_activation
+                                                        and engine_use.session is not None)))
+    return term_sources(
+        plugin=model.plugin.name, engine_kv=bool(engine_use and engine_use.kv_specs is not None),
+        engine_weights=bool(engine_use and engine_use.weights),
+        approximate_activation=bool(engine_use and engine_use.approximate_activation),
+        traced_activation=traced,
+        approximate_parts=engine_use.approximate_parts() if engine_use is not None else (),
+        calibrated=bool(layout.corrections), device_from_catalog=_device_from_catalog(device),
+        engine_defaults=bool(passes.engine_batch) or bool(
+            engine_use and engine_use.report.get("releases_match")
+            and (engine_use.report.get("defaults") or {}).get("engine")), method=method)
+
+
+def _u_warnings(candidates: list[dict], warnings: list[str]) -> None:
+    """vLLM 0.34's warning where an explicit u < 1.0 withholds free memory, once per u."""
+    from tuner.memory.search import gpu_memory_utilization_warning
+
+    warned: set[float] = set()
+    for c in candidates:  # one per u (its largest length decides the batch)
+        w = gpu_memory_utilization_warning(c)
+        if w and c["gpu_memory_utilization"] not in warned:
+            warned.add(c["gpu_memory_utilization"])
+            warnings.append(f"vLLM would warn: {w}")
+
+
+def _memo_entries_of(out: dict, req: Any, model: Any, era: Any, method: str, device: dict, engine_use: Any,
+                     engine_key: Any, memo_entries: list[dict], *, keep: bool, in_worker: bool) -> None:
+    """The new memo entries a worker's answer carries (``memo_entries``): its passes, the engine
+    cross-check that ran (stored once, :mod:`tuner.engine.stored`) and an engine's whole answer."""
+    from tuner.jobs import passmemo
+
+    pass_memo = None if in_worker else True
+    memoizable = keep
     new_entries = list(memo_entries) if pass_memo is None and memoizable else []
     if pass_memo is None and engine_use is not None and getattr(engine_use, "record_for", None):
         # the cross-check that ran here, stored once (tuner.engine.stored): later jobs need no import vllm
@@ -709,7 +768,6 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                                   "tool_version": __version__, "method": method, "device_name": device.get("name"),
                                   "era": era.name, "value": json.loads(json.dumps(
                                       {k: v for k, v in out.items() if k != passmemo.ENTRIES}))})
-    return out
 
 
 def uncertainty_context(req: "JobRequest", device: dict, era: Any, sources: dict, kv: "KvLayout",
@@ -1134,7 +1192,7 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_hybrid=any(isinstance(x, MambaSpec) for specs in kv.specs for x in specs.values()),
         is_attention_free=not any(kv_specs_i for kv_specs_i in kv.specs),
         is_quantized=bool(spec.quantization_config or drop.quantization),
-        speculative_method=(drop.speculative_config or {}).get("method"))
+        speculative_method=(drop.speculative_config or {}).get("method"), platform=_platform(device))
     runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
                                free_memory_from_host=_free_memory_from_host(device, era))
@@ -1216,7 +1274,10 @@ class Passes:
                               enable_chunked_prefill=d.enable_chunked_prefill,
                               has_sliding_window=v0_uses_sliding_window(spec.sliding_window,
                                                                          spec.raw.get("use_sliding_window")),
-                              is_multimodal=self.is_multimodal)
+                              is_multimodal=self.is_multimodal,
+                              mm_prefix_lm_item_tokens=mm_prefix_lm_item_tokens(
+                                  spec.top, version=era.version,
+                                  text_only=bool(_mm_limits(d)) and all(n == 0 for _m, n in _mm_limits(d))))
         # vLLM's SchedulerConfig: N >= S once the era's defaults are applied.
         check_batch(engine=era.engine, max_num_batched_tokens=batch.max_num_batched_tokens,
                     max_num_seqs=batch.max_num_seqs, chunked_prefill=batch.chunked_prefill,
@@ -1273,8 +1334,27 @@ class Passes:
                 results.append(r)
                 self.runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
                                   "max_num_seqs": batch.max_num_seqs})
+            self.check_encoder_budget(batch, results)
             self.memo[key] = results
         return self.memo[key]
+
+    def check_encoder_budget(self, batch, results: list) -> None:
+        """vLLM's encoder-budget refusal (:func:`tuner.memory.engine_checks.check_chunked_mm_input`)
+        with the largest item's tokens the passes report (``mm_max_tokens_per_item``). Checked only
+        where ``max_num_batched_tokens`` does not depend on ``max_model_len`` (the drop sets it, or
+        V1 with chunked prefill), so one verdict holds for every candidate, as :func:`check_batch`."""
+        from tuner.memory.engine_checks import check_chunked_mm_input
+
+        d, era = self.req.drop, self.era
+        if d.max_num_batched_tokens is None and not (era.engine == "V1" and batch.chunked_prefill):
+            return
+        tokens = max((int((p.get("mm_max_tokens_per_item") if isinstance(p, dict)
+                           else getattr(p, "mm_max_tokens_per_item", 0)) or 0) for p in results), default=0)
+        check_chunked_mm_input(max_tokens_per_item=tokens, max_num_batched_tokens=batch.max_num_batched_tokens,
+                               disable_chunked_mm_input=bool(d.disable_chunked_mm_input),
+                               model_type=self.model.spec.top.get("model_type"), engine=era.engine,
+                               version=era.version, user_max_num_batched_tokens=d.max_num_batched_tokens,
+                               path=d.path or None)
 
     def passes_at(self, batch, m: int) -> list:
         """The passes for ``batch`` (:meth:`passes_for`) as they stand at ``max_model_len`` ``m``:

@@ -55,7 +55,9 @@ from typing import Any
 from tuner import __version__
 
 #: Bump when what a stored entry means changes in a way the tool version does not capture.
-MEMO_VERSION = 1
+#: 2: a pass row carries ``mm_max_tokens_per_item`` (the encoder-budget refusal reads it; a row
+#: stored before would answer without it).
+MEMO_VERSION = 2
 SPEC, PASS = "spec", "pass"
 #: The request key that hands the worker the passes the parent found (``{memo_key: row}``).
 KNOWN_PASSES = "known_passes"

@@ -9,6 +9,7 @@ the public start-up logs in ``shared/cases/vllm-observed.jsonl`` (documented per
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -439,7 +440,7 @@ def runner_persistent_bytes(
 
     V1 runner (vllm/v1/worker/gpu_model_runner.py ``__init__``, 0.33): ``input_ids`` int32,
     ``positions``/``req_indices``/``query_pos`` int64, ``is_padding``/``is_token_ids`` bool, all
-    ``[N]``; ``inputs_embeds [N, H]`` in the model dtype; the placeholder ``InputBatch`` block
+    ``[N]`` (``is_padding`` from 0.31; the release audit, docs/release-audit.md); ``inputs_embeds [N, H]`` in the model dtype; the placeholder ``InputBatch`` block
     table ``[S, cdiv(M, bs)]`` int32 and slot mapping ``[N]`` int64 (vllm/v1/worker/block_table.py).
     Model Runner V2 (vllm/v1/worker/gpu/*.py, 0.27–0.33): ``InputBuffers`` ``[N]`` ids/positions/
     padding, and the sampler's ``PenaltiesState`` — ``output_bin_counts [S, V]`` int32 and
@@ -453,7 +454,8 @@ def runner_persistent_bytes(
         return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n)
                 + _alloc(4 * s * vocab_size) + _alloc(4 * s * (-(-vocab_size // 32))))
     blocks = -(-int(max_model_len) // max(1, block_size))
-    return (_alloc(4 * n) + _alloc(8 * n) + _alloc(n) + _alloc(8 * n) + _alloc(n)
+    is_padding = _alloc(n) if era.version >= (0, 31, 0) else 0  # ``self.is_padding`` [N] bool: 0.31+
+    return (_alloc(4 * n) + _alloc(8 * n) + is_padding + _alloc(8 * n) + _alloc(n)
             + _alloc(8 * max(s + 1, n)) + _alloc(n * hidden_size * dtype_bytes)
             + _alloc(4 * s * blocks) + _alloc(8 * n))
 
@@ -479,6 +481,46 @@ def persistent_bytes(era: Era, spec: Any, settings: Any, batch: Any, model_runne
         block_size=settings.block_size or 16)
 
 
+#: First release with split prefill / decode CUDA-graph capture sizes whose defaults widen on
+#: data-centre Blackwell (vllm/config/vllm.py ``VllmConfig._split_cudagraph_capture_sizes``,
+#: ``wide_defaults = is_device_capability_family(100)`` when no legacy size is set: 0.34.0).
+WIDE_CAPTURE_DEFAULTS_SINCE = (0, 34, 0)
+#: ``max_prefill_cudagraph_capture_tokens`` / ``max_decode_cudagraph_capture_tokens`` under the wide
+#: defaults (0.34: 8192 each).
+WIDE_CAPTURE_MAX_TOKENS = 8192
+
+
+def _walk_grid(limit: int, step) -> list[int]:
+    """vllm/config/compilation.py ``_walk_grid`` (0.34): sizes 1 … limit, each the next multiple of
+    the largest power of two not above ``step(size)``."""
+    grid, size = [], 1
+    while size < limit:
+        grid.append(size)
+        stride = 1 << max(0, math.floor(math.log2(max(1.0, step(size)))))
+        size = (size // stride + 1) * stride
+    return [*grid, limit] if limit else []
+
+
+def wide_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int = 1) -> list[int]:
+    """0.34's capture sizes (tokens) under the data-centre Blackwell wide defaults: the prefill grid
+    up to ``min(8192, N)`` (``prefill_cudagraph_capture_grid``: 54 sizes at 8192) and the uniform
+    decode graphs ``n · q`` of the request grid up to ``max_num_seqs`` (``decode_cudagraph_capture_grid``:
+    64 sizes at 1024) within ``min(N, 8192)`` tokens (``decode_cudagraph_capture_shapes``: the first
+    count above the limit is captured at the limit). Dynamic speculative-decoding tiers and draft
+    decode graphs are not modelled."""
+    n, q = int(max_num_batched_tokens), max(1, int(query_len))
+    prefill = _walk_grid(min(WIDE_CAPTURE_MAX_TOKENS, n), lambda t: min(t, max(8, t / 4), 0.07 * max(t, 4096)))
+    decode = _walk_grid(int(max_num_seqs), lambda r: 0.65 * r ** (2 / 3))
+    limit = min(int(max_num_seqs), min(n, WIDE_CAPTURE_MAX_TOKENS) // q)
+    reachable = decode[:bisect.bisect_left(decode, limit) + 1] if limit >= 1 else []
+    return sorted(set(prefill) | {min(r, limit) * q for r in reachable})
+
+
+#: First release whose default largest capture size counts the decode query length
+#: ``1 + num_speculative_tokens`` (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``, 0.13.0).
+SPEC_DECODE_CAPTURE_MAX_SINCE = (0, 13, 0)
+
+
 def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens: int, *,
                             num_speculative_tokens: int = 0, cudagraph_capture_sizes: list[int] | None = None,
                             max_cudagraph_capture_size: int | None = None,
@@ -486,7 +528,8 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     """CUDA-graph capture sizes (tokens) as the release derives them.
 
     ≥0.12 (vllm/config/vllm.py ``VllmConfig._set_cudagraph_sizes``; 0.19–0.33 read): with
-    ``q = 1 + num_speculative_tokens``, ``max = min(max_num_seqs × q × 2, D)`` unless
+    ``q = 1 + num_speculative_tokens`` (from 0.13, :data:`SPEC_DECODE_CAPTURE_MAX_SINCE`; 1 in 0.12),
+    ``max = min(max_num_seqs × q × 2, D)`` unless
     ``max_cudagraph_capture_size`` is given, then ``min(max, max_num_batched_tokens)``; ``D`` is
     512, and from 0.28 1024 on data-centre Blackwell (compute capability 10.x,
     ``is_device_capability_family(100)``); sizes ``[1, 2, 4]`` (those ≤ max) +
@@ -505,6 +548,9 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     v = era.version
     if cudagraph_capture_sizes:
         return sorted({int(x) for x in cudagraph_capture_sizes if int(x) <= n})
+    blackwell = bool(compute_capability) and str(compute_capability).split(".")[0] == "10"
+    if v >= WIDE_CAPTURE_DEFAULTS_SINCE and blackwell and not max_cudagraph_capture_size:
+        return wide_capture_sizes(max_num_seqs, n, 1 + int(num_speculative_tokens))
     if v < (0, 12, 0):
         max_graph = min(2 * max_num_seqs, 512)
         sizes = [1, 2, 4] + list(range(8, max_graph + 1, 8))
@@ -514,9 +560,9 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     if max_cudagraph_capture_size:
         max_graph = int(max_cudagraph_capture_size)
     else:
-        blackwell = bool(compute_capability) and str(compute_capability).split(".")[0] == "10"
         default = 1024 if v >= (0, 28, 0) and blackwell else 512
-        max_graph = min(max_num_seqs * q * 2, default)
+        # the decode query length multiplies the default from 0.13 (0.12: ``min(max_num_seqs * 2, 512)``)
+        max_graph = min(max_num_seqs * (q if v >= SPEC_DECODE_CAPTURE_MAX_SINCE else 1) * 2, default)
         if v >= (0, 29, 0) and q > 1:
             reqs = min(max_num_seqs, default)
             counts = [c for c in (1, 2, 4) if c <= reqs] + list(range(8, min(reqs + 1, 256), 8)) \
@@ -536,6 +582,11 @@ def cudagraph_capture_sizes(era: Era, max_num_seqs: int, max_num_batched_tokens:
     return sorted(set(sizes))
 
 
+#: First release whose worker estimates CUDA-graph memory on ROCm (vllm/v1/worker/gpu_worker.py
+#: ``determine_available_memory``: ``current_platform.is_cuda_alike()``; ``is_cuda()`` in 0.21–0.25.1,
+#: ``not is_rocm()`` in 0.19–0.20).
+ROCM_CUDAGRAPH_ESTIMATE_SINCE = (0, 26, 0)
+
 #: The capture sizes of the CUDA-graph fit's anchor logs (vLLM 0.19.0, max_num_seqs 1024,
 #: max_num_batched_tokens 8192: max 512 → 51 sizes).
 CUDAGRAPH_ANCHOR_SIZES = 51
@@ -545,7 +596,7 @@ def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
     compute_capability: str | None = None, extra_layer_hidden: int = 0,
-    model_runner_v2: bool = False,
+    model_runner_v2: bool = False, platform: str = "cuda",
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -577,10 +628,19 @@ def cudagraph_estimate_bytes(
     (0.29–0.33 read) it calls ``vllm/v1/worker/gpu/cudagraph_utils.py`` ``profile_cudagraph_memory``
     (captures into a throwaway pool, PIECEWISE in full, FULL extrapolated from samples), which the
     fit above stands for as it does for the V1 runner.
+
+    ``platform`` ``"rocm"``: ``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py)
+    calls ``profile_cudagraph_memory`` only ``if not current_platform.is_rocm()`` (0.19–0.20),
+    ``if current_platform.is_cuda()`` (0.21–0.25.1), ``if current_platform.is_cuda_alike()`` from
+    :data:`ROCM_CUDAGRAPH_ESTIMATE_SINCE` (0.26.0, found by ``python -m tuner.releases.diff
+    --timeline``): on ROCm before 0.26 nothing is subtracted and the graphs are captured after the
+    cache is sized.
     """
     if not (era.subtracts_cudagraph_estimate or always) or era.engine != "V1":
         return 0
     if model_runner_v2 and era.version < (0, 29, 0) and not always:
+        return 0
+    if platform == "rocm" and era.version < ROCM_CUDAGRAPH_ESTIMATE_SINCE and not always:
         return 0
     x = num_layers * hidden_size + int(extra_layer_hidden)
     anchor, at_anchor = 131072, 0.84 * GiB

@@ -15,6 +15,10 @@ drop key at fault (``where`` = ``DROP:FIELD``):
   need a quantized checkpoint); a checkpoint whose own ``quant_method`` the release does not
   know is refused the same way;
 - :func:`check_draft_vocab` — ``SpeculativeConfig.verify_equal_vocab_size_if_draft_model`` (0.15+);
+- :func:`check_chunked_mm_input` — ``compute_mm_encoder_budget`` (vllm/v1/core/encoder_cache_manager.py,
+  0.8.4+): with chunked multimodal input off (``--disable-chunked-mm-input``, or forced by
+  ``platforms/cuda.py`` for models with multimodal-bidirectional attention, 0.13+) the largest
+  multimodal item must fit ``max_num_batched_tokens``;
 - :func:`check_architecture` — ``ModelRegistry`` (``vllm/model_executor/models/registry.py``): an
   architecture absent from the release's registry (:mod:`tuner.releases.facts`, read from each
   wheel) is refused with the release's own message.
@@ -172,6 +176,77 @@ def check_unchunked_lengths(*, max_num_batched_tokens: int, max_model_lens: Iter
                         "This effectively limits the maximum sequence length to max_num_batched_tokens and makes "
                         "vLLM reject longer sequences. Please increase max_num_batched_tokens or decrease "
                         "max_model_len.", path=path, field="max_num_batched_tokens")
+
+
+#: First release whose V1 ``compute_encoder_budget`` (vllm/v1/core/encoder_cache_manager.py) refuses
+#: a multimodal item larger than ``max_num_batched_tokens`` when chunked multimodal input is off
+#: (the ``--disable-chunked-mm-input`` flag and the check: absent from 0.8.3, present from 0.8.4 to
+#: 0.34.0, the message identical in every release; ``compute_mm_encoder_budget`` from 0.10.2).
+CHUNKED_MM_INPUT_CHECK_FROM = (0, 8, 4)
+
+#: vLLM's ``MM_PREFIX_LM_MODELS`` by release (``model_type`` of the models with multimodal-
+#: bidirectional attention: ``ModelConfig.is_mm_prefix_lm``, vllm/config/model.py 0.13–0.19,
+#: vllm/transformers_utils/model_arch_config_convertor.py 0.20+), for which
+#: vllm/platforms/cuda.py ``check_and_update_config`` (0.13.0+) forces
+#: ``disable_chunked_mm_input`` ("Forcing --disable_chunked_mm_input for models with
+#: multimodal-bidirectional attention."). Read from each release's source: 0.13 comments
+#: ``paligemma`` out (0.14 has it); ``molmo2`` from 0.15, ``bagel`` from 0.18, ``umm`` from 0.20
+#: (read in 0.20.1: the unpacked 0.20.0 tree lacks the file), ``moondream3`` from 0.21, ``umm`` gone
+#: in 0.29. Absent before 0.13 (only the TPU platform forced it there).
+MM_PREFIX_LM_MODEL_TYPES = (
+    ((0, 13, 0), ("gemma3",)),
+    ((0, 14, 0), ("gemma3", "paligemma")),
+    ((0, 15, 0), ("gemma3", "molmo2", "paligemma")),
+    ((0, 18, 0), ("bagel", "gemma3", "molmo2", "paligemma")),
+    ((0, 20, 0), ("bagel", "gemma3", "molmo2", "paligemma", "umm")),
+    ((0, 21, 0), ("bagel", "gemma3", "molmo2", "moondream3", "paligemma", "umm")),
+    ((0, 29, 0), ("bagel", "gemma3", "molmo2", "moondream3", "paligemma")),
+)
+
+
+def mm_prefix_lm_forces_unchunked(model_type: str | None, version: Any) -> bool:
+    """Whether vLLM ``version`` on CUDA forces ``disable_chunked_mm_input`` for a multimodal model
+    of ``model_type`` (:data:`MM_PREFIX_LM_MODEL_TYPES`)."""
+    key, types = _key(version), ()
+    for since, names in MM_PREFIX_LM_MODEL_TYPES:
+        if key >= since:
+            types = names
+    return bool(model_type) and model_type in types
+
+
+def check_chunked_mm_input(*, max_tokens_per_item: int | None, max_num_batched_tokens: int,
+                           disable_chunked_mm_input: bool, model_type: str | None, engine: str, version: Any,
+                           user_max_num_batched_tokens: int | None, path: str | None) -> None:
+    """The V1 encoder budget's refusal (vllm/v1/core/encoder_cache_manager.py
+    ``compute_mm_encoder_budget``, ``_compute_encoder_budget_multimodal`` before 0.10.2): with chunked
+    multimodal input off, the largest item of any enabled modality must fit one batch.
+
+    Args:
+        max_tokens_per_item: the largest dummy item's tokens of the model's simulated tower (vLLM's
+            ``get_mm_max_tokens_per_item``, reported by the profile pass); 0 / None when no tower
+            is profiled (text-only, every modality limited to 0, a tower whose encoder pass is not
+            simulated) — vLLM's budget is then (0, 0), nothing to refuse.
+        disable_chunked_mm_input: the drop's ``--disable-chunked-mm-input``; a model of an
+            ``MM_PREFIX_LM_MODEL_TYPES`` type has it forced on from 0.13
+            (:func:`mm_prefix_lm_forces_unchunked`).
+
+    Raises:
+        DropError: vLLM's message, ``field`` ``max_num_batched_tokens`` when the drop sets it or the
+            flag is forced, else ``disable_chunked_mm_input``.
+    """
+    t, n = int(max_tokens_per_item or 0), int(max_num_batched_tokens)
+    if engine != "V1" or t <= n or _key(version) < CHUNKED_MM_INPUT_CHECK_FROM:
+        return
+    forced = not disable_chunked_mm_input and mm_prefix_lm_forces_unchunked(model_type, version)
+    if not (disable_chunked_mm_input or forced):
+        return
+    why = (f"forced by vLLM {_release(version)} on CUDA for model_type {model_type!r}: 'Forcing "
+           "--disable_chunked_mm_input for models with multimodal-bidirectional attention.' (platforms/cuda.py, 0.13+)"
+           if forced else "--disable-chunked-mm-input")
+    field = "max_num_batched_tokens" if forced or user_max_num_batched_tokens is not None else "disable_chunked_mm_input"
+    raise DropError(f"Chunked MM input disabled but max_tokens_per_mm_item ({t}) is larger than max_num_batched_tokens "
+                    f"({n}). Please increase max_num_batched_tokens. ({why}; vLLM's compute_mm_encoder_budget, "
+                    "v1/core/encoder_cache_manager.py, 0.8.4+)", path=path, field=field)
 
 
 # ---------------------------------------------------------------------------------------------

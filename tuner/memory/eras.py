@@ -317,6 +317,47 @@ def v0_uses_sliding_window(sliding_window, use_sliding_window=None) -> bool:
     return bool(sliding_window)
 
 
+#: First release raising the default ``max_num_batched_tokens`` of a multimodal prefix-LM model to
+#: its largest multimodal item (vllm/engine/arg_utils.py ``_get_min_mm_batched_tokens``, 0.22.0).
+MM_PREFIX_LM_MIN_TOKENS_SINCE = (0, 22, 0)
+#: Gemma-4's video bound (vllm/model_executor/models/gemma4_mm.py ``_VIDEO_MAX_FRAMES``,
+#: ``_VIDEO_MAX_SOFT_TOKENS``; the same in 0.21–0.34): each frame ≤ 70 soft tokens + boi + eoi +
+#: ~6 timestamp tokens.
+GEMMA4_VIDEO_MAX_FRAMES = 32
+GEMMA4_VIDEO_MAX_SOFT_TOKENS = 70
+
+
+#: First release whose ``is_mm_prefix_lm`` is False when every modality is configuration-disabled
+#: (``language_model_only``, all ``limit_mm_per_prompt`` 0): vllm/config/model.py
+#: ``ModelConfig._supports_multimodal_for_mm_prefix``, 0.27.0.
+MM_PREFIX_TEXT_ONLY_OFF_SINCE = (0, 27, 0)
+
+
+def mm_prefix_lm_item_tokens(top_config: dict | None, *, version: "VllmVersion | str | None" = None,
+                             text_only: bool = False) -> int:
+    """The largest per-item token count vLLM reserves in one batch for a multimodal prefix-LM model
+    (0 when the model is not one, or vLLM does not know the count without dummy inputs).
+
+    ``ModelConfig.is_mm_prefix_lm`` (vllm/transformers_utils/model_arch_config_convertor.py): for
+    ``model_type`` ``gemma4``, ``text_config.use_bidirectional_attention == "vision"``; the other
+    prefix-LM models (gemma3, paligemma, …) return no ``get_mm_max_tokens_per_item`` except bagel
+    and moondream3, not modelled. Gemma-4's ``Gemma4ProcessingInfo.get_mm_max_tokens_per_item``
+    (gemma4_mm.py): image ``vision_config.default_output_length``, video
+    ``32 × (70 + 2 + 6)`` = 2,496; audio (``processor.audio_seq_length``, a processor setting not
+    in config.json) is not modelled. ``text_only`` (every modality disabled): 0 from 0.27
+    (:data:`MM_PREFIX_TEXT_ONLY_OFF_SINCE`); 0.22–0.26 raise N all the same."""
+    if text_only and version is not None and VllmVersion.parse(version) >= MM_PREFIX_TEXT_ONLY_OFF_SINCE:
+        return 0
+    top = top_config or {}
+    if top.get("model_type") != "gemma4":
+        return 0
+    if (top.get("text_config") or {}).get("use_bidirectional_attention") != "vision":
+        return 0
+    image = int((top.get("vision_config") or {}).get("default_output_length") or 0)
+    video = GEMMA4_VIDEO_MAX_FRAMES * (GEMMA4_VIDEO_MAX_SOFT_TOKENS + 2 + 6)
+    return max(image, video)
+
+
 def profile_batch(
     era: Era,
     *,
@@ -330,6 +371,7 @@ def profile_batch(
     has_sliding_window: bool = False,
     is_multimodal: bool = False,
     compute_capability: str | None = None,
+    mm_prefix_lm_item_tokens: int = 0,
 ) -> ProfileBatch:
     """Size the profile run's dummy batch the way the era's engine does.
 
@@ -339,6 +381,9 @@ def profile_batch(
     (0.6.5+). V1 (vllm/engine/arg_utils.py, reference §4.10): defaults by GPU tier and entry
     point; chunked prefill always on unless disabled; ``S = min(S, N)``. ``compute_capability``
     (``"12.1"``) picks 0.33+'s GB10 tier; default: the catalog's for ``device_name``.
+    ``mm_prefix_lm_item_tokens`` (:func:`mm_prefix_lm_item_tokens`): from 0.22 a default N below it
+    is raised to it ("Raising max_num_batched_tokens from … to accommodate … input for prefix-LM
+    model", vllm/engine/arg_utils.py ``_set_default_max_num_seqs_and_batched_tokens_args``).
 
     Returns:
         A :class:`ProfileBatch` (tokens, sequences, requests).
@@ -409,6 +454,8 @@ def profile_batch(
             n = max_model_len
         else:
             n = max(max_model_len, n)
+    if max_num_batched_tokens is None and v >= MM_PREFIX_LM_MIN_TOKENS_SINCE and mm_prefix_lm_item_tokens > n:
+        n = int(mm_prefix_lm_item_tokens)
     if v >= (0, 12, 0):
         n = min(s * max_model_len, n)
     s = min(s, n)
@@ -587,9 +634,20 @@ def v2_runner_runs_speculative_method(version: "VllmVersion | str", method: str 
     return m not in refused
 
 
+#: First release running Model Runner V2 for every model by default (vllm/config/vllm.py
+#: ``VllmConfig.use_v2_model_runner`` no longer asks ``_is_default_v2_model_runner_model``: 0.29.0;
+#: dated 0.30 before the release-by-release audit).
+EVERY_MODEL_V2_SINCE = (0, 29, 0)
+#: Architectures ROCm keeps on the V1 runner (``ROCM_DEFAULT_MRV1_ARCHITECTURES``, vllm/config/vllm.py):
+#: 0.29 two, 0.30–0.31 three; gone in 0.32.
+ROCM_V1_RUNNER_ARCHITECTURES_0_29 = frozenset({"DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM"})
+ROCM_V1_RUNNER_ARCHITECTURES_0_30 = ROCM_V1_RUNNER_ARCHITECTURES_0_29 | {"GlmMoeDsaForCausalLM"}
+
+
 def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bool = False,
                          is_attention_free: bool = False, is_quantized: bool = False,
-                         generate: bool = True, speculative_method: str | None = None) -> bool:
+                         generate: bool = True, speculative_method: str | None = None,
+                         platform: str = "cuda") -> bool:
     """Whether the release runs Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) by default.
 
     ``VllmConfig.use_v2_model_runner`` / ``_is_default_v2_model_runner_model`` (vllm/config/vllm.py):
@@ -597,8 +655,9 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
     * 0.22–0.23: ``Qwen3ForCausalLM``, not MoE, not quantized;
     * 0.24: architecture in a six-entry list;
     * 0.25–0.27: listed architecture or not MoE; never hybrid (Mamba) or attention-free;
-    * 0.28–0.29: as 0.25, hybrid allowed when the architecture is listed;
-    * 0.30–0.33: every generative model (unless a feature it lacks is configured);
+    * 0.28: as 0.25, hybrid allowed when the architecture is listed;
+    * 0.29–0.33 (:data:`EVERY_MODEL_V2_SINCE`): every model (unless a feature it lacks is
+      configured); on ROCm (``platform``) 0.29–0.31 keep ``ROCM_DEFAULT_MRV1_ARCHITECTURES`` on V1;
     * 0.34+: every model — the V1 runner is removed (vllm/platforms/interface.py
       ``validate_environ``: "Model Runner V1 has been removed").
     Pooling models (``generate=False``) stay on V1 before 0.30. A ``speculative_method`` V2 lacks
@@ -612,7 +671,10 @@ def uses_model_runner_v2(era: Era, architectures, *, is_moe: bool, is_hybrid: bo
         return True
     if not v2_runner_runs_speculative_method(v, speculative_method):
         return False
-    if v >= (0, 30, 0):
+    if v >= EVERY_MODEL_V2_SINCE:
+        if platform == "rocm" and v < (0, 32, 0):
+            rocm_v1 = ROCM_V1_RUNNER_ARCHITECTURES_0_29 if v < (0, 30, 0) else ROCM_V1_RUNNER_ARCHITECTURES_0_30
+            return not (archs & rocm_v1)
         return True
     if not generate:
         return False

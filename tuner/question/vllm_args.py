@@ -274,6 +274,9 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
         if dest == "language_model_only" and version < (0, 17, 0):  # vllm/config/multimodal.py: 0.17.0+
             raise ArgsInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--language-model-only'} "
                                  "(vLLM 0.17+)", where=sa.spelled[dest])
+        if dest == "disable_chunked_mm_input" and version < (0, 8, 4):  # vllm/engine/arg_utils.py: 0.8.4+
+            raise ArgsInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--disable-chunked-mm-input'} "
+                                 "(vLLM 0.8.4+)", where=sa.spelled[dest])
         if dest == "enable_extensible_kv_cache" and version < (0, 34, 0):
             raise ArgsInputError(f"unrecognized arguments: {sa.spelled.get(dest) or '--enable-extensible-kv-cache'} "
                                  "(vLLM 0.34+)", where=sa.spelled[dest])

@@ -43,7 +43,13 @@ WORKER_FILES = ("vllm/v1/worker/gpu_worker.py", "vllm/v1/worker/utils.py", "vllm
 PROFILE_FILES = ("vllm/utils/mem_utils.py", "vllm/utils/__init__.py", "vllm/utils.py")
 RUNNER_V1 = ("vllm/v1/worker/gpu_model_runner.py",)
 RUNNER_V2 = ("vllm/v1/worker/gpu/model_runner.py",)
-GRAPH_FILES = ("vllm/config/vllm.py", "vllm/config/compilation.py", "vllm/v1/worker/gpu/cudagraph_utils.py")
+GRAPH_FILES = ("vllm/config/vllm.py", "vllm/config/compilation.py", "vllm/v1/worker/gpu/cudagraph_utils.py",
+               "vllm/config/__init__.py", "vllm/config.py")
+#: Where ``VllmConfig`` / ``CacheConfig`` lived before ``vllm/config/`` was split (≤0.10).
+VLLM_CONFIG_FILES = ("vllm/config/vllm.py", "vllm/config/__init__.py", "vllm/config.py")
+CACHE_CONFIG_FILES = ("vllm/config/cache.py", "vllm/config/__init__.py", "vllm/config.py")
+ATTENTION_LAYER_FILES = ("vllm/model_executor/layers/attention/attention.py", "vllm/attention/layer.py")
+MODEL_CONFIG_FILES = ("vllm/model_executor/models/config.py",)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,84 @@ TRACKED: tuple[Tracked, ...] = tuple(
          label="vllm_config")
     + _t("defaults", ("vllm/envs.py",), "environment_variables['VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS']",
          label="envs")
+    # the release-by-release audit (docs/release-audit.md): the rest of what ctx-tuner's rules cite
+    + _t("worker budget", WORKER_FILES, "Worker._reserve_mm_ipc_gpu_memory", label="worker")
+    + _t("kv_cache_utils", KV_FILES, "unify_kv_cache_spec_page_size", label="kv_cache")
+    + _t("kv_cache_utils", VLLM_CONFIG_FILES, "VllmConfig.max_in_flight_tokens", "VllmConfig.max_concurrent_batches",
+         label="vllm_config")
+    + _t("kv_cache_utils", ATTENTION_LAYER_FILES, "Attention.get_kv_cache_spec", label="attention")
+    + _t("kv_cache_utils", MODEL_CONFIG_FILES, "HybridAttentionMambaModelConfig.verify_and_update_config",
+         "MambaModelConfig.verify_and_update_config", "Gemma4Config.verify_and_update_config",
+         "GptOssForCausalLMConfig.verify_and_update_config", label="model_config")
+    + _t("kv_cache_utils", ("vllm/model_executor/models/gemma4.py",), "Gemma4Attention.__init__",
+         "Gemma4DecoderLayer.__init__", label="gemma4")
+    + _t("kv_cache_utils", ("vllm/platforms/interface.py",), "Platform._align_hybrid_block_size",
+         "Platform.update_block_size_for_backend", label="platform")
+    + _t("dummy runs", ("vllm/v1/sample/ops/topk_topp_sampler.py",), "TopKTopPSampler.__init__", label="sampler")
+    + _t("dummy runs", ("vllm/v1/core/encoder_cache_manager.py",), "compute_encoder_budget",
+         "compute_mm_encoder_budget", label="encoder_cache")
+    + _t("dummy runs", ("vllm/multimodal/encoder_budget.py", "vllm/v1/worker/utils.py"), "MultiModalBudget",
+         label="mm_budget")
+    + _t("defaults", CACHE_CONFIG_FILES, "CacheConfig.block_size", label="cache")
 )
+
+#: ctx-tuner's memory rules, each with the tracked definitions (:attr:`Tracked.key`) whose source it
+#: follows: ``--timeline`` reports, per rule, the releases at which any of them changed (the audit,
+#: docs/release-audit.md, says what ctx-tuner does on each side).
+RULES: dict[str, tuple[str, ...]] = {
+    "CUDA-graph estimate (subtracted from the KV budget)": (
+        "worker:Worker.determine_available_memory", "runner-v1:GPUModelRunner.profile_cudagraph_memory",
+        "runner-v2:GPUModelRunner.profile_cudagraph_memory", "graphs:profile_cudagraph_memory",
+        "envs:environment_variables['VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS']"),
+    "CUDA-graph capture sizes": ("graphs:VllmConfig._set_cudagraph_sizes",
+                                 "graphs:CompilationConfig.post_init_cudagraph_sizes"),
+    "profile snapshot / non-torch and NCCL charge": (
+        "mem_utils:MemorySnapshot", "mem_utils:MemoryProfilingResult", "mem_utils:memory_profiling",
+        "worker:Worker.init_device"),
+    "requested memory / free-memory refusal": ("worker:request_memory", "worker:Worker.init_device"),
+    "profile_run dummy batch": ("runner-v1:GPUModelRunner.profile_run", "runner-v1:GPUModelRunner._dummy_run",
+                                "runner-v2:GPUModelRunner.profile_run", "runner-v2:GPUModelRunner._dummy_run",
+                                "arg_utils:EngineArgs.get_batch_defaults",
+                                "arg_utils:EngineArgs._set_default_max_num_seqs_and_batched_tokens_args"),
+    "sampler dummy run": ("runner-v1:GPUModelRunner._dummy_sampler_run", "runner-v2:GPUModelRunner._dummy_sampler_run",
+                          "sampler:TopKTopPSampler.__init__"),
+    "runner persistent buffers": ("runner-v1:GPUModelRunner.__init__", "runner-v2:GPUModelRunner.__init__"),
+    "Model Runner V2 default": ("vllm_config:VllmConfig.use_v2_model_runner",),
+    "KV spec page sizes": ("kv_spec:AttentionSpec", "kv_spec:FullAttentionSpec", "kv_spec:MLAAttentionSpec",
+                           "attention:Attention.get_kv_cache_spec"),
+    "sliding-window / chunked-local reservation (tokens in flight)": (
+        "kv_spec:SlidingWindowSpec", "kv_spec:ChunkedLocalAttentionSpec", "vllm_config:VllmConfig.max_in_flight_tokens",
+        "vllm_config:VllmConfig.max_concurrent_batches"),
+    "hybrid grouping and page unification": (
+        "kv_cache:get_kv_cache_groups", "kv_cache:_get_kv_cache_groups_uniform_page_size",
+        "kv_cache:unify_hybrid_kv_cache_specs", "kv_cache:unify_kv_cache_spec_page_size"),
+    "Mamba state pages and page alignment": ("kv_spec:MambaSpec", "platform:Platform._align_hybrid_block_size",
+                                             "platform:Platform.update_block_size_for_backend",
+                                             "model_config:HybridAttentionMambaModelConfig.verify_and_update_config",
+                                             "model_config:MambaModelConfig.verify_and_update_config"),
+    "Gemma-4 specifics": ("model_config:Gemma4Config.verify_and_update_config", "gemma4:Gemma4Attention.__init__",
+                          "gemma4:Gemma4DecoderLayer.__init__"),
+    "gpt-oss block size / backend": ("model_config:GptOssForCausalLMConfig.verify_and_update_config",),
+    "blocks from memory (num_blocks, tensors)": (
+        "kv_cache:get_kv_cache_configs", "kv_cache:get_num_blocks", "kv_cache:get_kv_cache_config_from_groups",
+        "kv_cache:may_override_num_blocks", "block_pool:BlockPool.__init__"),
+    "admission check / auto-fit / concurrency": (
+        "kv_cache:check_enough_kv_cache_memory", "kv_cache:_check_enough_kv_cache_memory",
+        "kv_cache:estimate_max_model_len", "kv_cache:_auto_fit_max_model_len", "kv_cache:max_memory_usage_bytes",
+        "kv_cache:get_max_concurrency_for_kv_cache_config", "kv_cache:get_kv_cache_capacity"),
+    "block size default": ("cache:CacheConfig.DEFAULT_BLOCK_SIZE", "cache:CacheConfig.block_size"),
+    "gpu_memory_utilization default": ("cache:CacheConfig.gpu_memory_utilization",
+                                       "cache:CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION",
+                                       "cache:CacheConfig.resolved_gpu_memory_utilization",
+                                       "arg_utils:EngineArgs.gpu_memory_utilization"),
+    "multimodal IPC reserve": ("worker:Worker._reserve_mm_ipc_gpu_memory",),
+    "encoder cache budget": ("encoder_cache:compute_encoder_budget", "encoder_cache:compute_mm_encoder_budget",
+                             "mm_budget:MultiModalBudget"),
+    "extensible KV cache (0.34)": (
+        "worker:measure_kv_cache_bytes", "worker:measure_kv_cache_blocks", "worker:ExtensibleKVCache.blocks_within",
+        "kv_cache:shrink_kv_cache_configs", "kv_cache:finalize_extensible_kv_cache",
+        "vllm_config:VllmConfig._resolve_extensible_kv_cache"),
+}
 
 #: Names in tracked files that speak of memory: new ones are listed as "new" (never tracked yet).
 MEMORY_WORDS = re.compile(r"memory|profil|kv_cache|cudagraph|cuda_graph|dummy|budget|num_blocks|warmup|max_model_len",
@@ -128,12 +211,12 @@ class Release:
             self._zip = zipfile.ZipFile(p)
         elif p.is_dir():
             wheels = sorted(p.glob("vllm-*.whl"))
-            if (p / "vllm").is_dir():
+            if wheels:  # the wheel is complete; a vllm/ beside it may hold only some files
+                self._zip = zipfile.ZipFile(wheels[-1])
+            elif (p / "vllm").is_dir():
                 self._root = p
             elif p.name == "vllm" and (p / "__init__.py").exists():
                 self._root = p.parent
-            elif wheels:
-                self._zip = zipfile.ZipFile(wheels[-1])
             else:
                 raise ReleaseDiffError(f"{source}: neither a vllm/ tree nor a vllm-*.whl in it")
         elif re.fullmatch(r"\d+\.\d+(\.\d+)*([.+-]?\w+)*", source):
@@ -322,6 +405,74 @@ def new_memory_names(a: Release, b: Release, tracked: Sequence[Tracked] = TRACKE
             if k not in old and k not in known and MEMORY_WORDS.search(k)]
 
 
+def _version_key(name: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", name)[:4]) + (0,) * (4 - len(re.findall(r"\d+", name)[:4]))
+
+
+def release_dirs(src: str | os.PathLike, first: str | None = None, last: str | None = None) -> list[Path]:
+    """The ``<release>/`` folders of ``src`` holding a ``vllm/`` tree or a wheel, oldest first, within
+    ``first`` – ``last`` (inclusive; ``.postN`` releases and ``cfg-*`` folders left out)."""
+    out = []
+    for d in Path(src).iterdir():
+        if not re.fullmatch(r"\d+\.\d+\.\d+(\.\d+)?", d.name):
+            continue
+        if not ((d / "vllm").is_dir() or list(d.glob("vllm-*.whl"))):
+            continue
+        k = _version_key(d.name)
+        if (first and k < _version_key(first)) or (last and k > _version_key(last)):
+            continue
+        out.append(d)
+    if not out:
+        raise ReleaseDiffError(f"{src}: no release folders (<version>/vllm/ or a wheel) between {first} and {last}")
+    return sorted(out, key=lambda d: _version_key(d.name))
+
+
+def timeline(releases: Sequence[tuple[str, Release]], tracked: Sequence[Tracked] = TRACKED) -> dict[str, list[dict]]:
+    """For each tracked key, the releases at which its definition changed from the previous release
+    of ``releases`` (oldest first): ``[{"release", "status", "added", "removed", "file"}]`` with
+    ``status`` ``changed`` / ``added`` / ``removed`` (AST compared, as :func:`compare`)."""
+    trees = [(name, _Trees(rel)) for name, rel in releases]
+    out: dict[str, list[dict]] = {t.key: [] for t in tracked}
+    for t in tracked:
+        prev: list[str] | None = None
+        prev_found = False
+        for i, (name, tr) in enumerate(trees):
+            f, node = tr.locate(t)
+            cur = normalized_source(node).splitlines() if node is not None else None
+            if i > 0:
+                if cur is None and prev_found:
+                    out[t.key].append({"release": name, "status": "removed", "added": 0, "removed": len(prev or []),
+                                       "file": None})
+                elif cur is not None and not prev_found:
+                    out[t.key].append({"release": name, "status": "added", "added": len(cur), "removed": 0,
+                                       "file": f})
+                elif cur is not None and cur != prev:
+                    diff = list(difflib.unified_diff(prev or [], cur, lineterm="", n=0))
+                    out[t.key].append({"release": name, "status": "changed",
+                                       "added": sum(1 for x in diff if x.startswith("+") and not x.startswith("+++")),
+                                       "removed": sum(1 for x in diff if x.startswith("-") and not x.startswith("---")),
+                                       "file": f})
+            prev, prev_found = cur, cur is not None
+    return out
+
+
+def timeline_report(changes: dict[str, list[dict]], first: str, last: str, rules: dict = RULES) -> str:
+    """The human form of :func:`timeline`: per rule of :data:`RULES`, each definition and the
+    releases where it changed (``0.26.0(+2-1)``; ``+`` added, ``-`` removed)."""
+    lines = [f"vLLM {first} -> {last}: releases at which each memory rule's source changed (AST compared)"]
+    for rule, keys in rules.items():
+        lines.append(f"[{rule}]")
+        for k in keys:
+            marks = []
+            for c in changes.get(k, []):
+                if c["status"] == "changed":
+                    marks.append(f"{c['release']}(+{c['added']}-{c['removed']})")
+                else:
+                    marks.append(f"{c['release']}({'added' if c['status'] == 'added' else 'removed'})")
+            lines.append(f"  {k:<66} {' '.join(marks) or 'unchanged'}")
+    return "\n".join(lines)
+
+
 def report(items: Sequence[Item], new_names: Sequence[str], a: str, b: str, *, show_diff: bool = False,
            show_unchanged: bool = False) -> str:
     """The human form: per area, the changed / added / removed names with ``+n -m`` line counts."""
@@ -356,11 +507,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tuner.releases.diff", description=__doc__.split("\n\n")[0])
     ap.add_argument("old", help="older release: version (0.33.0), wheel path or directory with vllm/")
     ap.add_argument("new", help="newer release, likewise")
+    ap.add_argument("--timeline", metavar="SRC", default=None,
+                    help="every release folder of SRC (<version>/vllm/ or a wheel) from OLD to NEW: per memory rule, "
+                         "the releases at which its source changed (docs/release-audit.md)")
     ap.add_argument("--diff", action="store_true", help="print each changed definition's unified diff")
     ap.add_argument("--all", action="store_true", help="list unchanged definitions too")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--cache-dir", default=None, help="where downloaded wheels are kept")
     args = ap.parse_args(argv)
+    if args.timeline:
+        try:
+            rels = [(d.name, Release(str(d))) for d in release_dirs(args.timeline, args.old, args.new)]
+        except (ReleaseDiffError, zipfile.BadZipFile, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        changes = timeline(rels)
+        if args.json:
+            print(json.dumps({"releases": [n for n, _ in rels], "rules": RULES, "changes": changes}, indent=1))
+        else:
+            print(timeline_report(changes, rels[0][0], rels[-1][0]))
+        return 0
     try:
         a, b = Release(args.old, cache_dir=args.cache_dir), Release(args.new, cache_dir=args.cache_dir)
     except (ReleaseDiffError, zipfile.BadZipFile, OSError) as exc:

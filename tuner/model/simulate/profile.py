@@ -49,6 +49,11 @@ class PassResult:
     persistent_bytes: int = 0
     #: The pass ran Model Runner V2's profile (:func:`tuner.memory.eras.uses_model_runner_v2`).
     model_runner_v2: bool = False
+    #: Tokens of the largest multimodal item of the tower the pass built (vLLM's
+    #: ``get_mm_max_tokens_per_item``, :func:`tuner.model.simulate.vision.max_tokens_per_item`);
+    #: 0 without a profiled tower (text-only, every modality limited to 0, a weights-only tower).
+    #: Read by the encoder-budget refusal (:func:`tuner.memory.engine_checks.check_chunked_mm_input`).
+    mm_max_tokens_per_item: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +96,7 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
     built = cache.take(plugin, spec, settings, backend=backend)
     with torch.no_grad(), built.context():
         model, weights = built.model, built.weights_bytes
+        mm_tokens = mm_max_tokens_per_item(model, settings)
         input_ids = torch.zeros(n, dtype=torch.long)
         positions = torch.zeros(n, dtype=torch.long)
         first = settings.pp_rank == 0
@@ -125,7 +131,28 @@ def _run_pass(cache: "ModelCache", plugin, spec, settings: RankSettings, era: Er
     # the one term that depends on max_model_len; the pass memo recomputes it the same way
     persistent = persistent_bytes(era, spec, settings, batch, model_runner_v2)
     return PassResult(n, r, settings.pp_rank, weights, int(peak) + persistent, int(forward_peak), int(sampler_peak),
-                      round(time.perf_counter() - t0, 4), persistent, bool(model_runner_v2))
+                      round(time.perf_counter() - t0, 4), persistent, bool(model_runner_v2), mm_tokens)
+
+
+def mm_max_tokens_per_item(model, settings) -> int:
+    """The largest item's tokens of ``model``'s vision tower (a
+    :class:`~tuner.model.simulate.vision.MultimodalCausalLM`'s, after
+    :func:`~tuner.model.simulate.vision.drop_unbuilt_towers`), 0 where there is none to profile: no
+    tower, a tower whose encoder pass is not simulated, or every modality it serves limited to 0
+    (vLLM's budget counts non-zero modalities only, ``get_max_tokens_per_item_by_nonzero_modality``)."""
+    from tuner.model.simulate.vision import max_tokens_per_item, mm_limit
+
+    vision = getattr(model, "vision", None)
+    tower = getattr(vision, "tower", None)
+    if vision is None or tower is None:
+        return 0
+    modalities = getattr(tower, "MODALITIES", ("image",))
+    if all(mm_limit(settings, m) == 0 for m in modalities):
+        return 0
+    try:
+        return int(max_tokens_per_item(vision.vc, kind=tower, top=vision.top)[0])
+    except ValueError:  # a weights-only tower (gemma4): no encoder profile, nothing known
+        return 0
 
 
 #: A fit, not derived: a float32 model's compiled V1 forward holds this fraction more than the
