@@ -179,8 +179,9 @@ def test_v0_seed_failure_does_not_start_with_engine_text(tmp_path):
     assert res.doc["engine_error"] == ("The model's max seq len (29000) is larger than the maximum number of tokens "
                                        "that can be stored in KV cache (23648).")
     near = {s["setting"]: s for s in res.doc["nearest"]}
-    # the interval's safe end (risk safe, the default); 40064 at the expected value
-    assert near["max_model_len"]["value"] == 39536 and near["max_model_len"]["max_model_len_expected"] == 40064
+    # the interval's safe end (risk safe, the default; the catalog's RTX 3090 total carries the 1 %
+    # device-total band of the round-3 refit, tuner/memory/uncertainty.py); 40064 at the expected value
+    assert near["max_model_len"]["value"] == 37968 and near["max_model_len"]["max_model_len_expected"] == 40064
     assert near["gpu_memory_utilization"]["value"] == pytest.approx(0.928)
     assert near["kv_cache_dtype"]["kv_cache_tokens"] == 47312
     assert "--kv-cache-dtype fp8" in near["kv_cache_dtype"]["command"]
