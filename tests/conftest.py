@@ -14,6 +14,91 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 from tests._paths import REPO, SHARED  # noqa: F401  (REPO: imported by tests through conftest)
 
 
+# -- the checkout is never written to --------------------------------------------------------------
+# ctx-tuner's default store is var/ctx-tuner.sqlite under the *current directory* (profile creates
+# it; explain, plot and check --cross-check add pass-memo rows to it where it exists). Tests ran in
+# the checkout (pytest's directory), so a user's README store gained the suite's rows. Every module
+# and every test now runs in a directory of its own under pytest's tmp (a test that needs the
+# checkout's relative paths chdirs there itself and gives --db), and the session fails where the
+# checkout's var/ or its git status changed all the same.
+
+
+def _in_dir(path: Path):
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield path
+    finally:
+        os.chdir(old)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_runs_outside_the_checkout(tmp_path_factory):
+    """Module-scoped fixtures (shared explain / check runs) run in a directory of the module's own."""
+    yield from _in_dir(tmp_path_factory.mktemp("cwd-module"))
+
+
+@pytest.fixture(autouse=True)
+def _test_runs_outside_the_checkout(tmp_path_factory):
+    """Each test starts in an empty directory of its own (not ``tmp_path``, which tests list)."""
+    yield from _in_dir(tmp_path_factory.mktemp("cwd"))
+
+
+def checkout_view(at: Path) -> Path:
+    """A directory ``at`` whose entries link to the checkout's (``configs``, ``docs``, …) but for its
+    ``var/`` and ``.git``: a test that runs the README's commands, whose paths are relative to the
+    checkout, chdirs here and gets a default store of its own (``at/var``), as a fresh clone has."""
+    at.mkdir(parents=True)
+    for entry in REPO.iterdir():
+        if entry.name not in ("var", ".git"):
+            (at / entry.name).symlink_to(entry)
+    return at
+
+
+def as_in_the_docs(text: str, *dirs: Path) -> list[str]:
+    """``text``'s lines as the docs print them: each of ``dirs`` (the checkout, a :func:`checkout_view`)
+    written ``/src/ctx-tuner``, trailing blanks dropped."""
+    for d in dirs:
+        text = text.replace(str(d), "/src/ctx-tuner")
+    return [ln.rstrip() for ln in text.splitlines()]
+
+
+def checkout_state(repo: Path = REPO) -> dict:
+    """What the suite must leave as it found it: every file under ``repo/var`` (ignored by git: the
+    default store, its -wal/-shm) with its size and mtime, and ``git status --porcelain`` (files
+    changed or added anywhere else; empty set where git or the repository is not there)."""
+    import subprocess
+
+    var = repo / "var"
+    files = {str(f.relative_to(repo)): (f.stat().st_size, f.stat().st_mtime_ns)
+             for f in sorted(var.rglob("*")) if f.is_file()} if var.is_dir() else {}
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo,
+                                capture_output=True, text=True, timeout=60)
+        changed = set(status.stdout.splitlines()) if status.returncode == 0 else set()
+    except (OSError, subprocess.SubprocessError):
+        changed = set()
+    return {"var": files, "git": changed}
+
+
+def checkout_writes(before: dict, after: dict) -> list[str]:
+    """What changed in the checkout between two :func:`checkout_state`: var/ files added, removed or
+    rewritten, and git status lines that are new (a file already changed before the run is the
+    developer's, not the suite's)."""
+    var = sorted(k for k in set(before["var"]) | set(after["var"]) if before["var"].get(k) != after["var"].get(k))
+    return var + sorted(after["git"] - before["git"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkout_left_as_found():
+    """The whole run wrote nothing into the checkout (fails the session's last teardown otherwise)."""
+    before = checkout_state()
+    yield
+    written = checkout_writes(before, checkout_state())
+    if written:
+        pytest.fail(f"the test run wrote into the checkout {REPO}: {', '.join(written)}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     if not (SHARED / "cases").is_dir():

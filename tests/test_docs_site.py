@@ -155,23 +155,27 @@ def test_sample_copies_in_the_docs_are_the_readmes():
 
 
 @pytest.mark.slow
-def test_readme_check_sample_lacked_the_interval_line_and_had_a_stale_tp2_figure(monkeypatch, capsys):
+def test_readme_check_sample_lacked_the_interval_line_and_had_a_stale_tp2_figure(tmp_path, monkeypatch, capsys):
     """The README's ``check`` sample had no ``interval:`` line and said ``--tensor-parallel-size 2
     (159360 KV tokens)`` where ``check`` prints 186880 (as ``explain`` does); it is now the command's
-    real output, line for line (the ``store:`` line depends on whether ./var holds a store)."""
+    real output, line for line, run as a fresh clone runs it: in a view of the checkout with no store
+    (tests/conftest.py ``checkout_view``; the ``parser:`` line names the venv's Python)."""
+    from tests.conftest import as_in_the_docs, checkout_view
     from tuner.cli import main
 
     command = ("ctx-tuner check --device RTX-3090 --engine-version 0.6.4 -- vllm serve "
                "configs/models/meta-llama--Llama-3.1-8B-Instruct --max-model-len 29000 "
                "--gpu-memory-utilization 0.9 --port 8000")
-    monkeypatch.chdir(REPO)
+    view = checkout_view(tmp_path / "ctx-tuner")
+    monkeypatch.chdir(view)
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
     monkeypatch.delenv("CTX_TUNER_WORKER_PYTHON", raising=False)
     assert main(command.split()[1:]) == 3
-    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
-    sample = _samples(page("README.md"))[command].replace("/src/ctx-tuner", str(REPO)).splitlines()
+    out = as_in_the_docs(capsys.readouterr().out, view, REPO)
+    sample = _samples(page("README.md"))[command].splitlines()
     assert sample[-2:] == ["$ echo $?", "3"]
-    keep = [i for i, ln in enumerate(sample[:-2]) if not ln.startswith(("store: ", "parser: "))]
+    assert "store: none (var/ctx-tuner.sqlite does not exist here; nothing read or written)" in out
+    keep = [i for i, ln in enumerate(sample[:-2]) if not ln.startswith("parser: ")]
     assert [out[i] for i in keep] == [sample[i] for i in keep] and len(out) == len(sample) - 2
     assert "  --tensor-parallel-size 2 (186880 KV tokens):" in out
 

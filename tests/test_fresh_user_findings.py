@@ -108,38 +108,37 @@ def _readme_sample(command: str) -> list[str]:
 
     text = (REPO / "README.md").read_text()
     block = text.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
-    return [ln.rstrip().replace("/src/ctx-tuner", str(REPO)) for ln in block.splitlines()]
+    return [ln.rstrip() for ln in block.splitlines()]
 
 
 @pytest.mark.slow
 def test_readme_samples_lacked_the_sources_line(tmp_path, monkeypatch, capsys):
-    """The README's profile and explain samples are the commands' real output (header lines of
-    explain: its remedies run more jobs), the ``sources:`` line included."""
+    """The README's profile and explain samples are the commands' real output, line for line (the
+    ``sources:`` line included; explain's ``store:`` line too, F10), run as a fresh clone runs them:
+    in a view of the checkout with no store yet (tests/conftest.py ``checkout_view``)."""
     import json
-    import os
 
-    from tests.conftest import REPO
+    from tests.conftest import REPO, as_in_the_docs, checkout_view
     from tuner.cli import main
     from tuner.jobs.job import run_job
 
     monkeypatch.setattr("tuner.seam.worker.run_in_worker",
                         lambda request, *, job, timeout_s=600.0, on_progress=None, **kw: json.loads(
                             json.dumps(run_job(request))))
-    monkeypatch.chdir(REPO)
+    view = checkout_view(tmp_path / "ctx-tuner")
+    monkeypatch.chdir(view)
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
     drop = "configs/examples/llama-3.1-8b-rtx3090-v0.yaml"
-    db = str(tmp_path / "r.sqlite")
-    assert main(["profile", drop, "--db", db]) == 0
-    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
-    sample = _readme_sample(f"ctx-tuner profile {drop}")
-    # the README ran with the default store, whose last line names it (issue 31); this run has --db
-    assert out[:-1] == sample[:-1] and out[-1] == "stored as drop id 1"
-    assert sample[-1] == f"stored as drop id 1 in var/ctx-tuner.sqlite under {REPO} (created now; --db names another store)"
+    assert main(["profile", drop]) == 0
+    out = as_in_the_docs(capsys.readouterr().out, view, REPO)
+    assert out == _readme_sample(f"ctx-tuner profile {drop}")
     assert out[2].startswith("sources: total_memory catalog")
-    assert main(["explain", drop, "--max-model-len", "29000", "--db", db, "--no-variants"]) == 3
-    out = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
-    assert out[:3] == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")[:3]
-    assert os.path.isfile(db)
+    assert out[-1] == "stored as drop id 1 in var/ctx-tuner.sqlite under /src/ctx-tuner (created now; --db names another store)"
+    assert main(["explain", drop, "--max-model-len", "29000"]) == 3
+    out = as_in_the_docs(capsys.readouterr().out, view, REPO)
+    assert out == _readme_sample(f"ctx-tuner explain {drop} --max-model-len 29000")
+    assert out[4].startswith("store: /src/ctx-tuner/var/ctx-tuner.sqlite (its pass memo read; ")
+    assert (view / "var" / "ctx-tuner.sqlite").is_file()
 
 
 def test_top_level_usage_listed_only_the_one_command_built(capsys):

@@ -86,7 +86,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tuner.reports.explain import ExplainInputError, explain_drop, explain_stored, render
+    from tuner.reports.explain import ExplainInputError, explain_drop, explain_stored, render, store_label
 
     if (args.drop is None) == (args.run is None):
         print("ctx-tuner explain: give a drop file or --run ID (one of them)", file=sys.stderr)
@@ -101,6 +101,8 @@ def run(args) -> int:
                                      max_model_len=args.max_model_len)
             finally:
                 store.close()
+            doc["store"] = {"path": store_label(args.db), "named": args.db, "read": f"profile run {args.run}",
+                            "pass_memo_entries_written": 0}  # --run reads the stored run, writes nothing
         else:
             doc = explain_drop(args.drop, gpu_memory_utilization=args.gpu_memory_utilization,
                                max_model_len=args.max_model_len, timeout_s=args.timeout,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any, Callable
 
 from tuner import __version__
@@ -159,7 +160,8 @@ def _entries_from_store(db_url: str | None, request: Any, store: Any = None) -> 
 
 
 def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *, enabled: bool = True,
-                write: bool = True, store: Any = None) -> Callable[..., dict]:
+                write: bool = True, store: Any = None,
+                on_written: Callable[[int], None] | None = None) -> Callable[..., dict]:
     """A worker function (``(request, *, job, timeout_s, **kw) -> result``, like
     :func:`tuner.seam.worker.run_in_worker`) that answers from the memo in ``db_url`` where it can and
     calls ``inner`` (default ``run_in_worker``) otherwise, handing it the passes found. Every
@@ -171,7 +173,8 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
     or in ``db_url`` when that store exists (never created here); without, they stay in the
     result under :data:`~tuner.jobs.passmemo.ENTRIES` for the caller to store in its own transaction
     (``profile``, the daemon). ``enabled=False`` (``--no-cache``) always runs the worker (its
-    entries are still stored: the memo is refreshed, not bypassed forever).
+    entries are still stored: the memo is refreshed, not bypassed forever). ``on_written``: called
+    with the number of new memo entries each job stored (``explain`` says what it wrote to the store).
     """
 
     def worker(request: Any, *, job: str, timeout_s: float | None = None,
@@ -216,9 +219,11 @@ def memo_worker(db_url: str | None, inner: Callable[..., dict] | None = None, *,
                                    "reason": reason}
             if write and new:
                 if store is not None:
-                    _put(store, result.pop(ENTRIES))
+                    stored = _put(store, result.pop(ENTRIES))
                 else:
-                    save_entries(db_url, result.pop(ENTRIES))
+                    stored = save_entries(db_url, result.pop(ENTRIES))
+                if on_written is not None and stored:
+                    on_written(stored)
         return result
 
     return worker
@@ -253,28 +258,39 @@ def with_crosschecks(request: Any, entries: dict | None) -> Any:
     return request
 
 
-def _put(store: Any, entries: list[dict]) -> None:
+_PUT_LOCK = threading.Lock()
+
+
+def _put(store: Any, entries: list[dict]) -> int:
+    """Store ``entries``; how many of their memo keys were new to the store (a key already stored is
+    left as it is; 0 when storing failed)."""
     from tuner.errors import TunerError
 
     try:
-        store.put_memo(entries)
+        with _PUT_LOCK:  # jobs in parallel threads (explain's remedies): each new key counted once
+            had: set = set()
+            for sha, version in {(e.get("model_config_sha256"), e.get("tool_version")) for e in entries}:
+                had |= set(store.memo_entries(sha, version))
+            store.put_memo(entries)
     except TunerError:  # a failure only loses the optimisation
-        pass
+        return 0
+    return len({e["memo_key"] for e in entries} - had)
 
 
-def save_entries(db_url: str | None, entries: list[dict]) -> None:
-    """Store memo entries in an existing store (a failure only loses the optimisation)."""
+def save_entries(db_url: str | None, entries: list[dict]) -> int:
+    """Store memo entries in an existing store (a failure only loses the optimisation); how many
+    new memo keys it gained (0 where there is no store or storing failed)."""
     from tuner.errors import TunerError
     from tuner.store.database import open_store, store_exists
 
     try:
         if not store_exists(db_url):
-            return
+            return 0
         store = open_store(db_url)
     except TunerError:
-        return
+        return 0
     try:
-        _put(store, entries)
+        return _put(store, entries)
     finally:
         store.close()
 

@@ -38,6 +38,7 @@ from tuner.memory.eras import (GiB, V0_FREE_DELTA, V0_PROFILING, V0_WHOLE_GPU, V
 from tuner.errors import TunerError
 from tuner.question.protocol import BudgetTerm, CandidateResult, JobRequest, JobResult, point_of
 from tuner.seam.worker import DEFAULT_TIMEOUT_S
+from tuner.store.storerules import DEFAULT_PATH
 
 __all__ = ["ExplainInputError", "PreparedJob", "prepare", "run_jobs", "explain_drop", "explain_point",
            "explain_stored", "u_needed", "render", "is_non_monotone"]
@@ -957,10 +958,9 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     Raises:
         DropError / DeviceError / EraError: invalid drop or option; WorkerError / TunerError: the job failed.
     """
+    store_note = None  # what this explanation read from and wrote to the store (None: the caller's worker)
     if worker is None:  # the store's pass memo first (tuner.jobs.passmemo; cache=False: --no-cache)
-        from tuner.jobs.memoanswer import memo_worker
-
-        worker = memo_worker(db_url, _default_worker(), enabled=cache)
+        worker, store_note = _memo_with_store_note(db_url, cache)
     from tuner.jobs.app import serve_model
 
     job = prepare(drop_path, nvml=nvml, drop=drop)
@@ -1028,7 +1028,66 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             "assumptions": list(base.get("assumptions") or []),
             "term_sources": base.get("term_sources"), "engine_check": base.get("engine_check"),
             "uncertainty": base.get("uncertainty"),
-            "pass_source": base.get("pass_source"), "explanations": explanations}
+            "pass_source": base.get("pass_source"), "store": store_note, "explanations": explanations}
+
+
+def _memo_with_store_note(db_url: str | None, cache: bool) -> tuple[Callable[..., dict], dict]:
+    """The pass-memo worker of ``explain`` (:func:`tuner.jobs.memoanswer.memo_worker`) and the note of
+    what it does to the store, filled in as its jobs run: ``{"path", "read", "pass_memo_entries_written"}``
+    (``path`` None where the store does not exist: the memo neither reads nor creates one)."""
+    import os
+    import threading
+
+    from tuner.jobs.memoanswer import memo_worker
+    from tuner.store.litestore import sqlite_file
+
+    file = sqlite_file(db_url, DEFAULT_STORE)  # None: a server URL (it exists; the store says if not)
+    exists = file is None or os.path.exists(file)  # as tuner.store.database.store_exists, without SQLAlchemy
+    note = {"path": store_label(db_url) if exists else None, "named": db_url or DEFAULT_STORE,
+            "read": "pass memo" if exists and cache else None, "pass_memo_entries_written": 0}
+    lock = threading.Lock()  # the remedy jobs run in parallel threads
+
+    def wrote(n: int) -> None:
+        with lock:
+            note["pass_memo_entries_written"] += n
+
+    return memo_worker(db_url, _default_worker(), enabled=cache, on_written=wrote), note
+
+
+#: The store ``explain`` reads and writes the pass memo of without ``--db`` (``profile``'s default,
+#: relative to the current directory).
+DEFAULT_STORE = DEFAULT_PATH
+
+
+def store_label(db_url: str | None) -> str:
+    """The store as the report names it: a SQLite file's absolute path, a server URL without its password."""
+    import os
+    import re
+
+    from tuner.store.litestore import sqlite_file
+
+    path = sqlite_file(db_url, DEFAULT_STORE)
+    if path is not None:
+        return os.path.abspath(path)
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(db_url))
+
+
+def store_line(note: dict | None) -> str | None:
+    """The report's ``store:`` line (as ``check``'s): which store was read and what was written to
+    it, e.g. ``store: /srv/var/ctx-tuner.sqlite (its pass memo read; 14 pass-memo entries written)``;
+    None where the caller gave its own worker (no store was read here)."""
+    if not note:
+        return None
+    if not note.get("path"):
+        named = note.get("named") or DEFAULT_STORE
+        missing = f"{named} does not exist here" if named == DEFAULT_STORE else f"--db {named} does not exist"
+        return f"store: none ({missing}; nothing read or written)"
+    n = int(note.get("pass_memo_entries_written") or 0)
+    read = note.get("read")
+    read = ("its pass memo read" if read == "pass memo" else f"{read} read" if read
+            else "its pass memo not read (--no-cache)")
+    wrote = f"{n} pass-memo entr{'y' if n == 1 else 'ies'} written" if n else "nothing written"
+    return f"store: {note['path']} ({read}; {wrote})"
 
 
 def _wanted_length(job: PreparedJob, base: dict) -> int:
@@ -1543,6 +1602,9 @@ def render(doc: dict) -> str:
     passes = pass_source_line(doc.get("pass_source"))
     if passes:  # the profile job's passes: from the pass memo or a worker
         lines.append(passes)
+    store = store_line(doc.get("store"))
+    if store:  # the store read and what was written to it (the pass memo's new entries)
+        lines.append(store)
     lines += engine_check_lines(doc.get("engine_check"))
     for e in doc["explanations"]:
         lines += ["", render_point(e)]
