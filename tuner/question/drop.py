@@ -381,14 +381,12 @@ def _hf_overrides(v: Any) -> dict | None:
     return out
 
 
-#: vLLM environment variables ctx-tuner models (vllm/envs.py), by what they size:
-#: ``VLLM_USE_FLASHINFER_SAMPLER`` (the profile run's sampler, :func:`tuner.memory.eras.sampler_path`),
-#: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (the CUDA-graph estimate subtracted, 0.18+),
-#: ``VLLM_PP_LAYER_PARTITION`` (layers per pipeline stage, ``get_pp_indices``). Others are
-#: accepted and named as not modelled.
 #: ``compile_cache``: the torch.compile cache at start-up (a cold first boot or a warm one).
 COMPILE_CACHE_STATES = ("cold", "warm")
 
+#: The vLLM environment variables (vllm/envs.py) a rule reads: this tuple is the list (grep a name
+#: in ``tuner/`` for the rule that reads it and the release and file it cites). A drop's ``env`` may
+#: carry others: they are accepted and named as not modelled (:func:`tuner.jobs.job.drop_env`).
 MODELLED_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_PP_LAYER_PARTITION",
                 "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_V1")
 _ENV_NAME_RE = re.compile(r"^VLLM_[A-Z0-9_]+$")
