@@ -96,7 +96,8 @@ def _checkout_left_as_found():
     yield
     written = checkout_writes(before, checkout_state())
     if written:
-        pytest.fail(f"the test run wrote into the checkout {REPO}: {', '.join(written)}", pytrace=False)
+        pytest.fail(f"the checkout {REPO} changed during the test run (a test wrote there, or it was edited "
+                    f"meanwhile): {', '.join(written)}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

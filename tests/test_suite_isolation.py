@@ -7,6 +7,7 @@ a ``store:`` line as ``check``'s has."""
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -56,6 +57,7 @@ def test_test_suite_wrote_into_the_checkouts_store(tmp_path, tiny_config):
     assert checkout_writes(before, checkout_state()) == []
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_checkout_writes_named_a_store_row_and_a_new_file(tmp_path):
     """The session guard (tests/conftest.py ``_checkout_left_as_found``) sees a store written in
     var/ (rows change its size and mtime; a -wal appears) and a file added to the checkout, and not
