@@ -250,6 +250,13 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
         return argv
     if argv and not dashed and all(a.lower().endswith((".yaml", ".yml")) and os.path.isfile(a) for a in argv):
         return argv
+    missing = _missing_deploy_files(argv) if not dashed else []
+    if missing:  # check /tmp/dep/missing.yaml: a mistyped deploy file, not a model
+        print(f"ctx-tuner check: invalid input: no such deploy file: {', '.join(missing)}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"verdict": "invalid input", "error": f"no such deploy file: {', '.join(missing)}",
+                              "error_type": "DeployFileError", "exit_code": EXIT_INVALID}))
+        return EXIT_INVALID
     if args.config_file and os.path.isfile(args.config_file) and is_deploy_file(args.config_file):
         if argv:
             print(f"ctx-tuner check: invalid input: {args.config_file}: a deploy file, not a `vllm serve --config` "
@@ -261,6 +268,16 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
             return EXIT_INVALID
         return [args.config_file]
     return []
+
+
+def _missing_deploy_files(argv: list[str]) -> list[str]:
+    """The ``*.yaml``/``*.yml``/``*.json`` paths that do not exist, where every positional argument
+    is such a path (``check FILE …`` without ``--``); [] otherwise (a serve line)."""
+    import os
+
+    if not argv or not all(a.lower().endswith((".yaml", ".yml", ".json")) for a in argv):
+        return []
+    return [a for a in argv if not os.path.exists(a)]
 
 
 def _run_deploy(args, files: list[str]) -> int:
