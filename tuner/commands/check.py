@@ -69,7 +69,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Check a `vllm serve` command line (after --) and/or a `vllm serve --config` "
                                    "YAML before deploying it.")
     p.add_argument("serve", nargs=argparse.REMAINDER,
-                   help="the vLLM command line after --: vllm serve MODEL [options] (or serve MODEL …)")
+                   help="the vLLM command line after --: vllm serve MODEL [options] (or serve MODEL …), optionally after "
+                        "an environment prefix (CUDA_VISIBLE_DEVICES=0 VLLM_X=1 vllm serve …)")
     p.add_argument("--config", dest="config_file", default=None, metavar="VLLM_YAML",
                    help="the YAML file `vllm serve --config` reads (the command line wins over it, as in vLLM); "
                         "a deploy file (Kubernetes, Helm values, compose, KServe, llm-d) is checked as one")
@@ -90,7 +91,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "stage (-pp)")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else the newest "
-                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning)")
+                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning; a pre-release "
+                        "such as 0.26.0rc1 with its release's rules and a note)")
     p.add_argument("--strict-release", action="store_true",
                    help="refuse an --engine-version newer than the newest modelled release (exit 2)")
     p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
