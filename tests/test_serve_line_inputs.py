@@ -148,6 +148,8 @@ def test_missing_deploy_file_was_blamed_on_the_model(tmp_path):
     rc, out, err = _cli("check", "--device", "L4", missing)
     assert rc == 2
     assert err.strip() == f"ctx-tuner check: invalid input: no such deploy file: {missing}"
+    rc, out, err = _cli("check", missing, "--device", "L4")  # check's options after the files
+    assert rc == 2 and err.strip() == f"ctx-tuner check: invalid input: no such deploy file: {missing}"
 
 
 def test_drop_given_to_check_did_not_point_to_profile():

@@ -273,13 +273,18 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
 
 
 def _missing_deploy_files(argv: list[str]) -> list[str]:
-    """The ``*.yaml``/``*.yml``/``*.json`` paths that do not exist, where every positional argument
-    is such a path (``check FILE …`` without ``--``); [] otherwise (a serve line)."""
+    """The ``*.yaml``/``*.yml``/``*.json`` paths that do not exist, where every leading positional
+    argument is such a path (``check FILE … [--device D]`` without ``--``); [] otherwise (a serve line)."""
     import os
 
-    if not argv or not all(a.lower().endswith((".yaml", ".yml", ".json")) for a in argv):
+    files = []
+    for a in argv:
+        if a.startswith("-"):
+            break
+        files.append(a)
+    if not files or not all(a.lower().endswith((".yaml", ".yml", ".json")) for a in files):
         return []
-    return [a for a in argv if not os.path.exists(a)]
+    return [a for a in files if not os.path.exists(a)]
 
 
 def _run_deploy(args, files: list[str]) -> int:
