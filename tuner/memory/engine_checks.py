@@ -21,13 +21,16 @@ drop key at fault (``where`` = ``DROP:FIELD``):
   multimodal item must fit ``max_num_batched_tokens``;
 - :func:`check_architecture` — ``ModelRegistry`` (``vllm/model_executor/models/registry.py``): an
   architecture absent from the release's registry (:mod:`tuner.releases.facts`, read from each
-  wheel) is refused with the release's own message.
+  wheel) is refused with the release's own message;
+- :func:`world_size_refusal` — ``ParallelConfig.__post_init__`` (a world size above the GPUs the node
+  shows: a pod's GPU limit, ``CUDA_VISIBLE_DEVICES``; :func:`visible_gpu_count`).
 
 No torch, no I/O.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 from tuner.releases import facts as _release_facts
@@ -439,3 +442,57 @@ def check_kv_cache_dtype(kv_cache_dtype: str | None, *, version: Any, path: str 
     if kv.startswith(UNMODELLED_KV_CACHE_DTYPE_PREFIXES):
         raise ModelConfigError(f"kv_cache_dtype {kv!r} is valid for vLLM {_release(version)} but its cache layout is "
                                "not modelled by ctx-tuner", where=f"{path}:kv_cache_dtype" if path else "kv_cache_dtype")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs visible to the engine
+# ---------------------------------------------------------------------------------------------
+
+#: The first release whose ``ParallelConfig.__post_init__`` (vllm/config/parallel.py) refuses a
+#: world size above the GPUs it sees ("World size (N) is larger than the number of available GPUs
+#: (G) in this node", read in 0.13.0, 0.26.0, 0.34.0); 0.10–0.12 switch to the Ray backend there
+#: (``cuda_device_count_stateless() < self.world_size``) and refuse without Ray ("Unable to load Ray").
+WORLD_SIZE_REFUSAL_FROM = (0, 13, 0)
+_CUDA_DEVICE = re.compile(r"^(\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+)$")
+
+
+def visible_gpu_count(cuda_visible_devices: str) -> int:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible, as the CUDA runtime reads it (and so
+    torch's ``cuda.device_count``, which vLLM's ``device_count`` asks): comma-separated indices or
+    ``GPU-``/``MIG-`` UUIDs, read up to the first entry that is not one (``-1`` hides the rest);
+    ``""`` = none."""
+    n = 0
+    for item in str(cuda_visible_devices).split(","):
+        if not _CUDA_DEVICE.match(item.strip()):
+            break
+        n += 1
+    return n
+
+
+def spans_nodes(ignored: Iterable[dict]) -> bool:
+    """The engine spans nodes (``--distributed-executor-backend ray`` or ``--nnodes`` > 1 among a
+    check's ignored flags): this node's GPU count does not bound the world size."""
+    for e in ignored:
+        if e.get("flag") == "--distributed-executor-backend" and str(e.get("value")) == "ray":
+            return True
+        if e.get("flag") == "--nnodes" and str(e.get("value") or "1") not in ("1", "None"):
+            return True
+    return False
+
+
+def world_size_refusal(world: int, gpus: int, *, version: tuple) -> str | None:
+    """vLLM's refusal when the node shows fewer GPUs than the world size (tensor × pipeline
+    parallel), None when it shows enough (:data:`WORLD_SIZE_REFUSAL_FROM` for the wording)."""
+    if world <= gpus:
+        return None
+    if gpus <= 0:
+        return ("No CUDA GPU is visible (CUDA_VISIBLE_DEVICES hides every GPU): vLLM cannot start on a GPU "
+                "(its platform detection finds no CUDA device)")
+    if tuple(version) >= WORLD_SIZE_REFUSAL_FROM:
+        return (f"World size ({world}) is larger than the number of available GPUs ({gpus}) in this node. If this is "
+                "intentional and you are using:\n- ray, set '--distributed-executor-backend ray'.\n"
+                "- multiprocessing, set '--nnodes' appropriately.")
+    return (f"World size ({world}) needs more GPUs than the {gpus} visible: vLLM {'.'.join(map(str, version))} then "
+            "picks the Ray backend (vllm/config/parallel.py: cuda_device_count_stateless() < world_size) and refuses "
+            "without Ray (\"Unable to load Ray ... Ray is required for multi-node inference\"); with Ray it waits for "
+            "GPUs this node does not have")

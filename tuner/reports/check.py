@@ -131,7 +131,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
             invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
     """
-    argv, env, extra_not_modelled, env_ignored = _line_env(argv, env, extra_not_modelled)
+    argv, env, extra_not_modelled, env_ignored, cvd = _line_env(argv, env, extra_not_modelled)
     sa = parse_line(argv, config_file, parser=parser)
     sa.ignored = list(getattr(sa, "ignored", None) or []) + env_ignored
     warnings: list[str] = list(notes)
@@ -211,13 +211,45 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                         derived_key=derived_key, checked_values=checked_values, numbers=numbers, nearest=nearest,
                         e=e, sa=sa, unmodelled=unmodelled, d=d, warnings=warnings, store_used=store_used,
                         stored_crosscheck=stored_crosscheck)
+    if cvd is not None and _visible_gpus_refusal(out, cvd, sa, version=_version_tuple(engine_version)):
+        starts = False
     return CheckResult(starts, out, e)
 
 
+def _visible_gpus_refusal(out: dict, cvd: str, sa: Any, *, version: tuple) -> bool:
+    """Step 6 (``CUDA_VISIBLE_DEVICES=… vllm serve …``): vLLM's refusal of a world size above the
+    GPUs the variable leaves visible (:func:`tuner.memory.engine_checks.world_size_refusal`), as a
+    deploy file's GPU limit is refused; True when it refuses (the verdict is then vLLM's error)."""
+    from tuner.memory.engine_checks import spans_nodes, visible_gpu_count, world_size_refusal
+
+    gpus = visible_gpu_count(cvd)
+    values = {**(out.get("drop") or {}), **sa.values}
+    world = int(values.get("tensor_parallel_size") or 1) * int(values.get("pipeline_parallel_size") or 1)
+    refusal = None if spans_nodes(out["read"].get("ignored") or []) else world_size_refusal(world, gpus,
+                                                                                          version=version)
+    if refusal is None:
+        out["warnings"].append(f"CUDA_VISIBLE_DEVICES={cvd}: {gpus} GPU(s) visible to vLLM; the world size "
+                               f"(tensor × pipeline parallel) is {world}")
+        return False
+    out.update(verdict="does not start", starts=False, engine_error=refusal, nearest=[], uncertain=None)
+    out["warnings"].append(f"CUDA_VISIBLE_DEVICES={cvd} shows vLLM {gpus} GPU(s); it refuses a larger world size "
+                           f"({world}: vllm/config/parallel.py ParallelConfig.__post_init__); the memory figures are "
+                           "those of a node that shows enough GPUs")
+    return True
+
+
+def _version_tuple(text: str) -> tuple:
+    from tuner.memory.eras import parse_version
+
+    v = parse_version(text)
+    return (v.major, v.minor, v.patch)
+
+
 def _line_env(argv: Sequence[str], env: dict | None,
-              extra_not_modelled: Sequence[NotModelled]) -> tuple[list[str], dict | None, list, list[dict]]:
+              extra_not_modelled: Sequence[NotModelled]) -> tuple[list[str], dict | None, list, list[dict], str | None]:
     """Step 1 of :func:`run_check`: the line's own environment (``VLLM_USE_V2_MODEL_RUNNER=1 vllm
-    serve …``): modelled variables join ``env``, the others are named as not modelled or ignored."""
+    serve …``): modelled variables join ``env``, the others are named as not modelled or ignored;
+    ``CUDA_VISIBLE_DEVICES`` (the GPUs vLLM sees, step 6) is returned last (None when not set)."""
     from tuner.question.vllm_args import env_not_modelled, modelled_env, split_env_prefix
 
     argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
@@ -226,7 +258,21 @@ def _line_env(argv: Sequence[str], env: dict | None,
         line_nm, env_ignored = env_not_modelled(line_env, source="command line")
         extra_not_modelled = [*extra_not_modelled, *line_nm]
         env = {**modelled_env(line_env), **(env or {})} or None
-    return argv, env, list(extra_not_modelled), env_ignored
+    return argv, env, list(extra_not_modelled), env_ignored, line_env.get("CUDA_VISIBLE_DEVICES")
+
+
+_FINAL_SUFFIX = re.compile(r"(\.\d+)?(\.post\d+)?")
+
+
+def pre_release_note(version: str | None) -> str | None:
+    """A note where ``--engine-version`` names a pre-release or a build of one (``0.26.0rc1``,
+    ``0.26.0.dev5+g1234``): its rules are taken as the release's it leads to, which the candidate may
+    not have yet; None for a release (``0.26.0``, ``0.10.1.1``, ``0.6.4.post1``)."""
+    m = re.match(r"\s*v?(\d+\.\d+(?:\.\d+)?)(.*)$", str(version or ""))
+    if not m or _FINAL_SUFFIX.fullmatch(m.group(2).strip()):
+        return None
+    return (f"vLLM {version.strip()} is not a release: answered with vLLM {m.group(1)}'s rules (the release it "
+            f"leads to); a pre-release or development build may differ from it")
 
 
 def _release_of_line(sa: Any, engine_version: str | None, strict_release: bool,
@@ -244,6 +290,9 @@ def _release_of_line(sa: Any, engine_version: str | None, strict_release: bool,
                         f"{engine_version}'s (--engine-version)")
     from tuner.memory.eras import release_warning, resolve_release
 
+    pre = pre_release_note(engine_version)
+    if pre:
+        warnings.append(pre)
     installed, why = (None, "") if engine_version is not None else default_engine_version()
     try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
         engine_version, release_assumed = resolve_release(engine_version, installed=installed,
