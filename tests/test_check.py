@@ -182,10 +182,31 @@ def test_v0_seed_failure_does_not_start_with_engine_text(tmp_path):
     # the interval's safe end (risk safe, the default; the catalog's RTX 3090 total carries the 1 %
     # device-total band of the round-3 refit, tuner/memory/uncertainty.py); 40064 at the expected value
     assert near["max_model_len"]["value"] == 37968 and near["max_model_len"]["max_model_len_expected"] == 40064
-    assert near["gpu_memory_utilization"]["value"] == pytest.approx(0.928)
+    # the u remedy is the safe end's too (0.928 only at the expected value: re-checked, UNCERTAIN)
+    assert near["gpu_memory_utilization"]["value"] == pytest.approx(0.94)
+    assert near["gpu_memory_utilization"]["gpu_memory_utilization_expected"] == pytest.approx(0.928)
     assert near["kv_cache_dtype"]["kv_cache_tokens"] == 47312
     assert "--kv-cache-dtype fp8" in near["kv_cache_dtype"]["command"]
     assert near["tensor_parallel_size"]["command"].endswith("--tensor-parallel-size 2")
+
+
+def test_gpu_memory_utilization_remedy_rechecked_was_uncertain(tmp_path):
+    """F4: the suggested --gpu-memory-utilization (0.928, the expected value's) re-checked gave
+    UNCERTAIN exit 4; at risk safe it is the safe end's (0.94) and re-checking the line STARTS."""
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(f"model: {L8B}\nmax_model_len: 29000\ngpu-memory-utilization: 0.9\n")
+    res = run_check([], config_file=str(cfg), device="RTX-3090", engine_version="0.6.4", variants=True)
+    near = {s["setting"]: s for s in res.doc["nearest"]}["gpu_memory_utilization"]
+    assert near["value"] == pytest.approx(0.94) and near["kv_cache_tokens_safe"] == 29056
+    assert near["note"] == "the interval's safe end, 29056 KV tokens; 0.928 at the expected value"
+    again = tmp_path / "again.yaml"
+    again.write_text(f"model: {L8B}\nmax_model_len: 29000\ngpu-memory-utilization: {near['value']}\n")
+    res2 = run_check([], config_file=str(again), device="RTX-3090", engine_version="0.6.4", variants=False)
+    assert res2.starts and res2.exit_code == 0
+    below = tmp_path / "below.yaml"
+    below.write_text(f"model: {L8B}\nmax_model_len: 29000\ngpu-memory-utilization: 0.939\n")
+    assert run_check([], config_file=str(below), device="RTX-3090", engine_version="0.6.4",
+                     variants=False).exit_code == 4
 
 
 def test_max_model_len_above_derived_is_refused_like_vllm(tmp_path):

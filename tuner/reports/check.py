@@ -355,7 +355,7 @@ def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, e
         "command": serve_line(model, checked_values),
         "numbers": numbers,
         "nearest": nearest,
-        "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None),
+        "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None, risk=risk),
         "parser": sa.parser,
         "read": sa.to_dict(),
         "not_modelled": [n.to_dict() for n in unmodelled],
@@ -460,12 +460,7 @@ def nearest_settings(e: dict, *, model: str, values: dict, risk: str = "expected
                     "max_concurrency": largest.get("max_concurrency"), "command": serve_line(model, v)})
     un = point_of(rem).gpu_memory_utilization or {}
     if un.get("possible") and un.get("value") is not None:
-        ver = un.get("verified") or {}
-        if ver.get("fits", True) is not False and not ver.get("error"):
-            v = {**values, "gpu_memory_utilization": un["value"]}
-            out.append({"change": f"--gpu-memory-utilization {un['value']:g}", "setting": "gpu_memory_utilization",
-                        "value": un["value"], "kv_cache_tokens": ver.get("kv_cache_tokens"),
-                        "verified": bool(ver), "command": serve_line(model, v)})
+        out.extend(_u_setting(un, model, values, risk))
     for key, setting, flag in (("fp8_kv_cache", "kv_cache_dtype", "--kv-cache-dtype"),
                                ("tensor_parallel", "tensor_parallel_size", "--tensor-parallel-size")):
         r = rem.get(key) or {}
@@ -478,7 +473,33 @@ def nearest_settings(e: dict, *, model: str, values: dict, risk: str = "expected
     return out
 
 
-def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
+def _u_setting(un: dict, model: str, values: dict, risk: str) -> list[dict]:
+    """The ``gpu_memory_utilization`` nearest setting, where the check found it starts: at ``risk: safe``
+    the value that starts at the interval's safe end (as the ``max_model_len`` one; a value that starts
+    only at the expected value would itself be "uncertain"), the expected-value one beside it."""
+    safe = un.get("safe") if risk == "safe" and un.get("safe") else None
+    if safe is not None:
+        ver = safe.get("verified") or {}
+        if not safe.get("possible") or ver.get("fits_low") is False or ver.get("error"):
+            return []
+        v = {**values, "gpu_memory_utilization": safe["value"]}
+        low = ver.get("kv_cache_tokens_low")
+        return [{"change": f"--gpu-memory-utilization {safe['value']:g}", "setting": "gpu_memory_utilization",
+                 "value": safe["value"], "risk": "safe", "gpu_memory_utilization_expected": un["value"],
+                 "kv_cache_tokens": ver.get("kv_cache_tokens"), "kv_cache_tokens_safe": low,
+                 "verified": bool(ver), "command": serve_line(model, v),
+                 "note": (f"the interval's safe end{f', {low} KV tokens' if low else ''}; {un['value']:g} at the "
+                          "expected value")}]
+    ver = un.get("verified") or {}
+    if ver.get("fits", True) is False or ver.get("error"):
+        return []
+    v = {**values, "gpu_memory_utilization": un["value"]}
+    return [{"change": f"--gpu-memory-utilization {un['value']:g}", "setting": "gpu_memory_utilization",
+             "value": un["value"], "kv_cache_tokens": ver.get("kv_cache_tokens"),
+             "verified": bool(ver), "command": serve_line(model, v)}]
+
+
+def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False, risk: str = "expected") -> list[str]:
     """The remedies ``explain`` tried that do not make the line start, in its words ("no
     gpu_memory_utilization <= 1 is enough: …", "--kv-cache-dtype fp8: still does NOT start …")."""
     rem = e.get("remedies") or {}
@@ -501,6 +522,9 @@ def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
                    f"{_gib(un.get('needed_requested_bytes'))})")
     elif not kv_fixed and un.get("possible") and (un.get("verified") or {}).get("fits") is False:
         out.append(f"--gpu-memory-utilization {un['value']:g}: checked, still does not start")
+    elif not kv_fixed and risk == "safe" and un.get("possible") and un.get("safe") and not un["safe"].get("possible"):
+        out.append(f"--gpu-memory-utilization: no value <= 1 starts at the interval's safe end (it would take "
+                   f"{un['safe']['exact']:.3f} of total; {un['value']:g} starts at the expected value)")
     for key, flag, setting in (("fp8_kv_cache", "--kv-cache-dtype", "kv_cache_dtype"),
                                ("tensor_parallel", "--tensor-parallel-size", "tensor_parallel_size")):
         r = rem.get(key) or {}
@@ -699,7 +723,8 @@ def _render_settings(d: dict, lines: list[str]) -> None:
     if d["nearest"]:
         lines += ["", "nearest settings that start:"]
         for s in d["nearest"]:
-            extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else \
+            extra = f" ({s['note']})" if s.get("note") and s.get("risk") == "safe" else \
+                f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else \
                 f" ({s['note']})" if s.get("note") else ""
             lines.append(f"  {s['change']}{extra}:")
             lines.append(f"      {s['command']}")
