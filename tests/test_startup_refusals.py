@@ -234,12 +234,34 @@ def test_cold_compile_cache_could_not_be_stated():
     assert plain.doc["interval"] == warm.doc["interval"]
     assert plain.doc["numbers"]["num_gpu_blocks"] == cold.doc["numbers"]["num_gpu_blocks"] == 28284
     lo = lambda r: r.doc["interval"]["num_gpu_blocks_low"]  # noqa: E731
-    assert (lo(plain), lo(cold)) == (28157, 26292)
+    assert (lo(plain), lo(cold)) == (27821, 26702)  # the round-3 refit bands (main still had 28157, 26292)
     assert any(w.startswith("assumed compile_cache: cold (a cold torch.compile cache") for w in cold.doc["warnings"])
     assert not any("compile_cache" in w for w in warm.doc["warnings"])
     eager = run_check(line + ["--enforce-eager"], device="H100-80GB", engine_version="0.32.0", variants=False,
                       compile_cache="cold")
     assert not any("compile_cache" in w for w in eager.doc["warnings"])
+
+
+def test_cold_compile_cache_widened_the_high_end_too():
+    """F9: `--compile-cache cold` widened the interval upward as well (52.75 to 60.43 GiB around a warm
+    56.59), though a cold cache can only make the KV cache smaller: its band lowers the safe end only
+    (the high end is the warm one's)."""
+    from tests.conftest import REPO
+    from tuner.reports.check import run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    line = ["vllm", "serve", model, "--max-model-len", "32768"]
+    warm = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="warm")
+    cold = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="cold")
+    w, c = warm.doc["interval"], cold.doc["interval"]
+    assert c["num_gpu_blocks_high"] == w["num_gpu_blocks_high"]
+    assert c["available_kv_cache_bytes_high"] == w["available_kv_cache_bytes_high"]
+    assert c["num_gpu_blocks_low"] == 26702 < w["num_gpu_blocks_low"] == 27821
+    band = next(b for b in c["bands"] if b["name"] == "not modelled: compile_cache")
+    assert band["low_bytes"] == 0 < band["high_bytes"]
+    from tuner.memory.uncertainty import band_text
+
+    assert band_text(band).endswith("GiB (lowers the KV only)") and band_text(band).startswith("-")
 
 
 def test_compile_cache_drop_field_is_checked(tmp_path):

@@ -494,12 +494,15 @@ def compile_cache_assumption(drop: Drop | dict, era: Any = None) -> dict | None:
     if d.compile_cache != "cold" or era is None or getattr(era, "engine", "V1") != "V1" \
             or not getattr(era, "compiled", True):
         return None
-    return platforms.assumption(
+    # side "low": the cold path only adds to the profile run's peak (a warm boot loads the graphs), so
+    # its band widens the interval's safe end alone, never the high end
+    return {**platforms.assumption(
         "compile_cache", "cold", "compile_cache",
         "a cold torch.compile cache: the first boot compiles every graph with Inductor during the profile run "
         "(vllm/compilation/backends.py) and tunes single-size ranges with max-autotune "
         "(compilation/compiler_interface.py set_inductor_config); its extra peak is not modelled, so the KV cache "
-        "may be smaller on the first boot than on a warm one")
+        "may be smaller on the first boot than on a warm one, never larger (the band widens the safe end only)"),
+        "side": "low"}
 
 
 def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:

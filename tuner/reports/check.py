@@ -422,7 +422,10 @@ def uncertain_detail(e: dict, iv: dict, *, model: str, values: dict) -> dict:
     """Why a check is uncertain: the terms whose bands make the verdict flip (the widest first, each
     with its half-width), and the settings that start for sure (at the interval's safe end): the
     largest ``max_model_len`` that starts there."""
+    from tuner.memory.uncertainty import band_sides, band_text
+
     terms = [{"name": b["name"], "half_width_bytes": (int(b["high_bytes"]) - int(b["low_bytes"])) // 2,
+              "low_side_bytes": band_sides(b)[0], "high_side_bytes": band_sides(b)[1], "width": band_text(b),
               "source": b["source"], "band_source": b["band_source"], "widened_by": b.get("widened_by") or ""}
              for b in iv.get("bands") or []]
     sure = []
@@ -633,7 +636,8 @@ def _render_verdict(d: dict, lines: list[str]) -> tuple[dict, Any]:
                      f"blocks, {iv['kv_cache_tokens_low']}-{iv['kv_cache_tokens_high']} KV tokens (docs/uncertainty.md)")
         for t in (d.get("uncertain") or {}).get("terms", [])[:5]:
             why = f"; {t['widened_by']}" if t.get("widened_by") else ""
-            lines.append(f"  uncertain term: {t['name']} ±{t['half_width_bytes'] / GiB:.3f} GiB ({t['band_source']}{why})")
+            width = t.get("width") or f"±{t['half_width_bytes'] / GiB:.3f} GiB"
+            lines.append(f"  uncertain term: {t['name']} {width} ({t['band_source']}{why})")
         if not d["starts"]:
             lines.append(f"  vLLM at the expected value: {d['engine_error']}")
     elif d["starts"]:

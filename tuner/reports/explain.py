@@ -1390,9 +1390,10 @@ def interval_lines(iv: dict | None, indent: str = "  ") -> list[str]:
     if iv["bands"]:
         lines.append(f"{indent}bands, widest first (± on the KV; source -> band):")
     for b in iv["bands"]:
-        half = (int(b["high_bytes"]) - int(b["low_bytes"])) / 2
+        from tuner.memory.uncertainty import band_text
+
         why = f"; {b['widened_by']}" if b.get("widened_by") else ""
-        lines.append(f"{indent}  {b['name']:<40} ±{half / GiB:.3f} GiB  ({b['source']} -> {b['band_source']}{why})")
+        lines.append(f"{indent}  {b['name']:<40} {band_text(b)}  ({b['source']} -> {b['band_source']}{why})")
     return lines
 
 
