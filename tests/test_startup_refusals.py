@@ -276,6 +276,33 @@ def test_compile_cache_drop_field_is_checked(tmp_path):
     assert "compile_cache" in str(exc.value) and "cold, warm" in str(exc.value)
 
 
+def test_model_runner_release_default_was_silent(capsys):
+    """F6: with no VLLM_USE_V2_MODEL_RUNNER, 0.26 on an H100 printed `CUDA graphs 0.00 GiB` with no word of
+    which runner was assumed (a note appeared only with the variable set). The runner the release's
+    default picked is an assumption line (output and JSON ``assumptions``); none where the line chose."""
+    import json
+
+    from tuner.cli import main
+
+    from tests.conftest import REPO
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.26.0", "--no-variants"]
+    serve = ["vllm", "serve", model, "--max-model-len", "32768"]
+    assert main(base + ["--"] + serve) == 0
+    out = capsys.readouterr().out
+    assert ("note: assumed model runner: Model Runner V2 (vLLM 0.26.0's default for LlamaForCausalLM, "
+            "vllm/config/vllm.py use_v2_model_runner as tuner/memory/eras.py uses_model_runner_v2 reads it; "
+            "VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner)") in out
+    assert main(base + ["--json", "--"] + serve) == 0
+    said = [a for a in json.loads(capsys.readouterr().out)["assumptions"] if a["name"] == "model runner"]
+    assert said and said[0]["value"] == "Model Runner V2" and said[0]["effect"] == "modelled"
+    assert main(base + ["--", "VLLM_USE_V2_MODEL_RUNNER=1"] + serve) == 0
+    assert "assumed model runner" not in capsys.readouterr().out
+    assert main(["check", "--device", "H100-80GB", "--engine-version", "0.19.0", "--no-variants", "--"] + serve) == 0
+    assert "assumed model runner" not in capsys.readouterr().out  # one runner before 0.22
+
+
 def test_model_runner_env_on_the_serve_line_was_not_read(capsys):
     """The failure: `VLLM_USE_V2_MODEL_RUNNER=0 vllm serve …` (as operators write it) was 'unrecognized
     arguments: vllm', exit 2; the variable is now read from the line as from a drop's env or a deploy

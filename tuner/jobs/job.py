@@ -638,6 +638,9 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.memory.platforms)
+    said = runner_default_assumption(drop, era, layout.model_runner_v2, model.spec.architectures)
+    if said is not None:  # the runner the release's default picked (a rule, not a band: after the context)
+        out["assumptions"] = [*assumptions, said]
     _memo_entries_of(out, req, model, era, method, device, engine_use, engine_key, memo_entries,
                      keep=pass_memo is None and memoizable, in_worker=pass_memo is None)
     return out
@@ -1197,6 +1200,9 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_quantized=bool(spec.quantization_config or drop.quantization),
         speculative_method=(drop.speculative_config or {}).get("method"), platform=_platform(device))
     runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
+    said = runner_default_assumption(drop, era, runner_v2, spec.architectures)
+    if said is not None:
+        warnings.append(f"assumed {said['name']}: {said['value']} ({said['note']})")
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
                                free_memory_from_host=_free_memory_from_host(device, era))
 
@@ -1206,6 +1212,29 @@ MODEL_RUNNER_V2_MODELLED_FROM = (0, 22, 0)
 #: The release that removed the V1 model runner: ``VLLM_USE_V2_MODEL_RUNNER`` other than 1 is an
 #: error (vllm/platforms/interface.py ``validate_environ``, 0.34.0).
 V1_RUNNER_REMOVED_IN = (0, 34, 0)
+
+
+def runner_default_assumption(drop: Drop, era, runner_v2: bool, architectures) -> dict | None:
+    """The model runner the release's default picked, where the drop did not choose one
+    (``use_v2_model_runner`` / ``VLLM_USE_V2_MODEL_RUNNER``) and the release has two (V1 0.22+): an
+    assumption line (``effect`` ``modelled``: the release's rule, not a band; the job result's
+    ``assumptions``) — the runners budget differently (V2: no CUDA-graph estimate subtracted)."""
+    from tuner.memory.eras import _env_flag
+
+    if era is None or era.engine != "V1" or era.version < MODEL_RUNNER_V2_MODELLED_FROM:
+        return None
+    if drop.use_v2_model_runner is not None or _env_flag((drop.env or {}).get("VLLM_USE_V2_MODEL_RUNNER")) is not None:
+        return None
+    arch = ", ".join(architectures or ()) or "this model"
+    name = "Model Runner V2" if runner_v2 else "the V1 model runner"
+    if era.version >= V1_RUNNER_REMOVED_IN:
+        why = f"the only runner of vLLM {era.version}: Model Runner V1 has been removed"
+    else:
+        other = "0 selects the V1 runner" if runner_v2 else "1 selects Model Runner V2"
+        why = (f"vLLM {era.version}'s default for {arch}, vllm/config/vllm.py use_v2_model_runner as "
+               f"tuner/memory/eras.py uses_model_runner_v2 reads it; VLLM_USE_V2_MODEL_RUNNER={other}")
+    return {"name": "model runner", "value": name, "where": "release default", "effect": "modelled",
+            "note": why, "kind": "release_default"}
 
 
 def _runner_asked_for(drop: Drop, era, default_v2: bool, warnings: list) -> bool:
