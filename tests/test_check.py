@@ -543,3 +543,21 @@ def test_check_says_uncertain_where_the_interval_straddles_the_verdict():
     assert "UNCERTAIN:" in text and "settings that start for sure" in text
     expected = check("vllm", "serve", str(L8B), "--max-model-len", str(m), device="RTX-3090", risk="expected")
     assert expected.doc["verdict"] == "starts" and expected.exit_code == 0
+
+
+def test_check_echo_line_showed_defaults_as_if_given(tmp_path, capsys):
+    """F11: the `check:` line showed `--max-model-len 131072 --gpu-memory-utilization 1` on 0.34 with
+    nothing saying neither was given; the values the line did not give are named as defaults."""
+    from tuner.cli import main
+
+    assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
+                 "vllm", "serve", str(L8B)]) in (0, 3, 4)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("--max-model-len 131072 --gpu-memory-utilization 1")
+    assert ("not given, defaults: --gpu-memory-utilization 1 (vLLM 0.34.0's default); --max-model-len 131072 "
+            "(the model's derived maximum, max_position_embeddings)") in out
+    assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--json", "--",
+                 "vllm", "serve", str(L8B), "--max-model-len", "8192", "--gpu-memory-utilization", "0.9"]) in (0, 3, 4)
+    import json
+
+    assert json.loads(capsys.readouterr().out)["defaults"] == []

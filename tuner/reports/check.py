@@ -326,6 +326,21 @@ def _auto_fit(e: dict, m: int, u: float, numbers: dict, warnings: list[str]) -> 
     return picked, reason, starts
 
 
+def line_defaults(*, values: dict, checked_values: dict, engine_version: str, m_arg: Any,
+                  derived_key: str | None) -> list[dict]:
+    """The values the ``check:`` echo line shows that the line did not give: ``--gpu-memory-utilization``
+    (the release's default, vllm/config/cache.py) and ``--max-model-len`` (none given: the model's
+    derived maximum, vllm/config/model.py ``_get_and_verify_max_len``), each ``{flag, value, why}``."""
+    out = []
+    if "gpu_memory_utilization" in checked_values and "gpu_memory_utilization" not in values:
+        out.append({"flag": "--gpu-memory-utilization", "value": checked_values["gpu_memory_utilization"],
+                    "why": f"vLLM {engine_version}'s default"})
+    if m_arg is None and checked_values.get("max_model_len") is not None:
+        out.append({"flag": "--max-model-len", "value": checked_values["max_model_len"],
+                    "why": "the model's derived maximum" + (f", {derived_key}" if derived_key else "")})
+    return out
+
+
 def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, engine_version, release_assumed,
                   u, kv_bytes, picked, m, auto, m_arg, derived, derived_key, checked_values, numbers, nearest, e,
                   sa, unmodelled, d, warnings, store_used, stored_crosscheck) -> dict:
@@ -353,6 +368,8 @@ def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, e
         "derived_max_model_len": derived,
         "derived_max_len_key": derived_key,
         "command": serve_line(model, checked_values),
+        "defaults": line_defaults(values=dict(sa.values), checked_values=checked_values, engine_version=engine_version,
+                                  m_arg=m_arg, derived_key=derived_key),
         "numbers": numbers,
         "nearest": nearest,
         "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None, risk=risk),
@@ -599,6 +616,11 @@ def _render_read(d: dict) -> list[str]:
         f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
         lines.append("read: " + "; ".join(f"{w} -> {k} {read['values'][k]!r}" for k, w in read["spelled"].items()))
+    if d.get("defaults"):  # shown in the check: line but not given
+        lines.append("not given, defaults: " + "; ".join(f"{x['flag']} {x['value']:g} ({x['why']})"
+                                                         if isinstance(x["value"], float) else
+                                                         f"{x['flag']} {x['value']} ({x['why']})"
+                                                         for x in d["defaults"]))
     for e in read["ignored"]:
         lines.append(f"ignored: {e['as_written']} ({e['note']})")
     for e in d["not_modelled"]:
