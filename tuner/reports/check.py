@@ -354,6 +354,7 @@ def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, e
         "uncertain": uncertain,
         "starts": starts,
         "engine_error": reason,
+        "engine_error_note": e.get("engine_error_note") if reason and reason == e.get("reason") else None,
         "model": model,
         "model_path": doc["model"],
         "device": doc["device"],
@@ -677,6 +678,8 @@ def _render_verdict(d: dict, lines: list[str]) -> tuple[dict, Any]:
             n = {**n, "kv_block_bytes": None}
         else:
             lines.append(f"  vLLM: {d['engine_error']}")
+            if d.get("engine_error_note"):  # 0.34: the reservation's figures, not the budget's
+                lines.append(f"  why other figures: {d['engine_error_note']}")
     return n, kv_fixed
 
 

@@ -874,7 +874,13 @@ def _point_record(p: SimpleNamespace, steps: list[dict]) -> dict:
         out.update(extensible_headroom_bytes=int(cand["extensible_headroom_bytes"]),
                    extensible_margin_bytes=int(cand.get("extensible_margin_bytes") or 0),
                    extensible_withheld_bytes=withheld,
-                   extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"))
+                   extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"),
+                   extensible_capacity_bytes=cand.get("extensible_capacity_bytes"))
+        from tuner.memory.search import extensible_refusal_note
+
+        # 0.34: a refusal on the reservation quotes other figures than the budget (said why)
+        out["engine_error_note"] = extensible_refusal_note(
+            cand, (proposal or {}).get("max_model_len_expected") or (proposal or {}).get("max_model_len"))
     if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     p.refused_len = refused_len
@@ -1427,6 +1433,8 @@ def render_point(e: dict) -> str:
         lines.append(f"  {e['reason']}")
     elif not e["fits"]:
         lines.append(f"  {'vLLM' if not e.get('starts', False) else 'constraint'}: {e['reason']}")
+        if e.get("engine_error_note"):
+            lines.append(f"  why other figures: {e['engine_error_note']}")
     cal = e.get("calibration")
     if cal:
         terms = ", ".join(f"{k.replace('_delta_bytes', '')} {v / GiB:+.3f} GiB" for k, v in cal["corrections"].items() if v)
