@@ -1024,6 +1024,14 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
+    if era.engine == "V1":  # the attention backends that take an nvfp4 KV cache, by release and card
+        from tuner.memory.engine_checks import nvfp4_kv_cache_check
+
+        for card in cards:
+            note = nvfp4_kv_cache_check(kv_dtype, version=era.version, compute_capability=_compute_capability(card),
+                                        mla=bool((spec.raw or {}).get("kv_lora_rank")), path=path)
+            if note and note not in warnings:
+                warnings.append(note)
     block_size = drop.block_size if drop.block_size is not None else default_block_size(era, spec, plugin)
     env = drop_env(drop, warnings)
     from tuner.memory.eras import sampler_path
