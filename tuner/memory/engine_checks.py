@@ -420,6 +420,50 @@ def _release(version: Any) -> str:
 UNMODELLED_KV_CACHE_DTYPE_PREFIXES = ("turboquant_", "octave_", "ultraquant_", "nvfp4_ds_mla")
 
 
+#: Compute-capability families FlashInfer runs an nvfp4 KV cache on, by release (non-MLA attention;
+#: vllm/v1/attention/backends/flashinfer.py ``supports_kv_cache_dtype``): 0.20 lists no nvfp4 (its
+#: builder raises "nvfp4 KV cache is not yet supported"); 0.21–0.22 list it with no capability check;
+#: 0.23–0.31 only family 100 (SM100 trtllm-gen); 0.32+ also 8.x, 9.x and 12.x through FA2
+#: (``_nvfp4_kv_on_fa2``, plain ``nvfp4`` only).
+NVFP4_KV_SM100_ONLY = ((0, 23, 0), (0, 32, 0))
+NVFP4_KV_FA2_SINCE = (0, 32, 0)
+
+
+def nvfp4_kv_cache_check(kv_cache_dtype: str, *, version: Any, compute_capability: str | None,
+                         mla: bool = False, path: str | None = None) -> str | None:
+    """vLLM's attention-backend selection for an ``nvfp4*`` KV cache on the card (non-MLA models;
+    :data:`NVFP4_KV_SM100_ONLY`). Returns a note where vLLM accepts it without checking the card
+    (0.21–0.22), else None.
+
+    Raises:
+        DropError: no backend of the release runs it on this card (vLLM: "No valid attention backend
+            found …", kv_cache_dtype not supported), ``field`` ``kv_cache_dtype``.
+    """
+    kv = str(kv_cache_dtype or "").lower()
+    if not kv.startswith("nvfp4") or mla or not compute_capability:
+        return None
+    v = tuple(version) if not hasattr(version, "major") else (version.major, version.minor, version.patch)
+    major = int(str(compute_capability).split(".")[0])
+    where = "vllm/v1/attention/backends/flashinfer.py supports_kv_cache_dtype"
+    refused = None
+    if v < (0, 21, 0):
+        refused = f"no attention backend of vLLM {_release(version)} lists it (FlashInfer: \"nvfp4 KV cache is not yet supported\")"
+    elif NVFP4_KV_SM100_ONLY[0] <= v < NVFP4_KV_SM100_ONLY[1] and major != 10:
+        refused = (f"vLLM {_release(version)}'s FlashInfer runs it only on compute capability 10.x (SM100 trtllm-gen), "
+                   f"not {compute_capability} ({where}; 8.x, 9.x and 12.x from 0.32 through FA2)")
+    elif v >= NVFP4_KV_FA2_SINCE and major != 10 and (major not in (8, 9, 12) or kv != "nvfp4"):
+        refused = (f"vLLM {_release(version)}'s FlashInfer runs {kv!r} on compute capability 10.x, and plain 'nvfp4' on "
+                   f"8.x, 9.x and 12.x through FA2, not on {compute_capability} ({where})")
+    if refused:
+        raise DropError(f"No valid attention backend found for kv_cache_dtype {kv!r} on compute capability "
+                        f"{compute_capability}: {refused}", path=path, field="kv_cache_dtype")
+    if v < NVFP4_KV_SM100_ONLY[0] and major != 10:
+        return (f"kv_cache_dtype {kv}: vLLM {_release(version)}'s FlashInfer accepts it with no check of the card "
+                f"({where} from 0.23 refuses it below compute capability 10.x); start-up memory is modelled, its "
+                "kernels are SM100's")
+    return None
+
+
 def check_kv_cache_dtype(kv_cache_dtype: str | None, *, version: Any, path: str | None) -> None:
     """The drop's ``kv_cache_dtype`` against the release's ``CacheDType`` names
     (:func:`tuner.releases.names.kv_cache_dtypes`).
