@@ -320,8 +320,10 @@ def _run_case(shared_dir, model: str, version: str, kv: str, gpu: str, tp: int =
 def test_nvfp4_kv_on_hybrid_exited_cannot_unify_page_sizes(shared_dir):
     """Issue 33: ``kv_cache_dtype nvfp4`` on a hybrid (Gated DeltaNet) model, vLLM 0.29, exited 1
     with "cannot unify page sizes" where vLLM starts: the state page is now padded to the NVFP4
-    attention page (packed fp4 + fp8 block scales per token and head) as vLLM aligns it."""
-    row = _run_case(shared_dir, "Qwen/Qwen3.6-35B-A3B-FP8", "0.29.0", "nvfp4", "NVIDIA H100 80GB",
+    attention page (packed fp4 + fp8 block scales per token and head) as vLLM aligns it. On a B200:
+    vLLM 0.29's FlashInfer takes an nvfp4 KV cache only on compute capability 10.x (an H100 is refused,
+    test_nvfp4_kv_cache_on_hopper_started_with_no_note)."""
+    row = _run_case(shared_dir, "Qwen/Qwen3.6-35B-A3B-FP8", "0.29.0", "nvfp4", "NVIDIA B200",
                     max_model_len=131072)
     assert row["status"] == "ok", row.get("reason")
     assert row["predicted_num_gpu_blocks"] > 0

@@ -182,10 +182,31 @@ def test_v0_seed_failure_does_not_start_with_engine_text(tmp_path):
     # the interval's safe end (risk safe, the default; the catalog's RTX 3090 total carries the 1 %
     # device-total band of the round-3 refit, tuner/memory/uncertainty.py); 40064 at the expected value
     assert near["max_model_len"]["value"] == 37968 and near["max_model_len"]["max_model_len_expected"] == 40064
-    assert near["gpu_memory_utilization"]["value"] == pytest.approx(0.928)
+    # the u remedy is the safe end's too (0.928 only at the expected value: re-checked, UNCERTAIN)
+    assert near["gpu_memory_utilization"]["value"] == pytest.approx(0.94)
+    assert near["gpu_memory_utilization"]["gpu_memory_utilization_expected"] == pytest.approx(0.928)
     assert near["kv_cache_dtype"]["kv_cache_tokens"] == 47312
     assert "--kv-cache-dtype fp8" in near["kv_cache_dtype"]["command"]
     assert near["tensor_parallel_size"]["command"].endswith("--tensor-parallel-size 2")
+
+
+def test_gpu_memory_utilization_remedy_rechecked_was_uncertain(tmp_path):
+    """F4: the suggested --gpu-memory-utilization (0.928, the expected value's) re-checked gave
+    UNCERTAIN exit 4; at risk safe it is the safe end's (0.94) and re-checking the line STARTS."""
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(f"model: {L8B}\nmax_model_len: 29000\ngpu-memory-utilization: 0.9\n")
+    res = run_check([], config_file=str(cfg), device="RTX-3090", engine_version="0.6.4", variants=True)
+    near = {s["setting"]: s for s in res.doc["nearest"]}["gpu_memory_utilization"]
+    assert near["value"] == pytest.approx(0.94) and near["kv_cache_tokens_safe"] == 29056
+    assert near["note"] == "the interval's safe end, 29056 KV tokens; 0.928 at the expected value"
+    again = tmp_path / "again.yaml"
+    again.write_text(f"model: {L8B}\nmax_model_len: 29000\ngpu-memory-utilization: {near['value']}\n")
+    res2 = run_check([], config_file=str(again), device="RTX-3090", engine_version="0.6.4", variants=False)
+    assert res2.starts and res2.exit_code == 0
+    below = tmp_path / "below.yaml"
+    below.write_text(f"model: {L8B}\nmax_model_len: 29000\ngpu-memory-utilization: 0.939\n")
+    assert run_check([], config_file=str(below), device="RTX-3090", engine_version="0.6.4",
+                     variants=False).exit_code == 4
 
 
 def test_max_model_len_above_derived_is_refused_like_vllm(tmp_path):
@@ -522,3 +543,44 @@ def test_check_says_uncertain_where_the_interval_straddles_the_verdict():
     assert "UNCERTAIN:" in text and "settings that start for sure" in text
     expected = check("vllm", "serve", str(L8B), "--max-model-len", str(m), device="RTX-3090", risk="expected")
     assert expected.doc["verdict"] == "starts" and expected.exit_code == 0
+
+
+def test_check_echo_line_showed_defaults_as_if_given(tmp_path, capsys):
+    """F11: the `check:` line showed `--max-model-len 131072 --gpu-memory-utilization 1` on 0.34 with
+    nothing saying neither was given; the values the line did not give are named as defaults."""
+    from tuner.cli import main
+
+    assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
+                 "vllm", "serve", str(L8B)]) in (0, 3, 4)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("--max-model-len 131072 --gpu-memory-utilization 1")
+    assert ("not given, defaults: --gpu-memory-utilization 1 (vLLM 0.34.0's default); --max-model-len 131072 "
+            "(the model's derived maximum, max_position_embeddings)") in out
+    assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--json", "--",
+                 "vllm", "serve", str(L8B), "--max-model-len", "8192", "--gpu-memory-utilization", "0.9"]) in (0, 3, 4)
+    import json
+
+    assert json.loads(capsys.readouterr().out)["defaults"] == []
+
+
+def test_extensible_refusal_figures_disagreed_with_the_budget_unexplained(capsys):
+    """F8: on 0.34 (L4, fp8, 131072) vLLM's quoted `available KV cache memory (6.15 GiB) … estimated maximum
+    model length is 100736` disagreed with the budget's `KV cache 4.09 GiB … 1048 blocks` with nothing
+    saying why. Both are vLLM's: the first check runs on the reservation before CUDA-graph capture and
+    warmup (kv_cache_planning.py get_kv_cache_configs), the budget is the cache after them, where
+    shrink_kv_cache_configs checks again; the line says so, and that 100736 would be refused there."""
+    from tuner.cli import main
+
+    assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
+                 "vllm", "serve", str(L8B), "--kv-cache-dtype", "fp8", "--max-model-len", "131072"]) == 3
+    out = capsys.readouterr().out
+    assert "larger than the available KV cache memory (6.15 GiB). Based on the available memory, the estimated " \
+           "maximum model length is 100736." in out
+    assert "= KV cache 4.09 GiB (4,396,066,096 bytes)" in out
+    assert ("  why other figures: vLLM's figures are its first check's, on the reservation before CUDA-graph capture "
+            "and warmup (vllm/v1/core/kv_cache_planning.py get_kv_cache_configs: 6.15 GiB less one block); the budget "
+            "below is the cache after them (4.09 GiB), where shrink_kv_cache_configs checks again, so its estimated "
+            "100736 would be refused there (the largest that starts: 66496)") in out
+    assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
+                 "vllm", "serve", str(L8B), "--kv-cache-dtype", "fp8", "--max-model-len", "100736"]) == 3
+    assert "why other figures" not in capsys.readouterr().out  # refused after warmup: the budget's own figures

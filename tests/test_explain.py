@@ -10,7 +10,7 @@ import pytest
 from tests._results_db import H100_DROP, V0_DROP, profiled_db, using_cached_worker
 from tests._cli_helpers import run_cli as _cli
 from tuner.memory.eras import era_for
-from tuner.reports.explain import blocks_needed, render, steps_add_up, u_needed
+from tuner.reports.explain import blocks_needed, render, render_point, steps_add_up, u_needed, u_needed_safe
 
 GiB = 1 << 30
 LLAMA8B_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 16  # K and V x 32 layers x 8 KV heads x head 128 x bf16 x 16 tokens
@@ -116,6 +116,35 @@ def test_remedies_for_a_point_that_does_not_start(v0_29k):
     assert fp8["num_gpu_blocks"] >= 2 * e["num_gpu_blocks"] * 0.95
     tp = rem["tensor_parallel"]
     assert tp["tensor_parallel_size"] == 2 and tp["fits"] is True and tp["kv_cache_tokens"] > fp8["kv_cache_tokens"]
+
+
+def test_explain_u_remedy_was_expected_value_based_at_risk_safe(v0_29k):
+    """F4: explain's ``gpu_memory_utilization >= 0.928 … starts`` was the expected value's; at risk safe
+    (the default) it leads with the value whose interval's safe end starts (0.94, re-checked)."""
+    un = v0_29k["remedies"]["gpu_memory_utilization"]
+    assert un["risk"] == "safe" and un["value"] == pytest.approx(0.928)
+    safe = un["safe"]
+    assert safe["value"] == pytest.approx(0.94) and safe["possible"]
+    assert safe["verified"]["fits_low"] is True and safe["verified"]["kv_cache_tokens_low"] == 29056
+    line = next(t for t in render_point(v0_29k).splitlines() if "gpu_memory_utilization >=" in t)
+    assert line.startswith("    - gpu_memory_utilization >= 0.940 at the interval's safe end (0.928 at the expected "
+                           "value)")
+    assert line.endswith("checked: starts at the safe end with 29056 KV tokens (31376 at the expected value)")
+
+
+def test_u_needed_safe_covers_the_bands():
+    era = era_for("0.19.0")
+    bands = [{"name": "requested", "bytes": 40 * GiB, "low_bytes": 39 * GiB, "high_bytes": 41 * GiB, "op": "="},
+             {"name": "weights", "bytes": 20 * GiB, "low_bytes": 19 * GiB, "high_bytes": 21 * GiB, "op": "-"}]
+    kw = dict(total_memory_bytes=80 * GiB, fixed_bytes=20 * GiB, block_bytes=2 * 1024 * 1024,
+              blocks=blocks_needed(era, 131072, 16))
+    out = u_needed_safe(era, **kw, bands=bands, requested_bytes=40 * GiB)
+    # low KV = req - 20 GiB - 1 GiB (weights' high end) - req/40 (the request's 2.5 % low end) >= 16 GiB
+    req = math.ceil(80 * GiB * out["value"])
+    assert req * (1 - 1 / 40) - 21 * GiB >= 16 * GiB
+    req_below = math.ceil(80 * GiB * (out["value"] - 0.001))
+    assert req_below * (1 - 1 / 40) - 21 * GiB < 16 * GiB
+    assert out["value"] > u_needed(era, **kw)["value"]
 
 
 def test_u_needed_arithmetic_is_exact():

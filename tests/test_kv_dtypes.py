@@ -188,7 +188,7 @@ def test_modelopt_checkpoint_kv_algo_resolves_auto():
 # --- end to end: a job sizes the cache with the release's layout --------------------------------
 
 
-def _llama_case(tmp_path, shared_dir, *, version, kv, quantization_config=None):
+def _llama_case(tmp_path, shared_dir, *, version, kv, quantization_config=None, gpu="NVIDIA H100 80GB"):
     import json
 
     src = shared_dir / "models" / "meta-llama--Llama-3.1-8B-Instruct" / "config.json"
@@ -199,7 +199,7 @@ def _llama_case(tmp_path, shared_dir, *, version, kv, quantization_config=None):
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(cfg))
     case = {"id": "t", "vllm_version": version, "engine": "V1", "model": "meta-llama/Llama-3.1-8B-Instruct",
-            "dtype": "bfloat16", "kv_cache_dtype": kv, "gpu": "NVIDIA H100 80GB", "gpu_total_gib": 79.19,
+            "dtype": "bfloat16", "kv_cache_dtype": kv, "gpu": gpu, "gpu_total_gib": 79.19,
             "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
             "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 8192, "max_num_seqs": 256,
                          "max_num_batched_tokens": 2048}}
@@ -217,7 +217,8 @@ def _run(case, models_dir):
 def test_job_sizes_per_token_head_and_nvfp4_caches(tmp_path, shared_dir):
     fp8, _ = _run(*_llama_case(tmp_path, shared_dir, version="0.24.0", kv="fp8"))
     pth, _ = _run(*_llama_case(tmp_path, shared_dir, version="0.24.0", kv="fp8_per_token_head"))
-    nv, _ = _run(*_llama_case(tmp_path, shared_dir, version="0.24.0", kv="nvfp4"))
+    # nvfp4 KV on 0.24 runs only on compute capability 10.x (test_nvfp4_kv_cache_on_hopper_started_with_no_note)
+    nv, _ = _run(*_llama_case(tmp_path, shared_dir, version="0.24.0", kv="nvfp4", gpu="NVIDIA B200"))
     assert fp8["available_kv_cache_bytes"] == pth["available_kv_cache_bytes"] == nv["available_kv_cache_bytes"]
     kv = fp8["available_kv_cache_bytes"]
     layers = 32
@@ -261,3 +262,34 @@ def test_local_layers_lost_their_kv_quant_layout_when_promoted_to_full():
     nv = kc.SlidingWindowSpec(16, 8, 128, 1, 1024, kv_quant_mode="NVFP4")
     out = kc.unify_hybrid_kv_cache_specs("0.32.0", {"a": full, "b": nv})
     assert out["b"].page_size_bytes == 16 * 8 * (72 + 72) == nv.page_size_bytes
+
+
+def test_nvfp4_kv_cache_on_hopper_started_with_no_note():
+    """F5: `--kv-cache-dtype nvfp4` on an H100 (0.26, TP4) STARTED with no note. vLLM's FlashInfer (the
+    one backend listing nvfp4, vllm/v1/attention/backends/flashinfer.py supports_kv_cache_dtype) takes
+    it only on compute capability 10.x in 0.23-0.31 (backend selection: "No valid attention backend
+    found"), also on 8.x/9.x/12.x through FA2 from 0.32; 0.21-0.22 accept it unchecked (a note)."""
+    from tuner.errors import DropError
+    from tuner.memory.engine_checks import nvfp4_kv_cache_check
+
+    with pytest.raises(DropError) as exc:
+        nvfp4_kv_cache_check("nvfp4", version=(0, 26, 0), compute_capability="9.0", path="/d/x.yaml")
+    assert exc.value.field == "kv_cache_dtype"
+    assert "No valid attention backend found for kv_cache_dtype 'nvfp4' on compute capability 9.0" in str(exc.value)
+    assert nvfp4_kv_cache_check("nvfp4", version=(0, 26, 0), compute_capability="10.0") is None
+    assert nvfp4_kv_cache_check("nvfp4", version=(0, 32, 0), compute_capability="9.0") is None  # FA2
+    with pytest.raises(DropError):
+        nvfp4_kv_cache_check("nvfp4", version=(0, 32, 0), compute_capability="7.5")
+    with pytest.raises(DropError):
+        nvfp4_kv_cache_check("nvfp4", version=(0, 20, 0), compute_capability="10.0")  # no backend lists it
+    assert "no check of the card" in nvfp4_kv_cache_check("nvfp4", version=(0, 22, 0), compute_capability="9.0")
+    assert nvfp4_kv_cache_check("nvfp4", version=(0, 26, 0), compute_capability="9.0", mla=True) is None
+    assert nvfp4_kv_cache_check("fp8", version=(0, 26, 0), compute_capability="9.0") is None
+    from tests.conftest import REPO
+    from tuner.reports.check import CheckInputError, run_check
+
+    model = str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct")
+    with pytest.raises((CheckInputError, DropError)) as exc2:
+        run_check(["vllm", "serve", model, "--kv-cache-dtype", "nvfp4", "-tp", "4"], device="H100-80GB",
+                  engine_version="0.26.0", variants=False)
+    assert "compute capability 9.0" in str(exc2.value)

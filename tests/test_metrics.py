@@ -169,7 +169,7 @@ def test_metrics_of_a_fleet_database_count_each_daemons_own_jobs_and_proposals(t
 
 def test_metrics_give_each_proposals_safe_and_expected_max_model_len(tmp_path):
     """``ctx_tuner_proposal_max_model_len_bound{bound=safe|expected}``: both answers of each latest
-    proposal as stored (the V0 RTX 3090 example: 39536 at the safe end, 40064 at the expected
+    proposal as stored (the V0 RTX 3090 example: 37968 at the safe end, 40064 at the expected
     value); a proposal stored without an interval (before revision 0010) gets no bound samples."""
     import shutil
 
@@ -199,10 +199,10 @@ def test_metrics_give_each_proposals_safe_and_expected_max_model_len(tmp_path):
     bounds, fams = scrape_bounds(db)
     assert bounds == {k: v for n, u, safe, exp in stored
                       for k, v in (((n, f"{u:g}", "safe"), safe), ((n, f"{u:g}", "expected"), exp))}
-    assert bounds[("llama-3.1-8b-rtx3090-v0", "0.9", "safe")] == 39536
+    assert bounds[("llama-3.1-8b-rtx3090-v0", "0.9", "safe")] == 37968
     assert bounds[("llama-3.1-8b-rtx3090-v0", "0.9", "expected")] == 40064
     mml = {s.labels["drop"]: s.value for s in fams["ctx_tuner_proposal_max_model_len"]}
-    assert mml["llama-3.1-8b-rtx3090-v0"] == 39536  # risk safe: the proposal is the safe answer
+    assert mml["llama-3.1-8b-rtx3090-v0"] == 37968  # risk safe: the proposal is the safe answer
     con = sqlite3.connect(db)
     with con:
         con.execute("UPDATE proposals SET risk = NULL, max_model_len_safe = NULL, max_model_len_expected = NULL "

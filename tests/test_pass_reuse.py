@@ -63,12 +63,12 @@ def test_v0_example_passes_identical_with_one_build(monkeypatch):
     after = _run_job(request, monkeypatch, _Recording)
     assert without_elapsed(after) == without_elapsed(before)
     # 15 lengths for the expected value's proposal, 4 more for the interval's safe end (risk safe)
-    assert len(after["runs"]) == 19
-    assert len({r["max_num_batched_tokens"] for r in after["runs"]}) == 19  # one N per pass
+    assert len(after["runs"]) == 21
+    assert len({r["max_num_batched_tokens"] for r in after["runs"]}) == 21  # one N per pass
     (cache,) = _Recording.made
-    assert (cache.builds, cache.reuses) == (1, 18)
+    assert (cache.builds, cache.reuses) == (1, 20)
     assert [p["max_model_len_expected"] for p in after["proposals"]] == [40064]
-    assert [p["max_model_len"] for p in after["proposals"]] == [39536]  # at the safe end
+    assert [p["max_model_len"] for p in after["proposals"]] == [37968]  # at the safe end
 
 
 @pytest.mark.slow

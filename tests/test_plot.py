@@ -61,9 +61,9 @@ def test_plot_from_drop_sweeps_u_with_concurrency_lines(tmp_path):
     blocks = dict(con.execute("SELECT p.gpu_memory_utilization, p.num_gpu_blocks FROM proposals p JOIN drops d "
                               "ON d.id = p.drop_id WHERE d.name = 'llama-3.1-8b-h100'").fetchall())
     con.close()
-    for u, m in four:  # (within 1 %: the two jobs need not run the very same calibration)
+    for u, m in four:  # drawn at the interval's safe end (risk safe): at most the expected value's length
         assert m % 16 == 0 and m < 131072
-        assert abs(m - (blocks[u] // 4) * 16) <= 0.01 * m
+        assert m <= (blocks[u] // 4) * 16 and abs(m - (blocks[u] // 4) * 16) <= 0.03 * m
     assert len(series["simulated grid point: starts"]) == 3 * 16
 
 

@@ -141,9 +141,9 @@ def test_proposals_show_the_interval(db):
         db, f"SELECT d.name, p.gpu_memory_utilization, {', '.join('p.' + c for c in _INTERVAL)} "
             "FROM proposals p JOIN drops d ON d.id = p.drop_id")}
     v0 = stored[("llama-3.1-8b-rtx3090-v0", 0.9)]
-    # the V0 example at the safe end (docs/uncertainty.md): 39536 there, 40064 at the expected value
-    assert v0["risk"] == "safe" and v0["max_model_len_safe"] == 39536 and v0["max_model_len_expected"] == 40064
-    assert v0["kv_cache_tokens_low"] == 39536 < v0["kv_cache_tokens_high"]
+    # the V0 example at the safe end (docs/uncertainty.md): 37968 there, 40064 at the expected value
+    assert v0["risk"] == "safe" and v0["max_model_len_safe"] == 37968 and v0["max_model_len_expected"] == 40064
+    assert v0["kv_cache_tokens_low"] == 37968 < v0["kv_cache_tokens_high"]
     rc, out, err = _cli("results", "--db", db, "--json")
     assert rc == 0, err
     got = {(p["drop_name"], p["gpu_memory_utilization"]): {k: p[k] for k in _INTERVAL}
@@ -156,7 +156,7 @@ def test_proposals_show_the_interval(db):
     head = next(x for x in text.splitlines() if x.strip().startswith("drop "))
     line = next(x for x in text.splitlines() if x.strip().startswith("llama-3.1-8b-rtx3090-v0"))
     assert head.split()[-6:] == ["risk", "safe", "expected", "KV", "tokens", "low-high"]
-    assert line.split()[-4:] == ["safe", "39536", "40064", f"39536-{v0['kv_cache_tokens_high']}"]
+    assert line.split()[-4:] == ["safe", "37968", "40064", f"37968-{v0['kv_cache_tokens_high']}"]
 
 
 def test_proposals_stored_before_the_interval_show_blanks(db, tmp_path):
@@ -170,7 +170,7 @@ def test_proposals_stored_before_the_interval_show_blanks(db, tmp_path):
     con.close()
     rc, out, _ = _cli("results", "--db", str(old), "--json", "--device", "3090")
     [p] = json.loads(out)["proposals"]
-    assert rc == 0 and p["max_model_len"] == 39536 and all(p[k] is None for k in _INTERVAL)
+    assert rc == 0 and p["max_model_len"] == 37968 and all(p[k] is None for k in _INTERVAL)
     rc, out, _ = _cli("results", "--db", str(old), "--csv")
     assert all(r[k] == "" for r in csv.DictReader(io.StringIO(out)) for k in _INTERVAL)
     rc, text, _ = _cli("results", "--db", str(old), "--device", "3090")

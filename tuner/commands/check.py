@@ -69,7 +69,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Check a `vllm serve` command line (after --) and/or a `vllm serve --config` "
                                    "YAML before deploying it.")
     p.add_argument("serve", nargs=argparse.REMAINDER,
-                   help="the vLLM command line after --: vllm serve MODEL [options] (or serve MODEL …)")
+                   help="the vLLM command line after --: vllm serve MODEL [options] (or serve MODEL …), optionally after "
+                        "an environment prefix (CUDA_VISIBLE_DEVICES=0 VLLM_X=1 vllm serve …)")
     p.add_argument("--config", dest="config_file", default=None, metavar="VLLM_YAML",
                    help="the YAML file `vllm serve --config` reads (the command line wins over it, as in vLLM); "
                         "a deploy file (Kubernetes, Helm values, compose, KServe, llm-d) is checked as one")
@@ -90,7 +91,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "stage (-pp)")
     p.add_argument("--engine-version", default=None,
                    help="vLLM release whose rules apply (default: the installed vllm's version, else the newest "
-                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning)")
+                        "modelled release 0.34.0; a newer release is answered with 0.34's rules and a warning; a pre-release "
+                        "such as 0.26.0rc1 with its release's rules and a note)")
     p.add_argument("--strict-release", action="store_true",
                    help="refuse an --engine-version newer than the newest modelled release (exit 2)")
     p.add_argument("--other-processes-memory-gib", type=float, default=None, metavar="GIB",
@@ -250,6 +252,13 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
         return argv
     if argv and not dashed and all(a.lower().endswith((".yaml", ".yml")) and os.path.isfile(a) for a in argv):
         return argv
+    missing = _missing_deploy_files(argv) if not dashed else []
+    if missing:  # check /tmp/dep/missing.yaml: a mistyped deploy file, not a model
+        print(f"ctx-tuner check: invalid input: no such deploy file: {', '.join(missing)}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"verdict": "invalid input", "error": f"no such deploy file: {', '.join(missing)}",
+                              "error_type": "DeployFileError", "exit_code": EXIT_INVALID}))
+        return EXIT_INVALID
     if args.config_file and os.path.isfile(args.config_file) and is_deploy_file(args.config_file):
         if argv:
             print(f"ctx-tuner check: invalid input: {args.config_file}: a deploy file, not a `vllm serve --config` "
@@ -261,6 +270,21 @@ def _deploy_files(args, argv: list[str], dashed: bool) -> list[str] | int:
             return EXIT_INVALID
         return [args.config_file]
     return []
+
+
+def _missing_deploy_files(argv: list[str]) -> list[str]:
+    """The ``*.yaml``/``*.yml``/``*.json`` paths that do not exist, where every leading positional
+    argument is such a path (``check FILE … [--device D]`` without ``--``); [] otherwise (a serve line)."""
+    import os
+
+    files = []
+    for a in argv:
+        if a.startswith("-"):
+            break
+        files.append(a)
+    if not files or not all(a.lower().endswith((".yaml", ".yml", ".json")) for a in files):
+        return []
+    return [a for a in files if not os.path.exists(a)]
 
 
 def _run_deploy(args, files: list[str]) -> int:

@@ -201,6 +201,13 @@ def is_deploy_file(path: str) -> bool:
         return False
 
 
+def _is_drop(docs: list[Any]) -> bool:
+    """A ctx-tuner drop file (docs/drops.md): one mapping with ``model``, ``device`` and a ``name`` or
+    ``candidates``."""
+    d = docs[0] if len(docs) == 1 else None
+    return isinstance(d, dict) and "model" in d and "device" in d and ("candidates" in d or "name" in d)
+
+
 def read_deploy_file(path: str, *, environ: dict[str, str] | None = None) -> list[Workload]:
     """Every vLLM workload of a deploy file, in file order.
 
@@ -233,6 +240,10 @@ def read_deploy_file(path: str, *, environ: dict[str, str] | None = None) -> lis
         found = [Workload(file=path, path="(vllm serve --config)", argv=["vllm", "serve"], kind="vLLM config",
                           config_file=path, format="vllm-config")]
     else:
+        if _is_drop(docs):
+            raise DeployFileError(f"a ctx-tuner drop file (model, device, candidates: docs/drops.md), not a deploy "
+                                  f"file: profile it with `ctx-tuner profile {path}`, or explain one point with "
+                                  f"`ctx-tuner explain {path}`", where=path)
         raise DeployFileError("not a deploy file ctx-tuner reads: expected Kubernetes resources (apiVersion + kind, "
                               "helm template output), vLLM production-stack Helm values (servingEngineSpec), "
                               "llm-d ModelService values (modelArtifacts + decode), a docker compose file "

@@ -4,10 +4,11 @@ Each :class:`~tuner.deploy.Workload` (:func:`tuner.deploy.read_deploy_file`) is 
 :func:`tuner.reports.check.run_check` with its argument list, its ``--config`` file, its environment's
 ``VLLM_*`` variables on the not-modelled list (:func:`tuner.question.vllm_args.env_not_modelled`), and its
 device: the GPU product the manifest schedules it on (``nvidia.com/gpu.product``), else the
-``--device`` given. Where the manifest gives the pod fewer GPUs than the engine's world size
-(``tensor_parallel_size × pipeline_parallel_size``), the verdict is vLLM's refusal
-(``vllm/config/parallel.py`` ``ParallelConfig.__post_init__``, 0.32.0 and 0.34.0: "World size (N) is
-larger than the number of available GPUs (G) in this node"), whatever the memory says.
+``--device`` given. Where the manifest gives the pod (or the container's ``CUDA_VISIBLE_DEVICES``
+shows) fewer GPUs than the engine's world size (``tensor_parallel_size × pipeline_parallel_size``),
+the verdict is vLLM's refusal (``vllm/config/parallel.py`` ``ParallelConfig.__post_init__``, 0.13.0+:
+"World size (N) is larger than the number of available GPUs (G) in this node";
+:func:`tuner.memory.engine_checks.world_size_refusal`), whatever the memory says.
 
 Exit code of a run: the worst workload's, in the order 3 (does not start) > 4 (uncertain: the
 verdict flips inside the interval, :data:`tuner.reports.check.EXIT_UNCERTAIN`) > 2 (invalid input) > 1 (the
@@ -97,25 +98,34 @@ def image_release(image: str | None) -> str | None:
     return m.group(1) if m else None
 
 
-def gpu_count_refusal(w: Workload, values: dict, ignored: Sequence[dict] = ()) -> str | None:
-    """vLLM's refusal when the pod has fewer GPUs than the world size (None when it has enough or
-    the manifest does not say, or the engine spans nodes: ``--distributed-executor-backend ray`` or
-    ``--nnodes`` > 1, which the check's ``ignored`` list holds)."""
-    if w.gpus is None:
+def workload_gpus(w: Workload) -> tuple[int | None, str | None]:
+    """The GPUs the workload's vLLM sees: the pod's GPU limit, fewer where the container's
+    ``CUDA_VISIBLE_DEVICES`` shows fewer (:func:`tuner.memory.engine_checks.visible_gpu_count`), and
+    what decided it (None, None: the manifest does not say)."""
+    from tuner.memory.engine_checks import visible_gpu_count
+
+    cvd = (w.env or {}).get("CUDA_VISIBLE_DEVICES")
+    visible = visible_gpu_count(str(cvd)) if cvd is not None else None
+    if visible is not None and (w.gpus is None or visible < w.gpus):
+        return visible, f"the container's CUDA_VISIBLE_DEVICES={cvd} shows {visible} GPU(s)"
+    if w.gpus is not None:
+        return w.gpus, f"the manifest gives the pod {w.gpus} GPU(s)"
+    return None, None
+
+
+def gpu_count_refusal(w: Workload, values: dict, ignored: Sequence[dict] = (), *,
+                      version: tuple = (0, 34, 0)) -> str | None:
+    """vLLM's refusal when the pod (or its ``CUDA_VISIBLE_DEVICES``) shows fewer GPUs than the
+    world size (None when it shows enough or the manifest does not say, or the engine spans nodes:
+    ``--distributed-executor-backend ray`` or ``--nnodes`` > 1, which the check's ``ignored`` list
+    holds); :func:`tuner.memory.engine_checks.world_size_refusal` words it per release."""
+    from tuner.memory.engine_checks import spans_nodes, world_size_refusal
+
+    gpus, _ = workload_gpus(w)
+    if gpus is None or spans_nodes(ignored):
         return None
-    for e in ignored:
-        if e.get("flag") == "--distributed-executor-backend" and str(e.get("value")) == "ray":
-            return None
-        if e.get("flag") == "--nnodes" and str(e.get("value") or "1") not in ("1", "None"):
-            return None
-    tp = int(values.get("tensor_parallel_size") or 1)
-    pp = int(values.get("pipeline_parallel_size") or 1)
-    world = tp * pp
-    if world <= w.gpus:
-        return None
-    return (f"World size ({world}) is larger than the number of available GPUs ({w.gpus}) in this node. If this is "
-            "intentional and you are using:\n- ray, set '--distributed-executor-backend ray'.\n"
-            "- multiprocessing, set '--nnodes' appropriately.")
+    world = int(values.get("tensor_parallel_size") or 1) * int(values.get("pipeline_parallel_size") or 1)
+    return world_size_refusal(world, gpus, version=version)
 
 
 def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] | None = None,
@@ -146,11 +156,11 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
     doc["read"]["ignored"] = list(doc["read"].get("ignored") or []) + env_ignored + list(w.ignored)
     code = res.exit_code
     refusal = gpu_count_refusal(w, {**(doc.get("drop") or {}), **(doc["read"].get("values") or {})},
-                                doc["read"]["ignored"])
+                                doc["read"]["ignored"], version=_version(doc.get("engine_version")))
     if refusal is not None:
         doc.update(verdict="does not start", starts=False, engine_error=refusal, nearest=[])
-        doc["warnings"].append(f"the manifest gives the pod {w.gpus} GPU(s); vLLM refuses a larger world size "
-                               "(vllm/config/parallel.py ParallelConfig.__post_init__, 0.32.0/0.34.0); the memory "
+        doc["warnings"].append(f"{workload_gpus(w)[1]}; vLLM refuses a larger world size "
+                               "(vllm/config/parallel.py ParallelConfig.__post_init__); the memory "
                                "figures are those of a pod with enough GPUs")
         code = EXIT_DOES_NOT_START
     elif w.gpus is not None:
@@ -161,6 +171,13 @@ def check_workload(w: Workload, *, device: Any = None, run: Callable[..., Any] |
             doc["warnings"].append(f"the pod asks for {w.gpus} GPUs; the engine uses {world * dp} "
                                    "(tensor × pipeline × data parallel)")
     return WorkloadVerdict(w, code, doc=doc)
+
+
+def _version(text: Any) -> tuple:
+    from tuner.memory.eras import parse_version
+
+    v = parse_version(str(text or "0.34.0"))
+    return (v.major, v.minor, v.patch)
 
 
 def check_files(paths: Sequence[str], *, device: Any = None, environ: dict | None = None,

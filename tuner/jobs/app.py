@@ -32,6 +32,14 @@ if TYPE_CHECKING:
     from tuner.store.database import Store
 
 
+def config_error_text(exc: ModelConfigError, model: str) -> str:
+    """A model-config error for a drop's ``model`` field, naming the file at fault where it is not the
+    model as written (``/m/config.json: not a regular file (a FIFO)``)."""
+    if exc.where and str(exc.where) != str(model):
+        return f"{exc.where}: {exc.message}"
+    return exc.message
+
+
 def resolve_method(drop: Drop, *, nvml: Any = None) -> str:
     """The method to run for a drop on this host: ``simulate`` as is; ``auto`` → ``vllm`` (GPU
     via NVML and vllm importable), else ``cuda`` (GPU), else ``simulate``; ``cuda``/``vllm`` only
@@ -81,7 +89,7 @@ def prepare_job(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False
             download = not offline()
         config_path = resolve_model_path(drop.model, drop.base_dir, download=download, revision=drop.revision)
     except ModelConfigError as exc:
-        raise DropError(exc.message, path=drop.path, field="model") from exc
+        raise DropError(config_error_text(exc, drop.model), path=drop.path, field="model") from exc
     dev = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
     # the topology a drop's device mapping states travels with the request (tuner.memory.budget.Topology)
     extra = {k: getattr(device, k) for k in ("compute_capability", "interconnect", "p2p")
@@ -116,7 +124,7 @@ def prepare_job(drop: Drop, *, nvml: Any = None, trust_remote_code: bool = False
         try:
             draft_path = str(resolve_model_path(sc["model"], drop.base_dir, download=download))
         except ModelConfigError as exc:
-            draft_error = exc.message
+            draft_error = config_error_text(exc, sc["model"])
     first = {"name": device.name, "total_memory_bytes": device.total_memory_bytes}
     request = JobRequest(drop=drop, config_path=str(config_path), device={**first, **extra}, method=method,
                          method_requested=drop.method, trust_remote_code=bool(trust_remote_code),

@@ -494,12 +494,15 @@ def compile_cache_assumption(drop: Drop | dict, era: Any = None) -> dict | None:
     if d.compile_cache != "cold" or era is None or getattr(era, "engine", "V1") != "V1" \
             or not getattr(era, "compiled", True):
         return None
-    return platforms.assumption(
+    # side "low": the cold path only adds to the profile run's peak (a warm boot loads the graphs), so
+    # its band widens the interval's safe end alone, never the high end
+    return {**platforms.assumption(
         "compile_cache", "cold", "compile_cache",
         "a cold torch.compile cache: the first boot compiles every graph with Inductor during the profile run "
         "(vllm/compilation/backends.py) and tunes single-size ranges with max-autotune "
         "(compilation/compiler_interface.py set_inductor_config); its extra peak is not modelled, so the KV cache "
-        "may be smaller on the first boot than on a warm one")
+        "may be smaller on the first boot than on a warm one, never larger (the band widens the safe end only)"),
+        "side": "low"}
 
 
 def _kv_cache_dtype(drop: Drop | dict, spec, era, drop_path, warnings: list) -> str:
@@ -635,6 +638,9 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
         elapsed_s=round(time.perf_counter() - t_start, 3), total=total)
     out["release_assumed"] = dict(drop.release_assumed) if drop.release_assumed else None
     out["assumptions"] = assumptions  # what was assumed about the device(s), as data (tuner.memory.platforms)
+    said = runner_default_assumption(drop, era, layout.model_runner_v2, model.spec.architectures)
+    if said is not None:  # the runner the release's default picked (a rule, not a band: after the context)
+        out["assumptions"] = [*assumptions, said]
     _memo_entries_of(out, req, model, era, method, device, engine_use, engine_key, memo_entries,
                      keep=pass_memo is None and memoizable, in_worker=pass_memo is None)
     return out
@@ -1018,6 +1024,14 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     kv_dtype = _kv_cache_dtype(drop, spec, era, path, warnings)
     tp, pp = int(drop.tensor_parallel_size), int(drop.pipeline_parallel_size)
     cards = stage_devices(device, pp)
+    if era.engine == "V1":  # the attention backends that take an nvfp4 KV cache, by release and card
+        from tuner.memory.engine_checks import nvfp4_kv_cache_check
+
+        for card in cards:
+            note = nvfp4_kv_cache_check(kv_dtype, version=era.version, compute_capability=_compute_capability(card),
+                                        mla=bool((spec.raw or {}).get("kv_lora_rank")), path=path)
+            if note and note not in warnings:
+                warnings.append(note)
     block_size = drop.block_size if drop.block_size is not None else default_block_size(era, spec, plugin)
     env = drop_env(drop, warnings)
     from tuner.memory.eras import sampler_path
@@ -1194,6 +1208,9 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         is_quantized=bool(spec.quantization_config or drop.quantization),
         speculative_method=(drop.speculative_config or {}).get("method"), platform=_platform(device))
     runner_v2 = _runner_asked_for(drop, era, runner_v2, warnings)
+    said = runner_default_assumption(drop, era, runner_v2, spec.architectures)
+    if said is not None:
+        warnings.append(f"assumed {said['name']}: {said['value']} ({said['note']})")
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
                                free_memory_from_host=_free_memory_from_host(device, era))
 
@@ -1203,6 +1220,29 @@ MODEL_RUNNER_V2_MODELLED_FROM = (0, 22, 0)
 #: The release that removed the V1 model runner: ``VLLM_USE_V2_MODEL_RUNNER`` other than 1 is an
 #: error (vllm/platforms/interface.py ``validate_environ``, 0.34.0).
 V1_RUNNER_REMOVED_IN = (0, 34, 0)
+
+
+def runner_default_assumption(drop: Drop, era, runner_v2: bool, architectures) -> dict | None:
+    """The model runner the release's default picked, where the drop did not choose one
+    (``use_v2_model_runner`` / ``VLLM_USE_V2_MODEL_RUNNER``) and the release has two (V1 0.22+): an
+    assumption line (``effect`` ``modelled``: the release's rule, not a band; the job result's
+    ``assumptions``) — the runners budget differently (V2: no CUDA-graph estimate subtracted)."""
+    from tuner.memory.eras import _env_flag
+
+    if era is None or era.engine != "V1" or era.version < MODEL_RUNNER_V2_MODELLED_FROM:
+        return None
+    if drop.use_v2_model_runner is not None or _env_flag((drop.env or {}).get("VLLM_USE_V2_MODEL_RUNNER")) is not None:
+        return None
+    arch = ", ".join(architectures or ()) or "this model"
+    name = "Model Runner V2" if runner_v2 else "the V1 model runner"
+    if era.version >= V1_RUNNER_REMOVED_IN:
+        why = f"the only runner of vLLM {era.version}: Model Runner V1 has been removed"
+    else:
+        other = "0 selects the V1 runner" if runner_v2 else "1 selects Model Runner V2"
+        why = (f"vLLM {era.version}'s default for {arch}, vllm/config/vllm.py use_v2_model_runner as "
+               f"tuner/memory/eras.py uses_model_runner_v2 reads it; VLLM_USE_V2_MODEL_RUNNER={other}")
+    return {"name": "model runner", "value": name, "where": "release default", "effect": "modelled",
+            "note": why, "kind": "release_default"}
 
 
 def _runner_asked_for(drop: Drop, era, default_v2: bool, warnings: list) -> bool:

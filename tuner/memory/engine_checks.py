@@ -21,13 +21,16 @@ drop key at fault (``where`` = ``DROP:FIELD``):
   multimodal item must fit ``max_num_batched_tokens``;
 - :func:`check_architecture` — ``ModelRegistry`` (``vllm/model_executor/models/registry.py``): an
   architecture absent from the release's registry (:mod:`tuner.releases.facts`, read from each
-  wheel) is refused with the release's own message.
+  wheel) is refused with the release's own message;
+- :func:`world_size_refusal` — ``ParallelConfig.__post_init__`` (a world size above the GPUs the node
+  shows: a pod's GPU limit, ``CUDA_VISIBLE_DEVICES``; :func:`visible_gpu_count`).
 
 No torch, no I/O.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 from tuner.releases import facts as _release_facts
@@ -417,6 +420,50 @@ def _release(version: Any) -> str:
 UNMODELLED_KV_CACHE_DTYPE_PREFIXES = ("turboquant_", "octave_", "ultraquant_", "nvfp4_ds_mla")
 
 
+#: Compute-capability families FlashInfer runs an nvfp4 KV cache on, by release (non-MLA attention;
+#: vllm/v1/attention/backends/flashinfer.py ``supports_kv_cache_dtype``): 0.20 lists no nvfp4 (its
+#: builder raises "nvfp4 KV cache is not yet supported"); 0.21–0.22 list it with no capability check;
+#: 0.23–0.31 only family 100 (SM100 trtllm-gen); 0.32+ also 8.x, 9.x and 12.x through FA2
+#: (``_nvfp4_kv_on_fa2``, plain ``nvfp4`` only).
+NVFP4_KV_SM100_ONLY = ((0, 23, 0), (0, 32, 0))
+NVFP4_KV_FA2_SINCE = (0, 32, 0)
+
+
+def nvfp4_kv_cache_check(kv_cache_dtype: str, *, version: Any, compute_capability: str | None,
+                         mla: bool = False, path: str | None = None) -> str | None:
+    """vLLM's attention-backend selection for an ``nvfp4*`` KV cache on the card (non-MLA models;
+    :data:`NVFP4_KV_SM100_ONLY`). Returns a note where vLLM accepts it without checking the card
+    (0.21–0.22), else None.
+
+    Raises:
+        DropError: no backend of the release runs it on this card (vLLM: "No valid attention backend
+            found …", kv_cache_dtype not supported), ``field`` ``kv_cache_dtype``.
+    """
+    kv = str(kv_cache_dtype or "").lower()
+    if not kv.startswith("nvfp4") or mla or not compute_capability:
+        return None
+    v = tuple(version) if not hasattr(version, "major") else (version.major, version.minor, version.patch)
+    major = int(str(compute_capability).split(".")[0])
+    where = "vllm/v1/attention/backends/flashinfer.py supports_kv_cache_dtype"
+    refused = None
+    if v < (0, 21, 0):
+        refused = f"no attention backend of vLLM {_release(version)} lists it (FlashInfer: \"nvfp4 KV cache is not yet supported\")"
+    elif NVFP4_KV_SM100_ONLY[0] <= v < NVFP4_KV_SM100_ONLY[1] and major != 10:
+        refused = (f"vLLM {_release(version)}'s FlashInfer runs it only on compute capability 10.x (SM100 trtllm-gen), "
+                   f"not {compute_capability} ({where}; 8.x, 9.x and 12.x from 0.32 through FA2)")
+    elif v >= NVFP4_KV_FA2_SINCE and major != 10 and (major not in (8, 9, 12) or kv != "nvfp4"):
+        refused = (f"vLLM {_release(version)}'s FlashInfer runs {kv!r} on compute capability 10.x, and plain 'nvfp4' on "
+                   f"8.x, 9.x and 12.x through FA2, not on {compute_capability} ({where})")
+    if refused:
+        raise DropError(f"No valid attention backend found for kv_cache_dtype {kv!r} on compute capability "
+                        f"{compute_capability}: {refused}", path=path, field="kv_cache_dtype")
+    if v < NVFP4_KV_SM100_ONLY[0] and major != 10:
+        return (f"kv_cache_dtype {kv}: vLLM {_release(version)}'s FlashInfer accepts it with no check of the card "
+                f"({where} from 0.23 refuses it below compute capability 10.x); start-up memory is modelled, its "
+                "kernels are SM100's")
+    return None
+
+
 def check_kv_cache_dtype(kv_cache_dtype: str | None, *, version: Any, path: str | None) -> None:
     """The drop's ``kv_cache_dtype`` against the release's ``CacheDType`` names
     (:func:`tuner.releases.names.kv_cache_dtypes`).
@@ -439,3 +486,57 @@ def check_kv_cache_dtype(kv_cache_dtype: str | None, *, version: Any, path: str 
     if kv.startswith(UNMODELLED_KV_CACHE_DTYPE_PREFIXES):
         raise ModelConfigError(f"kv_cache_dtype {kv!r} is valid for vLLM {_release(version)} but its cache layout is "
                                "not modelled by ctx-tuner", where=f"{path}:kv_cache_dtype" if path else "kv_cache_dtype")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs visible to the engine
+# ---------------------------------------------------------------------------------------------
+
+#: The first release whose ``ParallelConfig.__post_init__`` (vllm/config/parallel.py) refuses a
+#: world size above the GPUs it sees ("World size (N) is larger than the number of available GPUs
+#: (G) in this node", read in 0.13.0, 0.26.0, 0.34.0); 0.10–0.12 switch to the Ray backend there
+#: (``cuda_device_count_stateless() < self.world_size``) and refuse without Ray ("Unable to load Ray").
+WORLD_SIZE_REFUSAL_FROM = (0, 13, 0)
+_CUDA_DEVICE = re.compile(r"^(\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+)$")
+
+
+def visible_gpu_count(cuda_visible_devices: str) -> int:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible, as the CUDA runtime reads it (and so
+    torch's ``cuda.device_count``, which vLLM's ``device_count`` asks): comma-separated indices or
+    ``GPU-``/``MIG-`` UUIDs, read up to the first entry that is not one (``-1`` hides the rest);
+    ``""`` = none."""
+    n = 0
+    for item in str(cuda_visible_devices).split(","):
+        if not _CUDA_DEVICE.match(item.strip()):
+            break
+        n += 1
+    return n
+
+
+def spans_nodes(ignored: Iterable[dict]) -> bool:
+    """The engine spans nodes (``--distributed-executor-backend ray`` or ``--nnodes`` > 1 among a
+    check's ignored flags): this node's GPU count does not bound the world size."""
+    for e in ignored:
+        if e.get("flag") == "--distributed-executor-backend" and str(e.get("value")) == "ray":
+            return True
+        if e.get("flag") == "--nnodes" and str(e.get("value") or "1") not in ("1", "None"):
+            return True
+    return False
+
+
+def world_size_refusal(world: int, gpus: int, *, version: tuple) -> str | None:
+    """vLLM's refusal when the node shows fewer GPUs than the world size (tensor × pipeline
+    parallel), None when it shows enough (:data:`WORLD_SIZE_REFUSAL_FROM` for the wording)."""
+    if world <= gpus:
+        return None
+    if gpus <= 0:
+        return ("No CUDA GPU is visible (CUDA_VISIBLE_DEVICES hides every GPU): vLLM cannot start on a GPU "
+                "(its platform detection finds no CUDA device)")
+    if tuple(version) >= WORLD_SIZE_REFUSAL_FROM:
+        return (f"World size ({world}) is larger than the number of available GPUs ({gpus}) in this node. If this is "
+                "intentional and you are using:\n- ray, set '--distributed-executor-backend ray'.\n"
+                "- multiprocessing, set '--nnodes' appropriately.")
+    return (f"World size ({world}) needs more GPUs than the {gpus} visible: vLLM {'.'.join(map(str, version))} then "
+            "picks the Ray backend (vllm/config/parallel.py: cuda_device_count_stateless() < world_size) and refuses "
+            "without Ray (\"Unable to load Ray ... Ray is required for multi-node inference\"); with Ray it waits for "
+            "GPUs this node does not have")

@@ -12,6 +12,7 @@ chunked-prefill switch) each region is searched on its own, so a non-monotone su
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
@@ -250,11 +251,14 @@ class Candidate:
     #: What ``gpu_memory_utilization`` below 1.0 keeps out of the cache: the budget with all memory
     #: free at start-up requested, less this one (vLLM 0.34 warns from 1 GiB at 0.7 < u < 1.0), bytes.
     extensible_u_withheld_bytes: int | None = None
+    #: The reservation the first admission check runs on, before CUDA-graph capture and warmup
+    #: (vllm/v1/core/kv_cache_planning.py ``get_kv_cache_configs``; :func:`extensible_refusal_note`), bytes.
+    extensible_capacity_bytes: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("extensible_headroom_bytes", "extensible_margin_bytes", "extensible_withheld_bytes",
-                  "extensible_u_withheld_bytes"):
+                  "extensible_u_withheld_bytes", "extensible_capacity_bytes"):
             if d[k] is None:
                 d.pop(k)
         out = {}
@@ -610,7 +614,35 @@ def _extensible_fields(b) -> dict:
     unbounded = max(0, int(b.headroom_bytes) - int(b.margin_bytes or 0) - int(b.transient_bytes or 0))
     return {"extensible_headroom_bytes": int(b.headroom_bytes), "extensible_margin_bytes": int(b.margin_bytes or 0),
             "extensible_withheld_bytes": int(by_terms - b.available_kv_cache_bytes),
-            "extensible_u_withheld_bytes": max(0, unbounded - max(0, int(b.available_kv_cache_bytes)))}
+            "extensible_u_withheld_bytes": max(0, unbounded - max(0, int(b.available_kv_cache_bytes))),
+            "extensible_capacity_bytes": None if b.capacity_kv_cache_bytes is None else int(b.capacity_kv_cache_bytes)}
+
+
+#: vLLM 0.34's hint on the reservation's check (before warmup), :func:`tuner.memory.kvcache.more_kv_cache_memory_hint`.
+_BEFORE_WARMUP_HINT = "left after the model and its activations"
+
+
+def extensible_refusal_note(c: dict, largest_max_model_len: int | None = None) -> str | None:
+    """Why vLLM 0.34's refusal quotes other figures than the budget, where it does: with the extensible
+    KV cache the admission check runs first on the reservation, before CUDA-graph capture and warmup
+    (vllm/v1/core/kv_cache_planning.py ``get_kv_cache_configs``: ``requested − model − activations``,
+    less the null block), and again after them on the blocks committed (``shrink_kv_cache_configs``).
+    A refusal at the first check quotes the reservation and estimates a length from it; the budget is
+    the cache after capture and warmup, where that estimated length would be refused again. None
+    where the refusal is not the reservation's."""
+    reason, cap = str(c.get("reason") or ""), c.get("extensible_capacity_bytes")
+    if cap is None or _BEFORE_WARMUP_HINT not in reason or not reason.startswith("To serve at least one request"):
+        return None
+    gib = 1 << 30
+    est = re.search(r"estimated maximum model length is (\d+)", reason)
+    text = (f"vLLM's figures are its first check's, on the reservation before CUDA-graph capture and warmup "
+            f"(vllm/v1/core/kv_cache_planning.py get_kv_cache_configs: {cap / gib:.2f} GiB less one block); the "
+            f"budget below is the cache after them ({int(c.get('available_kv_cache_bytes') or 0) / gib:.2f} GiB), "
+            "where shrink_kv_cache_configs checks again")
+    if est:
+        text += (f", so its estimated {est.group(1)} would be refused there"
+                 + (f" (the largest that starts: {largest_max_model_len})" if largest_max_model_len else ""))
+    return text
 
 
 def gpu_memory_utilization_warning(c: "Candidate | dict") -> str | None:

@@ -370,6 +370,83 @@ def _normalise(args: Sequence[str]) -> list[str]:
     return out
 
 
+def _dotted_value(text: str) -> Any:
+    """A dotted option's value as vLLM reads it: JSON, else a human-readable integer (0.20+:
+    ``--compilation-config.max_size 80g``), else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return human_readable_int(text)
+    except ValueError:
+        return text
+
+
+def _merge_into(original: dict, update: dict, prefix: str) -> list[str]:
+    """vLLM's ``recursive_dict_update``: nested mappings merge, lists extend, anything else is
+    replaced; returns the keys replaced (``hf_overrides.rope_theta``)."""
+    replaced: list[str] = []
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(original.get(k), dict):
+            replaced += _merge_into(original[k], v, f"{prefix}.{k}")
+        elif isinstance(v, list) and isinstance(original.get(k), list):
+            original[k] += v
+        else:
+            if k in original:
+                replaced.append(f"{prefix}.{k}")
+            original[k] = v
+    return replaced
+
+
+def merge_dotted(args: Sequence[str], sources: dict[int, str] | None = None
+                 ) -> tuple[list[str], dict[int, str], list[str]]:
+    """vLLM's dotted options (``FlexibleArgumentParser.parse_args``, 0.9.0+): every
+    ``--hf-overrides.a.b=1`` / ``--speculative-config.method ngram`` of one option is merged into
+    ONE JSON object (nested keys nest, a key given twice keeps the last, ``--x.list+ a,b`` is a
+    list) and appended after the other arguments as ``--hf-overrides '{...}'``, so it wins over a
+    plain JSON value of that option. Returns the arguments, their sources (index → file) and notes
+    (vLLM's "Found duplicate keys" warning)."""
+    sources = dict(sources or {})
+    merged: dict[str, dict] = {}
+    where: dict[str, str] = {}
+    keep: list[tuple[str, str | None]] = []
+    replaced: list[str] = []
+    skip = set()
+    for i, arg in enumerate(args):
+        if i in skip:
+            continue
+        name, eq, inline = arg.partition("=")
+        if not (arg.startswith("-") and "." in name and not _NEGATIVE_NUMBER.match(arg)):
+            keep.append((arg, sources.get(i)))
+            continue
+        if eq:
+            raw = inline
+        elif i + 1 < len(args):
+            raw = args[i + 1]
+            skip.add(i + 1)
+        else:
+            raise ServeArgsError("expected one argument", where=f"argument {name}")
+        if name.endswith("+"):  # --x.items+ a,b: a list
+            name, value = name[:-1], raw.split(",")
+        else:
+            value = _dotted_value(raw)
+        key, *keys = name.split(".")
+        for k in reversed(keys):
+            value = {k: value}
+        replaced += _merge_into(merged.setdefault(key, {}), value, key.lstrip("-").replace("-", "_"))
+        where.setdefault(key, sources.get(i) or "command line")
+    out = [a for a, _ in keep]
+    out_sources = {j: s for j, (_, s) in enumerate(keep) if s is not None}
+    for key, value in merged.items():
+        if where[key] != "command line":
+            out_sources[len(out)] = out_sources[len(out) + 1] = where[key]
+        out += [key, json.dumps(value)]
+    notes = [f"vLLM would warn: Found duplicate keys {', '.join(sorted(set(replaced)))} (the last one given wins)"
+             ] if replaced else []
+    return out, out_sources, notes
+
+
 def _is_value(token: str) -> bool:
     """argparse takes a token as an option's argument unless it looks like an option (a negative
     number is a value: the parser has no option that looks like one)."""
@@ -495,8 +572,9 @@ class BuiltinServeParser:
             for k in range(start, start + len(config_args)):
                 sources[k] = config_file
         args = _normalise(args)
+        args, sources, dnotes = merge_dotted(args, sources)
         self._consume(args, out, sources)
-        out.notes = notes + out.notes
+        out.notes = notes + dnotes + out.notes
         if out.model is None:
             raise ServeArgsError("the following arguments are required: model_tag (`vllm serve MODEL …`)",
                                  where="command line")

@@ -91,6 +91,47 @@ def with_speculative_state_blocks(kv_specs: tuple, num_speculative_tokens: int) 
                   for name, s in specs.items()} for specs in kv_specs)
 
 
+#: A drafter ``model`` given without ``method`` (vllm/config/speculative.py ``SpeculativeConfig.__post_init__``):
+#: from 0.17.0 vLLM takes it as ``draft_model`` ("infer method from user args") before the name/config
+#: detection below; 0.15.0–0.16.x refuse it ("Unsupported speculative method: 'None'"); before 0.15 a
+#: model the detection does not place is refused as an unsupported draft model.
+DRAFT_MODEL_BY_DEFAULT_FROM = (0, 17, 0)
+UNSUPPORTED_NONE_FROM = (0, 15, 0)
+
+
+def inferred_speculative_method(model: str | None, *, draft_model_type: str | None, version: tuple) -> str:
+    """The ``method`` vLLM gives a ``--speculative-config`` without one, as
+    ``SpeculativeConfig.__post_init__`` does in 0.10–0.34 (vllm/config/speculative.py): ``ngram`` for
+    the model ``ngram``/``[ngram]``; else, from the drafter: ``eagle`` when its name holds
+    ``eagle-``, ``eagle3`` when it holds ``eagle3``, ``medusa`` / ``mlp_speculator`` by its config's
+    ``model_type``, ``mtp`` for an MTP ``model_type`` (``*_mtp``); anything else is ``draft_model``
+    from 0.17 (:data:`DRAFT_MODEL_BY_DEFAULT_FROM`) and refused before.
+
+    Raises:
+        ValueError: vLLM's message where the release refuses it (no model; an undetected drafter
+            before 0.17).
+    """
+    if model is None:
+        raise ValueError("num_speculative_tokens was provided but without speculative model.")
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    name, mt = model.lower(), (draft_model_type or "").lower()
+    if "eagle-" in name:
+        return "eagle"
+    if "eagle3" in name:
+        return "eagle3"
+    if mt in ("medusa", "mlp_speculator"):
+        return mt
+    if mt == "mtp" or mt.endswith("_mtp"):
+        return "mtp"
+    if tuple(version) >= DRAFT_MODEL_BY_DEFAULT_FROM:
+        return "draft_model"
+    if tuple(version) >= UNSUPPORTED_NONE_FROM:
+        raise ValueError("Unsupported speculative method: 'None'")
+    raise ValueError("Speculative decoding with draft model is not supported yet. Please consider using other "
+                     "speculative decoding methods such as ngram, medusa, eagle, or mtp.")
+
+
 #: Methods whose drafter is another checkpoint sized from its config.json (:func:`checkpoint_drafter_weights_bytes`).
 CHECKPOINT_DRAFTERS = ("draft_model", "eagle", "eagle3", "dflash")
 

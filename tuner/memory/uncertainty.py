@@ -158,6 +158,9 @@ class Unmodelled:
     note: str = ""
     #: the band kind: ``not_modelled`` or ``release_not_stated`` (widening inputs only).
     kind: str = "not_modelled"
+    #: which way it can move the KV cache: ``both``, or ``low`` for an input that can only make it
+    #: smaller (a cold compile cache: its band widens the safe end only).
+    side: str = "both"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -169,7 +172,7 @@ class Unmodelled:
     def from_dict(cls, data: Mapping[str, Any]) -> "Unmodelled":
         return cls(str(data.get("name") or ""), data.get("value"), str(data.get("where") or ""),
                    str(data.get("effect") or "widens"), str(data.get("note") or ""),
-                   str(data.get("kind") or "not_modelled"))
+                   str(data.get("kind") or "not_modelled"), str(data.get("side") or "both"))
 
     @property
     def widens(self) -> bool:
@@ -283,8 +286,10 @@ def term_bands(*, requested_memory_bytes: int, weights_bytes: int, activation_pe
             continue
         band = RELEASE_NOT_STATED if u.kind == "release_not_stated" else NOT_MODELLED
         h = int(band.fraction * int(requested_memory_bytes)) + band.floor_bytes
-        out.append(TermBand(f"not modelled: {u.name}", 0, u.where or "input", band.source, -h, h,
-                            u.note or "no rule", "-", _PARAMETER_OF[id(band)], int(requested_memory_bytes)))
+        # an input that can only take memory (side "low") moves the KV's low (safe) end alone
+        out.append(TermBand(f"not modelled: {u.name}", 0, u.where or "input", band.source,
+                            0 if u.side == "low" else -h, h, u.note or "no rule", "-", _PARAMETER_OF[id(band)],
+                            int(requested_memory_bytes)))
     return tuple(out)
 
 
@@ -303,6 +308,23 @@ def kv_interval(available_kv_cache_bytes: int, bands: Iterable[TermBand]) -> tup
             up += b.bytes - b.low_bytes
     kv = int(available_kv_cache_bytes)
     return kv - down, kv + up
+
+
+def band_sides(b: Mapping[str, Any]) -> tuple[int, int]:
+    """``(down, up)``: how far a band (a :class:`TermBand` dict) moves the KV below and above the
+    expected value (as :func:`kv_interval` adds them)."""
+    if b.get("op") == "=":
+        return int(b["bytes"]) - int(b["low_bytes"]), int(b["high_bytes"]) - int(b["bytes"])
+    return int(b["high_bytes"]) - int(b["bytes"]), int(b["bytes"]) - int(b["low_bytes"])
+
+
+def band_text(b: Mapping[str, Any]) -> str:
+    """A band's width in words (GiB): ``±0.212 GiB``, or ``-1.920 GiB (lowers the KV only)`` for
+    one that widens the safe end alone."""
+    down, up = band_sides(b)
+    if up == 0 and down > 0:
+        return f"-{down / (1 << 30):.3f} GiB (lowers the KV only)"
+    return f"±{(int(b['high_bytes']) - int(b['low_bytes'])) / 2 / (1 << 30):.3f} GiB"
 
 
 def widest_first(bands: Iterable[TermBand]) -> list[TermBand]:

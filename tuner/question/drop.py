@@ -616,7 +616,9 @@ DROP_FIELDS: tuple[DropField, ...] = (
               "found like the drop's `model`; `validate` looks in its models directory); every drafter model adds "
               "its own forward in the profile run and its CUDA-graph captures (0.20+) and, 0.27+, its proposer's "
               "buffers; a drafter whose config is "
-              "not found, and medusa / mlp_speculator, are not modelled (a warning says so).", _speculative_config),
+              "not found, and medusa / mlp_speculator, are not modelled (a warning says so). A drop names `method`; a "
+              "`vllm serve` line's `--speculative-config` without one gets the method vLLM infers from `model` "
+              "(`draft_model` from 0.17; docs/check.md).", _speculative_config),
     DropField("hf_overrides", "mapping | null", None,
               "As vLLM's --hf-overrides: config keys merged into the model's (text) config.json before it is sized, "
               "e.g. `{rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}` for a "

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from tuner.errors import DropError, TunerError
+from tuner.releases.envnames import close_names, is_vllm_env, span
 from tuner.memory.serve_args import (AUTO, AUTO_FIT_SINCE, IGNORED, KV_CACHE_MEMORY_BYTES_SINCE, MODELLED, UNMODELLED,
                               ServeArgs, ServeArgsError, ServeParser, flag_for, option_for, parse_serve)
 
@@ -143,7 +144,14 @@ def env_not_modelled(env: Mapping[str, Any], *, source: str) -> tuple[list[NotMo
             continue
         if name in _modelled_env_names():  # read by the rules through the drop's env (modelled_env)
             continue
-        if name.startswith("VLLM_"):
+        if name.startswith("VLLM_") and not is_vllm_env(name):  # VLLM_FOO_BAR: no release reads it
+            hint = close_names(name)
+            ignored.append({"flag": f"env {name}", "value": value, "source": source, "as_written": f"{name}={value}",
+                            "note": f"not a vLLM environment variable: no release's vllm/envs.py ({span()}) defines "
+                                    "it, so vLLM ignores it (0.17+ warns \"Unknown vLLM environment variable "
+                                    f"detected: {name}\", vllm/envs.py validate_environ)"
+                                    + (f"; did you mean {hint[0]}?" if hint else "")})
+        elif name.startswith("VLLM_"):
             out.append(NotModelled(f"env {name}", value, "a vLLM environment variable (vllm/envs.py) ctx-tuner "
                                                          "does not model; it may change start-up memory",
                                    source, f"{name}={value}"))
@@ -285,6 +293,8 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
                 extra.append(NotModelled(option_for(dest), value, "this build's drops do not model it",
                                          "command line", sa.spelled.get(dest)))
             continue
+        if dest == "speculative_config":
+            value = with_speculative_method(value, sa, version=version, cwd=cwd)
         d[dest] = value
     unmodelled = [NotModelled.of(e) for e in sa.unmodelled] + extra + list(extra_not_modelled)
     if sa.unknown and not allow_unmodelled:
@@ -326,6 +336,47 @@ def equivalent_drop(sa: ServeArgs, *, device: Any, engine_version: str, cwd: str
             raise ArgsInputError(f"max_model_len must be positive, not {m}", where=point_of(sa.spelled).max_model_len)
         d["candidates"].update(max_model_len=[m])
     return d, unmodelled
+
+
+def _draft_model_type(model: str, cwd: str) -> str | None:
+    """The ``model_type`` of a drafter given as a local directory (its config.json), else None."""
+    import json
+
+    path = os.path.join(model_value(model, cwd), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    mt = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return mt if isinstance(mt, str) else None
+
+
+def with_speculative_method(value: Any, sa: ServeArgs, *, version: tuple, cwd: str) -> Any:
+    """A ``--speculative-config`` without ``method`` gets the one vLLM infers from its ``model``
+    (:func:`tuner.memory.specdecode.inferred_speculative_method`), said in ``sa.notes``; a mapping that
+    has one, or anything else, is returned as is (the drop's rules judge it).
+
+    Raises:
+        ArgsInputError: vLLM's refusal of a config without a method in this release.
+    """
+    from tuner.memory.specdecode import inferred_speculative_method
+
+    if not isinstance(value, Mapping) or value.get("method") is not None:
+        return value
+    model = value.get("model")
+    model = model if isinstance(model, str) and model.strip() else None
+    mt = _draft_model_type(model, cwd) if model else None
+    release = ".".join(map(str, version))
+    try:
+        method = inferred_speculative_method(model, draft_model_type=mt, version=version)
+    except ValueError as exc:
+        raise ArgsInputError(f"{exc} (vLLM {release}'s SpeculativeConfig: no method given)",
+                             where=sa.spelled.get("speculative_config") or "--speculative-config") from None
+    seen = f"its config.json's model_type {mt!r}" if mt else "its name (no local config.json read)"
+    sa.notes.append(f"speculative_config.method not given: {method}, as vLLM {release} infers it from the model "
+                    f"{model!r} ({seen}; vllm/config/speculative.py SpeculativeConfig.__post_init__)")
+    return {**value, "method": method}
 
 
 def _where(entries: Sequence[Mapping[str, Any]]) -> str:

@@ -131,7 +131,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
             invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
     """
-    argv, env, extra_not_modelled, env_ignored = _line_env(argv, env, extra_not_modelled)
+    argv, env, extra_not_modelled, env_ignored, cvd = _line_env(argv, env, extra_not_modelled)
     sa = parse_line(argv, config_file, parser=parser)
     sa.ignored = list(getattr(sa, "ignored", None) or []) + env_ignored
     warnings: list[str] = list(notes)
@@ -211,13 +211,45 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                         derived_key=derived_key, checked_values=checked_values, numbers=numbers, nearest=nearest,
                         e=e, sa=sa, unmodelled=unmodelled, d=d, warnings=warnings, store_used=store_used,
                         stored_crosscheck=stored_crosscheck)
+    if cvd is not None and _visible_gpus_refusal(out, cvd, sa, version=_version_tuple(engine_version)):
+        starts = False
     return CheckResult(starts, out, e)
 
 
+def _visible_gpus_refusal(out: dict, cvd: str, sa: Any, *, version: tuple) -> bool:
+    """Step 6 (``CUDA_VISIBLE_DEVICES=… vllm serve …``): vLLM's refusal of a world size above the
+    GPUs the variable leaves visible (:func:`tuner.memory.engine_checks.world_size_refusal`), as a
+    deploy file's GPU limit is refused; True when it refuses (the verdict is then vLLM's error)."""
+    from tuner.memory.engine_checks import spans_nodes, visible_gpu_count, world_size_refusal
+
+    gpus = visible_gpu_count(cvd)
+    values = {**(out.get("drop") or {}), **sa.values}
+    world = int(values.get("tensor_parallel_size") or 1) * int(values.get("pipeline_parallel_size") or 1)
+    refusal = None if spans_nodes(out["read"].get("ignored") or []) else world_size_refusal(world, gpus,
+                                                                                          version=version)
+    if refusal is None:
+        out["warnings"].append(f"CUDA_VISIBLE_DEVICES={cvd}: {gpus} GPU(s) visible to vLLM; the world size "
+                               f"(tensor × pipeline parallel) is {world}")
+        return False
+    out.update(verdict="does not start", starts=False, engine_error=refusal, nearest=[], uncertain=None)
+    out["warnings"].append(f"CUDA_VISIBLE_DEVICES={cvd} shows vLLM {gpus} GPU(s); it refuses a larger world size "
+                           f"({world}: vllm/config/parallel.py ParallelConfig.__post_init__); the memory figures are "
+                           "those of a node that shows enough GPUs")
+    return True
+
+
+def _version_tuple(text: str) -> tuple:
+    from tuner.memory.eras import parse_version
+
+    v = parse_version(text)
+    return (v.major, v.minor, v.patch)
+
+
 def _line_env(argv: Sequence[str], env: dict | None,
-              extra_not_modelled: Sequence[NotModelled]) -> tuple[list[str], dict | None, list, list[dict]]:
+              extra_not_modelled: Sequence[NotModelled]) -> tuple[list[str], dict | None, list, list[dict], str | None]:
     """Step 1 of :func:`run_check`: the line's own environment (``VLLM_USE_V2_MODEL_RUNNER=1 vllm
-    serve …``): modelled variables join ``env``, the others are named as not modelled or ignored."""
+    serve …``): modelled variables join ``env``, the others are named as not modelled or ignored;
+    ``CUDA_VISIBLE_DEVICES`` (the GPUs vLLM sees, step 6) is returned last (None when not set)."""
     from tuner.question.vllm_args import env_not_modelled, modelled_env, split_env_prefix
 
     argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
@@ -226,7 +258,21 @@ def _line_env(argv: Sequence[str], env: dict | None,
         line_nm, env_ignored = env_not_modelled(line_env, source="command line")
         extra_not_modelled = [*extra_not_modelled, *line_nm]
         env = {**modelled_env(line_env), **(env or {})} or None
-    return argv, env, list(extra_not_modelled), env_ignored
+    return argv, env, list(extra_not_modelled), env_ignored, line_env.get("CUDA_VISIBLE_DEVICES")
+
+
+_FINAL_SUFFIX = re.compile(r"(\.\d+)?(\.post\d+)?")
+
+
+def pre_release_note(version: str | None) -> str | None:
+    """A note where ``--engine-version`` names a pre-release or a build of one (``0.26.0rc1``,
+    ``0.26.0.dev5+g1234``): its rules are taken as the release's it leads to, which the candidate may
+    not have yet; None for a release (``0.26.0``, ``0.10.1.1``, ``0.6.4.post1``)."""
+    m = re.match(r"\s*v?(\d+\.\d+(?:\.\d+)?)(.*)$", str(version or ""))
+    if not m or _FINAL_SUFFIX.fullmatch(m.group(2).strip()):
+        return None
+    return (f"vLLM {version.strip()} is not a release: answered with vLLM {m.group(1)}'s rules (the release it "
+            f"leads to); a pre-release or development build may differ from it")
 
 
 def _release_of_line(sa: Any, engine_version: str | None, strict_release: bool,
@@ -244,6 +290,9 @@ def _release_of_line(sa: Any, engine_version: str | None, strict_release: bool,
                         f"{engine_version}'s (--engine-version)")
     from tuner.memory.eras import release_warning, resolve_release
 
+    pre = pre_release_note(engine_version)
+    if pre:
+        warnings.append(pre)
     installed, why = (None, "") if engine_version is not None else default_engine_version()
     try:  # the release that answers, said out loud: the installed vLLM's, else the newest modelled one
         engine_version, release_assumed = resolve_release(engine_version, installed=installed,
@@ -326,6 +375,21 @@ def _auto_fit(e: dict, m: int, u: float, numbers: dict, warnings: list[str]) -> 
     return picked, reason, starts
 
 
+def line_defaults(*, values: dict, checked_values: dict, engine_version: str, m_arg: Any,
+                  derived_key: str | None) -> list[dict]:
+    """The values the ``check:`` echo line shows that the line did not give: ``--gpu-memory-utilization``
+    (the release's default, vllm/config/cache.py) and ``--max-model-len`` (none given: the model's
+    derived maximum, vllm/config/model.py ``_get_and_verify_max_len``), each ``{flag, value, why}``."""
+    out = []
+    if "gpu_memory_utilization" in checked_values and "gpu_memory_utilization" not in values:
+        out.append({"flag": "--gpu-memory-utilization", "value": checked_values["gpu_memory_utilization"],
+                    "why": f"vLLM {engine_version}'s default"})
+    if m_arg is None and checked_values.get("max_model_len") is not None:
+        out.append({"flag": "--max-model-len", "value": checked_values["max_model_len"],
+                    "why": "the model's derived maximum" + (f", {derived_key}" if derived_key else "")})
+    return out
+
+
 def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, engine_version, release_assumed,
                   u, kv_bytes, picked, m, auto, m_arg, derived, derived_key, checked_values, numbers, nearest, e,
                   sa, unmodelled, d, warnings, store_used, stored_crosscheck) -> dict:
@@ -339,6 +403,7 @@ def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, e
         "uncertain": uncertain,
         "starts": starts,
         "engine_error": reason,
+        "engine_error_note": e.get("engine_error_note") if reason and reason == e.get("reason") else None,
         "model": model,
         "model_path": doc["model"],
         "device": doc["device"],
@@ -353,9 +418,11 @@ def _check_record(*, verdict, risk, iv, uncertain, starts, reason, model, doc, e
         "derived_max_model_len": derived,
         "derived_max_len_key": derived_key,
         "command": serve_line(model, checked_values),
+        "defaults": line_defaults(values=dict(sa.values), checked_values=checked_values, engine_version=engine_version,
+                                  m_arg=m_arg, derived_key=derived_key),
         "numbers": numbers,
         "nearest": nearest,
-        "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None),
+        "not_helping": [] if starts else settings_that_do_not_help(e, kv_fixed=kv_bytes is not None, risk=risk),
         "parser": sa.parser,
         "read": sa.to_dict(),
         "not_modelled": [n.to_dict() for n in unmodelled],
@@ -422,7 +489,10 @@ def uncertain_detail(e: dict, iv: dict, *, model: str, values: dict) -> dict:
     """Why a check is uncertain: the terms whose bands make the verdict flip (the widest first, each
     with its half-width), and the settings that start for sure (at the interval's safe end): the
     largest ``max_model_len`` that starts there."""
+    from tuner.memory.uncertainty import band_sides, band_text
+
     terms = [{"name": b["name"], "half_width_bytes": (int(b["high_bytes"]) - int(b["low_bytes"])) // 2,
+              "low_side_bytes": band_sides(b)[0], "high_side_bytes": band_sides(b)[1], "width": band_text(b),
               "source": b["source"], "band_source": b["band_source"], "widened_by": b.get("widened_by") or ""}
              for b in iv.get("bands") or []]
     sure = []
@@ -460,12 +530,7 @@ def nearest_settings(e: dict, *, model: str, values: dict, risk: str = "expected
                     "max_concurrency": largest.get("max_concurrency"), "command": serve_line(model, v)})
     un = point_of(rem).gpu_memory_utilization or {}
     if un.get("possible") and un.get("value") is not None:
-        ver = un.get("verified") or {}
-        if ver.get("fits", True) is not False and not ver.get("error"):
-            v = {**values, "gpu_memory_utilization": un["value"]}
-            out.append({"change": f"--gpu-memory-utilization {un['value']:g}", "setting": "gpu_memory_utilization",
-                        "value": un["value"], "kv_cache_tokens": ver.get("kv_cache_tokens"),
-                        "verified": bool(ver), "command": serve_line(model, v)})
+        out.extend(_u_setting(un, model, values, risk))
     for key, setting, flag in (("fp8_kv_cache", "kv_cache_dtype", "--kv-cache-dtype"),
                                ("tensor_parallel", "tensor_parallel_size", "--tensor-parallel-size")):
         r = rem.get(key) or {}
@@ -478,7 +543,33 @@ def nearest_settings(e: dict, *, model: str, values: dict, risk: str = "expected
     return out
 
 
-def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
+def _u_setting(un: dict, model: str, values: dict, risk: str) -> list[dict]:
+    """The ``gpu_memory_utilization`` nearest setting, where the check found it starts: at ``risk: safe``
+    the value that starts at the interval's safe end (as the ``max_model_len`` one; a value that starts
+    only at the expected value would itself be "uncertain"), the expected-value one beside it."""
+    safe = un.get("safe") if risk == "safe" and un.get("safe") else None
+    if safe is not None:
+        ver = safe.get("verified") or {}
+        if not safe.get("possible") or ver.get("fits_low") is False or ver.get("error"):
+            return []
+        v = {**values, "gpu_memory_utilization": safe["value"]}
+        low = ver.get("kv_cache_tokens_low")
+        return [{"change": f"--gpu-memory-utilization {safe['value']:g}", "setting": "gpu_memory_utilization",
+                 "value": safe["value"], "risk": "safe", "gpu_memory_utilization_expected": un["value"],
+                 "kv_cache_tokens": ver.get("kv_cache_tokens"), "kv_cache_tokens_safe": low,
+                 "verified": bool(ver), "command": serve_line(model, v),
+                 "note": (f"the interval's safe end{f', {low} KV tokens' if low else ''}; {un['value']:g} at the "
+                          "expected value")}]
+    ver = un.get("verified") or {}
+    if ver.get("fits", True) is False or ver.get("error"):
+        return []
+    v = {**values, "gpu_memory_utilization": un["value"]}
+    return [{"change": f"--gpu-memory-utilization {un['value']:g}", "setting": "gpu_memory_utilization",
+             "value": un["value"], "kv_cache_tokens": ver.get("kv_cache_tokens"),
+             "verified": bool(ver), "command": serve_line(model, v)}]
+
+
+def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False, risk: str = "expected") -> list[str]:
     """The remedies ``explain`` tried that do not make the line start, in its words ("no
     gpu_memory_utilization <= 1 is enough: …", "--kv-cache-dtype fp8: still does NOT start …")."""
     rem = e.get("remedies") or {}
@@ -501,6 +592,9 @@ def settings_that_do_not_help(e: dict, *, kv_fixed: bool = False) -> list[str]:
                    f"{_gib(un.get('needed_requested_bytes'))})")
     elif not kv_fixed and un.get("possible") and (un.get("verified") or {}).get("fits") is False:
         out.append(f"--gpu-memory-utilization {un['value']:g}: checked, still does not start")
+    elif not kv_fixed and risk == "safe" and un.get("possible") and un.get("safe") and not un["safe"].get("possible"):
+        out.append(f"--gpu-memory-utilization: no value <= 1 starts at the interval's safe end (it would take "
+                   f"{un['safe']['exact']:.3f} of total; {un['value']:g} starts at the expected value)")
     for key, flag, setting in (("fp8_kv_cache", "--kv-cache-dtype", "kv_cache_dtype"),
                                ("tensor_parallel", "--tensor-parallel-size", "tensor_parallel_size")):
         r = rem.get(key) or {}
@@ -572,6 +666,11 @@ def _render_read(d: dict) -> list[str]:
         f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
         lines.append("read: " + "; ".join(f"{w} -> {k} {read['values'][k]!r}" for k, w in read["spelled"].items()))
+    if d.get("defaults"):  # shown in the check: line but not given
+        lines.append("not given, defaults: " + "; ".join(f"{x['flag']} {x['value']:g} ({x['why']})"
+                                                         if isinstance(x["value"], float) else
+                                                         f"{x['flag']} {x['value']} ({x['why']})"
+                                                         for x in d["defaults"]))
     for e in read["ignored"]:
         lines.append(f"ignored: {e['as_written']} ({e['note']})")
     for e in d["not_modelled"]:
@@ -609,7 +708,8 @@ def _render_verdict(d: dict, lines: list[str]) -> tuple[dict, Any]:
                      f"blocks, {iv['kv_cache_tokens_low']}-{iv['kv_cache_tokens_high']} KV tokens (docs/uncertainty.md)")
         for t in (d.get("uncertain") or {}).get("terms", [])[:5]:
             why = f"; {t['widened_by']}" if t.get("widened_by") else ""
-            lines.append(f"  uncertain term: {t['name']} ±{t['half_width_bytes'] / GiB:.3f} GiB ({t['band_source']}{why})")
+            width = t.get("width") or f"±{t['half_width_bytes'] / GiB:.3f} GiB"
+            lines.append(f"  uncertain term: {t['name']} {width} ({t['band_source']}{why})")
         if not d["starts"]:
             lines.append(f"  vLLM at the expected value: {d['engine_error']}")
     elif d["starts"]:
@@ -627,6 +727,8 @@ def _render_verdict(d: dict, lines: list[str]) -> tuple[dict, Any]:
             n = {**n, "kv_block_bytes": None}
         else:
             lines.append(f"  vLLM: {d['engine_error']}")
+            if d.get("engine_error_note"):  # 0.34: the reservation's figures, not the budget's
+                lines.append(f"  why other figures: {d['engine_error_note']}")
     return n, kv_fixed
 
 
@@ -699,7 +801,8 @@ def _render_settings(d: dict, lines: list[str]) -> None:
     if d["nearest"]:
         lines += ["", "nearest settings that start:"]
         for s in d["nearest"]:
-            extra = f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else \
+            extra = f" ({s['note']})" if s.get("note") and s.get("risk") == "safe" else \
+                f" ({s['kv_cache_tokens']} KV tokens)" if s.get("kv_cache_tokens") else \
                 f" ({s['note']})" if s.get("note") else ""
             lines.append(f"  {s['change']}{extra}:")
             lines.append(f"      {s['command']}")

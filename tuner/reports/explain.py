@@ -276,6 +276,65 @@ def u_needed(era: Era, *, total_memory_bytes: int, fixed_bytes: int, block_bytes
             "exact": exact, "value": value, "possible": value <= 1.0}
 
 
+def _safe_end_shortfall(bands: list | tuple, requested_bytes: int) -> tuple[int, float]:
+    """How far the interval's safe (low-KV) end lies below the expected KV
+    (:func:`tuner.memory.uncertainty.kv_interval`), split into the bytes that do not depend on
+    ``gpu_memory_utilization`` and the fraction of the request that does (the request's own band and
+    each not-modelled input's band are fractions of the request, tuner/memory/uncertainty.py)."""
+    fixed, scaled = 0, 0
+    for b in bands or ():
+        if b.get("name") == "kv_cache_memory_bytes":
+            continue
+        down = int(b["bytes"]) - int(b["low_bytes"]) if b.get("op") == "=" else int(b["high_bytes"]) - int(b["bytes"])
+        if b.get("name") == "requested" or str(b.get("name", "")).startswith("not modelled:"):
+            scaled += down
+        else:
+            fixed += down
+    return fixed, (scaled / requested_bytes if requested_bytes else 0.0)
+
+
+def u_needed_safe(era: Era, *, total_memory_bytes: int, fixed_bytes: int, block_bytes: int, blocks: int,
+                  bands: list | tuple, requested_bytes: int) -> dict:
+    """:func:`u_needed` at the interval's safe end: the smallest ``gpu_memory_utilization`` (3
+    decimals) whose budget holds ``blocks`` blocks with every band at its low-KV end (the safe end
+    ``risk: safe`` proposes at, as the ``max_model_len`` remedy does). ``bands``: the candidate's
+    term bands (dicts); ``requested_bytes``: the request they were computed at."""
+    down_fixed, frac = _safe_end_shortfall(bands, requested_bytes)
+    need_avail = blocks * block_bytes
+    need_req = math.ceil((need_avail + fixed_bytes + down_fixed) / max(1e-9, 1.0 - frac))
+    exact = need_req / total_memory_bytes
+    value = math.ceil(exact * 1000 - 1e-6) / 1000
+
+    def low_kv(v: float) -> int:
+        req = requested_memory_bytes(era, total_memory_bytes, v)
+        return int(req - fixed_bytes - down_fixed - frac * req)
+
+    while low_kv(value) < need_avail and value <= 1.0:
+        value = round(value + 0.001, 3)
+    return {"blocks": blocks, "needed_available_kv_bytes": need_avail, "needed_requested_bytes": need_req,
+            "exact": exact, "value": value, "possible": value <= 1.0, "risk": "safe"}
+
+
+def _u_remedy_line(un: dict, approx: str) -> str:
+    """explain's line for a ``gpu_memory_utilization`` that helps: at ``risk: safe`` the value whose
+    interval's safe end starts, the expected-value one beside it, and what the check found."""
+    safe = un.get("safe") if un.get("risk") == "safe" and (un.get("safe") or {}).get("possible") else None
+    r = safe or un
+    at = f" at the interval's safe end ({un['value']:.3f} at the expected value)" if safe else ""
+    text = (f"    - gpu_memory_utilization >= {r['value']:.3f}{at}{approx}: {r['blocks']} blocks need "
+            f"{_gib(r['needed_available_kv_bytes'])} GiB of KV{' at the safe end' if safe else ''}, so requested "
+            f"must reach {_gib(r['needed_requested_bytes'])} GiB = {r['exact']:.4f} of total")
+    v = r.get("verified")
+    if v and "error" not in v and v.get("fits") is not None:
+        if safe and v.get("fits_low") is not None:
+            text += (f"; checked: {'starts' if v['fits_low'] else 'still does NOT start'} at the safe end with "
+                     f"{v['kv_cache_tokens_low']} KV tokens ({v['kv_cache_tokens']} at the expected value)")
+        else:
+            text += (f"; checked: {'starts' if v['fits'] else 'still does NOT start'} with "
+                     f"{v['kv_cache_tokens']} KV tokens")
+    return text
+
+
 def _run_for(result: dict, cand: dict) -> dict | None:
     """The first-stage pass a candidate was evaluated with."""
     key = cand.get("run_key")
@@ -816,10 +875,31 @@ def _point_record(p: SimpleNamespace, steps: list[dict]) -> dict:
         out.update(extensible_headroom_bytes=int(cand["extensible_headroom_bytes"]),
                    extensible_margin_bytes=int(cand.get("extensible_margin_bytes") or 0),
                    extensible_withheld_bytes=withheld,
-                   extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"))
+                   extensible_u_withheld_bytes=cand.get("extensible_u_withheld_bytes"),
+                   extensible_capacity_bytes=cand.get("extensible_capacity_bytes"))
+        from tuner.memory.search import extensible_refusal_note
+
+        # 0.34: a refusal on the reservation quotes other figures than the budget (said why)
+        out["engine_error_note"] = extensible_refusal_note(
+            cand, (proposal or {}).get("max_model_len_expected") or (proposal or {}).get("max_model_len"))
     if serve_model and proposal and proposal.get("vllm_args") and point_of(proposal).max_model_len == m and out["fits"]:
         out["command"] = f"vllm serve {serve_model} {proposal['vllm_args']}"
     p.refused_len = refused_len
+    return out
+
+
+def _u_remedy(p: SimpleNamespace, fixed: int) -> dict:
+    """The ``gpu_memory_utilization`` remedy: the smallest value that starts at the expected value
+    (:func:`u_needed`) and, under ``safe``, the smallest that starts at the interval's safe end
+    (:func:`u_needed_safe`, as the ``max_model_len`` remedy proposes at ``risk: safe``); ``risk``: the
+    drop's, which one explain leads with."""
+    blocks = blocks_needed(p.era, p.m, p.block_size, p.min_concurrency)
+    kw = dict(total_memory_bytes=p.total, fixed_bytes=fixed, block_bytes=p.block_bytes, blocks=blocks)
+    risk = (p.proposal or {}).get("risk") or (p.drop.get("constraints") or {}).get("risk") or "safe"
+    out = {**u_needed(p.era, **kw), "risk": risk, "approximate": not p.block_bytes_exact, "verified": None}
+    if p.cand.get("bands"):
+        out["safe"] = {**u_needed_safe(p.era, **kw, bands=list(p.cand["bands"]), requested_bytes=int(p.req)),
+                       "verified": None}
     return out
 
 
@@ -844,10 +924,7 @@ def _remedies(p: SimpleNamespace) -> dict:
             "why": "the weights do not load; vLLM fails before it sizes anything from gpu_memory_utilization"})
     elif block_bytes and block_size and kv_fixed is None:  # with kv_cache_memory_bytes no u changes the cache
         fixed = w + act + nt + (g if subtracts_graphs else 0)
-        rem.update(gpu_memory_utilization={
-            **u_needed(era, total_memory_bytes=total, fixed_bytes=fixed, block_bytes=block_bytes,
-                       blocks=blocks_needed(era, m, block_size, min_concurrency)),
-            "approximate": not block_bytes_exact, "verified": None})
+        rem.update(gpu_memory_utilization=_u_remedy(p, fixed))
         from tuner.memory.budget import co_tenant_non_torch_bytes
         from tuner.jobs.job import other_processes_bytes
 
@@ -905,7 +982,8 @@ def _variant_summary(result: dict | TunerError | None, u: float, m: int) -> dict
     return {"fits": None if c is None else bool(c["fits"]), "num_gpu_blocks": c and c["num_gpu_blocks"],
             "kv_cache_tokens": c and c["kv_cache_tokens"], "max_concurrency": c and c["max_concurrency"],
             "available_kv_cache_bytes": c and c["available_kv_cache_bytes"], "reason": c and c["reason"],
-            "largest_max_model_len": prop and point_of(prop).max_model_len}
+            "largest_max_model_len": prop and point_of(prop).max_model_len,
+            "fits_low": c and c.get("fits_low"), "kv_cache_tokens_low": c and c.get("kv_cache_tokens_low")}
 
 
 def calibration_for_job(job: PreparedJob, db_url: str | None) -> dict | None:
@@ -1126,7 +1204,8 @@ def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw:
         jobs.append(("tensor_parallel", job.request(gpu_memory_utilization=us, max_model_len=ms,
                                                     tensor_parallel_size=tp2)))
     u_remedies = [point_of(e["remedies"]).gpu_memory_utilization for e in failing]
-    checks = sorted({r["value"] for r in u_remedies if r and r["possible"]})
+    checks = sorted({r["value"] for r in u_remedies if r and r["possible"]}
+                    | {r["safe"]["value"] for r in u_remedies if r and (r.get("safe") or {}).get("possible")})
     if checks:
         jobs.append(("u_check", {**job.request(gpu_memory_utilization=checks, max_model_len=ms), "search": False}))
     res = run_jobs(jobs, job_name=d.name, progress=kw.get("progress"), worker=kw["worker"], timeout_s=kw["timeout_s"])
@@ -1144,6 +1223,8 @@ def _fill_remedies(job: PreparedJob, explanations: list[dict], base: dict, **kw:
         un = point_of(rem).gpu_memory_utilization
         if un and un["possible"] and "u_check" in res:
             un["verified"] = _variant_summary(res["u_check"], un["value"], m)
+        if un and (un.get("safe") or {}).get("possible") and "u_check" in res:
+            un["safe"]["verified"] = _variant_summary(res["u_check"], un["safe"]["value"], m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1374,9 +1455,10 @@ def interval_lines(iv: dict | None, indent: str = "  ") -> list[str]:
     if iv["bands"]:
         lines.append(f"{indent}bands, widest first (± on the KV; source -> band):")
     for b in iv["bands"]:
-        half = (int(b["high_bytes"]) - int(b["low_bytes"])) / 2
+        from tuner.memory.uncertainty import band_text
+
         why = f"; {b['widened_by']}" if b.get("widened_by") else ""
-        lines.append(f"{indent}  {b['name']:<40} ±{half / GiB:.3f} GiB  ({b['source']} -> {b['band_source']}{why})")
+        lines.append(f"{indent}  {b['name']:<40} {band_text(b)}  ({b['source']} -> {b['band_source']}{why})")
     return lines
 
 
@@ -1410,6 +1492,8 @@ def render_point(e: dict) -> str:
         lines.append(f"  {e['reason']}")
     elif not e["fits"]:
         lines.append(f"  {'vLLM' if not e.get('starts', False) else 'constraint'}: {e['reason']}")
+        if e.get("engine_error_note"):
+            lines.append(f"  why other figures: {e['engine_error_note']}")
     cal = e.get("calibration")
     if cal:
         terms = ", ".join(f"{k.replace('_delta_bytes', '')} {v / GiB:+.3f} GiB" for k, v in cal["corrections"].items() if v)
@@ -1460,14 +1544,7 @@ def render_point(e: dict) -> str:
         if un:
             approx = " (approximate: bytes per block inferred)" if un.get("approximate") else ""
             if un["possible"]:
-                text = (f"    - gpu_memory_utilization >= {un['value']:.3f}{approx}: {un['blocks']} blocks need "
-                        f"{_gib(un['needed_available_kv_bytes'])} GiB of KV, so requested must reach "
-                        f"{_gib(un['needed_requested_bytes'])} GiB = {un['exact']:.4f} of total")
-                v = un.get("verified")
-                if v and "error" not in v and v.get("fits") is not None:
-                    text += (f"; checked: {'starts' if v['fits'] else 'still does NOT start'} with "
-                             f"{v['kv_cache_tokens']} KV tokens")
-                lines.append(text)
+                lines.append(_u_remedy_line(un, approx))
             elif un.get("exact") is None:  # no u helps at all (the weights do not load)
                 lines.append(f"    - no gpu_memory_utilization helps: {un.get('why') or 'none is enough'}")
             elif un.get("free_bytes") is not None:  # co-tenants: the budget must fit the free memory
