@@ -593,7 +593,8 @@ def test_co_tenant_gmu_remedy_ignored_the_free_memory_check(capsys):
                "--", "vllm", "serve", _llama(), "--max-model-len", "8192", "--gpu-memory-utilization", "0.2"])
     out = capsys.readouterr().out
     assert rc == 3
-    assert "--gpu-memory-utilization 0.236 (8816 KV tokens):" in out  # 18.69 GiB < the 19.19 GiB left free
+    # at the interval's safe end (fresh-user F4): 0.24 x 79.19 = 19.0 GiB < the 19.19 GiB left free
+    assert "--gpu-memory-utilization 0.24 (the interval's safe end, 8416 KV tokens; 0.236 at the expected value):" in out
     # 62 GiB held: the weights load into the 17.19 GiB left, but the budget the cache needs does not fit
     # it (before: '--gpu-memory-utilization 0.236: checked, still does not start')
     rc = main(["check", "--device", "H100-80GB", "--engine-version", "0.32.0", "--other-processes-memory-gib", "62",
