@@ -642,7 +642,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
     if said is not None:  # the runner the release's default picked (a rule, not a band: after the context)
         out["assumptions"] = [*assumptions, said]
     _memo_entries_of(out, req, model, era, method, device, engine_use, engine_key, memo_entries,
-                     keep=pass_memo is None and memoizable, in_worker=pass_memo is None)
+                     memoizable=memoizable, in_worker=pass_memo is None)
     return out
 
 
@@ -746,15 +746,15 @@ def _u_warnings(candidates: list[dict], warnings: list[str]) -> None:
 
 
 def _memo_entries_of(out: dict, req: Any, model: Any, era: Any, method: str, device: dict, engine_use: Any,
-                     engine_key: Any, memo_entries: list[dict], *, keep: bool, in_worker: bool) -> None:
+                     engine_key: Any, memo_entries: list[dict], *, memoizable: bool, in_worker: bool) -> None:
     """The new memo entries a worker's answer carries (``memo_entries``): its passes, the engine
     cross-check that ran (stored once, :mod:`tuner.engine.stored`) and an engine's whole answer."""
     from tuner.jobs import passmemo
 
-    pass_memo = None if in_worker else True
-    memoizable = keep
-    new_entries = list(memo_entries) if pass_memo is None and memoizable else []
-    if pass_memo is None and engine_use is not None and getattr(engine_use, "record_for", None):
+    if not in_worker:  # an answer from the memo adds no entries
+        return
+    new_entries = list(memo_entries) if memoizable else []
+    if engine_use is not None and getattr(engine_use, "record_for", None):
         # the cross-check that ran here, stored once (tuner.engine.stored): later jobs need no import vllm
         from tuner.engine import stored
 
@@ -763,8 +763,7 @@ def _memo_entries_of(out: dict, req: Any, model: Any, era: Any, method: str, dev
                                                settings=ck_settings, device=dict(device), entry_point=entry_point))
     if new_entries:
         out[passmemo.ENTRIES] = new_entries
-    if pass_memo is None and engine_use is not None and engine_use.live and engine_key is not None \
-            and method == "simulate":
+    if engine_use is not None and engine_use.live and engine_key is not None and method == "simulate":
         # the engine's answer, whole: a repeated question is answered from the store by the parent
         # (tuner.jobs.memoanswer.answer_from_memo) without importing vLLM or torch
         from tuner.model.modelspec import config_hash
