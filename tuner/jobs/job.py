@@ -1175,6 +1175,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     drafter_activation_bytes_per_token=kv.drafter_activation_bytes_per_token,
                     drafter_pass=kv.drafter_pass,
                     other_processes_bytes=other_processes_bytes(device, drop),
+                    moe_data_parallel_size=(int(drop.data_parallel_size or 1)
+                                            if config_is_moe(spec.raw) or config_is_moe(spec.top) else 1),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era),
                     pp_layer_partition=pp_layer_partition(drop_env(drop)))
     cards = stage_devices(device, ranks.pp)

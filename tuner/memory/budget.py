@@ -211,6 +211,27 @@ def tp_group_bytes(era: Era, world_size: int, topology: Topology) -> int:
             + symm_mem_buffer_bytes(era, world_size, topology))
 
 
+def moe_dp_group_bytes(era: Era, data_parallel_size: int, topology: Topology) -> int:
+    """NCCL memory of the data-parallel group a MoE model's layers exchange tokens over in the
+    profile run (bytes per rank; 0 at ``data_parallel_size`` 1).
+
+    vllm/model_executor/layers/fused_moe/layer.py ``forward_impl`` (0.10.1): with ``dp_size > 1``
+    every MoE layer dispatches and combines through ``get_ep_group().dispatch/combine``; the
+    ``naive`` backend (vllm/distributed/device_communicators/all2all.py, ``VLLM_ALL2ALL_BACKEND``
+    default ≤ 0.10.2) broadcasts every rank's tokens and combines with
+    ``dp_group.all_reduce`` of ``[dp × N, H]`` (pynccl, far above the custom all-reduce's 8 MiB),
+    ``allgather_reducescatter`` (default from 0.11.0) all-gathers and reduce-scatters over the
+    same group. The DP group is an NCCL communicator like a TP group: the same rule by topology
+    (:func:`nccl_profile_bytes`: NVLS buffers on an NVSwitch fabric of compute capability ≥ 9.0,
+    allocated at the profile's first large collective; the communicator's own buffers where the
+    start-up snapshot precedes ``init_worker_distributed_environment``, V1 ≤ 0.10). Both constants
+    are the TP calibration's (not derived for a DP group). A dense model under DP runs no GPU
+    collective in its forward (nothing charged; the caller passes 1)."""
+    if data_parallel_size <= 1:
+        return 0
+    return nccl_profile_bytes(era, data_parallel_size, topology)
+
+
 def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                     topology: Topology | None = None) -> int:
     """Non-torch memory the era charges to the instance (bytes, per rank).

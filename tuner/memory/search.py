@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 
 from tuner.memory import kvcache
 from tuner.memory.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
-                          free_memory_refusal, kv_budget, platform_of, startup_baseline_bytes,
-                          non_torch_bytes, uma_host_buffer_bytes, unexplained_bytes)
+                          free_memory_refusal, kv_budget, moe_dp_group_bytes, platform_of, startup_baseline_bytes,
+                          non_torch_bytes, Topology, uma_host_buffer_bytes, unexplained_bytes)
 from tuner.memory.eras import V1_CONSUMED, Era, ProfileBatch
 from tuner.errors import KVCacheError, TunerError
 from tuner.memory.ledger import Proposal  # noqa: F401 - the one definition (the wire's typed fields too)
@@ -86,6 +86,9 @@ class Layout:
     #: GPU memory other processes hold at start (co-tenants), bytes (:func:`tuner.memory.budget.free_memory_refusal`,
     #: :func:`tuner.memory.budget.co_tenant_non_torch_bytes`).
     other_processes_bytes: int = 0
+    #: Data-parallel ranks whose MoE layers dispatch and combine over the DP group in the profile
+    #: (``data_parallel_size`` for a MoE model, else 1): :func:`tuner.memory.budget.moe_dp_group_bytes`.
+    moe_data_parallel_size: int = 1
     #: ``--kv-cache-memory-bytes`` (V1 0.10.2+): the KV cache bytes per GPU as given; the profile
     #: still runs but its terms no longer size the cache and ``gpu_memory_utilization`` is ignored
     #: (vllm/v1/worker/gpu_worker.py ``determine_available_memory``). None = sized by the budget.
@@ -412,6 +415,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
     nt0 = non_torch_bytes(era, tensor_parallel_size=layout.tensor_parallel_size,
                           pipeline_parallel_size=layout.pipeline_parallel_size, topology=card.topology) \
         + co_tenant_non_torch_bytes(era, layout.other_processes_bytes) \
+        + moe_dp_group_bytes(era, layout.moe_data_parallel_size, card.topology or Topology()) \
         + uma_host_buffer_bytes(era, free_from_host=layout.free_memory_from_host,
                                 model_runner_v2=layout.model_runner_v2, max_num_seqs=batch.max_num_seqs,
                                 max_model_len=m, block_size=layout.block_size)

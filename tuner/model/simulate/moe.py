@@ -19,7 +19,7 @@ What the profile run allocates in the MoE layer, per era (``M`` tokens, top-k ``
   ``[M·k + E·(BLOCK_M − 1)]``, ``expert_ids`` int32 ``[cdiv(·, BLOCK_M)]`` (``BLOCK_M`` = 64 for
   prefill-sized M, vllm/model_executor/layers/fused_moe/fused_moe.py ``get_default_config``).
 - Triton path up to 0.14 (``fused_experts_impl``, fused_moe.py): per call and per chunk of
-  ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens (65536 up to 0.11, 16384 from 0.13) a
+  ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens (32768 in 0.6 – 0.11, 16384 from 0.12) a
   ``cache13 [Mc·k·max(N, K)]`` (intermediate_cache1 ``[Mc, k, N]`` and intermediate_cache3
   ``[Mc, k, K]`` share it) and ``intermediate_cache2 [Mc·k, N/2]``; all freed when the op returns.
 - Triton path from 0.15 (modular kernel, modular_kernel.py ``_allocate_buffers`` +
@@ -80,13 +80,18 @@ def fused_moe_chunk_size(engine_version) -> int | None:
     """Tokens per chunk of the Triton MoE path (``VLLM_FUSED_MOE_CHUNK_SIZE`` default), or None
     when the release does not chunk.
 
-    vllm/envs.py: 65536 (0.6.4 – 0.11.0), 16384 (0.13.0 – 0.17.0), removed in 0.18.0 (the modular
-    kernel runs all M tokens at once); 0.12 assumed 16384 (UNVERIFIED: wheel not read).
+    vllm/envs.py (every wheel read): none before 0.5.1 (0.4.0 – 0.5.0 ``fused_experts`` sizes its
+    caches on all M tokens), 65536 (0.5.1 – 0.5.5), 32768 (0.6.0 – 0.11.2), 16384
+    (``16 * 1024``, 0.12.0 – 0.17.1), removed in 0.18.0 (the modular kernel runs all M tokens at
+    once). Only M above the chunk is affected: data-parallel MoE layers that see ``dp × N`` tokens
+    (vllm-recipes PR 12, DP8, 65536 tokens: two chunks of 32768 in 0.10.1, not one of 65536).
     """
     v = _vkey(engine_version)
-    if v >= (0, 18, 0):
+    if v >= (0, 18, 0) or v < (0, 5, 1):
         return None
-    return 65536 if v < (0, 12, 0) else 16384
+    if v < (0, 6, 0):
+        return 65536
+    return 32768 if v < (0, 12, 0) else 16384
 
 
 def uses_persistent_workspace(engine_version) -> bool:
@@ -122,6 +127,32 @@ def workspace_bytes(m: int, top_k: int, intermediate_per_rank: int, hidden: int,
     mc = chunk
     return (r(mc * top_k * max(intermediate_per_rank, k) * dtype_bytes) + r(mc * top_k * max(n, k) * dtype_bytes)
             + r(m * k * dtype_bytes))
+
+
+def fused_experts_inplace(engine_version) -> bool:
+    """The unquantized and FP8 MoE methods call ``fused_experts(..., inplace=True)``: the fused
+    output overwrites the layer's input (``out_hidden_states = hidden_states``) instead of a new
+    ``[M, H]`` (vllm/model_executor/layers/quantization/fp8.py ``Fp8MoEMethod.apply`` and
+    fused_moe/layer.py / unquantized_fused_moe_method.py ``forward_cuda``: read in 0.6.4, 0.7.3,
+    0.8.5, 0.9.2, 0.10.1, 0.11.0, 0.12.0, 0.13.0; 0.14.0 passes no ``inplace=True``)."""
+    v = _vkey(engine_version)
+    return (0, 6, 0) <= v < (0, 14, 0)
+
+
+def fp8_input_quant_bytes(rows: int, cols: int, block_k: int | None) -> int:
+    """Bytes of one ``moe_kernel_quantize_input`` of ``[rows, cols]`` to FP8 (fused_moe/utils.py
+    0.10.1): the fp8 copy (1 B per element) and its fp32 scales — ``[rows, ceil(cols / block_k)]``
+    per token group (``per_token_group_quant_fp8``, block-quantized checkpoints), else one per
+    token (dynamic per-token) — each rounded to 512 B as the allocator counts them."""
+    groups = -(-cols // block_k) if block_k else 1
+    r = lambda b: _round_up(b, 512)  # noqa: E731
+    return r(rows * cols) + r(rows * groups * 4)
+
+
+def fp8_input_quant(x: torch.Tensor, rows: int, cols: int, block_k: int | None) -> tuple:
+    """Allocate what :func:`fp8_input_quant_bytes` counts: fp8 ``[rows, cols]`` and fp32 scales."""
+    groups = -(-cols // block_k) if block_k else 1
+    return x.new_empty(rows, cols, dtype=torch.float8_e4m3fn), x.new_empty(rows, groups, dtype=torch.float32)
 
 
 class MoEWorkspace:
@@ -160,6 +191,18 @@ def current_workspace() -> MoEWorkspace:
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _act_quant_block(quant, prefix: str):
+    """The FP8 W8A8 experts' activation quantization: ``block_k`` (per token group) for
+    block-quantized banks, 0 for per-token, None when the experts do not quantize activations
+    (16-bit, weight-only Marlin, other formats)."""
+    from tuner.memory.quant import Fp8Format
+
+    fmt = quant._format_for(prefix, "experts") if hasattr(quant, "_format_for") else None
+    if not isinstance(fmt, Fp8Format) or fmt.marlin or not fmt.quantize_activations:
+        return None
+    return int(fmt.block[1]) if fmt.strategy == "block" else 0
 
 
 #: The rank's expert layout for data/expert parallelism (``(tp, dp, enable_ep)``), set by the
@@ -241,6 +284,7 @@ class FusedMoE(nn.Module):
             if has_bias:
                 self.w13_bias = _param(e, 2 * i, dtype=bias_dtype or dtype)
                 self.w2_bias = _param(e, hidden, dtype=bias_dtype or dtype)
+        self.act_quant_block = _act_quant_block(quant, prefix) if self.quantized else None
         sizes = getattr(quant, "expert_sizes", None) if self.quantized else None
         # the kernels run with the method's padded sizes (MXFP4: I rounded up to 64 on Hopper)
         self.hidden_padded, self.intermediate = (sizes(hidden, intermediate_per_rank, prefix) if sizes
@@ -264,18 +308,32 @@ class FusedMoE(nn.Module):
         return sorted_ids, expert_ids, post
 
     def _triton_chunked(self, x: torch.Tensor) -> torch.Tensor:
-        """Up to 0.14: ``fused_experts_impl`` with per-call caches, in chunks."""
+        """Up to 0.14: ``fused_experts_impl`` with per-call caches, in chunks.
+
+        Within each chunk (vllm/model_executor/layers/fused_moe/fused_moe.py 0.10.1
+        ``fused_experts_impl``) FP8 W8A8 experts quantize the chunk's input and the activated
+        intermediate (``moe_kernel_quantize_input``: fp8 ``[Mc, K]`` and ``[Mc·k, N/2]`` plus fp32
+        scales, :func:`fp8_input_quant_bytes`); each stays bound to its loop variable until the
+        next chunk's replaces it, so the next chunk's copy is allocated beside it. Where the method
+        calls ``fused_experts(..., inplace=True)`` (:func:`fused_experts_inplace`) the output is
+        the input tensor, not a new ``[M, H]``.
+        """
         m = x.shape[0]
         chunk = fused_moe_chunk_size(self.version) or m
         mc = min(m, chunk)
         n, k = 2 * self.intermediate, self.hidden_padded
         cache13 = x.new_empty(mc * self.top_k * max(n, k))
         cache2 = x.new_empty(mc * self.top_k, n // 2)
-        out = torch.empty_like(x)
+        out = x if fused_experts_inplace(self.version) else torch.empty_like(x)
+        q1 = q2 = None
         for start in range(0, m, chunk):
-            aligned = self._align(x, min(chunk, m - start))
+            rows = min(chunk, m - start)
+            aligned = self._align(x, rows)
+            if self.act_quant_block is not None:
+                q1 = fp8_input_quant(x, rows, k, self.act_quant_block)  # replaces the previous chunk's
+                q2 = fp8_input_quant(x, rows * self.top_k, n // 2, self.act_quant_block)
             del aligned
-        del cache13, cache2
+        del cache13, cache2, q1, q2
         return out
 
     def _triton_workspace(self, x: torch.Tensor) -> torch.Tensor:
