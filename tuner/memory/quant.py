@@ -321,9 +321,18 @@ class WNA16Format:
         dtype)``: AWQ's own kernel (awq.py ``AWQLinearMethod.apply``, 0.6.4, 0.10.1.1, 0.19.0 — the
         forced ``--quantization awq``, or a layer awq_marlin.py hands back to it) dequantizes the
         whole weight (``ops.awq_dequantize`` -> ``[in, out]`` in the scales' dtype) and multiplies
-        with ``torch.matmul`` once ``x.shape[:-1].numel() >= 256``. None for the other kernels."""
-        if self.flavor == "awq" and self._kernel_for(i, o, dtype) == "plain":
+        with ``torch.matmul`` once ``x.shape[:-1].numel() >= 256``. GPTQ's own kernel (gptq.py
+        ``GPTQLinearMethod.apply`` → ``ops.gptq_gemm``; csrc/quantization/gptq/q_gemm.cu
+        ``gptq_gemm``, read in the 0.3.3, 0.4.1 and 0.10.1.1 sdists) allocates, next to its output
+        ``c``, ``temp_dq = torch::empty({b_q_weight.size(0) * 32 / bit, b_q_weight.size(1)})`` —
+        the dequantized ``[in, out]`` in the activation dtype — on every call, whatever the rows
+        (the kernel reconstructs into it above ``MAX_Q_GEMM_ROWS`` 50, 24 for 8 bits). None for the
+        other kernels."""
+        kern = self._kernel_for(i, o, dtype)
+        if self.flavor == "awq" and kern == "plain":
             return 256, (i, o), dtype
+        if self.flavor == "gptq" and kern == "plain":
+            return 0, (i, o), dtype
         return None
 
     def bank(self, e: int, i: int, o: int, dtype: str) -> Layout:
