@@ -452,7 +452,10 @@ class Qwen35Plugin(_HybridPlugin):
         first, last = rank == 0, rank == pp - 1
         tied = spec.tie_word_embeddings
         embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and tied)) else None
-        lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if tied else None) if last else None
+        # qwen3_5.py passes quant_config to ParallelLMHead: methods that quantize the head
+        # (ModelOpt from 0.23, GPTQ ``lm_head: true``) register it quantized
+        lm_head = (L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if tied else None, quant=quant, prefix="lm_head")
+                   if last else None)
         text = L.CausalLM(embed, layers, L.RMSNorm(h, dtype) if last else None, lm_head, extra={"rotary_emb": rope})
         return _with_vision(text, spec, settings, dtype, quant)
 
