@@ -1038,7 +1038,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     """
     store_note = None  # what this explanation read from and wrote to the store (None: the caller's worker)
     if worker is None:  # the store's pass memo first (tuner.jobs.passmemo; cache=False: --no-cache)
-        worker, store_note = _memo_with_store_note(db_url, cache)
+        worker, store_note = memo_with_store_note(db_url, cache)
     from tuner.jobs.app import serve_model
 
     job = prepare(drop_path, nvml=nvml, drop=drop)
@@ -1109,8 +1109,8 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             "pass_source": base.get("pass_source"), "store": store_note, "explanations": explanations}
 
 
-def _memo_with_store_note(db_url: str | None, cache: bool) -> tuple[Callable[..., dict], dict]:
-    """The pass-memo worker of ``explain`` (:func:`tuner.jobs.memoanswer.memo_worker`) and the note of
+def memo_with_store_note(db_url: str | None, cache: bool) -> tuple[Callable[..., dict], dict]:
+    """The pass-memo worker of ``explain`` and ``plot`` (:func:`tuner.jobs.memoanswer.memo_worker`) and the note of
     what it does to the store, filled in as its jobs run: ``{"path", "read", "pass_memo_entries_written"}``
     (``path`` None where the store does not exist: the memo neither reads nor creates one)."""
     import os
