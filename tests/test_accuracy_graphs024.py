@@ -97,3 +97,31 @@ def test_modelopt_nvfp4_lm_head_counted_as_bf16():
                if isinstance(e.get("value"), dict) and "weights_bytes" in e["value"]}
     assert weights == {21_752_527_344}
     assert 22_483_581_408 - 21_752_527_344 == 248320 * 2048 * 2 - 286_064_656
+
+
+def test_moe_decoders_quantize_lm_head_where_vllm_passes_quant_config():
+    # qwen3_moe.py (0.24) builds ParallelLMHead(..., quant_config=quant_config): a ModelOpt NVFP4
+    # checkpoint that does not exclude lm_head loads it NVFP4 from 0.23.0, bf16 in 0.22.1
+    import dataclasses
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.plugin import load_registry
+
+    path = SHARED / "models" / "Qwen--Qwen3-30B-A3B" / "config.json"
+    if not path.is_file():
+        pytest.skip("shared model configs not present")
+    qc = {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
+    spec = load_model_spec(path)[0]
+    spec = dataclasses.replace(spec, quantization_config=qc)
+    plugin = load_registry().by_name("qwen3_moe")
+
+    def weights(version: str) -> int:
+        settings = RankSettings(engine_version=version, dtype="bfloat16")
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            return plugin.weights_bytes(spec, settings, plugin.build_model(spec, settings))
+
+    v, h = 151936, 2048  # Qwen3-30B-A3B vocab (a multiple of 64) and hidden size
+    assert weights("0.22.1") - weights("0.24.0") == v * h * 2 - (v * h // 2 + v * h // 16 + 4 * 4) == 447_299_568
