@@ -89,7 +89,8 @@ def test_moe_dp_group_bytes_by_fabric_and_release():
     assert moe_dp_group_bytes(era_for("0.10.1"), 8, nvs) == int((NVLS_TP2_GIB + 2 * NVLS_PER_DOUBLING_GIB
                                                                  + NCCL_COMMUNICATOR_GIB) * GiB)
     assert moe_dp_group_bytes(era_for("0.10.1"), 8, pcie) == int(NCCL_COMMUNICATOR_GIB * GiB)
-    assert moe_dp_group_bytes(era_for("0.11.0"), 8, pcie) == 0
+    assert moe_dp_group_bytes(era_for("0.11.0"), 8, pcie) == 0  # pynccl all_gatherv: no lazy torch communicator
+    assert moe_dp_group_bytes(era_for("0.14.0"), 2, nvs) == int(NVLS_TP2_GIB * GiB)
     assert moe_dp_group_bytes(era_for("0.19.0"), 2, nvs) == int(NVLS_TP2_GIB * GiB)
 
 

@@ -259,16 +259,29 @@ def moe_dp_group_bytes(era: Era, data_parallel_size: int, topology: Topology) ->
     ``naive`` backend (vllm/distributed/device_communicators/all2all.py, ``VLLM_ALL2ALL_BACKEND``
     default ≤ 0.10.2) broadcasts every rank's tokens and combines with
     ``dp_group.all_reduce`` of ``[dp × N, H]`` (pynccl, far above the custom all-reduce's 8 MiB),
-    ``allgather_reducescatter`` (default from 0.11.0) all-gathers and reduce-scatters over the
-    same group. The DP group is an NCCL communicator like a TP group: the same rule by topology
-    (:func:`nccl_profile_bytes`: NVLS buffers on an NVSwitch fabric of compute capability ≥ 9.0,
-    allocated at the profile's first large collective; the communicator's own buffers where the
-    start-up snapshot precedes ``init_worker_distributed_environment``, V1 ≤ 0.10). Both constants
-    are the TP calibration's (not derived for a DP group). A dense model under DP runs no GPU
-    collective in its forward (nothing charged; the caller passes 1)."""
+    ``allgather_reducescatter`` (default from 0.11.0, ``AgRsAll2AllManager``) all-gathers and
+    reduce-scatters over the same group through pynccl (``CudaCommunicator.all_gatherv``), not
+    torch's ``device_group``, so the lazily created torch communicator of
+    :func:`lazy_communicator_bytes` (a TP group's logits all-gather, 0.11 – 0.17) does not apply.
+    Charged like a TP group by topology, as :func:`nccl_profile_bytes` charges one outside that
+    window: NVLS buffers on an NVSwitch fabric of compute capability ≥ 9.0
+    (:data:`NVLS_TP2_GIB` + :data:`NVLS_PER_DOUBLING_GIB` per doubling), allocated at the profile's
+    first large collective; the communicator's own buffers (:data:`NCCL_COMMUNICATOR_GIB`) where
+    the start-up snapshot precedes ``init_worker_distributed_environment`` (V0, V1 ≤ 0.10). Both
+    constants are the TP calibration's (not derived for a DP group). A dense model under DP runs
+    no GPU collective in its forward (nothing charged; the caller passes 1)."""
     if data_parallel_size <= 1:
         return 0
-    return nccl_profile_bytes(era, data_parallel_size, topology)
+    out = 0.0
+    try:
+        major = int(str(topology.compute_capability).split(".")[0])
+    except (TypeError, ValueError):
+        major = 9  # unknown: the larger (safe) value
+    if topology.interconnect == "nvswitch" and major >= 9:
+        out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(data_parallel_size / 2)
+    if era.engine == "V0" or era.version < (0, 11, 0):
+        out += NCCL_COMMUNICATOR_GIB
+    return int(out * GiB)
 
 
 def non_torch_bytes(era: Era, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
