@@ -254,6 +254,14 @@ def case_config_format(case: dict) -> str:
     return "mistral" if re.search(r"--config[-_]format[= ]+mistral", text) else "auto"
 
 
+def case_entry_point(case: dict) -> str:
+    """``offline`` where the case's raw lines construct vLLM's ``LLM`` class (``LLM(model=...)``:
+    ``UsageContext.LLM_CLASS``, whose ``max_num_batched_tokens`` / ``max_num_seqs`` defaults differ,
+    vllm/engine/arg_utils.py ``_set_default_args``), else ``serve``."""
+    text = " ".join(str(x) for x in case.get("raw_lines") or [])
+    return "offline" if re.search(r"(?<![\w.])LLM\(", text) else "serve"
+
+
 def case_env(settings: dict) -> dict | None:
     """A case's environment variables (``env_NAME`` settings, cases/README.md) as a drop's
     ``env``."""
@@ -326,11 +334,12 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     installed = logparse.flashinfer_installed(texts)
     triton = logparse.triton_kernels_installed(texts)  # MXFP4 on Hopper before 0.12
     fmt = (case.get("settings") or {}).get("config_format") or case_config_format(case)
-    if installed is not None or triton is not None or fmt != "auto":
+    entry = case_entry_point(case)
+    if installed is not None or triton is not None or fmt != "auto" or entry != drop.entry_point:
         import dataclasses
 
         drop = dataclasses.replace(drop, flashinfer_installed=installed, config_format=fmt,
-                                   triton_kernels_installed=triton)
+                                   triton_kernels_installed=triton, entry_point=entry)
     from tuner.question.protocol import JobRequest
 
     draft_path = draft_error = None
