@@ -1,4 +1,4 @@
-"""DeepSeek-V4 plugin (``DeepseekV4ForCausalLM``: DeepSeek-V4-Flash, DeepSeek-V4-Pro), vLLM 0.20 – 0.28.
+"""DeepSeek-V4 plugin (``DeepseekV4ForCausalLM``: DeepSeek-V4-Flash, DeepSeek-V4-Pro), vLLM 0.20 – 0.29.
 
 Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attention.py``,
 ``compressor.py``, ``quant_config.py`` (0.20 – 0.21: ``model_executor/models/deepseek_v4.py``,
@@ -38,8 +38,8 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   inverse-RoPE fp8 quant of ``o`` and ``wo_a``'s einsum output, the MoE block; final ``hc_head``
   mix and norm.
 
-Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.29+
-(a different KV planning), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
+Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
+(the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
 sparse-attention kernels' own workspaces, the MXFP4 expert layout specific to DeepSeek-V4 (the
 gpt-oss layouts of the backend are used), ROCm's own DeepSeek-V4 path (``models/deepseek_v4/amd``).
 """
@@ -50,7 +50,7 @@ from types import SimpleNamespace
 
 from tuner.errors import ModelConfigError
 from tuner.memory.eras import parse_version
-from tuner.memory.kvcache_dsv4 import (DSV4_GROUPING_UNTIL, FP8_DS_MLA_V4_BYTES, DSv4MLASpec,
+from tuner.memory.kvcache_dsv4 import (DSV4_MODELLED_UNTIL, FP8_DS_MLA_V4_BYTES, DSv4MLASpec,
                                        DSv4SlidingWindowMLASpec)
 from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
 
@@ -66,11 +66,18 @@ INDEXER_QUANT_BLOCK = 128
 FLASHMLA_MIN_HEADS = 64
 
 
+def config(spec) -> dict:
+    """The text config as vLLM's own ``DeepseekV4Config`` reads it: the file's keys
+    (``compress_ratios``, ``num_hash_layers``, ``rope_scaling``, which transformers' class renames or
+    drops) over transformers' ``to_dict()``."""
+    return {**spec.raw, **(getattr(spec, "top", None) or {})}
+
+
 def compress_ratios(spec) -> list[int]:
     """``max(1, compress_ratios[i])`` for the decoder layers (the list carries the MTP layer last), read
     from the file's JSON as vLLM's own config class does (transformers' ``DeepseekV4Config`` renames
     it ``compress_rates``)."""
-    raw = (getattr(spec, "top", None) or {}).get("compress_ratios") or spec.raw.get("compress_ratios")
+    raw = config(spec).get("compress_ratios")
     if not isinstance(raw, list) or len(raw) < spec.num_hidden_layers:
         raise ModelConfigError("DeepSeek-V4 config needs compress_ratios with one entry per layer",
                                where=spec.path)
@@ -99,10 +106,10 @@ class DeepseekV4Plugin(ModelPlugin):
         if v < "0.20.0":
             raise ModelConfigError(f"DeepseekV4ForCausalLM is not supported by vLLM {settings.engine_version} (absent "
                                    "from the model registry before 0.20)", where=spec.path)
-        if v >= DSV4_GROUPING_UNTIL:
+        if v >= DSV4_MODELLED_UNTIL:
             raise ModelConfigError(
-                f"DeepseekV4ForCausalLM on vLLM {settings.engine_version} is not modelled: 0.29 replaced the "
-                "DeepSeek-V4 KV grouping (group_and_unify_kv_cache_specs) this plugin ports; modelled 0.20 – 0.28",
+                f"DeepseekV4ForCausalLM on vLLM {settings.engine_version} is not modelled: 0.30 changed the "
+                "DeepSeek-V4 sliding-window cache spec (v1/attention/backends/mla/sparse_swa.py); modelled 0.20 – 0.29",
                 where=spec.path)
         if not _is_fp8(settings.kv_cache_dtype):
             raise ModelConfigError(
@@ -116,7 +123,7 @@ class DeepseekV4Plugin(ModelPlugin):
         out = [assumption("model.deepseek_v4.kernels", "mHC / sparse-attention workspaces", "model",
                           "DeepSeek-V4's hyper-connection (mHC) and sparse MLA kernels' own workspaces in the profile "
                           "run are not modelled (only their outputs)")]
-        if str(spec.raw.get("expert_dtype") or "fp4") == "fp4":
+        if str(config(spec).get("expert_dtype") or "fp4") == "fp4":
             out.append(assumption("model.deepseek_v4.expert_layout", "gpt-oss MXFP4 layout", "model",
                                   "DeepSeek-V4's MXFP4 experts are sized in the layout the gpt-oss MXFP4 backend "
                                   "of this GPU and release uses (Mxfp4MoEMethod; DeepSeek-V4's own conversion not "
@@ -132,7 +139,7 @@ class DeepseekV4Plugin(ModelPlugin):
         """Per layer, in vLLM's registration order: indexer cache and indexer compressor state
         (``r = 4``), SWA cache, main compressed cache and compressor state (``r > 1``)."""
         self.check_supported(spec, settings)
-        raw = spec.raw
+        raw = config(spec)
         bs = settings.block_size or DEFAULT_BLOCK_SIZE
         d = int(raw.get("head_dim") or 512)
         idx_d = int(raw.get("index_head_dim") or 128)
@@ -165,7 +172,7 @@ class DeepseekV4Plugin(ModelPlugin):
         from tuner.memory.quant import scheme_for
 
         base = scheme_for(spec, settings)
-        if base is None or str(spec.raw.get("expert_dtype") or "fp4") != "fp4":
+        if base is None or str(config(spec).get("expert_dtype") or "fp4") != "fp4":
             return base
         mx = scheme_for(SimpleNamespace(quantization_config={"quant_method": "mxfp4"}, raw={}, top={}), settings)
         base.expert_format = mx.expert_format
@@ -175,7 +182,7 @@ class DeepseekV4Plugin(ModelPlugin):
         self.check_supported(spec, settings)
         from tuner.model.simulate.dsv4 import build_deepseek_v4
 
-        return build_deepseek_v4(spec, settings, compress_ratios(spec), self.quant_scheme(spec, settings))
+        return build_deepseek_v4(spec, settings, config(spec), compress_ratios(spec), self.quant_scheme(spec, settings))
 
 
 plugin = DeepseekV4Plugin()

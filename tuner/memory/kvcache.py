@@ -823,7 +823,7 @@ def get_kv_cache_groups(version: str | VllmVersion, kv_cache_spec: dict, *,
             return [KVCacheGroup(list(specs), u)]
         from tuner.memory import kvcache_dsv4 as dsv4
 
-        if dsv4.is_dsv4_specs(specs) and v < dsv4.DSV4_GROUPING_UNTIL:  # group_and_unify_kv_cache_specs
+        if dsv4.is_dsv4_specs(specs):  # group_and_unify_kv_cache_specs; 0.29 _get_packed_kv_cache_groups
             return dsv4.dsv4_kv_cache_groups(v, specs)
         hidden = {k: s for k, s in specs.items() if isinstance(s, HiddenStateSpec)}
         rest = {k: s for k, s in specs.items() if not isinstance(s, HiddenStateSpec)}

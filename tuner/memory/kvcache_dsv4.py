@@ -32,8 +32,15 @@ Pure functions over frozen dataclasses (no torch). Written from vLLM 0.20.0 – 
   ``Σ_ps ps · slots(ps)``; 0.27 – 0.28 ``_get_packed_kv_cache_layout``: the largest group's
   ``Σ pages``.
 
-From 0.29 vLLM drops ``group_and_unify_kv_cache_specs`` (layer-plan planning): not modelled here
-(:data:`DSV4_GROUPING_UNTIL`; the plugin refuses those releases).
+0.29 (:data:`DSV4_GROUPING_UNTIL`) replaces that grouping with ``_get_packed_kv_cache_groups``
+(block-outermost layouts, vllm/v1/core/kv_cache_utils.py 0.29.0; :func:`dsv4_packed_groups`):
+layers bucketed greedily by ``UniformTypeKVCacheSpecs.is_uniform_type``, a bucket "balanced" when
+each of its page sizes has the same layer count, ``repeats = _approximate_gcd(max layers per page
+size of the balanced buckets, lower bound: the largest balanced bucket that mixes page sizes)``,
+balanced buckets split round-robin into ``cdiv(count, repeats)`` groups, the others kept whole.
+Bytes per block and the admission bytes then follow the 0.29 layer plan of
+:mod:`tuner.memory.kvcache` (the widest group's ``Σ pages`` × ``Σ`` group pages). The DeepSeek-V4
+caches change again in 0.30 (the SWA cache's spec): 0.30+ are not modelled (the plugin refuses).
 """
 
 from __future__ import annotations
@@ -45,8 +52,11 @@ from typing import Any
 from tuner.memory.eras import VllmVersion
 
 #: First release after the DeepSeek-V4 "layer tuple" grouping (``group_and_unify_kv_cache_specs``
-#: is gone from vllm/v1/core/kv_cache_utils.py in 0.29.0).
+#: is gone from vllm/v1/core/kv_cache_utils.py in 0.29.0; ``_get_packed_kv_cache_groups`` instead).
 DSV4_GROUPING_UNTIL = "0.29.0"
+#: First release whose DeepSeek-V4 SWA cache spec differs from 0.20 – 0.29's (sparse_swa.py 0.30.0:
+#: no ``state_content_bytes=584`` / ``block_size = 64``): not modelled.
+DSV4_MODELLED_UNTIL = "0.30.0"
 #: First release that keeps sliding pages unpadded in the DeepSeek-V4 groups (``size_to_candidate``
 #: padding in ``_get_kv_cache_groups_uniform_groups`` up to 0.26.0, gone in 0.27.0).
 DSV4_UNPADDED_SWA_SINCE = "0.27.0"
@@ -161,12 +171,15 @@ def _tuples(specs: dict) -> int:
 
 
 def dsv4_kv_cache_groups(version: str | VllmVersion, specs: dict) -> list:
-    """``group_and_unify_kv_cache_specs`` + ``_get_kv_cache_groups_uniform_groups`` (0.20 – 0.28):
+    """``group_and_unify_kv_cache_specs`` + ``_get_kv_cache_groups_uniform_groups`` (0.20 – 0.28;
+    0.29: :func:`dsv4_packed_groups`):
     ``[full MLA group, sliding sub-groups …]`` as :class:`tuner.memory.kvcache.KVCacheGroup` of
     ``UniformTypeKVCacheSpecs``."""
     from tuner.memory.kvcache import KVCacheGroup, UniformTypeKVCacheSpecs, _ver
 
     v = _ver(version)
+    if v >= DSV4_GROUPING_UNTIL:
+        return dsv4_packed_groups(specs)
     full = {n: s for n, s in specs.items() if isinstance(s, DSv4MLASpec)}
     buckets: dict[tuple[int, int], dict] = {}
     for n, s in specs.items():
@@ -206,6 +219,51 @@ def dsv4_kv_cache_groups(version: str | VllmVersion, specs: dict) -> list:
             sub = {name: padded[name] for name in names}
             groups.append(KVCacheGroup(names, UniformTypeKVCacheSpecs(next(iter(sub.values())).block_size, sub)))
     return groups
+
+
+def dsv4_packed_groups(specs: dict) -> list:
+    """``_get_packed_kv_cache_groups`` (0.29.0, no Mamba layers): see the module docstring."""
+    from tuner.memory.kvcache import KVCacheGroup, UniformTypeKVCacheSpecs
+
+    buckets: list[dict] = []
+    for name, s in specs.items():
+        for b in buckets:
+            if _uniform_type({**b, name: s}):
+                b[name] = s
+                break
+        else:
+            buckets.append({name: s})
+    info = []
+    for b in buckets:
+        per_size: dict[int, list[str]] = {}
+        for name, s in b.items():
+            per_size.setdefault(s.page_size_bytes, []).append(name)
+        info.append((b, per_size, len({len(v) for v in per_size.values()}) == 1))
+    floor = max((_tuples(b) for b, per, bal in info if bal and len(per) > 1), default=0)
+    repeats = _approximate_gcd([_tuples(b) for b, _, bal in info if bal], floor) if floor else None
+    groups = []
+    for b, per, bal in info:
+        n = _cdiv(_tuples(b), repeats) if bal and repeats else 1
+        if n == 1:
+            groups.append(KVCacheGroup(list(b), UniformTypeKVCacheSpecs(next(iter(b.values())).block_size, dict(b))))
+            continue
+        pattern = list(zip(*per.values()))
+        for i in range(n):
+            names = [name for rep in pattern[i::n] for name in rep]
+            sub = {name: b[name] for name in names}
+            groups.append(KVCacheGroup(names, UniformTypeKVCacheSpecs(next(iter(sub.values())).block_size, sub)))
+    return groups
+
+
+def _uniform_type(specs: dict) -> bool:
+    """``UniformTypeKVCacheSpecs.is_uniform_type`` for DeepSeek-V4 specs: one block size, and all
+    sliding with one window or all compressed (full-attention type)."""
+    vals = list(specs.values())
+    if len({s.block_size for s in vals}) > 1:
+        return False
+    if isinstance(vals[0], DSv4SlidingWindowMLASpec):
+        return all(isinstance(s, DSv4SlidingWindowMLASpec) and s.sliding_window == vals[0].sliding_window for s in vals)
+    return all(isinstance(s, DSv4MLASpec) for s in vals)
 
 
 def is_dsv4_groups(groups: list) -> bool:

@@ -207,9 +207,9 @@ class DeepseekV4LM(L.CausalLM):
         return out
 
 
-def build_deepseek_v4(spec, settings, ratios: list[int], quant) -> nn.Module:
-    """The rank's module (see the plugin's docstring for every tensor)."""
-    raw = spec.raw
+def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn.Module:
+    """The rank's module (see the plugin's docstring for every tensor); ``raw`` is the config as
+    vLLM reads it (:func:`tuner.plugins.deepseek_v4.config`)."""
     dtype = torch_dtype(settings.dtype)
     tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank
     h, hc = spec.hidden_size, int(raw.get("hc_mult") or 4)
