@@ -20,7 +20,7 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   ``[E, H]``, ``tid2eid [V, k]`` int32 on the first ``num_hash_layers`` layers else fp32
   ``e_score_correction_bias [E]``, fp8 shared expert ``moe_intermediate_size · n_shared / t``, and
   the routed experts in the checkpoint's ``expert_dtype`` (``fp4`` → ``Mxfp4MoEMethod``: MXFP4
-  values + e8m0 scales per 32, in the layout :func:`tuner.memory.quant.mxfp4_backend` picks;
+  values + e8m0 scales per 32, in the layout of :func:`mxfp4_expert_backend`: Marlin on Hopper;
   ``fp8`` → fp8 block); rotary caches: one fp32 ``[original_max · factor, qk_rope_head_dim]``
   per distinct ``rope_theta`` (``compress_rope_theta`` on compressed layers; ``get_rope`` caches
   by key); persistent buffers ``topk_indices_buffer [max_num_batched_tokens, index_topk]`` int32
@@ -40,13 +40,10 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
 
 Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
 (the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
-sparse-attention kernels' own workspaces, the MXFP4 expert layout specific to DeepSeek-V4 (the
-gpt-oss layouts of the backend are used), ROCm's own DeepSeek-V4 path (``models/deepseek_v4/amd``).
+sparse-attention kernels' own workspaces, ROCm's own DeepSeek-V4 path (``models/deepseek_v4/amd``).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 from tuner.errors import ModelConfigError
 from tuner.memory.eras import parse_version
@@ -89,6 +86,20 @@ def compress_ratios(spec) -> list[int]:
     return out
 
 
+def mxfp4_expert_backend(settings: RankSettings) -> str:
+    """The MXFP4 expert layout DeepSeek-V4 gets (fused_moe/oracle/mxfp4.py
+    ``select_deepseek_v4_mxfp4_moe_backend`` 0.21 – 0.29, ``select_mxfp4_moe_backend``'s
+    ``_get_priority_backends`` in 0.20): CUDA Blackwell 10.x FlashInfer TRT-LLM (MXFP8 activations),
+    DeepGEMM FP4 is Blackwell-only too, so every other CUDA GPU (Hopper included) Marlin; ROCm the
+    unfused Triton path (AITER before 0.21), both with H and I padded to 256 (the ROCm branch of
+    ``mxfp4_round_up_hidden_size_and_intermediate_size``), weights as loaded. Unlike gpt-oss, Hopper
+    never gets the swizzled Triton layout here."""
+    if getattr(settings, "platform", "cuda") == "rocm":
+        return "rocm_triton"
+    cc = str(getattr(settings, "compute_capability", None) or "9.0")
+    return "flashinfer_trtllm" if cc.split(".")[0] == "10" else "marlin"
+
+
 def _is_fp8(kv_cache_dtype: str | None) -> bool:
     return (kv_cache_dtype or "auto").lower().startswith("fp8")
 
@@ -123,11 +134,6 @@ class DeepseekV4Plugin(ModelPlugin):
         out = [assumption("model.deepseek_v4.kernels", "mHC / sparse-attention workspaces", "model",
                           "DeepSeek-V4's hyper-connection (mHC) and sparse MLA kernels' own workspaces in the profile "
                           "run are not modelled (only their outputs)")]
-        if str(config(spec).get("expert_dtype") or "fp4") == "fp4":
-            out.append(assumption("model.deepseek_v4.expert_layout", "gpt-oss MXFP4 layout", "model",
-                                  "DeepSeek-V4's MXFP4 experts are sized in the layout the gpt-oss MXFP4 backend "
-                                  "of this GPU and release uses (Mxfp4MoEMethod; DeepSeek-V4's own conversion not "
-                                  "read)"))
         if getattr(settings, "platform", "cuda") == "rocm":
             out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
                                   "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
@@ -168,14 +174,16 @@ class DeepseekV4Plugin(ModelPlugin):
     # -- module ------------------------------------------------------------------------------
     def quant_scheme(self, spec, settings: RankSettings):
         """``deepseek_v4_fp8`` (quant_config.py): fp8 block linears; experts MXFP4 for
-        ``expert_dtype: fp4`` (the default), fp8 block for ``fp8``."""
-        from tuner.memory.quant import scheme_for
+        ``expert_dtype: fp4`` (the default; ``Mxfp4MoEMethod`` in the layout of
+        :func:`mxfp4_expert_backend`), fp8 block for ``fp8``."""
+        from tuner.memory.quant import Mxfp4ExpertsFormat, _version, mxfp4_alignment, scheme_for
 
         base = scheme_for(spec, settings)
         if base is None or str(config(spec).get("expert_dtype") or "fp4") != "fp4":
             return base
-        mx = scheme_for(SimpleNamespace(quantization_config={"quant_method": "mxfp4"}, raw={}, top={}), settings)
-        base.expert_format = mx.expert_format
+        backend = mxfp4_expert_backend(settings)
+        base.expert_format = Mxfp4ExpertsFormat(backend=backend, prepad=False,
+                                                align=mxfp4_alignment(backend, _version(settings)))
         return base
 
     def build_model(self, spec, settings: RankSettings):

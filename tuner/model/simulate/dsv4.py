@@ -14,10 +14,23 @@ from torch import nn
 
 from tuner.model.plugin import stage_layers
 from tuner.model.simulate import layers as L
-from tuner.model.simulate.moe import FusedMoE, torch_dtype
+from tuner.model.simulate.moe import FusedMoE, current_workspace, torch_dtype
 
 #: ``padded_heads = max(n_local_heads, 64)`` (FlashMLA; attn_sink and o_padded).
 MIN_HEADS = 64
+#: ``get_max_prefill_buffer_size`` (v1/attention/backends/mla/indexer.py): ``max_model_len · 40``.
+PREFILL_BUFFER_PER_TOKEN = 40
+#: ``RADIX_TOPK_WORKSPACE_SIZE`` (model_executor/layers/sparse_attn_indexer.py): 1 MiB.
+RADIX_TOPK_WORKSPACE = 1 << 20
+#: ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`` default (vllm/envs.py, 0.20 – 0.29): 512.
+INDEXER_MAX_LOGITS_BYTES = 512 << 20
+#: ``FlashMLASparse…PREFILL_CHUNK_SIZE`` (models/deepseek_v4/nvidia/flashmla.py): 4 requests per chunk.
+FLASHMLA_PREFILL_CHUNK = 4
+
+
+def _ws_bytes(*sizes: int) -> int:
+    """``WorkspaceManager.get_simultaneous`` (v1/worker/workspace.py): each view rounded up to 256 B."""
+    return sum(-(-n // 256) * 256 for n in sizes)
 
 
 def _rope_len(raw: dict, max_pos: int) -> int:
@@ -49,12 +62,15 @@ class Indexer(nn.Module):
     ``weights_proj [n, H]``, its compressor (``D = d``). Forward: weights ``[N, n]``, the query
     ``[N, n·d]`` and its fp8 copy with per-128 fp32 scales; top-k goes to the persistent buffer."""
 
-    def __init__(self, hidden: int, q_lora: int, n: int, d: int, ratio: int, dtype, quant, prefix: str) -> None:
+    def __init__(self, hidden: int, q_lora: int, n: int, d: int, ratio: int, dtype, quant, prefix: str,
+                 max_model_len: int) -> None:
         super().__init__()
         self.wq_b = L.Linear(q_lora, n * d, dtype, quant=quant, prefix=f"{prefix}.wq_b")
         self.weights_proj = L.Linear(hidden, n, dtype)
         self.compressor = Compressor(hidden, d, ratio, dtype)
         self.n, self.d = n, d
+        #: ``max_total_seq_len = get_max_prefill_buffer_size // compress_ratio`` (attention.py)
+        self.total_seq_lens = max_model_len * PREFILL_BUFFER_PER_TOKEN // ratio
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor) -> None:
         w = self.weights_proj(x)
@@ -62,13 +78,20 @@ class Indexer(nn.Module):
         q = self.wq_b(qr)
         q8 = q.new_empty(q.shape[0], self.n * self.d, dtype=torch.uint8)
         qs = q.new_empty(q.shape[0], self.n * self.d // 128, dtype=torch.float32)
-        del w, kv_score, q, q8, qs
+        # sparse_attn_indexer in the profile run (no metadata): the K-gather workspace
+        # ((T, d) fp8 + (T, 4) scales + the radix top-k buffer) reserved in the shared workspace,
+        # and a dummy 512 MiB logits tensor, freed at once
+        current_workspace().ensure(_ws_bytes(self.total_seq_lens * self.d, self.total_seq_lens * 4,
+                                             RADIX_TOPK_WORKSPACE), x.device)
+        logits = x.new_empty(INDEXER_MAX_LOGITS_BYTES, dtype=torch.uint8)
+        del w, kv_score, q, q8, qs, logits
 
 
 class Attention(nn.Module):
     """``DeepseekV4Attention`` + its MLA wrapper on one rank (heads / tp, o_groups / tp)."""
 
-    def __init__(self, raw: dict, hidden: int, heads: int, ratio: int, dtype, quant, prefix: str, tp: int) -> None:
+    def __init__(self, raw: dict, hidden: int, heads: int, ratio: int, dtype, quant, prefix: str, tp: int,
+                 max_model_len: int, max_num_batched_tokens: int) -> None:
         super().__init__()
         d, q_lora, o_lora = int(raw.get("head_dim") or 512), int(raw["q_lora_rank"]), int(raw["o_lora_rank"])
         groups = int(raw["o_groups"])
@@ -84,7 +107,12 @@ class Attention(nn.Module):
         self.wo_b.all_reduce_out_of_place = tp > 1
         self.compressor = Compressor(hidden, d, ratio, dtype) if ratio > 1 else None
         self.indexer = (Indexer(hidden, q_lora, int(raw.get("index_n_heads") or 64), int(raw.get("index_head_dim") or 128),
-                                ratio, dtype, quant, f"{prefix}.indexer") if ratio == 4 else None)
+                                ratio, dtype, quant, f"{prefix}.indexer", max_model_len) if ratio == 4 else None)
+        # FlashMLA's dummy-run reservation: [chunk, N + window + max_num_batched_tokens, D] bf16 with
+        # N = cdiv(max_model_len, r) on compressed layers, 0 on SWA-only ones (flashmla.py forward_mqa)
+        rows = (-(-max_model_len // ratio) if ratio > 1 else 0) + int(raw.get("sliding_window") or 128) \
+            + max_num_batched_tokens
+        self.mla_workspace = _ws_bytes(FLASHMLA_PREFILL_CHUNK * rows * d * 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -99,7 +127,8 @@ class Attention(nn.Module):
         q = self.wq_b(qr)
         if self.heads < self.padded:  # profile run: F.pad to the FlashMLA head count
             q = q.new_empty(n, self.padded, self.d)
-        del qr, kv, kv_score, q  # FlashMLA does not fire in the profile run; o_padded stays as is
+        current_workspace().ensure(self.mla_workspace, x.device)  # then o_padded.zero_(), no kernel
+        del qr, kv, kv_score, q
         o_fp8 = o_padded.new_empty(n, self.heads * self.d, dtype=torch.uint8)  # fused_inv_rope_fp8_quant
         o_scale = o_padded.new_empty(n, self.heads * self.d // 128, dtype=torch.float32)
         del o_padded
@@ -219,10 +248,12 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
 
         raise ModelConfigError(f"num_attention_heads ({heads}) and o_groups ({raw['o_groups']}) must divide by "
                                f"tensor_parallel_size ({tp})", where=spec.path)
+    n_tok = int(settings.max_num_batched_tokens or 8192)
+    max_len = int(settings.max_model_len or spec.max_position_embeddings)
     layers = []
     for i in stage_layers(spec, settings):
         p = f"model.layers.{i}"
-        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp)
+        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok)
         ffn = MoE(raw, h, spec.vocab_size, i < int(raw.get("num_hash_layers") or 0), dtype, quant, f"{p}.ffn", tp,
                   settings)
         layers.append(Layer(attn, ffn, h, hc, dtype))
@@ -230,7 +261,6 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
     thetas = {raw.get("compress_rope_theta") if r > 1 else raw.get("rope_theta") for r in ratios}
     extra: dict = {f"rotary_emb_{j}": L.RotaryEmbedding(rope_len, int(raw.get("qk_rope_head_dim") or 64), torch.float32)
                    for j, _ in enumerate(sorted(thetas, key=str))}
-    n_tok = int(settings.max_num_batched_tokens or 8192)
     bufs = nn.Module()
     bufs.register_buffer("topk_indices_buffer", torch.empty(n_tok, int(raw.get("index_topk") or 512),
                                                             dtype=torch.int32), persistent=False)
