@@ -62,7 +62,7 @@ class MiniMaxM2Plugin(ModelPlugin):
             return SparseMoeBlock(gate, moe, tensor_parallel_size=tp)
 
         model = build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
-                              qkv_bias=bool(raw.get("attention_bias", False)))
+                              qkv_bias=bool(raw.get("attention_bias", False)), lm_head_quant=True)
         for layer in model.layers:  # MiniMaxText01RMSNormTP over all heads, sharded by tp
             attn = layer.self_attn
             attn.q_norm = L.RMSNorm(spec.num_attention_heads * spec.head_dim // tp, dtype)

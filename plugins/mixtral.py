@@ -52,7 +52,8 @@ class MixtralPlugin(ModelPlugin):
                            tensor_parallel_size=tp, reduce_results=True)
             return SparseMoeBlock(gate, moe, tensor_parallel_size=tp)
 
-        return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant)
+        return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
+                             lm_head_quant=True)
 
 
 plugin = MixtralPlugin()

@@ -86,7 +86,7 @@ class QwenMoePlugin(ModelPlugin):
 
         qkv_bias = bool(raw.get("attention_bias", False)) if self.qwen3 else True
         return build_decoder(spec, settings, stage_layers(spec, settings), mlp_for_layer=mlp, rope=rope, quant=quant,
-                             qkv_bias=qkv_bias, qk_norm=self.qwen3)
+                             qkv_bias=qkv_bias, qk_norm=self.qwen3, lm_head_quant=True)
 
 
 qwen2_moe = QwenMoePlugin("qwen_moe", ("Qwen2MoeForCausalLM",), qwen3=False)

@@ -78,3 +78,38 @@ def test_usage(tmp_path):
     assert _cli("plot", "-o", str(tmp_path / "x.png"))[0] == 2  # neither drop nor --model
     rc, _, err = _cli("plot", "--model", "nothing-like-this", "--db", str(profiled_db()), "-o", str(tmp_path / "x.png"))
     assert rc == 1 and "no stored drop" in err
+
+
+def test_plot_wrote_pass_memo_rows_without_saying_so(tmp_path):
+    """``plot DROP`` stores its jobs' passes in the store's pass memo; it now says so (as ``explain``):
+    the store line names the file and the number of entries written, and the JSON carries it."""
+    import shutil
+    import sqlite3
+
+    db = tmp_path / "results.sqlite"
+    shutil.copy(profiled_db(), db)
+
+    def memo_rows():
+        con = sqlite3.connect(db)
+        try:
+            return con.execute("SELECT COUNT(*) FROM pass_memo").fetchone()[0]
+        finally:
+            con.close()
+
+    drop = tmp_path / "h100.yaml"  # passes the store's memo does not hold yet (another batch)
+    drop.write_text(H100_DROP.read_text().replace("model: ../models/", f"model: {H100_DROP.parent.parent}/models/")
+                    .replace("max_num_batched_tokens: 8192", "max_num_batched_tokens: 4096"))
+    before = memo_rows()
+    with using_cached_worker():
+        rc, text, err = _cli("plot", str(drop), "--db", str(db), "-o", str(tmp_path / "a.png"))
+    assert rc == 0, err
+    written = memo_rows() - before
+    assert written > 0
+    noun = "entry" if written == 1 else "entries"
+    assert f"  store: {db} (its pass memo read; {written} pass-memo {noun} written)\n" in text
+    with using_cached_worker():
+        rc, text, err = _cli("plot", str(drop), "--db", str(db), "-o", str(tmp_path / "b.png"), "--json")
+    assert rc == 0, err
+    store = json.loads(text)["store"]
+    assert store["path"] == str(db) and store["pass_memo_entries_written"] == 0
+    assert memo_rows() - before == written

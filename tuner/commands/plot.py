@@ -83,6 +83,7 @@ def run(args) -> int:
         print(f"ctx-tuner plot: invalid settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
     store = None
+    store_note = None  # what the drop's jobs read from and wrote to the store (None: --model reads only)
     try:
         _import_pyplot()  # fail before any job runs
         problem = output_problem(args.output)
@@ -104,11 +105,13 @@ def run(args) -> int:
             # sqlite:/// URL) simply has none
             if store_exists(db):
                 store = open_for_read(db)
-            from tuner.jobs.memoanswer import memo_worker
+            from tuner.reports.explain import memo_with_store_note
 
+            # the jobs' passes go to the store's pass memo where the store exists: said below (store line)
+            worker, store_note = memo_with_store_note(args.db, not args.no_cache)
             data = frontier_from_drop(args.drop, gpu_memory_utilization=args.gmu, concurrency=args.concurrency,
                                       store=store, timeout_s=args.timeout, progress=progress_printer(args),
-                                      worker=memo_worker(args.db, None, enabled=not args.no_cache))
+                                      worker=worker)
         series = render_png(data, args.output)
     except TunerError as exc:
         return job_error_exit(exc)
@@ -116,9 +119,14 @@ def run(args) -> int:
         if store is not None:
             store.close()
     if args.json:
-        print(json.dumps({"output": args.output, "series": series, "data": data}, indent=2))
+        print(json.dumps({"output": args.output, "series": series, "data": data, "store": store_note}, indent=2))
     else:
         print(f"wrote {args.output} ({len(series)} series; data in {sidecar_path(args.output)})")
+        from tuner.reports.explain import store_line
+
+        line = store_line(store_note)
+        if line:
+            print(f"  {line}")
         for label, pts in series.items():
             print(f"  {label}: {len(pts)} points")
         for note in data.get("notes") or []:

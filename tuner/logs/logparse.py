@@ -527,9 +527,11 @@ FLASHINFER_PRESENT = ("Using FlashInfer for top-p & top-k sampling", "FlashInfer
 #: ``prepare_moe_fp4_layer_for_marlin``, 0.10.1 – 0.11): on a Hopper card it is printed only when
 #: ``triton_kernels`` (or torch >= 2.8) is missing.
 MXFP4_MARLIN = ("Weight-only FP4 compression will be used leveraging the Marlin kernel",)
-#: The official images (vllm/vllm-openai) install ``triton_kernels`` beside vLLM for gpt-oss: not read
-#: from their Dockerfile; the v0.11.0 image's gpt-oss-20b / -120b start-ups load Triton's layout
-#: (13.47 / 64.38 GiB), not Marlin's (1.7 GiB more on -120b).
+#: Start-ups whose notes name the official image (vllm/vllm-openai) are read as having ``triton_kernels``
+#: beside vLLM. Not from source: the v0.11.0 ``docker/Dockerfile`` installs FlashInfer v0.3.1 and the
+#: EP kernels but names no ``triton_kernels``; the rule stands on the llm-d v0.11.0 gpt-oss-20b / -120b
+#: logs, which load Triton's layout (13.47 / 64.38 GiB), not Marlin's (1.7 GiB more on -120b). An
+#: environment read from evidence, said as such in the result's assumptions.
 TRITON_KERNELS_IMAGE = ("vllm/vllm-openai",)
 
 

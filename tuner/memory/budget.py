@@ -182,11 +182,49 @@ NVLS_PER_DOUBLING_GIB = 0.06
 NCCL_COMMUNICATOR_GIB = 0.12
 
 
+#: One NCCL communicator of a TP group on an NVLink / NVSwitch fabric (GiB per rank). Calibrated, not
+#: derived (NCCL's channel buffers are sized inside NCCL, not by vLLM): the vLLM 0.11.0 H100 TP2 logs
+#: (llm-d-benchmark, torch 2.8.0 / NCCL 2.27) print 0.54 / 0.55 GiB non-torch against 0.13 at TP1,
+#: i.e. 0.41 / 0.42 GiB for the one communicator created inside the profile window
+#: (:func:`lazy_communicator_bytes`); the same logs' start-up free memory cross-checks it: TP2 uses
+#: 0.93 GiB more than TP1 before the snapshot = two pynccl communicators (``tp`` and ``ep`` groups,
+#: parallel_state.py ``initialize_model_parallel``) + the custom all-reduce (16 MiB) and symmetric-
+#: memory (66 MiB) buffers, 0.425 GiB each. Over PCIe :data:`NCCL_COMMUNICATOR_GIB` (fewer channels).
+NCCL_NVLINK_COMMUNICATOR_GIB = 0.42
+#: V1 releases whose profile window (``init_snapshot`` after ``init_worker_distributed_environment``
+#: up to ``memory_profiling``'s exit) holds only the profile run: from 0.18 ``determine_available_memory``
+#: also runs ``profile_cudagraph_memory`` inside ``memory_profiling`` (gpu_worker.py 0.18.0 – 0.34.0),
+#: where the 0.19 calibration (:data:`NVLS_TP2_GIB`) was measured.
+PROFILE_RUN_ONLY_WINDOW = ((0, 11, 0), (0, 18, 0))
+
+
+def lazy_communicator_bytes(era: Era, world_size: int, topology: Topology) -> int:
+    """The NCCL communicator a V1 0.11 – 0.17 profile run creates for a TP group (bytes per rank; 0
+    elsewhere). The snapshot follows ``init_worker_distributed_environment`` (gpu_worker.py
+    ``init_device``), so the pynccl communicators and custom all-reduce / symmetric-memory buffers are
+    baseline; torch's own ``ProcessGroupNCCL`` for the group's ``device_group`` is not: vLLM calls
+    ``init_process_group`` without ``device_id`` (distributed/parallel_state.py), so torch creates
+    that communicator at the group's first collective, the profile's logits all-gather
+    (``LogitsProcessor._gather_logits`` → ``DeviceCommunicatorBase.all_gather`` →
+    ``dist.all_gather_into_tensor(group=device_group)``; ``use_all_gather`` is True on V1; read in
+    0.11.0, 0.12.0, 0.14.0, 0.17.0). Its size: :data:`NCCL_NVLINK_COMMUNICATOR_GIB` on NVLink /
+    NVSwitch, :data:`NCCL_COMMUNICATOR_GIB` otherwise."""
+    lo, hi = PROFILE_RUN_ONLY_WINDOW
+    if world_size <= 1 or era.engine != "V1" or not lo <= era.version < hi:
+        return 0
+    gib = NCCL_NVLINK_COMMUNICATOR_GIB if topology.interconnect in ("nvswitch", "nvlink") else NCCL_COMMUNICATOR_GIB
+    return int(gib * GiB)
+
+
 def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
     """NCCL memory the era charges to a rank of a TP group of ``world_size`` (bytes): NVLS
     buffers on an NVSwitch fabric with compute capability ≥ 9.0 (:data:`NVLS_TP2_GIB`, allocated
-    during the profile in every era), plus the communicator's own buffers where the snapshot
-    precedes the distributed init (:data:`NCCL_COMMUNICATOR_GIB`; from V1 0.11 they are baseline)."""
+    during the profile), plus the communicator's own buffers where the snapshot precedes the
+    distributed init (:data:`NCCL_COMMUNICATOR_GIB`; from V1 0.11 they are baseline). V1 0.11 – 0.17
+    at TP2 charge the communicator the profile creates (:func:`lazy_communicator_bytes`) and no
+    NVLS term: their H100 TP2 logs print 0.41 – 0.42 GiB beyond TP1, not 0.19's 1.82 (whose window
+    also holds the CUDA-graph profiling captures); no 0.11 – 0.17 log at TP ≥ 4 says what NVLS adds
+    there, so the 0.19 term stays for those."""
     if world_size <= 1:
         return 0
     out = 0.0
@@ -194,12 +232,13 @@ def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
         major = int(str(topology.compute_capability).split(".")[0])
     except (TypeError, ValueError):
         major = 9  # unknown: the larger (safe) value
-    if topology.interconnect == "nvswitch" and major >= 9:
+    lazy = lazy_communicator_bytes(era, world_size, topology)
+    if topology.interconnect == "nvswitch" and major >= 9 and not (lazy and world_size == 2):
         out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(world_size / 2)
     snapshot_before_nccl = era.engine == "V0" or era.version < (0, 11, 0)
     if snapshot_before_nccl:
         out += NCCL_COMMUNICATOR_GIB
-    return int(out * GiB)
+    return int(out * GiB) + lazy
 
 
 def tp_group_bytes(era: Era, world_size: int, topology: Topology) -> int:

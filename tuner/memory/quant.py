@@ -775,7 +775,22 @@ def _compressed_tensors(qc: dict, cc, override) -> QuantScheme:
     return scheme
 
 
-def _modelopt(qc: dict) -> QuantScheme:
+#: First release whose ModelOpt configs quantize ``ParallelLMHead`` as well as ``LinearBase``
+#: (vllm/model_executor/layers/quantization/modelopt.py ``get_quant_method``:
+#: ``isinstance(layer, (LinearBase, ParallelLMHead))`` in ``ModelOptQuantConfigBase`` and
+#: ``ModelOptMixedPrecisionConfig`` from 0.23.0, read in 0.23.0, 0.24.0, 0.34.0; ``LinearBase`` only
+#: in 0.17.0 – 0.22.1). The head is then quantized unless excluded (``exclude_modules`` /
+#: ``ignore``), and under ``MIXED_PRECISION`` only when ``quantized_layers`` names it
+#: (``_resolve_quant_algo``: ``lm_head`` is a candidate prefix of ``*.lm_head``; not listed ->
+#: ``UnquantizedLinearMethod``). The model must pass its quant config to ``ParallelLMHead``
+#: (qwen3_5.py does).
+MODELOPT_QUANTIZES_LM_HEAD_FROM = (0, 23, 0)
+
+
+def _modelopt(qc: dict, version: tuple[int, ...] = (0, 19, 0)) -> QuantScheme:
+    """ModelOpt (``quant_method: modelopt``) schemes; ``version``: the vLLM release, which decides
+    whether ``lm_head`` is quantized (:data:`MODELOPT_QUANTIZES_LM_HEAD_FROM`)."""
+    lm_head = tuple(version[:3]) >= MODELOPT_QUANTIZES_LM_HEAD_FROM
     inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
     algo = str(inner.get("quant_algo") or "").upper()
     ignore = list(inner.get("exclude_modules") or qc.get("ignore") or qc.get("exclude_modules") or [])
@@ -794,9 +809,11 @@ def _modelopt(qc: dict) -> QuantScheme:
     if algo == "MIXED_PRECISION":
         layers = inner.get("quantized_layers") or {}
         per_layer = {k: fmt_for(str(v.get("quant_algo", "")), int(v.get("group_size") or 16)) for k, v in layers.items()}
-        return QuantScheme("modelopt_mixed", ignore=ignore, per_layer=per_layer, substring_ignore=True)
+        return QuantScheme("modelopt_mixed", ignore=ignore, per_layer=per_layer, substring_ignore=True,
+                           quantizes_lm_head=lm_head)
     fmt = fmt_for(algo, gs)
-    return QuantScheme("modelopt", linear_format=fmt, expert_format=fmt, ignore=ignore, substring_ignore=True)
+    return QuantScheme("modelopt", linear_format=fmt, expert_format=fmt, ignore=ignore, substring_ignore=True,
+                       quantizes_lm_head=lm_head)
 
 
 def scheme_for(spec, settings) -> QuantScheme | None:
@@ -899,7 +916,7 @@ def scheme_for(spec, settings) -> QuantScheme | None:
                                  scale_k_pad=4 if swizzle and ver[:3] >= MXFP4_HOPPER_SCALE_PAD4_FROM else 1)
         return QuantScheme("mxfp4", expert_format=fmt, ignore=list(qc.get("modules_to_not_convert") or []))
     if method in ("modelopt", "modelopt-fp4", "modelopt-mixed"):
-        return _modelopt(qc)
+        return _modelopt(qc, ver)
     if method == "bitsandbytes":
         return QuantScheme("bitsandbytes", linear_format=Fp4Format(group=64, scale_dtype="float32", globals_fp32=False),
                            ignore=list(qc.get("llm_int8_skip_modules") or []))

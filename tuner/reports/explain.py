@@ -417,8 +417,8 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
     """The TP group's share of the non-torch term as its own steps (bytes; empty at TP 1): NCCL
     (NVLS on NVSwitch, the communicator where the era charges it) and custom all-reduce's IPC
     buffers, with whether custom all-reduce is on and why (:mod:`tuner.memory.budget`)."""
-    from tuner.memory.budget import (custom_all_reduce_buffer_bytes, custom_all_reduce_enabled, nccl_profile_bytes,
-                              symm_mem_buffer_bytes)
+    from tuner.memory.budget import (custom_all_reduce_buffer_bytes, custom_all_reduce_enabled,
+                                     lazy_communicator_bytes, nccl_profile_bytes, symm_mem_buffer_bytes)
     from tuner.memory.eras import V0_PROFILING, V1_CONSUMED, V1_PROFILING
     from tuner.jobs.job import topology_for
 
@@ -429,6 +429,7 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
         return []
     topo = topology_for(device, drop)
     nccl = nccl_profile_bytes(era, tp, topo)
+    lazy = lazy_communicator_bytes(era, tp, topo)
     on, why = custom_all_reduce_enabled(tp, topo)
     charged = era.engine == "V0" or era.version < (0, 11, 0)
     ar = custom_all_reduce_buffer_bytes(era, tp, topo) if charged else 0
@@ -437,7 +438,8 @@ def _communication_steps(era: Era, drop: dict, device: dict, non_torch: int) -> 
         return []
     out = [{"name": "nccl", "op": "-", "bytes": nccl,
             "text": f"NCCL buffers of the TP{tp} group ({topo.interconnect}"
-                    f"{', NVLS' if topo.interconnect == 'nvswitch' and nccl else ''})"}]
+                    f"{', NVLS' if topo.interconnect == 'nvswitch' and nccl > lazy else ''}"
+                    f"{', the communicator the profile creates' if lazy else ''})"}]
     state = "on" if on else f"off: {why}"
     out.append({"name": "custom_all_reduce", "op": "-", "bytes": ar,
                 "text": f"custom all-reduce IPC buffers ({state}"
@@ -1038,7 +1040,7 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
     """
     store_note = None  # what this explanation read from and wrote to the store (None: the caller's worker)
     if worker is None:  # the store's pass memo first (tuner.jobs.passmemo; cache=False: --no-cache)
-        worker, store_note = _memo_with_store_note(db_url, cache)
+        worker, store_note = memo_with_store_note(db_url, cache)
     from tuner.jobs.app import serve_model
 
     job = prepare(drop_path, nvml=nvml, drop=drop)
@@ -1109,8 +1111,8 @@ def explain_drop(drop_path: str, *, gpu_memory_utilization: float | None = None,
             "pass_source": base.get("pass_source"), "store": store_note, "explanations": explanations}
 
 
-def _memo_with_store_note(db_url: str | None, cache: bool) -> tuple[Callable[..., dict], dict]:
-    """The pass-memo worker of ``explain`` (:func:`tuner.jobs.memoanswer.memo_worker`) and the note of
+def memo_with_store_note(db_url: str | None, cache: bool) -> tuple[Callable[..., dict], dict]:
+    """The pass-memo worker of ``explain`` and ``plot`` (:func:`tuner.jobs.memoanswer.memo_worker`) and the note of
     what it does to the store, filled in as its jobs run: ``{"path", "read", "pass_memo_entries_written"}``
     (``path`` None where the store does not exist: the memo neither reads nor creates one)."""
     import os

@@ -22,7 +22,7 @@ def torch_dtype(name: str):
 
 def build_decoder(spec, settings, layer_indices, *, mlp_for_layer, rope: nn.Module | None, quant=None,
                   attn_name: str = "self_attn", qkv_bias: bool = False, o_bias: bool = False,
-                  qk_norm: bool = False, sinks: bool = False):
+                  qk_norm: bool = False, sinks: bool = False, lm_head_quant: bool = False):
     """A pre-norm decoder of one rank and pipeline stage whose MLPs come from ``mlp_for_layer``.
 
     Args:
@@ -35,6 +35,9 @@ def build_decoder(spec, settings, layer_indices, *, mlp_for_layer, rope: nn.Modu
         attn_name: the attention submodule's vLLM name (``self_attn``; gpt-oss ``attn``).
         qkv_bias, o_bias: projection biases; qk_norm: per-head q/k RMSNorm ``[head_dim]`` (Qwen3);
         sinks: per-head attention-sink parameter ``[heads / tp]`` in the model dtype (gpt-oss).
+        lm_head_quant: the vLLM model passes its quant config to ``ParallelLMHead`` (qwen2_moe.py,
+            qwen3_moe.py, mixtral.py, minimax_m2.py in 0.24; not llama4.py, gpt_oss.py): a scheme
+            that quantizes the head (ModelOpt from 0.23, GPTQ ``lm_head: true``) registers it so.
 
     Embedding / LM head / final norm follow vLLM's PP rules as in :mod:`tuner.plugins.generic`.
     """
@@ -64,6 +67,7 @@ def build_decoder(spec, settings, layer_indices, *, mlp_for_layer, rope: nn.Modu
     embed = L.VocabEmbedding(spec.vocab_size, h, dtype, tp) if (first or (last and tie)) else None
     lm_head = None
     if last:
-        lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if tie else None)
+        lm_head = L.LMHead(spec.vocab_size, h, dtype, tp, tied_to=embed if tie else None,
+                           quant=quant if lm_head_quant else None, prefix="lm_head")
     norm = L.RMSNorm(h, dtype) if last else None
     return L.CausalLM(embed, layers, norm, lm_head, extra={"rotary_emb": rope} if rope is not None else None)
