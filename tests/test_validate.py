@@ -76,6 +76,31 @@ def test_compare_uses_blocks_then_gib_then_tokens_and_flags_unsafe():
     assert compare(failed, _result(900, 14400, GiB, fits=False))["observed_fits"] is False
 
 
+def test_kv_precheck_refusal_with_only_the_needed_figure_counted_as_safe():
+    """vllm-53961: vLLM refused at its KV pre-check ("23.32 GiB KV cache is needed, which is larger t…",
+    the available figure cut off). A prediction that starts there promised KV vLLM did not have: the
+    row is unsafe at the expected value, and its safe end is judged against the bound."""
+    refused = _case(observed={"kv_cache_needed_gib": 23.32, "kv_cache_gib": None, "error_message":
+                              "ValueError: To serve at least one request with the model's max seq len (1048576), "
+                              "23.32 GiB KV cache is needed, which is larger t"})
+
+    def result(kv, lo, fits):
+        r = _result(2000, 32000, int(kv * GiB), fits=fits)
+        r["candidates"][0]["available_kv_cache_bytes_low"] = int(lo * GiB)
+        r["candidates"][0]["available_kv_cache_bytes_high"] = int(2 * kv * GiB)
+        return r
+
+    row = compare(refused, result(35.5, 3.3, True))
+    assert row["error_basis"] == "kv_cache_needed_bound" and row["error_pct"] is None
+    assert row["unsafe"] is True and row["covered"] is True and row["unsafe_at_safe_end"] is False
+    row = compare(refused, result(35.5, 24.0, True))  # the safe end too promises what vLLM lacked
+    assert row["unsafe"] is True and row["covered"] is False and row["unsafe_at_safe_end"] is True
+    row = compare(refused, result(20.0, 10.0, False))
+    assert row["unsafe"] is False and row["unsafe_at_safe_end"] is False
+    other = _case(observed={"kv_cache_needed_gib": 23.32, "error_message": "CUDA out of memory"})
+    assert compare(other, result(35.5, 3.3, True))["error_basis"] is None
+
+
 def test_summary_median_p90_unsafe_and_could_not_run():
     rows = [{"id": str(i), "status": "ok", "error_pct": e, "unsafe": e > 4, "predicted_fits": True, "observed_fits": True}
             for i, e in enumerate([0.5, -1.0, 2.0, -3.0, 5.0, 0.1, 0.2, 0.3, 0.4, 10.0])]
