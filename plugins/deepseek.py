@@ -3,10 +3,8 @@
 Serves ``DeepseekV2ForCausalLM`` (DeepSeek-V2 / V2-Lite / Coder-V2), ``DeepseekV3ForCausalLM``
 (DeepSeek-V3 / R1 / V3.1, Kimi-K2 — ``model_type: kimi_k2`` with the DeepSeek-V3 architecture) and
 ``DeepseekV32ForCausalLM`` (sparse MLA with the DSA indexer), following vLLM 0.19.0
-``vllm/model_executor/models/deepseek_v2.py``. ``DeepseekV4ForCausalLM`` is declared only to fail
-clearly: vLLM ≤0.19 has no such architecture (its registry, vllm/model_executor/models/registry.py);
-0.20+ implement it (``deepseek_v4``) with compressed/sliding attention caches this plugin does not
-model, so the plugin raises :class:`~tuner.errors.ModelConfigError` (saying which) instead of guessing.
+``vllm/model_executor/models/deepseek_v2.py``. ``DeepseekV4ForCausalLM`` (compressed and
+sliding-window caches, hyper-connections) is its own plugin, :mod:`tuner.plugins.deepseek_v4`.
 
 What it models per rank (module: :mod:`tuner.model.simulate.mla`):
 
@@ -43,7 +41,7 @@ Not modelled: the device (``RankSettings`` carries no GPU; a ``compute_capabilit
 read when present, else Hopper is assumed), MTP / ``num_nextn_predict_layers`` (speculative only),
 expert parallelism / EPLB, the DSA indexer's ``40·max_model_len`` workspace reservation.
 
-Errors: :class:`~tuner.errors.ModelConfigError` for DeepSeek-V4, missing MLA fields, or heads
+Errors: :class:`~tuner.errors.ModelConfigError` for a DeepSeek-V4 config, missing MLA fields, or heads
 not divisible by TP.
 """
 
@@ -148,24 +146,15 @@ class DeepseekPlugin(ModelPlugin):
     """DeepSeek-V2/V3/R1, Kimi-K2 and V3.2-style sparse MLA (vLLM ``deepseek_v2.py``)."""
 
     name = "deepseek"
-    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                     "DeepseekV4ForCausalLM")
+    architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 
     # -- checks ------------------------------------------------------------------------------
     def check_supported(self, spec, settings: RankSettings) -> None:
-        """Raises ModelConfigError for architectures this plugin must not guess."""
+        """Raises ModelConfigError for a DeepSeek-V4 config handed to this plugin (served by
+        :mod:`tuner.plugins.deepseek_v4`)."""
         if "DeepseekV4ForCausalLM" in spec.architectures or spec.model_type == "deepseek_v4":
-            # vllm/model_executor/models/registry.py: absent from 0.19, registered from 0.20
-            # (``deepseek_v4``; 0.28 makes it a default Model Runner V2 architecture).
-            if parse_version(settings.engine_version) < (0, 20, 0):
-                raise ModelConfigError(
-                    f"DeepseekV4ForCausalLM is not supported by vLLM {settings.engine_version} (absent from the "
-                    "model registry before 0.20)", where=spec.path)
-            raise ModelConfigError(
-                f"DeepseekV4ForCausalLM (vLLM {settings.engine_version} implements it from 0.20) is not modelled: "
-                "its hyper-connection residuals, compressed (ratio 4/128) and sliding-window attention "
-                "caches and indexer are outside this plugin; no prediction rather than a guess",
-                where=spec.path)
+            raise ModelConfigError("DeepseekV4ForCausalLM is served by the deepseek_v4 plugin, not this one",
+                                   where=spec.path)
 
     def is_sparse(self, spec) -> bool:
         return spec.raw.get("index_topk") is not None

@@ -135,7 +135,7 @@ def test_moe_under_data_parallelism_ran_on_one_ranks_tokens():
     assert experts1 == e and experts8 == e // 8  # expert parallelism: E / (dp · tp) experts per rank
     # dp 1, m = 512: top-k weights/ids/indices 3 · m·k·4 = 12,288; cache13 m·k·max(2I, H)·2 = 524,288;
     # cache2 m·k·I·2 = 262,144; align buffers 9,216; the output is the input (``inplace=True``,
-    # 0.6 – 0.13: tuner.model.simulate.moe.fused_experts_inplace, docs §18a)
+    # 0.6 – 0.13: tuner.model.simulate.moe.fused_experts_inplace, docs §19a)
     assert one == 12_288 + 524_288 + 262_144 + 9_216 == 807_936
     # dp 8, m = 4096: + the dispatched [m, H] and [m, E] (2,097,152 + 131,072), every buffer on m
     assert eight == (2_097_152 + 131_072) + 98_304 + (4_194_304 + 2_097_152) + 38_400 == 8_656_384

@@ -128,7 +128,7 @@ def test_gptq_gemm_temp_dq_beside_its_output():
 def test_qwen_gh16_gptq_exllama_temp_dq_not_charged(observed_cases, shared_dir):
     """QwenLM/Qwen3 issue 16 (0.4.0, RTX 3090, Qwen1.5-7B-Chat GPTQ, ``--quantization gptq``): 25,264
     tokens predicted against the 24,320 printed (+3.88 %) without the exllama kernel's ``temp_dq``;
-    with it 25,088 (+3.16 %); the rest is not located (docs/accuracy-mechanisms.md §16)."""
+    with it 25,088 (+3.16 %); the rest is not located (docs/accuracy-mechanisms.md §19)."""
     from tuner.accuracy.validate import predict_cases
 
     row = predict_cases([observed_cases["qwen-gh16-rtx3090-qwen15-7b-gptq"]], shared_dir / "models")[0]

@@ -212,8 +212,8 @@ def test_deepseek_v4_refusal_says_which_releases_have_it(shared_dir):
 
     path = shared_dir / "models" / "deepseek-ai--DeepSeek-V4-Flash" / "config.json"
     spec, _ = load_model_spec(path)
-    plugin = load_registry().by_name("deepseek")
+    plugin = load_registry().by_name("deepseek_v4")  # its own plugin since issue 28 (0.20 – 0.29 modelled)
     with pytest.raises(ModelConfigError, match="absent from the model registry before 0.20"):
-        plugin.kv_cache_spec(spec, RankSettings(engine_version="0.19.0", dtype="bfloat16"))
-    with pytest.raises(ModelConfigError, match="implements it from 0.20"):
-        plugin.kv_cache_spec(spec, RankSettings(engine_version="0.33.0", dtype="bfloat16"))
+        plugin.kv_cache_spec(spec, RankSettings(engine_version="0.19.0", dtype="bfloat16", kv_cache_dtype="fp8"))
+    with pytest.raises(ModelConfigError, match="0.30 changed the DeepSeek-V4 sliding-window cache spec"):
+        plugin.kv_cache_spec(spec, RankSettings(engine_version="0.33.0", dtype="bfloat16", kv_cache_dtype="fp8"))

@@ -102,9 +102,11 @@ def test_glm_sparse_mla_and_indexer_pages(shared_dir):
 
 
 def test_deepseek_v4_fails_clearly(shared_dir):
-    spec, p = _spec(shared_dir, "deepseek-ai--DeepSeek-V4-Flash"), _plugin("deepseek")
+    spec = _spec(shared_dir, "deepseek-ai--DeepSeek-V4-Flash")
     with pytest.raises(ModelConfigError, match="DeepseekV4ForCausalLM is not supported by vLLM 0.19.0"):
-        p.kv_cache_spec(spec, _settings(tensor_parallel_size=8))
+        _plugin("deepseek_v4").kv_cache_spec(spec, _settings(tensor_parallel_size=8))
+    with pytest.raises(ModelConfigError, match="served by the deepseek_v4 plugin"):
+        _plugin("deepseek").kv_cache_spec(spec, _settings(tensor_parallel_size=8))
 
 
 # ------------------------------------------------------------------------------- weights

@@ -254,6 +254,14 @@ def case_config_format(case: dict) -> str:
     return "mistral" if re.search(r"--config[-_]format[= ]+mistral", text) else "auto"
 
 
+def case_entry_point(case: dict) -> str:
+    """``offline`` where the case's raw lines construct vLLM's ``LLM`` class (``LLM(model=...)``:
+    ``UsageContext.LLM_CLASS``, whose ``max_num_batched_tokens`` / ``max_num_seqs`` defaults differ,
+    vllm/engine/arg_utils.py ``_set_default_args``), else ``serve``."""
+    text = " ".join(str(x) for x in case.get("raw_lines") or [])
+    return "offline" if re.search(r"(?<![\w.])LLM\(", text) else "serve"
+
+
 def case_env(settings: dict) -> dict | None:
     """A case's environment variables (``env_NAME`` settings, cases/README.md) as a drop's
     ``env``."""
@@ -326,11 +334,12 @@ def case_request(case: dict, models_dir: str | Path, *, calibration: dict | None
     installed = logparse.flashinfer_installed(texts)
     triton = logparse.triton_kernels_installed(texts)  # MXFP4 on Hopper before 0.12
     fmt = (case.get("settings") or {}).get("config_format") or case_config_format(case)
-    if installed is not None or triton is not None or fmt != "auto":
+    entry = case_entry_point(case)
+    if installed is not None or triton is not None or fmt != "auto" or entry != drop.entry_point:
         import dataclasses
 
         drop = dataclasses.replace(drop, flashinfer_installed=installed, config_format=fmt,
-                                   triton_kernels_installed=triton)
+                                   triton_kernels_installed=triton, entry_point=entry)
     from tuner.question.protocol import JobRequest
 
     draft_path = draft_error = None
@@ -393,6 +402,10 @@ def compare(case: dict, result: dict, *, version: str | None = None) -> dict:
         unsafe = False
     observed_failed = bool(o.get("error_message")) or (obs_gib is not None and obs_gib < 0)
     interval = _interval_row(c, basis, obs_blocks, obs_gib, obs_tokens, block)
+    bound = _needed_bound(o) if basis is None else None
+    if bound is not None:  # vLLM refused at its KV pre-check and the available figure was not kept
+        basis, unsafe = "kv_cache_needed_bound", bool(c["fits"])
+        interval.update(_bound_interval(c, bound))
     unc = result.get("uncertainty") or {}
     return {**interval,
             "uncertain_inputs": [{k: u.get(k) for k in ("name", "value", "where", "effect", "note")}
@@ -470,6 +483,34 @@ def _logged_stage_candidate(c: dict, version: str | None, *, refused: bool, prin
     st = stages[i]
     return {**c, **{k: st[k] for k in ("available_kv_cache_bytes", "available_kv_cache_bytes_low",
                                        "available_kv_cache_bytes_high") if st.get(k) is not None}}
+
+
+#: vLLM's KV pre-check refusal (vllm/v1/core/kv_cache_utils.py ``check_enough_kv_cache_memory``,
+#: 0.7 – 0.34): "... X GiB KV cache is needed, which is larger than the available KV cache memory"
+#: (matched up to "is needed": stored excerpts may cut the rest).
+KV_NEEDED_REFUSAL = "KV cache is needed"
+
+
+def _needed_bound(observed: dict) -> float | None:
+    """The GiB vLLM said one request needed where it refused at its KV pre-check and the case kept
+    no available figure: the engine's available KV was below it (an upper bound, not a value)."""
+    needed = observed.get("kv_cache_needed_gib")
+    if needed is None or observed.get("kv_cache_gib") is not None:
+        return None
+    if KV_NEEDED_REFUSAL not in str(observed.get("error_message") or "").replace("\n", " "):
+        return None
+    return float(needed)
+
+
+def _bound_interval(c: dict, needed_gib: float) -> dict:
+    """The interval's verdicts against an upper bound on the engine's KV (GiB): covered where the safe
+    end lies below it; unsafe at the safe end where the safe end promises at least what vLLM said one
+    request needed (by more than the printed GiB's rounding) — vLLM had less."""
+    lo_kv = c.get("available_kv_cache_bytes_low")
+    if lo_kv is None:
+        return {}
+    lo = lo_kv / GiB
+    return {"covered": lo < needed_gib + 0.005, "unsafe_at_safe_end": lo > needed_gib + 0.005}
 
 
 def _interval_row(c: dict, basis: str | None, obs_blocks, obs_gib, obs_tokens, block: int) -> dict:

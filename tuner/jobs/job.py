@@ -601,6 +601,7 @@ def run_job(request: "JobRequest | dict[str, Any]", *, pass_memo: Any = None) ->
                                      warnings)
     layout = layout_for(drop, model, era, ranks, kv, device, method, calibration, warnings)
     assumptions = _job_assumptions(device, drop, era, ranks, warnings)
+    assumptions.extend(plugin_not_modelled(model.plugin, model.spec, ranks.stages, warnings))
     # the passes of a plugin-served model are the plugin's with or without an engine (its cross-check
     # decides KV specs and defaults, which the pass keys and the search take as inputs)
     memoizable = method == "simulate" and req.fake and (engine_use is None or not (
@@ -681,6 +682,17 @@ def _worker_versions() -> dict:
     transformers = import_transformers()  # without the scan of every model's source
     return {"tool": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
+
+
+def plugin_not_modelled(plugin: Any, spec: Any, stages: Sequence[Any], warnings: list[str]) -> list[dict]:
+    """What the model's plugin says it does not model (its optional ``not_modelled(spec, settings)``:
+    :func:`tuner.memory.platforms.assumption` entries, each widening the band), said in ``warnings``."""
+    fn = getattr(plugin, "not_modelled", None)
+    if fn is None or not stages:
+        return []
+    out = list(fn(spec, stages[0]))
+    warnings.extend(f"not modelled {a['name']}: {a['value']} ({a['note']})" for a in out)
+    return out
 
 
 def _job_assumptions(device: dict, drop: Any, era: Any, ranks: Any, warnings: list[str]) -> list[dict]:

@@ -821,6 +821,10 @@ def get_kv_cache_groups(version: str | VllmVersion, kv_cache_spec: dict, *,
         u = uniform_type_from_specs(specs)
         if u is not None:
             return [KVCacheGroup(list(specs), u)]
+        from tuner.memory import kvcache_dsv4 as dsv4
+
+        if dsv4.is_dsv4_specs(specs):  # group_and_unify_kv_cache_specs; 0.29 _get_packed_kv_cache_groups
+            return dsv4.dsv4_kv_cache_groups(v, specs)
         hidden = {k: s for k, s in specs.items() if isinstance(s, HiddenStateSpec)}
         rest = {k: s for k, s in specs.items() if not isinstance(s, HiddenStateSpec)}
         try:
@@ -914,6 +918,10 @@ def _bytes_per_block(v: VllmVersion, groups: list[KVCacheGroup]) -> int:
     groups = [g for g in groups if g.layer_names or v < _LAYER_PLAN]
     if not groups:
         return 0
+    if v < _LAYER_PLAN and _dsv4_groups(groups):
+        from tuner.memory.kvcache_dsv4 import dsv4_bytes_per_block
+
+        return dsv4_bytes_per_block(v, groups)
     if v >= _LAYER_PLAN:  # layer-outer layouts: Σ pages of the largest group
         def pages(g: KVCacheGroup) -> int:
             if isinstance(g.spec, UniformTypeKVCacheSpecs):
@@ -924,6 +932,13 @@ def _bytes_per_block(v: VllmVersion, groups: list[KVCacheGroup]) -> int:
         return groups[0].spec.page_size_bytes
     group_size = max(len(g.layer_names) for g in groups)
     return group_size * _uniform_page(groups)
+
+
+def _dsv4_groups(groups: list[KVCacheGroup]) -> bool:
+    """The DeepSeek-V4 layer-tuple groups (every group uniform-type; :mod:`tuner.memory.kvcache_dsv4`)."""
+    from tuner.memory.kvcache_dsv4 import is_dsv4_groups
+
+    return is_dsv4_groups(groups)
 
 
 def _uniform_page(groups: list[KVCacheGroup]) -> int:
@@ -940,6 +955,10 @@ def _needed_from_groups(v: VllmVersion, groups: list[KVCacheGroup], ctx: _Ctx) -
         return 0
     if v >= _LAYER_PLAN:
         return _bytes_per_block(v, groups_nz) * sum(_group_needed_blocks(v, g, ctx) for g in groups_nz)
+    if _dsv4_groups(groups):
+        from tuner.memory.kvcache_dsv4 import dsv4_needed_bytes
+
+        return dsv4_needed_bytes(groups, ctx)
     if len(groups) == 1 and isinstance(groups[0].spec, UniformTypeKVCacheSpecs):
         return sum(s._max_mem(ctx) for s in groups[0].spec.kv_cache_specs.values())
     group_size = max(len(g.layer_names) for g in groups)
@@ -1120,6 +1139,10 @@ def _config_from_groups(v: VllmVersion, groups: list[KVCacheGroup], num_blocks: 
                 layer_stride = stride * num_blocks
                 tensors.append(KVCacheTensor(size, names, layer_stride, stride, offset))
                 offset += len(names) * layer_stride
+    elif _dsv4_groups(groups):
+        from tuner.memory.kvcache_dsv4 import dsv4_tensors
+
+        tensors = dsv4_tensors(v, groups, num_blocks)
     elif len(groups) == 1 and isinstance(groups[0].spec, UniformTypeKVCacheSpecs):
         per = groups[0].spec.kv_cache_specs
         tensors = [KVCacheTensor(per[n].page_size_bytes * num_blocks, [n]) for n in groups[0].layer_names]

@@ -1,0 +1,196 @@
+"""DeepSeek-V4 plugin (``DeepseekV4ForCausalLM``: DeepSeek-V4-Flash, DeepSeek-V4-Pro), vLLM 0.20 – 0.29.
+
+Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attention.py``,
+``compressor.py``, ``quant_config.py`` (0.20 – 0.21: ``model_executor/models/deepseek_v4.py``,
+``model_executor/layers/deepseek_v4_attention.py`` / ``deepseek_compressor.py``, same modules) and
+``vllm/v1/attention/backends/mla/sparse_swa.py``. Per rank (TP ``t``; EP through
+:class:`tuner.model.simulate.moe.FusedMoE`'s expert layout):
+
+* weights — vocab-parallel embedding and LM head ``[pad64(V)/t, H]`` (16-bit); per layer
+  ``attn_norm`` / ``ffn_norm``; the hyper-connection parameters (fp32: ``hc_{attn,ffn}_fn
+  [(2+hc)·hc, hc·H]``, ``_base [(2+hc)·hc]``, ``_scale [3]``; model ``hc_head_fn [hc, hc·H]``,
+  ``hc_head_base [hc]``, ``hc_head_scale [1]``); attention: ``attn_sink [max(heads/t, 64)]`` fp32,
+  replicated ``fused_wqa_wkv [q_lora + head_dim, H]``, ``q_norm``, ``wq_b [heads·D/t, q_lora]``,
+  ``kv_norm``, ``wo_a [o_groups·o_lora/t, heads·D/o_groups]``, ``wo_b [H, o_groups·o_lora/t]``
+  (fp8 block-quantized, 128×128 fp32 scales, as ``Fp8Config`` under ``deepseek_v4_fp8``); a
+  compressor on layers with ``compress_ratios[i] > 1`` (``ape [r, coff·D]`` fp32, 16-bit
+  ``fused_wkv_wgate [2·coff·D, H]`` (``quant_config=None``), ``norm [D]``; ``coff = 2`` when
+  ``r = 4``); on ``r = 4`` layers the indexer (replicated fp8 ``wq_b [n·d, q_lora]``, 16-bit
+  ``weights_proj [n, H]``, its own compressor with ``D = index_head_dim``); MoE: 16-bit gate
+  ``[E, H]``, ``tid2eid [V, k]`` int32 on the first ``num_hash_layers`` layers else fp32
+  ``e_score_correction_bias [E]``, fp8 shared expert ``moe_intermediate_size · n_shared / t``, and
+  the routed experts in the checkpoint's ``expert_dtype`` (``fp4`` → ``Mxfp4MoEMethod``: MXFP4
+  values + e8m0 scales per 32, in the layout of :func:`mxfp4_expert_backend`: Marlin on Hopper;
+  ``fp8`` → fp8 block); rotary caches: one fp32 ``[original_max · factor, qk_rope_head_dim]``
+  per distinct ``rope_theta`` (``compress_rope_theta`` on compressed layers; ``get_rope`` caches
+  by key); persistent buffers ``topk_indices_buffer [max_num_batched_tokens, index_topk]`` int32
+  and (last PP rank) ``_mtp_hidden_buffer [max_num_batched_tokens, hc·H]`` 16-bit.
+* KV cache (:meth:`DeepseekV4Plugin.kv_cache_spec`, :mod:`tuner.memory.kvcache_dsv4`): per layer a
+  sliding-window SWA cache (block 64, window ``sliding_window``, 584 B per token); on compressed
+  layers the main cache (``block_size // r`` entries of 584 B per block), its compressor state
+  (fp32 ``2·coff·D`` per entry, block 4 for ``r = 4`` / 8 for ``r = 128``, window ``coff·r``); on
+  ``r = 4`` layers the indexer cache (``block_size // 4`` entries of ``d + d/128·4`` B) and the
+  indexer compressor state; every page rounded up to 576 B (FlashMLA). ``block_size`` defaults to
+  256 (``DeepseekSparseSWABackend.get_preferred_block_size``). fp8 KV only (``fp8_ds_mla``).
+* profile run: embedding, the ``hc``-stream residual ``[N, hc, H]``, per layer the mHC pre/post
+  mixes, attention GEMMs (FlashMLA skipped in the profile run: ``o_padded [N, max(heads/t, 64),
+  D]`` is allocated, the kernel does not fire), compressor / indexer scores in fp32, the
+  inverse-RoPE fp8 quant of ``o`` and ``wo_a``'s einsum output, the MoE block; final ``hc_head``
+  mix and norm.
+
+Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
+(the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
+sparse-attention kernels' own workspaces, ROCm's own DeepSeek-V4 path (``models/deepseek_v4/amd``).
+"""
+
+from __future__ import annotations
+
+from tuner.errors import ModelConfigError
+from tuner.memory.eras import parse_version
+from tuner.memory.kvcache_dsv4 import (DSV4_MODELLED_UNTIL, FP8_DS_MLA_V4_BYTES, DSv4MLASpec,
+                                       DSv4SlidingWindowMLASpec)
+from tuner.model.plugin import ModelPlugin, RankSettings, stage_layers
+
+#: FlashMLA's page alignment (``alignment=576`` on every DeepSeek-V4 spec, 0.20 – 0.28 fp8_ds_mla).
+FLASHMLA_ALIGNMENT = 576
+#: ``DeepseekSparseSWABackend.get_preferred_block_size`` (sparse_swa.py 0.20 – 0.28).
+DEFAULT_BLOCK_SIZE = 256
+#: The SWA cache's block (``DeepseekV4SWACache.block_size = 64``, sparse_swa.py).
+SWA_BLOCK = 64
+#: Indexer fp8 quant block (``DeepseekV4Indexer.quant_block_size = 128``): 4 scale bytes per block.
+INDEXER_QUANT_BLOCK = 128
+#: Heads FlashMLA pads to (``padded_heads = max(n_local_heads, 64)``).
+FLASHMLA_MIN_HEADS = 64
+
+
+def config(spec) -> dict:
+    """The text config as vLLM's own ``DeepseekV4Config`` reads it: the file's keys
+    (``compress_ratios``, ``num_hash_layers``, ``rope_scaling``, which transformers' class renames or
+    drops) over transformers' ``to_dict()``."""
+    return {**spec.raw, **(getattr(spec, "top", None) or {})}
+
+
+def compress_ratios(spec) -> list[int]:
+    """``max(1, compress_ratios[i])`` for the decoder layers (the list carries the MTP layer last), read
+    from the file's JSON as vLLM's own config class does (transformers' ``DeepseekV4Config`` renames
+    it ``compress_rates``)."""
+    raw = config(spec).get("compress_ratios")
+    if not isinstance(raw, list) or len(raw) < spec.num_hidden_layers:
+        raise ModelConfigError("DeepSeek-V4 config needs compress_ratios with one entry per layer",
+                               where=spec.path)
+    out = [max(1, int(r or 0)) for r in raw[:spec.num_hidden_layers]]
+    bad = sorted({r for r in out if r not in (1, 4, 128)})
+    if bad:
+        raise ModelConfigError(f"compress_ratios {bad}: vLLM's compressor takes 4 or 128 only (compressor.py)",
+                               where=spec.path)
+    return out
+
+
+def mxfp4_expert_backend(settings: RankSettings) -> str:
+    """The MXFP4 expert layout DeepSeek-V4 gets (fused_moe/oracle/mxfp4.py
+    ``select_deepseek_v4_mxfp4_moe_backend`` 0.21 – 0.29, ``select_mxfp4_moe_backend``'s
+    ``_get_priority_backends`` in 0.20): CUDA Blackwell 10.x FlashInfer TRT-LLM (MXFP8 activations),
+    DeepGEMM FP4 is Blackwell-only too, so every other CUDA GPU (Hopper included) Marlin; ROCm the
+    unfused Triton path (AITER before 0.21), both with H and I padded to 256 (the ROCm branch of
+    ``mxfp4_round_up_hidden_size_and_intermediate_size``), weights as loaded. Unlike gpt-oss, Hopper
+    never gets the swizzled Triton layout here."""
+    if getattr(settings, "platform", "cuda") == "rocm":
+        return "rocm_triton"
+    cc = str(getattr(settings, "compute_capability", None) or "9.0")
+    return "flashinfer_trtllm" if cc.split(".")[0] == "10" else "marlin"
+
+
+def _is_fp8(kv_cache_dtype: str | None) -> bool:
+    return (kv_cache_dtype or "auto").lower().startswith("fp8")
+
+
+class DeepseekV4Plugin(ModelPlugin):
+    """DeepSeek-V4 (vLLM ``DeepseekV4ForCausalLM``)."""
+
+    name = "deepseek_v4"
+    architectures = ("DeepseekV4ForCausalLM",)
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_supported(self, spec, settings: RankSettings) -> None:
+        """ModelConfigError for the releases and caches this plugin does not model."""
+        v = parse_version(settings.engine_version)
+        if v < "0.20.0":
+            raise ModelConfigError(f"DeepseekV4ForCausalLM is not supported by vLLM {settings.engine_version} (absent "
+                                   "from the model registry before 0.20)", where=spec.path)
+        if v >= DSV4_MODELLED_UNTIL:
+            raise ModelConfigError(
+                f"DeepseekV4ForCausalLM on vLLM {settings.engine_version} is not modelled: 0.30 changed the "
+                "DeepSeek-V4 sliding-window cache spec (v1/attention/backends/mla/sparse_swa.py); modelled 0.20 – 0.29",
+                where=spec.path)
+        if not _is_fp8(settings.kv_cache_dtype):
+            raise ModelConfigError(
+                f"DeepseekV4ForCausalLM with kv_cache_dtype {settings.kv_cache_dtype!r} is not modelled: only the "
+                "fp8 (fp8_ds_mla, 584 B per token) cache layout is ported", where=spec.path)
+
+    def not_modelled(self, spec, settings: RankSettings) -> list[dict]:
+        """What the prediction does not model for this model (each widens the band)."""
+        from tuner.memory.platforms import assumption
+
+        out = [assumption("model.deepseek_v4.kernels", "mHC / sparse-attention workspaces", "model",
+                          "DeepSeek-V4's hyper-connection (mHC) and sparse MLA kernels' own workspaces in the profile "
+                          "run are not modelled (only their outputs)")]
+        if getattr(settings, "platform", "cuda") == "rocm":
+            out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
+                                  "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
+                                  "(fp8_ds_mla pages, block 256)"))
+        return out
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def kv_cache_spec(self, spec, settings: RankSettings) -> dict:
+        """Per layer, in vLLM's registration order: indexer cache and indexer compressor state
+        (``r = 4``), SWA cache, main compressed cache and compressor state (``r > 1``)."""
+        self.check_supported(spec, settings)
+        raw = config(spec)
+        bs = settings.block_size or DEFAULT_BLOCK_SIZE
+        d = int(raw.get("head_dim") or 512)
+        idx_d = int(raw.get("index_head_dim") or 128)
+        window = int(raw.get("sliding_window") or 128)
+        ratios = compress_ratios(spec)
+        a = FLASHMLA_ALIGNMENT
+        out: dict = {}
+        for i in stage_layers(spec, settings):
+            r, p = ratios[i], f"model.layers.{i}.attn"
+            if r == 4:
+                out[f"{p}.indexer.k_cache"] = DSv4MLASpec(bs, idx_d + idx_d // INDEXER_QUANT_BLOCK * 4, 4, a)
+                out[f"{p}.indexer.compressor.state_cache"] = self._state_spec(idx_d, r)
+            out[f"{p}.swa_cache"] = DSv4SlidingWindowMLASpec(SWA_BLOCK, FP8_DS_MLA_V4_BYTES, window, a)
+            if r > 1:
+                out[p] = DSv4MLASpec(bs, FP8_DS_MLA_V4_BYTES, r, a)
+                out[f"{p}.compressor.state_cache"] = self._state_spec(d, r)
+        return out
+
+    @staticmethod
+    def _state_spec(head_dim: int, r: int) -> DSv4SlidingWindowMLASpec:
+        """``CompressorStateCache``: fp32 ``2·coff·D`` per entry (kv + score state), block 4 (``r = 4``,
+        ``coff = 2``) or 8 (``r = 128``), window ``coff · r`` (compressor.py)."""
+        coff = 1 + (r == 4)
+        return DSv4SlidingWindowMLASpec(4 if r == 4 else 8, 2 * coff * head_dim * 4, coff * r, FLASHMLA_ALIGNMENT)
+
+    # -- module ------------------------------------------------------------------------------
+    def quant_scheme(self, spec, settings: RankSettings):
+        """``deepseek_v4_fp8`` (quant_config.py): fp8 block linears; experts MXFP4 for
+        ``expert_dtype: fp4`` (the default; ``Mxfp4MoEMethod`` in the layout of
+        :func:`mxfp4_expert_backend`), fp8 block for ``fp8``."""
+        from tuner.memory.quant import Mxfp4ExpertsFormat, _version, mxfp4_alignment, scheme_for
+
+        base = scheme_for(spec, settings)
+        if base is None or str(config(spec).get("expert_dtype") or "fp4") != "fp4":
+            return base
+        backend = mxfp4_expert_backend(settings)
+        base.expert_format = Mxfp4ExpertsFormat(backend=backend, prepad=False,
+                                                align=mxfp4_alignment(backend, _version(settings)))
+        return base
+
+    def build_model(self, spec, settings: RankSettings):
+        self.check_supported(spec, settings)
+        from tuner.model.simulate.dsv4 import build_deepseek_v4
+
+        return build_deepseek_v4(spec, settings, config(spec), compress_ratios(spec), self.quant_scheme(spec, settings))
+
+
+plugin = DeepseekV4Plugin()
