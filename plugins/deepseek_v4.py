@@ -61,6 +61,10 @@ SWA_BLOCK = 64
 INDEXER_QUANT_BLOCK = 128
 #: Heads FlashMLA pads to (``padded_heads = max(n_local_heads, 64)``).
 FLASHMLA_MIN_HEADS = 64
+#: ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`` default (vllm/envs.py 0.20 – 0.29): the dummy logits tensor
+#: ``sparse_attn_indexer`` allocates when it runs without attention metadata
+#: (model_executor/layers/sparse_attn_indexer.py, "Dummy allocation to simulate for peak logits").
+INDEXER_DUMMY_LOGITS_BYTES = 512 << 20
 
 
 def config(spec) -> dict:
@@ -137,8 +141,27 @@ class DeepseekV4Plugin(ModelPlugin):
         if getattr(settings, "platform", "cuda") == "rocm":
             out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
                                   "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
-                                  "(fp8_ds_mla pages, block 256)"))
+                                  "(fp8_ds_mla pages, block 256, FlashMLA's 64-head padding) apart from the "
+                                  "bf16 wo_a of rocm_inv_rope_einsum; its mHC backend (AITER, TileLang or the "
+                                  "torch reference, by what the image has) and AITER workspaces are not modelled"))
         return out
+
+    def cudagraph_warmup_bytes(self, spec, settings: RankSettings) -> int:
+        """Bytes the first PIECEWISE capture's warmup adds to vLLM's CUDA-graph estimate beyond the
+        fit (:func:`tuner.memory.search.cudagraph_warmup_extra_bytes` adds it where the V1 runner's
+        estimate is subtracted): ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py
+        0.20 – 0.29) calls ``empty_cache()`` and measures the free-memory drop around the first
+        capture of each mode, warmup included; ``_warmup_and_capture`` builds attention metadata
+        only for FULL (``force_attention = mode == FULL``), so the PIECEWISE warmup's
+        ``sparse_attn_indexer`` takes its no-metadata branch and allocates the
+        :data:`INDEXER_DUMMY_LOGITS_BYTES` dummy anew (the cache was emptied; the later captures
+        reuse the cached block). The estimate takes the largest first capture over the modes, so
+        once per rank whose stage holds a ``compress_ratio`` 4 layer (the indexer). CUDA only:
+        ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) was not read for this."""
+        if getattr(settings, "platform", "cuda") != "cuda":
+            return 0
+        ratios = compress_ratios(spec)
+        return INDEXER_DUMMY_LOGITS_BYTES if any(ratios[i] == 4 for i in stage_layers(spec, settings)) else 0
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:

@@ -109,6 +109,11 @@ class Layout:
     #: whether the device total was stated, the inputs with no rule); None = every term from its
     #: default source (plugin, catalog), nothing unmodelled.
     uncertainty: object = None
+    #: Per pipeline stage, bytes the first CUDA-graph capture's warmup allocates that the fit of
+    #: :func:`tuner.memory.budget.cudagraph_estimate_bytes` does not stand for (a plugin's
+    #: ``cudagraph_warmup_bytes``, e.g. DeepSeek-V4's dummy indexer logits); added where the V1
+    #: runner's estimate is subtracted (:func:`cudagraph_warmup_extra_bytes`). Empty = none.
+    cudagraph_warmup_bytes: tuple = ()
 
     def card(self, stage: int) -> StageCard:
         """The card ``stage`` runs on (the layout's own device when no device list gives one)."""
@@ -355,6 +360,19 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
 
 
+def cudagraph_warmup_extra_bytes(layout: Layout, stage: int, graphs: int) -> int:
+    """The stage's plugin-given warmup bytes (:attr:`Layout.cudagraph_warmup_bytes`) where the V1
+    runner's ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py 0.20 – 0.29) measures
+    them: it calls ``empty_cache()`` before the captures and takes the free-memory drop around the
+    first capture of each mode, warmup included (``_warmup_and_capture``), so a transient the warmup
+    allocates anew is in the estimate. 0 where no estimate is subtracted (``graphs`` 0) and under
+    Model Runner V2 (its own ``cudagraph_utils`` profiling, not read for this)."""
+    extra = layout.cudagraph_warmup_bytes
+    if not graphs or layout.model_runner_v2 or stage >= len(extra):
+        return 0
+    return int(extra[stage])
+
+
 def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: int, n_passes: int, *,
                  u: float, m: int, n: int, corr: dict) -> tuple:
     """One pipeline stage's terms for :func:`evaluate`: its budget, reserve, the CUDA graphs it
@@ -383,6 +401,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
             model_runner_v2=layout.model_runner_v2)
         gkw["capture_sizes"] = sizes
     graphs = cudagraph_estimate_bytes(era, **gkw)
+    graphs += cudagraph_warmup_extra_bytes(layout, stage, graphs)
     drafter_g = 0
     if dp is not None and graphs:
         from tuner.memory.specdecode import drafter_graph_layer_hidden

@@ -26,6 +26,21 @@ RADIX_TOPK_WORKSPACE = 1 << 20
 INDEXER_MAX_LOGITS_BYTES = 512 << 20
 #: ``FlashMLASparse…PREFILL_CHUNK_SIZE`` (models/deepseek_v4/nvidia/flashmla.py): 4 requests per chunk.
 FLASHMLA_PREFILL_CHUNK = 4
+#: ROCm's ``rocm_inv_rope_einsum`` (v1/attention/ops/rocm_aiter_mla_sparse.py) dequantizes ``wo_a``
+#: to bf16 for a plain einsum: on every call in 0.21 – 0.23, once per layer and kept on the module
+#: (``_get_cached_wo_a_bf16``, ``wo_a._dsv4_wo_a_bf16``) from 0.24 (read 0.24 – 0.29).
+ROCM_WO_A_PER_CALL = "per_call"
+ROCM_WO_A_CACHED = "cached"
+ROCM_WO_A_CACHED_FROM = (0, 24, 0)
+ROCM_WO_A_FROM = (0, 21, 0)
+
+
+def rocm_wo_a_mode(platform: str, version: tuple) -> str | None:
+    """How the ROCm o-projection holds ``wo_a`` in bf16 (:data:`ROCM_WO_A_CACHED` from 0.24,
+    :data:`ROCM_WO_A_PER_CALL` 0.21 – 0.23), None on CUDA (the fp8 einsum) and before 0.21."""
+    if platform != "rocm" or tuple(version[:3]) < ROCM_WO_A_FROM:
+        return None
+    return ROCM_WO_A_CACHED if tuple(version[:3]) >= ROCM_WO_A_CACHED_FROM else ROCM_WO_A_PER_CALL
 
 
 def _ws_bytes(*sizes: int) -> int:
@@ -91,8 +106,11 @@ class Attention(nn.Module):
     """``DeepseekV4Attention`` + its MLA wrapper on one rank (heads / tp, o_groups / tp)."""
 
     def __init__(self, raw: dict, hidden: int, heads: int, ratio: int, dtype, quant, prefix: str, tp: int,
-                 max_model_len: int, max_num_batched_tokens: int) -> None:
+                 max_model_len: int, max_num_batched_tokens: int, rocm_wo_a: str | None = None) -> None:
         super().__init__()
+        self.rocm_wo_a = rocm_wo_a
+        #: where the ROCm bf16 ``wo_a`` copies are kept (set by :class:`DeepseekV4LM` per forward)
+        self.keep: list | None = None
         d, q_lora, o_lora = int(raw.get("head_dim") or 512), int(raw["q_lora_rank"]), int(raw["o_lora_rank"])
         groups = int(raw["o_groups"])
         self.heads, self.d, self.groups_r, self.o_lora = heads // tp, d, groups // tp, o_lora
@@ -129,6 +147,10 @@ class Attention(nn.Module):
             q = q.new_empty(n, self.padded, self.d)
         current_workspace().ensure(self.mla_workspace, x.device)  # then o_padded.zero_(), no kernel
         del qr, kv, kv_score, q
+        if self.rocm_wo_a is not None:
+            z = self._rocm_o_proj(o_padded, n)
+            del o_padded
+            return self.wo_b(z.flatten(1))
         o_fp8 = o_padded.new_empty(n, self.heads * self.d, dtype=torch.uint8)  # fused_inv_rope_fp8_quant
         o_scale = o_padded.new_empty(n, self.heads * self.d // 128, dtype=torch.float32)
         del o_padded
@@ -136,6 +158,26 @@ class Attention(nn.Module):
         del o_fp8, o_scale
         out = self.wo_b(z.flatten(1))
         return out
+
+    def _rocm_o_proj(self, o: torch.Tensor, n: int) -> torch.Tensor:
+        """``rocm_inv_rope_einsum`` (v1/attention/ops/rocm_aiter_mla_sparse.py): the inverse RoPE
+        into a new bf16 ``[N, heads, D]``; ``wo_a`` dequantized (``.to(float32)`` of the fp8 weight,
+        the block scales expanded to fp32 ``[G, R, D']`` by ``_expand_2d_block_scales``, their fp32
+        product, then ``.to(bfloat16)``: 14 B per element at once), kept on the module from 0.24
+        (``_get_cached_wo_a_bf16``: allocated in the profile run's forward, so charged there) or
+        dropped after the call (0.21 – 0.23); ``einsum("tgd,grd->tgr")`` into ``[N, G, R]``."""
+        o_ref = o.new_empty(n, self.heads, self.d)
+        rows, cols = self.groups_r * self.o_lora, self.wo_a.in_features
+        w32 = o.new_empty(rows, cols, dtype=torch.float32)
+        scale = o.new_empty(rows, cols, dtype=torch.float32)
+        prod = o.new_empty(rows, cols, dtype=torch.float32)
+        bf16 = o.new_empty(rows, cols)
+        del w32, prod, scale
+        if self.rocm_wo_a == ROCM_WO_A_CACHED and self.keep is not None:
+            self.keep.append(bf16)
+        z = o.new_empty(n, self.groups_r, self.o_lora)
+        del o_ref, bf16
+        return z
 
 
 class MoE(nn.Module):
@@ -226,6 +268,12 @@ class DeepseekV4LM(L.CausalLM):
             del h
         else:
             streams = intermediate[0].new_empty(intermediate[0].shape[0], self.hc, self.hidden)
+        if self.layers and self.layers[0].attn.rocm_wo_a == ROCM_WO_A_CACHED:
+            # ROCm 0.24+: the bf16 wo_a copies the profile's forward caches stay alive after it (the
+            # module changes, so :class:`tuner.model.simulate.profile.ModelCache` builds it anew)
+            self.kept = []
+            for layer in self.layers:
+                layer.attn.keep = self.kept
         for layer in self.layers:
             streams, _ = layer(positions, streams, None)
         if self.norm is None:
@@ -250,10 +298,13 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
                                f"tensor_parallel_size ({tp})", where=spec.path)
     n_tok = int(settings.max_num_batched_tokens or 8192)
     max_len = int(settings.max_model_len or spec.max_position_embeddings)
+    from tuner.memory.eras import parse_version
+
+    wo_a = rocm_wo_a_mode(getattr(settings, "platform", "cuda"), parse_version(settings.engine_version).key)
     layers = []
     for i in stage_layers(spec, settings):
         p = f"model.layers.{i}"
-        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok)
+        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok, wo_a)
         ffn = MoE(raw, h, spec.vocab_size, i < int(raw.get("num_hash_layers") or 0), dtype, quant, f"{p}.ffn", tp,
                   settings)
         layers.append(Layer(attn, ffn, h, hc, dtype))
