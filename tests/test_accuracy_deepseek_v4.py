@@ -272,7 +272,9 @@ def test_available_kv_of_dsv4_cases_after_cudagraph_warmup_and_rocm_wo_a(shared_
     """Regression (issue 28): vllm-44376 (0.22, 2×GH200, FULL_AND_PIECEWISE) over-predicted available KV
     by 3.1 GiB; the PIECEWISE warmup's dummy indexer logits (+0.50 GiB in the CUDA-graph estimate)
     brings it from 8.56 to 8.06 GiB (printed 5.44; +48 %: the rest not found, docs §22).
-    vllm-53961 (ROCm 0.28): the cached bf16 wo_a brings 35.51 to 34.56 GiB (printed needed 23.32)."""
+    vllm-53961 (ROCm 0.28, MI300X): the cached bf16 wo_a (35.51 → 34.56 GiB) and the AITER indexer's
+    decode-logits reservation (fp32 [16384, 1048576 / 4] = 16 GiB in the shared workspace) bring it to
+    19.85 GiB: refused, as vLLM refused (printed needed 23.32)."""
     from tuner.accuracy.validate import load_cases, predict_cases
 
     cases = {c["id"]: c for c in load_cases(shared_dir / "cases" / "vllm-observed.jsonl")}
@@ -282,5 +284,30 @@ def test_available_kv_of_dsv4_cases_after_cudagraph_warmup_and_rocm_wo_a(shared_
     assert f["predicted_cuda_graph_gib"] == pytest.approx(1.6733 + 0.5, abs=1e-3)
     assert f["predicted_kv_cache_gib"] == pytest.approx(8.0637, abs=1e-3)
     assert f["covered"] is True and f["unsafe_at_safe_end"] is False
-    assert p["predicted_kv_cache_gib"] == pytest.approx(34.5587, abs=1e-3)
+    assert p["predicted_kv_cache_gib"] == pytest.approx(19.8487, abs=1e-3)
+    assert p["predicted_fits"] is False and p["unsafe"] is False
     assert p["covered"] is True and p["unsafe_at_safe_end"] is False
+
+
+def test_rocm_aiter_indexer_decode_logits_reservation_by_release_and_gfx():
+    """rocm_aiter_sparse_attn_indexer's profiling early-exit (v1/attention/ops/rocm_aiter_mla_sparse.py
+    0.23 – 0.29): fp32 [N, max_model_len // 4] on gfx942 / gfx950 (capability 9.4 / 9.5), fp32
+    [index_n_heads, N, L] elsewhere on ROCm; 0.22 returns the fake at once; CUDA reserves none."""
+    from tuner.model.simulate.dsv4 import rocm_indexer_logits_bytes
+
+    kw = dict(tokens=16384, indexer_max_len=1048576 // 4, index_heads=64)
+    assert rocm_indexer_logits_bytes("rocm", (0, 28, 0), "9.4", **kw) == 16384 * 262144 * 4 == 16 * GiB
+    assert rocm_indexer_logits_bytes("rocm", (0, 23, 0), "9.5", **kw) == 16 * GiB
+    assert rocm_indexer_logits_bytes("rocm", (0, 28, 0), "11.0", **kw) == 64 * 16 * GiB
+    assert rocm_indexer_logits_bytes("rocm", (0, 22, 0), "9.4", **kw) == 0
+    assert rocm_indexer_logits_bytes("cuda", (0, 28, 0), "9.0", **kw) == 0
+    # the serve default before PR #51726's >= 160 GiB tier: 8192 tokens, half the buffer
+    assert rocm_indexer_logits_bytes("rocm", (0, 28, 0), "9.4", **{**kw, "tokens": 8192}) == 8 * GiB
+
+
+def test_rocm_indexer_reservation_sets_the_shared_workspace_pro_tp8(specs_of):
+    """The workspace is one buffer (v1/worker/workspace.py ``WorkspaceManager``): on ROCm 0.28 the
+    16 GiB logits reservation replaces the 1.3 GiB K-gather and FlashMLA's 1.1 GiB as its size."""
+    rocm = _settings("0.28.0", 8, platform="rocm", compute_capability="9.4", max_model_len=1048576)
+    peak, _kept = _profile_peak(specs_of["Pro"], rocm)
+    assert 16 * GiB < peak < 16 * GiB + 8 * GiB

@@ -35,6 +35,28 @@ ROCM_WO_A_CACHED_FROM = (0, 24, 0)
 ROCM_WO_A_FROM = (0, 21, 0)
 
 
+#: First release whose ROCm AITER indexer reserves its decode-logits buffer in the profile run
+#: (v1/attention/ops/rocm_aiter_mla_sparse.py ``rocm_aiter_sparse_attn_indexer``'s "Profiling
+#: early-exit"; 0.22 returns the fake at once; read 0.23 – 0.29).
+ROCM_INDEXER_RESERVE_FROM = (0, 23, 0)
+
+
+def rocm_indexer_logits_bytes(platform: str, version: tuple, compute_capability: str | None, *, tokens: int,
+                              indexer_max_len: int, index_heads: int) -> int:
+    """The decode-logits buffer ROCm's AITER sparse indexer reserves in the shared workspace when it
+    runs without attention metadata (the profile run), bytes: fp32 ``[N, L]`` on CDNA3/CDNA4
+    (``_ON_GFX942 or _ON_GFX950``: capability 9.4 / 9.5), fp32 ``[index_n_heads, N, L]`` on other
+    ROCm GPUs, ``N`` the profile's tokens (``hidden_states.shape[0]`` = ``max_num_batched_tokens``),
+    ``L`` the indexer's ``max_model_len // compress_ratio`` (models/deepseek_v4/attention.py
+    ``DeepseekV4Indexer``). 0 on CUDA (``sparse_attn_indexer`` reserves only its K-gather) and before
+    0.23. On ROCm the indexer runs only through AITER (``SparseAttnIndexer.forward_hip`` raises
+    without ``VLLM_ROCM_USE_AITER=1``, read in 0.28)."""
+    if platform != "rocm" or tuple(version[:3]) < ROCM_INDEXER_RESERVE_FROM:
+        return 0
+    cdna = str(compute_capability or "9.4") in ("9.4", "9.5")
+    return _ws_bytes(tokens * indexer_max_len * 4 * (1 if cdna else index_heads))
+
+
 def rocm_wo_a_mode(platform: str, version: tuple) -> str | None:
     """How the ROCm o-projection holds ``wo_a`` in bf16 (:data:`ROCM_WO_A_CACHED` from 0.24,
     :data:`ROCM_WO_A_PER_CALL` 0.21 – 0.23), None on CUDA (the fp8 einsum) and before 0.21."""
@@ -78,8 +100,10 @@ class Indexer(nn.Module):
     ``[N, n·d]`` and its fp8 copy with per-128 fp32 scales; top-k goes to the persistent buffer."""
 
     def __init__(self, hidden: int, q_lora: int, n: int, d: int, ratio: int, dtype, quant, prefix: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, rocm_logits_bytes: int = 0) -> None:
         super().__init__()
+        #: ROCm's decode-logits reservation (:func:`rocm_indexer_logits_bytes`); 0 on CUDA
+        self.rocm_logits_bytes = rocm_logits_bytes
         self.wq_b = L.Linear(q_lora, n * d, dtype, quant=quant, prefix=f"{prefix}.wq_b")
         self.weights_proj = L.Linear(hidden, n, dtype)
         self.compressor = Compressor(hidden, d, ratio, dtype)
@@ -96,8 +120,13 @@ class Indexer(nn.Module):
         # sparse_attn_indexer in the profile run (no metadata): the K-gather workspace
         # ((T, d) fp8 + (T, 4) scales + the radix top-k buffer) reserved in the shared workspace,
         # and a dummy 512 MiB logits tensor, freed at once
-        current_workspace().ensure(_ws_bytes(self.total_seq_lens * self.d, self.total_seq_lens * 4,
-                                             RADIX_TOPK_WORKSPACE), x.device)
+        if self.rocm_logits_bytes:
+            # rocm_aiter_sparse_attn_indexer: the K-gather (no radix buffer), then the decode logits
+            current_workspace().ensure(_ws_bytes(self.total_seq_lens * self.d, self.total_seq_lens * 4), x.device)
+            current_workspace().ensure(self.rocm_logits_bytes, x.device)
+        else:
+            current_workspace().ensure(_ws_bytes(self.total_seq_lens * self.d, self.total_seq_lens * 4,
+                                                 RADIX_TOPK_WORKSPACE), x.device)
         logits = x.new_empty(INDEXER_MAX_LOGITS_BYTES, dtype=torch.uint8)
         del w, kv_score, q, q8, qs, logits
 
@@ -106,7 +135,8 @@ class Attention(nn.Module):
     """``DeepseekV4Attention`` + its MLA wrapper on one rank (heads / tp, o_groups / tp)."""
 
     def __init__(self, raw: dict, hidden: int, heads: int, ratio: int, dtype, quant, prefix: str, tp: int,
-                 max_model_len: int, max_num_batched_tokens: int, rocm_wo_a: str | None = None) -> None:
+                 max_model_len: int, max_num_batched_tokens: int, rocm_wo_a: str | None = None,
+                 rocm_logits_bytes: int = 0) -> None:
         super().__init__()
         self.rocm_wo_a = rocm_wo_a
         #: where the ROCm bf16 ``wo_a`` copies are kept (set by :class:`DeepseekV4LM` per forward)
@@ -125,7 +155,8 @@ class Attention(nn.Module):
         self.wo_b.all_reduce_out_of_place = tp > 1
         self.compressor = Compressor(hidden, d, ratio, dtype) if ratio > 1 else None
         self.indexer = (Indexer(hidden, q_lora, int(raw.get("index_n_heads") or 64), int(raw.get("index_head_dim") or 128),
-                                ratio, dtype, quant, f"{prefix}.indexer", max_model_len) if ratio == 4 else None)
+                                ratio, dtype, quant, f"{prefix}.indexer", max_model_len, rocm_logits_bytes)
+                        if ratio == 4 else None)
         # FlashMLA's dummy-run reservation: [chunk, N + window + max_num_batched_tokens, D] bf16 with
         # N = cdiv(max_model_len, r) on compressed layers, 0 on SWA-only ones (flashmla.py forward_mqa)
         rows = (-(-max_model_len // ratio) if ratio > 1 else 0) + int(raw.get("sliding_window") or 128) \
@@ -300,11 +331,15 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
     max_len = int(settings.max_model_len or spec.max_position_embeddings)
     from tuner.memory.eras import parse_version
 
-    wo_a = rocm_wo_a_mode(getattr(settings, "platform", "cuda"), parse_version(settings.engine_version).key)
+    platform, version = getattr(settings, "platform", "cuda"), parse_version(settings.engine_version).key
+    wo_a = rocm_wo_a_mode(platform, version)
+    logits = rocm_indexer_logits_bytes(platform, version, getattr(settings, "compute_capability", None),
+                                       tokens=n_tok, indexer_max_len=max_len // 4,
+                                       index_heads=int(raw.get("index_n_heads") or 64))
     layers = []
     for i in stage_layers(spec, settings):
         p = f"model.layers.{i}"
-        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok, wo_a)
+        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok, wo_a, logits)
         ffn = MoE(raw, h, spec.vocab_size, i < int(raw.get("num_hash_layers") or 0), dtype, quant, f"{p}.ffn", tp,
                   settings)
         layers.append(Layer(attn, ffn, h, hc, dtype))
