@@ -38,9 +38,17 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   inverse-RoPE fp8 quant of ``o`` and ``wo_a``'s einsum output, the MoE block; final ``hc_head``
   mix and norm.
 
+* CUDA-graph estimate (:meth:`DeepseekV4Plugin.cudagraph_warmup_bytes`): the PIECEWISE warmup's
+  dummy indexer logits (512 MiB) measured into the first capture (V1 runner, CUDA, 0.20 – 0.29).
+* ROCm (``models/deepseek_v4/amd``, :mod:`tuner.model.simulate.dsv4`): the AITER indexer's
+  decode-logits reservation in the shared workspace (fp32 ``[N, max_model_len // 4]`` on gfx942 /
+  gfx950, 0.23 – 0.29) and ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
+  the module from 0.24).
+
 Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
 (the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
-sparse-attention kernels' own workspaces, ROCm's own DeepSeek-V4 path (``models/deepseek_v4/amd``).
+sparse-attention kernels' own workspaces, the rest of ROCm's own DeepSeek-V4 path
+(``models/deepseek_v4/amd``: no 64-head FlashMLA padding there, the mHC backend by image).
 """
 
 from __future__ import annotations
@@ -141,9 +149,10 @@ class DeepseekV4Plugin(ModelPlugin):
         if getattr(settings, "platform", "cuda") == "rocm":
             out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
                                   "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
-                                  "(fp8_ds_mla pages, block 256, FlashMLA's 64-head padding) apart from the "
-                                  "bf16 wo_a of rocm_inv_rope_einsum; its mHC backend (AITER, TileLang or the "
-                                  "torch reference, by what the image has) and AITER workspaces are not modelled"))
+                                  "(fp8_ds_mla pages, block 256, FlashMLA's 64-head padding) apart from the AITER "
+                                  "indexer's decode-logits reservation and the bf16 wo_a of rocm_inv_rope_einsum; "
+                                  "its mHC backend (AITER, TileLang or the torch reference, by what the image has) "
+                                  "and AITER's own workspaces are not modelled"))
         return out
 
     def cudagraph_warmup_bytes(self, spec, settings: RankSettings) -> int:
