@@ -69,10 +69,6 @@ SWA_BLOCK = 64
 INDEXER_QUANT_BLOCK = 128
 #: Heads FlashMLA pads to (``padded_heads = max(n_local_heads, 64)``).
 FLASHMLA_MIN_HEADS = 64
-#: ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB`` default (vllm/envs.py 0.20 – 0.29): the dummy logits tensor
-#: ``sparse_attn_indexer`` allocates when it runs without attention metadata
-#: (model_executor/layers/sparse_attn_indexer.py, "Dummy allocation to simulate for peak logits").
-INDEXER_DUMMY_LOGITS_BYTES = 512 << 20
 
 
 def config(spec) -> dict:
@@ -163,14 +159,17 @@ class DeepseekV4Plugin(ModelPlugin):
         capture of each mode, warmup included; ``_warmup_and_capture`` builds attention metadata
         only for FULL (``force_attention = mode == FULL``), so the PIECEWISE warmup's
         ``sparse_attn_indexer`` takes its no-metadata branch and allocates the
-        :data:`INDEXER_DUMMY_LOGITS_BYTES` dummy anew (the cache was emptied; the later captures
+        512 MiB dummy logits anew (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, :func:`tuner.model.simulate.mla.sparse_indexer_graph_warmup_bytes`) (the cache was emptied; the later captures
         reuse the cached block). The estimate takes the largest first capture over the modes, so
         once per rank whose stage holds a ``compress_ratio`` 4 layer (the indexer). CUDA only:
         ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) was not read for this."""
-        if getattr(settings, "platform", "cuda") != "cuda":
-            return 0
+        from tuner.model.simulate.mla import sparse_indexer_graph_warmup_bytes
+
         ratios = compress_ratios(spec)
-        return INDEXER_DUMMY_LOGITS_BYTES if any(ratios[i] == 4 for i in stage_layers(spec, settings)) else 0
+        if not any(ratios[i] == 4 for i in stage_layers(spec, settings)):
+            return 0
+        return sparse_indexer_graph_warmup_bytes(getattr(settings, "platform", "cuda"),
+                                                 parse_version(settings.engine_version).key)
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:

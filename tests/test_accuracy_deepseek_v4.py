@@ -311,3 +311,38 @@ def test_rocm_indexer_reservation_sets_the_shared_workspace_pro_tp8(specs_of):
     rocm = _settings("0.28.0", 8, platform="rocm", compute_capability="9.4", max_model_len=1048576)
     peak, _kept = _profile_peak(specs_of["Pro"], rocm)
     assert 16 * GiB < peak < 16 * GiB + 8 * GiB
+
+
+def test_sparse_indexer_graph_warmup_releases_and_dsa_models(shared_dir):
+    """The dummy logits of sparse_attn_indexer exist 0.19 – 0.33 (gone in 0.34); DSA models (GLM-5.x,
+    DeepSeek-V3.2, plugin deepseek) get the same CUDA-graph warmup term as DeepSeek-V4; dense MLA none."""
+    from tuner.model.modelspec import load_model_spec
+    from tuner.model.simulate.mla import sparse_indexer_graph_warmup_bytes
+    from tuner.plugins.deepseek import plugin as ds
+    from tuner.plugins.glm_moe_dsa import plugin as glm
+
+    assert sparse_indexer_graph_warmup_bytes("cuda", (0, 18, 0)) == 0
+    assert sparse_indexer_graph_warmup_bytes("cuda", (0, 19, 0)) == 512 << 20
+    assert sparse_indexer_graph_warmup_bytes("cuda", (0, 33, 0)) == 512 << 20
+    assert sparse_indexer_graph_warmup_bytes("cuda", (0, 34, 0)) == 0
+    assert sparse_indexer_graph_warmup_bytes("rocm", (0, 28, 0)) == 0
+    models = shared_dir / "models"
+    glm_dirs = sorted(p for p in models.iterdir() if "GLM-5" in p.name and (p / "config.json").is_file())
+    assert glm_dirs
+    spec = load_model_spec(glm_dirs[0] / "config.json")[0]
+    assert glm.cudagraph_warmup_bytes(spec, _settings("0.28.0", 8)) == 512 << 20
+    dense = load_model_spec(models / "deepseek-ai--DeepSeek-V3" / "config.json")[0]
+    assert ds.cudagraph_warmup_bytes(dense, _settings("0.28.0", 8)) == 0
+
+
+def test_dsa_graph_warmup_moves_recipes_893(shared_dir):
+    """GLM-5.3 on 8×H200, 0.28 (recipes-893): the same warmup term adds 0.50 GiB to its CUDA-graph
+    estimate, 30.90 → 30.40 GiB available (+19.12 → +17.19 % against 25.94), the safe end still below
+    the log (docs/accuracy-mechanisms.md §22)."""
+    from tuner.accuracy.validate import load_cases, predict_cases
+
+    cases = {c["id"]: c for c in load_cases(shared_dir / "cases" / "vllm-observed.jsonl")}
+    (r,) = predict_cases([cases["recipes-893-8xh200-glm53-fp8-tp8"]], shared_dir / "models")
+    assert r["predicted_cuda_graph_gib"] == pytest.approx(2.0869 + 0.5, abs=1e-3)
+    assert r["predicted_kv_cache_gib"] == pytest.approx(30.3996, abs=1e-3)
+    assert r["covered"] is True and r["unsafe_at_safe_end"] is False
