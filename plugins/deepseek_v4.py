@@ -42,13 +42,13 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   dummy indexer logits (512 MiB) measured into the first capture (V1 runner, CUDA, 0.20 – 0.29).
 * ROCm (``models/deepseek_v4/amd``, :mod:`tuner.model.simulate.dsv4`): the AITER indexer's
   decode-logits reservation in the shared workspace (fp32 ``[N, max_model_len // 4]`` on gfx942 /
-  gfx950, 0.23 – 0.29) and ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
-  the module from 0.24).
+  gfx950, 0.23 – 0.29), ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
+  the module from 0.24), no FlashMLA head padding (``get_padded_num_q_heads``, 0.22+).
 
 Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
 (the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
 sparse-attention kernels' own workspaces, the rest of ROCm's own DeepSeek-V4 path
-(``models/deepseek_v4/amd``: no 64-head FlashMLA padding there, the mHC backend by image).
+(``models/deepseek_v4/amd``: the mHC backend by image, AITER's own workspaces).
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ class DeepseekV4Plugin(ModelPlugin):
         if getattr(settings, "platform", "cuda") == "rocm":
             out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
                                   "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
-                                  "(fp8_ds_mla pages, block 256, FlashMLA's 64-head padding) apart from the AITER "
-                                  "indexer's decode-logits reservation and the bf16 wo_a of rocm_inv_rope_einsum; "
+                                  "(fp8_ds_mla pages, block 256) apart from the AITER indexer's decode-logits "
+                                  "reservation, the bf16 wo_a of rocm_inv_rope_einsum and the unpadded heads; "
                                   "its mHC backend (AITER, TileLang or the torch reference, by what the image has) "
                                   "and AITER's own workspaces are not modelled"))
         return out

@@ -284,7 +284,7 @@ def test_available_kv_of_dsv4_cases_after_cudagraph_warmup_and_rocm_wo_a(shared_
     assert f["predicted_cuda_graph_gib"] == pytest.approx(1.6733 + 0.5, abs=1e-3)
     assert f["predicted_kv_cache_gib"] == pytest.approx(8.0637, abs=1e-3)
     assert f["covered"] is True and f["unsafe_at_safe_end"] is False
-    assert p["predicted_kv_cache_gib"] == pytest.approx(19.8487, abs=1e-3)
+    assert p["predicted_kv_cache_gib"] == pytest.approx(19.8488, abs=1e-3)
     assert p["predicted_fits"] is False and p["unsafe"] is False
     assert p["covered"] is True and p["unsafe_at_safe_end"] is False
 
@@ -346,3 +346,14 @@ def test_dsa_graph_warmup_moves_recipes_893(shared_dir):
     assert r["predicted_cuda_graph_gib"] == pytest.approx(2.0869 + 0.5, abs=1e-3)
     assert r["predicted_kv_cache_gib"] == pytest.approx(30.3996, abs=1e-3)
     assert r["covered"] is True and r["unsafe_at_safe_end"] is False
+
+
+def test_rocm_attention_heads_unpadded_from_0_22():
+    """models/deepseek_v4/amd/rocm.py ``get_padded_num_q_heads`` returns num_heads (0.22 – 0.29 read,
+    0.26 not unpacked): Pro at TP8 keeps 16 heads in ``o_padded``; CUDA pads to FlashMLA's 64."""
+    from tuner.model.simulate.dsv4 import attention_heads
+
+    assert attention_heads("rocm", (0, 28, 0), 16) == 16
+    assert attention_heads("rocm", (0, 21, 0), 16) == 64
+    assert attention_heads("cuda", (0, 28, 0), 16) == 64
+    assert attention_heads("cuda", (0, 22, 0), 128) == 128

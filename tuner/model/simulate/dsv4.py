@@ -57,6 +57,20 @@ def rocm_indexer_logits_bytes(platform: str, version: tuple, compute_capability:
     return _ws_bytes(tokens * indexer_max_len * 4 * (1 if cdna else index_heads))
 
 
+#: First release with ROCm's own DeepSeek-V4 attention (models/deepseek_v4/amd/rocm.py, read 0.22 –
+#: 0.25, 0.27 – 0.29): its ``get_padded_num_q_heads`` returns ``num_heads`` (no FlashMLA padding).
+ROCM_UNPADDED_HEADS_FROM = (0, 22, 0)
+
+
+def attention_heads(platform: str, version: tuple, local_heads: int) -> int:
+    """The head count of ``o_padded`` and of the profile run's padded ``q``: FlashMLA's
+    ``max(n_local_heads, 64)`` on CUDA (models/deepseek_v4/nvidia/flashmla.py), the local heads as
+    they are on ROCm from 0.22 (models/deepseek_v4/amd/rocm.py ``get_padded_num_q_heads``)."""
+    if platform == "rocm" and tuple(version[:3]) >= ROCM_UNPADDED_HEADS_FROM:
+        return local_heads
+    return max(local_heads, MIN_HEADS)
+
+
 def rocm_wo_a_mode(platform: str, version: tuple) -> str | None:
     """How the ROCm o-projection holds ``wo_a`` in bf16 (:data:`ROCM_WO_A_CACHED` from 0.24,
     :data:`ROCM_WO_A_PER_CALL` 0.21 – 0.23), None on CUDA (the fp8 einsum) and before 0.21."""
@@ -136,7 +150,7 @@ class Attention(nn.Module):
 
     def __init__(self, raw: dict, hidden: int, heads: int, ratio: int, dtype, quant, prefix: str, tp: int,
                  max_model_len: int, max_num_batched_tokens: int, rocm_wo_a: str | None = None,
-                 rocm_logits_bytes: int = 0) -> None:
+                 rocm_logits_bytes: int = 0, padded_heads: int | None = None) -> None:
         super().__init__()
         self.rocm_wo_a = rocm_wo_a
         #: where the ROCm bf16 ``wo_a`` copies are kept (set by :class:`DeepseekV4LM` per forward)
@@ -144,7 +158,7 @@ class Attention(nn.Module):
         d, q_lora, o_lora = int(raw.get("head_dim") or 512), int(raw["q_lora_rank"]), int(raw["o_lora_rank"])
         groups = int(raw["o_groups"])
         self.heads, self.d, self.groups_r, self.o_lora = heads // tp, d, groups // tp, o_lora
-        self.padded = max(self.heads, MIN_HEADS)
+        self.padded = padded_heads or max(self.heads, MIN_HEADS)
         self.attn_sink = L._param(self.padded, dtype=torch.float32)
         self.fused_wqa_wkv = L.Linear(hidden, q_lora + d, dtype, quant=quant, prefix=f"{prefix}.fused_wqa_wkv")
         self.q_norm = L.RMSNorm(q_lora, dtype)
@@ -339,7 +353,8 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
     layers = []
     for i in stage_layers(spec, settings):
         p = f"model.layers.{i}"
-        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok, wo_a, logits)
+        attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok, wo_a, logits,
+                         attention_heads(platform, version, heads // tp))
         ffn = MoE(raw, h, spec.vocab_size, i < int(raw.get("num_hash_layers") or 0), dtype, quant, f"{p}.ffn", tp,
                   settings)
         layers.append(Layer(attn, ffn, h, hc, dtype))
