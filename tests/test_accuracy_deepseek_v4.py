@@ -273,8 +273,9 @@ def test_available_kv_of_dsv4_cases_after_cudagraph_warmup_and_rocm_wo_a(shared_
     by 3.1 GiB; the PIECEWISE warmup's dummy indexer logits (+0.50 GiB in the CUDA-graph estimate)
     brings it from 8.56 to 8.06 GiB (printed 5.44; +48 %: the rest not found, docs §22).
     vllm-53961 (ROCm 0.28, MI300X): the cached bf16 wo_a (35.51 → 34.56 GiB) and the AITER indexer's
-    decode-logits reservation (fp32 [16384, 1048576 / 4] = 16 GiB in the shared workspace) bring it to
-    19.85 GiB: refused, as vLLM refused (printed needed 23.32)."""
+    decode-logits reservation (fp32 [16384, 1048576 / 4] = 16 GiB in the shared workspace, which the
+    modular MoE's buffers then share) bring it to 20.84 GiB: refused, as vLLM refused (printed needed
+    23.32)."""
     from tuner.accuracy.validate import load_cases, predict_cases
 
     cases = {c["id"]: c for c in load_cases(shared_dir / "cases" / "vllm-observed.jsonl")}
@@ -284,7 +285,7 @@ def test_available_kv_of_dsv4_cases_after_cudagraph_warmup_and_rocm_wo_a(shared_
     assert f["predicted_cuda_graph_gib"] == pytest.approx(1.6733 + 0.5, abs=1e-3)
     assert f["predicted_kv_cache_gib"] == pytest.approx(8.0637, abs=1e-3)
     assert f["covered"] is True and f["unsafe_at_safe_end"] is False
-    assert p["predicted_kv_cache_gib"] == pytest.approx(19.8488, abs=1e-3)
+    assert p["predicted_kv_cache_gib"] == pytest.approx(20.8424, abs=1e-3)
     assert p["predicted_fits"] is False and p["unsafe"] is False
     assert p["covered"] is True and p["unsafe_at_safe_end"] is False
 
@@ -357,3 +358,28 @@ def test_rocm_attention_heads_unpadded_from_0_22():
     assert attention_heads("rocm", (0, 21, 0), 16) == 64
     assert attention_heads("cuda", (0, 28, 0), 16) == 64
     assert attention_heads("cuda", (0, 22, 0), 128) == 128
+
+
+def test_rocm_mxfp4_experts_use_the_shared_workspace(specs_of):
+    """ROCm DeepSeek-V4 experts (UnfusedOAITritonExperts under the modular kernel, 0.22+): Pro at TP8
+    asks r(max(M·k·I, M·K)·2) + r(M·k·max(2I, K)·2) of the shared workspace, I = 3072/8 padded to 512,
+    K = 7168: 224 MiB + 1344 MiB; no separate gather/scatter scratch."""
+    import torch
+
+    from tuner.model.simulate.dsv4 import UnfusedTritonExperts
+    from tuner.model.simulate.moe import current_workspace, expert_layout
+    from tuner.model.simulate.tracker import MemoryTracker
+
+    s = _settings("0.28.0", 8, platform="rocm", compute_capability="9.4", max_model_len=1048576)
+    with torch.device("meta"), expert_layout(8, 1, False):
+        m = _plugin().build_model(specs_of["Pro"], s)
+        experts = m.layers[5].ffn.experts
+        assert isinstance(experts, UnfusedTritonExperts) and experts.intermediate == 512
+        with torch.no_grad(), MemoryTracker():
+            out = experts(torch.empty(16384, 7168, dtype=torch.bfloat16), torch.empty(16384, 384))
+            assert current_workspace().buffer.numel() == 16384 * 7168 * 2 + 98304 * 7168 * 2
+            assert tuple(out.shape) == (16384, 7168)
+    cuda = _settings("0.28.0", 8, compute_capability="9.0", max_model_len=1048576)
+    with torch.device("meta"), expert_layout(8, 1, False):
+        assert not isinstance(_plugin().build_model(specs_of["Pro"], cuda).layers[5].ffn.experts,
+                              UnfusedTritonExperts)

@@ -14,6 +14,7 @@ from torch import nn
 
 from tuner.model.plugin import stage_layers
 from tuner.model.simulate import layers as L
+from tuner.memory.eras import parse_version
 from tuner.model.simulate.moe import FusedMoE, current_workspace, torch_dtype
 
 #: ``padded_heads = max(n_local_heads, 64)`` (FlashMLA; attn_sink and o_padded).
@@ -225,6 +226,31 @@ class Attention(nn.Module):
         return z
 
 
+#: First release whose DeepSeek-V4 MXFP4 experts run through the modular kernel
+#: (quantization/mxfp4.py ``Mxfp4MoEMethod._setup_kernel`` → ``make_mxfp4_moe_kernel``, read 0.22, 0.28).
+MODULAR_MXFP4_FROM = (0, 22, 0)
+
+
+class UnfusedTritonExperts(FusedMoE):
+    """ROCm's ``UnfusedOAITritonExperts`` (fused_moe/experts/gpt_oss_triton_kernels_moe.py) under the
+    modular kernel (modular_kernel.py ``_allocate_buffers``): one shared-workspace request of
+    ``r(max(M·k·I, M·K)·2) + r(M·k·max(2I, K)·2)`` bytes (``workspace_shapes``: ``(M·k, I)``,
+    ``(M·k, max(N, K))``, output ``(M, K)`` viewed in the first), every ``matmul_ogs`` output a view
+    of it; the layer's output a new ``[M, K]``."""
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from tuner.model.simulate.moe import WORKSPACE_ALIGN_BYTES
+
+        m, k, i, h = x.shape[0], self.top_k, self.intermediate, self.hidden_padded
+        r = lambda b: -(-b // WORKSPACE_ALIGN_BYTES) * WORKSPACE_ALIGN_BYTES  # noqa: E731
+        dt = x.element_size()
+        topk = self._topk(x)
+        current_workspace().ensure(r(max(m * k * i, m * h) * dt) + r(m * k * max(2 * i, h) * dt), x.device)
+        out = torch.empty_like(x)
+        del topk
+        return out[:, : self.hidden]
+
+
 class MoE(nn.Module):
     """``DeepseekV4MoE``: 16-bit gate ``[E, H]`` (fp32 logits), ``tid2eid [V, k]`` int32 on hash
     layers else fp32 ``e_score_correction_bias [E]``, shared expert, routed FusedMoE."""
@@ -241,8 +267,11 @@ class MoE(nn.Module):
         n_shared = int(raw.get("n_shared_experts") or 0)
         self.shared_experts = (L.GatedMLP(hidden, moe_i * n_shared // tp, dtype, quant=quant,
                                           prefix=f"{prefix}.shared_experts") if n_shared else None)
-        kernel = getattr(getattr(quant, "expert_format", None), "kernel", "triton") if quant is not None else "triton"
-        self.experts = FusedMoE(hidden, moe_i // tp, e, k, dtype, quant=quant, prefix=f"{prefix}.experts",
+        fmt = getattr(quant, "expert_format", None) if quant is not None else None
+        kernel = getattr(fmt, "kernel", "triton") if fmt is not None else "triton"
+        modular_rocm = (getattr(fmt, "backend", None) == "rocm_triton"
+                        and parse_version(settings.engine_version).key >= MODULAR_MXFP4_FROM)
+        self.experts = (UnfusedTritonExperts if modular_rocm else FusedMoE)(hidden, moe_i // tp, e, k, dtype, quant=quant, prefix=f"{prefix}.experts",
                                 compiled=settings.compiled, engine_version=settings.engine_version,
                                 tensor_parallel_size=tp, reduce_results=False, kernel=kernel, global_num_experts=e)
         self.tp = tp
@@ -343,8 +372,6 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
                                f"tensor_parallel_size ({tp})", where=spec.path)
     n_tok = int(settings.max_num_batched_tokens or 8192)
     max_len = int(settings.max_model_len or spec.max_position_embeddings)
-    from tuner.memory.eras import parse_version
-
     platform, version = getattr(settings, "platform", "cuda"), parse_version(settings.engine_version).key
     wo_a = rocm_wo_a_mode(platform, version)
     logits = rocm_indexer_logits_bytes(platform, version, getattr(settings, "compute_capability", None),
