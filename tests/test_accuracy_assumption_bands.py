@@ -166,3 +166,19 @@ def test_triton_kernels_assumption_band_is_the_triton_layout(shared_dir, observe
     assert "mxfp4.py 0.11.0" in b["widened_by"]
     # stated, it is no assumption: neither band
     assert not [x for x in triton["bands"] if "triton_kernels_installed" in x["name"]]
+
+
+def test_check_names_the_assumption_band_where_the_verdict_flips():
+    """Llama-3.1-8B, H100-80GB, vLLM 0.11.0, u 0.3, 45000 tokens: does not start at the pip assumption
+    (PyTorch's sort), starts with FlashInfer installed: UNCERTAIN (exit 4), the band named first."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    rc, out, _err = run_cli("check", "--device", "H100-80GB", "--engine-version", "0.11.0", "--no-variants", "--",
+                            "vllm", "serve", str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+                            "--max-model-len", "45000", "--gpu-memory-utilization", "0.3")
+    assert rc == 4
+    terms = [line.strip() for line in out.splitlines() if line.strip().startswith("uncertain term:")]
+    assert terms[0].startswith("uncertain term: assumed flashinfer_installed=false +2.950 GiB (raises the KV only) "
+                               "(assumed (alternative computed); vllm/v1/sample/ops/topk_topp_sampler.py 0.11.0")
+    assert terms[1].startswith("uncertain term: not modelled: flashinfer_installed -0.713 GiB (lowers the KV only)")
