@@ -18,7 +18,12 @@ and an upper bound in bytes, set by where the term came from:
 - **not modelled** — an input the product reads but has no rule for (a vLLM argument, case setting
   or environment variable outside the drop, a release that was not stated, a unified-memory
   device whose host use is not stated): :data:`NOT_MODELLED` / :data:`RELEASE_NOT_STATED` of the
-  requested memory each, named in the output (:class:`Unmodelled`) with its effect.
+  requested memory each, named in the output (:class:`Unmodelled`) with its effect;
+- **assumed, alternative computed** — an input neither the record nor the drop states, whose other
+  value has a rule (``flashinfer_installed``, ``triton_kernels_installed``: :mod:`tuner.memory.assumed`):
+  the point takes what ``pip install`` gets and the band is exactly the other value's effect on the KV,
+  one-sided (:class:`Alternative`, :func:`alternative_band`); the input's not-modelled fraction keeps
+  the other side only (:func:`alternative_side`).
 
 Each band is ``fraction × the term's bytes + floor`` (symmetric); the sizes are fitted by
 :func:`tuner.accuracy.uncertainty_fit.fit_bands` — leave-one-out by ``model_family`` over the
