@@ -22,8 +22,8 @@ and an upper bound in bytes, set by where the term came from:
 - **assumed, alternative computed** — an input neither the record nor the drop states, whose other
   value has a rule (``flashinfer_installed``, ``triton_kernels_installed``: :mod:`tuner.memory.assumed`):
   the point takes what ``pip install`` gets and the band is exactly the other value's effect on the KV,
-  one-sided (:class:`Alternative`, :func:`alternative_band`); the input's not-modelled fraction keeps
-  the other side only (:func:`alternative_side`).
+  one-sided (:class:`Alternative`, :func:`alternative_band`); no not-modelled fraction (both of the
+  input's values are computed).
 
 Each band is ``fraction × the term's bytes + floor`` (symmetric); the sizes are fitted by
 :func:`tuner.accuracy.uncertainty_fit.fit_bands` — leave-one-out by ``model_family`` over the
@@ -168,8 +168,7 @@ class Unmodelled:
     kind: str = "not_modelled"
     #: which way it can move the KV cache: ``both``, ``low`` for an input that can only make it
     #: smaller (a cold compile cache: its band widens the safe end only), ``high`` for one that can
-    #: only make it larger (set by :func:`term_bands` for an assumption whose :class:`Alternative`
-    #: lowers the KV: the fraction keeps the other side).
+    #: only make it larger.
     side: str = "both"
 
     def to_dict(self) -> dict:
@@ -236,15 +235,6 @@ def alternative_band(alt: Alternative) -> TermBand:
     note = (f"{alt.source}; {alt.name}={str(alt.alternative).lower()}: KV {'+' if d >= 0 else '-'}"
             f"{abs(d) / GiB:.3f} GiB")
     return TermBand(alt.label, 0, alt.name, ASSUMED_ALTERNATIVE, min(0, -d), max(0, -d), note, "-", "", 0)
-
-
-def alternative_side(alt: Alternative | None) -> str:
-    """The side an assumption's not-modelled fraction keeps where its alternative is computed: the
-    other side than the alternative's (``low`` where the alternative raises the KV or leaves it,
-    ``high`` where it lowers it), so the alternative's side is its exact effect alone."""
-    if alt is None:
-        return "both"
-    return "low" if int(alt.kv_delta_bytes) >= 0 else "high"
 
 
 @dataclass(frozen=True)
@@ -317,8 +307,8 @@ def term_bands(*, requested_memory_bytes: int, weights_bytes: int, activation_pe
     ``device_total_stated``: False when the total memory came from the catalog; ``unmodelled``:
     inputs with no rule (each widening one is a band of its own); ``alternatives``: assumed inputs
     whose other value was computed (:class:`Alternative`), each a one-sided band of exactly its
-    effect (:func:`alternative_band`), the input's not-modelled fraction kept on the other side only
-    (:func:`alternative_side`). With ``kv_cache_memory_bytes`` the cache is the user's bytes: every
+    effect (:func:`alternative_band`) and no not-modelled fraction: the input has two values, the
+    point's and the alternative's, both computed. With ``kv_cache_memory_bytes`` the cache is the user's bytes: every
     term is exact for the KV (no band)."""
     src = dict(sources or {})
     if kv_cache_memory_bytes is not None:
@@ -347,11 +337,12 @@ def term_bands(*, requested_memory_bytes: int, weights_bytes: int, activation_pe
     for u in unmodelled:
         if not u.widens:
             continue
+        if u.name in alts:  # both of its values computed: the alternative's band is its whole effect
+            continue
         band = RELEASE_NOT_STATED if u.kind == "release_not_stated" else NOT_MODELLED
         h = int(band.fraction * int(requested_memory_bytes)) + band.floor_bytes
-        # an input that can only take memory (side "low") moves the KV's low (safe) end alone; one whose
-        # alternative is computed keeps its fraction on the side the alternative does not reach
-        side = alternative_side(alts[u.name]) if u.name in alts else u.side
+        # an input that can only take memory (side "low") moves the KV's low (safe) end alone
+        side = u.side
         out.append(TermBand(f"not modelled: {u.name}", 0, u.where or "input", band.source,
                             0 if side == "low" else -h, 0 if side == "high" else h, u.note or "no rule", "-",
                             _PARAMETER_OF[id(band)], int(requested_memory_bytes)))
