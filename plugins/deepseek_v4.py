@@ -39,7 +39,7 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   mix and norm.
 
 * CUDA-graph estimate (:meth:`DeepseekV4Plugin.cudagraph_warmup_bytes`): the PIECEWISE warmup's
-  dummy indexer logits (512 MiB) measured into the first capture (V1 runner, CUDA, 0.20 – 0.29).
+  dummy indexer logits (512 MiB) measured into the first capture (V1 runner; CUDA 0.20+, ROCm 0.26+).
 * ROCm (``models/deepseek_v4/amd``, :mod:`tuner.model.simulate.dsv4`): the AITER indexer's
   decode-logits reservation in the shared workspace (fp32 ``[N, max_model_len // 4]`` on gfx942 /
   gfx950, 0.23 – 0.29), ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
@@ -161,11 +161,12 @@ class DeepseekV4Plugin(ModelPlugin):
         0.20 – 0.29) calls ``empty_cache()`` and measures the free-memory drop around the first
         capture of each mode, warmup included; ``_warmup_and_capture`` builds attention metadata
         only for FULL (``force_attention = mode == FULL``), so the PIECEWISE warmup's
-        ``sparse_attn_indexer`` takes its no-metadata branch and allocates the
-        512 MiB dummy logits anew (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, :func:`tuner.model.simulate.mla.sparse_indexer_graph_warmup_bytes`) (the cache was emptied; the later captures
-        reuse the cached block). The estimate takes the largest first capture over the modes, so
-        once per rank whose stage holds a ``compress_ratio`` 4 layer (the indexer). CUDA only:
-        ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) was not read for this."""
+        ``sparse_attn_indexer`` takes its no-metadata branch and allocates the 512 MiB dummy
+        logits anew (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``; the cache was emptied; the later
+        captures reuse the cached block;
+        :func:`tuner.model.simulate.mla.sparse_indexer_graph_warmup_bytes`). The estimate takes the largest first capture over the modes, so
+        once per rank whose stage holds a ``compress_ratio`` 4 layer (the indexer); by platform and
+        release as that function says (ROCm's AITER indexer allocates the same dummy)."""
         from tuner.model.simulate.mla import sparse_indexer_graph_warmup_bytes
 
         ratios = compress_ratios(spec)

@@ -191,10 +191,12 @@ def test_cudagraph_warmup_dummy_indexer_logits_by_platform(specs_of):
     """profile_cudagraph_memory (gpu_model_runner.py 0.20 – 0.29) empties the cache and measures the
     first capture with its warmup; the PIECEWISE warmup runs without attention metadata
     (``force_attention = mode == FULL``), so sparse_attn_indexer's 512 MiB dummy logits
-    (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB) is allocated anew: once per rank with an r = 4 layer, CUDA only."""
+    (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB) is allocated anew: once per rank with an r = 4 layer; ROCm's
+    AITER indexer from 0.23 (0.22 returns its fake at once)."""
     p = _plugin()
     assert p.cudagraph_warmup_bytes(specs_of["Flash"], _settings("0.22.0", 2)) == 512 * 1024 * 1024
-    assert p.cudagraph_warmup_bytes(specs_of["Pro"], _settings("0.28.0", 8, platform="rocm")) == 0
+    assert p.cudagraph_warmup_bytes(specs_of["Pro"], _settings("0.22.0", 8, platform="rocm")) == 0
+    assert p.cudagraph_warmup_bytes(specs_of["Pro"], _settings("0.28.0", 8, platform="rocm")) == 512 << 20
     # a pipeline stage holding only layers 0–1 (compress_ratios 0, 0: SWA-only, no indexer)
     from tuner.model import plugin as P
 
@@ -326,7 +328,8 @@ def test_sparse_indexer_graph_warmup_releases_and_dsa_models(shared_dir):
     assert sparse_indexer_graph_warmup_bytes("cuda", (0, 19, 0)) == 512 << 20
     assert sparse_indexer_graph_warmup_bytes("cuda", (0, 33, 0)) == 512 << 20
     assert sparse_indexer_graph_warmup_bytes("cuda", (0, 34, 0)) == 0
-    assert sparse_indexer_graph_warmup_bytes("rocm", (0, 28, 0)) == 0
+    assert sparse_indexer_graph_warmup_bytes("rocm", (0, 22, 0)) == 0  # 0.22's AITER indexer: fake only
+    assert sparse_indexer_graph_warmup_bytes("rocm", (0, 28, 0)) == 512 << 20
     models = shared_dir / "models"
     glm_dirs = sorted(p for p in models.iterdir() if "GLM-5" in p.name and (p / "config.json").is_file())
     assert glm_dirs

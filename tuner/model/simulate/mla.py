@@ -51,10 +51,12 @@ MLA_WORKSPACE_CAP_TOKENS = 64 * 1024
 INDEXER_MAX_LOGITS_BYTES = 512 * 1024 * 1024
 
 
-#: Releases whose ``sparse_attn_indexer`` allocates the :data:`INDEXER_MAX_LOGITS_BYTES` dummy when it
-#: runs without attention metadata (model_executor/layers/sparse_attn_indexer.py, "Dummy allocation
-#: to simulate for peak logits tensor memory"; found in 0.19 – 0.33, gone in 0.34).
-INDEXER_DUMMY_LOGITS_RELEASES = ((0, 19, 0), (0, 34, 0))
+#: Releases whose sparse indexer allocates the :data:`INDEXER_MAX_LOGITS_BYTES` dummy when it runs
+#: without attention metadata, by platform: CUDA ``sparse_attn_indexer``
+#: (model_executor/layers/sparse_attn_indexer.py, "Dummy allocation to simulate for peak logits
+#: tensor memory"; found in 0.19 – 0.33, gone in 0.34), ROCm ``rocm_aiter_sparse_attn_indexer``
+#: (v1/attention/ops/rocm_aiter_mla_sparse.py, "Transient logits tensor peak memory"; 0.23 – 0.34 read).
+INDEXER_DUMMY_LOGITS_RELEASES = {"cuda": ((0, 19, 0), (0, 34, 0)), "rocm": ((0, 23, 0), (0, 35, 0))}
 
 
 def sparse_indexer_graph_warmup_bytes(platform: str, version: tuple) -> int:
@@ -64,11 +66,12 @@ def sparse_indexer_graph_warmup_bytes(platform: str, version: tuple) -> int:
     mode, its warmup included; ``_warmup_and_capture`` builds attention metadata only for FULL
     (``force_attention = mode == FULL``), so the PIECEWISE warmup's ``sparse_attn_indexer`` takes
     its no-metadata branch and allocates the dummy logits anew (the later captures reuse the cached
-    block; the estimate takes the largest first capture over the modes, so once). CUDA only (ROCm's
-    AITER indexer path was not read for this); where the estimate is subtracted
-    (:func:`tuner.memory.search.cudagraph_warmup_extra_bytes`: V1 runner, 0.20+)."""
-    lo, hi = INDEXER_DUMMY_LOGITS_RELEASES
-    if platform != "cuda" or not lo <= tuple(version[:3]) < hi:
+    block; the estimate takes the largest first capture over the modes, so once). On ROCm the AITER
+    indexer's warmup asks its workspace for ``[512, L]`` decode logits, below the profile's
+    ``[N, L]``: no growth there. Counted where the estimate is subtracted
+    (:func:`tuner.memory.search.cudagraph_warmup_extra_bytes`: V1 runner, CUDA 0.20+, ROCm 0.26+)."""
+    lo, hi = INDEXER_DUMMY_LOGITS_RELEASES.get(platform, ((0, 0, 0), (0, 0, 0)))
+    if not lo <= tuple(version[:3]) < hi:
         return 0
     return INDEXER_MAX_LOGITS_BYTES
 
