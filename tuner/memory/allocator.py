@@ -12,10 +12,14 @@ Pure functions, no torch import of their own. Constants from torch ``c10/core/Al
   ``allocated_bytes`` (``torch.cuda.memory_allocated``, which vLLM's "Model loading took" reads)
   grows by the whole block.
 
-Used for the weights of V0 engines (:func:`weights_rounding_bytes`); in V1 eras the same bytes are
-inside the calibrated reserve (:func:`tuner.memory.budget.unexplained_bytes`, fitted on V1 residuals that
-contain them: the Qwen2 family's +0.057 GiB on 14.2 GiB is this rounding, 2 MiB per layer and
-0.5 MiB per embedding).
+Used for the weights of every engine (:func:`weights_rounding_bytes`, added by
+:class:`tuner.model.simulate.profile.ModelCache` to the module's bytes): vLLM's "Model loading
+took" and the weights its KV budget subtracts are the *allocated*-bytes increase over
+``load_model`` on V0 and V1 alike (V1 gpu_model_runner.py ``load_model`` → utils
+``DeviceMemoryProfiler`` → platforms/cuda.py ``get_current_memory_usage``: ``empty_cache``,
+``reset_peak_memory_stats``, ``max_memory_allocated``; 0.10 – 0.34). Until docs/accuracy-mechanisms.md
+§23 the V1 share of it sat in the calibrated reserve (:func:`tuner.memory.budget.unexplained_bytes`):
+the Qwen2 family's +0.056 GiB on 14.2 GiB is this rounding, 2 MiB per layer.
 """
 
 from __future__ import annotations

@@ -283,9 +283,9 @@ class ModelCache:
             if settings.tensor_parallel_size > 1 and tp_all_reduce_out_of_place(settings.engine_version):
                 mark_tp_all_reduce(model)
             weights = int(plugin.weights_bytes(spec, recorder, model))
-            if settings.runs_attention:
-                # V0 (no calibrated reserve there): the caching allocator's rounding of the weights
-                weights += weights_rounding_bytes(model)
+            # the caching allocator's rounding of the weights, V0 and V1 alike: "Model loading took"
+            # is the allocated-bytes increase over load_model (tuner.memory.allocator)
+            weights += weights_rounding_bytes(model)
         batch = recorder is settings or _BatchReads.seen()
         self.builds += 1
         return BuiltModel(self._key(plugin, spec, settings, backend, batch), backend, mode, model, weights, batch,
