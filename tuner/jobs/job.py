@@ -1225,7 +1225,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
     if said is not None:
         warnings.append(f"assumed {said['name']}: {said['value']} ({said['note']})")
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
-                               free_memory_from_host=_free_memory_from_host(device, era))
+                               free_memory_from_host=_free_memory_from_host(device, era),
+                               kv_cache_dtype=str(ranks.kv_cache_dtype or "auto"))
 
 
 #: Model Runner V2's first release modelled here (:func:`tuner.memory.eras.uses_model_runner_v2`).

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from tuner.memory import kvcache
+from tuner.memory.attention import flashinfer_graph_workspace_bytes
 from tuner.memory.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
                           free_memory_refusal, kv_budget, moe_dp_group_bytes, platform_of, startup_baseline_bytes,
                           non_torch_bytes, Topology, uma_host_buffer_bytes, unexplained_bytes)
@@ -109,6 +110,9 @@ class Layout:
     #: whether the device total was stated, the inputs with no rule); None = every term from its
     #: default source (plugin, catalog), nothing unmodelled.
     uncertainty: object = None
+    #: The KV cache dtype the release runs (``auto`` resolved, :func:`tuner.jobs.job._kv_cache_dtype`): it
+    #: decides the attention backend (:func:`tuner.memory.attention.selects_flashinfer`).
+    kv_cache_dtype: str = "auto"
 
     def card(self, stage: int) -> StageCard:
         """The card ``stage`` runs on (the layout's own device when no device list gives one)."""
@@ -383,6 +387,10 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
             model_runner_v2=layout.model_runner_v2)
         gkw["capture_sizes"] = sizes
     graphs = cudagraph_estimate_bytes(era, **gkw)
+    # FlashInfer's workspace, allocated in the FULL mode's first sampled capture (§20)
+    fi_ws = flashinfer_graph_workspace_bytes(
+        era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
+        num_speculative_tokens=layout.num_speculative_tokens) if graphs and gkw["platform"] == "cuda" else 0
     drafter_g = 0
     if dp is not None and graphs:
         from tuner.memory.specdecode import drafter_graph_layer_hidden
@@ -391,6 +399,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                                        max_num_seqs=batch.max_num_seqs)
         drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
         graphs += drafter_g
+    graphs += fi_ws
     # the graphs vLLM captures after the cache is allocated, subtracted or not (0.19, MRV2 < 0.29)
     captured = graphs if graphs or not era.compiled else cudagraph_estimate_bytes(era, **gkw, always=True)
     drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0

@@ -1,0 +1,126 @@
+"""Which attention backend vLLM selects for a decoder's (non-MLA) layers, and the memory that choice
+puts into the CUDA-graph estimate (issue 28, docs/accuracy-mechanisms.md §20).
+
+Pure: no torch, no vLLM. Read in vLLM 0.19.0 – 0.34.0 (wheels from PyPI):
+
+* ``vllm/platforms/cuda.py`` ``_get_backend_priorities`` (non-MLA): compute capability 10.x tries
+  FLASHINFER first; every other capability (8.x, 9.0, 12.x) tries FLASH_ATTN, then FLASHINFER, then
+  TRITON_ATTN; the first backend whose checks pass is used.
+* ``vllm/v1/attention/backends/flash_attn.py`` ``supports_kv_cache_dtype``: an fp8 cache only with
+  FlashAttention 3 on Hopper (``get_flash_attn_version() == 3 and is_device_capability_family(90)``;
+  0.19 – 0.21 ``kv_cache_dtype.startswith("fp8")`` → ``flash_attn_supports_fp8()``, the same test;
+  0.22+ lists ``fp8`` / ``fp8_e4m3`` for it and refuses ``fp8_e5m2`` on every card), else
+  ``auto`` / ``float16`` / ``bfloat16``; ``supports_head_size``: a multiple of 8, at most 256
+  (FlashAttention 4, Blackwell 10.x only, 512).
+* ``vllm/v1/attention/backends/flashinfer.py``: ``supported_kv_cache_dtypes`` ``auto``, ``float16``,
+  ``bfloat16``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2`` (``nvfp4`` where the release lists it),
+  compute capability 7.5 (8.0 from 0.24) to 12.1.
+
+So off Hopper an fp8 KV cache runs FlashInfer: on an RTX 3090 / 4090 / A100 as on an RTX 5090 or a
+GB10 — the cc 12.x over-predictions of issue 28 are the fp8 cache's backend, not the capability.
+"""
+from __future__ import annotations
+
+MiB = 1 << 20
+
+#: ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` (vllm/envs.py): ``394 * 1024 * 1024`` in every release
+#: read, 0.19.0 – 0.34.0. ``FlashInferMetadataBuilder._get_workspace_buffer``
+#: (v1/attention/backends/flashinfer.py) allocates it with ``torch.zeros(..., uint8)`` the first time
+#: a prefill / decode wrapper is planned; on 10.x the TRT-LLM decode path takes the module's
+#: ``_get_trtllm_gen_workspace_buffer()`` of the same size instead.
+FLASHINFER_WORKSPACE_BUFFER_BYTES = 394 * MiB
+
+#: KV cache dtypes FlashInfer's backend accepts (flashinfer.py ``supported_kv_cache_dtypes``; nvfp4
+#: is checked by :mod:`tuner.memory.engine_checks`).
+FLASHINFER_KV_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+#: KV cache dtypes FlashAttention accepts without fp8 (flash_attn.py ``supports_kv_cache_dtype``).
+FLASH_ATTN_PLAIN_KV_DTYPES = ("auto", "float16", "bfloat16")
+#: First release whose FlashAttention refuses ``fp8_e5m2`` even on Hopper (flash_attn.py lists
+#: only ``fp8`` / ``fp8_e4m3`` for FA3; 0.19 – 0.21 accept every ``fp8*`` there).
+FLASH_ATTN_E5M2_REFUSED_SINCE = (0, 22, 0)
+
+
+def _major(compute_capability: str | None) -> int | None:
+    try:
+        return int(str(compute_capability).split(".")[0])
+    except (TypeError, ValueError):
+        return None
+
+
+def flash_attn_accepts(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str,
+                       head_size: int) -> bool:
+    """Whether vLLM's FLASH_ATTN backend takes a non-MLA layer (flash_attn.py
+    ``supports_kv_cache_dtype`` / ``supports_head_size``; FA3 is Hopper's, 9.0)."""
+    kv = str(kv_cache_dtype or "auto").lower()
+    if head_size % 8 != 0 or head_size > 256:
+        return False
+    if kv in FLASH_ATTN_PLAIN_KV_DTYPES:
+        return True
+    if kv.startswith("fp8") and _major(compute_capability) == 9:
+        return kv in ("fp8", "fp8_e4m3") or tuple(version) < FLASH_ATTN_E5M2_REFUSED_SINCE
+    return False
+
+
+def selects_flashinfer(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str,
+                       head_size: int) -> bool:
+    """Whether vLLM runs a non-MLA attention layer on FLASHINFER (platforms/cuda.py
+    ``_get_backend_priorities``): first on 10.x, else when FLASH_ATTN refuses the layer and
+    FlashInfer takes its cache dtype and the card. Unknown capability → False (no charge)."""
+    major = _major(compute_capability)
+    kv = str(kv_cache_dtype or "auto").lower()
+    if major is None or kv not in FLASHINFER_KV_DTYPES:
+        return False
+    if major == 10:
+        return True
+    if not (7 <= major <= 12):
+        return False
+    return not flash_attn_accepts(version, compute_capability=compute_capability, kv_cache_dtype=kv,
+                                  head_size=head_size)
+
+
+def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str,
+                                     kv_specs, num_speculative_tokens: int = 0) -> int:
+    """FlashInfer's workspace buffers inside vLLM's CUDA-graph memory estimate (bytes; 0 where the
+    layers do not run FlashInfer or no FULL graph is captured). ``kv_specs``: the stage's
+    ``{layer: spec}`` (:mod:`tuner.memory.kvcache`); only non-MLA attention specs count.
+
+    ``GPUModelRunner.profile_cudagraph_memory`` (v1/worker/gpu_model_runner.py, 0.19 – 0.33)
+    builds a minimal KV cache (``_init_minimal_kv_cache_for_profiling``: new metadata builders,
+    their workspace not yet allocated), ``empty_cache()``s, then samples ``mem_get_info`` around the
+    two largest captures of each mode. A FULL capture's warm-ups run ``_dummy_run(...,
+    force_attention=True)`` (``_warmup_and_capture``), so each FlashInfer metadata builder plans
+    and allocates its own 394 MiB workspace (:data:`FLASHINFER_WORKSPACE_BUFFER_BYTES`; builders share
+    none) inside the FULL mode's *first* sample; PIECEWISE captures and the profile run build no
+    attention metadata (``attn_metadata`` only ``if force_attention or cudagraph_runtime_mode ==
+    FULL``). ``_build_attention_metadata`` builds once per ``(kv_cache_spec, builder type)`` and
+    reuses it for groups with the same spec (``update_block_table``), so one buffer per distinct
+    attention spec (a full and a sliding-window group: two). The estimate is ``max over
+    modes(first) + Σ (n − 1) × per-graph``, and the calibrated estimate
+    (:func:`tuner.memory.budget.cudagraph_estimate_bytes`, fit on 0.19 H100 logs running FlashAttention
+    3) holds no such buffer: it is added whole (an upper bound where the PIECEWISE first capture
+    exceeds the FULL one's other bytes).
+
+    No FULL graph: spec decode (``1 + k`` tokens per decode) needs ``UNIFORM_BATCH`` support, and
+    FlashInfer without TRT-LLM attention (every card but 10.x) reports
+    ``UNIFORM_SINGLE_TOKEN_DECODE`` (``FlashInferMetadataBuilder.get_cudagraph_support``), so
+    config/compilation.py sets ``cudagraph_mode=PIECEWISE`` ("not supported with spec-decode for
+    attention backend"): nothing is charged then. Not read, not charged: attention sinks (FLASH_ATTN
+    refuses them below FA3, FlashInfer off 10.x: TRITON_ATTN), MLA backends' own workspaces, a
+    backend forced by ``--attention-backend`` / ``VLLM_ATTENTION_BACKEND``.
+    """
+    from tuner.memory.kvcache import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
+                                      SlidingWindowMLASpec, SlidingWindowSpec)
+
+    if num_speculative_tokens and _major(compute_capability) != 10:
+        return 0
+    attn = [s for s in dict(kv_specs or {}).values()
+            if isinstance(s, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
+            and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec))]
+    if len({int(s.head_size) for s in attn}) > 1:
+        # layers of two head sizes (Gemma 4's head_dim / global_head_dim): model_executor/models/config.py
+        # Gemma4Config.verify_and_update_config (0.19 – 0.34) forces one backend for all of them,
+        # TRITON_ATTN (FA4 where available, 0.24+) -- never FlashInfer
+        return 0
+    distinct = {s for s in attn if selects_flashinfer(version, compute_capability=compute_capability,
+                                                      kv_cache_dtype=kv_cache_dtype, head_size=int(s.head_size))}
+    return FLASHINFER_WORKSPACE_BUFFER_BYTES * len(distinct)
