@@ -78,6 +78,36 @@ def selects_flashinfer(version: tuple, *, compute_capability: str | None, kv_cac
                                   head_size=head_size)
 
 
+def _flashinfer_layers(version: tuple, compute_capability: str | None, kv_cache_dtype: str, kv_specs) -> set:
+    """The distinct non-MLA attention specs that run FlashInfer (none where the layers have two head
+    sizes: ``Gemma4Config.verify_and_update_config``, model_executor/models/config.py 0.19 – 0.34,
+    forces TRITON_ATTN, or FA4 where available, on every layer)."""
+    from tuner.memory.kvcache import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
+                                      SlidingWindowMLASpec, SlidingWindowSpec)
+
+    attn = [s for s in dict(kv_specs or {}).values()
+            if isinstance(s, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
+            and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec))]
+    if len({int(s.head_size) for s in attn}) > 1:
+        return set()
+    return {s for s in attn if selects_flashinfer(version, compute_capability=compute_capability,
+                                                  kv_cache_dtype=kv_cache_dtype, head_size=int(s.head_size))}
+
+
+def full_graphs_captured(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str, kv_specs,
+                         num_speculative_tokens: int = 0) -> bool:
+    """Whether FULL decode graphs stay in the CUDA-graph mode. With spec decode (``1 + k`` tokens per
+    decode) a FULL decode mode needs every backend's ``UNIFORM_BATCH`` support; FlashInfer without
+    TRT-LLM attention (every card but 10.x) reports ``UNIFORM_SINGLE_TOKEN_DECODE``
+    (flashinfer.py ``get_cudagraph_support``), and ``resolve_cudagraph_mode_and_sizes``
+    (config/compilation.py, 0.20 – 0.34; gpu_model_runner.py in 0.19) sets ``cudagraph_mode=PIECEWISE``
+    ("CUDAGraphMode.FULL_AND_PIECEWISE is not supported with spec-decode for attention backend …";
+    attention is a splitting op under the default compile). Other backends are taken to keep FULL."""
+    if not num_speculative_tokens or _major(compute_capability) == 10:
+        return True
+    return not _flashinfer_layers(version, compute_capability, kv_cache_dtype, kv_specs)
+
+
 def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str,
                                      kv_specs, num_speculative_tokens: int = 0) -> int:
     """FlashInfer's workspace buffers inside vLLM's CUDA-graph memory estimate (bytes; 0 where the
@@ -108,19 +138,8 @@ def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str 
     refuses them below FA3, FlashInfer off 10.x: TRITON_ATTN), MLA backends' own workspaces, a
     backend forced by ``--attention-backend`` / ``VLLM_ATTENTION_BACKEND``.
     """
-    from tuner.memory.kvcache import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
-                                      SlidingWindowMLASpec, SlidingWindowSpec)
-
-    if num_speculative_tokens and _major(compute_capability) != 10:
+    if not full_graphs_captured(version, compute_capability=compute_capability, kv_cache_dtype=kv_cache_dtype,
+                                kv_specs=kv_specs, num_speculative_tokens=num_speculative_tokens):
         return 0
-    attn = [s for s in dict(kv_specs or {}).values()
-            if isinstance(s, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
-            and not isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec))]
-    if len({int(s.head_size) for s in attn}) > 1:
-        # layers of two head sizes (Gemma 4's head_dim / global_head_dim): model_executor/models/config.py
-        # Gemma4Config.verify_and_update_config (0.19 – 0.34) forces one backend for all of them,
-        # TRITON_ATTN (FA4 where available, 0.24+) -- never FlashInfer
-        return 0
-    distinct = {s for s in attn if selects_flashinfer(version, compute_capability=compute_capability,
-                                                      kv_cache_dtype=kv_cache_dtype, head_size=int(s.head_size))}
-    return FLASHINFER_WORKSPACE_BUFFER_BYTES * len(distinct)
+    return FLASHINFER_WORKSPACE_BUFFER_BYTES * len(
+        _flashinfer_layers(version, compute_capability, kv_cache_dtype, kv_specs))

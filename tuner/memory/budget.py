@@ -669,7 +669,7 @@ def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
     compute_capability: str | None = None, extra_layer_hidden: int = 0,
-    model_runner_v2: bool = False, platform: str = "cuda",
+    model_runner_v2: bool = False, platform: str = "cuda", full_graphs: bool = True,
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -702,6 +702,10 @@ def cudagraph_estimate_bytes(
     (captures into a throwaway pool, PIECEWISE in full, FULL extrapolated from samples), which the
     fit above stands for as it does for the V1 runner.
 
+    ``full_graphs`` False: the mode was lowered to PIECEWISE (spec decode on an attention backend
+    without ``UNIFORM_BATCH`` graphs, :func:`tuner.memory.attention.full_graphs_captured`): no FULL
+    decode graphs are counted.
+
     ``platform`` ``"rocm"``: ``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py)
     calls ``profile_cudagraph_memory`` only ``if not current_platform.is_rocm()`` (0.19–0.20),
     ``if current_platform.is_cuda()`` (0.21–0.25.1), ``if current_platform.is_cuda_alike()`` from
@@ -724,7 +728,8 @@ def cudagraph_estimate_bytes(
     sizes = capture_sizes if capture_sizes is not None else cudagraph_capture_sizes(
         era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
         compute_capability=compute_capability)
-    graphs = len(sizes) + len(full_decode_capture_sizes(sizes, max_num_seqs, num_speculative_tokens))
+    graphs = len(sizes) + (len(full_decode_capture_sizes(sizes, max_num_seqs, num_speculative_tokens))
+                           if full_graphs else 0)
     return int(est * graphs / (2 * CUDAGRAPH_ANCHOR_SIZES))
 
 

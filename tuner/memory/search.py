@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from tuner.memory import kvcache
-from tuner.memory.attention import flashinfer_graph_workspace_bytes
+from tuner.memory.attention import flashinfer_graph_workspace_bytes, full_graphs_captured
 from tuner.memory.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
                           free_memory_refusal, kv_budget, moe_dp_group_bytes, platform_of, startup_baseline_bytes,
                           non_torch_bytes, Topology, uma_host_buffer_bytes, unexplained_bytes)
@@ -375,6 +375,10 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
                compute_capability=cc, model_runner_v2=layout.model_runner_v2,
                platform=platform_of(card.topology))
+    # spec decode on FlashInfer without TRT-LLM attention: PIECEWISE only (tuner/memory/attention.py, §20)
+    gkw["full_graphs"] = gkw["platform"] != "cuda" or full_graphs_captured(
+        era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
+        num_speculative_tokens=layout.num_speculative_tokens)
     sizes = None
     if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
         from tuner.memory.budget import cudagraph_capture_sizes
