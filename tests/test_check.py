@@ -576,11 +576,11 @@ def test_extensible_refusal_figures_disagreed_with_the_budget_unexplained(capsys
     out = capsys.readouterr().out
     assert "larger than the available KV cache memory (6.15 GiB). Based on the available memory, the estimated " \
            "maximum model length is 100736." in out
-    assert "= KV cache 4.09 GiB (4,396,066,096 bytes)" in out
+    assert "= KV cache 3.71 GiB (3,982,927,152 bytes)" in out  # 4.09 before FlashInfer's workspace (§20)
     assert ("  why other figures: vLLM's figures are its first check's, on the reservation before CUDA-graph capture "
             "and warmup (vllm/v1/core/kv_cache_planning.py get_kv_cache_configs: 6.15 GiB less one block); the budget "
-            "below is the cache after them (4.09 GiB), where shrink_kv_cache_configs checks again, so its estimated "
-            "100736 would be refused there (the largest that starts: 66496)") in out
+            "below is the cache after them (3.71 GiB), where shrink_kv_cache_configs checks again, so its estimated "
+            "100736 would be refused there (the largest that starts: 60352)") in out
     assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
                  "vllm", "serve", str(L8B), "--kv-cache-dtype", "fp8", "--max-model-len", "100736"]) == 3
     assert "why other figures" not in capsys.readouterr().out  # refused after warmup: the budget's own figures

@@ -80,13 +80,13 @@ def test_explain_run_uses_the_stored_block_size_of_a_hybrid_model(mtp):
     live, stored, text = mtp
     assert live["block_size"] == 1600  # the hybrid page (GDN state + full-attention pages), not 16
     assert stored["block_size"] == live["block_size"]
-    assert stored["num_gpu_blocks"] == live["num_gpu_blocks"] == 1076
+    assert stored["num_gpu_blocks"] == live["num_gpu_blocks"] == 1118  # 1076 with FULL graphs counted (§20)
     assert _steps(stored)["concurrency"]["text"] == _steps(live)["concurrency"]["text"]
     # the divisor is every KV cache group's pages (attention cdiv(262144, 1600) = 164 plus the GDN
     # state groups), not the dense cdiv alone (helper-39: "1076 / 164 = 6.11" did not divide)
-    assert "1076 blocks / 176 blocks per full-length request" in _steps(stored)["concurrency"]["text"]
+    assert "1118 blocks / 176 blocks per full-length request" in _steps(stored)["concurrency"]["text"]
     assert "attention cdiv(262144, 1600) = 164" in _steps(stored)["concurrency"]["text"]
-    assert abs(stored["max_concurrency"] - 1076 / 176) < 1e-4
+    assert abs(stored["max_concurrency"] - 1118 / 176) < 1e-4
     assert "block_size 1600" in text and "block_size 16\n" not in text and "cdiv(262144, 16)" not in text
 
 
