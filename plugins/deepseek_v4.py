@@ -109,6 +109,9 @@ class DeepseekV4Plugin(ModelPlugin):
 
     name = "deepseek_v4"
     architectures = ("DeepseekV4ForCausalLM",)
+    #: the profile run reads ``settings.max_model_len`` (the indexer's prefill buffer and FlashMLA's
+    #: rows, tuner.model.simulate.dsv4): its passes are memoized per length (tuner.jobs.passmemo.pass_key)
+    reads_max_model_len = True
 
     # -- checks ------------------------------------------------------------------------------
     def check_supported(self, spec, settings: RankSettings) -> None:

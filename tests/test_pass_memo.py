@@ -282,7 +282,36 @@ def test_builtin_plugins_never_read_settings_max_model_len():
     files = sorted((REPO / "plugins").glob("*.py")) + sorted((REPO / "tuner" / "model" / "simulate").rglob("*.py"))
     assert len(files) > 10
     readers = [f.name for f in files if "max_model_len" in _code_names(f)]
-    assert readers == []
+    # the one that does (DeepSeek-V4's indexer buffers) says so, and its passes are keyed per length
+    assert readers == ["dsv4.py"]
+
+
+def test_deepseek_v4_passes_were_shared_across_lengths():
+    """DeepSeek-V4's profile run sizes the indexer's prefill buffer on ``max_model_len``: a pass
+    memoized at one length must not answer another."""
+    import importlib
+
+    from tuner.jobs.passmemo import pass_key
+    from tuner.memory.eras import ProfileBatch, era_for
+    from tuner.model.plugin import RankSettings
+
+    dsv4 = importlib.import_module("plugins.deepseek_v4").DeepseekV4Plugin()
+    generic = importlib.import_module("plugins.generic").GenericDecoderPlugin()
+    assert dsv4.reads_max_model_len is True and not getattr(generic, "reads_max_model_len", False)
+
+    class Spec:
+        config_sha256 = "0" * 64
+
+    era = era_for("0.22.0")
+    batch = ProfileBatch(max_num_batched_tokens=16384, max_num_seqs=256, num_reqs=256, chunked_prefill=True)
+
+    def key(plugin, length):
+        return pass_key(spec=Spec(), plugin=plugin, settings=RankSettings(engine_version="0.22.0", dtype="bfloat16",
+                                                                            max_model_len=length),
+                        era=era, batch=batch, fake=True, model_runner_v2=False, device_name="GH200")
+
+    assert key(dsv4, 30000) != key(dsv4, 13528)
+    assert key(generic, 30000) == key(generic, 13528)
 
 
 def test_daemon_answers_a_new_drop_with_memoized_passes_without_a_worker(tmp_path, tiny_config):

@@ -61,16 +61,25 @@ def usable(rows: Iterable[Mapping]) -> list[dict]:
 
 
 def judge(row: Mapping, fractions: Mapping[str, float]) -> tuple[bool, bool, float]:
-    """``(covered, unsafe at the safe end, half-width in % of the expected KV)`` of one row."""
+    """``(covered, unsafe at the safe end, half-width in % of the expected KV)`` of one row.
+
+    The low side is ``fixed_half_bytes`` + the fractions of ``bytes``; the high side
+    ``fixed_high_bytes`` + the fractions of ``bytes_high`` where the row gives them (one-sided
+    bands: an assumption's computed alternative, a cold compile cache), else the low side's."""
     b = row["band_basis"]
     kv, obs = float(b["expected_kv_bytes"]), float(b["observed_kv_bytes"])
-    half = float(b.get("fixed_half_bytes") or 0) + sum(float(fractions.get(p, 0.0)) * float(v)
-                                                       for p, v in (b.get("bytes") or {}).items())
+
+    def side(fixed_key: str, bytes_key: str) -> float:
+        return float(b.get(fixed_key) or 0) + sum(float(fractions.get(p, 0.0)) * float(v)
+                                                  for p, v in (b.get(bytes_key) or {}).items())
+
+    down = side("fixed_half_bytes", "bytes")
+    up = side("fixed_high_bytes", "bytes_high") if "fixed_high_bytes" in b else down
     tol = float(b.get("tolerance_units") or 0) * float(b.get("bytes_per_unit") or 0)
-    low, high = kv - half, kv + half
+    low, high = kv - down, kv + up
     covered = low - tol <= obs <= high + tol
     unsafe = low - obs > max(tol, 0.01 * abs(obs))
-    return covered, unsafe, 100.0 * half / abs(kv)
+    return covered, unsafe, 100.0 * (down + up) / 2 / abs(kv)
 
 
 def score(rows: Sequence[Mapping], fractions: Mapping[str, float]) -> dict:

@@ -543,24 +543,41 @@ def _interval_row(c: dict, basis: str | None, obs_blocks, obs_gib, obs_tokens, b
         unsafe_low = lo - obs > max(tol, 0.01 * abs(obs))
         half = round((hi - lo) / 2 / abs(p) * 100, 3) if p else None
     kv = int(c["available_kv_cache_bytes"])
-    basis_bytes: dict[str, int] = {}
-    for b in c.get("bands") or []:
-        if b.get("parameter"):
-            basis_bytes[b["parameter"]] = basis_bytes.get(b["parameter"], 0) + int(b.get("basis_bytes") or 0)
-    from tuner.memory.uncertainty import fitted
-
-    now = fitted()  # the part of each band that is no fitted fraction (floors, unfitted bands)
-    fixed = sum((int(b["bytes"]) - int(b["low_bytes"]) if b.get("op") == "=" else int(b["high_bytes"]) - int(b["bytes"]))
-                - (int(now[b["parameter"]] * int(b.get("basis_bytes") or 0)) if b.get("parameter") else 0)
-                for b in c.get("bands") or [])
+    fixed, fixed_high, basis_bytes, basis_high = _band_basis(c.get("bands") or [])
     per = {"num_gpu_blocks": kv / c["num_gpu_blocks"] if c["num_gpu_blocks"] else None, "kv_cache_gib": GiB,
            "kv_cache_tokens": kv / c["kv_cache_tokens"] if c["kv_cache_tokens"] else None}.get(basis or "")
     out.update(covered=covered, unsafe_at_safe_end=unsafe_low, half_width_pct=half,
                band_basis={"expected_kv_bytes": kv, "observed_kv_bytes": None if obs is None or per is None
                            else int(obs * per), "bytes_per_unit": per, "tolerance_units":
                            {"num_gpu_blocks": 1, "kv_cache_gib": 0.005, "kv_cache_tokens": block}.get(basis or ""),
-                           "fixed_half_bytes": int(fixed), "bytes": basis_bytes})
+                           "fixed_half_bytes": int(fixed), "bytes": basis_bytes,
+                           "fixed_high_bytes": int(fixed_high), "bytes_high": basis_high})
     return out
+
+
+def _band_basis(bands: list) -> tuple[int, int, dict, dict]:
+    """What the fit needs of a row's bands, per side of the KV (:func:`tuner.memory.uncertainty.band_sides`):
+    the part of the low (safe) side that is no fitted fraction (floors, unfitted bands such as an
+    assumption's computed alternative), the same of the high side, and the bytes each fitted band
+    scales on the side it reaches (a one-sided band — a cold compile cache, an assumption's fraction
+    beside its computed alternative — on that side alone)."""
+    from tuner.memory.uncertainty import band_sides, fitted
+
+    now = fitted()
+    fixed = fixed_high = 0
+    low: dict[str, int] = {}
+    high: dict[str, int] = {}
+    for b in bands:
+        down, up = band_sides(b)
+        p, basis = b.get("parameter"), int(b.get("basis_bytes") or 0)
+        part = int(now[p] * basis) if p else 0
+        if p and down:
+            low[p] = low.get(p, 0) + basis
+        if p and up:
+            high[p] = high.get(p, 0) + basis
+        fixed += down - (part if down else 0)
+        fixed_high += up - (part if up else 0)
+    return fixed, fixed_high, low, high
 
 
 def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: dict | None = None,

@@ -913,6 +913,9 @@ class Ranks:
     #: what was assumed for inputs the drop leaves open (``{"name", "value", "why"}`` each), reported
     #: with the result under ``assumptions`` (:func:`job_result`).
     assumptions: tuple = ()
+    #: the assumptions whose other value ctx-tuner computes (:class:`tuner.memory.assumed.AlternativeSettings`):
+    #: the passes run them too and the interval widens by exactly their effect (:meth:`Passes.passes_at`).
+    alternatives: tuple = ()
 
 
 def config_format(drop: Drop, config_path: str | None) -> str:
@@ -1076,7 +1079,17 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
     check_draft_tensor_parallel_size(drop.speculative_config, tensor_parallel_size=tp, engine=era.engine, path=path)
     for a in assumptions:
         warnings.append(f"assumed {a['name']} = {str(a['value']).lower()}: {a['why']}")
-    return Ranks(dtype, stages, tp, pp, kv_dtype, assumptions)
+    return Ranks(dtype, stages, tp, pp, kv_dtype, assumptions,
+                 assumption_alternatives(assumptions, era, env.get("VLLM_USE_FLASHINFER_SAMPLER")))
+
+
+def assumption_alternatives(assumptions: Sequence[dict], era: Any, use_flashinfer_sampler: Any = None) -> tuple:
+    """The ranks' assumptions whose other value has a rule (:func:`tuner.memory.assumed.alternative_settings`):
+    their passes run too, and each widens the interval by exactly its effect on the KV."""
+    from tuner.memory.assumed import alternative_settings
+
+    out = (alternative_settings(a, era, use_flashinfer_sampler=use_flashinfer_sampler) for a in assumptions)
+    return tuple(a for a in out if a is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1345,51 +1358,91 @@ class Passes:
                                  max_num_seqs=batch.max_num_seqs, path=d.path or None)
         return batch
 
+    def batch_stage(self, s: Any, batch: Any) -> Any:
+        """A stage's settings for ``batch`` (at the grid's largest length, as its pass is run or stored)."""
+        grid = self.req.drop.candidates.max_model_len or [self.layout.max_model_len_limit]
+        return dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
+                                   max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
+
+    def one_pass(self, s: Any, batch: Any) -> tuple[Any, dict]:
+        """One stage's pass for ``batch`` (settings ``s`` from :meth:`batch_stage`): from the memo where
+        it is known, else run (and, in a memoizable job, recorded). Returns the pass and its row."""
+        from tuner.jobs import passmemo
+
+        spec, plugin, era = self.model.spec, self.model.plugin, self.era
+        runner_v2, memo, known = self.layout.model_runner_v2, self.pass_memo, self.known_passes
+        memoizable = memo is not None or self.memo_entries is not None
+        card = stage_devices(self.req.device, self.ranks.pp)[s.pp_rank]["name"]
+        pkey = (passmemo.pass_key(spec=spec, plugin=plugin, settings=s, era=era, batch=batch, fake=True,
+                                  model_runner_v2=runner_v2, device_name=card)
+                if memoizable else None)
+        if pkey is not None and (memo is not None or pkey in known):
+            # a stored pass: only the runner's persistent buffers depend on max_model_len; here at the
+            # grid's largest, like a pass run now (each length's own in passes_at)
+            stored = memo.pass_row(pkey) if memo is not None else known[pkey]
+            row = passmemo.with_persistent(stored, persistent_bytes(era, spec, s, batch, runner_v2))
+            return row, row
+        if self.method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
+            from tuner.measure.cuda import measured_pass
+
+            r = measured_pass(plugin, spec, s, era, batch)
+            return r, {**r, "method": "cuda"}
+        # an unserved architecture: vLLM's own profile run traced (tuner.engine.use)
+        from tuner.model.simulate.profile import run_pass
+
+        eu = self.engine_use
+        run = eu.run_pass if eu is not None and eu.trace_activation else run_pass
+        r = run(plugin, spec, s, era, batch, fake=self.req.fake, model_runner_v2=runner_v2, models=self.models)
+        row = {**r.to_dict(), "method": "simulate"}
+        if pkey is not None:
+            self.memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec, device_name=card,
+                                                    era=era.name))
+        return r, row
+
     def passes_for(self, batch):
         key = (batch.max_num_batched_tokens, batch.num_reqs)
         if key not in self.memo:
-            from tuner.jobs import passmemo
-
-            spec, plugin, era = self.model.spec, self.model.plugin, self.era
-            runner_v2, memo, known = self.layout.model_runner_v2, self.pass_memo, self.known_passes
-            memoizable = memo is not None or self.memo_entries is not None
             results = []
-            grid = self.req.drop.candidates.max_model_len or [self.layout.max_model_len_limit]
-            cards = stage_devices(self.req.device, self.ranks.pp)
             for s in self.ranks.stages:
-                s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
-                                        max_num_seqs=batch.max_num_seqs, max_model_len=max(grid))
-                card = cards[s.pp_rank]["name"]
-                pkey = (passmemo.pass_key(spec=spec, plugin=plugin, settings=s, era=era, batch=batch, fake=True,
-                                          model_runner_v2=runner_v2, device_name=card)
-                        if memoizable else None)
-                if pkey is not None and (memo is not None or pkey in known):
-                    # a stored pass: only the runner's persistent buffers depend on max_model_len; here at the
-                    # grid's largest, like a pass run now (each length's own in passes_at)
-                    stored = memo.pass_row(pkey) if memo is not None else known[pkey]
-                    row = passmemo.with_persistent(stored, persistent_bytes(era, spec, s, batch, runner_v2))
-                    r = row
-                elif self.method == "cuda":  # the same module and batch on the GPU (tuner.measure.cuda)
-                    from tuner.measure.cuda import measured_pass
-
-                    r = measured_pass(plugin, spec, s, era, batch)
-                    row = {**r, "method": "cuda"}
-                else:  # an unserved architecture: vLLM's own profile run traced (tuner.engine.use)
-                    from tuner.model.simulate.profile import run_pass
-
-                    eu = self.engine_use
-                    run = eu.run_pass if eu is not None and eu.trace_activation else run_pass
-                    r = run(plugin, spec, s, era, batch, fake=self.req.fake, model_runner_v2=runner_v2,
-                            models=self.models)
-                    row = {**r.to_dict(), "method": "simulate"}
-                    if pkey is not None:
-                        self.memo_entries.append(passmemo.entry(passmemo.PASS, pkey, row, spec=spec,
-                                                                device_name=card, era=era.name))
+                s = self.batch_stage(s, batch)
+                r, row = self.one_pass(s, batch)
                 results.append(r)
                 self.runs.append({"key": f"{key[0]}x{key[1]}@{s.pp_rank}", "pass": key, **row,
                                   "max_num_seqs": batch.max_num_seqs})
             self.check_encoder_budget(batch, results)
             self.memo[key] = results
+        return self.memo[key]
+
+    def computes_alternatives(self) -> bool:
+        """Whether the assumptions' other values are computed here: simulated passes (a traced engine
+        profile or a measured pass follows the installed packages, not the assumption)."""
+        eu = self.engine_use
+        return bool(self.ranks.alternatives) and self.method == "simulate" and not (
+            eu is not None and (eu.trace_activation or eu.traced))
+
+    def alternatives_for(self, batch) -> list[tuple]:
+        """Per stage, each computed assumption's change of the pass (:class:`tuner.memory.assumed.AlternativeSettings`
+        applied to the stage's settings, its pass run or read like the point's, never listed in
+        ``runs``): ``{"name", "value", "alternative", "source", "weights_delta_bytes",
+        "activation_peak_delta_bytes"}`` each (alternative less point, at the same length)."""
+        key = (batch.max_num_batched_tokens, batch.num_reqs, "alternatives")
+        if key not in self.memo:
+            points = self.passes_for(batch)
+            out = []
+            for s, p in zip(self.ranks.stages, points):
+                s = self.batch_stage(s, batch)
+                deltas = []
+                for alt in (self.ranks.alternatives if self.computes_alternatives() else ()):
+                    dw = da = 0
+                    if alt.changes(s):
+                        q, _row = self.one_pass(alt.apply(s), batch)
+                        dw = int(_pass_field(q, "weights_bytes")) - int(_pass_field(p, "weights_bytes"))
+                        da = (int(_pass_field(q, "activation_peak_bytes")) - int(_pass_field(q, "persistent_bytes"))
+                              - int(_pass_field(p, "activation_peak_bytes")) + int(_pass_field(p, "persistent_bytes")))
+                    deltas.append({"name": alt.name, "value": alt.value, "alternative": alt.alternative,
+                                   "source": alt.source, "weights_delta_bytes": dw, "activation_peak_delta_bytes": da})
+                out.append(tuple(deltas))
+            self.memo[key] = out
         return self.memo[key]
 
     def check_encoder_budget(self, batch, results: list) -> None:
@@ -1419,14 +1472,16 @@ class Passes:
         returned as it is."""
         spec, era, runner_v2 = self.model.spec, self.era, self.layout.model_runner_v2
         out = []
-        for s, p in zip(self.ranks.stages, self.passes_for(batch)):
+        for s, p, alts in zip(self.ranks.stages, self.passes_for(batch), self.alternatives_for(batch)):
             old = p.get("persistent_bytes") if isinstance(p, dict) else getattr(p, "persistent_bytes", None)
-            if old is None:
-                out.append(p)
-                continue
-            s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
-                                    max_num_seqs=batch.max_num_seqs, max_model_len=int(m))
-            out.append(_with_persistent(p, persistent_bytes(era, spec, s, batch, runner_v2)))
+            if old is not None:
+                s = dataclasses.replace(s, max_num_batched_tokens=batch.max_num_batched_tokens,
+                                        max_num_seqs=batch.max_num_seqs, max_model_len=int(m))
+                p = _with_persistent(p, persistent_bytes(era, spec, s, batch, runner_v2))
+            if alts:  # the assumptions' computed alternatives (tuner.memory.search.evaluate bands them)
+                p = ({**p, "assumed_alternatives": alts} if isinstance(p, dict)
+                     else dataclasses.replace(p, assumed_alternatives=alts))
+            out.append(p)
         return out
 
     def evaluate(self, layout: Layout, u: float, m: int, min_concurrency: float):
@@ -1434,6 +1489,12 @@ class Passes:
         batch = self.batch_for(m)
         return evaluate(self.era, layout, batch, self.passes_at(batch, m), gpu_memory_utilization=u,
                         max_model_len=m, min_concurrency=min_concurrency)
+
+
+def _pass_field(p: Any, key: str) -> Any:
+    """A pass's field (a row dict or a :class:`tuner.model.simulate.profile.PassResult`), 0 where it lacks it."""
+    v = p.get(key) if isinstance(p, dict) else getattr(p, key, None)
+    return v or 0
 
 
 def _with_persistent(p: Any, persistent: int) -> Any:

@@ -32,7 +32,9 @@ Keys (SHA-256 of canonical JSON, :func:`digest`):
   evaluates (:meth:`tuner.jobs.job.Passes.passes_at`: grid points and the search's off-grid points), so
   the stored row's own ``persistent_bytes`` (at the storing job's largest length) is replaced
   wherever it is used. A plugin that is not
-  built in may read ``settings.max_model_len`` in its build, so for those it is in the key too.
+  built in may read ``settings.max_model_len`` in its build, so for those it is in the key too, as
+  for a built-in plugin that says it reads it (``reads_max_model_len = True``: DeepSeek-V4, whose
+  indexer buffers are sized on the length).
 
 Only ``simulate`` passes with fake tensors are memoized, and only where no vLLM engine takes part
 (an installed engine adapter changes terms the memo does not hold): the parent answers from the
@@ -107,7 +109,8 @@ def _version_header(text: str) -> str | None:
 
 def builtin_plugin(plugin: Any) -> bool:
     """The plugin ships with ctx-tuner (module ``tuner.plugins.*``): its builds never read
-    ``settings.max_model_len`` (checked by the tests), so its pass keys leave it out."""
+    ``settings.max_model_len`` unless it says so (``reads_max_model_len``; checked by the tests), so
+    its pass keys leave it out."""
     return type(plugin).__module__.startswith("tuner.plugins.") or type(plugin).__module__.startswith("plugins.")
 
 
@@ -181,7 +184,7 @@ def pass_key(*, spec: Any, plugin: Any, settings: Any, era: Any, batch: Any, fak
              device_name: str, method: str = "simulate") -> str:
     """The memo key of one rank's profile pass (see the module docstring for what goes in)."""
     s = dataclasses.asdict(settings)
-    if builtin_plugin(plugin):
+    if builtin_plugin(plugin) and not getattr(plugin, "reads_max_model_len", False):
         s.pop("max_model_len", None)
     return digest({"v": MEMO_VERSION, "kind": PASS, "tool": __version__, "versions": env_versions(),
                    "model_config_sha256": spec.config_sha256, "plugin": plugin.name,

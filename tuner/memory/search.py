@@ -318,10 +318,13 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets, reserves, corrs, drafter_acts, drafter_fwds, drafter_graphs, drafter_peaks, drafter_bufs = (
         [], [], [], [], [], [], [], [])
     captured: list[int] = []
+    alternatives: list[tuple] = []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
         budget, reserve, corr_parts, graphs_captured, drafter = _stage_terms(
             era, layout, batch, p, stage, len(passes), u=u, m=m, n=n, corr=corr)
+        alternatives.append(_stage_alternatives(era, layout, batch, p, stage, len(passes), budget,
+                                                u=u, m=m, n=n, corr=corr))
         budgets.append(budget)
         reserves.append(reserve)
         corrs.append(corr_parts)
@@ -342,7 +345,8 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     starts = reason is None
     if starts and conc < min_concurrency:
         reason = f"only {conc:.2f} requests of {m} tokens fit; min_concurrency is {min_concurrency:g}"
-    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u)
+    interval = _interval(era, layout, budgets, reserves, m, n, other, min_concurrency, batch.max_num_seqs, u,
+                         alternatives)
     stage_ends = interval.pop("stage_kv_ends")
     b = budgets[worst]
     ca, cn, cg = corrs[worst]
@@ -357,6 +361,29 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
                      limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
+
+
+def _stage_alternatives(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: int, n_passes: int,
+                        budget: Any, *, u: float, m: int, n: int, corr: dict) -> tuple:
+    """The stage's assumptions whose other value was computed (the pass's ``assumed_alternatives``,
+    :meth:`tuner.jobs.job.Passes.alternatives_for`) as :class:`tuner.memory.uncertainty.Alternative`: the
+    stage's budget again with the alternative's weights and activation peak (reserve, workspace and
+    every other term as the point computes them), its KV less the point's."""
+    import dataclasses
+
+    from tuner.memory.uncertainty import Alternative
+
+    out = []
+    for a in (p.get("assumed_alternatives") if isinstance(p, dict) else getattr(p, "assumed_alternatives", ())) or ():
+        w = int(_get(p, "weights_bytes")) + int(a["weights_delta_bytes"])
+        act = int(_get(p, "activation_peak_bytes")) + int(a["activation_peak_delta_bytes"])
+        q = ({**p, "weights_bytes": w, "activation_peak_bytes": act} if isinstance(p, dict)
+             else dataclasses.replace(p, weights_bytes=w, activation_peak_bytes=act))
+        other = _stage_terms(era, layout, batch, q, stage, n_passes, u=u, m=m, n=n, corr=corr)[0]
+        out.append(Alternative(str(a["name"]), a["value"], a["alternative"],
+                               int(other.available_kv_cache_bytes) - int(budget.available_kv_cache_bytes),
+                               str(a.get("source") or "")))
+    return tuple(out)
 
 
 def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: int, n_passes: int, *,
@@ -500,10 +527,12 @@ def _stage_rows(layout: Layout, budgets: list, stage_ends: list, own_blocks: lis
 
 
 def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[int], m: int, n: int,
-              other_refusal: str | None, min_concurrency: float, max_num_seqs: int, u: float) -> dict:
-    """The candidate's interval (:mod:`tuner.memory.uncertainty`): each stage's term bands, its KV bytes at
-    the low (safe) and high ends, and the release's sizing at both ends (blocks, tokens,
-    concurrency, whether it starts); the bands of the stage that limits at the safe end."""
+              other_refusal: str | None, min_concurrency: float, max_num_seqs: int, u: float,
+              alternatives: Sequence[tuple] = ()) -> dict:
+    """The candidate's interval (:mod:`tuner.memory.uncertainty`): each stage's term bands (with its
+    assumptions' computed ``alternatives``, :func:`_stage_alternatives`), its KV bytes at the low (safe)
+    and high ends, and the release's sizing at both ends (blocks, tokens, concurrency, whether it
+    starts); the bands of the stage that limits at the safe end."""
     import dataclasses
 
     from tuner.memory import uncertainty as unc
@@ -513,8 +542,9 @@ def _interval(era: Era, layout: Layout, budgets: Sequence, reserves: Sequence[in
                                 activation_peak_bytes=b.activation_peak_bytes, reserve_bytes=r,
                                 non_torch_bytes=b.non_torch_bytes, cuda_graph_bytes=b.cuda_graph_bytes,
                                 sources=dict(ctx.sources), device_total_stated=ctx.device_total_stated,
-                                unmodelled=ctx.unmodelled, kv_cache_memory_bytes=layout.kv_cache_memory_bytes)
-                 for b, r in zip(budgets, reserves)]
+                                unmodelled=ctx.unmodelled, kv_cache_memory_bytes=layout.kv_cache_memory_bytes,
+                                alternatives=alts)
+                 for b, r, alts in zip(budgets, reserves, list(alternatives) or [()] * len(budgets))]
     ends = [unc.kv_interval(b.available_kv_cache_bytes, bands) for b, bands in zip(budgets, per_stage)]
     out: dict = {}
     for end, k in (("low", 0), ("high", 1)):

@@ -18,7 +18,12 @@ and an upper bound in bytes, set by where the term came from:
 - **not modelled** — an input the product reads but has no rule for (a vLLM argument, case setting
   or environment variable outside the drop, a release that was not stated, a unified-memory
   device whose host use is not stated): :data:`NOT_MODELLED` / :data:`RELEASE_NOT_STATED` of the
-  requested memory each, named in the output (:class:`Unmodelled`) with its effect.
+  requested memory each, named in the output (:class:`Unmodelled`) with its effect;
+- **assumed, alternative computed** — an input neither the record nor the drop states, whose other
+  value has a rule (``flashinfer_installed``, ``triton_kernels_installed``: :mod:`tuner.memory.assumed`):
+  the point takes what ``pip install`` gets and the band is exactly the other value's effect on the KV,
+  one-sided (:class:`Alternative`, :func:`alternative_band`); no not-modelled fraction (both of the
+  input's values are computed).
 
 Each band is ``fraction × the term's bytes + floor`` (symmetric); the sizes are fitted by
 :func:`tuner.accuracy.uncertainty_fit.fit_bands` — leave-one-out by ``model_family`` over the
@@ -39,6 +44,9 @@ MiB = 1 << 20
 
 EXACT, SIMULATED, TRACED, RULE, FIT, NOT_MODELLED_SOURCE = ("exact", "simulated", "traced", "rule", "fit",
                                                             "not modelled")
+#: The band class of an assumed input whose alternative ctx-tuner computes (:class:`Alternative`): the
+#: band is the alternative's exact effect on the KV, one-sided, not a fitted fraction.
+ASSUMED_ALTERNATIVE = "assumed (alternative computed)"
 #: The risk a proposal is taken at (drop ``constraints.risk``, ``--risk``): ``safe`` — the largest
 #: ``max_model_len`` that starts at the interval's safe (low-KV) end; ``expected`` — at the
 #: expected value (the point prediction).
@@ -158,8 +166,9 @@ class Unmodelled:
     note: str = ""
     #: the band kind: ``not_modelled`` or ``release_not_stated`` (widening inputs only).
     kind: str = "not_modelled"
-    #: which way it can move the KV cache: ``both``, or ``low`` for an input that can only make it
-    #: smaller (a cold compile cache: its band widens the safe end only).
+    #: which way it can move the KV cache: ``both``, ``low`` for an input that can only make it
+    #: smaller (a cold compile cache: its band widens the safe end only), ``high`` for one that can
+    #: only make it larger.
     side: str = "both"
 
     def to_dict(self) -> dict:
@@ -187,6 +196,45 @@ def classify_setting(name: str, value: Any, *, where: str, note: str = "") -> Un
         return Unmodelled(name, value, where, "no effect on memory", note or "documented list (tuner.memory.uncertainty)")
     return Unmodelled(name, value, where, "widens",
                       note or f"no rule for it: ±{NOT_MODELLED.fraction * 100:g} % of the requested memory")
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """An assumed input's other value, computed: what the job would have predicted had the input
+    been the other way (``flashinfer_installed: true``, ``triton_kernels_installed: true``), as the
+    change of one stage's available KV bytes (``kv_delta_bytes``: the alternative's KV less the
+    point's; the point stays at the assumption). ``source`` names the release and file of the
+    alternative path. Computed from the job's passes (:mod:`tuner.memory.assumed`, :meth:`tuner.jobs.job.Passes.passes_at`,
+    :func:`tuner.memory.search.evaluate`) into :func:`term_bands`, where it is a one-sided band of exactly ``kv_delta_bytes``."""
+
+    name: str
+    value: Any
+    alternative: Any
+    kv_delta_bytes: int
+    source: str = ""
+
+    @property
+    def label(self) -> str:
+        """``assumed flashinfer_installed=false``: the band's name."""
+        return f"assumed {self.name}={str(self.value).lower()}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Alternative":
+        return cls(str(data["name"]), data.get("value"), data.get("alternative"), int(data.get("kv_delta_bytes") or 0),
+                   str(data.get("source") or ""))
+
+
+def alternative_band(alt: Alternative) -> TermBand:
+    """The band of an assumption whose alternative is computed: a subtracted term of 0 bytes that the
+    alternative moves by exactly ``-kv_delta_bytes`` — the high end alone where the alternative gives
+    the KV more (``+``), the low (safe) end alone where it gives less. Unfitted (``parameter`` "")."""
+    d = int(alt.kv_delta_bytes)
+    note = (f"{alt.source}; {alt.name}={str(alt.alternative).lower()}: KV {'+' if d >= 0 else '-'}"
+            f"{abs(d) / GiB:.3f} GiB")
+    return TermBand(alt.label, 0, alt.name, ASSUMED_ALTERNATIVE, min(0, -d), max(0, -d), note, "-", "", 0)
 
 
 @dataclass(frozen=True)
@@ -250,14 +298,18 @@ def activation_band(source: str) -> SourceBand:
 def term_bands(*, requested_memory_bytes: int, weights_bytes: int, activation_peak_bytes: int, reserve_bytes: int,
                non_torch_bytes: int, cuda_graph_bytes: int, sources: Mapping[str, Any] | None = None,
                device_total_stated: bool = True, unmodelled: Iterable[Unmodelled] = (),
-               kv_cache_memory_bytes: int | None = None) -> tuple[TermBand, ...]:
+               kv_cache_memory_bytes: int | None = None,
+               alternatives: Iterable[Alternative] = ()) -> tuple[TermBand, ...]:
     """Every term's band (bytes) for one rank's budget.
 
     ``activation_peak_bytes`` includes ``reserve_bytes`` (the reserve is banded apart, by its fit);
     ``sources``: the run's ``term_sources`` (:func:`tuner.engine.crosscheck.term_sources`);
     ``device_total_stated``: False when the total memory came from the catalog; ``unmodelled``:
-    inputs with no rule (each widening one is a band of its own). With ``kv_cache_memory_bytes``
-    the cache is the user's bytes: every term is exact for the KV (no band)."""
+    inputs with no rule (each widening one is a band of its own); ``alternatives``: assumed inputs
+    whose other value was computed (:class:`Alternative`), each a one-sided band of exactly its
+    effect (:func:`alternative_band`) and no not-modelled fraction: the input has two values, the
+    point's and the alternative's, both computed. With ``kv_cache_memory_bytes`` the cache is the user's bytes: every
+    term is exact for the KV (no band)."""
     src = dict(sources or {})
     if kv_cache_memory_bytes is not None:
         return (TermBand("kv_cache_memory_bytes", int(kv_cache_memory_bytes), "drop", EXACT,
@@ -281,15 +333,20 @@ def term_bands(*, requested_memory_bytes: int, weights_bytes: int, activation_pe
     out.append(_band("non_torch", non_torch_bytes, nt_src, EXACT_BAND if nt_src == "cuda" else CATALOG_RULE))
     if cuda_graph_bytes:
         out.append(_band("cuda_graphs", cuda_graph_bytes, str(src.get("cuda_graphs") or "catalog"), CATALOG_RULE))
+    alts = {a.name: a for a in alternatives}
     for u in unmodelled:
         if not u.widens:
+            continue
+        if u.name in alts:  # both of its values computed: the alternative's band is its whole effect
             continue
         band = RELEASE_NOT_STATED if u.kind == "release_not_stated" else NOT_MODELLED
         h = int(band.fraction * int(requested_memory_bytes)) + band.floor_bytes
         # an input that can only take memory (side "low") moves the KV's low (safe) end alone
+        side = u.side
         out.append(TermBand(f"not modelled: {u.name}", 0, u.where or "input", band.source,
-                            0 if u.side == "low" else -h, h, u.note or "no rule", "-", _PARAMETER_OF[id(band)],
-                            int(requested_memory_bytes)))
+                            0 if side == "low" else -h, 0 if side == "high" else h, u.note or "no rule", "-",
+                            _PARAMETER_OF[id(band)], int(requested_memory_bytes)))
+    out.extend(alternative_band(a) for a in alts.values())
     return tuple(out)
 
 
@@ -324,6 +381,8 @@ def band_text(b: Mapping[str, Any]) -> str:
     down, up = band_sides(b)
     if up == 0 and down > 0:
         return f"-{down / (1 << 30):.3f} GiB (lowers the KV only)"
+    if down == 0 and up > 0:
+        return f"+{up / (1 << 30):.3f} GiB (raises the KV only)"
     return f"±{(int(b['high_bytes']) - int(b['low_bytes'])) / 2 / (1 << 30):.3f} GiB"
 
 

@@ -54,9 +54,16 @@ class PassResult:
     #: 0 without a profiled tower (text-only, every modality limited to 0, a weights-only tower).
     #: Read by the encoder-budget refusal (:func:`tuner.memory.engine_checks.check_chunked_mm_input`).
     mm_max_tokens_per_item: int = 0
+    #: The job's assumptions whose other value was computed, as this pass changes under each
+    #: (:meth:`tuner.jobs.job.Passes.alternatives_for`: weights and activation deltas); set by the
+    #: job, never by a pass, and left out of the pass's row.
+    assumed_alternatives: tuple = ()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["assumed_alternatives"]:
+            del d["assumed_alternatives"]
+        return d
 
 
 def run_pass(plugin, spec, settings: RankSettings, era: Era, batch: ProfileBatch, *, fake: bool = True,
