@@ -147,3 +147,26 @@ def test_club3090_mtp_fp8_cases_capture_piecewise_only(observed_cases, shared_di
     assert rows[1]["error_pct"] == pytest.approx(-4.725, abs=1e-3)
     assert rows[1]["predicted_cuda_graph_gib"] == pytest.approx(0.5496, abs=1e-4)
     assert not rows[0]["unsafe_at_safe_end"] and not rows[1]["unsafe_at_safe_end"]
+
+
+def test_explain_names_the_flashinfer_workspace(tmp_path, shared_dir):
+    """The 5090 drop (0.24.0, fp8 KV, one sequence): the candidate carries the 394 MiB apart from the
+    fitted estimate, and explain shows it as its own step; the steps still add up to the KV bytes."""
+    model = shared_dir / "models" / "nvidia--Qwen3.6-35B-A3B-NVFP4"
+    if not (model / "config.json").is_file():
+        pytest.skip("shared model config not present")
+    p = tmp_path / "d.yaml"
+    p.write_text(f"name: t\nmodel: {model}\ndevice: NVIDIA GeForce RTX 5090\nengine_version: '0.24.0'\n"
+                 "dtype: bfloat16\nkv_cache_dtype: fp8\nquantization: modelopt\nmax_num_seqs: 1\n"
+                 "max_num_batched_tokens: 8192\ncandidates: {gpu_memory_utilization: [0.92], max_model_len: [131072]}\n")
+    from tuner.jobs.job import run_job
+    from tuner.reports.explain import explain_drop, steps_add_up
+
+    doc = explain_drop(str(p), max_model_len=131072, gpu_memory_utilization=0.92, variants=False, calibrate=False,
+                       cache=False, worker=lambda request, **_kw: run_job({**request, "fake": True}))
+    e = doc["explanations"][0]
+    assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
+    steps = {s["name"]: s for s in e["steps"]}
+    assert steps["attention_workspace"]["op"] == "-"
+    assert steps["attention_workspace"]["bytes"] == 394 * MiB
+    assert steps["cuda_graphs"]["bytes"] == 16_579_836  # the fit's 2 + 1 graphs alone

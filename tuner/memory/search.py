@@ -232,6 +232,9 @@ class Candidate:
     #: The part of ``cuda_graph_bytes`` that is the drafter's captures
     #: (:func:`tuner.memory.specdecode.drafter_graph_layer_hidden`), bytes.
     drafter_cuda_graph_bytes: int = 0
+    #: The part of ``cuda_graph_bytes`` that is FlashInfer's workspace buffers, allocated in the first
+    #: FULL capture (:func:`tuner.memory.attention.flashinfer_graph_workspace_bytes`), bytes.
+    attention_workspace_bytes: int = 0
     #: The interval (:mod:`tuner.memory.uncertainty`): the KV bytes, blocks, tokens and concurrency at the
     #: low (safe) and high ends of the term bands, whether it starts (and meets ``min_concurrency``:
     #: ``fits_*``) at each end, and the limiting stage's term bands (dicts, bytes).
@@ -318,11 +321,13 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets, reserves, corrs, drafter_acts, drafter_fwds, drafter_graphs, drafter_peaks, drafter_bufs = (
         [], [], [], [], [], [], [], [])
     captured: list[int] = []
+    workspaces: list[int] = []
     alternatives: list[tuple] = []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
-        budget, reserve, corr_parts, graphs_captured, drafter = _stage_terms(
+        budget, reserve, corr_parts, graphs_captured, drafter, ws = _stage_terms(
             era, layout, batch, p, stage, len(passes), u=u, m=m, n=n, corr=corr)
+        workspaces.append(ws)
         alternatives.append(_stage_alternatives(era, layout, batch, p, stage, len(passes), budget,
                                                 u=u, m=m, n=n, corr=corr))
         budgets.append(budget)
@@ -360,6 +365,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
+                     attention_workspace_bytes=workspaces[worst],
                      limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
 
 
@@ -478,7 +484,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                                  weights_bytes=w, activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g))
     corr_parts = (act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0)
     return (budget, reserve, corr_parts, captured,
-            (drafter_act, drafter_fwd, drafter_g, drafter_peak, drafter_buf))
+            (drafter_act, drafter_fwd, drafter_g, drafter_peak, drafter_buf), fi_ws if g else 0)
 
 
 def _refusals(era: Era, layout: Layout, budgets: list, captured: list[int], u: float,

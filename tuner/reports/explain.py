@@ -718,14 +718,18 @@ def _other_budget_steps(p: SimpleNamespace, steps: list[dict]) -> None:
                               "shows them apart)"})
     steps.extend(_stage_steps(pp_stages, limiting, u))
     drafter_g = int(cand.get("drafter_cuda_graph_bytes") or 0) if subtracts_graphs else 0
+    attn_ws = int(cand.get("attention_workspace_bytes") or 0) if subtracts_graphs else 0
     if subtracts_graphs and not g and (run or {}).get("model_runner_v2") and era.version < (0, 29, 0):
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": 0,
                       "text": "CUDA graph memory estimate (none: Model Runner V2 before 0.29 estimates 0; "
                               "graphs are captured after the cache is sized)"})
     elif subtracts_graphs:
-        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g,
+        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g - attn_ws,
                       "text": "CUDA graphs captured before the cache is sized (in the memory measured after warmup)"
                               if getattr(era, "extensible_kv_cache", False) else "CUDA graph memory estimate"})
+        if attn_ws:
+            steps.append({"name": "attention_workspace", "op": "-", "bytes": attn_ws,
+                          "text": "FlashInfer workspace, in the first FULL graph capture (tuner/memory/attention.py)"})
         if drafter_g:
             steps.append({"name": "drafter_cuda_graphs", "op": "-", "bytes": drafter_g,
                           "text": "the drafter's PIECEWISE graphs, captured with the target's in the CUDA-graph "
