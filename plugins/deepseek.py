@@ -159,6 +159,16 @@ class DeepseekPlugin(ModelPlugin):
     def is_sparse(self, spec) -> bool:
         return spec.raw.get("index_topk") is not None
 
+    def cudagraph_warmup_bytes(self, spec, settings: RankSettings) -> int:
+        """Sparse (DSA) models: the PIECEWISE warmup's dummy indexer logits in vLLM's CUDA-graph
+        estimate (:func:`tuner.model.simulate.mla.sparse_indexer_graph_warmup_bytes`); 0 otherwise."""
+        if not (self.is_sparse(spec) and self.use_mla(spec, settings)):
+            return 0
+        from tuner.model.simulate.mla import sparse_indexer_graph_warmup_bytes
+
+        return sparse_indexer_graph_warmup_bytes(getattr(settings, "platform", "cuda"),
+                                                 parse_version(settings.engine_version).key)
+
     def use_mla(self, spec, settings: RankSettings) -> bool:
         raw = spec.raw
         if spec.model_type == "deepseek" or not (raw.get("qk_nope_head_dim") or raw.get("qk_rope_head_dim")):

@@ -38,9 +38,17 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   inverse-RoPE fp8 quant of ``o`` and ``wo_a``'s einsum output, the MoE block; final ``hc_head``
   mix and norm.
 
+* CUDA-graph estimate (:meth:`DeepseekV4Plugin.cudagraph_warmup_bytes`): the PIECEWISE warmup's
+  dummy indexer logits (512 MiB) measured into the first capture (V1 runner; CUDA 0.20+, ROCm 0.26+).
+* ROCm (``models/deepseek_v4/amd``, :mod:`tuner.model.simulate.dsv4`): the AITER indexer's
+  decode-logits reservation in the shared workspace (fp32 ``[N, max_model_len // 4]`` on gfx942 /
+  gfx950, 0.23 – 0.29), ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
+  the module from 0.24), no FlashMLA head padding (``get_padded_num_q_heads``, 0.22+).
+
 Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
 (the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
-sparse-attention kernels' own workspaces, ROCm's own DeepSeek-V4 path (``models/deepseek_v4/amd``).
+sparse-attention kernels' own workspaces, the rest of ROCm's own DeepSeek-V4 path
+(``models/deepseek_v4/amd``: the mHC backend by image, AITER's own workspaces).
 """
 
 from __future__ import annotations
@@ -140,8 +148,32 @@ class DeepseekV4Plugin(ModelPlugin):
         if getattr(settings, "platform", "cuda") == "rocm":
             out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
                                   "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
-                                  "(fp8_ds_mla pages, block 256)"))
+                                  "(fp8_ds_mla pages, block 256) apart from the AITER indexer's decode-logits "
+                                  "reservation, the bf16 wo_a of rocm_inv_rope_einsum and the unpadded heads; "
+                                  "its mHC backend (AITER, TileLang or the torch reference, by what the image has) "
+                                  "and AITER's own workspaces are not modelled"))
         return out
+
+    def cudagraph_warmup_bytes(self, spec, settings: RankSettings) -> int:
+        """Bytes the first PIECEWISE capture's warmup adds to vLLM's CUDA-graph estimate beyond the
+        fit (:func:`tuner.memory.search.cudagraph_warmup_extra_bytes` adds it where the V1 runner's
+        estimate is subtracted): ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py
+        0.20 – 0.29) calls ``empty_cache()`` and measures the free-memory drop around the first
+        capture of each mode, warmup included; ``_warmup_and_capture`` builds attention metadata
+        only for FULL (``force_attention = mode == FULL``), so the PIECEWISE warmup's
+        ``sparse_attn_indexer`` takes its no-metadata branch and allocates the 512 MiB dummy
+        logits anew (``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``; the cache was emptied; the later
+        captures reuse the cached block;
+        :func:`tuner.model.simulate.mla.sparse_indexer_graph_warmup_bytes`). The estimate takes the largest first capture over the modes, so
+        once per rank whose stage holds a ``compress_ratio`` 4 layer (the indexer); by platform and
+        release as that function says (ROCm's AITER indexer allocates the same dummy)."""
+        from tuner.model.simulate.mla import sparse_indexer_graph_warmup_bytes
+
+        ratios = compress_ratios(spec)
+        if not any(ratios[i] == 4 for i in stage_layers(spec, settings)):
+            return 0
+        return sparse_indexer_graph_warmup_bytes(getattr(settings, "platform", "cuda"),
+                                                 parse_version(settings.engine_version).key)
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_cache_spec(self, spec, settings: RankSettings) -> dict:

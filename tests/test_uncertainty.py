@@ -121,8 +121,10 @@ def shared_rows(shared_dir):
 #: helper's branch): the assumptions' computed alternatives (docs/accuracy-mechanisms.md §21) cover the
 #: three high-confidence rows the 3 % fraction missed on their high side, and the fit, now judging
 #: each side on its own bands, finds the catalog device total's 0.5 % enough (coverage 95.6 %, unsafe
-#: 1.75 %, median half-width 1.00 % on the 2026-12-06 cases) where the constant says 1 %.
-REFIT_PENDING = {"device_total": 0.005}
+#: 1.75 %, median half-width 1.00 % on the 2026-12-06 cases) where the constant says 1 %; with §22
+#: (DeepSeek-V4's indexer reservations: vllm-53961 now refused as observed, vllm-44376 and
+#: recipes-893 closer) it finds 0.3 %.
+REFIT_PENDING = {"device_total": 0.003}
 
 
 @pytest.mark.parametrize("parameter", unc.PARAMETERS)

@@ -1182,6 +1182,16 @@ def method_for(req: "JobRequest", cuda_available: Any, warnings: list[str]) -> t
     return method, calibration
 
 
+def plugin_cudagraph_warmup_bytes(plugin: Any, spec: Any, stages: Any) -> tuple:
+    """Per stage, the plugin's ``cudagraph_warmup_bytes(spec, settings)`` (optional hook: bytes the
+    first CUDA-graph capture's warmup allocates beyond the estimate's fit,
+    :func:`tuner.memory.search.cudagraph_warmup_extra_bytes`); () for plugins without it."""
+    hook = getattr(plugin, "cudagraph_warmup_bytes", None)
+    if hook is None:
+        return ()
+    return tuple(int(hook(spec, s)) for s in stages)
+
+
 def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLayout, device: dict, method: str,
                calibration: dict, warnings: list[str]) -> Layout:
     """Stage 6: the facts the budget and the search need besides the passes (:class:`tuner.memory.search.Layout`)."""
@@ -1203,7 +1213,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
                     moe_data_parallel_size=(int(drop.data_parallel_size or 1)
                                             if config_is_moe(spec.raw) or config_is_moe(spec.top) else 1),
                     kv_cache_memory_bytes=_kv_cache_memory_bytes(drop, era),
-                    pp_layer_partition=pp_layer_partition(drop_env(drop)))
+                    pp_layer_partition=pp_layer_partition(drop_env(drop)),
+                    cudagraph_warmup_bytes=plugin_cudagraph_warmup_bytes(model.plugin, model.spec, ranks.stages))
     cards = stage_devices(device, ranks.pp)
     if len({tuple(sorted((k, str(v)) for k, v in c.items())) for c in cards}) > 1:
         # a device list: each stage sized on its own card (tuner.memory.search.evaluate, StageCard)

@@ -113,6 +113,11 @@ class Layout:
     #: The KV cache dtype the release runs (``auto`` resolved, :func:`tuner.jobs.job._kv_cache_dtype`): it
     #: decides the attention backend (:func:`tuner.memory.attention.selects_flashinfer`).
     kv_cache_dtype: str = "auto"
+    #: Per pipeline stage, bytes the first CUDA-graph capture's warmup allocates that the fit of
+    #: :func:`tuner.memory.budget.cudagraph_estimate_bytes` does not stand for (a plugin's
+    #: ``cudagraph_warmup_bytes``, e.g. DeepSeek-V4's dummy indexer logits); added where the V1
+    #: runner's estimate is subtracted (:func:`cudagraph_warmup_extra_bytes`). Empty = none.
+    cudagraph_warmup_bytes: tuple = ()
 
     def card(self, stage: int) -> StageCard:
         """The card ``stage`` runs on (the layout's own device when no device list gives one)."""
@@ -369,6 +374,19 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
 
 
+def cudagraph_warmup_extra_bytes(layout: Layout, stage: int, graphs: int) -> int:
+    """The stage's plugin-given warmup bytes (:attr:`Layout.cudagraph_warmup_bytes`) where the V1
+    runner's ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py 0.20 – 0.29) measures
+    them: it calls ``empty_cache()`` before the captures and takes the free-memory drop around the
+    first capture of each mode, warmup included (``_warmup_and_capture``), so a transient the warmup
+    allocates anew is in the estimate. 0 where no estimate is subtracted (``graphs`` 0) and under
+    Model Runner V2 (its own ``cudagraph_utils`` profiling, not read for this)."""
+    extra = layout.cudagraph_warmup_bytes
+    if not graphs or layout.model_runner_v2 or stage >= len(extra):
+        return 0
+    return int(extra[stage])
+
+
 def _stage_alternatives(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: int, n_passes: int,
                         budget: Any, *, u: float, m: int, n: int, corr: dict) -> tuple:
     """The stage's assumptions whose other value was computed (the pass's ``assumed_alternatives``,
@@ -424,10 +442,12 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
             model_runner_v2=layout.model_runner_v2)
         gkw["capture_sizes"] = sizes
     graphs = cudagraph_estimate_bytes(era, **gkw)
-    # FlashInfer's workspace, allocated in the FULL mode's first sampled capture (§20)
+    # FlashInfer's workspace, allocated in the FULL mode's first sampled capture (§20), and a plugin's
+    # warmup bytes (§22): both beside the fit, added after the drafter's share is taken from the fit
     fi_ws = flashinfer_graph_workspace_bytes(
         era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
         num_speculative_tokens=layout.num_speculative_tokens) if graphs and gkw["platform"] == "cuda" else 0
+    warmup = cudagraph_warmup_extra_bytes(layout, stage, graphs)
     drafter_g = 0
     if dp is not None and graphs:
         from tuner.memory.specdecode import drafter_graph_layer_hidden
@@ -436,7 +456,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                                        max_num_seqs=batch.max_num_seqs)
         drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
         graphs += drafter_g
-    graphs += fi_ws
+    graphs += fi_ws + warmup
     # the graphs vLLM captures after the cache is allocated, subtracted or not (0.19, MRV2 < 0.29)
     captured = graphs if graphs or not era.compiled else cudagraph_estimate_bytes(era, **gkw, always=True)
     drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0

@@ -51,6 +51,31 @@ MLA_WORKSPACE_CAP_TOKENS = 64 * 1024
 INDEXER_MAX_LOGITS_BYTES = 512 * 1024 * 1024
 
 
+#: Releases whose sparse indexer allocates the :data:`INDEXER_MAX_LOGITS_BYTES` dummy when it runs
+#: without attention metadata, by platform: CUDA ``sparse_attn_indexer``
+#: (model_executor/layers/sparse_attn_indexer.py, "Dummy allocation to simulate for peak logits
+#: tensor memory"; found in 0.19 – 0.33, gone in 0.34), ROCm ``rocm_aiter_sparse_attn_indexer``
+#: (v1/attention/ops/rocm_aiter_mla_sparse.py, "Transient logits tensor peak memory"; 0.23 – 0.34 read).
+INDEXER_DUMMY_LOGITS_RELEASES = {"cuda": ((0, 19, 0), (0, 34, 0)), "rocm": ((0, 23, 0), (0, 35, 0))}
+
+
+def sparse_indexer_graph_warmup_bytes(platform: str, version: tuple) -> int:
+    """What the DSA / DeepSeek-V4 sparse indexer adds to vLLM's CUDA-graph estimate (bytes per rank
+    whose stage holds an indexer layer): ``profile_cudagraph_memory`` (vllm/v1/worker/gpu_model_runner.py
+    0.18+) calls ``empty_cache()`` and measures the free-memory drop around the first capture of each
+    mode, its warmup included; ``_warmup_and_capture`` builds attention metadata only for FULL
+    (``force_attention = mode == FULL``), so the PIECEWISE warmup's ``sparse_attn_indexer`` takes
+    its no-metadata branch and allocates the dummy logits anew (the later captures reuse the cached
+    block; the estimate takes the largest first capture over the modes, so once). On ROCm the AITER
+    indexer's warmup asks its workspace for ``[512, L]`` decode logits, below the profile's
+    ``[N, L]``: no growth there. Counted where the estimate is subtracted
+    (:func:`tuner.memory.search.cudagraph_warmup_extra_bytes`: V1 runner, CUDA 0.20+, ROCm 0.26+)."""
+    lo, hi = INDEXER_DUMMY_LOGITS_RELEASES.get(platform, ((0, 0, 0), (0, 0, 0)))
+    if not lo <= tuple(version[:3]) < hi:
+        return 0
+    return INDEXER_MAX_LOGITS_BYTES
+
+
 def mla_workspace_tokens(max_model_len: int | None, max_num_seqs: int | None, block_size: int) -> int:
     """Tokens of the MLA chunked-prefill workspace (vLLM ``determine_chunked_prefill_workspace_size``,
     0.19 ``mla_attention.py``): ``max(min(max(8·M, 4·R·bs), 65536), R·bs)``; unknown M/R give the cap."""
