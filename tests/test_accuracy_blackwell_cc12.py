@@ -79,6 +79,10 @@ def test_spec_decode_with_flashinfer_captures_no_full_graph():
                                             kv_specs=specs, num_speculative_tokens=3) == 0
     assert flashinfer_graph_workspace_bytes(V024, compute_capability="10.0", kv_cache_dtype="fp8",
                                             kv_specs=specs, num_speculative_tokens=3) == 394 * MiB
+    # Model Runner V2 (0.29+): gpu/cudagraph_utils.py prepare_attn builds metadata for PIECEWISE
+    # captures too, so the buffer is in its measured estimate without FULL graphs
+    assert flashinfer_graph_workspace_bytes(V029, compute_capability="8.6", kv_cache_dtype="fp8_e5m2",
+                                            kv_specs=specs, num_speculative_tokens=3, model_runner_v2=True) == 394 * MiB
 
 
 def test_mixed_head_sizes_force_one_non_flashinfer_backend():

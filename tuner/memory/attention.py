@@ -109,7 +109,7 @@ def full_graphs_captured(version: tuple, *, compute_capability: str | None, kv_c
 
 
 def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str,
-                                     kv_specs, num_speculative_tokens: int = 0) -> int:
+                                     kv_specs, num_speculative_tokens: int = 0, model_runner_v2: bool = False) -> int:
     """FlashInfer's workspace buffers inside vLLM's CUDA-graph memory estimate (bytes; 0 where the
     layers do not run FlashInfer or no FULL graph is captured). ``kv_specs``: the stage's
     ``{layer: spec}`` (:mod:`tuner.memory.kvcache`); only non-MLA attention specs count.
@@ -137,8 +137,15 @@ def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str 
     attention backend"): nothing is charged then. Not read, not charged: attention sinks (FLASH_ATTN
     refuses them below FA3, FlashInfer off 10.x: TRITON_ATTN), MLA backends' own workspaces, a
     backend forced by ``--attention-backend`` / ``VLLM_ATTENTION_BACKEND``.
+
+    Model Runner V2 (0.29+, whose estimate is ``gpu/cudagraph_utils.py profile_cudagraph_memory``:
+    the free-memory drop around ``capture_model``) builds attention metadata for PIECEWISE captures
+    too (``prepare_attn(..., for_capture=full_cudagraph)``: "We always generate attention metadata
+    for both FULL and PIECEWISE CUDA graphs") and none in its profile run (``_dummy_run(...,
+    skip_attn=True, is_profile=True)``), so there the buffer is in the estimate with or without
+    FULL graphs.
     """
-    if not full_graphs_captured(version, compute_capability=compute_capability, kv_cache_dtype=kv_cache_dtype,
+    if not model_runner_v2 and not full_graphs_captured(version, compute_capability=compute_capability, kv_cache_dtype=kv_cache_dtype,
                                 kv_specs=kv_specs, num_speculative_tokens=num_speculative_tokens):
         return 0
     return FLASHINFER_WORKSPACE_BUFFER_BYTES * len(

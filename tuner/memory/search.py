@@ -446,7 +446,8 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
     # warmup bytes (§22): both beside the fit, added after the drafter's share is taken from the fit
     fi_ws = flashinfer_graph_workspace_bytes(
         era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
-        num_speculative_tokens=layout.num_speculative_tokens) if graphs and gkw["platform"] == "cuda" else 0
+        num_speculative_tokens=layout.num_speculative_tokens, model_runner_v2=layout.model_runner_v2,
+    ) if graphs and gkw["platform"] == "cuda" else 0
     warmup = cudagraph_warmup_extra_bytes(layout, stage, graphs)
     drafter_g = 0
     if dp is not None and graphs:
