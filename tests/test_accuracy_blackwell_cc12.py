@@ -54,8 +54,10 @@ def test_flashinfer_first_on_10x_and_for_wide_heads():
                                   head_size=128)
 
 
-def test_workspace_in_graph_estimate_per_distinct_spec():
-    # one builder per (kv_cache_spec, builder type) builds; equal specs reuse it (update_block_table)
+def test_workspace_in_graph_estimate_per_builder():
+    # one attention group -- and metadata builder, with its own buffer -- per KV-cache group and layer
+    # spec (gpu_model_runner.py initialize_attn_backend); FlashInfer's builder has no
+    # supports_update_block_table, so each builds and plans its own in the FULL capture
     same = {f"l{i}": _full() for i in range(10)}
     assert flashinfer_graph_workspace_bytes(V024, compute_capability="12.0", kv_cache_dtype="fp8",
                                             kv_specs=same) == 394 * MiB
@@ -63,6 +65,23 @@ def test_workspace_in_graph_estimate_per_distinct_spec():
                                                         dtype_bytes=1, sliding_window=4096)}
     assert flashinfer_graph_workspace_bytes(V024, compute_capability="12.0", kv_cache_dtype="fp8",
                                             kv_specs=two) == 2 * 394 * MiB
+    # 10 sliding + 2 full layers: hybrid groups of min(10, 2) = 2 layers -> 5 + 1 groups, 6 builders
+    hybrid = {f"s{i}": SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=128, dtype_bytes=1,
+                                         sliding_window=4096) for i in range(10)}
+    hybrid.update({f"f{i}": _full(128) for i in range(2)})
+    assert flashinfer_graph_workspace_bytes(V024, compute_capability="8.6", kv_cache_dtype="fp8",
+                                            kv_specs=hybrid) == 6 * 394 * MiB
+
+
+def test_workspace_sized_by_the_prefill_heads_from_026():
+    # flashinfer.py _get_workspace_buffer, 0.26 - 0.34: max(default, max_num_batched_tokens *
+    # num_qo_heads * head_dim * FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM (16)); 0.25.1: the default
+    from tuner.memory.attention import workspace_buffer_bytes
+
+    assert workspace_buffer_bytes((0, 25, 1), max_num_batched_tokens=8192, num_qo_heads=32, head_size=128) == 394 * MiB
+    assert workspace_buffer_bytes((0, 26, 0), max_num_batched_tokens=8192, num_qo_heads=32, head_size=128) == \
+        8192 * 32 * 128 * 16 == 512 * MiB
+    assert workspace_buffer_bytes((0, 34, 0), max_num_batched_tokens=2048, num_qo_heads=32, head_size=128) == 394 * MiB
     # MLA layers run MLA backends (their own buffers, not charged here); bf16 on 12.0: FLASH_ATTN
     mla = {"l0": MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype_bytes=1)}
     assert flashinfer_graph_workspace_bytes(V024, compute_capability="12.0", kv_cache_dtype="fp8", kv_specs=mla) == 0

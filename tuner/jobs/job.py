@@ -1250,7 +1250,8 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
         warnings.append(f"assumed {said['name']}: {said['value']} ({said['note']})")
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
                                free_memory_from_host=_free_memory_from_host(device, era),
-                               kv_cache_dtype=str(ranks.kv_cache_dtype or "auto"))
+                               kv_cache_dtype=str(ranks.kv_cache_dtype or "auto"),
+                               num_attention_heads_per_rank=int(spec.num_attention_heads or 0) // max(1, ranks.tp))
 
 
 #: Model Runner V2's first release modelled here (:func:`tuner.memory.eras.uses_model_runner_v2`).

@@ -29,6 +29,12 @@ MiB = 1 << 20
 #: a prefill / decode wrapper is planned; on 10.x the TRT-LLM decode path takes the module's
 #: ``_get_trtllm_gen_workspace_buffer()`` of the same size instead.
 FLASHINFER_WORKSPACE_BUFFER_BYTES = 394 * MiB
+#: From 0.26 ``_get_workspace_buffer`` sizes the buffer ``max(default, max_num_batched_tokens ×
+#: num_qo_heads × head_dim × FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM)`` ("FlashInfer prefill temp
+#: buffers … scale with the prefill chunk and query-head footprint"; 16 B per element, 0.26 – 0.34;
+#: 0.25.1 and before the default alone). ``num_qo_heads``: the rank's query heads of the group's layers.
+FLASHINFER_WORKSPACE_BY_HEADS_SINCE = (0, 26, 0)
+FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM = 16
 
 #: KV cache dtypes FlashInfer's backend accepts (flashinfer.py ``supported_kv_cache_dtypes``; nvfp4
 #: is checked by :mod:`tuner.memory.engine_checks`).
@@ -38,6 +44,13 @@ FLASH_ATTN_PLAIN_KV_DTYPES = ("auto", "float16", "bfloat16")
 #: First release whose FlashAttention refuses ``fp8_e5m2`` even on Hopper (flash_attn.py lists
 #: only ``fp8`` / ``fp8_e4m3`` for FA3; 0.19 – 0.21 accept every ``fp8*`` there).
 FLASH_ATTN_E5M2_REFUSED_SINCE = (0, 22, 0)
+
+
+def _vt(version) -> tuple:
+    """``(major, minor, patch)`` of a release tuple or :class:`tuner.releases.VllmVersion`."""
+    if hasattr(version, "major"):
+        return (int(version.major), int(version.minor), int(version.patch))
+    return tuple(int(x) for x in tuple(version)[:3])
 
 
 def _major(compute_capability: str | None) -> int | None:
@@ -57,7 +70,7 @@ def flash_attn_accepts(version: tuple, *, compute_capability: str | None, kv_cac
     if kv in FLASH_ATTN_PLAIN_KV_DTYPES:
         return True
     if kv.startswith("fp8") and _major(compute_capability) == 9:
-        return kv in ("fp8", "fp8_e4m3") or tuple(version) < FLASH_ATTN_E5M2_REFUSED_SINCE
+        return kv in ("fp8", "fp8_e4m3") or _vt(version) < FLASH_ATTN_E5M2_REFUSED_SINCE
     return False
 
 
@@ -109,7 +122,8 @@ def full_graphs_captured(version: tuple, *, compute_capability: str | None, kv_c
 
 
 def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str | None, kv_cache_dtype: str,
-                                     kv_specs, num_speculative_tokens: int = 0, model_runner_v2: bool = False) -> int:
+                                     kv_specs, num_speculative_tokens: int = 0, model_runner_v2: bool = False,
+                                     max_num_batched_tokens: int = 0, num_qo_heads: int = 0) -> int:
     """FlashInfer's workspace buffers inside vLLM's CUDA-graph memory estimate (bytes; 0 where the
     layers do not run FlashInfer or no FULL graph is captured). ``kv_specs``: the stage's
     ``{layer: spec}`` (:mod:`tuner.memory.kvcache`); only non-MLA attention specs count.
@@ -148,5 +162,43 @@ def flashinfer_graph_workspace_bytes(version: tuple, *, compute_capability: str 
     if not model_runner_v2 and not full_graphs_captured(version, compute_capability=compute_capability, kv_cache_dtype=kv_cache_dtype,
                                 kv_specs=kv_specs, num_speculative_tokens=num_speculative_tokens):
         return 0
-    return FLASHINFER_WORKSPACE_BUFFER_BYTES * len(
-        _flashinfer_layers(version, compute_capability, kv_cache_dtype, kv_specs))
+    fi = _flashinfer_layers(version, compute_capability, kv_cache_dtype, kv_specs)
+    if not fi:
+        return 0
+    return sum(workspace_buffer_bytes(version, max_num_batched_tokens=max_num_batched_tokens,
+                                      num_qo_heads=num_qo_heads, head_size=int(spec.head_size))
+               for spec in _builders(version, kv_specs, fi))
+
+
+def workspace_buffer_bytes(version: tuple, *, max_num_batched_tokens: int = 0, num_qo_heads: int = 0,
+                           head_size: int = 0) -> int:
+    """One FlashInfer metadata builder's workspace (bytes): :data:`FLASHINFER_WORKSPACE_BUFFER_BYTES`,
+    from 0.26 at least ``N × num_qo_heads × head_dim × 16`` (:data:`FLASHINFER_WORKSPACE_BY_HEADS_SINCE`)."""
+    if _vt(version) < FLASHINFER_WORKSPACE_BY_HEADS_SINCE:
+        return FLASHINFER_WORKSPACE_BUFFER_BYTES
+    est = int(max_num_batched_tokens) * int(num_qo_heads) * int(head_size) * FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM
+    return max(FLASHINFER_WORKSPACE_BUFFER_BYTES, est)
+
+
+def _builders(version: tuple, kv_specs, flashinfer_specs: set) -> list:
+    """One entry per FlashInfer metadata builder: vLLM builds one attention group per KV-cache group and
+    ``(backend, layer spec, query heads)`` (v1/worker/gpu_model_runner.py ``initialize_attn_backend``
+    ``get_attn_backends_for_group``), each with its own builder and buffer; FlashInfer's builder has no
+    ``supports_update_block_table``, so every group builds (and plans) its own in the FULL capture
+    (``_build_attention_metadata``). The groups are :func:`tuner.memory.kvcache.get_kv_cache_groups`'
+    (a hybrid model's same-spec layers split into several groups: one builder each)."""
+    from tuner.errors import TunerError
+    from tuner.memory.kvcache import UniformTypeKVCacheSpecs, get_kv_cache_groups
+
+    try:
+        groups = get_kv_cache_groups(".".join(str(x) for x in _vt(version)), dict(kv_specs))
+    except TunerError:
+        return sorted(flashinfer_specs, key=repr)
+    out = []
+    for g in groups:
+        if isinstance(g.spec, UniformTypeKVCacheSpecs):
+            layer_specs = {g.spec.kv_cache_specs[n] for n in g.layer_names if n in g.spec.kv_cache_specs}
+        else:
+            layer_specs = {dict(kv_specs).get(n, g.spec) for n in g.layer_names}
+        out.extend(sorted((x for x in layer_specs if x in flashinfer_specs), key=repr))
+    return out

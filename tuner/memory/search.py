@@ -113,6 +113,9 @@ class Layout:
     #: The KV cache dtype the release runs (``auto`` resolved, :func:`tuner.jobs.job._kv_cache_dtype`): it
     #: decides the attention backend (:func:`tuner.memory.attention.selects_flashinfer`).
     kv_cache_dtype: str = "auto"
+    #: The rank's query heads (``num_attention_heads // tensor_parallel_size``): FlashInfer's workspace
+    #: from 0.26 (:func:`tuner.memory.attention.workspace_buffer_bytes`); 0 = unknown (the default size).
+    num_attention_heads_per_rank: int = 0
     #: Per pipeline stage, bytes the first CUDA-graph capture's warmup allocates that the fit of
     #: :func:`tuner.memory.budget.cudagraph_estimate_bytes` does not stand for (a plugin's
     #: ``cudagraph_warmup_bytes``, e.g. DeepSeek-V4's dummy indexer logits); added where the V1
@@ -447,6 +450,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
     fi_ws = flashinfer_graph_workspace_bytes(
         era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
         num_speculative_tokens=layout.num_speculative_tokens, model_runner_v2=layout.model_runner_v2,
+        max_num_batched_tokens=n, num_qo_heads=layout.num_attention_heads_per_rank,
     ) if graphs and gkw["platform"] == "cuda" else 0
     warmup = cudagraph_warmup_extra_bytes(layout, stage, graphs)
     drafter_g = 0
