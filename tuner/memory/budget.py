@@ -228,17 +228,26 @@ def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
     if world_size <= 1:
         return 0
     out = 0.0
-    try:
-        major = int(str(topology.compute_capability).split(".")[0])
-    except (TypeError, ValueError):
-        major = 9  # unknown: the larger (safe) value
     lazy = lazy_communicator_bytes(era, world_size, topology)
-    if topology.interconnect == "nvswitch" and major >= 9 and not (lazy and world_size == 2):
-        out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(world_size / 2)
+    if not (lazy and world_size == 2):
+        out += _nvls_gib(world_size, topology)
     snapshot_before_nccl = era.engine == "V0" or era.version < (0, 11, 0)
     if snapshot_before_nccl:
         out += NCCL_COMMUNICATOR_GIB
     return int(out * GiB) + lazy
+
+
+def _nvls_gib(group_size: int, topology: Topology) -> float:
+    """NCCL's NVLS buffers of a group of ``group_size`` ranks (GiB): on an NVSwitch fabric of compute
+    capability ≥ 9.0 (unknown capability: the larger, safe, value) :data:`NVLS_TP2_GIB` +
+    :data:`NVLS_PER_DOUBLING_GIB` per doubling beyond 2; else 0."""
+    try:
+        major = int(str(topology.compute_capability).split(".")[0])
+    except (TypeError, ValueError):
+        major = 9
+    if topology.interconnect == "nvswitch" and major >= 9:
+        return NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(group_size / 2)
+    return 0.0
 
 
 def tp_group_bytes(era: Era, world_size: int, topology: Topology) -> int:
@@ -272,13 +281,7 @@ def moe_dp_group_bytes(era: Era, data_parallel_size: int, topology: Topology) ->
     no GPU collective in its forward (nothing charged; the caller passes 1)."""
     if data_parallel_size <= 1:
         return 0
-    out = 0.0
-    try:
-        major = int(str(topology.compute_capability).split(".")[0])
-    except (TypeError, ValueError):
-        major = 9  # unknown: the larger (safe) value
-    if topology.interconnect == "nvswitch" and major >= 9:
-        out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(data_parallel_size / 2)
+    out = _nvls_gib(data_parallel_size, topology)
     if era.engine == "V0" or era.version < (0, 11, 0):
         out += NCCL_COMMUNICATOR_GIB
     return int(out * GiB)
