@@ -1073,6 +1073,9 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      mm_limits=_mm_limits(drop))
         for r in range(pp)
     ]
+    check_drop = getattr(plugin, "check_drop", None)  # what vLLM refuses for this model (the plugin's rule)
+    for stage in stages if check_drop is not None else ():
+        check_drop(spec, stage, path=path)
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
                           kv_heads=per_head_kv_totals(plugin, spec, stages[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=path)
