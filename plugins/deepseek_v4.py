@@ -45,8 +45,13 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   gfx950, 0.23 – 0.29), ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
   the module from 0.24), no FlashMLA head padding (``get_padded_num_q_heads``, 0.22+).
 
+Refused as vLLM refuses them (:func:`engine_refusal`, docs/accuracy-mechanisms.md §23): a non-fp8 KV
+cache (every default DeepSeek-V4 attention asserts fp8 for its fp8_ds_mla layout) and a card no default
+backend runs (CUDA 9.x / 10.x FlashMLA sparse, 12.x FlashInfer SM120 from 0.24, ROCm from 0.21). The
+config keys vLLM reads are checked (:func:`checked_config`).
+
 Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
-(the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
+(the SWA cache spec changed; refused), the MTP layer (speculative only), the mHC and
 sparse-attention kernels' own workspaces, the rest of ROCm's own DeepSeek-V4 path
 (``models/deepseek_v4/amd``: the mHC backend by image, AITER's own workspaces).
 """
