@@ -7,6 +7,7 @@ input keeps no not-modelled fraction (both of its values are computed)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -182,3 +183,26 @@ def test_check_names_the_assumption_band_where_the_verdict_flips():
     assert terms[0].startswith("uncertain term: assumed flashinfer_installed=false +2.950 GiB (raises the KV only) "
                                "(assumed (alternative computed); vllm/v1/sample/ops/topk_topp_sampler.py 0.11.0")
     assert not [t for t in terms if "not modelled: flashinfer_installed" in t]  # both values computed
+
+
+def test_check_could_not_state_flashinfer_installed_nor_listed_the_lines_env():
+    """A fresh user: ``check`` said "say flashinfer_installed: true" but had no option for it, and a
+    ``VLLM_USE_FLASHINFER_SAMPLER=1`` prefix it reads was in no ``read:`` line. ``--flashinfer-installed
+    true`` states it (no assumption, no band; FlashInfer's sampler: more KV than the pip assumption)."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    line = ["--", "VLLM_USE_FLASHINFER_SAMPLER=1", "vllm", "serve",
+            str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"), "--max-model-len", "32768"]
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.10.1", "--no-variants", "--json"]
+    rc, out, err = run_cli(*base, *line)
+    assumed = json.loads(out)
+    rc2, out2, err2 = run_cli(*base, "--flashinfer-installed", "true", *line)
+    stated = json.loads(out2)
+    assert rc == 0 and rc2 == 0, (err, err2)
+    assert assumed["read"]["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert any("flashinfer_installed" in w for w in assumed["warnings"])
+    assert not any("flashinfer_installed" in w for w in stated["warnings"])
+    assert stated["numbers"]["num_gpu_blocks"] > assumed["numbers"]["num_gpu_blocks"]
+    rc3, text, _ = run_cli(*base[:-1], "--flashinfer-installed", "true", *line)
+    assert "read: VLLM_USE_FLASHINFER_SAMPLER=1 -> env VLLM_USE_FLASHINFER_SAMPLER '1'" in text.splitlines()
