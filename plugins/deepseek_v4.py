@@ -45,15 +45,20 @@ Written from vLLM 0.22.0 ``vllm/models/deepseek_v4/nvidia/model.py``, ``attentio
   gfx950, 0.23 – 0.29), ``rocm_inv_rope_einsum``'s bf16 ``wo_a`` (per call 0.21 – 0.23, cached on
   the module from 0.24), no FlashMLA head padding (``get_padded_num_q_heads``, 0.22+).
 
+Refused as vLLM refuses them (:func:`engine_refusal`, docs/accuracy-mechanisms.md §23): a non-fp8 KV
+cache (every default DeepSeek-V4 attention asserts fp8 for its fp8_ds_mla layout) and a card no default
+backend runs (CUDA 9.x / 10.x FlashMLA sparse, 12.x FlashInfer SM120 from 0.24, ROCm from 0.21). The
+config keys vLLM reads are checked (:func:`checked_config`).
+
 Not modelled (said in :meth:`DeepseekV4Plugin.not_modelled`, each widens the band): vLLM 0.30+
-(the SWA cache spec changed; refused), non-fp8 KV caches, the MTP layer (speculative only), the mHC and
+(the SWA cache spec changed; refused), the MTP layer (speculative only), the mHC and
 sparse-attention kernels' own workspaces, the rest of ROCm's own DeepSeek-V4 path
 (``models/deepseek_v4/amd``: the mHC backend by image, AITER's own workspaces).
 """
 
 from __future__ import annotations
 
-from tuner.errors import ModelConfigError
+from tuner.errors import DropError, ModelConfigError
 from tuner.memory.eras import parse_version
 from tuner.memory.kvcache_dsv4 import (DSV4_MODELLED_UNTIL, FP8_DS_MLA_V4_BYTES, DSv4MLASpec,
                                        DSv4SlidingWindowMLASpec)
@@ -78,6 +83,135 @@ def config(spec) -> dict:
     return {**spec.raw, **(getattr(spec, "top", None) or {})}
 
 
+def _shown(value) -> str:
+    from tuner.model.modelspec import shown
+
+    return shown(value)
+
+
+#: The DeepSeek-V4 keys vLLM reads as plain attributes (``config.<key>`` in models/deepseek_v4,
+#: 0.20 – 0.29; model_executor/models/deepseek_v4.py and layers/deepseek_v4_attention.py in 0.20 –
+#: 0.21): its own ``DeepseekV4Config`` (transformers_utils/configs/deepseek_v4.py) defaults none of
+#: them, so a file without one fails in vLLM (AttributeError). Each must be a positive integer.
+REQUIRED_POSITIVE_KEYS = ("hc_mult", "head_dim", "index_head_dim", "index_n_heads", "index_topk",
+                          "qk_rope_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window")
+#: Read the same way, may be 0 (no hash-routed layers, no shared expert).
+REQUIRED_NON_NEGATIVE_KEYS = ("num_hash_layers", "n_shared_experts")
+#: Keys vLLM reads with a default (``getattr(config, key, default)``, models/deepseek_v4 0.20 – 0.29).
+DEFAULTED_KEYS = {"expert_dtype": "fp4", "topk_method": None}
+
+
+def checked_config(spec) -> dict:
+    """:func:`config` with the keys vLLM reads for DeepSeek-V4 checked as vLLM would take them: a
+    key of :data:`REQUIRED_POSITIVE_KEYS` / :data:`REQUIRED_NON_NEGATIVE_KEYS` must be in the file
+    (vLLM defaults none) and be an integer (not a bool, string or float) above 0 / at least 0; a
+    missing key of :data:`DEFAULTED_KEYS` takes vLLM's default (said by
+    :meth:`DeepseekV4Plugin.not_modelled`).
+
+    Raises:
+        ModelConfigError: ``where`` ``<config.json>:<key>``.
+    """
+    raw = config(spec)
+    own = getattr(spec, "top", None) or raw  # presence is the file's (spec.raw carries transformers' defaults)
+    out = dict(raw)
+    for key in REQUIRED_POSITIVE_KEYS + REQUIRED_NON_NEGATIVE_KEYS:
+        where = f"{spec.path}:{key}"
+        if own.get(key) is None:
+            raise ModelConfigError(f"{key} is missing: vLLM reads config.{key} for DeepseekV4ForCausalLM "
+                                   "(models/deepseek_v4) and its DeepseekV4Config "
+                                   "(transformers_utils/configs/deepseek_v4.py) has no default for it", where=where)
+        value, low = own[key], (1 if key in REQUIRED_POSITIVE_KEYS else 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            kind = "a positive integer" if low else "a non-negative integer"
+            raise ModelConfigError(f"{key} must be {kind}, not {_shown(value)}", where=where)
+        out[key] = value
+    for key, default in DEFAULTED_KEYS.items():
+        if own.get(key) is None:
+            out[key] = default
+        elif not isinstance(own[key], str):
+            raise ModelConfigError(f"{key} must be a string, not {_shown(own[key])}", where=f"{spec.path}:{key}")
+    if out["expert_dtype"] not in ("fp4", "fp8"):
+        raise ModelConfigError(f"expert_dtype must be 'fp4' or 'fp8' (models/deepseek_v4/quant_config.py), not "
+                               f"{_shown(out['expert_dtype'])}", where=f"{spec.path}:expert_dtype")
+    return out
+
+
+def defaulted_keys(spec) -> list[str]:
+    """The :data:`DEFAULTED_KEYS` the file leaves out (vLLM's default taken)."""
+    own = getattr(spec, "top", None) or config(spec)
+    return [k for k in DEFAULTED_KEYS if own.get(k) is None]
+
+
+#: First release whose DeepSeek-V4 attention takes a ROCm path (AITER sparse MLA; 0.20's
+#: model_executor/layers/deepseek_v4_attention.py has only the CUDA FlashMLA sparse one).
+ROCM_FROM = (0, 21, 0)
+#: First release that runs DeepSeek-V4 on CUDA 12.x by default (models/deepseek_v4/nvidia/model.py
+#: ``_select_dsv4_attn_cls``: ``DeepseekV4FlashInferSM120Attention``, fp8_ds_mla layout; read 0.24 – 0.29).
+SM120_FROM = (0, 24, 0)
+
+
+def _kv_refusal_text(version: tuple, kv: str) -> tuple[str, str]:
+    """vLLM's own assertion for a non-fp8 cache on the fp8_ds_mla layout, and where it is."""
+    if version < (0, 22, 0):
+        return (f"DeepseekV4 only supports fp8 kv-cache format for now, got {kv}",
+                "model_executor/layers/deepseek_v4_attention.py")
+    if version < (0, 23, 0):
+        return f"DeepseekV4 only supports fp8 kv-cache format for now, got {kv}", "models/deepseek_v4/attention.py"
+    layout = "FlashMLA fp8" if version < (0, 24, 0) else "fp8_ds_mla"
+    return (f"DeepseekV4 {layout} layout only supports fp8 kv-cache, got {kv}",
+            "models/deepseek_v4/attention.py _resolve_dsv4_kv_cache_dtype")
+
+
+def engine_refusal(settings: RankSettings, path: str | None = None) -> None:
+    """What vLLM 0.20 – 0.29 refuses for DeepSeek-V4 before loading, with vLLM's reason (the
+    default attention backend; ``--attention-backend`` is not modelled and refused by ``check``):
+
+    * a KV cache other than fp8: every default DeepSeek-V4 attention — FlashMLA sparse (CUDA 9.x /
+      10.x), FlashInfer SM120 (12.x, 0.24+), ROCm's AITER (0.21+) — stores the fp8_ds_mla layout and
+      asserts an fp8 ``cache_dtype`` (``auto`` and ``bfloat16`` included). The plain bf16 row is
+      FlashInfer's ``FLASHINFER_MLA_SPARSE_DSV4`` (0.23+), only by ``--attention-backend``.
+    * a card no default backend runs: CUDA before 0.24 FlashMLA sparse only
+      (``FlashMLASparseBackend.supports_compute_capability``: ``capability.major in [9, 10]``,
+      v1/attention/backends/mla/flashmla_sparse.py; ``is_flashmla_sparse_supported``: "FlashMLA
+      Sparse is only supported on Hopper and Blackwell devices.", v1/attention/ops/flashmla.py); from
+      0.24 also 12.x (FlashInfer SM120); ROCm from 0.21.
+
+    Raises:
+        DropError: ``field`` ``kv_cache_dtype`` (the cache) or ``device`` (the card), ``path`` the drop.
+    """
+    v = parse_version(settings.engine_version).key[:3]
+    kv = str(settings.kv_cache_dtype or "auto").lower()
+    if not _is_fp8(kv):
+        said, where = _kv_refusal_text(tuple(v), kv)
+        raise DropError(f"vLLM {settings.engine_version} refuses kv_cache_dtype {kv!r} for DeepseekV4ForCausalLM: "
+                        f"\"{said}\" ({where}: its default attention backends store the fp8_ds_mla layout only); "
+                        "use kv_cache_dtype fp8 (--kv-cache-dtype fp8)", path=path, field="kv_cache_dtype")
+    platform = getattr(settings, "platform", "cuda") or "cuda"
+    cc = getattr(settings, "compute_capability", None)
+    if platform == "rocm":
+        if tuple(v) < ROCM_FROM:
+            raise DropError(f"No valid attention backend found for DeepseekV4ForCausalLM on ROCm with vLLM "
+                            f"{settings.engine_version}: its DeepSeek-V4 attention runs FlashMLA sparse only (CUDA "
+                            "kernels; model_executor/layers/deepseek_v4_attention.py); ROCm's AITER path is 0.21+",
+                            path=path, field="device")
+        return
+    if platform != "cuda" or not cc:
+        return
+    major = int(str(cc).split(".")[0])
+    allowed = (9, 10, 12) if tuple(v) >= SM120_FROM else (9, 10)
+    if major in allowed:
+        return
+    runs = ("FlashMLA sparse on compute capability 9.x / 10.x (FlashMLASparseBackend.supports_compute_capability: "
+            "capability.major in [9, 10], v1/attention/backends/mla/flashmla_sparse.py)")
+    if major != 12 and tuple(v) >= SM120_FROM:
+        runs += " and FlashInfer's SM120 sparse MLA on 12.x (models/deepseek_v4/nvidia/model.py _select_dsv4_attn_cls)"
+    raise DropError(f"No valid attention backend found for DeepseekV4ForCausalLM on compute capability {cc}: vLLM "
+                    f"{settings.engine_version}'s DeepSeek-V4 attention runs {runs} only: \"FlashMLA Sparse is only "
+                    "supported on Hopper and Blackwell devices.\" (v1/attention/ops/flashmla.py)",
+                    path=path, field="device")
+
+
 def compress_ratios(spec) -> list[int]:
     """``max(1, compress_ratios[i])`` for the decoder layers (the list carries the MTP layer last), read
     from the file's JSON as vLLM's own config class does (transformers' ``DeepseekV4Config`` renames
@@ -86,7 +220,11 @@ def compress_ratios(spec) -> list[int]:
     if not isinstance(raw, list) or len(raw) < spec.num_hidden_layers:
         raise ModelConfigError("DeepSeek-V4 config needs compress_ratios with one entry per layer",
                                where=spec.path)
-    out = [max(1, int(r or 0)) for r in raw[:spec.num_hidden_layers]]
+    for r in raw[:spec.num_hidden_layers]:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ModelConfigError(f"compress_ratios entries must be non-negative integers, not {_shown(r)}",
+                                   where=f"{spec.path}:compress_ratios")
+    out = [max(1, r) for r in raw[:spec.num_hidden_layers]]
     bad = sorted({r for r in out if r not in (1, 4, 128)})
     if bad:
         raise ModelConfigError(f"compress_ratios {bad}: vLLM's compressor takes 4 or 128 only (compressor.py)",
@@ -122,8 +260,9 @@ class DeepseekV4Plugin(ModelPlugin):
     reads_max_model_len = True
 
     # -- checks ------------------------------------------------------------------------------
-    def check_supported(self, spec, settings: RankSettings) -> None:
-        """ModelConfigError for the releases and caches this plugin does not model."""
+    def check_supported(self, spec, settings: RankSettings, path: str | None = None) -> None:
+        """ModelConfigError for the releases this plugin does not model; what vLLM refuses
+        (:func:`engine_refusal`, DropError naming ``path``'s field)."""
         v = parse_version(settings.engine_version)
         if v < "0.20.0":
             raise ModelConfigError(f"DeepseekV4ForCausalLM is not supported by vLLM {settings.engine_version} (absent "
@@ -133,10 +272,15 @@ class DeepseekV4Plugin(ModelPlugin):
                 f"DeepseekV4ForCausalLM on vLLM {settings.engine_version} is not modelled: 0.30 changed the "
                 "DeepSeek-V4 sliding-window cache spec (v1/attention/backends/mla/sparse_swa.py); modelled 0.20 – 0.29",
                 where=spec.path)
-        if not _is_fp8(settings.kv_cache_dtype):
-            raise ModelConfigError(
-                f"DeepseekV4ForCausalLM with kv_cache_dtype {settings.kv_cache_dtype!r} is not modelled: only the "
-                "fp8 (fp8_ds_mla, 584 B per token) cache layout is ported", where=spec.path)
+        engine_refusal(settings, path)
+
+    def check_drop(self, spec, settings: RankSettings, path: str | None = None) -> None:
+        """What vLLM refuses for this model with these settings (:meth:`check_supported`, naming the
+        drop's field) and the config keys it reads (:func:`checked_config`, :func:`compress_ratios`);
+        called by :func:`tuner.jobs.job.rank_settings` for every stage, before anything is built."""
+        self.check_supported(spec, settings, path)
+        checked_config(spec)
+        compress_ratios(spec)
 
     def not_modelled(self, spec, settings: RankSettings) -> list[dict]:
         """What the prediction does not model for this model (each widens the band)."""
@@ -145,6 +289,10 @@ class DeepseekV4Plugin(ModelPlugin):
         out = [assumption("model.deepseek_v4.kernels", "mHC / sparse-attention workspaces", "model",
                           "DeepSeek-V4's hyper-connection (mHC) and sparse MLA kernels' own workspaces in the profile "
                           "run are not modelled (only their outputs)")]
+        for key in defaulted_keys(spec):
+            out.append(assumption(f"model.deepseek_v4.{key}", str(DEFAULTED_KEYS[key]), "model",
+                                  f"config.json has no {key}: vLLM's default taken (getattr(config, {key!r}, "
+                                  f"{DEFAULTED_KEYS[key]!r}), models/deepseek_v4)"))
         if getattr(settings, "platform", "cuda") == "rocm":
             out.append(assumption("model.deepseek_v4.rocm", "CUDA layout", "model",
                                   "ROCm's DeepSeek-V4 path (models/deepseek_v4/amd) is modelled as the CUDA one "
@@ -180,11 +328,9 @@ class DeepseekV4Plugin(ModelPlugin):
         """Per layer, in vLLM's registration order: indexer cache and indexer compressor state
         (``r = 4``), SWA cache, main compressed cache and compressor state (``r > 1``)."""
         self.check_supported(spec, settings)
-        raw = config(spec)
+        raw = checked_config(spec)
         bs = settings.block_size or DEFAULT_BLOCK_SIZE
-        d = int(raw.get("head_dim") or 512)
-        idx_d = int(raw.get("index_head_dim") or 128)
-        window = int(raw.get("sliding_window") or 128)
+        d, idx_d, window = raw["head_dim"], raw["index_head_dim"], raw["sliding_window"]
         ratios = compress_ratios(spec)
         a = FLASHMLA_ALIGNMENT
         out: dict = {}
@@ -214,7 +360,7 @@ class DeepseekV4Plugin(ModelPlugin):
         from tuner.memory.quant import Mxfp4ExpertsFormat, _version, mxfp4_alignment, scheme_for
 
         base = scheme_for(spec, settings)
-        if base is None or str(config(spec).get("expert_dtype") or "fp4") != "fp4":
+        if base is None or checked_config(spec)["expert_dtype"] != "fp4":
             return base
         backend = mxfp4_expert_backend(settings)
         base.expert_format = Mxfp4ExpertsFormat(backend=backend, prepad=False,
@@ -225,7 +371,8 @@ class DeepseekV4Plugin(ModelPlugin):
         self.check_supported(spec, settings)
         from tuner.model.simulate.dsv4 import build_deepseek_v4
 
-        return build_deepseek_v4(spec, settings, config(spec), compress_ratios(spec), self.quant_scheme(spec, settings))
+        return build_deepseek_v4(spec, settings, checked_config(spec), compress_ratios(spec),
+                                 self.quant_scheme(spec, settings))
 
 
 plugin = DeepseekV4Plugin()

@@ -7,6 +7,7 @@ input keeps no not-modelled fraction (both of its values are computed)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -135,7 +136,7 @@ def test_flashinfer_assumption_band_missed_the_installed_path(shared_dir, observ
     case = "llmd-bench-v011-h100-mistral-small-32-24b"
     point = _case_job(shared_dir, observed_cases, case)
     installed = _case_job(shared_dir, observed_cases, case, flashinfer_installed=True)
-    # 1450 since §23 (reserve refit to 0.1 % of the weights: 15 MiB less reserve); 1444 = the log before
+    # 1450 since §24 (reserve refit to 0.1 % of the weights: 15 MiB less reserve); 1444 = the log before
     assert installed["num_gpu_blocks"] == 1450
     b = _band(point, "assumed flashinfer_installed=false")
     delta = installed["available_kv_cache_bytes"] - point["available_kv_cache_bytes"]
@@ -143,7 +144,7 @@ def test_flashinfer_assumption_band_missed_the_installed_path(shared_dir, observ
     assert unc.band_sides(b) == (0, delta)
     assert "topk_topp_sampler.py 0.11.0" in b["widened_by"]
     # the point stays at the pip assumption; the high end reaches the installed path plus the other bands
-    assert point["num_gpu_blocks"] == 1296  # 1291 before §23
+    assert point["num_gpu_blocks"] == 1296  # 1291 before §24
     others_up = sum(unc.band_sides(x)[1] for x in point["bands"] if x is not b)
     assert point["available_kv_cache_bytes_high"] == installed["available_kv_cache_bytes"] + others_up
     assert point["available_kv_cache_bytes_high"] / GiB >= 28.2
@@ -183,3 +184,26 @@ def test_check_names_the_assumption_band_where_the_verdict_flips():
     assert terms[0].startswith("uncertain term: assumed flashinfer_installed=false +2.950 GiB (raises the KV only) "
                                "(assumed (alternative computed); vllm/v1/sample/ops/topk_topp_sampler.py 0.11.0")
     assert not [t for t in terms if "not modelled: flashinfer_installed" in t]  # both values computed
+
+
+def test_check_could_not_state_flashinfer_installed_nor_listed_the_lines_env():
+    """A fresh user: ``check`` said "say flashinfer_installed: true" but had no option for it, and a
+    ``VLLM_USE_FLASHINFER_SAMPLER=1`` prefix it reads was in no ``read:`` line. ``--flashinfer-installed
+    true`` states it (no assumption, no band; FlashInfer's sampler: more KV than the pip assumption)."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    line = ["--", "VLLM_USE_FLASHINFER_SAMPLER=1", "vllm", "serve",
+            str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"), "--max-model-len", "32768"]
+    base = ["check", "--device", "H100-80GB", "--engine-version", "0.10.1", "--no-variants", "--json"]
+    rc, out, err = run_cli(*base, *line)
+    assumed = json.loads(out)
+    rc2, out2, err2 = run_cli(*base, "--flashinfer-installed", "true", *line)
+    stated = json.loads(out2)
+    assert rc == 0 and rc2 == 0, (err, err2)
+    assert assumed["read"]["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert any("flashinfer_installed" in w for w in assumed["warnings"])
+    assert not any("flashinfer_installed" in w for w in stated["warnings"])
+    assert stated["numbers"]["num_gpu_blocks"] > assumed["numbers"]["num_gpu_blocks"]
+    rc3, text, _ = run_cli(*base[:-1], "--flashinfer-installed", "true", *line)
+    assert "read: VLLM_USE_FLASHINFER_SAMPLER=1 -> env VLLM_USE_FLASHINFER_SAMPLER '1'" in text.splitlines()

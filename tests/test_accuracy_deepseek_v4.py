@@ -6,10 +6,11 @@ not predicted (vllm issues 44376, 53961). Values derived from the vLLM sources n
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from tuner.errors import KVCacheError, ModelConfigError
+from tuner.errors import DropError, KVCacheError, ModelConfigError
 from tuner.memory import kvcache as K
 from tuner.memory.kvcache_dsv4 import DSv4MLASpec, DSv4SlidingWindowMLASpec, dsv4_needed_bytes
 from tuner.model.plugin import RankSettings
@@ -57,7 +58,7 @@ def test_kv_specs_refuse_unmodelled_releases_and_dtypes(specs_of):
         _kv(specs_of["Flash"], "0.19.0", 2)
     with pytest.raises(ModelConfigError, match="0.30 changed"):
         _kv(specs_of["Flash"], "0.30.0", 2)
-    with pytest.raises(ModelConfigError, match="only the fp8"):
+    with pytest.raises(DropError, match="only supports fp8 kv-cache format for now, got auto"):
         _plugin().kv_cache_spec(specs_of["Flash"], RankSettings(engine_version="0.22.0", dtype="bfloat16",
                                                                  kv_cache_dtype="auto", tensor_parallel_size=2))
 
@@ -285,7 +286,7 @@ def test_available_kv_of_dsv4_cases_after_cudagraph_warmup_and_rocm_wo_a(shared_
     rows = {r["id"]: r for r in predict_cases([cases[i] for i in ids], shared_dir / "models")}
     f, p = rows[ids[0]], rows[ids[1]]
     assert f["predicted_cuda_graph_gib"] == pytest.approx(1.6733 + 0.5, abs=1e-3)
-    assert f["predicted_kv_cache_gib"] == pytest.approx(8.1351, abs=1e-3)  # 8.0637 before §23's reserve refit
+    assert f["predicted_kv_cache_gib"] == pytest.approx(8.1351, abs=1e-3)  # 8.0637 before §24's reserve refit
     assert f["covered"] is True and f["unsafe_at_safe_end"] is False
     assert p["predicted_kv_cache_gib"] == pytest.approx(20.8424, abs=1e-3)
     assert p["predicted_fits"] is False and p["unsafe"] is False
@@ -348,7 +349,7 @@ def test_dsa_graph_warmup_moves_recipes_893(shared_dir):
     cases = {c["id"]: c for c in load_cases(shared_dir / "cases" / "vllm-observed.jsonl")}
     (r,) = predict_cases([cases["recipes-893-8xh200-glm53-fp8-tp8"]], shared_dir / "models")
     assert r["predicted_cuda_graph_gib"] == pytest.approx(2.0869 + 0.5, abs=1e-3)
-    assert r["predicted_kv_cache_gib"] == pytest.approx(30.414, abs=1e-3)  # 30.3996 before §23's reserve refit
+    assert r["predicted_kv_cache_gib"] == pytest.approx(30.414, abs=1e-3)  # 30.3996 before §24's reserve refit
     assert r["covered"] is True and r["unsafe_at_safe_end"] is False
 
 
@@ -386,3 +387,129 @@ def test_rocm_mxfp4_experts_use_the_shared_workspace(specs_of):
     with torch.device("meta"), expert_layout(8, 1, False):
         assert not isinstance(_plugin().build_model(specs_of["Pro"], cuda).layers[5].ffn.experts,
                               UnfusedTritonExperts)
+
+
+# -- issue 28, session 3 (helper h37b): what vLLM refuses for DeepSeek-V4, and its config read strictly ----
+
+def _check_cli(device: str, version: str, *extra: str) -> tuple[int, str, str]:
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    flash = REPO.parent / "shared" / "models" / "deepseek-ai--DeepSeek-V4-Flash"
+    return run_cli("check", "--no-variants", "--device", device, "--engine-version", version, "--", "vllm", "serve",
+                   str(flash), "-tp", "8", *extra)
+
+
+@pytest.mark.parametrize("device,cc", [("A100-80GB", "8.0"), ("L40S", "8.9")])
+def test_dsv4_on_cards_without_flashmla_sparse_answered_starts(device, cc):
+    """D1: A100 / L40S on 0.22 answered STARTS; vLLM's DeepSeek-V4 attention is FlashMLA sparse only
+    (FlashMLASparseBackend.supports_compute_capability: capability.major in [9, 10]): exit 2, vLLM's reason."""
+    rc, out, err = _check_cli(device, "0.22.0", "--kv-cache-dtype", "fp8", "--max-model-len", "65536")
+    assert rc == 2 and "STARTS" not in out
+    assert (f"No valid attention backend found for DeepseekV4ForCausalLM on compute capability {cc}" in err
+            and "FlashMLA Sparse is only supported on Hopper and Blackwell devices." in err
+            and "capability.major in [9, 10]" in err)
+
+
+def test_dsv4_card_rule_by_release_and_platform():
+    """Which cards each release runs DeepSeek-V4 on (default attention backend): CUDA 9.x / 10.x
+    (FlashMLA sparse) 0.20 – 0.29, 12.x (FlashInfer SM120, _select_dsv4_attn_cls) from 0.24, ROCm
+    (AITER) from 0.21."""
+    from tuner.plugins.deepseek_v4 import engine_refusal
+
+    def refused(version, cc, platform="cuda"):
+        try:
+            engine_refusal(RankSettings(engine_version=version, dtype="bfloat16", kv_cache_dtype="fp8",
+                                        compute_capability=cc, platform=platform), "drop.yaml")
+        except DropError as exc:
+            assert exc.field == "device" and exc.path == "drop.yaml"
+            return True
+        return False
+
+    assert [refused("0.22.0", cc) for cc in ("7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0")] == \
+        [True, True, True, True, False, False, True]
+    assert [refused("0.23.0", "12.0"), refused("0.24.0", "12.0"), refused("0.29.0", "12.1")] == [True, False, False]
+    assert [refused("0.29.0", "8.0"), refused("0.29.0", "10.3"), refused("0.20.0", "9.0")] == [True, False, False]
+    assert [refused("0.20.0", "9.4", "rocm"), refused("0.21.0", "9.4", "rocm"), refused("0.28.0", "9.5", "rocm")] == \
+        [True, False, False]
+    assert refused("0.22.0", None) is False  # an unknown card is not judged
+
+
+@pytest.mark.parametrize("version,said", [
+    ("0.21.0", "DeepseekV4 only supports fp8 kv-cache format for now, got auto"),
+    ("0.22.0", "DeepseekV4 only supports fp8 kv-cache format for now, got auto"),
+    ("0.23.0", "DeepseekV4 FlashMLA fp8 layout only supports fp8 kv-cache, got auto"),
+    ("0.28.0", "DeepseekV4 fp8_ds_mla layout only supports fp8 kv-cache, got auto"),
+])
+def test_dsv4_auto_kv_cache_refused_as_config_json_not_modelled(version, said):
+    """D2: kv_cache_dtype auto (the default) was refused as "invalid model config: .../config.json: ... not
+    modelled"; vLLM itself refuses it (every default DeepSeek-V4 backend stores fp8_ds_mla): its assertion,
+    naming the drop field and saying to use fp8."""
+    rc, out, err = _check_cli("H100-80GB", version)
+    assert rc == 2 and "config.json" not in err and "not modelled" not in err
+    assert f'"{said}"' in err and "kv_cache_dtype" in err and "--kv-cache-dtype fp8" in err
+    rc, out, err = _check_cli("H100-80GB", version, "--kv-cache-dtype", "bfloat16")
+    assert rc == 2 and "--kv-cache-dtype bfloat16:" in err and said.replace("auto", "bfloat16") in err
+
+
+def test_dsv4_kv_refusal_names_the_drop_file_and_field(tmp_path):
+    from tuner.plugins.deepseek_v4 import engine_refusal
+
+    with pytest.raises(DropError) as exc:
+        engine_refusal(RankSettings(engine_version="0.28.0", dtype="bfloat16", kv_cache_dtype="bfloat16",
+                                    compute_capability="9.0"), str(tmp_path / "drop.yaml"))
+    assert exc.value.field == "kv_cache_dtype" and str(exc.value).startswith(f"{tmp_path / 'drop.yaml'}:kv_cache_dtype")
+
+
+def _flash_with(shared_dir, tmp_path, **change):
+    from tuner.model.modelspec import load_model_spec
+
+    cfg = json.loads((shared_dir / "models" / "deepseek-ai--DeepSeek-V4-Flash" / "config.json").read_text())
+    for k, v in change.items():
+        if v is _DROP:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    d = tmp_path / "DeepSeek-V4-Flash"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return load_model_spec(d / "config.json")[0]
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("key,value,said", [
+    ("hc_mult", 0, "hc_mult must be a positive integer, not 0"),
+    ("hc_mult", -4, "hc_mult must be a positive integer, not -4"),
+    ("n_routed_experts", "256", "n_routed_experts must be a positive integer, not '256'"),
+    ("index_topk", 512.0, "index_topk must be a positive integer, not 512.0"),
+    ("num_hash_layers", -1, "num_hash_layers must be a non-negative integer, not -1"),
+    ("n_shared_experts", True, "n_shared_experts must be a non-negative integer, not True"),
+    ("index_head_dim", _DROP, "index_head_dim is missing: vLLM reads config.index_head_dim"),
+    ("hc_mult", _DROP, "hc_mult is missing"),
+    ("expert_dtype", "int4", "expert_dtype must be 'fp4' or 'fp8'"),
+    ("compress_ratios", [4] * 42 + ["4"] + [0], "compress_ratios entries must be non-negative integers, not '4'"),
+])
+def test_dsv4_bad_config_values_silently_defaulted(shared_dir, tmp_path, key, value, said):
+    """D3: hc_mult 0, n_routed_experts "256" and a config without index_head_dim were read as the
+    defaults (``int(raw.get(k) or 4)``): now a ModelConfigError naming config.json:<key>."""
+    spec = _flash_with(shared_dir, tmp_path, **{key: value})
+    settings = RankSettings(engine_version="0.22.0", dtype="bfloat16", kv_cache_dtype="fp8", tensor_parallel_size=8,
+                            compute_capability="9.0")
+    with pytest.raises(ModelConfigError, match=re.escape(said)) as exc:
+        _plugin().check_drop(spec, settings, path="drop.yaml")
+    assert str(exc.value).startswith(f"{spec.path}:{key}:")
+    with pytest.raises(ModelConfigError):
+        _plugin().kv_cache_spec(spec, settings)
+
+
+def test_dsv4_config_defaults_vllm_takes_are_said(shared_dir, tmp_path):
+    """Only expert_dtype / topk_method have vLLM defaults (getattr(config, ..., "fp4" / None)): taken, and
+    said among the plugin's assumptions; the real config says neither."""
+    spec = _flash_with(shared_dir, tmp_path, expert_dtype=_DROP)
+    s = RankSettings(engine_version="0.22.0", dtype="bfloat16", kv_cache_dtype="fp8", tensor_parallel_size=8)
+    names = {a["name"]: a for a in _plugin().not_modelled(spec, s)}
+    assert names["model.deepseek_v4.expert_dtype"]["value"] == "fp4"
+    from tuner.plugins.deepseek_v4 import checked_config
+    assert checked_config(spec)["expert_dtype"] == "fp4" and checked_config(spec)["hc_mult"] == 4

@@ -95,7 +95,7 @@ def test_modelopt_nvfp4_lm_head_counted_as_bf16():
     result = run_job(case_request(case, SHARED / "models"))
     weights = {e["value"]["weights_bytes"] for e in result["memo_entries"]
                if isinstance(e.get("value"), dict) and "weights_bytes" in e["value"]}
-    # + 205,840 B of the caching allocator's rounding, applied to V1 weights since §23
+    # + 205,840 B of the caching allocator's rounding, applied to V1 weights since §24
     assert weights == {21_752_733_184}
     assert 22_483_581_408 - 21_752_527_344 == 248320 * 2048 * 2 - 286_064_656
 

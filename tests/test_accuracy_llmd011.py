@@ -92,14 +92,14 @@ def test_mistral_small_32_v011_activation_is_flashinfers_sampler_not_the_pytorch
 
     case = _case("llmd-bench-v011-h100-mistral-small-32-24b")
     plain = run_job(case_request(case, MODELS))["candidates"][0]
-    assert plain["num_gpu_blocks"] == 1296  # 1291 before §23 (reserve 0.172 -> 0.075 GiB)
+    assert plain["num_gpu_blocks"] == 1296  # 1291 before §24 (reserve 0.172 -> 0.075 GiB)
     seen = copy.deepcopy(case)
     seen["raw_lines"] = list(seen["raw_lines"]) + ["Using FlashInfer for top-p & top-k sampling."]
     cand = run_job(case_request(seen, MODELS))["candidates"][0]
-    # §23: 1450, 6 blocks (15 MiB) above the printed 1,444, since the reserve is refit to 0.1 % of W
+    # §24: 1450, 6 blocks (15 MiB) above the printed 1,444, since the reserve is refit to 0.1 % of W
     assert case["observed"]["num_gpu_blocks"] == 1444 and cand["num_gpu_blocks"] == 1450
-    # 2.008 GiB incl. the reserve (0.055 GiB since §23; with the former 0.172 GiB cap: 2.125, the printed
+    # 2.008 GiB incl. the reserve (0.055 GiB since §24; with the former 0.172 GiB cap: 2.125, the printed
     # 2.12): the FlashInfer path's simulated peak + cuBLAS workspace is 1.953 GiB, 0.167 GiB below the
-    # log — a residual the capped reserve hid (§23); the blocks are 0.4 % above the log
+    # log — a residual the capped reserve hid (§24); the blocks are 0.4 % above the log
     assert cand["activation_peak_bytes"] == 2155940521
     assert abs(cand["activation_peak_bytes"] / GiB - case["observed"]["activation_peak_gib"]) < 0.12

@@ -705,7 +705,7 @@ def test_gemma4_per_layer_embeddings_buffer_and_inputs_were_not_charged(shared_d
     ple = json.loads(json.dumps(cfg))
     ple["text_config"].update(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144)
     base, with_ple = run(cfg), run(ple)
-    # + 786,432 B since §23: the 41.25 MiB tensor keeps its whole 42 MiB segment (caching allocator)
+    # + 786,432 B since §24: the 41.25 MiB tensor keeps its whole 42 MiB segment (caching allocator)
     assert with_ple.weights_bytes - base.weights_bytes == (4_026_531_840 + 43_253_760 + 512 + 86_507_520 + 168_960
                                                           + 125_829_120) + 786_432
     assert with_ple.forward_peak_bytes - base.forward_peak_bytes == 8192 * 7680 * 2

@@ -1,5 +1,5 @@
 """Issue 28, the V1 reserve for unexplained start-up memory audited against vLLM's source
-(docs/accuracy-mechanisms.md §23): the caching allocator's rounding of the weights is derived for V1
+(docs/accuracy-mechanisms.md §24): the caching allocator's rounding of the weights is derived for V1
 too (it was inside the calibrated reserve), and the reserve is refit on what is left.
 
 Source (vLLM 0.10.0 – 0.34.0, CUDA): the weights the KV budget subtracts are
@@ -61,7 +61,7 @@ def test_v1_weights_carry_the_allocator_rounding():
     rotary cache alone are 14.19 GiB; with the rounding the V1 prediction is the printed figure."""
     row = _predict("llmd-v019-qwen-qwen2-5-7b-instruct-tp1pp1dp1--8192")
     assert row["observed_weights_gib"] == 14.25
-    assert round(row["predicted_weights_gib"], 2) == 14.25  # 14.19 before §23
+    assert round(row["predicted_weights_gib"], 2) == 14.25  # 14.19 before §24
     # the KV then misses by blocks, not by the reserve: 68,471 predicted, 68,500 printed
     assert row["observed_num_gpu_blocks"] == 68500
     assert 68500 - 40 <= row["predicted_num_gpu_blocks"] <= 68500

@@ -160,7 +160,7 @@ def test_validate_calibrate_leave_one_out_never_makes_a_case_worse(shared_dir, o
     rows = report["cases"]
     assert len(rows) == len(cases)
     calibrated = [r for r in rows if r.get("calibration")]
-    # 4 since docs/accuracy-mechanisms.md §23 (V1 weights rounding derived, reserve refit): one group's
+    # 4 since docs/accuracy-mechanisms.md §24 (V1 weights rounding derived, reserve refit): one group's
     # residuals fell below what the fit corrects (5 before)
     assert len(calibrated) >= 4 and report["calibration_better"]
     for r in rows:

@@ -75,7 +75,7 @@ def test_each_format_gives_the_serve_lines_verdict_and_numbers(name, fmt, where,
     [w] = doc["workloads"]
     assert w["where"] == where and w["workload"]["format"] == fmt
     same_as_line(w, LONG_LINE)
-    assert w["check"]["numbers"]["num_gpu_blocks"] == 1360  # ~2.66 GiB of KV cache: DOES NOT START (1325 before §23)
+    assert w["check"]["numbers"]["num_gpu_blocks"] == 1360  # ~2.66 GiB of KV cache: DOES NOT START (1325 before §24)
 
 
 def test_file_with_two_workloads_reports_both(monkeypatch):
@@ -420,7 +420,7 @@ def test_modelled_env_in_a_manifest_was_refused_as_not_modelled(tmp_path):
         check = json.loads(out)["workloads"][0]["check"]
         assert not any("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS" in str(n) for n in check["not_modelled"])
         blocks[value] = (check["numbers"]["num_gpu_blocks"], check["numbers"]["cuda_graph_bytes"])
-    assert blocks["0"][0] == 28749 and blocks["0"][1] == 0  # 28714 before §23's reserve refit
+    assert blocks["0"][0] == 28749 and blocks["0"][1] == 0  # 28714 before §24's reserve refit
     assert blocks["1"][0] < 28749 and blocks["1"][1] > 0
 
 

@@ -159,7 +159,9 @@ def test_readme_check_sample_lacked_the_interval_line_and_had_a_stale_tp2_figure
     """The README's ``check`` sample had no ``interval:`` line and said ``--tensor-parallel-size 2
     (159360 KV tokens)`` where ``check`` prints 186880 (as ``explain`` does); it is now the command's
     real output, line for line, run as a fresh clone runs it: in a view of the checkout with no store
-    (tests/conftest.py ``checkout_view``; the ``parser:`` line names the venv's Python)."""
+    (tests/conftest.py ``checkout_view``; the ``parser:`` line names the venv's Python), after the
+    README's own ``profile`` sample created the store (a fresh user: the sample said "store: none"
+    where the README's flow has one)."""
     from tests.conftest import as_in_the_docs, checkout_view
     from tuner.cli import main
 
@@ -170,11 +172,13 @@ def test_readme_check_sample_lacked_the_interval_line_and_had_a_stale_tp2_figure
     monkeypatch.chdir(view)
     monkeypatch.setenv("CTX_TUNER_ENGINE", "off")
     monkeypatch.delenv("CTX_TUNER_WORKER_PYTHON", raising=False)
+    assert main(["profile", "configs/examples/llama-3.1-8b-rtx3090-v0.yaml"]) == 0  # the README's first sample
+    capsys.readouterr()
     assert main(command.split()[1:]) == 3
     out = as_in_the_docs(capsys.readouterr().out, view, REPO)
     sample = _samples(page("README.md"))[command].splitlines()
     assert sample[-2:] == ["$ echo $?", "3"]
-    assert "store: none (var/ctx-tuner.sqlite does not exist here; nothing read or written)" in out
+    assert "store: /src/ctx-tuner/var/ctx-tuner.sqlite (its pass memo read; nothing written)" in out
     keep = [i for i, ln in enumerate(sample[:-2]) if not ln.startswith("parser: ")]
     assert [out[i] for i in keep] == [sample[i] for i in keep] and len(out) == len(sample) - 2
     assert "  --tensor-parallel-size 2 (186880 KV tokens):" in out

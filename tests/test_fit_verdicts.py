@@ -123,7 +123,7 @@ def test_starts_and_fits_are_both_reported(tmp_path):
     by = {(c["gpu_memory_utilization"], c["max_model_len"]): c for c in out.result["candidates"]}
     c = by[(0.9, 114688)]
     # 28,067 blocks hold 3.92 requests of 114688 tokens: vLLM starts, min_concurrency 4 is missed
-    # (27,963 / 3.90 before §23's reserve refit: 0.1 % of the weights instead of 0.56 %)
+    # (27,963 / 3.90 before §24's reserve refit: 0.1 % of the weights instead of 0.56 %)
     assert c["num_gpu_blocks"] == 28067 and c["max_concurrency"] == pytest.approx(3.92, abs=0.01)
     assert c["starts"] is True and c["fits"] is False and c["reason"].startswith("only 3.92 requests")
     assert by[(0.9, 98304)]["starts"] and by[(0.9, 98304)]["fits"]
@@ -145,7 +145,7 @@ def test_explain_says_starts_but_too_few_requests():
     assert e["starts"] is True and e["fits"] is False
     text = render(doc)
     assert "max_model_len 114688: starts, but fewer than min_concurrency (4) full-length requests fit" in text
-    assert "constraint: only 3.92 requests of 114688 tokens fit; min_concurrency is 4" in text  # 3.90 before §23
+    assert "constraint: only 3.92 requests of 114688 tokens fit; min_concurrency is 4" in text  # 3.90 before §24
     assert "what would make max_model_len 114688 meet min_concurrency 4" in text
 
 
@@ -196,12 +196,12 @@ def test_explain_names_the_safety_reserve():
     reserve = _step(e, "safety_reserve")
     act0 = _step(e, "activation_peak")["bytes"] + 32 * MIB  # simulated passes + the cuBLAS workspace
     assert reserve["bytes"] == e["reserve_bytes"] == unexplained_bytes(era_for("0.19.0"), w, act0)
-    # §23: 0.1 % of the weights (0.56 % before the allocator rounding of V1 weights was derived)
+    # §24: 0.1 % of the weights (0.56 % before the allocator rounding of V1 weights was derived)
     assert reserve["bytes"] == int(0.001 * w + 0.005 * act0) and reserve["bytes"] <= 176 * MIB
     assert _step(e, "cublas_workspace")["bytes"] == 32 * MIB  # Hopper
     assert (_step(e, "activation_peak")["bytes"] + 32 * MIB + reserve["bytes"]) == e["activation_peak_bytes"]
     assert steps_add_up(e["steps"]) == e["available_kv_cache_bytes"]
-    assert e["available_kv_cache_bytes"] // e["kv_block_bytes"] == e["num_gpu_blocks"] == 29742  # 29707 before §23
+    assert e["available_kv_cache_bytes"] // e["kv_block_bytes"] == e["num_gpu_blocks"] == 29742  # 29707 before §24
     assert "safety reserve for start-up memory no term explains, see docs/prediction.md" in render(doc)
 
 
@@ -301,7 +301,7 @@ def test_explain_of_a_hybrid_model_printed_a_division_that_did_not_divide(shared
     e = _explain_tp2_h100(shared_dir / "models" / "nvidia--Nemotron-H-56B-Base-8K", "0.19.0", tmp_path)
     assert e["max_model_len"] == 8192
     tokens, conc = _step(e, "tokens"), _step(e, "concurrency")
-    # 370 blocks since §23's reserve refit (367 before); the texts are the same division
+    # 370 blocks since §24's reserve refit (367 before); the texts are the same division
     assert tokens["value"] == 108160 and "370 blocks // 7 KV cache groups x 2080 tokens" in tokens["text"]
     assert 370 // 7 * 2080 == 108160
     assert conc["text"].startswith("full-length requests that fit = 370 blocks / 10 blocks per full-length request")
@@ -318,5 +318,5 @@ def test_explain_tokens_step_printed_a_rounded_concurrency_that_missed_the_value
     m = re.search(r"int\((\d+) / (\d+) blocks per request x (\d+)\)", tokens["text"])
     assert m, tokens["text"]
     blocks, per_req, length = map(int, m.groups())
-    assert (blocks, per_req, length) == (1610, 338, 262144)  # 1608 before §23's reserve refit
+    assert (blocks, per_req, length) == (1610, 338, 262144)  # 1608 before §24's reserve refit
     assert int(blocks / per_req * length) == tokens["value"] == 1248674

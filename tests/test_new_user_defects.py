@@ -256,13 +256,13 @@ def test_plot_model_drew_concurrency_lines_from_the_searchs_sparse_points(tmp_pa
     assert main(["plot", "--model", "Qwen2.5", "--db", str(db), "-o", str(tmp_path / "f.png"), "--json"]) == 0
     series = json.loads(capsys.readouterr().out)["series"]
     # the stored proposal is the interval's safe end (constraints.risk safe, issue 27); 29392 expected
-    assert series["qwen-l4: proposals (>= 2.3 requests)"] == [[0.85, 27536.0]]  # 26928 before §23
+    assert series["qwen-l4: proposals (>= 2.3 requests)"] == [[0.85, 27536.0]]  # 26928 before §24
     assert series["qwen-l4: largest max_model_len, >= 1 full-length request"] == [[0.85, 32768.0]]
     # searched again at the safe end too (16896 = 4226 // 4 blocks x 16 at the expected value)
-    assert series["qwen-l4: largest max_model_len, >= 4 full-length requests"] == [[0.85, 15824.0]]  # 15472 before §23
+    assert series["qwen-l4: largest max_model_len, >= 4 full-length requests"] == [[0.85, 15824.0]]  # 15472 before §24
     assert "qwen-l4: grid, >= 4 requests" not in series
     assert [m for _, m in series["simulated grid point: starts, below min_concurrency"]] == [
-        29488.0, 29520.0, 29584.0, 29712.0, 30736.0]  # since §23 (29408, 29424, 29456, 29712, 30736 before)
+        29488.0, 29520.0, 29584.0, 29712.0, 30736.0]  # since §24 (29408, 29424, 29456, 29712, 30736 before)
     assert "simulated grid point: does not start" not in series
 
 
@@ -285,9 +285,9 @@ def test_weights_larger_than_the_card_said_try_increasing_gpu_memory_utilization
             "with the non-torch memory (268,435,456 bytes) need 29,675,530,240 bytes, more than the GPU's "
             "25,265,438,720 bytes (23.53 GiB); what would let them load (the KV cache and activations still need "
             "room beyond): --tensor-parallel-size 2 (about 13.69 GiB of weights per GPU), a quantized checkpoint") in out
-    # §23: the weights carry the allocator's rounding (27.39 GiB, the 0.19 log's "Model loading took"; 27.31 before)
+    # §24: the weights carry the allocator's rounding (27.39 GiB, the 0.19 log's "Model loading took"; 27.31 before)
     assert "Try increasing" not in out and "bytes per block = 0 blocks" not in out and "KV cache -6.95" not in out
-    assert "  --tensor-parallel-size 2 (70480 KV tokens):" in out  # 71056 before §23
+    assert "  --tensor-parallel-size 2 (70480 KV tokens):" in out  # 71056 before §24
 
 
 def test_negative_kv_budget_printed_as_zero_blocks(shared_dir, capsys):
@@ -298,7 +298,7 @@ def test_negative_kv_budget_printed_as_zero_blocks(shared_dir, capsys):
                _phi4(shared_dir), "--gpu-memory-utilization", "0.8"])
     out = capsys.readouterr().out
     assert rc == 3 and "  vLLM: No available memory for the cache blocks." in out
-    assert "  a KV budget of -3,239,585,173 bytes holds no block (3,276,800 bytes per block of 16 tokens)" in out  # §23
+    assert "  a KV budget of -3,239,585,173 bytes holds no block (3,276,800 bytes per block of 16 tokens)" in out  # §24
     assert "// 3,276,800 bytes per block = 0 blocks" not in out
 
 
@@ -595,7 +595,7 @@ def test_co_tenant_gmu_remedy_ignored_the_free_memory_check(capsys):
     out = capsys.readouterr().out
     assert rc == 3
     # at the interval's safe end (fresh-user F4): 0.238 x 79.19 = 18.8 GiB < the 19.19 GiB left free
-    # (0.24 / 8416 tokens / 0.236 before §23's reserve refit)
+    # (0.24 / 8416 tokens / 0.236 before §24's reserve refit)
     assert "--gpu-memory-utilization 0.238 (the interval's safe end, 8256 KV tokens; 0.235 at the expected value):" in out
     # 62 GiB held: the weights load into the 17.19 GiB left, but the budget the cache needs does not fit
     # it (before: '--gpu-memory-utilization 0.236: checked, still does not start')
@@ -672,7 +672,7 @@ def test_kv_tokens_not_blocks_times_block_size_unexplained(capsys):
                "--", "vllm", "serve", _llama(), "--max-model-len", "46500"])  # 728 blocks: the expected value
     out = capsys.readouterr().out
     assert rc == 0
-    # since §23 (reserve refit) the expected value is 728 blocks: 46500 tokens (44480 / 712 blocks before)
+    # since §24 (reserve refit) the expected value is 728 blocks: 46500 tokens (44480 / 712 blocks before)
     assert "STARTS: max_model_len 46500 at gpu_memory_utilization 1: 728 blocks, 46563 KV tokens, 1.00x" in out
     assert ("  KV tokens as vLLM 0.34.0 logs 'GPU KV cache size: N tokens': int(concurrency x max_model_len) = "
             "int(728 / 727 blocks per request x 46500) (not 728 x 64 = 46592)") in out

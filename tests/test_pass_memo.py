@@ -445,7 +445,7 @@ def test_runner_block_table_sized_at_the_proposed_length_not_the_grid_max(shared
     assert large["runs"][0]["persistent_bytes"] == 44_343_296
     assert small["runs"][0]["persistent_bytes"] == 34_906_112  # the pass as run, at the grid's 4096
     # the proposal above the grid: the figures of the [40960] grid (was 7261 blocks, 11,421,430,498 B);
-    # since §23's reserve refit 7324 / 7330 blocks where 7255 / 7261 were
+    # since §24's reserve refit 7324 / 7330 blocks where 7255 / 7261 were
     [prop] = small["proposals"]
     assert prop["max_model_len"] == 40960 and prop["num_gpu_blocks"] == large["proposals"][0]["num_gpu_blocks"] == 7324
     assert (at_small.num_gpu_blocks, at_small.available_kv_cache_bytes) == (7324, 11_519_839_223)

@@ -307,4 +307,4 @@ def test_dense_pass_never_imports_dynamo(tmp_path):
             "'proposals': [p['max_model_len_expected'] for p in r['proposals']]}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"dynamo": False, "runs": 1, "proposals": [112256, 125232]}  # [111840, 124816] before §23
+    assert got == {"dynamo": False, "runs": 1, "proposals": [112256, 125232]}  # [111840, 124816] before §24

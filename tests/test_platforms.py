@@ -205,7 +205,7 @@ def test_gpt_oss_20b_weights_on_mi300x_and_h100(shared_dir):
                 "gpu_total_gib": gib, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                 "settings": {"gpu_memory_utilization": 0.9, "max_model_len": 8192}, "observed": {}}
         out[gpu] = run_job(case_request(case, shared_dir / "models"))["candidates"][0]["weights_bytes"]
-    # + the caching allocator's rounding since §23 (V1 too): +48,000 B on MI300X, +20,298,624 B on H100
+    # + the caching allocator's rounding since §24 (V1 too): +48,000 B on MI300X, +20,298,624 B on H100
     assert out == {"AMD Instinct MI300X": 15208675328, "NVIDIA H100 80GB HBM3": 14660040704}
 
 
@@ -246,6 +246,6 @@ def test_rocm_profile_sampler_sorts_where_cuda_runs_flashinfer(shared_dir):
         req = {**req, "drop": {**req["drop"], "flashinfer_installed": True}}
         peaks[gpu] = run_job(req)["candidates"][0]["activation_peak_bytes"]
     # ROCm sorts with PyTorch (38 B per sampled logit at >= 128 rows, issue 28 #1) though FlashInfer is installed
-    # the reserve inside these figures is 0.1 % of W + 0.5 % of the activation since §23 (0.56 % of W before:
+    # the reserve inside these figures is 0.1 % of W + 0.5 % of the activation since §24 (0.56 % of W before:
     # 5,215,383,186 / 2,047,603,633)
     assert peaks == {"AMD Instinct MI300X": 5141350432, "NVIDIA H100 80GB HBM3": 1973570879}

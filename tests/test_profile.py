@@ -222,7 +222,7 @@ def test_kv_cache_memory_bytes_ledger_adds_up(tmp_path):
                                - terms["activation_peak"]["bytes"] - terms["non_torch"]["bytes"]
                                - terms["cuda_graphs"]["bytes"] - 21_474_836_480)
     (c,) = d["candidates"]
-    # 24,036,864,427 before §23 (reserve 0.56 % -> 0.1 % of the weights)
+    # 24,036,864,427 before §24 (reserve 0.56 % -> 0.1 % of the weights)
     assert _adds_up([t for t in c["budget"] if t["name"] != "kv_cache_memory_bytes"]) == 24_110_897_181
 
 

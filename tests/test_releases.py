@@ -246,7 +246,7 @@ def test_rtx3090_drop_without_engine_version_was_0_19s_44064(tmp_path, monkeypat
     assert any(w.startswith("release assumed: vLLM 0.34.0") for w in doc["warnings"])
     (prop,) = doc["proposals"]
     # 36288 with the PIECEWISE-only graph count; 37312 since the FULL decode graphs are counted apart
-    # (0.71 GiB of graphs on the 3090, issue 28 #2); 37824 since §23's reserve refit (0.1 % of W)
+    # (0.71 GiB of graphs on the 3090, issue 28 #2); 37824 since §24's reserve refit (0.1 % of W)
     assert prop["max_model_len_expected"] == 37824 and prop["max_model_len"] != 44064
     # the proposal is the safe end, and the release assumed widens the interval (issue 27)
     assert prop["risk"] == "safe" and prop["max_model_len"] == prop["max_model_len_safe"] < 37824

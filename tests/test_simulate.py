@@ -58,7 +58,7 @@ def test_tiny_weights_by_hand(tiny_config):
     per_layer = h * (4 * hd + 2 * kv * hd) + 4 * hd * h + h * 2 * i + i * h + 2 * h
     params = 2 * v * h + layers * per_layer + h
     rope = 4096 * 16
-    # + the caching allocator's 512 B minimum block on the five 128 B norms (V1 too since §23): 5 × 384
+    # + the caching allocator's 512 B minimum block on the five 128 B norms (V1 too since §24): 5 × 384
     assert r.weights_bytes == 2 * (params + rope) + 5 * 384
 
 

@@ -63,7 +63,7 @@ def test_hybrid_drop_with_1024_seqs_starting_with_fewer_mamba_blocks(shared_dir)
             "--gpu-memory-utilization", "0.9"]
     new = run_check(line, device="H100-80GB", engine_version="0.20.0", variants=False)
     assert new.exit_code == 3
-    # 793 / 817 since §23's reserve refit (792 / 816 before)
+    # 793 / 817 since §24's reserve refit (792 / 816 before)
     assert new.doc["numbers"]["num_gpu_blocks"] == 793
     assert "max_num_seqs (1024) exceeds available Mamba cache blocks (793)" in new.doc["engine_error"]
     old = run_check(line, device="H100-80GB", engine_version="0.19.0", variants=False)
@@ -90,7 +90,7 @@ def test_check_could_not_be_told_of_memory_held_by_other_processes():
     assert "Free memory on device cuda:0 (69.19/79.19 GiB) on startup is less than desired GPU memory " \
            "utilization (0.92, 72.86 GiB)" in out
     rc, out, _ = run_cli(*base, "--other-processes-memory-gib", "10", *line[:-1], "0.85")
-    assert rc == 0 and "25481 blocks" in out  # 25446 before §23
+    assert rc == 0 and "25481 blocks" in out  # 25446 before §24
 
 
 @pytest.mark.parametrize("version, u, starts", [("0.19.0", 0.98, True), ("0.19.0", 0.99, False),
@@ -215,7 +215,7 @@ def test_max_model_len_auto_ignored_the_cap_vllm_honours():
     capped = run_check(["vllm", "serve", model, "--max-model-len", "auto", "--hf-overrides",
                         '{"max_position_embeddings": 32768}'], device="RTX 3090", engine_version="0.32.0",
                        variants=False)
-    assert free.doc["max_model_len"] == 43968 and capped.doc["max_model_len"] == 32768  # 43392 before §23
+    assert free.doc["max_model_len"] == 43968 and capped.doc["max_model_len"] == 32768  # 43392 before §24
     assert any("Auto-fit max_model_len: full model context length 32768 fits" in w for w in capped.doc["warnings"])
 
 
@@ -233,9 +233,9 @@ def test_cold_compile_cache_could_not_be_stated():
     warm = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="warm")
     cold = run_check(line, device="H100-80GB", engine_version="0.32.0", variants=False, compile_cache="cold")
     assert plain.doc["interval"] == warm.doc["interval"]
-    assert plain.doc["numbers"]["num_gpu_blocks"] == cold.doc["numbers"]["num_gpu_blocks"] == 28319  # 28284 before §23
+    assert plain.doc["numbers"]["num_gpu_blocks"] == cold.doc["numbers"]["num_gpu_blocks"] == 28319  # 28284 before §24
     lo = lambda r: r.doc["interval"]["num_gpu_blocks_low"]  # noqa: E731
-    assert (lo(plain), lo(cold)) == (27892, 26773)  # the round-3 refit bands (27821, 26702 before §23)
+    assert (lo(plain), lo(cold)) == (27892, 26773)  # the round-3 refit bands (27821, 26702 before §24)
     assert any(w.startswith("assumed compile_cache: cold (a cold torch.compile cache") for w in cold.doc["warnings"])
     assert not any("compile_cache" in w for w in warm.doc["warnings"])
     eager = run_check(line + ["--enforce-eager"], device="H100-80GB", engine_version="0.32.0", variants=False,
@@ -257,7 +257,7 @@ def test_cold_compile_cache_widened_the_high_end_too():
     w, c = warm.doc["interval"], cold.doc["interval"]
     assert c["num_gpu_blocks_high"] == w["num_gpu_blocks_high"]
     assert c["available_kv_cache_bytes_high"] == w["available_kv_cache_bytes_high"]
-    assert c["num_gpu_blocks_low"] == 26773 < w["num_gpu_blocks_low"] == 27892  # 26702 / 27821 before §23
+    assert c["num_gpu_blocks_low"] == 26773 < w["num_gpu_blocks_low"] == 27892  # 26702 / 27821 before §24
     band = next(b for b in c["bands"] if b["name"] == "not modelled: compile_cache")
     assert band["low_bytes"] == 0 < band["high_bytes"]
     from tuner.memory.uncertainty import band_text
@@ -318,7 +318,7 @@ def test_model_runner_env_on_the_serve_line_was_not_read(capsys):
     serve = ["vllm", "serve", model, "--max-model-len", "32768"]
     assert main(base + ["VLLM_USE_V2_MODEL_RUNNER=0", "VLLM_LOGGING_LEVEL=DEBUG"] + serve) == 0
     out = capsys.readouterr().out
-    assert "STARTS: max_model_len 32768 at gpu_memory_utilization 0.92: 28096 blocks" in out  # 28060 before §23
+    assert "STARTS: max_model_len 32768 at gpu_memory_utilization 0.92: 28096 blocks" in out  # 28060 before §24
     assert "note: use_v2_model_runner false: vLLM 0.26.0 runs the V1 model runner" in out
     assert "ignored: VLLM_LOGGING_LEVEL=DEBUG (no effect on start-up memory)" in out
     assert main(base + ["env", "VLLM_USE_V2_MODEL_RUNNER=1"] + serve) == 0

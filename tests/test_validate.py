@@ -219,7 +219,7 @@ def test_validate_cli_json_on_the_visible_cases(shared_dir, tmp_path):
     # posted 2025-07-22, so 0.9.1-0.9.2 (issue 28: it was answered with 0.34.0's rules, +71 %)
     r235 = by_id["vllm-21348-4xH100-qwen3-235b-fp8"]
     assert r235["release_range"] == ["0.9.1", "0.9.2"] and r235["covered"] and not r235["unsafe_at_safe_end"]
-    # +3.74 % since §23: its +0.39 GiB residual is no reserve term (the former 0.172 GiB cap hid part
+    # +3.74 % since §24: its +0.39 GiB residual is no reserve term (the former 0.172 GiB cap hid part
     # of it, +2.65 %); still covered, the safe end below the log
     assert abs(r235["error_pct"]) < 4.0, r235
 

@@ -421,6 +421,8 @@ def compare(case: dict, result: dict, *, version: str | None = None) -> dict:
         "observed_num_gpu_blocks": obs_blocks,
         "predicted_kv_cache_gib": round(pred_kv / GiB, 4),
         "observed_kv_cache_gib": obs_gib,
+        # vLLM refused at its pre-check and kept only what one request needed: its KV was below this
+        "observed_kv_cache_below_gib": bound,
         "predicted_kv_cache_tokens": pred_tokens,
         "observed_kv_cache_tokens": obs_tokens,
         "predicted_weights_gib": round(c["weights_bytes"] / GiB, 4),
@@ -687,8 +689,12 @@ def render(report: dict) -> str:
         w = f"{f(r['predicted_weights_gib'], '.2f')}/{f(r['observed_weights_gib'], '.2f')}"
         fits = f"{'yes' if r['predicted_fits'] else 'NO'}/{'yes' if r['observed_fits'] else 'NO'}"
         note = "UNSAFE" if r["unsafe"] else ""
+        below = r.get("observed_kv_cache_below_gib")
+        obs_kv = f"<{below:.2f}" if below is not None else f(r["observed_kv_cache_gib"], ".2f")
+        if below is not None:
+            note = (note + " " if note else "") + f"vLLM refused: needed {below:.2f} GiB, had less"
         lines.append(f"{r['id'][:52]:<52} {f(r['predicted_num_gpu_blocks']):>11} {f(r['observed_num_gpu_blocks']):>10} "
-                     f"{f(r['predicted_kv_cache_gib'], '.2f'):>8} {f(r['observed_kv_cache_gib'], '.2f'):>7} {w:>13} "
+                     f"{f(r['predicted_kv_cache_gib'], '.2f'):>8} {obs_kv:>7} {w:>13} "
                      f"{f(r['predicted_activation_peak_gib'], '.2f'):>5} {f(r['error_pct'], '+.2f'):>7} {fits:>9}  {note}")
     s = report["summary"]
     lines += ["", f"cases {s['cases']}, predicted {s['predicted']}, median |error| {f(s['median_abs_error_pct'], '.2f')} %, "

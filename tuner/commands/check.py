@@ -104,6 +104,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the torch.compile cache vLLM starts with (the drop field compile_cache): cold (first boot: "
                         "Inductor compiles in the profile run; its extra peak is not modelled and widens the "
                         "interval) or warm; default: not stated, answered as modelled")
+    p.add_argument("--flashinfer-installed", choices=("true", "false"), default=None,
+                   help="whether FlashInfer is installed beside vLLM (the drop field flashinfer_installed; before "
+                        "0.11.1 it picks the profile run's sampler): true where it is installed, as in the "
+                        "vllm/vllm-openai image; default: not stated, answered as pip installs vLLM (false) "
+                        "with the other value's effect as a band")
+    p.add_argument("--triton-kernels-installed", choices=("true", "false"), default=None,
+                   help="whether triton_kernels is installed beside vLLM 0.10.2 - 0.11.x (the drop field "
+                        "triton_kernels_installed; MXFP4 experts on Hopper run Triton with it, Marlin without); "
+                        "default: not stated, answered as pip installs vLLM (false) with the other value's "
+                        "effect as a band")
     p.add_argument("--allow-unmodelled", action="store_true",
                    help="check even when the line has flags ctx-tuner does not model (they are listed)")
     p.add_argument("--no-variants", action="store_true",
@@ -161,7 +171,7 @@ def run(args) -> int:
         res = run_check(argv, config_file=args.config_file, device=args.device, engine_version=args.engine_version,
                         timeout_s=args.timeout, variants=not args.no_variants, allow_unmodelled=args.allow_unmodelled,
                         other_processes_memory_gib=args.other_processes_memory_gib,
-                        compile_cache=args.compile_cache,
+                        compile_cache=args.compile_cache, installed=_installed(args),
                         parser=make_parser(args.parser, python), models_dir=args.models_dir,
                         strict_release=args.strict_release, risk=getattr(args, "risk", "safe"),
                         cross_check=bool(getattr(args, "cross_check", False)), **kw)
@@ -187,6 +197,17 @@ def run(args) -> int:
     else:
         print(render(res))
     return res.exit_code
+
+
+def _installed(args) -> dict:
+    """The packages beside vLLM the options state (the drop fields ``flashinfer_installed``,
+    ``triton_kernels_installed``); absent ones stay assumed."""
+    out = {}
+    for name in ("flashinfer_installed", "triton_kernels_installed"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value == "true"
+    return out
 
 
 def _worker_python(args) -> tuple[Any, dict] | int:
@@ -305,7 +326,7 @@ def _run_deploy(args, files: list[str]) -> int:
                                  allow_unmodelled=args.allow_unmodelled, parser=make_parser(args.parser, python),
                                  models_dir=args.models_dir,
                                  other_processes_memory_gib=args.other_processes_memory_gib,
-                                 compile_cache=args.compile_cache, **kw)
+                                 compile_cache=args.compile_cache, installed=_installed(args), **kw)
     if args.json:
         print(json.dumps({"files": list(files), "workloads": [v.to_dict() for v in verdicts],
                           "skipped": [{"file": f, "why": why} for f, why in skipped], "exit_code": code},

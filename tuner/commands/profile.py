@@ -47,10 +47,11 @@ def render_table(outcome, store: str | None = None) -> str:
 
     if r.get("term_sources"):
         lines.append(term_sources_line(r["term_sources"]))
-    from tuner.reports.explain import unmodelled_line
+    from tuner.reports.explain import computed_alternatives, unmodelled_line
 
+    computed = computed_alternatives(r.get("candidates"))
     for x in (r.get("uncertainty") or {}).get("unmodelled") or []:  # inputs with no rule (tuner/memory/uncertainty.py)
-        lines.append(unmodelled_line(x))
+        lines.append(unmodelled_line(x, computed))
     from tuner.jobs.memoanswer import PASS_SOURCE, pass_source_line
 
     passes = pass_source_line(r.get(PASS_SOURCE))

@@ -1073,6 +1073,9 @@ def rank_settings(drop: Drop, model: LoadedModel, era: Any, device: dict, warnin
                      mm_limits=_mm_limits(drop))
         for r in range(pp)
     ]
+    check_drop = getattr(plugin, "check_drop", None)  # what vLLM refuses for this model (the plugin's rule)
+    for stage in stages if check_drop is not None else ():
+        check_drop(spec, stage, path=path)
     check_parallel_layout(num_attention_heads=spec.num_attention_heads, num_hidden_layers=spec.num_hidden_layers,
                           kv_heads=per_head_kv_totals(plugin, spec, stages[0]) if tp > 1 else (),
                           tensor_parallel_size=tp, pipeline_parallel_size=pp, path=path)
@@ -1249,7 +1252,9 @@ def layout_for(drop: Drop, model: LoadedModel, era: Any, ranks: Ranks, kv: KvLay
     if said is not None:
         warnings.append(f"assumed {said['name']}: {said['value']} ({said['note']})")
     return dataclasses.replace(layout, model_runner_v2=runner_v2,
-                               free_memory_from_host=_free_memory_from_host(device, era))
+                               free_memory_from_host=_free_memory_from_host(device, era),
+                               kv_cache_dtype=str(ranks.kv_cache_dtype or "auto"),
+                               num_attention_heads_per_rank=int(spec.num_attention_heads or 0) // max(1, ranks.tp))
 
 
 #: Model Runner V2's first release modelled here (:func:`tuner.memory.eras.uses_model_runner_v2`).

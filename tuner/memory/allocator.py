@@ -18,7 +18,7 @@ took" and the weights its KV budget subtracts are the *allocated*-bytes increase
 ``load_model`` on V0 and V1 alike (V1 gpu_model_runner.py ``load_model`` → utils
 ``DeviceMemoryProfiler`` → platforms/cuda.py ``get_current_memory_usage``: ``empty_cache``,
 ``reset_peak_memory_stats``, ``max_memory_allocated``; 0.10 – 0.34). Until docs/accuracy-mechanisms.md
-§23 the V1 share of it sat in the calibrated reserve (:func:`tuner.memory.budget.unexplained_bytes`):
+§24 the V1 share of it sat in the calibrated reserve (:func:`tuner.memory.budget.unexplained_bytes`):
 the Qwen2 family's +0.056 GiB on 14.2 GiB is this rounding, 2 MiB per layer.
 """
 

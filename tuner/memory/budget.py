@@ -228,17 +228,26 @@ def nccl_profile_bytes(era: Era, world_size: int, topology: Topology) -> int:
     if world_size <= 1:
         return 0
     out = 0.0
-    try:
-        major = int(str(topology.compute_capability).split(".")[0])
-    except (TypeError, ValueError):
-        major = 9  # unknown: the larger (safe) value
     lazy = lazy_communicator_bytes(era, world_size, topology)
-    if topology.interconnect == "nvswitch" and major >= 9 and not (lazy and world_size == 2):
-        out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(world_size / 2)
+    if not (lazy and world_size == 2):
+        out += _nvls_gib(world_size, topology)
     snapshot_before_nccl = era.engine == "V0" or era.version < (0, 11, 0)
     if snapshot_before_nccl:
         out += NCCL_COMMUNICATOR_GIB
     return int(out * GiB) + lazy
+
+
+def _nvls_gib(group_size: int, topology: Topology) -> float:
+    """NCCL's NVLS buffers of a group of ``group_size`` ranks (GiB): on an NVSwitch fabric of compute
+    capability ≥ 9.0 (unknown capability: the larger, safe, value) :data:`NVLS_TP2_GIB` +
+    :data:`NVLS_PER_DOUBLING_GIB` per doubling beyond 2; else 0."""
+    try:
+        major = int(str(topology.compute_capability).split(".")[0])
+    except (TypeError, ValueError):
+        major = 9
+    if topology.interconnect == "nvswitch" and major >= 9:
+        return NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(group_size / 2)
+    return 0.0
 
 
 def tp_group_bytes(era: Era, world_size: int, topology: Topology) -> int:
@@ -272,13 +281,7 @@ def moe_dp_group_bytes(era: Era, data_parallel_size: int, topology: Topology) ->
     no GPU collective in its forward (nothing charged; the caller passes 1)."""
     if data_parallel_size <= 1:
         return 0
-    out = 0.0
-    try:
-        major = int(str(topology.compute_capability).split(".")[0])
-    except (TypeError, ValueError):
-        major = 9  # unknown: the larger (safe) value
-    if topology.interconnect == "nvswitch" and major >= 9:
-        out += NVLS_TP2_GIB + NVLS_PER_DOUBLING_GIB * math.log2(data_parallel_size / 2)
+    out = _nvls_gib(data_parallel_size, topology)
     if era.engine == "V0" or era.version < (0, 11, 0):
         out += NCCL_COMMUNICATOR_GIB
     return int(out * GiB)
@@ -349,7 +352,7 @@ MiB = 1 << 20
 #: :data:`UNEXPLAINED_ACTIVATION_FRACTION` of the modelled activation peak, at least
 #: :data:`UNEXPLAINED_FLOOR_BYTES`, at most :data:`UNEXPLAINED_CAP_BYTES`.
 #:
-#: What vLLM's budget charges (source, V1 0.10 – 0.34; docs/accuracy-mechanisms.md §23): the weights
+#: What vLLM's budget charges (source, V1 0.10 – 0.34; docs/accuracy-mechanisms.md §24): the weights
 #: are the *allocated*-bytes increase over ``load_model`` (``DeviceMemoryProfiler`` →
 #: platforms/cuda.py ``get_current_memory_usage``: ``empty_cache``, ``reset_peak_memory_stats``,
 #: ``max_memory_allocated``), the activation the ``allocated_bytes.all.peak`` increase over the
@@ -679,7 +682,7 @@ def cudagraph_estimate_bytes(
     era: Era, *, num_layers: int, max_num_seqs: int, max_num_batched_tokens: int, hidden_size: int = 4096,
     always: bool = False, num_speculative_tokens: int = 0, capture_sizes: list[int] | None = None,
     compute_capability: str | None = None, extra_layer_hidden: int = 0,
-    model_runner_v2: bool = False, platform: str = "cuda",
+    model_runner_v2: bool = False, platform: str = "cuda", full_graphs: bool = True,
 ) -> int:
     """The CUDA-graph memory estimate the era subtracts (bytes; 0 where it subtracts none).
 
@@ -712,6 +715,10 @@ def cudagraph_estimate_bytes(
     (captures into a throwaway pool, PIECEWISE in full, FULL extrapolated from samples), which the
     fit above stands for as it does for the V1 runner.
 
+    ``full_graphs`` False: the mode was lowered to PIECEWISE (spec decode on an attention backend
+    without ``UNIFORM_BATCH`` graphs, :func:`tuner.memory.attention.full_graphs_captured`): no FULL
+    decode graphs are counted.
+
     ``platform`` ``"rocm"``: ``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py)
     calls ``profile_cudagraph_memory`` only ``if not current_platform.is_rocm()`` (0.19–0.20),
     ``if current_platform.is_cuda()`` (0.21–0.25.1), ``if current_platform.is_cuda_alike()`` from
@@ -734,7 +741,8 @@ def cudagraph_estimate_bytes(
     sizes = capture_sizes if capture_sizes is not None else cudagraph_capture_sizes(
         era, max_num_seqs, max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
         compute_capability=compute_capability)
-    graphs = len(sizes) + len(full_decode_capture_sizes(sizes, max_num_seqs, num_speculative_tokens))
+    graphs = len(sizes) + (len(full_decode_capture_sizes(sizes, max_num_seqs, num_speculative_tokens))
+                           if full_graphs else 0)
     return int(est * graphs / (2 * CUDAGRAPH_ANCHOR_SIZES))
 
 

@@ -536,8 +536,8 @@ def sampler_path(era: Era, *, flashinfer_installed: bool | None = None,
         assumption = {"name": "flashinfer_installed", "value": False,
                       "why": f"vLLM {v} as `pip install vllm=={v}` installs it: FlashInfer is not a dependency "
                              "before 0.11.1, so the profile run's sampler sorts with PyTorch (about 38 bytes per "
-                             "sampled logit instead of FlashInfer's 14); say flashinfer_installed: true for an "
-                             "image that ships it"}
+                             "sampled logit instead of FlashInfer's 14); say flashinfer_installed: true (check "
+                             "--flashinfer-installed true) where it is installed, as in the vllm/vllm-openai image"}
     return SamplerPath(bool(installed) and flag is not False, assumption)
 
 

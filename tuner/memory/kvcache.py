@@ -824,7 +824,8 @@ def get_kv_cache_groups(version: str | VllmVersion, kv_cache_spec: dict, *,
         from tuner.memory import kvcache_dsv4 as dsv4
 
         if dsv4.is_dsv4_specs(specs):  # group_and_unify_kv_cache_specs; 0.29 _get_packed_kv_cache_groups
-            return dsv4.dsv4_kv_cache_groups(v, specs)
+            return [KVCacheGroup(names, UniformTypeKVCacheSpecs(block, members))
+                    for names, block, members in dsv4.dsv4_kv_cache_groups(v, specs)]
         hidden = {k: s for k, s in specs.items() if isinstance(s, HiddenStateSpec)}
         rest = {k: s for k, s in specs.items() if not isinstance(s, HiddenStateSpec)}
         try:
@@ -935,10 +936,10 @@ def _bytes_per_block(v: VllmVersion, groups: list[KVCacheGroup]) -> int:
 
 
 def _dsv4_groups(groups: list[KVCacheGroup]) -> bool:
-    """The DeepSeek-V4 layer-tuple groups (every group uniform-type; :mod:`tuner.memory.kvcache_dsv4`)."""
-    from tuner.memory.kvcache_dsv4 import is_dsv4_groups
-
-    return is_dsv4_groups(groups)
+    """The DeepSeek-V4 layer-tuple groups (:mod:`tuner.memory.kvcache_dsv4`): vLLM's branch condition,
+    more than one group and every group uniform-type."""
+    live = [g for g in groups if g.layer_names]
+    return len(live) > 1 and all(isinstance(g.spec, UniformTypeKVCacheSpecs) for g in live)
 
 
 def _uniform_page(groups: list[KVCacheGroup]) -> int:
@@ -1142,7 +1143,7 @@ def _config_from_groups(v: VllmVersion, groups: list[KVCacheGroup], num_blocks: 
     elif _dsv4_groups(groups):
         from tuner.memory.kvcache_dsv4 import dsv4_tensors
 
-        tensors = dsv4_tensors(v, groups, num_blocks)
+        tensors = [KVCacheTensor(size, names) for size, names in dsv4_tensors(v, groups, num_blocks)]
     elif len(groups) == 1 and isinstance(groups[0].spec, UniformTypeKVCacheSpecs):
         per = groups[0].spec.kv_cache_specs
         tensors = [KVCacheTensor(per[n].page_size_bytes * num_blocks, [n]) for n in groups[0].layer_names]

@@ -49,7 +49,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tuner.memory.eras import VllmVersion
+from tuner.memory.eras import VllmVersion, parse_version
 
 #: First release after the DeepSeek-V4 "layer tuple" grouping (``group_and_unify_kv_cache_specs``
 #: is gone from vllm/v1/core/kv_cache_utils.py in 0.29.0; ``_get_packed_kv_cache_groups`` instead).
@@ -170,14 +170,21 @@ def _tuples(specs: dict) -> int:
     return Counter(s.page_size_bytes for s in specs.values()).most_common(1)[0][1]
 
 
-def dsv4_kv_cache_groups(version: str | VllmVersion, specs: dict) -> list:
-    """``group_and_unify_kv_cache_specs`` + ``_get_kv_cache_groups_uniform_groups`` (0.20 – 0.28;
-    0.29: :func:`dsv4_packed_groups`):
-    ``[full MLA group, sliding sub-groups …]`` as :class:`tuner.memory.kvcache.KVCacheGroup` of
-    ``UniformTypeKVCacheSpecs``."""
-    from tuner.memory.kvcache import KVCacheGroup, UniformTypeKVCacheSpecs, _ver
+#: One group as this module plans it: ``(layer names, block size, {layer: spec})`` —
+#: :mod:`tuner.memory.kvcache` makes it a ``KVCacheGroup`` of ``UniformTypeKVCacheSpecs`` (this module
+#: stays below it: the imports run one way).
+PlannedGroup = tuple
 
-    v = _ver(version)
+
+def _group(names: list, specs: dict) -> PlannedGroup:
+    return (list(names), next(iter(specs.values())).block_size, dict(specs))
+
+
+def dsv4_kv_cache_groups(version: str | VllmVersion, specs: dict) -> list[PlannedGroup]:
+    """``group_and_unify_kv_cache_specs`` + ``_get_kv_cache_groups_uniform_groups`` (0.20 – 0.28;
+    0.29: :func:`dsv4_packed_groups`): ``[full MLA group, sliding sub-groups …]`` as
+    :data:`PlannedGroup` (``UniformTypeKVCacheSpecs`` groups in :mod:`tuner.memory.kvcache`)."""
+    v = parse_version(version)
     if v >= DSV4_GROUPING_UNTIL:
         return dsv4_packed_groups(specs)
     full = {n: s for n, s in specs.items() if isinstance(s, DSv4MLASpec)}
@@ -193,7 +200,7 @@ def dsv4_kv_cache_groups(version: str | VllmVersion, specs: dict) -> list:
     tuples = [_tuples(full)] + [_tuples(b) for b in buckets.values()]
     t = _approximate_gcd(tuples, lower_bound=tuples[0])
     full_pages = sorted({s.page_size_bytes for s in full.values()})
-    groups = [KVCacheGroup(list(full), UniformTypeKVCacheSpecs(full_block.pop(), dict(full)))]
+    groups = [(list(full), full_block.pop(), dict(full))]
     for bucket in buckets.values():
         per_size: dict[int, list[str]] = {}
         padded: dict[str, Any] = {}
@@ -217,14 +224,12 @@ def dsv4_kv_cache_groups(version: str | VllmVersion, specs: dict) -> list:
         for i in range(n_groups):
             names = [name for tup in layer_tuples[i::n_groups] for name in tup]
             sub = {name: padded[name] for name in names}
-            groups.append(KVCacheGroup(names, UniformTypeKVCacheSpecs(next(iter(sub.values())).block_size, sub)))
+            groups.append(_group(names, sub))
     return groups
 
 
-def dsv4_packed_groups(specs: dict) -> list:
+def dsv4_packed_groups(specs: dict) -> list[PlannedGroup]:
     """``_get_packed_kv_cache_groups`` (0.29.0, no Mamba layers): see the module docstring."""
-    from tuner.memory.kvcache import KVCacheGroup, UniformTypeKVCacheSpecs
-
     buckets: list[dict] = []
     for name, s in specs.items():
         for b in buckets:
@@ -245,13 +250,13 @@ def dsv4_packed_groups(specs: dict) -> list:
     for b, per, bal in info:
         n = _cdiv(_tuples(b), repeats) if bal and repeats else 1
         if n == 1:
-            groups.append(KVCacheGroup(list(b), UniformTypeKVCacheSpecs(next(iter(b.values())).block_size, dict(b))))
+            groups.append(_group(list(b), b))
             continue
         pattern = list(zip(*per.values()))
         for i in range(n):
             names = [name for rep in pattern[i::n] for name in rep]
             sub = {name: b[name] for name in names}
-            groups.append(KVCacheGroup(names, UniformTypeKVCacheSpecs(next(iter(sub.values())).block_size, sub)))
+            groups.append(_group(names, sub))
     return groups
 
 
@@ -264,14 +269,6 @@ def _uniform_type(specs: dict) -> bool:
     if isinstance(vals[0], DSv4SlidingWindowMLASpec):
         return all(isinstance(s, DSv4SlidingWindowMLASpec) and s.sliding_window == vals[0].sliding_window for s in vals)
     return all(isinstance(s, DSv4MLASpec) for s in vals)
-
-
-def is_dsv4_groups(groups: list) -> bool:
-    """vLLM's DeepSeek-V4 branch condition: more than one group, every group uniform-type."""
-    from tuner.memory.kvcache import UniformTypeKVCacheSpecs
-
-    live = [g for g in groups if g.layer_names]
-    return len(live) > 1 and all(isinstance(g.spec, UniformTypeKVCacheSpecs) for g in live)
 
 
 def _layer_tuple_bytes(groups: list) -> int:
@@ -293,9 +290,7 @@ def dsv4_needed_bytes(groups: list, ctx: Any) -> int:
 def dsv4_bytes_per_block(version: str | VllmVersion, groups: list) -> int:
     """Bytes one block costs on the worker (the divisor of ``num_blocks``), per release (module
     docstring)."""
-    from tuner.memory.kvcache import _ver
-
-    v = _ver(version)
+    v = parse_version(version)
     live = [g for g in groups if g.layer_names]
     if v >= DSV4_PACKED_SINCE:
         return max(sum(g.spec.kv_cache_specs[n].page_size_bytes for n in g.layer_names) for g in live)
@@ -308,11 +303,10 @@ def dsv4_bytes_per_block(version: str | VllmVersion, groups: list) -> int:
     return _layer_tuple_bytes(live) * _num_layer_tuples(live)
 
 
-def dsv4_tensors(version: str | VllmVersion, groups: list, num_blocks: int) -> list:
-    """One :class:`tuner.memory.kvcache.KVCacheTensor` per (slot, page size), shared by the layers
-    of every group at that slot (``_get_kv_cache_config_deepseek_v4`` / the packed planners)."""
-    from tuner.memory.kvcache import KVCacheTensor
-
+def dsv4_tensors(version: str | VllmVersion, groups: list, num_blocks: int) -> list[tuple[int, list[str]]]:
+    """One tensor ``(bytes, layer names)`` per (slot, page size), shared by the layers of every group
+    at that slot (``_get_kv_cache_config_deepseek_v4`` / the packed planners); a
+    ``KVCacheTensor`` each in :mod:`tuner.memory.kvcache`."""
     slots: dict[int, list[list[str]]] = {}
     for g in groups:
         seen: Counter = Counter()
@@ -324,4 +318,4 @@ def dsv4_tensors(version: str | VllmVersion, groups: list, num_blocks: int) -> l
             if idx == len(lst):
                 lst.append([])
             lst[idx].append(n)
-    return [KVCacheTensor(ps * num_blocks, names) for ps, lst in sorted(slots.items()) for names in lst]
+    return [(ps * num_blocks, names) for ps, lst in sorted(slots.items()) for names in lst]

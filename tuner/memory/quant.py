@@ -418,9 +418,8 @@ def mxfp4_hopper_triton(version: tuple[int, ...], triton_kernels_installed: bool
     return False, {"name": "triton_kernels_installed", "value": False,
                    "why": f"vLLM {'.'.join(map(str, v))} as `pip install` installs it: triton_kernels is not a "
                           "dependency before 0.12, so MXFP4 experts on Hopper run Marlin (hidden padded to 256, "
-                          "intermediate to 128) instead of Triton; say triton_kernels_installed: true for an "
-                          "image that ships it (the vllm/vllm-openai images' gpt-oss start-ups load the Triton "
-                          "layout)"}
+                          "intermediate to 128) instead of Triton; say triton_kernels_installed: true (check "
+                          "--triton-kernels-installed true) where it is installed"}
 
 
 def mxfp4_backend(cc: tuple[int, int], version: tuple[int, ...], platform: str = "cuda",

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from tuner.memory import kvcache
+from tuner.memory.attention import flashinfer_graph_workspace_bytes, full_graphs_captured
 from tuner.memory.budget import (co_tenant_non_torch_bytes, cudagraph_estimate_bytes, extensible_kv_budget,
                           free_memory_refusal, kv_budget, moe_dp_group_bytes, platform_of, startup_baseline_bytes,
                           non_torch_bytes, Topology, uma_host_buffer_bytes, unexplained_bytes)
@@ -109,6 +110,12 @@ class Layout:
     #: whether the device total was stated, the inputs with no rule); None = every term from its
     #: default source (plugin, catalog), nothing unmodelled.
     uncertainty: object = None
+    #: The KV cache dtype the release runs (``auto`` resolved, :func:`tuner.jobs.job._kv_cache_dtype`): it
+    #: decides the attention backend (:func:`tuner.memory.attention.selects_flashinfer`).
+    kv_cache_dtype: str = "auto"
+    #: The rank's query heads (``num_attention_heads // tensor_parallel_size``): FlashInfer's workspace
+    #: from 0.26 (:func:`tuner.memory.attention.workspace_buffer_bytes`); 0 = unknown (the default size).
+    num_attention_heads_per_rank: int = 0
     #: Per pipeline stage, bytes the first CUDA-graph capture's warmup allocates that the fit of
     #: :func:`tuner.memory.budget.cudagraph_estimate_bytes` does not stand for (a plugin's
     #: ``cudagraph_warmup_bytes``, e.g. DeepSeek-V4's dummy indexer logits); added where the V1
@@ -233,6 +240,9 @@ class Candidate:
     #: The part of ``cuda_graph_bytes`` that is the drafter's captures
     #: (:func:`tuner.memory.specdecode.drafter_graph_layer_hidden`), bytes.
     drafter_cuda_graph_bytes: int = 0
+    #: The part of ``cuda_graph_bytes`` that is FlashInfer's workspace buffers, allocated in the first
+    #: FULL capture (:func:`tuner.memory.attention.flashinfer_graph_workspace_bytes`), bytes.
+    attention_workspace_bytes: int = 0
     #: The interval (:mod:`tuner.memory.uncertainty`): the KV bytes, blocks, tokens and concurrency at the
     #: low (safe) and high ends of the term bands, whether it starts (and meets ``min_concurrency``:
     #: ``fits_*``) at each end, and the limiting stage's term bands (dicts, bytes).
@@ -319,11 +329,13 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
     budgets, reserves, corrs, drafter_acts, drafter_fwds, drafter_graphs, drafter_peaks, drafter_bufs = (
         [], [], [], [], [], [], [], [])
     captured: list[int] = []
+    workspaces: list[int] = []
     alternatives: list[tuple] = []
     corr = dict(layout.corrections)
     for stage, p in enumerate(passes):
-        budget, reserve, corr_parts, graphs_captured, drafter = _stage_terms(
+        budget, reserve, corr_parts, graphs_captured, drafter, ws = _stage_terms(
             era, layout, batch, p, stage, len(passes), u=u, m=m, n=n, corr=corr)
+        workspaces.append(ws)
         alternatives.append(_stage_alternatives(era, layout, batch, p, stage, len(passes), budget,
                                                 u=u, m=m, n=n, corr=corr))
         budgets.append(budget)
@@ -361,6 +373,7 @@ def evaluate(era: Era, layout: Layout, batch: ProfileBatch, passes: Sequence, *,
                      drafter_activation_bytes=drafter_acts[worst], drafter_forward_bytes=drafter_fwds[worst],
                      drafter_forward_peak_bytes=drafter_peaks[worst], drafter_buffer_bytes=drafter_bufs[worst],
                      drafter_cuda_graph_bytes=drafter_graphs[worst] if era.subtracts_cudagraph_estimate else 0,
+                     attention_workspace_bytes=workspaces[worst],
                      limiting_stage=worst, stages=stages, **_extensible_fields(b), **interval)
 
 
@@ -416,6 +429,10 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                hidden_size=layout.hidden_size, num_speculative_tokens=layout.num_speculative_tokens,
                compute_capability=cc, model_runner_v2=layout.model_runner_v2,
                platform=platform_of(card.topology))
+    # spec decode on FlashInfer without TRT-LLM attention: PIECEWISE only (tuner/memory/attention.py, §20)
+    gkw["full_graphs"] = gkw["platform"] != "cuda" or full_graphs_captured(
+        era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
+        num_speculative_tokens=layout.num_speculative_tokens)
     sizes = None
     if layout.num_speculative_tokens:  # spec decode rounds the sizes to multiples of 1 + k (V1 runner)
         from tuner.memory.budget import cudagraph_capture_sizes
@@ -428,7 +445,14 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
             model_runner_v2=layout.model_runner_v2)
         gkw["capture_sizes"] = sizes
     graphs = cudagraph_estimate_bytes(era, **gkw)
-    graphs += cudagraph_warmup_extra_bytes(layout, stage, graphs)
+    # FlashInfer's workspace, allocated in the FULL mode's first sampled capture (§20), and a plugin's
+    # warmup bytes (§22): both beside the fit, added after the drafter's share is taken from the fit
+    fi_ws = flashinfer_graph_workspace_bytes(
+        era.version, compute_capability=cc, kv_cache_dtype=layout.kv_cache_dtype, kv_specs=layout.kv_specs[stage],
+        num_speculative_tokens=layout.num_speculative_tokens, model_runner_v2=layout.model_runner_v2,
+        max_num_batched_tokens=n, num_qo_heads=layout.num_attention_heads_per_rank,
+    ) if graphs and gkw["platform"] == "cuda" else 0
+    warmup = cudagraph_warmup_extra_bytes(layout, stage, graphs)
     drafter_g = 0
     if dp is not None and graphs:
         from tuner.memory.specdecode import drafter_graph_layer_hidden
@@ -437,6 +461,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                                        max_num_seqs=batch.max_num_seqs)
         drafter_g = cudagraph_estimate_bytes(era, **gkw, extra_layer_hidden=x) - graphs if x else 0
         graphs += drafter_g
+    graphs += fi_ws + warmup
     # the graphs vLLM captures after the cache is allocated, subtracted or not (0.19, MRV2 < 0.29)
     captured = graphs if graphs or not era.compiled else cudagraph_estimate_bytes(era, **gkw, always=True)
     drafter_act = layout.drafter_activation_bytes_per_token * n if last else 0
@@ -484,7 +509,7 @@ def _stage_terms(era: Era, layout: Layout, batch: ProfileBatch, p: Any, stage: i
                                  weights_bytes=w, activation_peak_bytes=act, non_torch_bytes=nt, cuda_graph_bytes=g))
     corr_parts = (act - act0, nt - nt0, (g - graphs) if era.subtracts_cudagraph_estimate else 0)
     return (budget, reserve, corr_parts, captured,
-            (drafter_act, drafter_fwd, drafter_g, drafter_peak, drafter_buf))
+            (drafter_act, drafter_fwd, drafter_g, drafter_peak, drafter_buf), fi_ws if g else 0)
 
 
 def _refusals(era: Era, layout: Layout, budgets: list, captured: list[int], u: float,

@@ -115,13 +115,14 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
               models_dir: str | None = None, label: str | None = None,
               notes: Sequence[str] = (), other_processes_memory_gib: float | None = None,
               strict_release: bool = False, risk: str = "safe", compile_cache: str | None = None,
-              cross_check: bool = False) -> CheckResult:
+              installed: dict | None = None, cross_check: bool = False) -> CheckResult:
     """Check one ``vllm serve`` invocation. ``device``: a catalog name, ``auto`` or a mapping
     (default ``auto``: GPU 0 through NVML); ``engine_version``: default the installed vLLM's, else
     the newest modelled release (:func:`tuner.memory.eras.resolve_release`; a newer one is answered with the
     newest modelled rules and a warning, ``strict_release`` refuses it), said in ``release_assumed``;
     ``other_processes_memory_gib``: memory other processes (on a unified-memory device, the host)
-    hold at start, the drop field of that name; ``compile_cache``: ``cold`` / ``warm`` (the drop field).
+    hold at start, the drop field of that name; ``compile_cache``: ``cold`` / ``warm`` (the drop field);
+    ``installed``: the drop fields ``flashinfer_installed`` / ``triton_kernels_installed`` the caller states.
     ``cross_check`` (``--cross-check``): where vLLM is installed and no current engine cross-check of
     the model is stored, run it now and store it in the default store (the one thing a check writes;
     :mod:`tuner.engine.stored`); without it, a stored one is used and a missing or stale one is said,
@@ -131,7 +132,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         ServeArgsError / CheckInputError / DropError / DeviceError / EraError / ModelConfigError:
             invalid input (exit 2); WorkerError / TunerError: the job failed (exit 1).
     """
-    argv, env, extra_not_modelled, env_ignored, cvd = _line_env(argv, env, extra_not_modelled)
+    argv, env, extra_not_modelled, env_ignored, cvd, env_read = _line_env(argv, env, extra_not_modelled)
     sa = parse_line(argv, config_file, parser=parser)
     sa.ignored = list(getattr(sa, "ignored", None) or []) + env_ignored
     warnings: list[str] = list(notes)
@@ -146,6 +147,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
         d["other_processes_memory_gib"] = other_processes_memory_gib
     if compile_cache is not None:  # the start-up's compile cache, as the drop field states it
         d["compile_cache"] = compile_cache
+    d.update(installed or {})  # packages beside vLLM, as the drop fields state them
     label = label or config_file or "vllm serve"
     drop = _with_release(build_drop(sa, d, label=label), release_assumed)
     from tuner.reports.explain import prepare
@@ -211,6 +213,7 @@ def run_check(argv: Sequence[str], *, config_file: str | None = None, device: An
                         derived_key=derived_key, checked_values=checked_values, numbers=numbers, nearest=nearest,
                         e=e, sa=sa, unmodelled=unmodelled, d=d, warnings=warnings, store_used=store_used,
                         stored_crosscheck=stored_crosscheck)
+    out["read"]["env"] = env_read  # the line's own VLLM_* variables the rules read
     if cvd is not None and _visible_gpus_refusal(out, cvd, sa, version=_version_tuple(engine_version)):
         starts = False
     return CheckResult(starts, out, e)
@@ -245,20 +248,23 @@ def _version_tuple(text: str) -> tuple:
     return (v.major, v.minor, v.patch)
 
 
-def _line_env(argv: Sequence[str], env: dict | None,
-              extra_not_modelled: Sequence[NotModelled]) -> tuple[list[str], dict | None, list, list[dict], str | None]:
+def _line_env(argv: Sequence[str], env: dict | None, extra_not_modelled: Sequence[NotModelled]
+              ) -> tuple[list[str], dict | None, list, list[dict], str | None, dict]:
     """Step 1 of :func:`run_check`: the line's own environment (``VLLM_USE_V2_MODEL_RUNNER=1 vllm
     serve …``): modelled variables join ``env``, the others are named as not modelled or ignored;
-    ``CUDA_VISIBLE_DEVICES`` (the GPUs vLLM sees, step 6) is returned last (None when not set)."""
+    ``CUDA_VISIBLE_DEVICES`` (the GPUs vLLM sees, step 6), then the line's modelled variables (said
+    in the ``read:`` lines)."""
     from tuner.question.vllm_args import env_not_modelled, modelled_env, split_env_prefix
 
     argv, line_env = split_env_prefix(argv)  # VLLM_USE_V2_MODEL_RUNNER=1 vllm serve …: the line's own env
     env_ignored: list[dict] = []
+    read: dict = {}
     if line_env:
         line_nm, env_ignored = env_not_modelled(line_env, source="command line")
         extra_not_modelled = [*extra_not_modelled, *line_nm]
-        env = {**modelled_env(line_env), **(env or {})} or None
-    return argv, env, list(extra_not_modelled), env_ignored, line_env.get("CUDA_VISIBLE_DEVICES")
+        read = modelled_env(line_env)
+        env = {**read, **(env or {})} or None
+    return argv, env, list(extra_not_modelled), env_ignored, line_env.get("CUDA_VISIBLE_DEVICES"), read
 
 
 _FINAL_SUFFIX = re.compile(r"(\.\d+)?(\.post\d+)?")
@@ -666,6 +672,8 @@ def _render_read(d: dict) -> list[str]:
         f" (vLLM's parser not used: {info['fallback_reason']})" if info.get("fallback_reason") else ""))
     if read["spelled"]:
         lines.append("read: " + "; ".join(f"{w} -> {k} {read['values'][k]!r}" for k, w in read["spelled"].items()))
+    if read.get("env"):
+        lines.append("read: " + "; ".join(f"{k}={v} -> env {k} {v!r}" for k, v in read["env"].items()))
     if d.get("defaults"):  # shown in the check: line but not given
         lines.append("not given, defaults: " + "; ".join(f"{x['flag']} {x['value']:g} ({x['why']})"
                                                          if isinstance(x["value"], float) else

@@ -29,7 +29,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from tuner.memory.budget import requested_memory_bytes
 from tuner.question.drop import Drop, load_drop
@@ -718,14 +718,18 @@ def _other_budget_steps(p: SimpleNamespace, steps: list[dict]) -> None:
                               "shows them apart)"})
     steps.extend(_stage_steps(pp_stages, limiting, u))
     drafter_g = int(cand.get("drafter_cuda_graph_bytes") or 0) if subtracts_graphs else 0
+    attn_ws = int(cand.get("attention_workspace_bytes") or 0) if subtracts_graphs else 0
     if subtracts_graphs and not g and (run or {}).get("model_runner_v2") and era.version < (0, 29, 0):
         steps.append({"name": "cuda_graphs", "op": "-", "bytes": 0,
                       "text": "CUDA graph memory estimate (none: Model Runner V2 before 0.29 estimates 0; "
                               "graphs are captured after the cache is sized)"})
     elif subtracts_graphs:
-        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g,
+        steps.append({"name": "cuda_graphs", "op": "-", "bytes": g - g_corr - drafter_g - attn_ws,
                       "text": "CUDA graphs captured before the cache is sized (in the memory measured after warmup)"
                               if getattr(era, "extensible_kv_cache", False) else "CUDA graph memory estimate"})
+        if attn_ws:
+            steps.append({"name": "attention_workspace", "op": "-", "bytes": attn_ws,
+                          "text": "FlashInfer workspace, in the first FULL graph capture (tuner/memory/attention.py)"})
         if drafter_g:
             steps.append({"name": "drafter_cuda_graphs", "op": "-", "bytes": drafter_g,
                           "text": "the drafter's PIECEWISE graphs, captured with the target's in the CUDA-graph "
@@ -1574,12 +1578,38 @@ def render_point(e: dict) -> str:
     return "\n".join(lines)
 
 
-def unmodelled_line(x: dict) -> str:
-    """``not modelled: NAME VALUE (where): widens the interval — why`` or ``… no effect on memory``."""
+def unmodelled_line(x: dict, computed: Iterable[str] = ()) -> str:
+    """``not modelled: NAME VALUE (where): widens the interval — why`` or ``… no effect on memory``;
+    an assumption whose other value was computed (``computed``: :func:`computed_alternatives`):
+    ``assumed: NAME VALUE (where): the other value computed, its effect is the band …``."""
     val = f" {x['value']}" if x.get("value") is not None else ""
-    effect = "widens the interval" if x.get("effect") == "widens" else str(x.get("effect"))
     note = f" ({x['note']})" if x.get("note") else ""
+    if x.get("name") in set(computed):
+        return (f"assumed: {x.get('name')}{val} [{x.get('where')}]: the other value computed, its effect is the "
+                f"band 'assumed {x.get('name')}={str(x.get('value')).lower()}'{note}")
+    effect = "widens the interval" if x.get("effect") == "widens" else str(x.get("effect"))
     return f"not modelled: {x.get('name')}{val} [{x.get('where')}]: {effect}{note}"
+
+
+def computed_alternatives(obj: Any, depth: int = 4) -> set[str]:
+    """The inputs whose assumed value's alternative a result's bands hold (band class ``assumed
+    (alternative computed)``, :data:`tuner.memory.uncertainty.ASSUMED_ALTERNATIVE`), found in its
+    candidates / explanations."""
+    from tuner.memory.uncertainty import ASSUMED_ALTERNATIVE
+
+    out: set[str] = set()
+    if depth < 0:
+        return out
+    if isinstance(obj, dict):
+        if obj.get("band_source") == ASSUMED_ALTERNATIVE and str(obj.get("name", "")).startswith("assumed "):
+            out.add(str(obj["name"])[len("assumed "):].split("=", 1)[0])
+        for v in obj.values():
+            if isinstance(v, (dict, list)):
+                out |= computed_alternatives(v, depth - 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            out |= computed_alternatives(v, depth - 1)
+    return out
 
 
 def term_sources_line(sources: dict) -> str:
@@ -1674,8 +1704,9 @@ def render(doc: dict) -> str:
         lines.append(f"warning: {w}")
     if doc.get("term_sources"):
         lines.append(term_sources_line(doc["term_sources"]))
+    computed = computed_alternatives(doc.get("explanations"))
     for x in (doc.get("uncertainty") or {}).get("unmodelled") or []:
-        lines.append(unmodelled_line(x))
+        lines.append(unmodelled_line(x, computed))
     from tuner.jobs.memoanswer import pass_source_line
 
     passes = pass_source_line(doc.get("pass_source"))

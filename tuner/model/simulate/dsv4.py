@@ -156,7 +156,7 @@ class Attention(nn.Module):
         self.rocm_wo_a = rocm_wo_a
         #: where the ROCm bf16 ``wo_a`` copies are kept (set by :class:`DeepseekV4LM` per forward)
         self.keep: list | None = None
-        d, q_lora, o_lora = int(raw.get("head_dim") or 512), int(raw["q_lora_rank"]), int(raw["o_lora_rank"])
+        d, q_lora, o_lora = raw["head_dim"], int(raw["q_lora_rank"]), int(raw["o_lora_rank"])
         groups = int(raw["o_groups"])
         self.heads, self.d, self.groups_r, self.o_lora = heads // tp, d, groups // tp, o_lora
         self.padded = padded_heads or max(self.heads, MIN_HEADS)
@@ -169,12 +169,12 @@ class Attention(nn.Module):
         self.wo_b = L.Linear(groups * o_lora // tp, hidden, dtype, quant=quant, prefix=f"{prefix}.wo_b")
         self.wo_b.all_reduce_out_of_place = tp > 1
         self.compressor = Compressor(hidden, d, ratio, dtype) if ratio > 1 else None
-        self.indexer = (Indexer(hidden, q_lora, int(raw.get("index_n_heads") or 64), int(raw.get("index_head_dim") or 128),
+        self.indexer = (Indexer(hidden, q_lora, raw["index_n_heads"], raw["index_head_dim"],
                                 ratio, dtype, quant, f"{prefix}.indexer", max_model_len, rocm_logits_bytes)
                         if ratio == 4 else None)
         # FlashMLA's dummy-run reservation: [chunk, N + window + max_num_batched_tokens, D] bf16 with
         # N = cdiv(max_model_len, r) on compressed layers, 0 on SWA-only ones (flashmla.py forward_mqa)
-        rows = (-(-max_model_len // ratio) if ratio > 1 else 0) + int(raw.get("sliding_window") or 128) \
+        rows = (-(-max_model_len // ratio) if ratio > 1 else 0) + raw["sliding_window"] \
             + max_num_batched_tokens
         self.mla_workspace = _ws_bytes(FLASHMLA_PREFILL_CHUNK * rows * d * 2)
 
@@ -264,7 +264,7 @@ class MoE(nn.Module):
             self.register_buffer("tid2eid", torch.empty(vocab, k, dtype=torch.int32), persistent=False)
         elif raw.get("topk_method") == "noaux_tc":
             self.e_score_correction_bias = L._param(e, dtype=torch.float32)
-        n_shared = int(raw.get("n_shared_experts") or 0)
+        n_shared = raw["n_shared_experts"]
         self.shared_experts = (L.GatedMLP(hidden, moe_i * n_shared // tp, dtype, quant=quant,
                                           prefix=f"{prefix}.shared_experts") if n_shared else None)
         fmt = getattr(quant, "expert_format", None) if quant is not None else None
@@ -363,7 +363,7 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
     vLLM reads it (:func:`tuner.plugins.deepseek_v4.config`)."""
     dtype = torch_dtype(settings.dtype)
     tp, pp, rank = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.pp_rank
-    h, hc = spec.hidden_size, int(raw.get("hc_mult") or 4)
+    h, hc = spec.hidden_size, raw["hc_mult"]
     heads = spec.num_attention_heads
     if heads % tp or int(raw["o_groups"]) % tp:
         from tuner.errors import ModelConfigError
@@ -376,21 +376,21 @@ def build_deepseek_v4(spec, settings, raw: dict, ratios: list[int], quant) -> nn
     wo_a = rocm_wo_a_mode(platform, version)
     logits = rocm_indexer_logits_bytes(platform, version, getattr(settings, "compute_capability", None),
                                        tokens=n_tok, indexer_max_len=max_len // 4,
-                                       index_heads=int(raw.get("index_n_heads") or 64))
+                                       index_heads=raw["index_n_heads"])
     layers = []
     for i in stage_layers(spec, settings):
         p = f"model.layers.{i}"
         attn = Attention(raw, h, heads, ratios[i], dtype, quant, f"{p}.attn", tp, max_len, n_tok, wo_a, logits,
                          attention_heads(platform, version, heads // tp))
-        ffn = MoE(raw, h, spec.vocab_size, i < int(raw.get("num_hash_layers") or 0), dtype, quant, f"{p}.ffn", tp,
+        ffn = MoE(raw, h, spec.vocab_size, i < raw["num_hash_layers"], dtype, quant, f"{p}.ffn", tp,
                   settings)
         layers.append(Layer(attn, ffn, h, hc, dtype))
     rope_len = _rope_len(raw, spec.max_position_embeddings)
     thetas = {raw.get("compress_rope_theta") if r > 1 else raw.get("rope_theta") for r in ratios}
-    extra: dict = {f"rotary_emb_{j}": L.RotaryEmbedding(rope_len, int(raw.get("qk_rope_head_dim") or 64), torch.float32)
+    extra: dict = {f"rotary_emb_{j}": L.RotaryEmbedding(rope_len, raw["qk_rope_head_dim"], torch.float32)
                    for j, _ in enumerate(sorted(thetas, key=str))}
     bufs = nn.Module()
-    bufs.register_buffer("topk_indices_buffer", torch.empty(n_tok, int(raw.get("index_topk") or 512),
+    bufs.register_buffer("topk_indices_buffer", torch.empty(n_tok, raw["index_topk"],
                                                             dtype=torch.int32), persistent=False)
     first, last = rank == 0, rank == pp - 1
     if last:
