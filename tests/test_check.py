@@ -131,7 +131,7 @@ def test_serve_line_32k_tp2_matches_drop(tmp_path):
                                  "max_model_len: [32000]}\n", 0.9, 32000)
     assert res.starts and res.exit_code == 0
     _same(res, cand)
-    assert res.doc["max_model_len"] == 32000 and res.doc["numbers"]["num_gpu_blocks"] == 61196
+    assert res.doc["max_model_len"] == 32000 and res.doc["numbers"]["num_gpu_blocks"] == 61230  # 61196 before §24
 
 
 def test_equals_and_underscore_spelling_matches_drop(tmp_path):
@@ -253,12 +253,13 @@ def test_max_model_len_auto_picks_what_auto_fit_picks(tmp_path):
     req, _ = prepare_request(load_drop(p))
     prop = inproc_worker(req, job="x")["proposals"][0]
     # auto-fit is vLLM's own pick: the expected value's (the drop's proposal is at its risk, safe by default)
-    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len_expected"] == 8784
+    # 9408 since §24's reserve refit (8784 before: 0.172 -> 0.05 GiB reserve on a 2 GiB cache)
+    assert res.starts and res.doc["max_model_len"] == same.doc["max_model_len"] == prop["max_model_len_expected"] == 9408
     p.write_text(p.read_text() + "constraints: {risk: expected}\n")
     req, _ = prepare_request(load_drop(p))
     prop = inproc_worker(req, job="x")["proposals"][0]
     assert res.doc["numbers"]["kv_cache_tokens"] == prop["kv_cache_tokens"]
-    assert any("Auto-fit max_model_len: reduced from 131072 to 8784" in w for w in res.doc["warnings"])
+    assert any("Auto-fit max_model_len: reduced from 131072 to 9408" in w for w in res.doc["warnings"])
     # the whole context fits on 8 GPUs' worth of memory: auto keeps the derived length
     full = check("vllm", "serve", str(L8B), "--max-model-len", "auto")
     assert full.starts and full.doc["max_model_len"] == 131072
@@ -574,13 +575,14 @@ def test_extensible_refusal_figures_disagreed_with_the_budget_unexplained(capsys
     assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
                  "vllm", "serve", str(L8B), "--kv-cache-dtype", "fp8", "--max-model-len", "131072"]) == 3
     out = capsys.readouterr().out
-    assert "larger than the available KV cache memory (6.15 GiB). Based on the available memory, the estimated " \
-           "maximum model length is 100736." in out
-    assert "= KV cache 3.71 GiB (3,982,927,152 bytes)" in out  # 4.09 before FlashInfer's workspace (§20)
+    # since §24's reserve refit: 6.22 GiB / 101824 / 3.78 GiB / 61376 (6.15 / 100736 / 3.71 / 60352 before)
+    assert "larger than the available KV cache memory (6.22 GiB). Based on the available memory, the estimated " \
+           "maximum model length is 101824." in out
+    assert "= KV cache 3.78 GiB (4,056,959,905 bytes)" in out  # 4.09 before FlashInfer's workspace (§20)
     assert ("  why other figures: vLLM's figures are its first check's, on the reservation before CUDA-graph capture "
-            "and warmup (vllm/v1/core/kv_cache_planning.py get_kv_cache_configs: 6.15 GiB less one block); the budget "
-            "below is the cache after them (3.71 GiB), where shrink_kv_cache_configs checks again, so its estimated "
-            "100736 would be refused there (the largest that starts: 60352)") in out
+            "and warmup (vllm/v1/core/kv_cache_planning.py get_kv_cache_configs: 6.22 GiB less one block); the budget "
+            "below is the cache after them (3.78 GiB), where shrink_kv_cache_configs checks again, so its estimated "
+            "101824 would be refused there (the largest that starts: 61376)") in out
     assert main(["check", "--device", "L4", "--engine-version", "0.34.0", "--no-variants", "--",
-                 "vllm", "serve", str(L8B), "--kv-cache-dtype", "fp8", "--max-model-len", "100736"]) == 3
+                 "vllm", "serve", str(L8B), "--kv-cache-dtype", "fp8", "--max-model-len", "101824"]) == 3
     assert "why other figures" not in capsys.readouterr().out  # refused after warmup: the budget's own figures
