@@ -117,23 +117,9 @@ def shared_rows(shared_dir):
     return predict_cases(load_cases(shared_dir / "cases" / "vllm-observed.jsonl"), shared_dir / "models")
 
 
-#: Parameters whose refit is pending (the lead refits; tuner/memory/uncertainty.py is not refitted on a
-#: helper's branch): the assumptions' computed alternatives (docs/accuracy-mechanisms.md §21) cover the
-#: three high-confidence rows the 3 % fraction missed on their high side, and the fit, now judging
-#: each side on its own bands, finds the catalog device total's 0.5 % enough (coverage 95.6 %, unsafe
-#: 1.75 %, median half-width 1.00 % on the 2026-12-06 cases) where the constant says 1 %; with §22
-#: (DeepSeek-V4's indexer reservations: vllm-53961 now refused as observed, vllm-44376 and
-#: recipes-893 closer) it finds 0.3 % (unchanged by §24).
-REFIT_PENDING = {"device_total": 0.003}
-
-
 @pytest.mark.parametrize("parameter", unc.PARAMETERS)
 def test_band_fit_reproduced_from_the_shared_cases(shared_rows, parameter):
     """Each source's band is what the leave-one-family-out fit finds on the shared cases."""
-    if parameter in REFIT_PENDING:
-        assert fit.fit_bands(shared_rows)[parameter] == REFIT_PENDING[parameter]
-        assert unc.fitted()[parameter] == unc.FIT_REPORT[parameter]
-        return
     assert fit.fit_bands(shared_rows)[parameter] == unc.fitted()[parameter] == unc.FIT_REPORT[parameter]
 
 

@@ -611,7 +611,8 @@ def predict_cases(cases: list[dict], models_dir: str | Path, *, calibrations: di
 
 def _error_row(case: dict, reason: str) -> dict:
     o = case.get("observed") or {}
-    return {"id": case.get("id"), "status": "error", "model": case.get("model"), "reason": reason,
+    return {"id": case.get("id"), "status": "error", "model": case.get("model"),
+            "confidence": case.get("confidence") or "high", "reason": reason,
             "predicted_num_gpu_blocks": None, "observed_num_gpu_blocks": o.get("num_gpu_blocks"),
             "predicted_kv_cache_gib": None, "observed_kv_cache_gib": o.get("kv_cache_gib"),
             "predicted_kv_cache_tokens": None, "observed_kv_cache_tokens": o.get("kv_cache_tokens"),
