@@ -207,3 +207,32 @@ def test_check_could_not_state_flashinfer_installed_nor_listed_the_lines_env():
     assert stated["numbers"]["num_gpu_blocks"] > assumed["numbers"]["num_gpu_blocks"]
     rc3, text, _ = run_cli(*base[:-1], "--flashinfer-installed", "true", *line)
     assert "read: VLLM_USE_FLASHINFER_SAMPLER=1 -> env VLLM_USE_FLASHINFER_SAMPLER '1'" in text.splitlines()
+
+
+def test_flashinfer_sampler_env_true_answered_starts_where_vllm_fails():
+    """vllm/envs.py reads VLLM_USE_FLASHINFER_SAMPLER as ``bool(int(value))``: ``true`` (or an empty
+    value) stops vLLM's start-up when the sampler is built; check took it as on and said STARTS."""
+    from tests._cli_helpers import run_cli
+    from tests.conftest import REPO
+
+    for value in ("true", "on"):
+        rc, out, err = run_cli("check", "--device", "H100-80GB", "--engine-version", "0.11.0", "--no-variants", "--",
+                               f"VLLM_USE_FLASHINFER_SAMPLER={value}", "vllm", "serve",
+                               str(REPO / "configs" / "models" / "meta-llama--Llama-3.1-8B-Instruct"),
+                               "--max-model-len", "32768")
+        assert rc == 2, out
+        assert "env.VLLM_USE_FLASHINFER_SAMPLER: vLLM reads it as bool(int(value))" in err
+        assert f"{value!r} stops its start-up" in err
+
+
+def test_flashinfer_sampler_off_still_named_the_installed_assumption():
+    """With VLLM_USE_FLASHINFER_SAMPLER=0 the 0.8 – 0.11.0 sampler sorts whether FlashInfer is installed
+    or not: no assumption to name (it said "assumed flashinfer_installed = false … widens")."""
+    from tuner.memory.eras import era_for, sampler_path
+
+    era = era_for("0.11.0", "V1")
+    off = sampler_path(era, use_flashinfer_sampler="0")
+    assert off.flashinfer is False and off.assumption is None
+    unset = sampler_path(era)
+    assert unset.flashinfer is False and unset.assumption["name"] == "flashinfer_installed"
+    assert sampler_path(era, flashinfer_installed=True).flashinfer is True

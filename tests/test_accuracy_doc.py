@@ -38,8 +38,8 @@ def test_accuracy_page_figures_were_stale():
     assert _row("all", ok, 126) in table
     assert _row("high confidence", hi_rows, 115) in table
     assert _row("low confidence", low_rows, 11) in table
-    assert "| all | 126 | 125 | 0.147 % | 7.289 % | 209.12 % | 40 | 88.0 % | 0.669 % | 8 (6.4 %) |" in table
-    assert "| high confidence | 115 | 115 | 0.112 % | 3.741 % | 56.44 % | 31 | 93.04 % | 0.615 % | 2 (1.74 %) |" in table
+    assert "| all | 126 | 125 | 0.147 % | 7.289 % | 209.12 % | 40 | 89.6 % | 1.389 % | 8 (6.4 %) |" in table
+    assert "| high confidence | 115 | 115 | 0.112 % | 3.741 % | 56.44 % | 31 | 94.78 % | 0.991 % | 2 (1.74 %) |" in table
     assert f"agrees on {s['fit_verdict_agrees']} of 125" in text
     assert set(s["interval_high_confidence"]["unsafe_at_safe_end_cases"]) == {
         "spark-396-2xgb10-minimax-m27-awq-util080-fail", "spark-396-2xgb10-minimax-m27-awq-util085"}

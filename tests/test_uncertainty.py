@@ -119,7 +119,13 @@ def shared_rows(shared_dir):
 
 @pytest.mark.parametrize("parameter", unc.PARAMETERS)
 def test_band_fit_reproduced_from_the_shared_cases(shared_rows, parameter):
-    """Each source's band is what the leave-one-family-out fit finds on the shared cases."""
+    """Each source's band is what the leave-one-family-out fit finds on the shared cases, or, where it
+    is held wider for a stated reason (``DEVICE_TOTAL_HELD``), the fit finds the figure given there."""
+    if parameter in unc.DEVICE_TOTAL_HELD:
+        found, held = unc.DEVICE_TOTAL_HELD[parameter]
+        assert fit.fit_bands(shared_rows)[parameter] == found and held > found
+        assert unc.fitted()[parameter] == unc.FIT_REPORT[parameter] == held
+        return
     assert fit.fit_bands(shared_rows)[parameter] == unc.fitted()[parameter] == unc.FIT_REPORT[parameter]
 
 

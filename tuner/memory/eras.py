@@ -531,7 +531,9 @@ def sampler_path(era: Era, *, flashinfer_installed: bool | None = None,
         return SamplerPath(bool(flag) and flashinfer_installed is not False)
     assumption = None
     installed = flashinfer_installed
-    if installed is None:
+    if installed is None and flag is False:  # VLLM_USE_FLASHINFER_SAMPLER=0: the sort, installed or not
+        installed = False
+    elif installed is None:
         installed = False
         assumption = {"name": "flashinfer_installed", "value": False,
                       "why": f"vLLM {v} as `pip install vllm=={v}` installs it: FlashInfer is not a dependency "

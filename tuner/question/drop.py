@@ -439,6 +439,16 @@ def _env(v: Any) -> dict | None:
                            sub=".VLLM_PP_LAYER_PARTITION") from None
         if any(x < 0 for x in parts):
             raise _Invalid("layer counts must not be negative", sub=".VLLM_PP_LAYER_PARTITION")
+    if "VLLM_USE_FLASHINFER_SAMPLER" in out:
+        # vllm/envs.py (0.8 – 0.34): bool(int(os.environ["VLLM_USE_FLASHINFER_SAMPLER"])), read when the
+        # V1 sampler is built (v1/sample/ops/topk_topp_sampler.py): anything int() refuses stops the start-up
+        try:
+            int(out["VLLM_USE_FLASHINFER_SAMPLER"].strip())
+        except ValueError:
+            raise _Invalid(f"vLLM reads it as bool(int(value)) (vllm/envs.py), so "
+                           f"{out['VLLM_USE_FLASHINFER_SAMPLER']!r} stops its start-up with \"ValueError: invalid "
+                           f"literal for int()\" when the sampler is built; use 0 or 1",
+                           sub=".VLLM_USE_FLASHINFER_SAMPLER") from None
     return out
 
 
