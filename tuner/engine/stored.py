@@ -43,6 +43,8 @@ import dataclasses
 import time
 from typing import Any
 
+from tuner.question.wirejson import decode, encode
+
 #: The memo kind of a stored cross-check (table ``pass_memo``).
 CROSSCHECK = "engine-crosscheck"
 #: The request key that carries the stored cross-checks of the job's model config (parent → worker).
@@ -86,7 +88,7 @@ def specs_to_value(specs: dict | None) -> list | None:
     """``{layer: tuner.memory.kvcache spec}`` as JSON: ``[[layer, class name, fields], …]``."""
     if specs is None:
         return None
-    return [[name, type(s).__name__, _enc(dataclasses.asdict(s))] for name, s in specs.items()]
+    return [[name, type(s).__name__, encode(dataclasses.asdict(s))] for name, s in specs.items()]
 
 
 def specs_from_value(value: list | None) -> dict | None:
@@ -95,7 +97,7 @@ def specs_from_value(value: list | None) -> dict | None:
         return None
     from tuner.memory import kvcache
 
-    return {name: getattr(kvcache, cls)(**_dec(fields)) for name, cls, fields in value}
+    return {name: getattr(kvcache, cls)(**decode(fields)) for name, cls, fields in value}
 
 
 def _digest(obj: Any) -> str:
@@ -104,27 +106,6 @@ def _digest(obj: Any) -> str:
     import json
 
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
-
-
-def _enc(obj: Any) -> Any:
-    """JSON form keeping tuples (a spec's ``shapes``): as :func:`tuner.jobs.passmemo._enc`."""
-    if isinstance(obj, dict):
-        return {k: _enc(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_enc(v) for v in obj]}
-    if isinstance(obj, list):
-        return [_enc(v) for v in obj]
-    return obj
-
-
-def _dec(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {"__tuple__"}:
-            return tuple(_dec(v) for v in obj["__tuple__"])
-        return {k: _dec(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_dec(v) for v in obj]
-    return obj
 
 
 def record_entry(use: Any, *, config_sha256: str, build: dict, settings: dict, device: dict,

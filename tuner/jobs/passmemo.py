@@ -55,6 +55,7 @@ import json
 from typing import Any
 
 from tuner import __version__
+from tuner.question.wirejson import decode, encode
 
 #: Bump when what a stored entry means changes in a way the tool version does not capture.
 #: 2: a pass row carries ``mm_max_tokens_per_item`` (the encoder-budget refusal reads it; a row
@@ -201,41 +202,13 @@ def with_persistent(row: dict, persistent: int) -> dict:
             "persistent_bytes": int(persistent)}
 
 
-def _enc(obj: Any) -> Any:
-    """JSON form that keeps what plain JSON loses: tuples and dicts with non-string keys
-    (``id2label`` has int keys)."""
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            if "__items__" in obj or "__tuple__" in obj:
-                return {"__items__": [[k, _enc(v)] for k, v in obj.items()]}
-            return {k: _enc(v) for k, v in obj.items()}
-        return {"__items__": [[k, _enc(v)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_enc(v) for v in obj]}
-    if isinstance(obj, list):
-        return [_enc(v) for v in obj]
-    return obj
-
-
-def _dec(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {"__items__"}:
-            return {k: _dec(v) for k, v in obj["__items__"]}
-        if set(obj) == {"__tuple__"}:
-            return tuple(_dec(v) for v in obj["__tuple__"])
-        return {k: _dec(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_dec(v) for v in obj]
-    return obj
-
-
 def spec_to_value(spec: Any, versions: dict) -> dict | None:
     """A spec's memo value (every field, ``raw`` and ``top`` included) and the worker's versions;
     None when the spec does not survive the JSON round trip unchanged (then it is not memoized)."""
     d = dataclasses.asdict(spec)
     try:
-        encoded = json.loads(json.dumps(_enc(d)))
-        if _dec(encoded) != d:
+        encoded = json.loads(json.dumps(encode(d)))
+        if decode(encoded) != d:
             return None
     except (TypeError, ValueError):
         return None
@@ -246,7 +219,7 @@ def spec_from_value(value: dict) -> Any:
     """The :class:`~tuner.model.modelspec.ModelSpec` of a memo value (:func:`spec_to_value`)."""
     from tuner.model.modelspec import ModelSpec
 
-    return ModelSpec(**_dec(value["spec"]))
+    return ModelSpec(**decode(value["spec"]))
 
 
 class MemoSource:
